@@ -1,0 +1,180 @@
+//! Buffers: activations, uploads straight from the mmap, readback, and weight tensors
+//! split across buffers when they exceed the adapter's binding limit.
+
+use super::Gpu;
+use crate::tensor::TensorRef;
+use crate::{DType, Error, Result};
+
+const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_DST)
+    .union(wgpu::BufferUsages::COPY_SRC);
+
+impl Gpu {
+    /// A zeroed storage buffer of `bytes` (rounded up to 4). Out-of-memory becomes an error.
+    pub fn buffer(&self, bytes: u64, label: &str) -> Result<wgpu::Buffer> {
+        let size = bytes.max(4).next_multiple_of(4);
+        if size > self.limits.max_buffer_size {
+            return Err(Error::Gpu(format!(
+                "{label}: buffer of {size} bytes exceeds the adapter's max_buffer_size {}",
+                self.limits.max_buffer_size
+            )));
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let b = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: STORAGE,
+            mapped_at_creation: false,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(Error::Gpu(format!("{label}: out of GPU memory allocating {size} bytes: {e}")));
+        }
+        Ok(b)
+    }
+
+    /// A storage buffer holding `data` (padded with zeros to a multiple of 4 bytes).
+    pub fn upload(&self, data: &[u8], label: &str) -> Result<wgpu::Buffer> {
+        let b = self.buffer(data.len() as u64, label)?;
+        self.write(&b, 0, data);
+        Ok(b)
+    }
+
+    /// Write bytes at `offset` (ordered before the next submit). Pads to 4 bytes.
+    pub fn write(&self, buf: &wgpu::Buffer, offset: u64, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        if data.len() % 4 == 0 {
+            self.queue.write_buffer(buf, offset, data);
+        } else {
+            let mut v = data.to_vec();
+            v.resize(data.len().next_multiple_of(4), 0);
+            self.queue.write_buffer(buf, offset, &v);
+        }
+    }
+
+    pub fn upload_f32(&self, data: &[f32], label: &str) -> Result<wgpu::Buffer> {
+        self.upload(bytemuck::cast_slice(data), label)
+    }
+
+    /// Copy `len` bytes at `offset` back to the host (waits for all submitted work).
+    pub fn read_bytes(&self, buf: &wgpu::Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let len4 = len.next_multiple_of(4);
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("lathe.readback"),
+            size: len4.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(buf, offset, &staging, 0, len4);
+        self.queue.submit([enc.finish()]);
+        let slice = staging.slice(..);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        rx.recv()
+            .map_err(|_| Error::Gpu("readback: map callback never ran".into()))?
+            .map_err(|e| Error::Gpu(format!("readback: {e}")))?;
+        let v = slice
+            .get_mapped_range()
+            .map_err(|e| Error::Gpu(format!("readback: {e:?}")))?
+            .to_vec();
+        staging.unmap();
+        Ok(v[..len as usize].to_vec())
+    }
+
+    pub fn read_f32(&self, buf: &wgpu::Buffer, offset_elems: u64, n: usize) -> Result<Vec<f32>> {
+        let b = self.read_bytes(buf, offset_elems * 4, n as u64 * 4)?;
+        Ok(bytemuck::pod_collect_to_vec(&b))
+    }
+
+    pub fn read_u32(&self, buf: &wgpu::Buffer, offset_elems: u64, n: usize) -> Result<Vec<u32>> {
+        let b = self.read_bytes(buf, offset_elems * 4, n as u64 * 4)?;
+        Ok(bytemuck::pod_collect_to_vec(&b))
+    }
+
+    /// Upload a weight tensor from the mmap, split by whole rows (whole matrices for 3-D
+    /// expert stacks) into parts no larger than the binding limit.
+    pub fn upload_tensor(&self, t: &TensorRef<'_>) -> Result<GpuTensor> {
+        let shape: Vec<u64> = t.shape.to_vec();
+        // The unit that never straddles two parts: a row for matrices, a whole matrix for
+        // stacks of experts (so an indexed matmul finds each expert in one buffer).
+        let unit_rows = if shape.len() >= 3 {
+            shape[shape.len() - 2]
+        } else {
+            1
+        };
+        let n_rows = t.n_rows();
+        let row_bytes = t.row_bytes() as u64;
+        let unit_bytes = row_bytes * unit_rows;
+        let max = self.max_binding() & !3;
+        if unit_bytes > max {
+            return Err(Error::tensor(
+                t.path,
+                t.name,
+                format!("one unit of {unit_bytes} bytes exceeds the adapter's binding limit {max}"),
+            ));
+        }
+        let units_per_part = (max / unit_bytes.max(1)).max(1);
+        let n_units = n_rows / unit_rows.max(1);
+        let mut parts = Vec::new();
+        let mut u = 0;
+        while u < n_units || (n_units == 0 && parts.is_empty()) {
+            let nu = units_per_part.min(n_units - u);
+            let r0 = u * unit_rows;
+            let nr = nu * unit_rows;
+            let bytes = &t.data[(r0 * row_bytes) as usize..((r0 + nr) * row_bytes) as usize];
+            let buffer = self.upload(bytes, t.name)?;
+            parts.push(TensorPart {
+                buffer,
+                row_start: r0,
+                n_rows: nr,
+            });
+            u += nu.max(1);
+            if n_units == 0 {
+                break;
+            }
+        }
+        Ok(GpuTensor {
+            name: t.name.to_string(),
+            dtype: t.dtype,
+            shape,
+            parts,
+        })
+    }
+}
+
+/// A weight on the GPU, in its stored type. Shape outermost first; rows contiguous.
+#[derive(Clone, Debug)]
+pub struct GpuTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    /// Row ranges (of the tensor flattened to 2-D) in separate buffers, in order.
+    pub parts: Vec<TensorPart>,
+}
+
+#[derive(Clone, Debug)]
+pub struct TensorPart {
+    pub buffer: wgpu::Buffer,
+    pub row_start: u64,
+    pub n_rows: u64,
+}
+
+impl GpuTensor {
+    pub fn row_len(&self) -> u64 {
+        *self.shape.last().unwrap_or(&1)
+    }
+    pub fn n_rows(&self) -> u64 {
+        self.shape.iter().product::<u64>() / self.row_len().max(1)
+    }
+    pub fn row_bytes(&self) -> u64 {
+        self.row_len() / self.dtype.block_size() as u64 * self.dtype.block_bytes() as u64
+    }
+    pub fn bytes(&self) -> u64 {
+        self.row_bytes() * self.n_rows()
+    }
+}

@@ -1,0 +1,227 @@
+//! Command recording: a whole forward pass becomes one submission.
+//!
+//! Binding convention for every lathe kernel: `@group(0) @binding(0)` is the kernel's
+//! uniform struct (`var<uniform> p: Params`), bindings `1..` are storage buffers in the
+//! order the wrapper passes them. Uniform bytes of all dispatches of a pass go into one
+//! arena buffer written just before the submit, so recording does no GPU work.
+
+use super::Gpu;
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// A storage binding: a whole buffer or a byte range of it (offset aligned to the
+/// adapter's `min_storage_buffer_offset_alignment`).
+#[derive(Clone, Debug)]
+pub struct Binding {
+    pub buffer: wgpu::Buffer,
+    pub offset: u64,
+    pub size: Option<u64>,
+}
+
+impl From<&wgpu::Buffer> for Binding {
+    fn from(b: &wgpu::Buffer) -> Self {
+        Binding {
+            buffer: b.clone(),
+            offset: 0,
+            size: None,
+        }
+    }
+}
+
+enum Op {
+    Dispatch {
+        pipeline: Arc<wgpu::ComputePipeline>,
+        label: String,
+        uniform: (u64, u64),
+        bindings: Vec<Binding>,
+        groups: [u32; 3],
+    },
+    Copy {
+        src: wgpu::Buffer,
+        src_off: u64,
+        dst: wgpu::Buffer,
+        dst_off: u64,
+        size: u64,
+    },
+}
+
+#[derive(Default)]
+pub(crate) struct UniformArena {
+    buf: Mutex<Option<wgpu::Buffer>>,
+}
+
+/// Records dispatches and copies; `submit` uploads the uniforms and submits once.
+pub struct Pass<'g> {
+    gpu: &'g Gpu,
+    ops: Vec<Op>,
+    uniforms: Vec<u8>,
+    align: u64,
+}
+
+impl Gpu {
+    pub fn pass(&self) -> Pass<'_> {
+        Pass {
+            gpu: self,
+            ops: Vec::new(),
+            uniforms: Vec::new(),
+            align: self.limits.min_uniform_buffer_offset_alignment.max(16) as u64,
+        }
+    }
+}
+
+/// Largest workgroup count per grid dimension WebGPU guarantees.
+pub const MAX_GROUPS: u32 = 65535;
+
+/// Spread `n` workgroups over x and y (x ≤ 65535). Kernels rebuild the linear id as
+/// `wid.x + wid.y * nwg.x` and return when it is ≥ n.
+pub fn grid(n: u32) -> [u32; 3] {
+    if n <= MAX_GROUPS {
+        [n.max(1), 1, 1]
+    } else {
+        let y = n.div_ceil(MAX_GROUPS);
+        [n.div_ceil(y), y, 1]
+    }
+}
+
+impl<'g> Pass<'g> {
+    pub fn gpu(&self) -> &'g Gpu {
+        self.gpu
+    }
+
+    /// Record one dispatch of `pipeline` with uniform `params` and storage `bindings`.
+    pub fn dispatch<P: bytemuck::Pod>(
+        &mut self,
+        pipeline: &Arc<wgpu::ComputePipeline>,
+        label: &str,
+        params: &P,
+        bindings: &[Binding],
+        groups: [u32; 3],
+    ) {
+        let bytes = bytemuck::bytes_of(params);
+        let off = (self.uniforms.len() as u64).next_multiple_of(self.align);
+        self.uniforms.resize(off as usize, 0);
+        self.uniforms.extend_from_slice(bytes);
+        // Uniform bindings must cover at least 16 bytes on some backends.
+        let len = (bytes.len() as u64).next_multiple_of(16);
+        self.uniforms.resize((off + len) as usize, 0);
+        self.ops.push(Op::Dispatch {
+            pipeline: pipeline.clone(),
+            label: label.to_string(),
+            uniform: (off, len),
+            bindings: bindings.to_vec(),
+            groups,
+        });
+    }
+
+    /// Record a buffer-to-buffer copy (ordered with the dispatches around it).
+    pub fn copy(&mut self, src: &wgpu::Buffer, src_off: u64, dst: &wgpu::Buffer, dst_off: u64, size: u64) {
+        self.ops.push(Op::Copy {
+            src: src.clone(),
+            src_off,
+            dst: dst.clone(),
+            dst_off,
+            size,
+        });
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Encode everything recorded into `enc`; the arena is written now, so exactly one
+    /// pass may be encoded per submission (hence private: `submit` is the only caller).
+    fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<()> {
+        let gpu = self.gpu;
+        let need = (self.uniforms.len() as u64).max(256);
+        let mut guard = gpu.uniforms.buf.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.as_ref().is_none_or(|b| b.size() < need) {
+            let size = need.next_power_of_two();
+            if size > gpu.limits.max_buffer_size {
+                return Err(Error::Gpu(format!("uniform arena of {size} bytes exceeds max_buffer_size")));
+            }
+            *guard = Some(gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("lathe.uniforms"),
+                size,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }));
+        }
+        let ubuf = guard.as_ref().unwrap().clone();
+        drop(guard);
+        if !self.uniforms.is_empty() {
+            gpu.queue.write_buffer(&ubuf, 0, &self.uniforms);
+        }
+        let mut cpass: Option<wgpu::ComputePass<'_>> = None;
+        for op in self.ops {
+            match op {
+                Op::Dispatch {
+                    pipeline,
+                    label,
+                    uniform,
+                    bindings,
+                    groups,
+                } => {
+                    let layout = pipeline.get_bind_group_layout(0);
+                    let mut entries = Vec::with_capacity(bindings.len() + 1);
+                    entries.push(wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer: &ubuf,
+                            offset: uniform.0,
+                            size: std::num::NonZeroU64::new(uniform.1),
+                        }),
+                    });
+                    for (i, b) in bindings.iter().enumerate() {
+                        entries.push(wgpu::BindGroupEntry {
+                            binding: i as u32 + 1,
+                            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                buffer: &b.buffer,
+                                offset: b.offset,
+                                size: b.size.and_then(std::num::NonZeroU64::new),
+                            }),
+                        });
+                    }
+                    let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some(&label),
+                        layout: &layout,
+                        entries: &entries,
+                    });
+                    let cp = cpass.get_or_insert_with(|| {
+                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                            label: Some("lathe"),
+                            timestamp_writes: None,
+                        })
+                        .forget_lifetime()
+                    });
+                    cp.set_pipeline(&pipeline);
+                    cp.set_bind_group(0, &bg, &[]);
+                    cp.dispatch_workgroups(groups[0], groups[1], groups[2]);
+                }
+                Op::Copy {
+                    src,
+                    src_off,
+                    dst,
+                    dst_off,
+                    size,
+                } => {
+                    cpass = None;
+                    enc.copy_buffer_to_buffer(&src, src_off, &dst, dst_off, size);
+                }
+            }
+        }
+        drop(cpass);
+        Ok(())
+    }
+
+    /// Encode and submit as one command buffer. Does not wait.
+    pub fn submit(self) -> Result<wgpu::SubmissionIndex> {
+        let gpu = self.gpu;
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("lathe") });
+        self.encode(&mut enc)?;
+        let idx = gpu.queue.submit([enc.finish()]);
+        gpu.check()?;
+        Ok(idx)
+    }
+}

@@ -1,0 +1,166 @@
+//! Pipeline cache and the small WGSL preprocessor that makes kernel variants.
+//!
+//! Variants come from one `.wgsl` file per family: the wrapper's typed key turns into
+//! `const NAME = value;` lines prepended to the source and `#if NAME` / `#ifdef NAME` /
+//! `#ifndef NAME` / `#else` / `#endif` line blocks. The key's text is the label of the
+//! shader module and pipeline, so validation errors and captures name the variant.
+
+use super::Gpu;
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Everything that makes one pipeline. Built by a kernel wrapper from its typed key.
+#[derive(Clone, Debug)]
+pub struct PipelineSpec {
+    /// Unique per variant, e.g. `matvec_Q4_K_wg256_r2`.
+    pub label: String,
+    /// The family's WGSL source (`include_str!`).
+    pub source: &'static str,
+    /// `(NAME, value)`: `value` is WGSL text (`64`, `1.0`, `true`).
+    pub defines: Vec<(String, String)>,
+    pub entry: &'static str,
+}
+
+impl PipelineSpec {
+    pub fn new(label: impl Into<String>, source: &'static str, entry: &'static str) -> Self {
+        PipelineSpec {
+            label: label.into(),
+            source,
+            defines: Vec::new(),
+            entry,
+        }
+    }
+    pub fn define(mut self, name: &str, value: impl ToString) -> Self {
+        self.defines.push((name.to_string(), value.to_string()));
+        self
+    }
+    /// The final WGSL text.
+    pub fn wgsl(&self) -> Result<String> {
+        preprocess(self.source, &self.defines).map_err(|e| Error::Gpu(format!("{}: {e}", self.label)))
+    }
+}
+
+fn truthy(defs: &[(String, String)], name: &str) -> bool {
+    defs.iter()
+        .find(|(n, _)| n == name)
+        .is_some_and(|(_, v)| v != "0" && v != "false")
+}
+
+/// Expand `#if/#ifdef/#ifndef/#else/#endif` and prepend the defines as WGSL consts.
+pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<String, String> {
+    let mut out = String::with_capacity(src.len() + 256);
+    for (n, v) in defs {
+        // Booleans are flags for `#if`, not consts (they would be unused and shadow nothing).
+        if v != "true" && v != "false" {
+            out.push_str(&format!("const {n} = {v};\n"));
+        }
+    }
+    // Stack of (this branch active, any branch taken so far, parent active).
+    let mut stack: Vec<(bool, bool)> = Vec::new();
+    let active = |s: &Vec<(bool, bool)>| s.iter().all(|(a, _)| *a);
+    for (i, line) in src.lines().enumerate() {
+        let t = line.trim_start();
+        if let Some(rest) = t.strip_prefix('#') {
+            let mut parts = rest.split_whitespace();
+            let dir = parts.next().unwrap_or("");
+            let arg = parts.next().unwrap_or("");
+            match dir {
+                "if" | "ifdef" => {
+                    let c = if dir == "if" {
+                        truthy(defs, arg)
+                    } else {
+                        defs.iter().any(|(n, _)| n == arg)
+                    };
+                    stack.push((c, c));
+                }
+                "ifndef" => {
+                    let c = !defs.iter().any(|(n, _)| n == arg);
+                    stack.push((c, c));
+                }
+                "else" => {
+                    let top = stack
+                        .last_mut()
+                        .ok_or_else(|| format!("line {}: #else without #if", i + 1))?;
+                    *top = (!top.1, true);
+                }
+                "endif" => {
+                    stack
+                        .pop()
+                        .ok_or_else(|| format!("line {}: #endif without #if", i + 1))?;
+                }
+                _ => return Err(format!("line {}: unknown directive #{dir}", i + 1)),
+            }
+            out.push('\n');
+            continue;
+        }
+        if active(&stack) {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    if !stack.is_empty() {
+        return Err("unterminated #if".into());
+    }
+    Ok(out)
+}
+
+#[derive(Default)]
+pub(crate) struct PipelineCache {
+    map: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+}
+
+impl Gpu {
+    /// The pipeline for `spec`, compiled on first use. Shader errors become `Error::Gpu`
+    /// naming the variant (never a panic).
+    pub fn pipeline(&self, spec: &PipelineSpec) -> Result<Arc<wgpu::ComputePipeline>> {
+        if let Some(p) = self.pipelines.map.lock().unwrap().get(&spec.label) {
+            return Ok(p.clone());
+        }
+        let wgsl = spec.wgsl()?;
+        // Validate with naga first: wgpu would report a bad shader through the uncaptured
+        // error handler and hand back an invalid pipeline.
+        let module = naga::front::wgsl::parse_str(&wgsl).map_err(|e| {
+            Error::Gpu(format!("{}: WGSL parse error: {}", spec.label, e.emit_to_string(&wgsl)))
+        })?;
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .map_err(|e| Error::Gpu(format!("{}: WGSL validation error: {}", spec.label, e.emit_to_string(&wgsl))))?;
+        let sm = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(&spec.label),
+            source: wgpu::ShaderSource::Wgsl(wgsl.into()),
+        });
+        let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&spec.label),
+            layout: None,
+            module: &sm,
+            entry_point: Some(spec.entry),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        self.check()?;
+        let p = Arc::new(p);
+        self.pipelines
+            .map
+            .lock()
+            .unwrap()
+            .insert(spec.label.clone(), p.clone());
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::preprocess;
+
+    #[test]
+    fn preprocess_branches() {
+        let src = "a\n#if X\nb\n#else\nc\n#endif\n#ifdef Y\nd\n#endif\ne";
+        let defs = vec![("X".to_string(), "1".to_string()), ("N".to_string(), "4".to_string())];
+        let out = preprocess(src, &defs).unwrap();
+        assert!(out.contains("const N = 4;"));
+        assert!(out.contains("b") && !out.contains("\nc\n") && !out.contains("d"));
+        assert!(preprocess("#if X\n", &defs).is_err());
+        assert!(preprocess("#endif\n", &defs).is_err());
+    }
+}

@@ -1,0 +1,114 @@
+//! Loading a Hugging Face tokenizer folder: `tokenizer.json` (the `tokenizers` format) and the
+//! transformers side files that say which tokens are BOS/EOS and which chat template to use.
+
+use std::path::Path;
+
+use serde_json::Value;
+use tokenizers::DecoderWrapper;
+
+use super::Parts;
+use crate::error::{Error, Result};
+
+pub(super) fn load(path: &Path) -> Result<Parts> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+        .map_err(|e| Error::format(path, format!("not a tokenizer.json: {e}")))?;
+    let byte_level = match inner.get_decoder() {
+        Some(DecoderWrapper::ByteLevel(_)) => true,
+        Some(DecoderWrapper::Sequence(seq)) => seq
+            .get_decoders()
+            .iter()
+            .any(|d| matches!(d, DecoderWrapper::ByteLevel(_))),
+        _ => false,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let config_path = dir.join("tokenizer_config.json");
+    let config = read_json_if_present(&config_path)?;
+    let token_id = |key: &str| -> Result<Option<u32>> {
+        let Some(entry) = config.as_ref().and_then(|c| c.get(key)) else {
+            return Ok(None);
+        };
+        // A token is written either as its text or as an AddedToken object with `content`.
+        let text = match entry {
+            Value::Null => return Ok(None),
+            Value::String(s) => s.as_str(),
+            Value::Object(o) => match o.get("content").and_then(Value::as_str) {
+                Some(s) => s,
+                None => return Err(Error::config(&config_path, key, "object without `content`")),
+            },
+            _ => return Err(Error::config(&config_path, key, "expected a string or an object")),
+        };
+        inner.token_to_id(text).map(Some).ok_or_else(|| {
+            Error::config(&config_path, key, format!("`{text}` is not in the vocabulary"))
+        })
+    };
+    let bos = token_id("bos_token")?;
+    let eos = token_id("eos_token")?;
+    let pad = token_id("pad_token")?;
+    let add_bos = config
+        .as_ref()
+        .and_then(|c| c.get("add_bos_token"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let mut chat_template = match config.as_ref().and_then(|c| c.get("chat_template")) {
+        Some(t) => template_from_config(t, &config_path)?,
+        None => None,
+    };
+    // transformers 4.43+ may keep the template in its own file instead.
+    let jinja_path = dir.join("chat_template.jinja");
+    if chat_template.is_none() && jinja_path.is_file() {
+        chat_template =
+            Some(std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?);
+    }
+    let gen_path = dir.join("generation_config.json");
+    let extra_eog = match read_json_if_present(&gen_path)? {
+        Some(g) => match g.get("eos_token_id") {
+            Some(Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|n| n as u32).collect(),
+            _ => Vec::new(),
+        },
+        None => Vec::new(),
+    };
+    Ok(Parts {
+        inner,
+        byte_level,
+        bos,
+        eos,
+        eot: None,
+        pad,
+        add_bos,
+        chat_template,
+        extra_eog,
+        source: path.to_path_buf(),
+    })
+}
+
+fn read_json_if_present(path: &Path) -> Result<Option<Value>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::format(path, format!("invalid JSON: {e}")))
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` of which `default` is the one
+/// transformers uses when none is asked for.
+fn template_from_config(t: &Value, path: &Path) -> Result<Option<String>> {
+    match t {
+        Value::Null => Ok(None),
+        Value::String(s) => Ok(Some(s.clone())),
+        Value::Array(list) => {
+            let named = |want: &str| {
+                list.iter().find_map(|e| {
+                    (e.get("name")?.as_str()? == want)
+                        .then(|| e.get("template")?.as_str().map(String::from))
+                        .flatten()
+                })
+            };
+            Ok(named("default"))
+        }
+        _ => Err(Error::config(path, "chat_template", "expected a string or a list")),
+    }
+}

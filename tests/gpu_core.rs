@@ -1,0 +1,31 @@
+//! GPU runtime basics on whatever adapter the machine has (lavapipe in CI).
+
+use lathe::gpu::{elementwise, AdapterChoice, Gpu};
+
+#[test]
+fn add_odd_length_and_offsets() {
+    let gpu = Gpu::new(&AdapterChoice::Auto).expect("a wgpu adapter (lavapipe in CI)");
+    eprintln!("{}", gpu.report());
+    let n = 1000_003usize;
+    let a: Vec<f32> = (0..n + 5).map(|i| i as f32 * 0.5).collect();
+    let b: Vec<f32> = (0..n).map(|i| -(i as f32) * 0.25 + 1.0).collect();
+    let ab = gpu.upload_f32(&a, "a").unwrap();
+    let bb = gpu.upload_f32(&b, "b").unwrap();
+    let yb = gpu.buffer((n as u64 + 7) * 4, "y").unwrap();
+    let mut pass = gpu.pass();
+    elementwise::add(&mut pass, &ab, 5, &bb, 0, &yb, 7, n as u32).unwrap();
+    pass.submit().unwrap();
+    let y = gpu.read_f32(&yb, 0, n + 7).unwrap();
+    assert!(y[..7].iter().all(|&v| v == 0.0), "guard elements before the output were written");
+    for i in 0..n {
+        assert_eq!(y[7 + i], a[5 + i] + b[i], "at {i}");
+    }
+}
+
+#[test]
+fn shader_errors_are_errors_not_panics() {
+    let gpu = Gpu::new(&AdapterChoice::Auto).unwrap();
+    let spec = lathe::gpu::PipelineSpec::new("broken", "fn main( {", "main");
+    let err = gpu.pipeline(&spec).unwrap_err().to_string();
+    assert!(err.contains("broken"), "{err}");
+}
