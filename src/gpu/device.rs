@@ -29,7 +29,7 @@ impl std::str::FromStr for AdapterChoice {
 fn instance() -> wgpu::Instance {
     // All native backends; GL last resort. No display handle: lathe is headless compute.
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = wgpu::Backends::PRIMARY;
+    desc.backends = wgpu::Backends::all();
     wgpu::Instance::new(desc)
 }
 
