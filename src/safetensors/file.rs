@@ -233,7 +233,7 @@ impl SafetensorsFile {
             if let Some(bits) = bits {
                 let want = n_el
                     .checked_mul(bits)
-                    .filter(|b| b % 8 == 0)
+                    .filter(|b| b.is_multiple_of(8))
                     .map(|b| b / 8)
                     .ok_or_else(|| {
                         bad(format!(
@@ -342,7 +342,8 @@ impl SafetensorsFile {
     /// The tensor called `name`; `None` when absent or of an unsupported type (see
     /// [`SafetensorsFile::require`] for the reason).
     pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
-        self.entry_ref(*self.index.get(name)?, name).ok()
+        let i = *self.index.get(name)?;
+        self.entry_ref(i, &self.entries[i].name).ok()
     }
 
     /// The tensor called `name`, or an error naming the file and tensor.
@@ -354,10 +355,6 @@ impl SafetensorsFile {
                 name: name.to_string(),
             }),
         }
-    }
-
-    pub(crate) fn position(&self, name: &str) -> Option<usize> {
-        self.index.get(name).copied()
     }
 
     pub(crate) fn name_at(&self, i: usize) -> &str {

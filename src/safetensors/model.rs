@@ -160,12 +160,12 @@ impl HfModel {
         }
 
         // One table over all files: a name may appear in one file only.
-        let mut raw = Vec::new();
+        let mut raw: Vec<Slot> = Vec::new();
         let mut raw_index: HashMap<String, usize> = HashMap::new();
         for (fi, f) in files.iter().enumerate() {
             for (ei, name) in f.names().enumerate() {
                 if let Some(&prev) = raw_index.get(name) {
-                    let other: &SafetensorsFile = &files[raw[prev].file];
+                    let other = &files[raw[prev].file];
                     return Err(Error::tensor(
                         f.path(),
                         name,
@@ -194,7 +194,7 @@ impl HfModel {
             }
         }
 
-        let mut norm = Vec::new();
+        let mut norm: Vec<(String, usize)> = Vec::new();
         let mut norm_index: HashMap<String, usize> = HashMap::new();
         for (ri, s) in raw.iter().enumerate() {
             let f = &files[s.file];
@@ -328,12 +328,14 @@ impl HfModel {
     /// looked up in `text_config` first when the config has one, then at the top level.
     /// Multimodal Qwen3.5 configs keep the text model's hyper-parameters in `text_config`.
     pub fn cfg_value(&self, key: &str) -> Option<&Value> {
-        let walk = |root: &Value| key.split('.').try_fold(root, |v, k| v.get(k));
+        fn walk<'v>(root: &'v Value, key: &str) -> Option<&'v Value> {
+            key.split('.').try_fold(root, |v, k| v.get(k))
+        }
         self.config
             .get("text_config")
             .filter(|t| t.is_object())
-            .and_then(walk)
-            .or_else(|| walk(&self.config))
+            .and_then(|t| walk(t, key))
+            .or_else(|| walk(&self.config, key))
     }
 
     fn cfg_err(&self, key: &str, what: impl Into<String>) -> Error {

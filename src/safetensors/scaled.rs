@@ -181,7 +181,7 @@ fn check_mxfp4(w: &TensorRef, scale: &TensorRef) -> Result<(usize, usize)> {
         .ok_or_else(|| tensor_err(w, "row too long"))?;
     let rows = n_usize(w, w.n_rows())?;
     let lead = &w.shape[..w.shape.len() - 1];
-    if cols % MXFP4_BLOCK != 0
+    if !cols.is_multiple_of(MXFP4_BLOCK)
         || scale.shape.len() != w.shape.len()
         || &scale.shape[..lead.len()] != lead
         || scale.row_len() as usize != cols / MXFP4_BLOCK

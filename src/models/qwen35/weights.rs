@@ -1,0 +1,442 @@
+//! Tensor names (one table per format) and the loader that brings both formats into one
+//! internal layout: llama.cpp's, i.e. fused `qkv` rows ordered q | k | v, separate z, beta,
+//! alpha projections, norm weights that are multiplied as they are (`1+w` folded at load
+//! for HF), `ssm_a = -exp(A_log)`, conv weight `[conv_dim, K]`, experts stacked
+//! `[n_expert, rows, cols]`.
+
+use super::{Family, Hparams};
+use crate::models::{ModelFile, Weight};
+use crate::tensor::TensorRef;
+use crate::{Error, Result};
+
+/// Every tensor a Qwen3.5-family model has, by role. `names()` maps it per format.
+#[derive(Clone, Copy, Debug)]
+pub enum W {
+    TokEmbd,
+    Output,
+    OutputNorm,
+    AttnNorm(usize),
+    PostNorm(usize),
+    // Gated DeltaNet
+    Qkv(usize),
+    /// qwen3next HF: q,k,v,z fused and interleaved per key head.
+    Qkvz(usize),
+    Z(usize),
+    Beta(usize),
+    Alpha(usize),
+    /// qwen3next: beta and alpha fused, interleaved per key head.
+    Ba(usize),
+    Conv(usize),
+    /// GGUF: `-exp(A_log)`; HF: `A_log`.
+    SsmA(usize),
+    DtBias(usize),
+    SsmNorm(usize),
+    SsmOut(usize),
+    // Full attention
+    Q(usize),
+    K(usize),
+    V(usize),
+    QNorm(usize),
+    KNorm(usize),
+    O(usize),
+    // FFN
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+    Router(usize),
+    /// Routed experts; HF stores one tensor per expert (the `usize` second index).
+    GateExps(usize),
+    UpExps(usize),
+    DownExps(usize),
+    GateExp(usize, usize),
+    UpExp(usize, usize),
+    DownExp(usize, usize),
+    ShGate(usize),
+    ShUp(usize),
+    ShDown(usize),
+    ShGateInp(usize),
+}
+
+impl W {
+    pub fn gguf_name(self) -> String {
+        use W::*;
+        let b = |l: usize, s: &str| format!("blk.{l}.{s}");
+        match self {
+            TokEmbd => "token_embd.weight".into(),
+            Output => "output.weight".into(),
+            OutputNorm => "output_norm.weight".into(),
+            AttnNorm(l) => b(l, "attn_norm.weight"),
+            PostNorm(l) => b(l, "post_attention_norm.weight"),
+            Qkv(l) => b(l, "attn_qkv.weight"),
+            Qkvz(l) => b(l, "attn_qkvz.weight"),
+            Z(l) => b(l, "attn_gate.weight"),
+            Beta(l) => b(l, "ssm_beta.weight"),
+            Alpha(l) => b(l, "ssm_alpha.weight"),
+            Ba(l) => b(l, "ssm_ba.weight"),
+            Conv(l) => b(l, "ssm_conv1d.weight"),
+            SsmA(l) => b(l, "ssm_a"),
+            DtBias(l) => b(l, "ssm_dt.bias"),
+            SsmNorm(l) => b(l, "ssm_norm.weight"),
+            SsmOut(l) => b(l, "ssm_out.weight"),
+            Q(l) => b(l, "attn_q.weight"),
+            K(l) => b(l, "attn_k.weight"),
+            V(l) => b(l, "attn_v.weight"),
+            QNorm(l) => b(l, "attn_q_norm.weight"),
+            KNorm(l) => b(l, "attn_k_norm.weight"),
+            O(l) => b(l, "attn_output.weight"),
+            Gate(l) => b(l, "ffn_gate.weight"),
+            Up(l) => b(l, "ffn_up.weight"),
+            Down(l) => b(l, "ffn_down.weight"),
+            Router(l) => b(l, "ffn_gate_inp.weight"),
+            GateExps(l) | GateExp(l, _) => b(l, "ffn_gate_exps.weight"),
+            UpExps(l) | UpExp(l, _) => b(l, "ffn_up_exps.weight"),
+            DownExps(l) | DownExp(l, _) => b(l, "ffn_down_exps.weight"),
+            ShGate(l) => b(l, "ffn_gate_shexp.weight"),
+            ShUp(l) => b(l, "ffn_up_shexp.weight"),
+            ShDown(l) => b(l, "ffn_down_shexp.weight"),
+            ShGateInp(l) => b(l, "ffn_gate_inp_shexp.weight"),
+        }
+    }
+
+    /// HF name, after the safetensors reader's `model.language_model.` → `model.` mapping.
+    pub fn hf_name(self) -> String {
+        use W::*;
+        let b = |l: usize, s: &str| format!("model.layers.{l}.{s}");
+        match self {
+            TokEmbd => "model.embed_tokens.weight".into(),
+            Output => "lm_head.weight".into(),
+            OutputNorm => "model.norm.weight".into(),
+            AttnNorm(l) => b(l, "input_layernorm.weight"),
+            PostNorm(l) => b(l, "post_attention_layernorm.weight"),
+            Qkv(l) => b(l, "linear_attn.in_proj_qkv.weight"),
+            Qkvz(l) => b(l, "linear_attn.in_proj_qkvz.weight"),
+            Z(l) => b(l, "linear_attn.in_proj_z.weight"),
+            Beta(l) => b(l, "linear_attn.in_proj_b.weight"),
+            Alpha(l) => b(l, "linear_attn.in_proj_a.weight"),
+            Ba(l) => b(l, "linear_attn.in_proj_ba.weight"),
+            Conv(l) => b(l, "linear_attn.conv1d.weight"),
+            SsmA(l) => b(l, "linear_attn.A_log"),
+            DtBias(l) => b(l, "linear_attn.dt_bias"),
+            SsmNorm(l) => b(l, "linear_attn.norm.weight"),
+            SsmOut(l) => b(l, "linear_attn.out_proj.weight"),
+            Q(l) => b(l, "self_attn.q_proj.weight"),
+            K(l) => b(l, "self_attn.k_proj.weight"),
+            V(l) => b(l, "self_attn.v_proj.weight"),
+            QNorm(l) => b(l, "self_attn.q_norm.weight"),
+            KNorm(l) => b(l, "self_attn.k_norm.weight"),
+            O(l) => b(l, "self_attn.o_proj.weight"),
+            Gate(l) => b(l, "mlp.gate_proj.weight"),
+            Up(l) => b(l, "mlp.up_proj.weight"),
+            Down(l) => b(l, "mlp.down_proj.weight"),
+            Router(l) => b(l, "mlp.gate.weight"),
+            GateExps(l) => b(l, "mlp.experts.gate_proj"),
+            UpExps(l) => b(l, "mlp.experts.up_proj"),
+            DownExps(l) => b(l, "mlp.experts.down_proj"),
+            GateExp(l, e) => b(l, &format!("mlp.experts.{e}.gate_proj.weight")),
+            UpExp(l, e) => b(l, &format!("mlp.experts.{e}.up_proj.weight")),
+            DownExp(l, e) => b(l, &format!("mlp.experts.{e}.down_proj.weight")),
+            ShGate(l) => b(l, "mlp.shared_expert.gate_proj.weight"),
+            ShUp(l) => b(l, "mlp.shared_expert.up_proj.weight"),
+            ShDown(l) => b(l, "mlp.shared_expert.down_proj.weight"),
+            ShGateInp(l) => b(l, "mlp.shared_expert_gate.weight"),
+        }
+    }
+}
+
+pub struct Gdn<T> {
+    /// [conv_dim, n_embd], rows q (Hk·dk) | k (Hk·dk) | v (Hv·dv).
+    pub qkv: T,
+    /// [Hv·dv, n_embd]
+    pub z: T,
+    /// [Hv, n_embd] each.
+    pub beta: T,
+    pub alpha: T,
+    /// [conv_dim, K]
+    pub conv: T,
+    /// [Hv] f32: `-exp(A_log)`.
+    pub a: T,
+    /// [Hv]
+    pub dt_bias: T,
+    /// [dv]: plain `w` of the gated norm (no `1+`).
+    pub norm: T,
+    /// [n_embd, Hv·dv]
+    pub out: T,
+}
+
+pub struct Attn<T> {
+    /// [n_head·2·head_dim, n_embd]: per head `[q (head_dim) | gate (head_dim)]`.
+    pub q: T,
+    /// [n_head_kv·head_dim, n_embd] each.
+    pub k: T,
+    pub v: T,
+    /// [head_dim], already `1+w`.
+    pub q_norm: T,
+    pub k_norm: T,
+    /// [n_embd, n_head·head_dim]
+    pub o: T,
+}
+
+pub enum Mixer<T> {
+    Gdn(Gdn<T>),
+    Attn(Attn<T>),
+}
+
+pub struct Moe<T> {
+    /// [n_expert, n_embd]
+    pub router: T,
+    /// [n_expert, n_ff_exp, n_embd] (gate, up); [n_expert, n_embd, n_ff_exp] (down).
+    pub gate_exps: T,
+    pub up_exps: T,
+    pub down_exps: T,
+    /// Shared expert: [n_ff_shexp, n_embd] (gate, up), [n_embd, n_ff_shexp] (down),
+    /// gate input [1, n_embd].
+    pub shared: Option<(T, T, T, T)>,
+}
+
+pub enum Ffn<T> {
+    /// [n_ff, n_embd] gate, up; [n_embd, n_ff] down.
+    Dense { gate: T, up: T, down: T },
+    Moe(Moe<T>),
+}
+
+pub struct Layer<T> {
+    /// [n_embd] each, already `1+w`.
+    pub attn_norm: T,
+    pub post_norm: T,
+    pub mixer: Mixer<T>,
+    pub ffn: Ffn<T>,
+}
+
+pub struct Weights<T> {
+    /// [n_vocab, n_embd]
+    pub tok_embd: T,
+    /// [n_vocab, n_embd]; `None`: tied to `tok_embd`.
+    pub output: Option<T>,
+    /// [n_embd], already `1+w`.
+    pub output_norm: T,
+    pub layers: Vec<Layer<T>>,
+}
+
+struct Loader<'a> {
+    file: &'a ModelFile,
+    gguf: bool,
+}
+
+impl<'a> Loader<'a> {
+    fn name(&self, w: W) -> String {
+        if self.gguf {
+            w.gguf_name()
+        } else {
+            w.hf_name()
+        }
+    }
+    fn get(&self, w: W) -> Option<TensorRef<'a>> {
+        self.file.tensor(&self.name(w))
+    }
+    fn req(&self, w: W) -> Result<TensorRef<'a>> {
+        self.file.require(&self.name(w))
+    }
+    fn shaped(&self, w: W, shape: &[u64]) -> Result<TensorRef<'a>> {
+        let t = self.req(w)?;
+        crate::models::expect_shape(&t, shape)?;
+        Ok(t)
+    }
+    /// A norm weight: GGUF stores `1+w` already; HF stores `w` and is folded here.
+    fn norm(&self, w: W, n: usize) -> Result<Weight<'a>> {
+        let t = self.shaped(w, &[n as u64])?;
+        if self.gguf {
+            return Ok(Weight::Stored(t));
+        }
+        let v = crate::models::read_f32(&t)?;
+        Ok(Weight::F32 {
+            name: t.name.to_string(),
+            shape: vec![n as u64],
+            data: v.iter().map(|x| 1.0 + x).collect(),
+        })
+    }
+}
+
+/// Load every weight through `sink` (GPU upload or CPU dequantization).
+pub fn load<T>(file: &ModelFile, hp: &Hparams, mut sink: impl FnMut(Weight<'_>) -> Result<T>) -> Result<Weights<T>> {
+    let ld = Loader { file, gguf: hp.gguf };
+    let e = hp.n_embd as u64;
+    let tok = ld.shaped(W::TokEmbd, &[hp.n_vocab as u64, e])?;
+    let tok_embd = sink(Weight::Stored(tok))?;
+    let output = match ld.get(W::Output) {
+        Some(t) => {
+            crate::models::expect_shape(&t, &[hp.n_vocab as u64, e])?;
+            Some(sink(Weight::Stored(t))?)
+        }
+        None => None,
+    };
+    let output_norm = sink(ld.norm(W::OutputNorm, hp.n_embd)?)?;
+    let mut layers = Vec::with_capacity(hp.n_layer);
+    for l in 0..hp.n_layer {
+        let attn_norm = sink(ld.norm(W::AttnNorm(l), hp.n_embd)?)?;
+        let post_norm = sink(ld.norm(W::PostNorm(l), hp.n_embd)?)?;
+        let mixer = if hp.recurrent[l] {
+            Mixer::Gdn(load_gdn(&ld, hp, l, &mut sink)?)
+        } else {
+            Mixer::Attn(load_attn(&ld, hp, l, &mut sink)?)
+        };
+        let ffn = load_ffn(&ld, hp, l, &mut sink)?;
+        layers.push(Layer {
+            attn_norm,
+            post_norm,
+            mixer,
+            ffn,
+        });
+    }
+    Ok(Weights {
+        tok_embd,
+        output,
+        output_norm,
+        layers,
+    })
+}
+
+fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Gdn<T>> {
+    let e = hp.n_embd as u64;
+    let (hk, hv, dk, dv) = (hp.n_k_heads as u64, hp.n_v_heads as u64, hp.d_k as u64, hp.d_v as u64);
+    let r = hv / hk;
+    let conv_dim = hp.conv_dim() as u64;
+    let (qkv, z, beta, alpha);
+    if hp.family == Family::Qwen3Next && !hp.gguf {
+        // HF Qwen3-Next fuses q,k,v,z per key head g: [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv)],
+        // and b,a per key head: [b_g (r) | a_g (r)]. Gather whole rows into lathe's layout.
+        let t = ld.shaped(W::Qkvz(l), &[2 * hk * dk + 2 * hv * dv, e])?;
+        let grp = 2 * dk + 2 * r * dv;
+        let mut rows = Vec::new();
+        for part in 0..3u64 {
+            for g in 0..hk {
+                let (off, n) = match part {
+                    0 => (0, dk),
+                    1 => (dk, dk),
+                    _ => (2 * dk, r * dv),
+                };
+                rows.extend((0..n).map(|i| g * grp + off + i));
+            }
+        }
+        qkv = Weight::Rows { src: t, rows, shape: vec![conv_dim, e] };
+        let zrows = (0..hk).flat_map(|g| (0..r * dv).map(move |i| g * grp + 2 * dk + r * dv + i)).collect();
+        z = Weight::Rows { src: t, rows: zrows, shape: vec![hv * dv, e] };
+    } else {
+        qkv = Weight::Stored(ld.shaped(W::Qkv(l), &[conv_dim, e])?);
+        z = Weight::Stored(ld.shaped(W::Z(l), &[hv * dv, e])?);
+    }
+    if hp.family == Family::Qwen3Next {
+        // Both formats keep b,a fused per key head: [b_g (r) | a_g (r)] for each g.
+        let t = ld.shaped(W::Ba(l), &[2 * hv, e])?;
+        let b_rows = (0..hk).flat_map(|g| (0..r).map(move |i| g * 2 * r + i)).collect();
+        let a_rows = (0..hk).flat_map(|g| (0..r).map(move |i| g * 2 * r + r + i)).collect();
+        beta = Weight::Rows { src: t, rows: b_rows, shape: vec![hv, e] };
+        alpha = Weight::Rows { src: t, rows: a_rows, shape: vec![hv, e] };
+    } else {
+        beta = Weight::Stored(ld.shaped(W::Beta(l), &[hv, e])?);
+        alpha = Weight::Stored(ld.shaped(W::Alpha(l), &[hv, e])?);
+    }
+    let k = hp.conv_kernel as u64;
+    let conv_t = ld.req(W::Conv(l))?;
+    // GGUF [conv_dim, K]; HF conv1d.weight [conv_dim, 1, K]: same bytes.
+    if conv_t.n_elements() != conv_dim * k || conv_t.row_len() != k {
+        return Err(Error::tensor(conv_t.path, conv_t.name, format!("shape {:?}, expected [{conv_dim}, {k}]", conv_t.shape)));
+    }
+    let conv = Weight::F32 {
+        name: conv_t.name.to_string(),
+        shape: vec![conv_dim, k],
+        data: crate::models::read_f32(&conv_t)?,
+    };
+    let a_t = ld.shaped(W::SsmA(l), &[hv])?;
+    let a_v = crate::models::read_f32(&a_t)?;
+    // `-exp(A_log)` in f32, as the GGUF converter stores it (FACTS.md).
+    let a_data = if ld.gguf { a_v } else { a_v.iter().map(|x| -x.exp()).collect() };
+    let a = Weight::F32 { name: a_t.name.to_string(), shape: vec![hv], data: a_data };
+    let dt = ld.shaped(W::DtBias(l), &[hv])?;
+    let dt_bias = Weight::F32 { name: dt.name.to_string(), shape: vec![hv], data: crate::models::read_f32(&dt)? };
+    let nt = ld.shaped(W::SsmNorm(l), &[dv])?;
+    let norm = Weight::F32 { name: nt.name.to_string(), shape: vec![dv], data: crate::models::read_f32(&nt)? };
+    let out = Weight::Stored(ld.shaped(W::SsmOut(l), &[e, hv * dv])?);
+    Ok(Gdn {
+        qkv: sink(qkv)?,
+        z: sink(z)?,
+        beta: sink(beta)?,
+        alpha: sink(alpha)?,
+        conv: sink(conv)?,
+        a: sink(a)?,
+        dt_bias: sink(dt_bias)?,
+        norm: sink(norm)?,
+        out: sink(out)?,
+    })
+}
+
+fn load_attn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Attn<T>> {
+    let e = hp.n_embd as u64;
+    let hd = hp.head_dim as u64;
+    let q = ld.shaped(W::Q(l), &[hp.n_head as u64 * 2 * hd, e])?;
+    let k = ld.shaped(W::K(l), &[hp.n_head_kv as u64 * hd, e])?;
+    let v = ld.shaped(W::V(l), &[hp.n_head_kv as u64 * hd, e])?;
+    let o = ld.shaped(W::O(l), &[e, hp.n_head as u64 * hd])?;
+    Ok(Attn {
+        q: sink(Weight::Stored(q))?,
+        k: sink(Weight::Stored(k))?,
+        v: sink(Weight::Stored(v))?,
+        q_norm: sink(ld.norm(W::QNorm(l), hp.head_dim)?)?,
+        k_norm: sink(ld.norm(W::KNorm(l), hp.head_dim)?)?,
+        o: sink(Weight::Stored(o))?,
+    })
+}
+
+fn load_ffn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Ffn<T>> {
+    let e = hp.n_embd as u64;
+    let is_moe = hp.moe.is_some() && ld.get(W::Router(l)).is_some();
+    let Some(m) = hp.moe.as_ref().filter(|_| is_moe) else {
+        let f = hp.n_ff as u64;
+        let gate = ld.shaped(W::Gate(l), &[f, e])?;
+        let up = ld.shaped(W::Up(l), &[f, e])?;
+        let down = ld.shaped(W::Down(l), &[e, f])?;
+        return Ok(Ffn::Dense {
+            gate: sink(Weight::Stored(gate))?,
+            up: sink(Weight::Stored(up))?,
+            down: sink(Weight::Stored(down))?,
+        });
+    };
+    let (ne, f) = (m.n_expert as u64, m.n_ff_exp as u64);
+    let router = ld.shaped(W::Router(l), &[ne, e])?;
+    let stack = |one: fn(usize, usize) -> W, all: W, shape: [u64; 3]| -> Result<Weight<'_>> {
+        if ld.gguf {
+            return Ok(Weight::Stored(ld.shaped(all, &shape)?));
+        }
+        let parts = (0..m.n_expert)
+            .map(|x| ld.shaped(one(l, x), &shape[1..]))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Weight::Stack { parts, shape: shape.to_vec() })
+    };
+    let gate_exps = stack(W::GateExp, W::GateExps(l), [ne, f, e])?;
+    let up_exps = stack(W::UpExp, W::UpExps(l), [ne, f, e])?;
+    let down_exps = stack(W::DownExp, W::DownExps(l), [ne, e, f])?;
+    let shared = if m.n_ff_shexp > 0 {
+        let fs = m.n_ff_shexp as u64;
+        let g = ld.shaped(W::ShGate(l), &[fs, e])?;
+        let u = ld.shaped(W::ShUp(l), &[fs, e])?;
+        let d = ld.shaped(W::ShDown(l), &[e, fs])?;
+        let gi = ld.req(W::ShGateInp(l))?;
+        if gi.n_elements() != e {
+            return Err(Error::tensor(gi.path, gi.name, format!("shape {:?}, expected [1, {e}]", gi.shape)));
+        }
+        Some((
+            sink(Weight::Stored(g))?,
+            sink(Weight::Stored(u))?,
+            sink(Weight::Stored(d))?,
+            sink(Weight::F32 { name: gi.name.to_string(), shape: vec![1, e], data: crate::models::read_f32(&gi)? })?,
+        ))
+    } else {
+        None
+    };
+    Ok(Ffn::Moe(Moe {
+        router: sink(Weight::Stored(router))?,
+        gate_exps: sink(gate_exps)?,
+        up_exps: sink(up_exps)?,
+        down_exps: sink(down_exps)?,
+        shared,
+    }))
+}
