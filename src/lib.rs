@@ -8,9 +8,11 @@
 
 pub mod cpu;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod gpu;
+pub mod inspect;
 pub mod models;
 pub mod moe;
 pub mod npy;

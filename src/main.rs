@@ -1,1 +1,101 @@
-fn main() {}
+//! The `lathe` command line. Front end only: every command calls the library.
+//! Conventions: results on stdout; progress, logs and the adapter report on stderr; an
+//! error prints one line and exits 1 (2 for an internal error, never Rust's 101).
+
+use clap::{Parser, Subcommand};
+use lathe::gpu::AdapterChoice;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "lathe", version, about = "A portable LLM inference engine on wgpu")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// List the GPU adapters wgpu can use (index, name, backend, type).
+    Devices,
+    /// Describe a model file: architecture, hyper-parameters, tensors, bytes per decode step.
+    Inspect {
+        /// A GGUF file or a Hugging Face checkpoint directory.
+        path: PathBuf,
+    },
+    /// Compute logits for a token sequence and write them as .npy (f32 [T, vocab]).
+    Logits {
+        /// A GGUF file or a Hugging Face checkpoint directory.
+        #[arg(short, long)]
+        model: PathBuf,
+        /// int32 token ids [T] (.npy).
+        #[arg(long)]
+        tokens: PathBuf,
+        /// Output .npy path.
+        #[arg(long)]
+        out: PathBuf,
+        /// Feed the first N tokens as one batch, the rest one at a time (default: all at once).
+        #[arg(long)]
+        prefill: Option<usize>,
+        /// Adapter index or name substring (see `lathe devices`).
+        #[arg(long, default_value = "auto")]
+        device: AdapterChoice,
+        /// KV cache element type.
+        #[arg(long, default_value = "f16")]
+        kv_type: String,
+    },
+}
+
+fn run(cli: Cli) -> lathe::Result<()> {
+    match cli.cmd {
+        Cmd::Devices => {
+            for (i, a) in lathe::gpu::list_adapters().iter().enumerate() {
+                println!("{i}\t{}\t{:?}\t{:?}\t{} {}", a.name, a.backend, a.device_type, a.driver, a.driver_info);
+            }
+            Ok(())
+        }
+        Cmd::Inspect { path } => {
+            let f = lathe::models::ModelFile::open(&path)?;
+            print!("{}", lathe::inspect::report(&f)?);
+            Ok(())
+        }
+        Cmd::Logits {
+            model,
+            tokens,
+            out,
+            prefill,
+            device,
+            kv_type,
+        } => {
+            let toks = lathe::npy::read_i64(&tokens)?;
+            let ids: Vec<u32> = toks
+                .data
+                .iter()
+                .map(|&t| u32::try_from(t).map_err(|_| lathe::Error::Invalid(format!("{}: negative or huge token id {t}", tokens.display()))))
+                .collect::<lathe::Result<_>>()?;
+            let opts = lathe::engine::LoadOptions {
+                adapter: device,
+                kv_type: kv_type.parse()?,
+                ..Default::default()
+            };
+            let (logits, vocab) = lathe::engine::logits(&model, &ids, prefill.unwrap_or(ids.len()), &opts)?;
+            lathe::npy::write_f32(&out, &[ids.len(), vocab], &logits)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A bug must not surface as exit 101 with a backtrace: report it as an internal error.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("lathe: internal error: {info}");
+    }));
+    match std::panic::catch_unwind(|| run(cli)) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) => {
+            eprintln!("lathe: error: {e}");
+            ExitCode::from(1)
+        }
+        Err(_) => ExitCode::from(2),
+    }
+}

@@ -26,19 +26,20 @@ impl std::str::FromStr for AdapterChoice {
     }
 }
 
-fn instance() -> wgpu::Instance {
-    // All native backends; GL last resort. No display handle: lathe is headless compute.
+fn instance(backends: wgpu::Backends) -> wgpu::Instance {
+    // No display handle: lathe is headless compute.
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = wgpu::Backends::all();
+    desc.backends = backends;
     wgpu::Instance::new(desc)
 }
 
-fn all_adapters(inst: &wgpu::Instance) -> Vec<wgpu::Adapter> {
-    // GL only when no primary backend (Vulkan, Metal, DX12) has an adapter: probing EGL
-    // on a headless server prints noise and its compute support is the weakest.
-    let mut v = pollster::block_on(inst.enumerate_adapters(wgpu::Backends::PRIMARY));
+/// Adapters of the primary backends (Vulkan, Metal, DX12); GL only when none has one:
+/// even creating a GL instance probes EGL, which prints noise on a headless server, and GL
+/// compute is the weakest backend.
+fn all_adapters() -> Vec<wgpu::Adapter> {
+    let mut v = pollster::block_on(instance(wgpu::Backends::PRIMARY).enumerate_adapters(wgpu::Backends::PRIMARY));
     if v.is_empty() {
-        v = pollster::block_on(inst.enumerate_adapters(wgpu::Backends::GL));
+        v = pollster::block_on(instance(wgpu::Backends::GL).enumerate_adapters(wgpu::Backends::GL));
     }
     // Stable order: Vulkan/Metal/DX12 before GL, discrete before integrated before CPU.
     let rank = |a: &wgpu::Adapter| {
@@ -62,7 +63,7 @@ fn all_adapters(inst: &wgpu::Instance) -> Vec<wgpu::Adapter> {
 
 /// Every adapter wgpu offers, in the order `AdapterChoice::Index` counts them.
 pub fn list_adapters() -> Vec<wgpu::AdapterInfo> {
-    all_adapters(&instance()).iter().map(|a| a.get_info()).collect()
+    all_adapters().iter().map(|a| a.get_info()).collect()
 }
 
 /// The device, its queue and what it can do.
@@ -81,8 +82,7 @@ pub struct Gpu {
 
 impl Gpu {
     pub fn new(choice: &AdapterChoice) -> Result<Gpu> {
-        let inst = instance();
-        let adapters = all_adapters(&inst);
+        let adapters = all_adapters();
         if adapters.is_empty() {
             return Err(Error::Gpu(
                 "no GPU adapter found (on a machine without a GPU install Mesa's lavapipe: \
