@@ -1,0 +1,65 @@
+//! Shared fixture checks: the bar of `../shared/fixtures/README.md` ("What matching means").
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")
+}
+
+pub struct Score {
+    pub rms: f64,
+    pub max_abs: f64,
+    pub top1: f64,
+}
+
+pub fn score(got: &[f32], want: &[f32], vocab: usize) -> Score {
+    assert_eq!(got.len(), want.len(), "logit counts differ");
+    let (mut se, mut mx) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        let d = (*a as f64 - *b as f64).abs();
+        se += d * d;
+        mx = mx.max(d);
+    }
+    let am = |x: &[f32]| x.iter().enumerate().fold(0, |b, (i, y)| if *y > x[b] { i } else { b });
+    let rows = got.len() / vocab;
+    let agree = (0..rows)
+        .filter(|&r| am(&got[r * vocab..(r + 1) * vocab]) == am(&want[r * vocab..(r + 1) * vocab]))
+        .count();
+    Score {
+        rms: (se / got.len() as f64).sqrt(),
+        max_abs: mx,
+        top1: agree as f64 / rows as f64,
+    }
+}
+
+/// llama.cpp's RMS error on this file against the reference lathe is held to
+/// (`manifest.json`): `llamacpp_vs_dequant_ref` for quantized files, `llamacpp_vs_hf` otherwise.
+pub fn llamacpp_rms(model: &str, ty: &str) -> Option<f64> {
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).ok()?).ok()?;
+    let e = &m[model]["gguf"][ty];
+    e["llamacpp_vs_dequant_ref"]["rms"]
+        .as_f64()
+        .or(e["llamacpp_vs_hf"]["rms"].as_f64())
+}
+
+/// The reference logits file for a model file name (`model-q8_0.gguf` -> `ref-q8_0.npy`).
+pub fn reference_for(dir: &Path, file: &str) -> PathBuf {
+    match file.strip_prefix("model-").and_then(|s| s.strip_suffix(".gguf")) {
+        Some(t) if dir.join(format!("ref-{t}.npy")).exists() => dir.join(format!("ref-{t}.npy")),
+        _ => dir.join("logits.npy"),
+    }
+}
+
+/// The fixture bar: RMS ≤ 0.02, top-1 ≥ 95%, and RMS no larger than llama.cpp's own on the
+/// same file or 0.001, whichever is larger.
+pub fn assert_bar(label: &str, s: &Score, llama: Option<f64>) {
+    let cap = llama.unwrap_or(0.001).max(0.001).min(0.02);
+    eprintln!(
+        "{label}: rms {:.3e} max_abs {:.3e} top1 {:.3} (bar rms ≤ {cap:.3e})",
+        s.rms, s.max_abs, s.top1
+    );
+    assert!(s.rms <= cap, "{label}: rms {:.3e} above {cap:.3e}", s.rms);
+    assert!(s.top1 >= 0.95, "{label}: top-1 agreement {:.3} below 0.95", s.top1);
+}
