@@ -19,9 +19,18 @@ fn main() -> lathe::Result<()> {
             se += ((l[i] - r[i]) as f64).powi(2);
         }
         n += v;
-        let am = |x: &[f32]| x.iter().enumerate().fold(0, |b, (i, y)| if *y > x[b] { i } else { b });
+        let am = |x: &[f32]| {
+            x.iter()
+                .enumerate()
+                .fold(0, |b, (i, y)| if *y > x[b] { i } else { b })
+        };
         agree += (am(&l) == am(r)) as usize;
     }
-    println!("rms {:.3e} top1 {}/{}", (se / n as f64).sqrt(), agree, toks.data.len());
+    println!(
+        "rms {:.3e} top1 {}/{}",
+        (se / n as f64).sqrt(),
+        agree,
+        toks.data.len()
+    );
     Ok(())
 }

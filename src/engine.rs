@@ -1,9 +1,10 @@
 //! The library's front door: load a model by path with typed options, run tokens.
 
-use crate::gpu::AdapterChoice;
+use crate::gpu::{AdapterChoice, Gpu};
 use crate::models::ModelFile;
 use crate::{Error, Result};
 use std::path::Path;
+use std::sync::Arc;
 
 /// Element type of the attention KV cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -19,7 +20,9 @@ impl std::str::FromStr for KvType {
         match s.to_ascii_lowercase().as_str() {
             "f16" => Ok(KvType::F16),
             "f32" => Ok(KvType::F32),
-            _ => Err(Error::Invalid(format!("--kv-type {s}: expected f16 or f32"))),
+            _ => Err(Error::Invalid(format!(
+                "--kv-type {s}: expected f16 or f32"
+            ))),
         }
     }
 }
@@ -45,27 +48,41 @@ impl Default for LoadOptions {
 
 /// Logits for every position of `tokens`: the first `prefill` tokens as one batch, the rest
 /// one per step through the decode path. Returns `(logits [T·vocab], vocab)`.
-pub fn logits(path: &Path, tokens: &[u32], prefill: usize, opts: &LoadOptions) -> Result<(Vec<f32>, usize)> {
+pub fn logits(
+    path: &Path,
+    tokens: &[u32],
+    prefill: usize,
+    opts: &LoadOptions,
+) -> Result<(Vec<f32>, usize)> {
     let file = ModelFile::open(path)?;
     let arch = file.architecture()?;
-    let _ = (prefill, opts);
     match arch.as_str() {
-        "qwen35" | "qwen35moe" | "qwen3next" | "Qwen3_5ForCausalLM" | "Qwen3_5MoeForCausalLM" | "Qwen3NextForCausalLM"
-        | "Qwen3_5ForConditionalGeneration" | "Qwen3_5MoeForConditionalGeneration" => {
-            let m = crate::models::qwen35::cpu::CpuModel::load(&file)?;
+        "qwen35"
+        | "qwen35moe"
+        | "qwen3next"
+        | "Qwen3_5ForCausalLM"
+        | "Qwen3_5MoeForCausalLM"
+        | "Qwen3NextForCausalLM"
+        | "Qwen3_5ForConditionalGeneration"
+        | "Qwen3_5MoeForConditionalGeneration" => {
+            let gpu = Arc::new(Gpu::new(&opts.adapter)?);
+            eprintln!("{}", gpu.report());
+            let mut m = crate::models::qwen35::gpu::GpuModel::load(gpu, &file, opts)?;
             let v = m.hp.n_vocab;
-            for &t in tokens {
-                if t as usize >= v {
-                    return Err(Error::Invalid(format!("token id {t} is outside the vocabulary of {v}")));
-                }
-            }
-            let mut seq = m.new_seq();
+            let mut seq = m.new_seq()?;
+            let prefill = prefill.min(tokens.len());
             let mut out = Vec::with_capacity(tokens.len() * v);
-            for &t in tokens {
-                out.extend(m.step(&mut seq, t));
+            if prefill > 0 {
+                out.extend(m.forward(&mut seq, &tokens[..prefill], true)?);
+            }
+            for t in &tokens[prefill..] {
+                out.extend(m.forward(&mut seq, std::slice::from_ref(t), true)?);
             }
             Ok((out, v))
         }
-        a => Err(Error::Unsupported(format!("{}: architecture {a}", path.display()))),
+        a => Err(Error::Unsupported(format!(
+            "{}: architecture {a}",
+            path.display()
+        ))),
     }
 }

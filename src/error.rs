@@ -55,14 +55,22 @@ impl Error {
             what: what.into(),
         }
     }
-    pub fn tensor(path: impl Into<PathBuf>, name: impl Into<String>, what: impl Into<String>) -> Self {
+    pub fn tensor(
+        path: impl Into<PathBuf>,
+        name: impl Into<String>,
+        what: impl Into<String>,
+    ) -> Self {
         Error::Tensor {
             path: path.into(),
             name: name.into(),
             what: what.into(),
         }
     }
-    pub fn config(path: impl Into<PathBuf>, key: impl Into<String>, what: impl Into<String>) -> Self {
+    pub fn config(
+        path: impl Into<PathBuf>,
+        key: impl Into<String>,
+        what: impl Into<String>,
+    ) -> Self {
         Error::Config {
             path: path.into(),
             key: key.into(),

@@ -19,7 +19,10 @@ fn expert_counts(f: &ModelFile) -> Option<(u64, u64)> {
             Some((k, n))
         }
         ModelFile::Hf(h) => {
-            let n = h.cfg_opt_u64("num_experts").ok()?.or(h.cfg_opt_u64("n_routed_experts").ok()?)?;
+            let n = h
+                .cfg_opt_u64("num_experts")
+                .ok()?
+                .or(h.cfg_opt_u64("n_routed_experts").ok()?)?;
             let k = h
                 .cfg_opt_u64("num_experts_per_tok")
                 .ok()?
@@ -33,11 +36,16 @@ fn expert_counts(f: &ModelFile) -> Option<(u64, u64)> {
 /// unless it doubles as the output head, and routed experts (`n_used / n_expert`).
 pub fn decode_bytes(f: &ModelFile) -> u64 {
     let (k, n) = expert_counts(f).unwrap_or((1, 1));
-    let tied = f.tensor("output.weight").is_none() && f.tensor("lm_head.weight").is_none() && f.tensor("head.weight").is_none();
+    let tied = f.tensor("output.weight").is_none()
+        && f.tensor("lm_head.weight").is_none()
+        && f.tensor("head.weight").is_none();
     let mut total = 0u64;
     for t in f.tensors() {
         let b = t.data.len() as u64;
-        let emb = matches!(t.name, "token_embd.weight" | "model.embed_tokens.weight" | "embed.weight");
+        let emb = matches!(
+            t.name,
+            "token_embd.weight" | "model.embed_tokens.weight" | "embed.weight"
+        );
         total += if emb && !tied {
             b / t.shape.first().copied().unwrap_or(1).max(1)
         } else if is_expert(t.name) {
@@ -72,9 +80,24 @@ pub fn report(f: &ModelFile) -> Result<String> {
     writeln!(s, "architecture: {arch}").ok();
     match f {
         ModelFile::Gguf(g) => {
-            writeln!(s, "format: GGUF v{} ({} tensors, alignment {})", g.version(), g.n_tensors(), g.alignment()).ok();
-            let tok = g.opt_str("tokenizer.ggml.model").ok().flatten().unwrap_or("(none)");
-            let pre = g.opt_str("tokenizer.ggml.pre").ok().flatten().unwrap_or("-");
+            writeln!(
+                s,
+                "format: GGUF v{} ({} tensors, alignment {})",
+                g.version(),
+                g.n_tensors(),
+                g.alignment()
+            )
+            .ok();
+            let tok = g
+                .opt_str("tokenizer.ggml.model")
+                .ok()
+                .flatten()
+                .unwrap_or("(none)");
+            let pre = g
+                .opt_str("tokenizer.ggml.pre")
+                .ok()
+                .flatten()
+                .unwrap_or("-");
             writeln!(s, "tokenizer: {tok} (pre {pre})").ok();
             writeln!(s, "hyper-parameters:").ok();
             for (k, v) in g.metadata() {
@@ -84,9 +107,24 @@ pub fn report(f: &ModelFile) -> Result<String> {
             }
         }
         ModelFile::Hf(h) => {
-            writeln!(s, "format: Hugging Face safetensors ({} files, {} tensors)", h.files().len(), h.len()).ok();
+            writeln!(
+                s,
+                "format: Hugging Face safetensors ({} files, {} tensors)",
+                h.files().len(),
+                h.len()
+            )
+            .ok();
             let tj = h.dir().join("tokenizer.json");
-            writeln!(s, "tokenizer: {}", if tj.exists() { "tokenizer.json" } else { "(none)" }).ok();
+            writeln!(
+                s,
+                "tokenizer: {}",
+                if tj.exists() {
+                    "tokenizer.json"
+                } else {
+                    "(none)"
+                }
+            )
+            .ok();
             writeln!(s, "config:").ok();
             if let Some(obj) = h.config().as_object() {
                 for (k, v) in obj {
@@ -98,12 +136,25 @@ pub fn report(f: &ModelFile) -> Result<String> {
         }
     }
     writeln!(s, "tensors:").ok();
-    writeln!(s, "  {:<48} {:<8} {:<22} {:>12}", "name", "type", "shape", "bytes").ok();
+    writeln!(
+        s,
+        "  {:<48} {:<8} {:<22} {:>12}",
+        "name", "type", "shape", "bytes"
+    )
+    .ok();
     let mut by_type: BTreeMap<DType, (u64, u64)> = BTreeMap::new();
     let mut total = 0u64;
     for t in f.tensors() {
         let b = t.data.len() as u64;
-        writeln!(s, "  {:<48} {:<8} {:<22} {:>12}", t.name, t.dtype.name(), format!("{:?}", t.shape), b).ok();
+        writeln!(
+            s,
+            "  {:<48} {:<8} {:<22} {:>12}",
+            t.name,
+            t.dtype.name(),
+            format!("{:?}", t.shape),
+            b
+        )
+        .ok();
         let e = by_type.entry(t.dtype).or_default();
         e.0 += 1;
         e.1 += b;
@@ -111,7 +162,14 @@ pub fn report(f: &ModelFile) -> Result<String> {
     }
     writeln!(s, "totals by type:").ok();
     for (d, (n, b)) in &by_type {
-        writeln!(s, "  {:<8} {:>5} tensors {:>12}", d.name(), n, human_bytes(*b)).ok();
+        writeln!(
+            s,
+            "  {:<8} {:>5} tensors {:>12}",
+            d.name(),
+            n,
+            human_bytes(*b)
+        )
+        .ok();
     }
     writeln!(s, "total: {} ({total} bytes)", human_bytes(total)).ok();
     let db = decode_bytes(f);

@@ -8,7 +8,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "lathe", version, about = "A portable LLM inference engine on wgpu")]
+#[command(
+    name = "lathe",
+    version,
+    about = "A portable LLM inference engine on wgpu"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -50,7 +54,10 @@ fn run(cli: Cli) -> lathe::Result<()> {
     match cli.cmd {
         Cmd::Devices => {
             for (i, a) in lathe::gpu::list_adapters().iter().enumerate() {
-                println!("{i}\t{}\t{:?}\t{:?}\t{} {}", a.name, a.backend, a.device_type, a.driver, a.driver_info);
+                println!(
+                    "{i}\t{}\t{:?}\t{:?}\t{} {}",
+                    a.name, a.backend, a.device_type, a.driver, a.driver_info
+                );
             }
             Ok(())
         }
@@ -71,14 +78,22 @@ fn run(cli: Cli) -> lathe::Result<()> {
             let ids: Vec<u32> = toks
                 .data
                 .iter()
-                .map(|&t| u32::try_from(t).map_err(|_| lathe::Error::Invalid(format!("{}: negative or huge token id {t}", tokens.display()))))
+                .map(|&t| {
+                    u32::try_from(t).map_err(|_| {
+                        lathe::Error::Invalid(format!(
+                            "{}: negative or huge token id {t}",
+                            tokens.display()
+                        ))
+                    })
+                })
                 .collect::<lathe::Result<_>>()?;
             let opts = lathe::engine::LoadOptions {
                 adapter: device,
                 kv_type: kv_type.parse()?,
                 ..Default::default()
             };
-            let (logits, vocab) = lathe::engine::logits(&model, &ids, prefill.unwrap_or(ids.len()), &opts)?;
+            let (logits, vocab) =
+                lathe::engine::logits(&model, &ids, prefill.unwrap_or(ids.len()), &opts)?;
             lathe::npy::write_f32(&out, &[ids.len(), vocab], &logits)
         }
     }

@@ -75,7 +75,10 @@ fn read_raw(path: &Path) -> Result<(String, Vec<usize>, Vec<u8>)> {
 fn check_len(path: &Path, shape: &[usize], have: usize, elem: usize) -> Result<usize> {
     let n: usize = shape.iter().product();
     if have < n * elem {
-        return Err(Error::format(path, format!("npy: data truncated: {have} bytes for shape {shape:?}")));
+        return Err(Error::format(
+            path,
+            format!("npy: data truncated: {have} bytes for shape {shape:?}"),
+        ));
     }
     Ok(n)
 }
@@ -106,7 +109,12 @@ pub fn read_f32(path: impl AsRef<Path>) -> Result<Npy<f32>> {
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect()
         }
-        d => return Err(Error::format(path, format!("npy: expected a float array, found dtype {d}"))),
+        d => {
+            return Err(Error::format(
+                path,
+                format!("npy: expected a float array, found dtype {d}"),
+            ))
+        }
     };
     Ok(Npy { shape, data })
 }
@@ -137,7 +145,12 @@ pub fn read_i64(path: impl AsRef<Path>) -> Result<Npy<i64>> {
                 .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
                 .collect()
         }
-        d => return Err(Error::format(path, format!("npy: expected an integer array, found dtype {d}"))),
+        d => {
+            return Err(Error::format(
+                path,
+                format!("npy: expected an integer array, found dtype {d}"),
+            ))
+        }
     };
     Ok(Npy { shape, data })
 }
@@ -147,10 +160,15 @@ fn write_raw(path: &Path, descr: &str, shape: &[usize], data: &[u8]) -> Result<(
         1 => format!("({},)", shape[0]),
         _ => format!(
             "({})",
-            shape.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")
+            shape
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
     };
-    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_s}, }}");
+    let mut header =
+        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_s}, }}");
     // Pad so that the data starts on a 64-byte boundary, newline-terminated (format v1).
     let total = 10 + header.len() + 1;
     header.push_str(&" ".repeat((64 - total % 64) % 64));

@@ -16,7 +16,10 @@ fn add_odd_length_and_offsets() {
     elementwise::add(&mut pass, &ab, 5, &bb, 0, &yb, 7, n as u32).unwrap();
     pass.submit().unwrap();
     let y = gpu.read_f32(&yb, 0, n + 7).unwrap();
-    assert!(y[..7].iter().all(|&v| v == 0.0), "guard elements before the output were written");
+    assert!(
+        y[..7].iter().all(|&v| v == 0.0),
+        "guard elements before the output were written"
+    );
     for i in 0..n {
         assert_eq!(y[7 + i], a[5 + i] + b[i], "at {i}");
     }

@@ -6,31 +6,33 @@ use common::*;
 use lathe::engine::{logits, LoadOptions};
 
 fn check_model(name: &str) {
-    let dir = fixtures().join(name);
+    let (dir, files) = model_files(name);
     let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
     let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
     let t = ids.len();
-    let mut files: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.ends_with(".gguf"))
-        .collect();
-    files.sort();
-    if dir.join("model.safetensors").exists() {
-        files.push(String::new());
-    }
     for f in files {
-        let path = if f.is_empty() { dir.clone() } else { dir.join(&f) };
+        let path = if f.is_empty() {
+            dir.clone()
+        } else {
+            dir.join(&f)
+        };
         let refp = reference_for(&dir, &f);
         let want = lathe::npy::read_f32(&refp).unwrap();
         let ty = f
             .strip_prefix("model-")
             .and_then(|s| s.strip_suffix(".gguf"))
-            .unwrap_or(if name.ends_with("dims") { "bf16" } else { "f32" });
+            .unwrap_or(if name.ends_with("dims") {
+                "bf16"
+            } else {
+                "f32"
+            });
         for prefill in [t, t - 4] {
             let (got, vocab) = logits(&path, &ids, prefill, &LoadOptions::default()).unwrap();
             let s = score(&got, &want.data, vocab);
-            let label = format!("{name}/{} prefill {prefill}", if f.is_empty() { "hf" } else { &f });
+            let label = format!(
+                "{name}/{} prefill {prefill}",
+                if f.is_empty() { "hf" } else { &f }
+            );
             assert_bar(&label, &s, llamacpp_rms(name, ty));
         }
     }

@@ -65,7 +65,11 @@ fn parse_split_name(path: &Path) -> Option<(PathBuf, usize, usize)> {
     if !digits(no) || !digits(count) || prefix.is_empty() {
         return None;
     }
-    Some((path.with_file_name(prefix), no.parse().ok()?, count.parse().ok()?))
+    Some((
+        path.with_file_name(prefix),
+        no.parse().ok()?,
+        count.parse().ok()?,
+    ))
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
@@ -85,7 +89,10 @@ fn split_keys(path: &Path, p: &reader::Parsed) -> Result<Option<(u64, u64)>> {
                 Error::config(
                     path,
                     key,
-                    format!("expected an unsigned integer, found {}", p.metadata[i].1.describe()),
+                    format!(
+                        "expected an unsigned integer, found {}",
+                        p.metadata[i].1.describe()
+                    ),
                 )
             }),
         }
@@ -181,7 +188,10 @@ impl GgufFile {
                 return Err(Error::config(
                     &first.0.path,
                     keys::SPLIT_TENSORS_COUNT,
-                    format!("says {}, but the {count} shards hold {total} tensors", v.describe()),
+                    format!(
+                        "says {}, but the {count} shards hold {total} tensors",
+                        v.describe()
+                    ),
                 ));
             }
         }
@@ -207,9 +217,19 @@ impl GgufFile {
         let mut head = None;
         for (i, (shard, parsed)) in parts.into_iter().enumerate() {
             shards.push(shard);
-            tensors.extend(parsed.tensors.into_iter().map(|raw| TensorEntry { raw, shard: i }));
+            tensors.extend(
+                parsed
+                    .tensors
+                    .into_iter()
+                    .map(|raw| TensorEntry { raw, shard: i }),
+            );
             if i == 0 {
-                head = Some((parsed.version, parsed.alignment, parsed.metadata, parsed.key_index));
+                head = Some((
+                    parsed.version,
+                    parsed.alignment,
+                    parsed.metadata,
+                    parsed.key_index,
+                ));
             }
         }
         let (version, alignment, metadata, key_index) = head.expect("at least one part");
@@ -280,7 +300,9 @@ impl GgufFile {
     ) -> Result<Option<T>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => f(v).map(Some).ok_or_else(|| self.wrong_type(key, expected, v)),
+            Some(v) => f(v)
+                .map(Some)
+                .ok_or_else(|| self.wrong_type(key, expected, v)),
         }
     }
 
@@ -402,7 +424,10 @@ impl GgufFile {
                     return Err(Error::config(
                         self.path(),
                         key,
-                        format!("array has {} elements, expected one per layer ({n_layer})", a.len()),
+                        format!(
+                            "array has {} elements, expected one per layer ({n_layer})",
+                            a.len()
+                        ),
                     ));
                 }
                 Ok(a)
@@ -416,7 +441,7 @@ impl GgufFile {
         self.get_str(keys::GENERAL_ARCHITECTURE)
     }
 
-    fn tensor_ref(&self, t: &TensorEntry) -> TensorRef<'_> {
+    fn tensor_ref<'s>(&'s self, t: &'s TensorEntry) -> TensorRef<'s> {
         let shard = &self.shards[t.shard];
         // In bounds: reader::parse checked start + n_bytes <= file length.
         let (start, len) = (t.raw.start as usize, t.raw.n_bytes as usize);

@@ -142,7 +142,11 @@ fn read_value(c: &mut Cursor<'_>, ty: u32, key: &str, depth: u32) -> Result<Valu
         type_id::STR => {
             let bytes = c.string_bytes(what)?;
             let s = std::str::from_utf8(bytes).map_err(|e| {
-                Error::config(c.path, key, format!("string value is not valid UTF-8 ({e})"))
+                Error::config(
+                    c.path,
+                    key,
+                    format!("string value is not valid UTF-8 ({e})"),
+                )
             })?;
             Value::Str(s.to_string())
         }
@@ -339,7 +343,7 @@ pub(crate) fn parse(path: &Path, buf: &[u8]) -> Result<Parsed> {
             )
         })?;
         let raw = check_tensor(path, &name, dtype, &ne)?;
-        if offset % alignment != 0 {
+        if !offset.is_multiple_of(alignment) {
             return Err(Error::tensor(
                 path,
                 name,
@@ -405,13 +409,17 @@ fn check_tensor(path: &Path, name: &str, dtype: DType, ne: &[u64]) -> Result<(Ve
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
         .filter(|&n| n <= i64::MAX as u64)
         .ok_or_else(|| {
-            Error::tensor(path, name, format!("element count of shape ne = {ne:?} overflows"))
+            Error::tensor(
+                path,
+                name,
+                format!("element count of shape ne = {ne:?} overflows"),
+            )
         })?;
     let row = ne.first().copied().unwrap_or(1);
     let bs = dtype.block_size() as u64;
     // ggml quantizes along rows: each row (ne[0]) must be whole blocks, which also makes the
     // element count a multiple of the block size.
-    if row % bs != 0 {
+    if !row.is_multiple_of(bs) {
         return Err(Error::tensor(
             path,
             name,
@@ -422,7 +430,11 @@ fn check_tensor(path: &Path, name: &str, dtype: DType, ne: &[u64]) -> Result<(Ve
         ));
     }
     let n_bytes = dtype.bytes_for(n).ok_or_else(|| {
-        Error::tensor(path, name, format!("byte size of {n} {} elements overflows", dtype.name()))
+        Error::tensor(
+            path,
+            name,
+            format!("byte size of {n} {} elements overflows", dtype.name()),
+        )
     })?;
     Ok((ne.iter().rev().copied().collect(), n_bytes))
 }

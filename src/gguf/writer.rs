@@ -214,13 +214,15 @@ impl GgufWriter {
             return Err(bad(format!("{dtype} has no ggml type id")));
         }
         if shape.is_empty() || shape.len() > MAX_DIMS as usize {
-            return Err(bad(format!("shape {shape:?} must have 1 to {MAX_DIMS} dimensions")));
+            return Err(bad(format!(
+                "shape {shape:?} must have 1 to {MAX_DIMS} dimensions"
+            )));
         }
         if shape.contains(&0) {
             return Err(bad(format!("shape {shape:?} has a zero dimension")));
         }
         let row = *shape.last().expect("shape is not empty");
-        if row % dtype.block_size() as u64 != 0 {
+        if !row.is_multiple_of(dtype.block_size() as u64) {
             return Err(bad(format!(
                 "innermost dimension {row} is not a multiple of the {dtype} block size {}",
                 dtype.block_size()
@@ -264,13 +266,20 @@ impl GgufWriter {
 
     /// Writes a GGUF v3 file. `fill(i, out)` must write exactly
     /// [`tensor_bytes(i)`](Self::tensor_bytes) bytes of tensor `i` (in ggml layout); it is
-    /// called once per tensor, in order. A failed write removes the partial file.
+    /// called once per tensor, in order. A failed write removes the partial file. `split.*`
+    /// keys are left out (use [`write_split`](Self::write_split) for shards).
     pub fn write<F>(&self, path: impl AsRef<Path>, mut fill: F) -> Result<()>
     where
         F: FnMut(usize, &mut dyn Write) -> io::Result<()>,
     {
         let path = path.as_ref();
-        let meta: Vec<&(String, Value)> = self.metadata.iter().collect();
+        // One file is never a shard: split keys copied from a split source would send a
+        // reader looking for shards that do not exist.
+        let meta: Vec<&(String, Value)> = self
+            .metadata
+            .iter()
+            .filter(|(k, _)| !k.starts_with("split."))
+            .collect();
         self.write_part(path, &meta, 0..self.tensors.len(), &mut fill)
     }
 
@@ -306,7 +315,11 @@ impl GgufWriter {
             );
             let mut meta: Vec<&(String, Value)> = Vec::new();
             if no == 0 {
-                meta.extend(self.metadata.iter().filter(|(k, _)| !k.starts_with("split.")));
+                meta.extend(
+                    self.metadata
+                        .iter()
+                        .filter(|(k, _)| !k.starts_with("split.")),
+                );
             } else if self.alignment != DEFAULT_ALIGNMENT {
                 // Alignment shapes each shard's own layout, so every shard says it.
                 meta.push(&align_kv);
@@ -330,7 +343,9 @@ impl GgufWriter {
         let mut plan = Vec::new();
         match split {
             Split::MaxTensors(0) | Split::MaxBytes(0) => {
-                return Err(Error::Invalid(format!("split limit must be positive: {split:?}")))
+                return Err(Error::Invalid(format!(
+                    "split limit must be positive: {split:?}"
+                )))
             }
             Split::MaxTensors(m) => {
                 let mut s = 0;

@@ -27,7 +27,9 @@ impl Gpu {
             mapped_at_creation: false,
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(Error::Gpu(format!("{label}: out of GPU memory allocating {size} bytes: {e}")));
+            return Err(Error::Gpu(format!(
+                "{label}: out of GPU memory allocating {size} bytes: {e}"
+            )));
         }
         Ok(b)
     }

@@ -37,7 +37,9 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
 /// even creating a GL instance probes EGL, which prints noise on a headless server, and GL
 /// compute is the weakest backend.
 fn all_adapters() -> Vec<wgpu::Adapter> {
-    let mut v = pollster::block_on(instance(wgpu::Backends::PRIMARY).enumerate_adapters(wgpu::Backends::PRIMARY));
+    let mut v = pollster::block_on(
+        instance(wgpu::Backends::PRIMARY).enumerate_adapters(wgpu::Backends::PRIMARY),
+    );
     if v.is_empty() {
         v = pollster::block_on(instance(wgpu::Backends::GL).enumerate_adapters(wgpu::Backends::GL));
     }

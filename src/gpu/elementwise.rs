@@ -1,21 +1,159 @@
-//! Elementwise kernels (`shaders/elementwise.wgsl`). CPU references: `cpu::ops`.
+//! Elementwise kernels (`shaders/elementwise.wgsl`) over `[n_rows, n_cols]` views of f32
+//! buffers. CPU references: `cpu::ops` (`silu`, `sigmoid`, `swiglu`) or plain arithmetic.
+//!
+//! Buffers: an op's output and its inputs must be different buffers (wgpu rejects a dispatch
+//! that binds one buffer both read-only and writable); updates of a buffer by itself go
+//! through the `*_inplace` ops, `add_inplace` and `axpy_row`.
 
 use super::{grid, Binding, Pass, PipelineSpec};
-use crate::Result;
+use crate::{Error, Result};
 
 const SRC: &str = include_str!("../../shaders/elementwise.wgsl");
 const WG: u32 = 256;
+
+/// Rows of an f32 buffer: row `r` starts at element `off + r·stride`. `stride: None` means
+/// packed rows (stride = the op's row length); `Some(0)` repeats one row for every row.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    pub buf: &'a wgpu::Buffer,
+    /// In elements.
+    pub off: u32,
+    /// In elements; `None` = packed.
+    pub stride: Option<u32>,
+}
+
+impl<'a> View<'a> {
+    /// Packed rows starting at element `off`.
+    pub fn new(buf: &'a wgpu::Buffer, off: u32) -> Self {
+        View {
+            buf,
+            off,
+            stride: None,
+        }
+    }
+    /// Rows `stride` elements apart starting at element `off`.
+    pub fn strided(buf: &'a wgpu::Buffer, off: u32, stride: u32) -> Self {
+        View {
+            buf,
+            off,
+            stride: Some(stride),
+        }
+    }
+    /// The stride for rows of `row_len` elements.
+    pub fn stride_for(&self, row_len: u32) -> u32 {
+        self.stride.unwrap_or(row_len)
+    }
+    /// Last element index (exclusive) touched by `n_rows` rows of `row_len`, for bounds checks.
+    pub(crate) fn end(&self, n_rows: u32, row_len: u32) -> u64 {
+        if n_rows == 0 {
+            return self.off as u64;
+        }
+        self.off as u64 + (n_rows as u64 - 1) * self.stride_for(row_len) as u64 + row_len as u64
+    }
+    /// Errors when the rows run past the end of the buffer (`what` names the operand).
+    pub(crate) fn check(&self, op: &str, what: &str, n_rows: u32, row_len: u32) -> Result<()> {
+        let end = self.end(n_rows, row_len);
+        if end * 4 > self.buf.size() {
+            return Err(Error::Invalid(format!(
+                "{op}: {what} needs elements up to {end}, its buffer holds {}",
+                self.buf.size() / 4
+            )));
+        }
+        Ok(())
+    }
+}
 
 /// Uniforms of `elementwise.wgsl` (same fields, same order).
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
-    n: u32,
-    a_off: u32,
-    b_off: u32,
+    n_cols: u32,
+    n_rows: u32,
+    /// Offsets and row strides in elements.
     y_off: u32,
+    y_stride: u32,
+    a_off: u32,
+    a_stride: u32,
+    b_off: u32,
+    b_stride: u32,
+    /// Scale, or SwiGLU's clamp limit.
+    alpha: f32,
+    _pad: [u32; 3],
 }
-const _: () = assert!(std::mem::size_of::<Params>() == 16);
+const _: () = assert!(std::mem::size_of::<Params>() == 48);
+
+/// How an operand is read: a full row, or one scalar per row (`cols = 1`).
+#[derive(Clone, Copy)]
+enum Arg<'a> {
+    Rows(View<'a>),
+    Scalar(View<'a>),
+}
+
+impl<'a> Arg<'a> {
+    fn view(&self) -> View<'a> {
+        match self {
+            Arg::Rows(v) | Arg::Scalar(v) => *v,
+        }
+    }
+}
+
+/// Record `entry` on `[n_rows, n_cols]` with output `y` and inputs `args` (bindings 1, 2, 3).
+fn run(
+    pass: &mut Pass<'_>,
+    entry: &'static str,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    args: &[Arg<'_>],
+    alpha: f32,
+) -> Result<()> {
+    let n = n_rows as u64 * n_cols as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    if n > u32::MAX as u64 - WG as u64 {
+        return Err(Error::Invalid(format!(
+            "{entry}: {n_rows}×{n_cols} elements is too many for one dispatch"
+        )));
+    }
+    y.check(entry, "y", n_rows, n_cols)?;
+    let mut offs = [(0u32, 0u32); 2];
+    for (i, a) in args.iter().enumerate() {
+        let (v, len) = match a {
+            Arg::Rows(v) => (v, n_cols),
+            Arg::Scalar(v) => (v, 1),
+        };
+        v.check(entry, ["a", "b"][i], n_rows, len)?;
+        offs[i] = (v.off, v.stride_for(len));
+    }
+    let params = Params {
+        n_cols,
+        n_rows,
+        y_off: y.off,
+        y_stride: y.stride_for(n_cols),
+        a_off: offs[0].0,
+        a_stride: offs[0].1,
+        b_off: offs[1].0,
+        b_stride: offs[1].1,
+        alpha,
+        _pad: [0; 3],
+    };
+    let pl = pass.gpu().pipeline(&PipelineSpec::new(
+        format!("elementwise_{entry}"),
+        SRC,
+        entry,
+    ))?;
+    let mut bindings = vec![Binding::from(y.buf)];
+    bindings.extend(args.iter().map(|a| Binding::from(a.view().buf)));
+    pass.dispatch(
+        &pl,
+        entry,
+        &params,
+        &bindings,
+        grid((n as u32).div_ceil(WG)),
+    );
+    Ok(())
+}
 
 /// `y[y_off..][..n] = a[a_off..][..n] + b[b_off..][..n]` (offsets in elements).
 #[allow(clippy::too_many_arguments)]
@@ -29,13 +167,247 @@ pub fn add(
     y_off: u32,
     n: u32,
 ) -> Result<()> {
-    let pl = pass.gpu().pipeline(&PipelineSpec::new("elementwise_add", SRC, "add"))?;
-    pass.dispatch(
-        &pl,
+    add_rows(
+        pass,
+        1,
+        n,
+        View::new(y, y_off),
+        View::new(a, a_off),
+        View::new(b, b_off),
+    )
+}
+
+/// `y = a + b` on `[n_rows, n_cols]`.
+pub fn add_rows(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    a: View<'_>,
+    b: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
         "add",
-        &Params { n, a_off, b_off, y_off },
-        &[a.into(), b.into(), Binding::from(y)],
-        grid(n.div_ceil(WG)),
-    );
-    Ok(())
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(a), Arg::Rows(b)],
+        0.0,
+    )
+}
+
+/// `y = a ⊙ b`.
+pub fn mul(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    a: View<'_>,
+    b: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "mul",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(a), Arg::Rows(b)],
+        0.0,
+    )
+}
+
+/// `y = alpha · a`.
+pub fn scale(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    a: View<'_>,
+    alpha: f32,
+) -> Result<()> {
+    run(pass, "scale", n_rows, n_cols, y, &[Arg::Rows(a)], alpha)
+}
+
+/// `y = a` (a strided copy; use `Pass::copy` for plain byte ranges).
+pub fn copy(pass: &mut Pass<'_>, n_rows: u32, n_cols: u32, y: View<'_>, a: View<'_>) -> Result<()> {
+    run(pass, "copy", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
+}
+
+/// `y = silu(a) = a / (1 + e^−a)`.
+pub fn silu(pass: &mut Pass<'_>, n_rows: u32, n_cols: u32, y: View<'_>, a: View<'_>) -> Result<()> {
+    run(pass, "silu_op", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
+}
+
+/// `y = sigmoid(a)`.
+pub fn sigmoid(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    a: View<'_>,
+) -> Result<()> {
+    run(pass, "sigmoid_op", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
+}
+
+/// SwiGLU `y = silu(g) ⊙ u`; with `limit` DeepSeek-V4's clamps `g ← min(g, limit)`,
+/// `u ← clamp(u, ±limit)` (`cpu::ops::swiglu`).
+pub fn swiglu(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    g: View<'_>,
+    u: View<'_>,
+    limit: Option<f32>,
+) -> Result<()> {
+    let limit = limit.unwrap_or(f32::MAX);
+    if limit.is_nan() || limit < 0.0 {
+        return Err(Error::Invalid(format!(
+            "swiglu: clamp limit {limit} must be ≥ 0"
+        )));
+    }
+    run(
+        pass,
+        "swiglu",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(g), Arg::Rows(u)],
+        limit,
+    )
+}
+
+/// `y = sigmoid(g) ⊙ x`.
+pub fn sigmoid_mul(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    g: View<'_>,
+    x: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "sigmoid_mul",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(g), Arg::Rows(x)],
+        0.0,
+    )
+}
+
+/// `y[r] = sigmoid(g[r]) · x[r]` with one gate scalar per row (`g` row r at `g.off + r·stride`,
+/// packed stride 1): Qwen's shared-expert gate.
+pub fn sigmoid_mul_row(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    g: View<'_>,
+    x: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "sigmoid_mul_row",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(x), Arg::Scalar(g)],
+        0.0,
+    )
+}
+
+/// `y += a` (the residual add).
+pub fn add_inplace(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    a: View<'_>,
+) -> Result<()> {
+    run(pass, "add_inplace", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
+}
+
+/// `y ⊙= a`.
+pub fn mul_inplace(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    a: View<'_>,
+) -> Result<()> {
+    run(pass, "mul_inplace", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
+}
+
+/// `y *= alpha`.
+pub fn scale_inplace(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    alpha: f32,
+) -> Result<()> {
+    run(pass, "scale_inplace", n_rows, n_cols, y, &[], alpha)
+}
+
+/// `y ⊙= sigmoid(g)` (Qwen3.5 gated attention output `attn · sigmoid(gate)`).
+pub fn sigmoid_mul_inplace(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    g: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "sigmoid_mul_inplace",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(g)],
+        0.0,
+    )
+}
+
+/// `y[r] *= sigmoid(g[r])`, one gate scalar per row.
+pub fn sigmoid_mul_row_inplace(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    g: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "sigmoid_mul_row_inplace",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Scalar(g)],
+        0.0,
+    )
+}
+
+/// `y[r] += w[r] · x[r]`, one weight scalar per row (`w` row r at `w.off + r·stride`, packed
+/// stride 1): the MoE combine of one expert slot, e.g. `w` = routing weights `[n_tok, k]`
+/// viewed with `off = slot`, `stride = k`.
+pub fn axpy_row(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    w: View<'_>,
+    x: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "axpy_row",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(x), Arg::Scalar(w)],
+        0.0,
+    )
 }

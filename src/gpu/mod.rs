@@ -6,7 +6,17 @@ mod device;
 mod pass;
 mod pipeline;
 
+pub mod attention;
+pub mod conv;
 pub mod elementwise;
+pub mod embed;
+pub mod gdn;
+pub mod matmul;
+pub mod matvec;
+pub mod norm;
+pub mod rope;
+pub mod softmax;
+pub mod topk;
 
 pub use buffer::{GpuTensor, TensorPart};
 pub use device::{list_adapters, AdapterChoice, Gpu};
@@ -14,4 +24,19 @@ pub use pass::{grid, Binding, Pass, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec};
 
 /// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.
-pub const SHADERS: &[(&str, &str)] = &[("elementwise", include_str!("../../shaders/elementwise.wgsl"))];
+pub const SHADERS: &[(&str, &str)] = &[
+    ("attention", include_str!("../../shaders/attention.wgsl")),
+    ("conv", include_str!("../../shaders/conv.wgsl")),
+    (
+        "elementwise",
+        include_str!("../../shaders/elementwise.wgsl"),
+    ),
+    ("gdn", include_str!("../../shaders/gdn.wgsl")),
+    ("embed", include_str!("../../shaders/embed.wgsl")),
+    ("norm", include_str!("../../shaders/norm.wgsl")),
+    ("rope", include_str!("../../shaders/rope.wgsl")),
+    ("softmax", include_str!("../../shaders/softmax.wgsl")),
+    ("topk", include_str!("../../shaders/topk.wgsl")),
+    ("matmul", matmul::SRC),
+    ("matvec", matvec::SRC),
+];

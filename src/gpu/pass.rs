@@ -114,7 +114,14 @@ impl<'g> Pass<'g> {
     }
 
     /// Record a buffer-to-buffer copy (ordered with the dispatches around it).
-    pub fn copy(&mut self, src: &wgpu::Buffer, src_off: u64, dst: &wgpu::Buffer, dst_off: u64, size: u64) {
+    pub fn copy(
+        &mut self,
+        src: &wgpu::Buffer,
+        src_off: u64,
+        dst: &wgpu::Buffer,
+        dst_off: u64,
+        size: u64,
+    ) {
         self.ops.push(Op::Copy {
             src: src.clone(),
             src_off,
@@ -137,7 +144,9 @@ impl<'g> Pass<'g> {
         if guard.as_ref().is_none_or(|b| b.size() < need) {
             let size = need.next_power_of_two();
             if size > gpu.limits.max_buffer_size {
-                return Err(Error::Gpu(format!("uniform arena of {size} bytes exceeds max_buffer_size")));
+                return Err(Error::Gpu(format!(
+                    "uniform arena of {size} bytes exceeds max_buffer_size"
+                )));
             }
             *guard = Some(gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("lathe.uniforms"),
@@ -218,7 +227,9 @@ impl<'g> Pass<'g> {
         let gpu = self.gpu;
         let mut enc = gpu
             .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("lathe") });
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("lathe"),
+            });
         self.encode(&mut enc)?;
         let idx = gpu.queue.submit([enc.finish()]);
         gpu.check()?;

@@ -37,7 +37,8 @@ impl PipelineSpec {
     }
     /// The final WGSL text.
     pub fn wgsl(&self) -> Result<String> {
-        preprocess(self.source, &self.defines).map_err(|e| Error::Gpu(format!("{}: {e}", self.label)))
+        preprocess(self.source, &self.defines)
+            .map_err(|e| Error::Gpu(format!("{}: {e}", self.label)))
     }
 }
 
@@ -121,23 +122,40 @@ impl Gpu {
         // Validate with naga first: wgpu would report a bad shader through the uncaptured
         // error handler and hand back an invalid pipeline.
         let module = naga::front::wgsl::parse_str(&wgsl).map_err(|e| {
-            Error::Gpu(format!("{}: WGSL parse error: {}", spec.label, e.emit_to_string(&wgsl)))
+            Error::Gpu(format!(
+                "{}: WGSL parse error: {}",
+                spec.label,
+                e.emit_to_string(&wgsl)
+            ))
         })?;
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
-            .validate(&module)
-            .map_err(|e| Error::Gpu(format!("{}: WGSL validation error: {}", spec.label, e.emit_to_string(&wgsl))))?;
-        let sm = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(&spec.label),
-            source: wgpu::ShaderSource::Wgsl(wgsl.into()),
-        });
-        let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(&spec.label),
-            layout: None,
-            module: &sm,
-            entry_point: Some(spec.entry),
-            compilation_options: Default::default(),
-            cache: None,
-        });
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .map_err(|e| {
+            Error::Gpu(format!(
+                "{}: WGSL validation error: {}",
+                spec.label,
+                e.emit_to_string(&wgsl)
+            ))
+        })?;
+        let sm = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(&spec.label),
+                source: wgpu::ShaderSource::Wgsl(wgsl.into()),
+            });
+        let p = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(&spec.label),
+                layout: None,
+                module: &sm,
+                entry_point: Some(spec.entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
         self.check()?;
         let p = Arc::new(p);
         self.pipelines
@@ -156,7 +174,10 @@ mod tests {
     #[test]
     fn preprocess_branches() {
         let src = "a\n#if X\nb\n#else\nc\n#endif\n#ifdef Y\nd\n#endif\ne";
-        let defs = vec![("X".to_string(), "1".to_string()), ("N".to_string(), "4".to_string())];
+        let defs = vec![
+            ("X".to_string(), "1".to_string()),
+            ("N".to_string(), "4".to_string()),
+        ];
         let out = preprocess(src, &defs).unwrap();
         assert!(out.contains("const N = 4;"));
         assert!(out.contains("b") && !out.contains("\nc\n") && !out.contains("d"));

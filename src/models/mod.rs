@@ -5,6 +5,7 @@
 //! This file holds what every family shares: the opened model file and the description of
 //! a weight as the loaders hand it to a backend (GPU upload or CPU reference).
 
+pub mod deepseek4;
 pub mod qwen35;
 
 use crate::gguf::GgufFile;
@@ -109,9 +110,9 @@ impl Weight<'_> {
     pub fn shape(&self) -> &[u64] {
         match self {
             Weight::Stored(t) => t.shape,
-            Weight::Rows { shape, .. } | Weight::F32 { shape, .. } | Weight::Stack { shape, .. } => {
-                shape
-            }
+            Weight::Rows { shape, .. }
+            | Weight::F32 { shape, .. }
+            | Weight::Stack { shape, .. } => shape,
         }
     }
     pub fn dtype(&self) -> DType {
@@ -131,7 +132,11 @@ impl Weight<'_> {
                 let mut bytes = Vec::with_capacity(rb * rows.len());
                 for &r in rows {
                     if r >= src.n_rows() {
-                        return Err(Error::tensor(src.path, src.name, format!("row {r} out of range")));
+                        return Err(Error::tensor(
+                            src.path,
+                            src.name,
+                            format!("row {r} out of range"),
+                        ));
                     }
                     bytes.extend_from_slice(&src.data[r as usize * rb..(r as usize + 1) * rb]);
                 }

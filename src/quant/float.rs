@@ -4,6 +4,8 @@
 //! bf16 quiets NaNs; FP8 and E8M0 follow the OCP microscaling spec as torch implements it
 //! (`float8_e4m3fn`, `float8_e8m0fnu`).
 
+#![allow(clippy::needless_range_loop)] // index loops mirror the reference's block layout arithmetic
+
 use half::slice::HalfFloatSliceExt;
 
 /// IEEE binary16 bits → f32 (exact).
@@ -85,10 +87,7 @@ pub(super) fn dequantize(dtype: crate::DType, data: &[u8], out: &mut [f32]) {
         }
         T::F16 => {
             let mut bits = [0u16; F16_CHUNK];
-            for (y, b) in out
-                .chunks_mut(F16_CHUNK)
-                .zip(data.chunks(2 * F16_CHUNK))
-            {
+            for (y, b) in out.chunks_mut(F16_CHUNK).zip(data.chunks(2 * F16_CHUNK)) {
                 read_u16s(b, &mut bits);
                 let h: &[half::f16] = bytemuck::cast_slice(&bits[..y.len()]);
                 h.convert_to_f32_slice(y);
@@ -171,6 +170,19 @@ pub(super) fn quantize(dtype: crate::DType, x: &[f32], out: &mut [u8]) {
 #[inline]
 pub(super) fn sum8(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+}
+
+/// Σ a·b over 32 elements in 8 lanes.
+#[inline(always)]
+pub(super) fn dot32(a: &[f32; 32], b: &[f32]) -> f32 {
+    let b: &[f32; 32] = b.try_into().expect("32 activations");
+    let mut s = [0f32; 8];
+    for c in 0..4 {
+        for i in 0..8 {
+            s[i] += a[8 * c + i] * b[8 * c + i];
+        }
+    }
+    sum8(s)
 }
 
 /// `row · x` for an F32 row.

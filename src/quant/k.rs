@@ -6,7 +6,10 @@
 //! same f32 operations in the same order and ggml's `nearest_int` (round half to even through
 //! the 1.5·2^23 trick), so the bytes equal what `llama-quantize` writes without an imatrix.
 
+#![allow(clippy::needless_range_loop)] // index loops mirror the reference's block layout arithmetic
+
 use super::float::{f16_to_f32, f32_to_f16, sum8};
+use super::search::{make_qkx2_x8, make_qx_x8, to_lanes, GROUP_MAX_EPS, LANES};
 use bytemuck::{Pod, Zeroable};
 
 pub(super) const QK_K: usize = 256;
@@ -152,7 +155,11 @@ pub(super) fn dequant_q3_k(b: &BlockQ3K, y: &mut [f32; QK_K]) {
                 let base = 128 * n + 32 * j + 16 * half;
                 for l in 0..16 {
                     let lo = ((q[16 * half + l] >> shift) & 3) as i32;
-                    let off = if b.hmask[16 * half + l] & m != 0 { 0 } else { 4 };
+                    let off = if b.hmask[16 * half + l] & m != 0 {
+                        0
+                    } else {
+                        4
+                    };
                     y[base + l] = dl * (lo - off) as f32;
                 }
             }
@@ -222,38 +229,8 @@ pub(super) fn dequant_q6_k(b: &BlockQ6K, y: &mut [f32; QK_K]) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Dot products (Q4_K and Q6_K are the common weight types; the others go through the
-// dequantize-into-a-stack-buffer fallback in mod.rs).
-
-pub(super) fn dot_q4_k(blocks: &[BlockQ4K], x: &[[f32; QK_K]]) -> f32 {
-    let mut acc = 0f32;
-    for (b, xs) in blocks.iter().zip(x) {
-        let (d, dmin) = (h(b.d), h(b.dmin));
-        let mut sum_q = 0f32;
-        let mut sum_m = 0f32;
-        for c in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * c, &b.scales);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &b.scales);
-            let q = &b.qs[32 * c..32 * c + 32];
-            let xa = &xs[64 * c..64 * c + 32];
-            let xb = &xs[64 * c + 32..64 * c + 64];
-            let (mut s1, mut s2, mut x1, mut x2) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
-            for k in 0..4 {
-                for i in 0..8 {
-                    let l = 8 * k + i;
-                    s1[i] += (q[l] & 0x0f) as f32 * xa[l];
-                    s2[i] += (q[l] >> 4) as f32 * xb[l];
-                    x1[i] += xa[l];
-                    x2[i] += xb[l];
-                }
-            }
-            sum_q += sc1 as f32 * sum8(s1) + sc2 as f32 * sum8(s2);
-            sum_m += m1 as f32 * sum8(x1) + m2 as f32 * sum8(x2);
-        }
-        acc += d * sum_q - dmin * sum_m;
-    }
-    acc
-}
+// Dot product for Q6_K (the other K types measure as fast or faster through the
+// dequantize-into-a-stack-buffer path in mod.rs).
 
 pub(super) fn dot_q6_k(blocks: &[BlockQ6K], x: &[[f32; QK_K]]) -> f32 {
     let mut acc = 0f32;
@@ -288,85 +265,6 @@ pub(super) fn dot_q6_k(blocks: &[BlockQ6K], x: &[[f32; QK_K]]) -> f32 {
 // ---------------------------------------------------------------------------------------
 // Reference quantizers.
 
-/// ggml's `make_qkx2_quants`: fit `x ≈ scale·L − the_min` with L in 0..=nmax and min ≤ 0,
-/// weighted, trying `nstep + 1` scales around `nmax / (max − min)` and keeping the best.
-/// Returns (scale, the_min).
-#[allow(clippy::too_many_arguments)]
-fn make_qkx2<const N: usize>(
-    nmax: i32,
-    x: &[f32; N],
-    w: &[f32; N],
-    l: &mut [u8; N],
-    rmin: f32,
-    rdelta: f32,
-    nstep: i32,
-    use_mad: bool,
-) -> (f32, f32) {
-    let (mut min, mut max) = (x[0], x[0]);
-    let mut sum_w = w[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..N {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        sum_w += w[i];
-        sum_x += w[i] * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max == min {
-        l.fill(0);
-        return (0.0, -min);
-    }
-    let err = |d: f32| if use_mad { d.abs() } else { d * d };
-    let nmaxf = nmax as f32;
-    let iscale = nmaxf / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_error = 0f32;
-    for i in 0..N {
-        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l[i] = q as u8;
-        best_error += w[i] * err(scale * q as f32 + min - x[i]);
-    }
-    let mut laux = [0u8; N];
-    for is in 0..=nstep {
-        let iscale = (rmin + rdelta * is as f32 + nmaxf) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for i in 0..N {
-            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            laux[i] = q as u8;
-            let lf = q as f32;
-            sum_l += w[i] * lf;
-            sum_l2 += w[i] * lf * lf;
-            sum_xl += w[i] * lf * x[i];
-        }
-        let det = sum_w * sum_l2 - sum_l * sum_l;
-        if det > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
-            }
-            let mut cur_error = 0f32;
-            for i in 0..N {
-                cur_error += w[i] * err(this_scale * laux[i] as f32 + this_min - x[i]);
-            }
-            if cur_error < best_error {
-                *l = laux;
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    (scale, -min)
-}
-
 /// The signed value of largest magnitude (first on ties) and its magnitude.
 #[inline]
 fn signed_absmax(x: &[f32]) -> (f32, f32) {
@@ -379,9 +277,6 @@ fn signed_absmax(x: &[f32]) -> (f32, f32) {
     }
     (max, amax)
 }
-
-/// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below this counts as zero.
-const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// ggml's `make_q3_quants` with `do_rmse`: symmetric levels −nmax..nmax−1, weights x², then
 /// up to 5 rounds of moving single levels while the weighted fit improves. `l` gets the
@@ -437,51 +332,6 @@ fn make_q3<const N: usize>(nmax: i32, x: &[f32; N], l: &mut [i8; N]) -> f32 {
     }
 }
 
-/// ggml's `make_qx_quants` with `rmse_type == 1` and no importance weights (weights x²):
-/// symmetric levels −nmax..nmax−1, 19 candidate scales, least-squares scale of the best.
-/// `l` gets the levels offset by nmax. Returns the scale.
-fn make_qx<const N: usize>(nmax: i32, x: &[f32; N], l: &mut [i8; N]) -> f32 {
-    let (max, amax) = signed_absmax(x);
-    if amax < GROUP_MAX_EPS {
-        l.fill(0);
-        return 0.0;
-    }
-    let nmaxf = nmax as f32;
-    let fit = |iscale: f32| {
-        let (mut sumlx, mut suml2) = (0f32, 0f32);
-        for &v in x {
-            let q = nearest_int(iscale * v).clamp(-nmax, nmax - 1) as f32;
-            let w = v * v;
-            sumlx += w * v * q;
-            suml2 += w * q * q;
-        }
-        (sumlx, suml2)
-    };
-    let assign = |iscale: f32, l: &mut [i8; N]| {
-        for (li, &v) in l.iter_mut().zip(x) {
-            *li = (nmax + nearest_int(iscale * v).clamp(-nmax, nmax - 1)) as i8;
-        }
-    };
-    let iscale = -nmaxf / max;
-    assign(iscale, l);
-    let (sumlx, suml2) = fit(iscale);
-    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
-    let mut best = scale * sumlx;
-    for is in -9..=9 {
-        if is == 0 {
-            continue;
-        }
-        let iscale = -(nmaxf + 0.1 * is as f32) / max;
-        let (sumlx, suml2) = fit(iscale);
-        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
-            assign(iscale, l);
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
-    }
-    scale
-}
-
 /// Packs 256 two-bit levels as Q2_K / Q3_K `qs`.
 fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; 64]) {
     for n in 0..2 {
@@ -497,12 +347,23 @@ pub(super) fn quant_q2_k(x: &[f32; QK_K], b: &mut BlockQ2K) {
     let mut l = [0u8; QK_K];
     let mut scales = [0f32; 16];
     let mut mins = [0f32; 16];
+    // 16 sub-blocks of 16, weights |x|, searched 8 at a time.
+    for half in 0..2 {
+        let xs = &x[128 * half..128 * half + 128];
+        let xt = to_lanes::<16>(xs);
+        let wt = xt.map(|v| v.map(f32::abs));
+        let mut lt = [[0u8; LANES]; 16];
+        let (s, m) = make_qkx2_x8::<16, true>(3, &xt, &wt, &mut lt, -0.5, 0.1, 15);
+        for k in 0..LANES {
+            scales[8 * half + k] = s[k];
+            mins[8 * half + k] = m[k];
+            for i in 0..16 {
+                l[128 * half + 16 * k + i] = lt[i][k];
+            }
+        }
+    }
     let (mut max_scale, mut max_min) = (0f32, 0f32);
     for j in 0..16 {
-        let xs: &[f32; 16] = x[16 * j..16 * j + 16].try_into().expect("16");
-        let w = xs.map(f32::abs);
-        let ls: &mut [u8; 16] = (&mut l[16 * j..16 * j + 16]).try_into().expect("16");
-        (scales[j], mins[j]) = make_qkx2(3, xs, &w, ls, -0.5, 0.1, 15, true);
         max_scale = max_scale.max_ref(scales[j]);
         max_min = max_min.max_ref(mins[j]);
     }
@@ -619,24 +480,35 @@ fn quant_k4_scales(
     dmin_out: &mut [u8; 2],
     scales_out: &mut [u8; 12],
 ) -> [u8; QK_K] {
-    let mut l = [0u8; QK_K];
-    let mut scales = [0f32; 8];
-    let mut mins = [0f32; 8];
-    let (mut max_scale, mut max_min) = (0f32, 0f32);
-    for j in 0..8 {
-        let xs: &[f32; 32] = x[32 * j..32 * j + 32].try_into().expect("32");
+    // Weights rms(sub-block) + |x|, as the reference.
+    let xt = to_lanes::<32>(x);
+    let mut wt = [[0f32; LANES]; 32];
+    for k in 0..LANES {
         let mut sum_x2 = 0f32;
-        for &v in xs {
-            sum_x2 += v * v;
+        for i in 0..32 {
+            sum_x2 += xt[i][k] * xt[i][k];
         }
         let av_x = (sum_x2 / 32.0).sqrt();
-        let w = xs.map(|v| av_x + v.abs());
-        let ls: &mut [u8; 32] = (&mut l[32 * j..32 * j + 32]).try_into().expect("32");
-        (scales[j], mins[j]) = make_qkx2(nmax, xs, &w, ls, rmin, 0.1, nstep, false);
-        max_scale = max_scale.max_ref(scales[j]);
-        max_min = max_min.max_ref(mins[j]);
+        for i in 0..32 {
+            wt[i][k] = av_x + xt[i][k].abs();
+        }
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let mut lt = [[0u8; LANES]; 32];
+    let (scales, mins) = make_qkx2_x8::<32, false>(nmax, &xt, &wt, &mut lt, rmin, 0.1, nstep);
+    let mut l = [0u8; QK_K];
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for k in 0..LANES {
+        for i in 0..32 {
+            l[32 * k + i] = lt[i][k];
+        }
+        max_scale = max_scale.max_ref(scales[k]);
+        max_min = max_min.max_ref(mins[k]);
+    }
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
@@ -696,11 +568,18 @@ pub(super) fn quant_q5_k(x: &[f32; QK_K], b: &mut BlockQ5K) {
 pub(super) fn quant_q6_k(x: &[f32; QK_K], b: &mut BlockQ6K) {
     let mut l = [0i8; QK_K];
     let mut scales = [0f32; 16];
+    for half in 0..2 {
+        let mut lt = [[0i8; LANES]; 16];
+        let s = make_qx_x8::<16>(32, &to_lanes(&x[128 * half..128 * half + 128]), &mut lt);
+        for k in 0..LANES {
+            scales[8 * half + k] = s[k];
+            for i in 0..16 {
+                l[128 * half + 16 * k + i] = lt[i][k];
+            }
+        }
+    }
     let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
     for j in 0..16 {
-        let xs: &[f32; 16] = x[16 * j..16 * j + 16].try_into().expect("16");
-        let ls: &mut [i8; 16] = (&mut l[16 * j..16 * j + 16]).try_into().expect("16");
-        scales[j] = make_qx(32, xs, ls);
         if scales[j].abs() > max_abs_scale {
             max_abs_scale = scales[j].abs();
             max_scale = scales[j];
@@ -732,7 +611,8 @@ pub(super) fn quant_q6_k(x: &[f32; QK_K], b: &mut BlockQ6K) {
             let q = [l[j], l[j + 32], l[j + 64], l[j + 96]].map(|v| v as u8);
             b.ql[64 * n + i] = (q[0] & 0x0f) | ((q[2] & 0x0f) << 4);
             b.ql[64 * n + i + 32] = (q[1] & 0x0f) | ((q[3] & 0x0f) << 4);
-            b.qh[32 * n + i] = (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6);
+            b.qh[32 * n + i] =
+                (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6);
         }
     }
 }

@@ -6,7 +6,9 @@
 //! element j. Scales are f16 (stored here as raw bytes so every block struct has alignment 1
 //! and can be cast from any `&[u8]`).
 
-use super::float::{f16_to_f32, f32_to_f16, sum8};
+#![allow(clippy::needless_range_loop)] // index loops mirror the reference's block layout arithmetic
+
+use super::float::{dot32, f16_to_f32, f32_to_f16};
 use bytemuck::{Pod, Zeroable};
 
 pub(super) const QK: usize = 32;
@@ -90,26 +92,31 @@ pub(super) fn dequant_q4_1(b: &BlockQ4_1, y: &mut [f32; QK]) {
     }
 }
 
-/// The 5-bit value of element j (0..32) of a Q5 block.
+/// The 5-bit levels of elements j and j+16 of a Q5 block (fifth bits from `qh`).
 #[inline]
-fn q5(qs: &[u8; 16], qh: u32, j: usize) -> u8 {
-    let lo = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
-    lo | ((((qh >> j) & 1) as u8) << 4)
+fn q5_pair(qs: &[u8; 16], qh: u32, j: usize) -> (u8, u8) {
+    let h0 = (((qh >> j) << 4) & 0x10) as u8;
+    let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+    ((qs[j] & 0x0f) | h0, (qs[j] >> 4) | h1)
 }
 
 pub(super) fn dequant_q5_0(b: &BlockQ5_0, y: &mut [f32; QK]) {
     let d = h(b.d);
     let qh = u32::from_le_bytes(b.qh);
-    for (j, v) in y.iter_mut().enumerate() {
-        *v = (q5(&b.qs, qh, j) as i32 - 16) as f32 * d;
+    for j in 0..QK / 2 {
+        let (q0, q1) = q5_pair(&b.qs, qh, j);
+        y[j] = (q0 as i32 - 16) as f32 * d;
+        y[j + QK / 2] = (q1 as i32 - 16) as f32 * d;
     }
 }
 
 pub(super) fn dequant_q5_1(b: &BlockQ5_1, y: &mut [f32; QK]) {
     let (d, m) = (h(b.d), h(b.m));
     let qh = u32::from_le_bytes(b.qh);
-    for (j, v) in y.iter_mut().enumerate() {
-        *v = q5(&b.qs, qh, j) as f32 * d + m;
+    for j in 0..QK / 2 {
+        let (q0, q1) = q5_pair(&b.qs, qh, j);
+        y[j] = q0 as f32 * d + m;
+        y[j + QK / 2] = q1 as f32 * d + m;
     }
 }
 
@@ -228,32 +235,11 @@ pub(super) fn quant_q8_0(x: &[f32; QK], b: &mut BlockQ8_0) {
 // ---------------------------------------------------------------------------------------
 // Dot products against f32 activations, one block at a time with 8 independent lanes.
 
-pub(super) fn dot_q4_0(blocks: &[BlockQ4_0], x: &[[f32; QK]]) -> f32 {
-    let mut acc = 0f32;
-    for (b, xs) in blocks.iter().zip(x) {
-        let mut s = [0f32; 8];
-        for c in 0..2 {
-            for i in 0..8 {
-                let q = b.qs[8 * c + i];
-                s[i] += ((q & 0x0f) as i32 - 8) as f32 * xs[8 * c + i]
-                    + ((q >> 4) as i32 - 8) as f32 * xs[16 + 8 * c + i];
-            }
-        }
-        acc += h(b.d) * sum8(s);
-    }
-    acc
-}
-
 pub(super) fn dot_q8_0(blocks: &[BlockQ8_0], x: &[[f32; QK]]) -> f32 {
     let mut acc = 0f32;
     for (b, xs) in blocks.iter().zip(x) {
-        let mut s = [0f32; 8];
-        for c in 0..4 {
-            for i in 0..8 {
-                s[i] += b.qs[8 * c + i] as i8 as f32 * xs[8 * c + i];
-            }
-        }
-        acc += h(b.d) * sum8(s);
+        let q = b.qs.map(|v| v as i8 as f32);
+        acc += h(b.d) * dot32(&q, xs);
     }
     acc
 }

@@ -12,6 +12,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::Parts;
 use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
 
 /// The `tokenizer.ggml.*` fields of a GGUF file.
 #[derive(Clone, Debug, Default)]
@@ -58,7 +59,7 @@ const LLAMA3: &[&str] = &[
 const DEEPSEEK3: &[&str] = &[
     r"\p{N}{1,3}",
     "[\u{4E00}-\u{9FA5}\u{3040}-\u{309F}\u{30A0}-\u{30FF}]+",
-    r#"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"#,
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
 ];
 
 /// The regexes for a `tokenizer.ggml.pre` name, and whether a word found whole in the
@@ -79,6 +80,105 @@ fn pre_tokenizer(pre: Option<&str>) -> Result<(&'static [&'static str], bool)> {
     })
 }
 
+impl GgufVocab {
+    /// Reads the `tokenizer.ggml.*` keys (and `tokenizer.chat_template`). A file without
+    /// `tokenizer.ggml.model` gets model "none".
+    pub fn from_gguf(file: &GgufFile) -> Result<GgufVocab> {
+        let path = file.path();
+        let bad = |key: &str, want: &str| Error::config(path, key, format!("expected {want}"));
+        let string = |key: &str| -> Result<Option<String>> {
+            match file.get(key) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_str()
+                    .map(|s| Some(s.to_string()))
+                    .ok_or_else(|| bad(key, "a string")),
+            }
+        };
+        let strings = |key: &str| -> Result<Vec<String>> {
+            let Some(v) = file.get(key) else {
+                return Ok(Vec::new());
+            };
+            let arr = v
+                .as_array()
+                .ok_or_else(|| bad(key, "an array of strings"))?;
+            arr.iter()
+                .map(|e| {
+                    e.as_str()
+                        .map(String::from)
+                        .ok_or_else(|| bad(key, "an array of strings"))
+                })
+                .collect()
+        };
+        let id = |key: &str| -> Result<Option<u32>> {
+            match file.get(key) {
+                None => Ok(None),
+                Some(v) => match v.as_u64() {
+                    Some(n) => u32::try_from(n)
+                        .map(Some)
+                        .map_err(|_| bad(key, "a token id")),
+                    // Some converters write -1 for "none".
+                    None if v.as_i64() == Some(-1) => Ok(None),
+                    None => Err(bad(key, "a token id")),
+                },
+            }
+        };
+        let token_types = match file.get("tokenizer.ggml.token_type") {
+            None => None,
+            Some(v) => {
+                let key = "tokenizer.ggml.token_type";
+                let arr = v
+                    .as_array()
+                    .ok_or_else(|| bad(key, "an array of integers"))?;
+                let types: Option<Vec<i32>> = arr
+                    .iter()
+                    .map(|e| e.as_i64().and_then(|n| i32::try_from(n).ok()))
+                    .collect();
+                Some(types.ok_or_else(|| bad(key, "an array of integers"))?)
+            }
+        };
+        let pre = string("tokenizer.ggml.pre")?;
+        let add_bos = match file.get("tokenizer.ggml.add_bos_token") {
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad("tokenizer.ggml.add_bos_token", "a bool"))?,
+            // llama.cpp adds BOS by default for Llama 3's vocabulary only among the BPE ones.
+            None => matches!(pre.as_deref(), Some("llama-bpe" | "llama3")),
+        };
+        Ok(GgufVocab {
+            model: string("tokenizer.ggml.model")?.unwrap_or_else(|| "none".into()),
+            pre,
+            tokens: strings("tokenizer.ggml.tokens")?,
+            token_types,
+            merges: strings("tokenizer.ggml.merges")?,
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            eot: id("tokenizer.ggml.eot_token_id")?,
+            pad: id("tokenizer.ggml.padding_token_id")?,
+            add_bos,
+            chat_template: string("tokenizer.chat_template")?,
+        })
+    }
+}
+
+impl super::Tokenizer {
+    /// The tokenizer of a GGUF model file; errors name the file. A model converted without a
+    /// vocabulary (`tokenizer.ggml.model = "none"`) gives "this model has no vocabulary; pass
+    /// token ids".
+    pub fn from_gguf(file: &GgufFile) -> Result<super::Tokenizer> {
+        let v = GgufVocab::from_gguf(file)?;
+        let mut parts = build(v).map_err(|e| match e {
+            Error::Invalid(what) | Error::Unsupported(what) => {
+                Error::config(file.path(), "tokenizer.ggml.model", what)
+            }
+            Error::Format { what, .. } => Error::format(file.path(), what),
+            other => other,
+        })?;
+        parts.source = file.path().to_path_buf();
+        super::Tokenizer::assemble(parts)
+    }
+}
+
 pub(super) fn build(v: GgufVocab) -> Result<Parts> {
     let source = PathBuf::from("<gguf vocabulary>");
     match v.model.as_str() {
@@ -90,8 +190,8 @@ pub(super) fn build(v: GgufVocab) -> Result<Parts> {
         }
         other => {
             return Err(Error::Unsupported(format!(
-                "tokenizer model `{other}` (tokenizer.ggml.model); lathe reads byte-level BPE (gpt2)"
-            )))
+            "tokenizer model `{other}` (tokenizer.ggml.model); lathe reads byte-level BPE (gpt2)"
+        )))
         }
     }
     if let Some(types) = &v.token_types {
@@ -118,7 +218,11 @@ pub(super) fn build(v: GgufVocab) -> Result<Parts> {
     for (i, m) in v.merges.iter().enumerate() {
         // The separator is the first space after the first character (a byte-level token has
         // no raw spaces, but a left part made of a space alone would start with one).
-        let split = m.char_indices().skip(1).find(|&(_, c)| c == ' ').map(|(at, _)| at);
+        let split = m
+            .char_indices()
+            .skip(1)
+            .find(|&(_, c)| c == ' ')
+            .map(|(at, _)| at);
         let Some(at) = split else {
             return Err(Error::format(
                 &source,
@@ -135,8 +239,12 @@ pub(super) fn build(v: GgufVocab) -> Result<Parts> {
 
     let mut pre: Vec<PreTokenizerWrapper> = Vec::with_capacity(regexes.len() + 1);
     for r in regexes {
-        let split = Split::new(SplitPattern::Regex(r.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| Error::Invalid(format!("pre-tokenizer regex `{r}`: {e}")))?;
+        let split = Split::new(
+            SplitPattern::Regex(r.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| Error::Invalid(format!("pre-tokenizer regex `{r}`: {e}")))?;
         pre.push(split.into());
     }
     pre.push(ByteLevel::new(false, true, false).into());
@@ -180,11 +288,23 @@ mod tests {
 
     #[test]
     fn every_named_pre_tokenizer_compiles() {
-        for name in ["default", "gpt2", "qwen2", "qwen35", "llama-bpe", "deepseek-v3", "deepseek-v4"] {
+        for name in [
+            "default",
+            "gpt2",
+            "qwen2",
+            "qwen35",
+            "llama-bpe",
+            "deepseek-v3",
+            "deepseek-v4",
+        ] {
             let (regexes, _) = pre_tokenizer(Some(name)).unwrap();
             for r in regexes {
-                Split::new(SplitPattern::Regex(r.to_string()), SplitDelimiterBehavior::Isolated, false)
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                Split::new(
+                    SplitPattern::Regex(r.to_string()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
             }
         }
         assert!(pre_tokenizer(Some("no-such-pre")).is_err());
@@ -196,7 +316,10 @@ mod tests {
             model: "none".into(),
             ..Default::default()
         };
-        let err = super::super::Tokenizer::from_gguf_vocab(v).err().unwrap();
-        assert!(err.to_string().contains("no vocabulary; pass token ids"), "{err}");
+        let err = super::super::Tokenizer::from_gguf_vocab(v).unwrap_err();
+        assert!(
+            err.to_string().contains("no vocabulary; pass token ids"),
+            "{err}"
+        );
     }
 }

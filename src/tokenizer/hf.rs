@@ -10,7 +10,14 @@ use super::Parts;
 use crate::error::{Error, Result};
 
 pub(super) fn load(path: &Path) -> Result<Parts> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let mut bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    // A gzip'd tokenizer.json (`.json.gz`): lathe ships its demo vocabulary compressed.
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut out)
+            .map_err(|e| Error::format(path, format!("bad gzip data: {e}")))?;
+        bytes = out;
+    }
     let inner = tokenizers::Tokenizer::from_bytes(&bytes)
         .map_err(|e| Error::format(path, format!("not a tokenizer.json: {e}")))?;
     let byte_level = match inner.get_decoder() {
@@ -36,10 +43,20 @@ pub(super) fn load(path: &Path) -> Result<Parts> {
                 Some(s) => s,
                 None => return Err(Error::config(&config_path, key, "object without `content`")),
             },
-            _ => return Err(Error::config(&config_path, key, "expected a string or an object")),
+            _ => {
+                return Err(Error::config(
+                    &config_path,
+                    key,
+                    "expected a string or an object",
+                ))
+            }
         };
         inner.token_to_id(text).map(Some).ok_or_else(|| {
-            Error::config(&config_path, key, format!("`{text}` is not in the vocabulary"))
+            Error::config(
+                &config_path,
+                key,
+                format!("`{text}` is not in the vocabulary"),
+            )
         })
     };
     let bos = token_id("bos_token")?;
@@ -64,7 +81,11 @@ pub(super) fn load(path: &Path) -> Result<Parts> {
     let extra_eog = match read_json_if_present(&gen_path)? {
         Some(g) => match g.get("eos_token_id") {
             Some(Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|n| n as u32).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|n| n as u32)
+                .collect(),
             _ => Vec::new(),
         },
         None => Vec::new(),
@@ -109,6 +130,10 @@ fn template_from_config(t: &Value, path: &Path) -> Result<Option<String>> {
             };
             Ok(named("default"))
         }
-        _ => Err(Error::config(path, "chat_template", "expected a string or a list")),
+        _ => Err(Error::config(
+            path,
+            "chat_template",
+            "expected a string or a list",
+        )),
     }
 }

@@ -102,6 +102,11 @@ impl Tokenizer {
     fn assemble(p: Parts) -> Result<Tokenizer> {
         let mut inner = p.inner;
         inner.set_encode_special_tokens(true);
+        // A tokenizer.json may carry training-time truncation or padding; prompts get neither.
+        inner
+            .with_truncation(None)
+            .map_err(|e| Error::format(&p.source, format!("truncation: {e}")))?;
+        inner.with_padding(None);
         let added = inner.get_added_tokens_decoder();
         let model_vocab = inner.get_vocab(false);
         let n_ids = model_vocab
@@ -115,7 +120,7 @@ impl Tokenizer {
             pieces[id as usize] = if p.byte_level {
                 byte_level_bytes(text)
             } else {
-                text.as_bytes().to_vec()
+                sentencepiece_bytes(text)
             };
         }
         let mut special_ids = HashSet::new();
@@ -282,12 +287,30 @@ impl Tokenizer {
     /// transformers passes from the tokenizer's special tokens map).
     pub fn template_tokens(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
-        for (name, id) in [("bos_token", self.bos), ("eos_token", self.eos), ("pad_token", self.pad)] {
+        for (name, id) in [
+            ("bos_token", self.bos),
+            ("eos_token", self.eos),
+            ("pad_token", self.pad),
+        ] {
             if let Some(id) = id {
                 m.insert(name.into(), self.decode(&[id]).into());
             }
         }
         m
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("source", &self.source)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("eot", &self.eot)
+            .field("add_bos", &self.add_bos)
+            .field("eog_ids", &self.eog_ids())
+            .finish_non_exhaustive()
     }
 }
 
@@ -334,7 +357,10 @@ fn byte_of_char(c: char) -> Option<u8> {
         return printable(cp).then_some(cp as u8);
     }
     let n = cp - 256;
-    (0u32..256).filter(|&b| !printable(b)).nth(n as usize).map(|b| b as u8)
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }
 
 /// The bytes a byte-level vocabulary string stands for; a string with characters outside the
@@ -348,6 +374,20 @@ fn byte_level_bytes(text: &str) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The bytes of a SentencePiece-style vocabulary string (`▁` for a space, `<0x0A>` for a raw
+/// byte), for tokenizer.json files that are not byte-level. The space SentencePiece puts in
+/// front of the first word is kept.
+fn sentencepiece_bytes(text: &str) -> Vec<u8> {
+    let hex = text
+        .strip_prefix("<0x")
+        .and_then(|t| t.strip_suffix('>'))
+        .filter(|h| h.len() == 2);
+    if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+        return vec![b];
+    }
+    text.replace('\u{2581}', " ").into_bytes()
 }
 
 /// Table form of [`byte_of_char`] for the 324 characters of the alphabet.
@@ -381,8 +421,19 @@ mod tests {
     }
 
     #[test]
+    fn sentencepiece_pieces() {
+        assert_eq!(sentencepiece_bytes("\u{2581}Hello"), b" Hello");
+        assert_eq!(sentencepiece_bytes("<0x0A>"), b"\n");
+        assert_eq!(sentencepiece_bytes("<0x0A"), b"<0x0A");
+    }
+
+    #[test]
     fn special_matcher_prefers_longest_leftmost() {
-        let m = SpecialMatcher::new(vec![("<a>".into(), 1), ("<a><b>".into(), 2), ("<b>".into(), 3)]);
+        let m = SpecialMatcher::new(vec![
+            ("<a>".into(), 1),
+            ("<a><b>".into(), 2),
+            ("<b>".into(), 3),
+        ]);
         assert_eq!(m.find("x<b><a><b>"), Some((1, 3, 3)));
         assert_eq!(m.find("xx<a><b>"), Some((2, 6, 2)));
         assert_eq!(m.find("plain"), None);

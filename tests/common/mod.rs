@@ -7,6 +7,36 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")
 }
 
+/// `../shared/fixtures/models` beside the checkout, when this machine has it (CI does).
+pub fn shared() -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/models");
+    p.is_dir().then_some(p)
+}
+
+/// The model files of fixture `name` to check: every file in `../shared` when present, else
+/// the subset committed under tests/fixtures (big bf16/q8 files of the `*-dims` models stay
+/// in ../shared only, to keep the repository small). Returns (directory, file names; "" for
+/// the HF checkpoint directory itself).
+pub fn model_files(name: &str) -> (PathBuf, Vec<String>) {
+    let dir = match shared() {
+        Some(s) if s.join(name).is_dir() => s.join(name),
+        _ => {
+            eprintln!("note: ../shared/fixtures absent: checking the committed subset of {name}");
+            fixtures().join(name)
+        }
+    };
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".gguf"))
+        .collect();
+    files.sort();
+    if dir.join("model.safetensors").exists() {
+        files.push(String::new());
+    }
+    (dir, files)
+}
+
 pub struct Score {
     pub rms: f64,
     pub max_abs: f64,
@@ -21,7 +51,11 @@ pub fn score(got: &[f32], want: &[f32], vocab: usize) -> Score {
         se += d * d;
         mx = mx.max(d);
     }
-    let am = |x: &[f32]| x.iter().enumerate().fold(0, |b, (i, y)| if *y > x[b] { i } else { b });
+    let am = |x: &[f32]| {
+        x.iter()
+            .enumerate()
+            .fold(0, |b, (i, y)| if *y > x[b] { i } else { b })
+    };
     let rows = got.len() / vocab;
     let agree = (0..rows)
         .filter(|&r| am(&got[r * vocab..(r + 1) * vocab]) == am(&want[r * vocab..(r + 1) * vocab]))
@@ -37,7 +71,8 @@ pub fn score(got: &[f32], want: &[f32], vocab: usize) -> Score {
 /// (`manifest.json`): `llamacpp_vs_dequant_ref` for quantized files, `llamacpp_vs_hf` otherwise.
 pub fn llamacpp_rms(model: &str, ty: &str) -> Option<f64> {
     let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).ok()?).ok()?;
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).ok()?)
+            .ok()?;
     let e = &m[model]["gguf"][ty];
     e["llamacpp_vs_dequant_ref"]["rms"]
         .as_f64()
@@ -46,7 +81,10 @@ pub fn llamacpp_rms(model: &str, ty: &str) -> Option<f64> {
 
 /// The reference logits file for a model file name (`model-q8_0.gguf` -> `ref-q8_0.npy`).
 pub fn reference_for(dir: &Path, file: &str) -> PathBuf {
-    match file.strip_prefix("model-").and_then(|s| s.strip_suffix(".gguf")) {
+    match file
+        .strip_prefix("model-")
+        .and_then(|s| s.strip_suffix(".gguf"))
+    {
         Some(t) if dir.join(format!("ref-{t}.npy")).exists() => dir.join(format!("ref-{t}.npy")),
         _ => dir.join("logits.npy"),
     }
@@ -61,5 +99,9 @@ pub fn assert_bar(label: &str, s: &Score, llama: Option<f64>) {
         s.rms, s.max_abs, s.top1
     );
     assert!(s.rms <= cap, "{label}: rms {:.3e} above {cap:.3e}", s.rms);
-    assert!(s.top1 >= 0.95, "{label}: top-1 agreement {:.3} below 0.95", s.top1);
+    assert!(
+        s.top1 >= 0.95,
+        "{label}: top-1 agreement {:.3} below 0.95",
+        s.top1
+    );
 }

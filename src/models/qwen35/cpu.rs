@@ -24,7 +24,10 @@ impl Mat {
         (0..rows)
             .map(|r| {
                 let w = &self.data[base + r * c..base + (r + 1) * c];
-                w.iter().zip(x).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() as f32
+                w.iter()
+                    .zip(x)
+                    .map(|(a, b)| (*a as f64) * (*b as f64))
+                    .sum::<f64>() as f32
             })
             .collect()
     }
@@ -36,7 +39,10 @@ impl Mat {
 fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let ms = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / x.len() as f64;
     let s = 1.0 / (ms + eps as f64).sqrt();
-    x.iter().zip(w).map(|(v, w)| ((*v as f64) * s) as f32 * w).collect()
+    x.iter()
+        .zip(w)
+        .map(|(v, w)| ((*v as f64) * s) as f32 * w)
+        .collect()
 }
 
 fn silu(x: f32) -> f32 {
@@ -100,7 +106,10 @@ impl CpuModel {
                         s: vec![vec![0.0; hp.d_k * hp.d_v]; hp.n_v_heads],
                     }
                 } else {
-                    LayerState::Attn { k: vec![], v: vec![] }
+                    LayerState::Attn {
+                        k: vec![],
+                        v: vec![],
+                    }
                 }
             })
             .collect();
@@ -109,6 +118,17 @@ impl CpuModel {
 
     /// Run one token; returns its logits [n_vocab].
     pub fn step(&self, seq: &mut CpuSeq, token: u32) -> Vec<f32> {
+        self.step_traced(seq, token, &mut |_, _| {})
+    }
+
+    /// `step`, calling `trace(layer, residual)` after each layer (a debugging hook to diff
+    /// against the GPU forward's `trace`).
+    pub fn step_traced(
+        &self,
+        seq: &mut CpuSeq,
+        token: u32,
+        trace: &mut dyn FnMut(usize, &[f32]),
+    ) -> Vec<f32> {
         let hp = &self.hp;
         let e = hp.n_embd;
         let t = token as usize;
@@ -128,13 +148,20 @@ impl CpuModel {
             for i in 0..e {
                 x[i] += f[i];
             }
+            trace(l, &x);
         }
         seq.pos += 1;
         let h = rms_norm(&x, &self.w.output_norm.data, hp.eps);
         self.w.output.as_ref().unwrap_or(&self.w.tok_embd).mv(&h)
     }
 
-    fn gdn(&self, g: &weights::Gdn<Mat>, x: &[f32], conv: &mut Vec<Vec<f32>>, s: &mut [Vec<f32>]) -> Vec<f32> {
+    fn gdn(
+        &self,
+        g: &weights::Gdn<Mat>,
+        x: &[f32],
+        conv: &mut Vec<Vec<f32>>,
+        s: &mut [Vec<f32>],
+    ) -> Vec<f32> {
         let hp = &self.hp;
         let (hk, hv, dk, dv) = (hp.n_k_heads, hp.n_v_heads, hp.d_k, hp.d_v);
         let cd = hp.conv_dim();
@@ -158,7 +185,9 @@ impl CpuModel {
         let l2 = |v: &[f32]| {
             let n = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
             let r = 1.0 / (n + 1e-6).sqrt();
-            v.iter().map(|x| (*x as f64 * r) as f32).collect::<Vec<f32>>()
+            v.iter()
+                .map(|x| (*x as f64 * r) as f32)
+                .collect::<Vec<f32>>()
         };
         let mut o = vec![0f32; hv * dv];
         for h in 0..hv {
@@ -202,7 +231,14 @@ impl CpuModel {
         g.out.mv(&o)
     }
 
-    fn attn(&self, a: &weights::Attn<Mat>, x: &[f32], kc: &mut Vec<Vec<f32>>, vc: &mut Vec<Vec<f32>>, pos: usize) -> Vec<f32> {
+    fn attn(
+        &self,
+        a: &weights::Attn<Mat>,
+        x: &[f32],
+        kc: &mut Vec<Vec<f32>>,
+        vc: &mut Vec<Vec<f32>>,
+        pos: usize,
+    ) -> Vec<f32> {
         let hp = &self.hp;
         let (nh, nkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
         let qg = a.q.mv(x);
@@ -245,13 +281,23 @@ impl CpuModel {
             let qh = &q[h * hd..(h + 1) * hd];
             let scores: Vec<f64> = kc
                 .iter()
-                .map(|kk| qh.iter().zip(&kk[kvh * hd..(kvh + 1) * hd]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
+                .map(|kk| {
+                    qh.iter()
+                        .zip(&kk[kvh * hd..(kvh + 1) * hd])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale
+                })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let ex: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
             let sum: f64 = ex.iter().sum();
             for j in 0..hd {
-                let acc: f64 = ex.iter().zip(vc.iter()).map(|(p, vv)| p * vv[kvh * hd + j] as f64).sum();
+                let acc: f64 = ex
+                    .iter()
+                    .zip(vc.iter())
+                    .map(|(p, vv)| p * vv[kvh * hd + j] as f64)
+                    .sum();
                 out[h * hd + j] = (acc / sum) as f32 * sigmoid(gate[h * hd + j]);
             }
         }
@@ -279,7 +325,11 @@ impl CpuModel {
                 let tsum: f64 = top.iter().map(|i| probs[*i]).sum();
                 let mut y = vec![0f32; x.len()];
                 for &ex_i in top {
-                    let wgt = if mp.norm_topk { probs[ex_i] / tsum } else { probs[ex_i] } as f32;
+                    let wgt = if mp.norm_topk {
+                        probs[ex_i] / tsum
+                    } else {
+                        probs[ex_i]
+                    } as f32;
                     let g = m.gate_exps.mv_at(ex_i, x);
                     let u = m.up_exps.mv_at(ex_i, x);
                     let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();

@@ -6,6 +6,7 @@
 //! of the multimodal releases) load into one internal layout (see `weights.rs`).
 
 pub mod cpu;
+pub mod gpu;
 pub mod weights;
 
 use super::ModelFile;
@@ -94,7 +95,12 @@ impl Hparams {
                     "qwen35" => Family::Qwen35,
                     "qwen35moe" => Family::Qwen35Moe,
                     "qwen3next" => Family::Qwen3Next,
-                    a => return Err(Error::Unsupported(format!("{}: architecture {a} is not a Qwen3.5 family model", g.path().display()))),
+                    a => {
+                        return Err(Error::Unsupported(format!(
+                            "{}: architecture {a} is not a Qwen3.5 family model",
+                            g.path().display()
+                        )))
+                    }
                 };
                 let k = |s: &str| format!("{arch}.{s}");
                 let n_layer = g.get_usize(&k("block_count"))?;
@@ -104,7 +110,9 @@ impl Hparams {
                 let head_dim = g
                     .opt_usize(&k("attention.key_length"))?
                     .unwrap_or(n_embd / n_head.max(1));
-                let n_rot = g.opt_usize(&k("rope.dimension_count"))?.unwrap_or(head_dim / 4);
+                let n_rot = g
+                    .opt_usize(&k("rope.dimension_count"))?
+                    .unwrap_or(head_dim / 4);
                 let n_vocab = match g.opt_usize(&k("vocab_size"))? {
                     Some(v) => v,
                     None => g.require("token_embd.weight")?.shape[0] as usize,
@@ -117,7 +125,11 @@ impl Hparams {
                     }
                 };
                 if recurrent.len() != n_layer {
-                    return Err(Error::config(g.path(), k("attention.recurrent_layers"), format!("{} entries for {n_layer} layers", recurrent.len())));
+                    return Err(Error::config(
+                        g.path(),
+                        k("attention.recurrent_layers"),
+                        format!("{} entries for {n_layer} layers", recurrent.len()),
+                    ));
                 }
                 let n_v_heads = g.get_usize(&k("ssm.time_step_rank"))?;
                 let inner = g.get_usize(&k("ssm.inner_size"))?;
@@ -126,7 +138,9 @@ impl Hparams {
                         n_expert: n,
                         n_used: g.get_usize(&k("expert_used_count"))?,
                         n_ff_exp: g.get_usize(&k("expert_feed_forward_length"))?,
-                        n_ff_shexp: g.opt_usize(&k("expert_shared_feed_forward_length"))?.unwrap_or(0),
+                        n_ff_shexp: g
+                            .opt_usize(&k("expert_shared_feed_forward_length"))?
+                            .unwrap_or(0),
                         norm_topk: true,
                     }),
                     _ => None,
@@ -143,14 +157,20 @@ impl Hparams {
                     head_dim,
                     n_rot,
                     rope_theta: g.opt_f32(&k("rope.freq_base"))?.unwrap_or(1e7),
-                    eps: g.opt_f32(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+                    eps: g
+                        .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
+                        .unwrap_or(1e-6),
                     recurrent,
                     conv_kernel: g.get_usize(&k("ssm.conv_kernel"))?,
                     n_k_heads: g.get_usize(&k("ssm.group_count"))?,
                     n_v_heads,
                     d_k: g.get_usize(&k("ssm.state_size"))?,
                     d_v: inner / n_v_heads.max(1),
-                    head_map: if family == Family::Qwen3Next { HeadMap::Div } else { HeadMap::Mod },
+                    head_map: if family == Family::Qwen3Next {
+                        HeadMap::Div
+                    } else {
+                        HeadMap::Mod
+                    },
                     moe,
                 };
                 hp.validate(&g.path().display().to_string())
@@ -159,14 +179,24 @@ impl Hparams {
                 let arch = h.architecture()?;
                 let family = match arch.as_str() {
                     "Qwen3_5ForCausalLM" | "Qwen3_5ForConditionalGeneration" => Family::Qwen35,
-                    "Qwen3_5MoeForCausalLM" | "Qwen3_5MoeForConditionalGeneration" => Family::Qwen35Moe,
+                    "Qwen3_5MoeForCausalLM" | "Qwen3_5MoeForConditionalGeneration" => {
+                        Family::Qwen35Moe
+                    }
                     "Qwen3NextForCausalLM" => Family::Qwen3Next,
-                    a => return Err(Error::Unsupported(format!("{}: architecture {a} is not a Qwen3.5 family model", h.dir().display()))),
+                    a => {
+                        return Err(Error::Unsupported(format!(
+                            "{}: architecture {a} is not a Qwen3.5 family model",
+                            h.dir().display()
+                        )))
+                    }
                 };
                 let n_layer = h.cfg_u64("num_hidden_layers")? as usize;
                 let n_embd = h.cfg_u64("hidden_size")? as usize;
                 let n_head = h.cfg_u64("num_attention_heads")? as usize;
-                let head_dim = h.cfg_opt_u64("head_dim")?.map(|v| v as usize).unwrap_or(n_embd / n_head.max(1));
+                let head_dim = h
+                    .cfg_opt_u64("head_dim")?
+                    .map(|v| v as usize)
+                    .unwrap_or(n_embd / n_head.max(1));
                 // rope_parameters (transformers 5) or top-level rope_theta / partial_rotary_factor.
                 let rp = h.cfg_value("rope_parameters");
                 let rp_f = |key: &str| rp.and_then(|v| v.get(key)).and_then(|v| v.as_f64());
@@ -186,7 +216,9 @@ impl Hparams {
                         .collect(),
                     None => {
                         let every = h.cfg_opt_u64("full_attention_interval")?.unwrap_or(4) as usize;
-                        (0..n_layer).map(|i| (i + 1) % every != 0).collect::<Vec<_>>()
+                        (0..n_layer)
+                            .map(|i| (i + 1) % every != 0)
+                            .collect::<Vec<_>>()
                     }
                 };
                 let moe = match h.cfg_opt_u64("num_experts")? {
@@ -194,7 +226,9 @@ impl Hparams {
                         n_expert: n as usize,
                         n_used: h.cfg_u64("num_experts_per_tok")? as usize,
                         n_ff_exp: h.cfg_u64("moe_intermediate_size")? as usize,
-                        n_ff_shexp: h.cfg_opt_u64("shared_expert_intermediate_size")?.unwrap_or(0) as usize,
+                        n_ff_shexp: h
+                            .cfg_opt_u64("shared_expert_intermediate_size")?
+                            .unwrap_or(0) as usize,
                         norm_topk: h.cfg_opt_bool("norm_topk_prob")?.unwrap_or(true),
                     }),
                     _ => None,
@@ -233,16 +267,29 @@ impl Hparams {
             return bad("zero layers, width or vocabulary".into());
         }
         if self.recurrent.len() != self.n_layer {
-            return bad(format!("layer pattern has {} entries for {} layers", self.recurrent.len(), self.n_layer));
+            return bad(format!(
+                "layer pattern has {} entries for {} layers",
+                self.recurrent.len(),
+                self.n_layer
+            ));
         }
         if self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
-            return bad(format!("{} query heads not a multiple of {} kv heads", self.n_head, self.n_head_kv));
+            return bad(format!(
+                "{} query heads not a multiple of {} kv heads",
+                self.n_head, self.n_head_kv
+            ));
         }
         if self.n_k_heads == 0 || self.n_v_heads % self.n_k_heads != 0 {
-            return bad(format!("{} GDN value heads not a multiple of {} key heads", self.n_v_heads, self.n_k_heads));
+            return bad(format!(
+                "{} GDN value heads not a multiple of {} key heads",
+                self.n_v_heads, self.n_k_heads
+            ));
         }
         if self.n_rot > self.head_dim || self.n_rot % 2 != 0 {
-            return bad(format!("rotary dims {} invalid for head size {}", self.n_rot, self.head_dim));
+            return bad(format!(
+                "rotary dims {} invalid for head size {}",
+                self.n_rot, self.head_dim
+            ));
         }
         if let Some(m) = &self.moe {
             if m.n_used == 0 || m.n_used > m.n_expert {

@@ -195,7 +195,11 @@ pub struct Moe<T> {
 
 pub enum Ffn<T> {
     /// [n_ff, n_embd] gate, up; [n_embd, n_ff] down.
-    Dense { gate: T, up: T, down: T },
+    Dense {
+        gate: T,
+        up: T,
+        down: T,
+    },
     Moe(Moe<T>),
 }
 
@@ -257,8 +261,15 @@ impl<'a> Loader<'a> {
 }
 
 /// Load every weight through `sink` (GPU upload or CPU dequantization).
-pub fn load<T>(file: &ModelFile, hp: &Hparams, mut sink: impl FnMut(Weight<'_>) -> Result<T>) -> Result<Weights<T>> {
-    let ld = Loader { file, gguf: hp.gguf };
+pub fn load<T>(
+    file: &ModelFile,
+    hp: &Hparams,
+    mut sink: impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Weights<T>> {
+    let ld = Loader {
+        file,
+        gguf: hp.gguf,
+    };
     let e = hp.n_embd as u64;
     let tok = ld.shaped(W::TokEmbd, &[hp.n_vocab as u64, e])?;
     let tok_embd = sink(Weight::Stored(tok))?;
@@ -295,9 +306,19 @@ pub fn load<T>(file: &ModelFile, hp: &Hparams, mut sink: impl FnMut(Weight<'_>) 
     })
 }
 
-fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Gdn<T>> {
+fn load_gdn<T>(
+    ld: &Loader<'_>,
+    hp: &Hparams,
+    l: usize,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Gdn<T>> {
     let e = hp.n_embd as u64;
-    let (hk, hv, dk, dv) = (hp.n_k_heads as u64, hp.n_v_heads as u64, hp.d_k as u64, hp.d_v as u64);
+    let (hk, hv, dk, dv) = (
+        hp.n_k_heads as u64,
+        hp.n_v_heads as u64,
+        hp.d_k as u64,
+        hp.d_v as u64,
+    );
     let r = hv / hk;
     let conv_dim = hp.conv_dim() as u64;
     let (qkv, z, beta, alpha);
@@ -317,9 +338,19 @@ fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
                 rows.extend((0..n).map(|i| g * grp + off + i));
             }
         }
-        qkv = Weight::Rows { src: t, rows, shape: vec![conv_dim, e] };
-        let zrows = (0..hk).flat_map(|g| (0..r * dv).map(move |i| g * grp + 2 * dk + r * dv + i)).collect();
-        z = Weight::Rows { src: t, rows: zrows, shape: vec![hv * dv, e] };
+        qkv = Weight::Rows {
+            src: t,
+            rows,
+            shape: vec![conv_dim, e],
+        };
+        let zrows = (0..hk)
+            .flat_map(|g| (0..r * dv).map(move |i| g * grp + 2 * dk + r * dv + i))
+            .collect();
+        z = Weight::Rows {
+            src: t,
+            rows: zrows,
+            shape: vec![hv * dv, e],
+        };
     } else {
         qkv = Weight::Stored(ld.shaped(W::Qkv(l), &[conv_dim, e])?);
         z = Weight::Stored(ld.shaped(W::Z(l), &[hv * dv, e])?);
@@ -327,10 +358,22 @@ fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
     if hp.family == Family::Qwen3Next {
         // Both formats keep b,a fused per key head: [b_g (r) | a_g (r)] for each g.
         let t = ld.shaped(W::Ba(l), &[2 * hv, e])?;
-        let b_rows = (0..hk).flat_map(|g| (0..r).map(move |i| g * 2 * r + i)).collect();
-        let a_rows = (0..hk).flat_map(|g| (0..r).map(move |i| g * 2 * r + r + i)).collect();
-        beta = Weight::Rows { src: t, rows: b_rows, shape: vec![hv, e] };
-        alpha = Weight::Rows { src: t, rows: a_rows, shape: vec![hv, e] };
+        let b_rows = (0..hk)
+            .flat_map(|g| (0..r).map(move |i| g * 2 * r + i))
+            .collect();
+        let a_rows = (0..hk)
+            .flat_map(|g| (0..r).map(move |i| g * 2 * r + r + i))
+            .collect();
+        beta = Weight::Rows {
+            src: t,
+            rows: b_rows,
+            shape: vec![hv, e],
+        };
+        alpha = Weight::Rows {
+            src: t,
+            rows: a_rows,
+            shape: vec![hv, e],
+        };
     } else {
         beta = Weight::Stored(ld.shaped(W::Beta(l), &[hv, e])?);
         alpha = Weight::Stored(ld.shaped(W::Alpha(l), &[hv, e])?);
@@ -339,7 +382,11 @@ fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
     let conv_t = ld.req(W::Conv(l))?;
     // GGUF [conv_dim, K]; HF conv1d.weight [conv_dim, 1, K]: same bytes.
     if conv_t.n_elements() != conv_dim * k || conv_t.row_len() != k {
-        return Err(Error::tensor(conv_t.path, conv_t.name, format!("shape {:?}, expected [{conv_dim}, {k}]", conv_t.shape)));
+        return Err(Error::tensor(
+            conv_t.path,
+            conv_t.name,
+            format!("shape {:?}, expected [{conv_dim}, {k}]", conv_t.shape),
+        ));
     }
     let conv = Weight::F32 {
         name: conv_t.name.to_string(),
@@ -349,12 +396,28 @@ fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
     let a_t = ld.shaped(W::SsmA(l), &[hv])?;
     let a_v = crate::models::read_f32(&a_t)?;
     // `-exp(A_log)` in f32, as the GGUF converter stores it (FACTS.md).
-    let a_data = if ld.gguf { a_v } else { a_v.iter().map(|x| -x.exp()).collect() };
-    let a = Weight::F32 { name: a_t.name.to_string(), shape: vec![hv], data: a_data };
+    let a_data = if ld.gguf {
+        a_v
+    } else {
+        a_v.iter().map(|x| -x.exp()).collect()
+    };
+    let a = Weight::F32 {
+        name: a_t.name.to_string(),
+        shape: vec![hv],
+        data: a_data,
+    };
     let dt = ld.shaped(W::DtBias(l), &[hv])?;
-    let dt_bias = Weight::F32 { name: dt.name.to_string(), shape: vec![hv], data: crate::models::read_f32(&dt)? };
+    let dt_bias = Weight::F32 {
+        name: dt.name.to_string(),
+        shape: vec![hv],
+        data: crate::models::read_f32(&dt)?,
+    };
     let nt = ld.shaped(W::SsmNorm(l), &[dv])?;
-    let norm = Weight::F32 { name: nt.name.to_string(), shape: vec![dv], data: crate::models::read_f32(&nt)? };
+    let norm = Weight::F32 {
+        name: nt.name.to_string(),
+        shape: vec![dv],
+        data: crate::models::read_f32(&nt)?,
+    };
     let out = Weight::Stored(ld.shaped(W::SsmOut(l), &[e, hv * dv])?);
     Ok(Gdn {
         qkv: sink(qkv)?,
@@ -369,7 +432,12 @@ fn load_gdn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
     })
 }
 
-fn load_attn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Attn<T>> {
+fn load_attn<T>(
+    ld: &Loader<'_>,
+    hp: &Hparams,
+    l: usize,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Attn<T>> {
     let e = hp.n_embd as u64;
     let hd = hp.head_dim as u64;
     let q = ld.shaped(W::Q(l), &[hp.n_head as u64 * 2 * hd, e])?;
@@ -386,7 +454,12 @@ fn load_attn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(W
     })
 }
 
-fn load_ffn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Ffn<T>> {
+fn load_ffn<T>(
+    ld: &Loader<'_>,
+    hp: &Hparams,
+    l: usize,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Ffn<T>> {
     let e = hp.n_embd as u64;
     let is_moe = hp.moe.is_some() && ld.get(W::Router(l)).is_some();
     let Some(m) = hp.moe.as_ref().filter(|_| is_moe) else {
@@ -409,7 +482,10 @@ fn load_ffn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
         let parts = (0..m.n_expert)
             .map(|x| ld.shaped(one(l, x), &shape[1..]))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Weight::Stack { parts, shape: shape.to_vec() })
+        Ok(Weight::Stack {
+            parts,
+            shape: shape.to_vec(),
+        })
     };
     let gate_exps = stack(W::GateExp, W::GateExps(l), [ne, f, e])?;
     let up_exps = stack(W::UpExp, W::UpExps(l), [ne, f, e])?;
@@ -421,13 +497,21 @@ fn load_ffn<T>(ld: &Loader<'_>, hp: &Hparams, l: usize, sink: &mut impl FnMut(We
         let d = ld.shaped(W::ShDown(l), &[e, fs])?;
         let gi = ld.req(W::ShGateInp(l))?;
         if gi.n_elements() != e {
-            return Err(Error::tensor(gi.path, gi.name, format!("shape {:?}, expected [1, {e}]", gi.shape)));
+            return Err(Error::tensor(
+                gi.path,
+                gi.name,
+                format!("shape {:?}, expected [1, {e}]", gi.shape),
+            ));
         }
         Some((
             sink(Weight::Stored(g))?,
             sink(Weight::Stored(u))?,
             sink(Weight::Stored(d))?,
-            sink(Weight::F32 { name: gi.name.to_string(), shape: vec![1, e], data: crate::models::read_f32(&gi)? })?,
+            sink(Weight::F32 {
+                name: gi.name.to_string(),
+                shape: vec![1, e],
+                data: crate::models::read_f32(&gi)?,
+            })?,
         ))
     } else {
         None

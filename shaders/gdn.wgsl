@@ -1,0 +1,416 @@
+// Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention). Wrapper, layouts and the math:
+// src/gpu/gdn.rs; CPU references: cpu::gdn::{recurrent, chunked}.
+// Binding 0: Params; storage buffers from 1 (each entry point declares its own set).
+// Grid: linear workgroup id = wid.x + wid.y * nwg.x (see gpu::grid).
+//
+// Defines: DK, DV (head sizes), WG (threads, a power of two), CHUNK (64), and one of
+//   RECURRENT (+ CB columns × R row groups = WG threads),
+//   PREP, SCAN (+ CB columns per workgroup, NE = ceil(CHUNK·CB / WG)).
+//
+// Per value head h the state S [DK, DV] evolves per token as
+//   S ← e^g S;  δ = β (v − Sᵀk̂);  S ← S + k̂ δᵀ;  o = Sᵀq̂
+// with q̂ = q·rsqrt(Σq²+ε)/sqrt(DK), k̂ = k·rsqrt(Σk²+ε) (HF l2norm), β = sigmoid(b),
+// g = a_neg · softplus(a + dt_bias). Every column j of S evolves independently of the
+// others, so workgroups split the DV columns into blocks of CB.
+
+const EPS = 1e-6;
+
+struct Params {
+    n_seq: u32,        // sequences in the batch table
+    max_chunks: u32,   // chunks of CHUNK tokens of the longest sequence (PREP grid)
+    n_head_k: u32,
+    n_head_v: u32,
+    key_tile: u32,     // key head of value head h: 0 → h / (Hv/Hk) (HF), 1 → h % Hk (llama.cpp qwen35)
+    qkv_off: u32,      // in elements: row 0 of the conv output
+    qkv_stride: u32,   // in elements, between token rows
+    a_off: u32,        // in elements
+    a_stride: u32,     // in elements, between token rows
+    b_off: u32,
+    b_stride: u32,
+    o_off: u32,        // in elements: row 0 of the output
+    o_stride: u32,     // in elements, between token rows
+    state_off: u32,    // in elements: slot 0 of the state pool
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+// [n_seq][4] u32: (first row, tokens, state slot, first chunk slot) per sequence.
+@group(0) @binding(1) var<storage, read> seqs: array<u32>;
+
+// Per (chunk slot, value head) the scratch holds, in this order (f32):
+//   W  [CHUNK, DK]  = (I + A)⁻¹ (β e^G K̂)
+//   QG [CHUNK, DK]  = e^G Q̂
+//   KD [CHUNK, DK]  = e^(G_last − G) K̂
+//   U  [CHUNK, DV]  = (I + A)⁻¹ (β V)
+//   P  [CHUNK, CHUNK] = e^(G_i − G_j) q̂_i·k̂_j for j ≤ i (rows i < n only)
+//   GAMMA           = e^(G_last), then 3 floats of padding
+// where G is the inclusive cumulative sum of g within the chunk and
+// A[i][j] = β_i e^(G_i − G_j) k̂_i·k̂_j for j < i.
+const OFF_W = 0u;
+const OFF_QG = CHUNK * DK;
+const OFF_KD = 2u * CHUNK * DK;
+const OFF_U = 3u * CHUNK * DK;
+const OFF_P = CHUNK * (3u * DK + DV);
+const OFF_GAMMA = OFF_P + CHUNK * CHUNK;
+const SLOT = OFF_GAMMA + 4u;
+
+fn key_head(h: u32) -> u32 {
+    if (p.key_tile != 0u) {
+        return h % p.n_head_k;
+    }
+    return h / (p.n_head_v / p.n_head_k);
+}
+
+#ifndef SCAN
+@group(0) @binding(2) var<storage, read> qkv: array<f32>;      // [rows, qkv_stride]: q [Hk,DK] | k [Hk,DK] | v [Hv,DV]
+@group(0) @binding(3) var<storage, read> a_in: array<f32>;     // [rows, a_stride]: Hv values
+@group(0) @binding(4) var<storage, read> b_in: array<f32>;     // [rows, b_stride]: Hv values
+@group(0) @binding(5) var<storage, read> a_neg: array<f32>;    // [Hv] = -exp(A_log)
+@group(0) @binding(6) var<storage, read> dt_bias: array<f32>;  // [Hv]
+
+// softplus as torch (linear above 20); log(1+e) by its series when 1+e would round.
+fn softplus(x: f32) -> f32 {
+    if (x > 20.0) {
+        return x;
+    }
+    let e = exp(-abs(x));
+    var l = log(1.0 + e);
+    if (e < 1e-4) {
+        l = e * (1.0 - 0.5 * e);
+    }
+    return max(x, 0.0) + l;
+}
+
+// (g, β) of token row `row`, value head h.
+fn gate(row: u32, h: u32) -> vec2<f32> {
+    let g = a_neg[h] * softplus(a_in[p.a_off + row * p.a_stride + h] + dt_bias[h]);
+    let beta = 1.0 / (1.0 + exp(-b_in[p.b_off + row * p.b_stride + h]));
+    return vec2<f32>(g, beta);
+}
+#endif
+
+#ifdef RECURRENT
+// One workgroup per (sequence, value head, block of CB columns of S), looping over the
+// sequence's tokens (decode: one). Thread (r, c) keeps rows r, r+R, ... of column c of S
+// in registers; Sᵀk and Sᵀq are reduced over the R row groups in workgroup memory.
+@group(0) @binding(7) var<storage, read_write> state: array<f32>;  // [slots, Hv, DK, DV]
+@group(0) @binding(8) var<storage, read_write> o: array<f32>;      // [rows, o_stride]: [Hv, DV]
+
+const NR = (DK + R - 1u) / R;
+var<workgroup> qs: array<f32, DK>;
+var<workgroup> ks: array<f32, DK>;
+var<workgroup> red: array<vec4<f32>, WG>;
+var<workgroup> rsk: array<f32, WG>;
+var<workgroup> rsq: array<f32, WG>;
+
+@compute @workgroup_size(WG)
+fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let n_cb = (DV + CB - 1u) / CB;
+    let wg = wid.x + wid.y * nwg.x;
+    if (wg >= p.n_seq * p.n_head_v * n_cb) { return; }
+    let bq = wg / (p.n_head_v * n_cb);
+    let h = (wg / n_cb) % p.n_head_v;
+    let c = lid % CB;
+    let r = lid / CB;
+    let col = (wg % n_cb) * CB + c;
+    let live = col < DV;
+    let row0 = seqs[bq * 4u];
+    let n = seqs[bq * 4u + 1u];
+    let slot = seqs[bq * 4u + 2u];
+    let kh = key_head(h);
+    let q_col = kh * DK;
+    let k_col = (p.n_head_k + kh) * DK;
+    let v_col = 2u * p.n_head_k * DK + h * DV;
+    let sbase = p.state_off + (slot * p.n_head_v + h) * DK * DV;
+    let scale = inverseSqrt(f32(DK));
+
+    var s: array<f32, NR>;
+    for (var m = 0u; m < NR; m++) {
+        let i = r + m * R;
+        if (live && i < DK) {
+            s[m] = state[sbase + i * DV + col];
+        }
+    }
+    for (var t = 0u; t < n; t++) {
+        let rb = p.qkv_off + (row0 + t) * p.qkv_stride;
+        var part = vec4<f32>(0.0);
+        for (var i = lid; i < DK; i += WG) {
+            let qv = qkv[rb + q_col + i];
+            let kv = qkv[rb + k_col + i];
+            qs[i] = qv;
+            ks[i] = kv;
+            part += vec4<f32>(qv * qv, kv * kv, qv * kv, 0.0);
+        }
+        red[lid] = part;
+        workgroupBarrier();
+        for (var st = WG / 2u; st > 0u; st >>= 1u) {
+            if (lid < st) {
+                red[lid] += red[lid + st];
+            }
+            workgroupBarrier();
+        }
+        let tot = red[0];
+        let rq = inverseSqrt(tot.x + EPS) * scale;
+        let rk = inverseSqrt(tot.y + EPS);
+        let gb = gate(row0 + t, h);
+        let decay = exp(gb.x);
+        var sk = 0.0;
+        var sq = 0.0;
+        for (var m = 0u; m < NR; m++) {
+            let i = r + m * R;
+            if (i < DK) {
+                sk += s[m] * ks[i];
+                sq += s[m] * qs[i];
+            }
+        }
+        rsk[lid] = sk;
+        rsq[lid] = sq;
+        workgroupBarrier();
+        var sum_k = 0.0;
+        var sum_q = 0.0;
+        for (var rr = 0u; rr < R; rr++) {
+            sum_k += rsk[rr * CB + c];
+            sum_q += rsq[rr * CB + c];
+        }
+        var v = 0.0;
+        if (live) {
+            v = qkv[rb + v_col + col];
+        }
+        // (e^g S)ᵀk̂ = e^g rk (Sᵀk); o = (e^g S + k̂δᵀ)ᵀq̂ = e^g rq (Sᵀq) + δ (k̂·q̂).
+        let delta = gb.y * (v - decay * rk * sum_k);
+        let out = decay * rq * sum_q + delta * (tot.z * rq * rk);
+        if (r == 0u && live) {
+            o[p.o_off + (row0 + t) * p.o_stride + h * DV + col] = out;
+        }
+        let kd = rk * delta;
+        for (var m = 0u; m < NR; m++) {
+            let i = r + m * R;
+            if (i < DK) {
+                s[m] = decay * s[m] + ks[i] * kd;
+            }
+        }
+        // qs, ks, red, rsk are rewritten by the next token.
+        workgroupBarrier();
+    }
+    for (var m = 0u; m < NR; m++) {
+        let i = r + m * R;
+        if (live && i < DK) {
+            state[sbase + i * DV + col] = s[m];
+        }
+    }
+}
+#endif
+
+#ifdef PREP
+// Intra-chunk part of the chunked form, independent of the state: one workgroup per
+// (sequence, chunk, value head), all chunks in parallel. Fills the scratch slot above.
+@group(0) @binding(7) var<storage, read_write> scratch: array<f32>;  // [chunk slots, Hv, SLOT]
+
+var<workgroup> gsh: array<f32, CHUNK>;   // g, then its inclusive cumulative sum G
+var<workgroup> bsh: array<f32, CHUNK>;   // β
+var<workgroup> rqs: array<f32, CHUNK>;   // rsqrt(Σq²+ε)/sqrt(DK)
+var<workgroup> rks: array<f32, CHUNK>;   // rsqrt(Σk²+ε)
+var<workgroup> amat: array<f32, CHUNK * (CHUNK - 1u) / 2u>;  // A, strictly lower, packed by rows
+
+@compute @workgroup_size(WG)
+fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let wg = wid.x + wid.y * nwg.x;
+    if (wg >= p.n_seq * p.max_chunks * p.n_head_v) { return; }
+    let bq = wg / (p.max_chunks * p.n_head_v);
+    let ci = (wg / p.n_head_v) % p.max_chunks;
+    let h = wg % p.n_head_v;
+    let ntok = seqs[bq * 4u + 1u];
+    if (ci * CHUNK >= ntok) { return; }
+    let n = min(CHUNK, ntok - ci * CHUNK);
+    let r0 = seqs[bq * 4u] + ci * CHUNK;
+    let base = ((seqs[bq * 4u + 3u] + ci) * p.n_head_v + h) * SLOT;
+    let kh = key_head(h);
+    let q_col = p.qkv_off + kh * DK;
+    let k_col = p.qkv_off + (p.n_head_k + kh) * DK;
+    let v_col = p.qkv_off + 2u * p.n_head_k * DK + h * DV;
+    let scale = inverseSqrt(f32(DK));
+
+    for (var i = lid; i < n; i += WG) {
+        let rb = (r0 + i) * p.qkv_stride;
+        var qq = 0.0;
+        var kk = 0.0;
+        for (var d = 0u; d < DK; d++) {
+            let qv = qkv[rb + q_col + d];
+            let kv = qkv[rb + k_col + d];
+            qq += qv * qv;
+            kk += kv * kv;
+        }
+        rqs[i] = inverseSqrt(qq + EPS) * scale;
+        rks[i] = inverseSqrt(kk + EPS);
+        let gb = gate(r0 + i, h);
+        gsh[i] = gb.x;
+        bsh[i] = gb.y;
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        var acc = 0.0;
+        for (var i = 0u; i < n; i++) {
+            acc += gsh[i];
+            gsh[i] = acc;
+        }
+        scratch[base + OFF_GAMMA] = exp(acc);
+    }
+    workgroupBarrier();
+    let g_last = gsh[n - 1u];
+
+    for (var e = lid; e < n * DK; e += WG) {
+        let i = e / DK;
+        let d = e % DK;
+        let rb = (r0 + i) * p.qkv_stride;
+        scratch[base + OFF_QG + e] = qkv[rb + q_col + d] * rqs[i] * exp(gsh[i]);
+        scratch[base + OFF_KD + e] = qkv[rb + k_col + d] * rks[i] * exp(g_last - gsh[i]);
+    }
+    // Pairs j ≤ i < n, enumerated row by row: pair index = i(i+1)/2 + j.
+    let n_pairs = n * (n + 1u) / 2u;
+    for (var pi = lid; pi < n_pairs; pi += WG) {
+        var i = u32((sqrt(8.0 * f32(pi) + 1.0) - 1.0) * 0.5);
+        if ((i + 1u) * (i + 2u) / 2u <= pi) { i += 1u; }
+        if (i * (i + 1u) / 2u > pi) { i -= 1u; }
+        let j = pi - i * (i + 1u) / 2u;
+        let ri = (r0 + i) * p.qkv_stride;
+        let rj = (r0 + j) * p.qkv_stride;
+        var qk = 0.0;
+        var kk = 0.0;
+        for (var d = 0u; d < DK; d++) {
+            let kj = qkv[rj + k_col + d];
+            qk += qkv[ri + q_col + d] * kj;
+            kk += qkv[ri + k_col + d] * kj;
+        }
+        let decay = exp(gsh[i] - gsh[j]);
+        scratch[base + OFF_P + i * CHUNK + j] = decay * rqs[i] * rks[j] * qk;
+        if (j < i) {
+            amat[i * (i - 1u) / 2u + j] = bsh[i] * decay * rks[i] * rks[j] * kk;
+        }
+    }
+    workgroupBarrier();
+
+    // Solve (I + A) X = [βV | β e^G K̂] by forward substitution, one column per thread:
+    // X[i] = B[i] − Σ_{m<i} A[i][m] X[m] (HF builds (I + A)⁻¹ row by row; same math).
+    var xs: array<f32, CHUNK>;
+    for (var col = lid; col < DV + DK; col += WG) {
+        for (var i = 0u; i < n; i++) {
+            let rb = (r0 + i) * p.qkv_stride;
+            var acc: f32;
+            if (col < DV) {
+                acc = bsh[i] * qkv[rb + v_col + col];
+            } else {
+                acc = bsh[i] * exp(gsh[i]) * rks[i] * qkv[rb + k_col + col - DV];
+            }
+            let arow = i * (i - 1u) / 2u;
+            for (var m = 0u; m < i; m++) {
+                acc -= amat[arow + m] * xs[m];
+            }
+            xs[i] = acc;
+            if (col < DV) {
+                scratch[base + OFF_U + i * DV + col] = acc;
+            } else {
+                scratch[base + OFF_W + i * DK + col - DV] = acc;
+            }
+        }
+    }
+}
+#endif
+
+#ifdef SCAN
+// Inter-chunk pass: one workgroup per (sequence, value head, block of CB columns of S),
+// looping over the sequence's chunks in order with S in workgroup memory:
+//   Δ = U − W S;  o = QG S + P Δ;  S ← γ S + KDᵀ Δ
+@group(0) @binding(2) var<storage, read> scratch: array<f32>;        // [chunk slots, Hv, SLOT]
+@group(0) @binding(3) var<storage, read_write> state: array<f32>;    // [slots, Hv, DK, DV]
+@group(0) @binding(4) var<storage, read_write> o: array<f32>;        // [rows, o_stride]: [Hv, DV]
+
+var<workgroup> ssh: array<f32, DK * CB>;     // S[:, block], [DK, CB]
+var<workgroup> vn: array<f32, CHUNK * CB>;   // Δ[:, block], [CHUNK, CB]
+
+@compute @workgroup_size(WG)
+fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let n_cb = (DV + CB - 1u) / CB;
+    let wg = wid.x + wid.y * nwg.x;
+    if (wg >= p.n_seq * p.n_head_v * n_cb) { return; }
+    let bq = wg / (p.n_head_v * n_cb);
+    let h = (wg / n_cb) % p.n_head_v;
+    let col0 = (wg % n_cb) * CB;
+    let row0 = seqs[bq * 4u];
+    let ntok = seqs[bq * 4u + 1u];
+    let slot = seqs[bq * 4u + 2u];
+    let chunk0 = seqs[bq * 4u + 3u];
+    let sbase = p.state_off + (slot * p.n_head_v + h) * DK * DV;
+
+    for (var e = lid; e < DK * CB; e += WG) {
+        let col = col0 + e % CB;
+        var v = 0.0;
+        if (col < DV) {
+            v = state[sbase + (e / CB) * DV + col];
+        }
+        ssh[e] = v;
+    }
+    workgroupBarrier();
+    let n_chunks = (ntok + CHUNK - 1u) / CHUNK;
+    var inter: array<f32, NE>;
+    for (var ci = 0u; ci < n_chunks; ci++) {
+        let n = min(CHUNK, ntok - ci * CHUNK);
+        let base = ((chunk0 + ci) * p.n_head_v + h) * SLOT;
+        // Δ = U − W S and the inter-chunk output QG S, both from the old S.
+        for (var k = 0u; k < NE; k++) {
+            let e = lid + k * WG;
+            let i = e / CB;
+            let c = e % CB;
+            var dv = 0.0;
+            var oi = 0.0;
+            if (i < n && col0 + c < DV) {
+                var ws = 0.0;
+                for (var d = 0u; d < DK; d++) {
+                    let sv = ssh[d * CB + c];
+                    ws += scratch[base + OFF_W + i * DK + d] * sv;
+                    oi += scratch[base + OFF_QG + i * DK + d] * sv;
+                }
+                dv = scratch[base + OFF_U + i * DV + col0 + c] - ws;
+            }
+            if (e < CHUNK * CB) {
+                vn[e] = dv;
+            }
+            inter[k] = oi;
+        }
+        workgroupBarrier();
+        // o = QG S + P Δ (reads vn) and S ← γ S + KDᵀ Δ (writes ssh, read above).
+        for (var k = 0u; k < NE; k++) {
+            let e = lid + k * WG;
+            let i = e / CB;
+            let c = e % CB;
+            if (i < n && col0 + c < DV) {
+                var acc = inter[k];
+                for (var j = 0u; j <= i; j++) {
+                    acc += scratch[base + OFF_P + i * CHUNK + j] * vn[j * CB + c];
+                }
+                o[p.o_off + (row0 + ci * CHUNK + i) * p.o_stride + h * DV + col0 + c] = acc;
+            }
+        }
+        let gamma = scratch[base + OFF_GAMMA];
+        for (var e = lid; e < DK * CB; e += WG) {
+            let d = e / CB;
+            let c = e % CB;
+            var acc = gamma * ssh[e];
+            for (var j = 0u; j < n; j++) {
+                acc += scratch[base + OFF_KD + j * DK + d] * vn[j * CB + c];
+            }
+            ssh[e] = acc;
+        }
+        workgroupBarrier();
+    }
+    for (var e = lid; e < DK * CB; e += WG) {
+        let col = col0 + e % CB;
+        if (col < DV) {
+            state[sbase + (e / CB) * DV + col] = ssh[e];
+        }
+    }
+}
+#endif

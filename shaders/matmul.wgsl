@@ -1,0 +1,232 @@
+// Prefill products: Y[t][row] = sum_c W[row][c] X[t][c] for many tokens, tiled so that each
+// chunk of W is decoded once into workgroup memory and reused by BN tokens. Compiled appended to
+// matvec.wgsl (bindings, Params, the chunk decoders `chunk_w` / `xmap`); with ROUTE defined only
+// the route kernel at the end remains.
+//
+// Tile: BM rows x BN tokens per workgroup of MM_WG threads; the K loop walks the chunks of the
+// row (32 weights each, in the chunk order of matvec.wgsl: the x values are gathered with the same
+// `xmap`, so the product is the same sum). Per step the first BM threads decode one chunk of one
+// row each, all threads gather x, then each thread accumulates a 4 x 4 block of (rows, tokens).
+// Workgroup memory: 2 x 32 x 64 f32 = 16 KiB, WebGPU's default limit.
+//
+// matmul grid: wid.x = row tile, wid.y = token tile.
+// matmul_id grid: wid.x = row tile, wid.y = tile slot of the route (see route below).
+
+#ifndef ROUTE
+
+const MM_WG = 256u;
+const BM = 64u;
+const BN = 64u;
+const NONE = 0xffffffffu;
+
+var<workgroup> Ws: array<vec4<f32>, 512>;  // [32 k][16 quads of rows]
+var<workgroup> Xs: array<vec4<f32>, 512>;  // [32 k][16 quads of tokens]
+var<workgroup> tokx: array<u32, BN>;       // element of x row of tile token n, NONE if absent
+var<workgroup> toky: array<u32, BN>;       // element of y[token][0], NONE if absent
+
+fn mm_tile(lid: u32, row_base: u32, wbase: u32) {
+    let tm = lid % 16u;
+    let tn = lid / 16u;
+    var acc: array<vec4<f32>, 4>;
+    // decoder role (lid < BM): row m of the tile
+    let m = lid % BM;
+    let rb = wbase + min(row_base + m, p.rows - 1u) * p.row_bytes;
+    // gather role: token xn, quarter-octets xj, xj + 1 of the chunk
+    let xn = lid >> 2u;
+    let xj = (lid & 3u) * 2u;
+    let xrow = tokx[xn];
+    for (var c = 0u; c < p.n_chunks; c++) {
+        let blk = c / CPB;
+        let s = c % CPB;
+        let slow = IS_FLOAT && (FSLOW != 0u || blk >= p.nb_full);
+        if (lid < BM) {
+            if (slow) {
+                for (var j = 0u; j < 8u; j++) {
+                    for (var i = 0u; i < 4u; i++) {
+                        let e = blk * BS + xmap(s, j) + i;
+                        var v = 0.0;
+                        if (e < p.cols) {
+                            v = welem(rb, e);
+                        }
+                        Ws[(4u * j + i) * 16u + m / 4u][m % 4u] = v;
+                    }
+                }
+            } else {
+                let w = chunk_w(rb + blk * BB, s);
+                for (var j = 0u; j < 8u; j++) {
+                    for (var i = 0u; i < 4u; i++) {
+                        Ws[(4u * j + i) * 16u + m / 4u][m % 4u] = w[j][i];
+                    }
+                }
+            }
+        }
+        for (var jj = 0u; jj < 2u; jj++) {
+            let j = xj + jj;
+            let e0 = blk * BS + xmap(s, j);
+            var v = vec4<f32>(0.0);
+            if (xrow != NONE) {
+                if (slow) {
+                    for (var i = 0u; i < 4u; i++) {
+                        if (e0 + i < p.cols) {
+                            v[i] = x1(xrow + e0 + i);
+                        }
+                    }
+                } else {
+                    v = x4(xrow + e0);
+                }
+            }
+            for (var i = 0u; i < 4u; i++) {
+                Xs[(4u * j + i) * 16u + xn / 4u][xn % 4u] = v[i];
+            }
+        }
+        workgroupBarrier();
+        for (var k = 0u; k < 32u; k++) {
+            let a = Ws[k * 16u + tm];
+            let b = Xs[k * 16u + tn];
+            acc[0] += a * b.x;
+            acc[1] += a * b.y;
+            acc[2] += a * b.z;
+            acc[3] += a * b.w;
+        }
+        workgroupBarrier();
+    }
+    for (var jt = 0u; jt < 4u; jt++) {
+        let yb = toky[4u * tn + jt];
+        if (yb != NONE) {
+            for (var i = 0u; i < 4u; i++) {
+                let row = row_base + 4u * tm + i;
+                if (row < p.rows) {
+                    if (p.accumulate != 0u) {
+                        Y[yb + row] += acc[jt][i];
+                    } else {
+                        Y[yb + row] = acc[jt][i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Y[t][row] (=|+=) sum_c W[row][c] X[t][c]; X rows at x_off + t * x_stride, Y rows at
+// y_off + t * y_stride, t < n_tokens, rows of this part.
+@compute @workgroup_size(MM_WG)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    if (lid < BN) {
+        let t = wid.y * BN + lid;
+        let ok = t < p.n_tokens;
+        tokx[lid] = select(NONE, p.x_off + t * p.x_stride, ok);
+        toky[lid] = select(NONE, p.y_off + t * p.y_stride, ok);
+    }
+    workgroupBarrier();
+    mm_tile(lid, wid.x * BM, 0u);
+}
+
+// MoE prefill over the route built by `route` (IDX, u32, layout below; E = n_expert):
+// tile slot wid.y holds (expert e, tile j) = BN consecutive pairs
+// j*BN.. of e's list; Y[q][row] (=|+=) sum_c W[e][row][c] X[q or q / n_used][c].
+@compute @workgroup_size(MM_WG)
+fn matmul_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let ne = p.n_expert;
+    if (wid.y >= IDX[0]) {
+        return;
+    }
+    let tv = IDX[p.tiles_off + wid.y];
+    let e = tv >> 16u;
+    let j = tv & 0xffffu;
+    if (e < p.e_lo || e - p.e_lo >= p.e_n) {
+        return;
+    }
+    if (lid < BN) {
+        let idx = j * BN + lid;
+        var xb = NONE;
+        var yb = NONE;
+        if (idx < IDX[1u + e]) {
+            let q = IDX[p.pairs_off + IDX[1u + ne + e] + idx];
+            let xq = select(q / p.n_used, q, p.x_per_pair != 0u);
+            xb = p.x_off + xq * p.x_stride;
+            yb = p.y_off + q * p.y_stride;
+        }
+        tokx[lid] = xb;
+        toky[lid] = yb;
+    }
+    workgroupBarrier();
+    mm_tile(lid, wid.x * BM, (e - p.e_lo) * p.expert_bytes);
+}
+
+#else
+
+// Route for matmul_id, one workgroup. From ids [n_tokens, n_used] (pair q = t * n_used + slot)
+// it writes, in u32 words, with E = n_expert:
+//   [0]                          n_tiles
+//   [1 .. 1+E)                   count[e]: pairs that chose expert e
+//   [1+E .. 2+2E)                start[e]: exclusive prefix sum of count (E + 1 entries)
+//   [tiles_off .. +n_tiles)      (e << 16) | j for each j < ceil(count[e] / bn), experts in
+//                                order; ceil(n_pairs / bn) + E bounds their number
+//   [pairs_off .. +n_pairs)      the pairs grouped by expert (e's at start[e]..start[e+1], in no
+//                                particular order: each output row is computed alone, so
+//                                results do not depend on it)
+// Ids >= E are skipped (their pairs get no output).
+struct RouteParams {
+    n_pairs: u32,   // n_tokens * n_used
+    n_expert: u32,
+    ids_off: u32,   // in elements
+    bn: u32,        // pairs per tile (matmul_id's BN)
+    tiles_off: u32, // in words
+    pairs_off: u32, // in words
+    pad0: u32,
+    pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> rp: RouteParams;
+@group(0) @binding(1) var<storage, read> IDS: array<u32>;
+@group(0) @binding(2) var<storage, read_write> ROUTE: array<atomic<u32>>;
+
+const RWG = 256u;
+
+@compute @workgroup_size(RWG)
+fn route(@builtin(local_invocation_index) lid: u32) {
+    let ne = rp.n_expert;
+    let np = rp.n_pairs;
+    let cnt = 1u;
+    let start = 1u + ne;
+    let pairs = rp.pairs_off;
+    let tiles = rp.tiles_off;
+    for (var e = lid; e < ne; e += RWG) {
+        atomicStore(&ROUTE[cnt + e], 0u);
+    }
+    storageBarrier();
+    for (var q = lid; q < np; q += RWG) {
+        let e = IDS[rp.ids_off + q];
+        if (e < ne) {
+            atomicAdd(&ROUTE[cnt + e], 1u);
+        }
+    }
+    storageBarrier();
+    if (lid == 0u) {
+        var acc = 0u;
+        var nt = 0u;
+        for (var e = 0u; e < ne; e++) {
+            let c = atomicLoad(&ROUTE[cnt + e]);
+            atomicStore(&ROUTE[start + e], acc);
+            for (var j = 0u; j * rp.bn < c; j++) {
+                atomicStore(&ROUTE[tiles + nt], (e << 16u) | j);
+                nt++;
+            }
+            acc += c;
+            // reused as the scatter cursor; ends equal to the count again
+            atomicStore(&ROUTE[cnt + e], 0u);
+        }
+        atomicStore(&ROUTE[start + ne], acc);
+        atomicStore(&ROUTE[0], nt);
+    }
+    storageBarrier();
+    for (var q = lid; q < np; q += RWG) {
+        let e = IDS[rp.ids_off + q];
+        if (e < ne) {
+            let pos = atomicLoad(&ROUTE[start + e]) + atomicAdd(&ROUTE[cnt + e], 1u);
+            atomicStore(&ROUTE[pairs + pos], q);
+        }
+    }
+}
+
+#endif

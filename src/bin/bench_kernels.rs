@@ -1,0 +1,349 @@
+//! Kernel lab for the weight × activation kernels: weight bytes streamed per second by matvec
+//! (decode) for each type, against a plain f32 stream kernel measured in the same process, and
+//! the tiled prefill matmul in TFLOP/s.
+//!
+//! `cargo run --release --bin bench_kernels -- [--types q4_k,q6_k] [--rows N --cols N]
+//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--adapter NAME]`
+//!
+//! Each type gets enough matrices of rows × cols to exceed `--mb` (default 1024 MB on GPUs so
+//! the L2 cache cannot hold them; less on CPU adapters), then passes of many dispatches rotate
+//! over them. Time is GPU timestamps around the timed passes when the adapter has them, with a
+//! long untimed pass queued first so the GPU never waits for the CPU; else wall time.
+
+use clap::Parser;
+use lathe::gpu::matmul;
+use lathe::gpu::matvec::{self, MatvecOpts, Tune};
+use lathe::gpu::{AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineSpec};
+use lathe::tensor::TensorRef;
+use lathe::{quant, DType, Result};
+use std::path::Path;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(about = "Benchmark lathe's matvec / matmul kernels")]
+struct Args {
+    /// Comma-separated types (default: the main ones).
+    #[arg(long, default_value = "q4_k,q6_k,q8_0,mxfp4,bf16,f16,f32,q4_0,q5_k")]
+    types: String,
+    /// Rows per matrix (default 16384, 4096 on CPU adapters).
+    #[arg(long)]
+    rows: Option<u64>,
+    /// Columns per matrix (default 16384, 4096 on CPU adapters).
+    #[arg(long)]
+    cols: Option<u64>,
+    /// Total weight megabytes to rotate over (default 1024, 64 on CPU adapters).
+    #[arg(long)]
+    mb: Option<u64>,
+    /// Tokens per matvec (1..=8).
+    #[arg(long, default_value_t = 1)]
+    tokens: u32,
+    /// Work splits to compare, `WGxROWS` (default: the wrapper's choice).
+    #[arg(long)]
+    tune: Option<String>,
+    /// Also time the tiled matmul with this many tokens (0: skip).
+    #[arg(long, default_value_t = 0)]
+    prefill: u32,
+    /// Timed passes per measurement.
+    #[arg(long, default_value_t = 5)]
+    passes: u32,
+    /// Shader define sets to compare (repeatable): `NAME[=VALUE],...`; `-` for none.
+    #[arg(long)]
+    variant: Vec<String>,
+    /// Adapter index or name substring.
+    #[arg(long, default_value = "auto")]
+    adapter: String,
+}
+
+/// Reads the whole buffer as vec4 and writes one sum per workgroup: the bandwidth reference.
+const STREAM_WGSL: &str = r#"
+struct P { n4: u32, per_thread: u32, pad0: u32, pad1: u32 }
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+@compute @workgroup_size(256)
+fn stream(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let wg = wid.x + wid.y * nwg.x;
+    var acc = vec4<f32>(0.0);
+    let base = wg * 256u * p.per_thread + lid;
+    for (var k = 0u; k < p.per_thread; k++) {
+        let i = base + k * 256u;
+        if (i < p.n4) { acc += src[i]; }
+    }
+    let s = acc.x + acc.y + acc.z + acc.w;
+    if (s == 12345.678) { dst[wg] = s; }
+}
+"#;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct StreamParams {
+    n4: u32,
+    per_thread: u32,
+    pad: [u32; 2],
+}
+
+/// Times `passes` passes of `record`; returns seconds per pass.
+fn time_passes(
+    gpu: &Gpu,
+    passes: u32,
+    record: &mut dyn FnMut(&mut Pass<'_>) -> Result<()>,
+) -> Result<f64> {
+    let ts = gpu.features.contains(
+        wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS,
+    );
+    // warm-up (pipelines, caches, clocks), waited for
+    let mut pass = gpu.pass();
+    record(&mut pass)?;
+    pass.submit()?;
+    gpu.wait()?;
+    let qs = ts.then(|| {
+        gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("bench"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2,
+        })
+    });
+    // an untimed pass keeps the GPU busy while the timed ones are recorded
+    let mut pass = gpu.pass();
+    record(&mut pass)?;
+    pass.submit()?;
+    let stamp = |i: u32| {
+        if let Some(q) = &qs {
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            enc.write_timestamp(q, i);
+            gpu.queue.submit([enc.finish()]);
+        }
+    };
+    stamp(0);
+    let t0 = Instant::now();
+    for _ in 0..passes {
+        let mut pass = gpu.pass();
+        record(&mut pass)?;
+        pass.submit()?;
+    }
+    stamp(1);
+    gpu.wait()?;
+    let wall = t0.elapsed().as_secs_f64() / passes as f64;
+    let Some(q) = qs else { return Ok(wall) };
+    let resolve = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("ts"),
+        size: 16,
+        usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let read = gpu.buffer(16, "ts_read")?;
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    enc.resolve_query_set(&q, 0..2, &resolve, 0);
+    enc.copy_buffer_to_buffer(&resolve, 0, &read, 0, 16);
+    gpu.queue.submit([enc.finish()]);
+    let t: Vec<u64> = bytemuck::pod_collect_to_vec(&gpu.read_bytes(&read, 0, 16)?);
+    let ns = t[1].wrapping_sub(t[0]) as f64 * gpu.queue.get_timestamp_period() as f64;
+    if ns <= 0.0 || ns > 1e12 {
+        return Ok(wall);
+    }
+    Ok(ns * 1e-9 / passes as f64)
+}
+
+/// GB/s of a plain vec4 read over `bytes` bytes (split in buffers of the binding limit).
+fn stream_bandwidth(gpu: &Gpu, bytes: u64, passes: u32) -> Result<f64> {
+    let chunk = (gpu.max_binding() & !15).min(bytes);
+    let n = bytes.div_ceil(chunk);
+    let bufs: Vec<_> = (0..n)
+        .map(|_| gpu.buffer(chunk, "stream"))
+        .collect::<Result<_>>()?;
+    let dst = gpu.buffer(1 << 20, "stream_dst")?;
+    let pipe = gpu.pipeline(&PipelineSpec::new("bench_stream", STREAM_WGSL, "stream"))?;
+    let n4 = (chunk / 16) as u32;
+    let per_thread = 16u32;
+    let groups = n4.div_ceil(256 * per_thread);
+    let reps = 8;
+    let mut rec = |pass: &mut Pass<'_>| {
+        for _ in 0..reps {
+            for b in &bufs {
+                let prm = StreamParams {
+                    n4,
+                    per_thread,
+                    pad: [0; 2],
+                };
+                pass.dispatch(
+                    &pipe,
+                    "stream",
+                    &prm,
+                    &[b.into(), Binding::from(&dst)],
+                    lathe::gpu::grid(groups),
+                );
+            }
+        }
+        Ok(())
+    };
+    let s = time_passes(gpu, passes, &mut rec)?;
+    Ok((reps as u64 * n * chunk) as f64 / s / 1e9)
+}
+
+/// A [rows, cols] weight of `dt`: one quantized pattern of random normals tiled over the rows
+/// (contents do not matter for bandwidth, and quantizing 10^8 values on the CPU takes minutes).
+fn make_weight(gpu: &Gpu, dt: DType, rows: u64, cols: u64, seed: u64) -> Result<GpuTensor> {
+    let pat_rows = 64u64.min(rows);
+    let mut s = seed | 1;
+    let x: Vec<f32> = (0..pat_rows * cols)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+        })
+        .collect();
+    let pat = quant::quantize(dt, &x)?;
+    let row_bytes = pat.len() as u64 / pat_rows;
+    let mut data = Vec::with_capacity((rows * row_bytes) as usize);
+    while (data.len() as u64) < rows * row_bytes {
+        let need = (rows * row_bytes) as usize - data.len();
+        data.extend_from_slice(&pat[..need.min(pat.len())]);
+    }
+    let shape = [rows, cols];
+    gpu.upload_tensor(&TensorRef {
+        name: "bench",
+        dtype: dt,
+        shape: &shape,
+        data: &data,
+        path: Path::new("bench"),
+    })
+}
+
+fn parse_tunes(s: &Option<String>) -> Vec<Option<Tune>> {
+    match s {
+        None => vec![None],
+        Some(s) => s
+            .split(',')
+            .filter_map(|t| {
+                let (a, b) = t.split_once('x')?;
+                Some(Some(Tune {
+                    wg: a.trim().parse().ok()?,
+                    rows: b.trim().parse().ok()?,
+                }))
+            })
+            .collect(),
+    }
+}
+
+/// `NAME[=VALUE],...` as leaked static define pairs (a handful per run).
+fn parse_variant(s: &str) -> &'static [(&'static str, &'static str)] {
+    let v: Vec<(&'static str, &'static str)> = s
+        .split(',')
+        .filter(|d| !d.is_empty() && *d != "-")
+        .map(|d| {
+            let (n, v) = d.split_once('=').unwrap_or((d, "true"));
+            let n: &'static str = Box::leak(n.trim().to_string().into_boxed_str());
+            let v: &'static str = Box::leak(v.trim().to_string().into_boxed_str());
+            (n, v)
+        })
+        .collect();
+    Box::leak(v.into_boxed_slice())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let gpu = Gpu::new(&args.adapter.parse().unwrap_or(AdapterChoice::Auto))?;
+    println!("{}", gpu.report());
+    let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
+    let rows = args.rows.unwrap_or(if cpu { 4096 } else { 16384 });
+    let cols = args.cols.unwrap_or(if cpu { 4096 } else { 16384 });
+    let total = args.mb.unwrap_or(if cpu { 64 } else { 1024 }) << 20;
+    let passes = if cpu { args.passes.min(2) } else { args.passes };
+    let stream = stream_bandwidth(&gpu, total.max(64 << 20), passes)?;
+    println!(
+        "f32 stream (vec4 reads, {} MB): {stream:.1} GB/s",
+        total.max(64 << 20) >> 20
+    );
+    let tunes = parse_tunes(&args.tune);
+    let variants: Vec<_> = if args.variant.is_empty() {
+        vec![parse_variant("-")]
+    } else {
+        args.variant.iter().map(|v| parse_variant(v)).collect()
+    };
+    let nt = args.tokens;
+    for name in args.types.split(',') {
+        let Some(dt) = DType::from_name(name.trim()) else {
+            eprintln!("unknown type {name}");
+            continue;
+        };
+        let one = dt.bytes_for(rows * cols).unwrap_or(0);
+        if one == 0 || !matvec::supported(dt) {
+            eprintln!("{dt}: {rows}x{cols} not supported");
+            continue;
+        }
+        let n_mat = total.div_ceil(one).max(1);
+        let t0 = Instant::now();
+        let ws: Vec<GpuTensor> = (0..n_mat)
+            .map(|i| make_weight(&gpu, dt, rows, cols, 7 + i))
+            .collect::<Result<_>>()?;
+        let x = gpu.upload_f32(&vec![0.01; (cols * nt as u64) as usize], "x")?;
+        let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
+        gpu.wait()?;
+        let setup = t0.elapsed();
+        for (tune, defines) in tunes.iter().flat_map(|t| variants.iter().map(move |v| (t, *v))) {
+            let opts = MatvecOpts {
+                tune: *tune,
+                defines,
+                ..Default::default()
+            };
+            let per_pass = if cpu {
+                n_mat as usize
+            } else {
+                (64 / n_mat as usize).max(2) * n_mat as usize
+            };
+            let mut rec = |pass: &mut Pass<'_>| {
+                for i in 0..per_pass {
+                    matvec::matvec_opts(pass, &ws[i % ws.len()], &x, 0, &y, 0, nt, &opts)?;
+                }
+                Ok(())
+            };
+            let s = time_passes(&gpu, passes, &mut rec)? / per_pass as f64;
+            let gbs = one as f64 / s / 1e9;
+            let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
+            println!(
+                "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream   (setup {:.1?})",
+                dt.name(),
+                (one * n_mat) >> 20,
+                tune.map(|t| format!("wg{}x{}", t.wg, t.rows)).unwrap_or_else(|| "auto".into()),
+                dl.join(","),
+                s * 1e6,
+                gbs,
+                100.0 * gbs / stream,
+                setup
+            );
+        }
+        if args.prefill > 0 {
+            let np = args.prefill;
+            let xp = gpu.upload_f32(&vec![0.01; (cols * np as u64) as usize], "xp")?;
+            let yp = gpu.buffer(rows * 4 * np as u64, "yp")?;
+            let per_pass = if cpu { 1 } else { 8 };
+            let mut rec = |pass: &mut Pass<'_>| {
+                for i in 0..per_pass {
+                    matmul::matmul_tiled(
+                        pass,
+                        &ws[i % ws.len()],
+                        &xp,
+                        0,
+                        &yp,
+                        0,
+                        np,
+                        &MatvecOpts::default(),
+                    )?;
+                }
+                Ok(())
+            };
+            let s = time_passes(&gpu, passes, &mut rec)? / per_pass as f64;
+            let tflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e12;
+            println!(
+                "{:<6} {rows}x{cols} prefill {np} tokens: {:8.1} ms  {:6.2} TFLOP/s  {:6.0} tok/s",
+                dt.name(),
+                s * 1e3,
+                tflops,
+                np as f64 / s
+            );
+        }
+    }
+    Ok(())
+}

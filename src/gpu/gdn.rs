@@ -1,0 +1,344 @@
+//! Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) on the GPU (`shaders/gdn.wgsl`).
+//! CPU references: `cpu::gdn::{gates, recurrent, chunked}`; the math is in the shader header.
+//!
+//! Layouts (f32 unless said; offsets and strides in elements, so one activation buffer can
+//! hold many tensors):
+//! - batch table ([`SeqBatch`]): per sequence `(first row, tokens, state slot, first chunk
+//!   slot)` as u32. Sequence b owns token rows `row .. row + n_tokens` of every activation.
+//! - `qkv` [rows, qkv_stride]: the conv output (after SiLU), channels q [Hk, d_k] | k [Hk, d_k]
+//!   | v [Hv, d_v] (cpu::gdn module doc).
+//! - `a`, `b` [rows, stride]: Hv raw projection values per row (they may share one buffer).
+//! - `a_neg` [Hv] = −exp(A_log) (GGUF `ssm_a` as stored), `dt_bias` [Hv] (GGUF `ssm_dt.bias`).
+//! - `state` pool [slots, Hv, d_k, d_v]: S[i][j] pairs key dim i with value dim j (HF layout).
+//! - `o` [rows, o_stride]: [Hv, d_v] per row, before the gated RMSNorm.
+//!
+//! Two paths, same results to f32 rounding: [`recurrent`] loops over tokens (the decode path;
+//! any token count), [`chunked`] is the prefill path (HF `chunk_gated_delta_rule`, chunks of
+//! [`CHUNK`] tokens in the WY form: every chunk's intra-chunk solve in parallel, then one
+//! ordered pass over the chunks per (sequence, head, column block) carrying the state).
+//! Any d_k, d_v ≥ 1 work (pipelines are specialised per size); the chunk scan keeps
+//! (d_k + 64)·CB floats of S and Δ in workgroup memory, CB chosen to fit the adapter.
+
+use super::{grid, Binding, Gpu, Pass, PipelineSpec};
+pub use crate::cpu::gdn::{GdnShape, KeyHeadMap, CHUNK};
+use crate::{Error, Result};
+
+const SRC: &str = include_str!("../../shaders/gdn.wgsl");
+/// Recurrent kernel: CB columns × R row groups. 32 columns keep one row of a block in one
+/// 128-byte line; 8 row groups hold 16 values of S per thread at d_k = 128.
+const REC_CB: u32 = 32;
+const REC_R: u32 = 8;
+/// Chunk kernels: threads per workgroup, and the widest column block of the scan
+/// (d_v / 16 workgroups per head keeps a single long prefill spread over the GPU).
+const CHUNK_WG: u32 = 256;
+const SCAN_CB_MAX: u32 = 16;
+
+/// One sequence of a batch: its token rows and its state slot (GDN state and conv state).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSpan {
+    /// First token row in the activation buffers.
+    pub row: u32,
+    pub n_tokens: u32,
+    /// Index into the state pools.
+    pub slot: u32,
+}
+
+/// The batch table on the GPU, `[n_seq][4]` u32: (row, n_tokens, slot, first chunk slot).
+pub struct SeqBatch {
+    pub table: wgpu::Buffer,
+    pub n_seq: u32,
+    pub max_tokens: u32,
+    /// Σ ceil(n_tokens / CHUNK): chunk slots the chunked path's scratch must hold.
+    pub total_chunks: u32,
+}
+
+impl SeqBatch {
+    /// The table's u32 words: chunk slots are handed out in sequence order.
+    pub fn words(spans: &[SeqSpan]) -> Vec<u32> {
+        let mut chunk = 0u32;
+        let mut v = Vec::with_capacity(spans.len() * 4);
+        for s in spans {
+            v.extend_from_slice(&[s.row, s.n_tokens, s.slot, chunk]);
+            chunk += s.n_tokens.div_ceil(CHUNK as u32);
+        }
+        v
+    }
+
+    pub fn new(gpu: &Gpu, spans: &[SeqSpan]) -> Result<SeqBatch> {
+        let words = Self::words(spans);
+        let table = gpu.upload(bytemuck::cast_slice(&words), "gdn.seqs")?;
+        Ok(Self::describe(table, spans))
+    }
+
+    /// Rewrite the table for new spans, reusing the buffer when it is large enough.
+    pub fn update(&mut self, gpu: &Gpu, spans: &[SeqSpan]) -> Result<()> {
+        let words = Self::words(spans);
+        if (words.len() as u64 * 4) > self.table.size() {
+            *self = Self::new(gpu, spans)?;
+        } else {
+            gpu.write(&self.table, 0, bytemuck::cast_slice(&words));
+            let table = self.table.clone();
+            *self = Self::describe(table, spans);
+        }
+        Ok(())
+    }
+
+    fn describe(table: wgpu::Buffer, spans: &[SeqSpan]) -> SeqBatch {
+        SeqBatch {
+            table,
+            n_seq: spans.len() as u32,
+            max_tokens: spans.iter().map(|s| s.n_tokens).max().unwrap_or(0),
+            total_chunks: spans
+                .iter()
+                .map(|s| s.n_tokens.div_ceil(CHUNK as u32))
+                .sum(),
+        }
+    }
+}
+
+/// Uniforms of `gdn.wgsl` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n_seq: u32,
+    max_chunks: u32,
+    n_head_k: u32,
+    n_head_v: u32,
+    /// 0: key head h / (Hv/Hk); 1: h % Hk
+    key_tile: u32,
+    /// in elements
+    qkv_off: u32,
+    /// in elements, between token rows
+    qkv_stride: u32,
+    a_off: u32,
+    a_stride: u32,
+    b_off: u32,
+    b_stride: u32,
+    o_off: u32,
+    o_stride: u32,
+    /// in elements: slot 0 of the state pool
+    state_off: u32,
+    _pad: [u32; 2],
+}
+const _: () = assert!(std::mem::size_of::<Params>() == 64);
+
+/// Buffers of one GDN call (layouts in the module doc).
+pub struct GdnIo<'a> {
+    pub qkv: &'a wgpu::Buffer,
+    pub qkv_off: u32,
+    pub qkv_stride: u32,
+    pub a: &'a wgpu::Buffer,
+    pub a_off: u32,
+    pub a_stride: u32,
+    pub b: &'a wgpu::Buffer,
+    pub b_off: u32,
+    pub b_stride: u32,
+    /// [Hv] = −exp(A_log)
+    pub a_neg: &'a wgpu::Buffer,
+    /// [Hv]
+    pub dt_bias: &'a wgpu::Buffer,
+    /// pool [slots, Hv, d_k, d_v]
+    pub state: &'a wgpu::Buffer,
+    pub state_off: u32,
+    pub o: &'a wgpu::Buffer,
+    pub o_off: u32,
+    pub o_stride: u32,
+}
+
+fn params(s: &GdnShape, batch: &SeqBatch, io: &GdnIo<'_>) -> Result<Params> {
+    s.check()?;
+    let cd = s.conv_dim() as u32;
+    let hv = s.n_head_v as u32;
+    let ov = hv * s.d_v as u32;
+    if io.qkv_stride < cd || io.a_stride < hv || io.b_stride < hv || io.o_stride < ov {
+        return Err(Error::Invalid(format!(
+            "gdn: strides qkv {} (need {cd}), a {} / b {} (need {hv}), o {} (need {ov})",
+            io.qkv_stride, io.a_stride, io.b_stride, io.o_stride
+        )));
+    }
+    Ok(Params {
+        n_seq: batch.n_seq,
+        max_chunks: batch.max_tokens.div_ceil(CHUNK as u32),
+        n_head_k: s.n_head_k as u32,
+        n_head_v: hv,
+        key_tile: (s.map == KeyHeadMap::Tile) as u32,
+        qkv_off: io.qkv_off,
+        qkv_stride: io.qkv_stride,
+        a_off: io.a_off,
+        a_stride: io.a_stride,
+        b_off: io.b_off,
+        b_stride: io.b_stride,
+        o_off: io.o_off,
+        o_stride: io.o_stride,
+        state_off: io.state_off,
+        _pad: [0; 2],
+    })
+}
+
+fn workgroups(n: u64, what: &str) -> Result<[u32; 3]> {
+    if n > (super::MAX_GROUPS as u64).pow(2) {
+        return Err(Error::Invalid(format!(
+            "gdn {what}: {n} workgroups exceed one dispatch"
+        )));
+    }
+    Ok(grid(n as u32))
+}
+
+fn spec(
+    entry: &'static str,
+    kind: &str,
+    s: &GdnShape,
+    wg: u32,
+    extra: &[(&str, u32)],
+) -> PipelineSpec {
+    let mut label = format!("gdn_{kind}_dk{}_dv{}_wg{wg}", s.d_k, s.d_v);
+    let mut sp = PipelineSpec::new(String::new(), SRC, entry)
+        .define("DK", format!("{}u", s.d_k))
+        .define("DV", format!("{}u", s.d_v))
+        .define("WG", format!("{wg}u"))
+        .define("CHUNK", format!("{CHUNK}u"))
+        .define(&kind.to_uppercase(), "true");
+    for (n, v) in extra {
+        label.push_str(&format!("_{}{v}", n.to_lowercase()));
+        sp = sp.define(n, format!("{v}u"));
+    }
+    sp.label = label;
+    sp
+}
+
+/// The recurrent rule over every token of every sequence in `batch`, in token order:
+/// reads and updates each sequence's state slot, writes `o`. One dispatch; the decode path.
+pub fn recurrent(
+    pass: &mut Pass<'_>,
+    s: &GdnShape,
+    batch: &SeqBatch,
+    io: &GdnIo<'_>,
+) -> Result<()> {
+    let p = params(s, batch, io)?;
+    if batch.n_seq == 0 {
+        return Ok(());
+    }
+    let pl = pass.gpu().pipeline(&spec(
+        "recurrent",
+        "recurrent",
+        s,
+        REC_CB * REC_R,
+        &[("CB", REC_CB), ("R", REC_R)],
+    ))?;
+    let n_cb = (s.d_v as u64).div_ceil(REC_CB as u64);
+    let n = batch.n_seq as u64 * s.n_head_v as u64 * n_cb;
+    pass.dispatch(
+        &pl,
+        "gdn_recurrent",
+        &p,
+        &[
+            Binding::from(&batch.table),
+            io.qkv.into(),
+            io.a.into(),
+            io.b.into(),
+            io.a_neg.into(),
+            io.dt_bias.into(),
+            io.state.into(),
+            io.o.into(),
+        ],
+        workgroups(n, "recurrent")?,
+    );
+    Ok(())
+}
+
+/// f32 elements of one (chunk slot, value head) scratch record (see `gdn.wgsl`).
+fn slot_len(s: &GdnShape) -> u64 {
+    let c = CHUNK as u64;
+    c * (3 * s.d_k as u64 + s.d_v as u64) + c * c + 4
+}
+
+/// Bytes of scratch [`chunked`] needs for `total_chunks` chunk slots ([`SeqBatch::total_chunks`]).
+/// About 147 KiB per chunk and value head at d_k = d_v = 128: split very long prefills so
+/// that it stays within [`Gpu::max_binding`].
+pub fn scratch_bytes(s: &GdnShape, total_chunks: u32) -> u64 {
+    slot_len(s) * s.n_head_v as u64 * total_chunks as u64 * 4
+}
+
+/// Column block of the chunk scan: the widest power of two ≤ 16 whose S and Δ tiles fit
+/// the adapter's workgroup memory.
+fn scan_cb(gpu: &Gpu, s: &GdnShape) -> Result<u32> {
+    let limit = gpu.limits.max_compute_workgroup_storage_size as u64;
+    let mut cb = SCAN_CB_MAX;
+    while cb > 1 && (s.d_k as u64 + CHUNK as u64) * cb as u64 * 4 > limit {
+        cb /= 2;
+    }
+    if (s.d_k as u64 + CHUNK as u64) * cb as u64 * 4 > limit {
+        return Err(Error::Unsupported(format!(
+            "gdn: d_k {} exceeds workgroup memory",
+            s.d_k
+        )));
+    }
+    Ok(cb)
+}
+
+/// The chunked form over every sequence of `batch` (the prefill path): same inputs,
+/// outputs and state updates as [`recurrent`]. `scratch` holds at least
+/// [`scratch_bytes`]`(s, batch.total_chunks)` bytes. Two dispatches.
+pub fn chunked(
+    pass: &mut Pass<'_>,
+    s: &GdnShape,
+    batch: &SeqBatch,
+    io: &GdnIo<'_>,
+    scratch: &wgpu::Buffer,
+) -> Result<()> {
+    let p = params(s, batch, io)?;
+    if batch.n_seq == 0 {
+        return Ok(());
+    }
+    let gpu = pass.gpu();
+    let need = scratch_bytes(s, batch.total_chunks);
+    if scratch.size() < need || need > gpu.max_binding() {
+        return Err(Error::Invalid(format!(
+            "gdn chunked: scratch of {} bytes, need {need} (binding limit {})",
+            scratch.size(),
+            gpu.max_binding()
+        )));
+    }
+    // Element offsets into the scratch are u32.
+    if need / 4 > u32::MAX as u64 {
+        return Err(Error::Invalid(format!(
+            "gdn chunked: scratch of {need} bytes is too large"
+        )));
+    }
+    let prep = gpu.pipeline(&spec("chunk_prep", "prep", s, CHUNK_WG, &[]))?;
+    let cb = scan_cb(gpu, s)?;
+    let ne = (CHUNK as u32 * cb).div_ceil(CHUNK_WG);
+    let scan = gpu.pipeline(&spec(
+        "chunk_scan",
+        "scan",
+        s,
+        CHUNK_WG,
+        &[("CB", cb), ("NE", ne)],
+    ))?;
+    let seqs = Binding::from(&batch.table);
+    let n_prep = batch.n_seq as u64 * p.max_chunks as u64 * s.n_head_v as u64;
+    pass.dispatch(
+        &prep,
+        "gdn_chunk_prep",
+        &p,
+        &[
+            seqs.clone(),
+            io.qkv.into(),
+            io.a.into(),
+            io.b.into(),
+            io.a_neg.into(),
+            io.dt_bias.into(),
+            scratch.into(),
+        ],
+        workgroups(n_prep, "chunk_prep")?,
+    );
+    let n_scan = batch.n_seq as u64 * s.n_head_v as u64 * (s.d_v as u64).div_ceil(cb as u64);
+    pass.dispatch(
+        &scan,
+        "gdn_chunk_scan",
+        &p,
+        &[seqs, scratch.into(), io.state.into(), io.o.into()],
+        workgroups(n_scan, "chunk_scan")?,
+    );
+    Ok(())
+}

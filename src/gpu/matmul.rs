@@ -1,0 +1,335 @@
+//! Weight × activations for prefill (`shaders/matmul.wgsl`, compiled after `matvec.wgsl`, whose
+//! block decoders it shares): `Y[t, r] = Σ_c W[r, c] X[t, c]` for many tokens, tiled 64 rows ×
+//! 64 tokens so each decoded chunk of W serves 64 tokens; and the MoE form over a route built on
+//! the GPU (llama.cpp's mul_mat_id idea: each chosen expert is read once for the whole batch).
+//!
+//! Shapes (row-major, f32, offsets in elements): `w` [rows, cols] (or [n_expert, rows, cols]);
+//! X: n rows of `cols` at `x_off + t * x_stride`; Y: n rows of `rows` at `y_off + t * y_stride`
+//! (strides default to cols / rows). Types: as [`matvec`](super::matvec). Weights split into
+//! parts take one dispatch per part.
+
+use super::matvec::{self, check_span, x_vec, Geometry, MatvecOpts};
+use super::{Binding, Gpu, GpuTensor, Pass, PipelineSpec, MAX_GROUPS};
+use crate::{Error, Result};
+
+pub(crate) const SRC: &str = concat!(
+    include_str!("../../shaders/matvec.wgsl"),
+    include_str!("../../shaders/matmul.wgsl")
+);
+
+/// Rows × tokens of one workgroup's tile (`BM`, `BN` in matmul.wgsl).
+const BM: u32 = 64;
+const BN: u32 = 64;
+
+/// `Y = X Wᵀ` for `n_tokens` tokens: up to [`matvec::MAX_TOKENS`] through matvec (its
+/// per-token cost is lower there), the tiled kernel beyond.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+) -> Result<()> {
+    matmul_opts(
+        pass,
+        w,
+        x,
+        x_off,
+        y,
+        y_off,
+        n_tokens,
+        &MatvecOpts::default(),
+    )
+}
+
+/// [`matmul`] with options (accumulate, strides; `portable` / `tune` apply to the matvec path).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_opts(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    if n_tokens <= matvec::MAX_TOKENS {
+        matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
+    } else {
+        matmul_tiled(pass, w, x, x_off, y, y_off, n_tokens, opts)
+    }
+}
+
+fn pipeline(
+    gpu: &Gpu,
+    geo: &Geometry,
+    entry: &'static str,
+    xvec: bool,
+) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+    let label = format!("{entry}_{}_bm{BM}_bn{BN}", geo.label(xvec));
+    gpu.pipeline(&geo.defines(PipelineSpec::new(label, SRC, entry), xvec))
+}
+
+/// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above 8 tokens).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_tiled(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, false)?;
+    if n_tokens == 0 || n_tokens.div_ceil(BN) > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: matmul of {n_tokens} tokens",
+            w.name
+        )));
+    }
+    let x_stride = if opts.x_stride == 0 {
+        geo.cols
+    } else {
+        opts.x_stride
+    };
+    let y_stride = if opts.y_stride == 0 {
+        geo.rows
+    } else {
+        opts.y_stride
+    };
+    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    let pipe = pipeline(gpu, &geo, "matmul", xvec)?;
+    for part in &w.parts {
+        let rows = part.n_rows as u32;
+        if rows.div_ceil(BM) > MAX_GROUPS {
+            return Err(Error::Invalid(format!(
+                "{}: {rows} rows in one part",
+                w.name
+            )));
+        }
+        let mut prm = geo.params(rows);
+        prm.x_off = x_off;
+        prm.x_stride = x_stride;
+        prm.y_off = y_off + part.row_start as u32;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.n_tokens = n_tokens;
+        pass.dispatch(
+            &pipe,
+            &w.name,
+            &prm,
+            &[
+                (&part.buffer).into(),
+                (&part.buffer).into(),
+                x.into(),
+                Binding::from(y),
+            ],
+            [rows.div_ceil(BM), n_tokens.div_ceil(BN), 1],
+        );
+    }
+    Ok(())
+}
+
+/// The routing list of one MoE layer's batch on the GPU: which (token, slot) pairs chose each
+/// expert, grouped into tiles of 64 pairs. One u32 buffer; layout in matmul.wgsl (`route`):
+/// `[n_tiles, count[E], start[E+1], tiles[ceil(max_pairs/64)+E], pairs[max_pairs]]`.
+/// Made once per (n_expert, largest batch) and refilled by [`route`] for every batch.
+pub struct MoeRoute {
+    pub buffer: wgpu::Buffer,
+    pub n_expert: u32,
+    pub max_pairs: u32,
+    tiles_off: u32,
+    pairs_off: u32,
+}
+
+impl MoeRoute {
+    pub fn new(gpu: &Gpu, n_expert: u32, max_pairs: u32) -> Result<MoeRoute> {
+        if n_expert == 0 || n_expert > 1 << 16 || max_pairs == 0 {
+            return Err(Error::Invalid(format!(
+                "moe route: {n_expert} experts (1..=65536), {max_pairs} pairs"
+            )));
+        }
+        let tiles_off = 2 + 2 * n_expert;
+        let max_tiles = max_pairs.div_ceil(BN) + n_expert;
+        let pairs_off = tiles_off + max_tiles;
+        let words = pairs_off as u64 + max_pairs as u64;
+        let buffer = gpu.buffer(words * 4, "moe_route")?;
+        Ok(MoeRoute {
+            buffer,
+            n_expert,
+            max_pairs,
+            tiles_off,
+            pairs_off,
+        })
+    }
+
+    /// Upper bound on the tile count for `n_pairs` pairs (the matmul_id grid height).
+    fn max_tiles(&self, n_pairs: u32) -> u32 {
+        n_pairs.div_ceil(BN) + self.n_expert
+    }
+}
+
+/// Uniforms of `route` in matmul.wgsl.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct RouteParams {
+    n_pairs: u32,
+    n_expert: u32,
+    ids_off: u32,   // elements
+    bn: u32,        // pairs per tile
+    tiles_off: u32, // words
+    pairs_off: u32, // words
+    pad: [u32; 2],
+}
+const _: () = assert!(std::mem::size_of::<RouteParams>() == 32);
+
+/// Fill `r` from router output `ids` (u32 [n_tokens, n_used] at `ids_off`): one workgroup.
+pub fn route(
+    pass: &mut Pass<'_>,
+    r: &MoeRoute,
+    ids: &wgpu::Buffer,
+    ids_off: u32,
+    n_tokens: u32,
+    n_used: u32,
+) -> Result<()> {
+    let n_pairs = n_tokens as u64 * n_used as u64;
+    if n_pairs == 0 || n_pairs > r.max_pairs as u64 {
+        return Err(Error::Invalid(format!(
+            "moe route: {n_tokens} tokens x {n_used} slots, route made for {} pairs",
+            r.max_pairs
+        )));
+    }
+    if (ids_off as u64 + n_pairs) * 4 > ids.size() {
+        return Err(Error::Invalid(format!(
+            "moe route: ids need {n_pairs} u32 at offset {ids_off}, buffer holds {}",
+            ids.size() / 4
+        )));
+    }
+    let gpu = pass.gpu();
+    let spec = PipelineSpec::new("matmul_route", SRC, "route").define("ROUTE", "true");
+    let pipe = gpu.pipeline(&spec)?;
+    let prm = RouteParams {
+        n_pairs: n_pairs as u32,
+        n_expert: r.n_expert,
+        ids_off,
+        bn: BN,
+        tiles_off: r.tiles_off,
+        pairs_off: r.pairs_off,
+        pad: [0; 2],
+    };
+    pass.dispatch(
+        &pipe,
+        "moe_route",
+        &prm,
+        &[ids.into(), Binding::from(&r.buffer)],
+        [1, 1, 1],
+    );
+    Ok(())
+}
+
+/// MoE prefill over a route filled by [`route`] for the same `n_tokens` × `n_used`: for each pair
+/// `q = t * n_used + s` with expert `e`: `Y[y_off + q * y_stride ..][..rows] = W[e] · x_q`, `x_q`
+/// the row at `x_off + (x_per_pair ? q : t) * x_stride`. `w` is [n_expert, rows, cols].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_indexed(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_per_pair: bool,
+    r: &MoeRoute,
+    n_tokens: u32,
+    n_used: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, true)?;
+    if w.shape[0] != r.n_expert as u64 {
+        return Err(Error::Invalid(format!(
+            "{}: {} experts, route made for {}",
+            w.name, w.shape[0], r.n_expert
+        )));
+    }
+    let n_pairs = n_tokens as u64 * n_used as u64;
+    if n_pairs == 0 || n_pairs > r.max_pairs as u64 {
+        return Err(Error::Invalid(format!(
+            "{}: {n_tokens} tokens x {n_used} slots, route made for {} pairs",
+            w.name, r.max_pairs
+        )));
+    }
+    let n_pairs = n_pairs as u32;
+    let x_stride = if opts.x_stride == 0 {
+        geo.cols
+    } else {
+        opts.x_stride
+    };
+    let y_stride = if opts.y_stride == 0 {
+        geo.rows
+    } else {
+        opts.y_stride
+    };
+    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
+    let slots = r.max_tiles(n_pairs);
+    let row_tiles = geo.rows.div_ceil(BM);
+    if slots > MAX_GROUPS || row_tiles > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: grid of {row_tiles} x {slots} tiles",
+            w.name
+        )));
+    }
+    let xvec = x_vec(x, x_off, x_stride, x_rows);
+    let pipe = pipeline(gpu, &geo, "matmul_id", xvec)?;
+    let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
+    for part in &w.parts {
+        let e_lo = part.row_start / geo.rows as u64;
+        let e_n = part.n_rows / geo.rows as u64;
+        if e_lo + e_n > r.n_expert as u64 || expert_bytes * e_n > part.buffer.size() {
+            return Err(Error::Invalid(format!(
+                "{}: part does not hold whole experts",
+                w.name
+            )));
+        }
+        let mut prm = geo.params(geo.rows);
+        prm.x_off = x_off;
+        prm.x_stride = x_stride;
+        prm.y_off = y_off;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.n_used = n_used;
+        prm.e_lo = e_lo as u32;
+        prm.e_n = e_n as u32;
+        prm.expert_bytes = expert_bytes as u32;
+        prm.x_per_pair = x_per_pair as u32;
+        prm.n_tokens = n_pairs;
+        prm.n_expert = r.n_expert;
+        prm.tiles_off = r.tiles_off;
+        prm.pairs_off = r.pairs_off;
+        pass.dispatch(
+            &pipe,
+            &w.name,
+            &prm,
+            &[
+                (&part.buffer).into(),
+                (&part.buffer).into(),
+                x.into(),
+                Binding::from(y),
+                (&r.buffer).into(),
+            ],
+            [row_tiles, slots, 1],
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! Row norms (`shaders/norm.wgsl`): RMSNorm (weighted, unweighted, per head, fused residual),
+//! L2 norm, gated RMSNorm. CPU references: `cpu::ops::{rms_norm, l2_norm, gated_rms_norm}`.
+//!
+//! Rows are [`View`]s of f32 buffers; "per head" is just more rows (`n_rows = n_tokens ·
+//! n_heads`, stride = head_dim, or 2·head_dim for Qwen's `[q | gate]` per-head layout). `y:
+//! None` normalises in place. Weights are `GpuTensor`s of F32, F16 or BF16 `[dim]` multiplied
+//! as stored (the loaders turn HF's `1+w` into plain `w`).
+
+use super::elementwise::View;
+use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
+use crate::cpu::ops::L2Mode;
+use crate::{DType, Error, Result};
+
+const SRC: &str = include_str!("../../shaders/norm.wgsl");
+
+/// Uniforms of `norm.wgsl` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    dim: u32,
+    n_rows: u32,
+    /// Offsets and row strides in elements.
+    x_off: u32,
+    x_stride: u32,
+    y_off: u32,
+    y_stride: u32,
+    z_off: u32,
+    z_stride: u32,
+    eps: f32,
+    scale: f32,
+    _pad: [u32; 2],
+}
+const _: () = assert!(std::mem::size_of::<Params>() == 48);
+
+/// Which formula (`norm.wgsl`'s `MODE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Rms,
+    L2(L2Mode),
+}
+
+/// The second input: a gate (`silu(z)` multiplies the output) or a residual (`x += z` first).
+#[derive(Clone, Copy)]
+enum Extra<'a> {
+    None,
+    Gate(View<'a>),
+    Residual(View<'a>),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    pass: &mut Pass<'_>,
+    mode: Mode,
+    n_rows: u32,
+    dim: u32,
+    x: View<'_>,
+    y: Option<View<'_>>,
+    w: Option<&GpuTensor>,
+    extra: Extra<'_>,
+    eps: f32,
+    scale: f32,
+) -> Result<()> {
+    let op = match (mode, extra) {
+        (Mode::Rms, Extra::Gate(_)) => "gated_rms_norm",
+        (Mode::Rms, Extra::Residual(_)) => "add_rms_norm",
+        (Mode::Rms, Extra::None) => "rms_norm",
+        (Mode::L2(_), _) => "l2_norm",
+    };
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if dim == 0 {
+        return Err(Error::Invalid(format!("{op}: rows of 0 elements")));
+    }
+    x.check(op, "x", n_rows, dim)?;
+    if let Some(y) = &y {
+        y.check(op, "y", n_rows, dim)?;
+    }
+    let wdt = match w {
+        None => None,
+        Some(w) => {
+            if w.n_rows() * w.row_len() != dim as u64 || w.parts.len() != 1 {
+                return Err(Error::Invalid(format!(
+                    "{op}: weight `{}` has shape {:?}, expected [{dim}] in one buffer",
+                    w.name, w.shape
+                )));
+            }
+            match w.dtype {
+                DType::F32 | DType::F16 | DType::BF16 => Some(w.dtype),
+                t => {
+                    return Err(Error::Unsupported(format!(
+                        "{op}: weight `{}` of type {t} (F32, F16 or BF16 only)",
+                        w.name
+                    )))
+                }
+            }
+        }
+    };
+    let (z, gated, residual) = match extra {
+        Extra::None => (None, false, false),
+        Extra::Gate(v) => (Some(v), true, false),
+        Extra::Residual(v) => (Some(v), false, true),
+    };
+    if let Some(z) = &z {
+        z.check(op, if gated { "z" } else { "residual" }, n_rows, dim)?;
+    }
+    let inplace = y.is_none();
+    let mode_id = match mode {
+        Mode::Rms => 0,
+        Mode::L2(L2Mode::Hf) => 1,
+        Mode::L2(L2Mode::Ggml) => 2,
+    };
+    let label = format!(
+        "norm_m{mode_id}_w{}{}{}{}",
+        wdt.map_or("none", |t| t.name()),
+        if inplace { "_inplace" } else { "" },
+        if gated { "_gated" } else { "" },
+        if residual { "_residual" } else { "" },
+    );
+    let mut spec = PipelineSpec::new(label, SRC, "main")
+        .define("MODE", format!("{mode_id}u"))
+        .define("INPLACE", inplace)
+        .define("RESIDUAL", residual)
+        .define("GATED", gated)
+        .define("HAS_Z", z.is_some())
+        .define("HAS_W", wdt.is_some());
+    if let Some(t) = wdt {
+        spec = spec.define(&format!("W_{}", t.name()), true);
+    }
+    let pl = pass.gpu().pipeline(&spec)?;
+    let yv = y.unwrap_or(x);
+    let zv = z.unwrap_or(x);
+    let params = Params {
+        dim,
+        n_rows,
+        x_off: x.off,
+        x_stride: x.stride_for(dim),
+        y_off: yv.off,
+        y_stride: yv.stride_for(dim),
+        z_off: zv.off,
+        z_stride: zv.stride_for(dim),
+        eps,
+        scale,
+        _pad: [0; 2],
+    };
+    let mut bindings = vec![Binding::from(x.buf)];
+    if let Some(y) = y {
+        bindings.push(y.buf.into());
+    }
+    if let Some(w) = w {
+        bindings.push((&w.parts[0].buffer).into());
+    }
+    if let Some(z) = z {
+        bindings.push(z.buf.into());
+    }
+    pass.dispatch(&pl, op, &params, &bindings, grid(n_rows));
+    Ok(())
+}
+
+/// RMSNorm of `n_rows` rows of `dim`: `y = x · rsqrt(mean(x²) + eps) · w` (`w` optional;
+/// `y: None` in place).
+pub fn rms_norm(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    dim: u32,
+    x: View<'_>,
+    y: Option<View<'_>>,
+    w: Option<&GpuTensor>,
+    eps: f32,
+) -> Result<()> {
+    run(pass, Mode::Rms, n_rows, dim, x, y, w, Extra::None, eps, 1.0)
+}
+
+/// Fused residual add and RMSNorm: `x += r` (written back to `x`), then `y = rmsnorm(x) · w`.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    dim: u32,
+    x: View<'_>,
+    r: View<'_>,
+    y: View<'_>,
+    w: Option<&GpuTensor>,
+    eps: f32,
+) -> Result<()> {
+    run(
+        pass,
+        Mode::Rms,
+        n_rows,
+        dim,
+        x,
+        Some(y),
+        w,
+        Extra::Residual(r),
+        eps,
+        1.0,
+    )
+}
+
+/// L2 norm per row times `scale`: `x · rsqrt(Σx² + eps)` ([`L2Mode::Hf`], the default) or
+/// `x / max(‖x‖, eps)` ([`L2Mode::Ggml`]). `y: None` in place.
+#[allow(clippy::too_many_arguments)]
+pub fn l2_norm(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    dim: u32,
+    x: View<'_>,
+    y: Option<View<'_>>,
+    eps: f32,
+    mode: L2Mode,
+    scale: f32,
+) -> Result<()> {
+    run(
+        pass,
+        Mode::L2(mode),
+        n_rows,
+        dim,
+        x,
+        y,
+        None,
+        Extra::None,
+        eps,
+        scale,
+    )
+}
+
+/// Gated RMSNorm (Qwen3.5 GDN output): `y = w ⊙ rmsnorm(o) ⊙ silu(z)`, `y: None` writes over `o`.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rms_norm(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    dim: u32,
+    o: View<'_>,
+    z: View<'_>,
+    y: Option<View<'_>>,
+    w: Option<&GpuTensor>,
+    eps: f32,
+) -> Result<()> {
+    run(
+        pass,
+        Mode::Rms,
+        n_rows,
+        dim,
+        o,
+        y,
+        w,
+        Extra::Gate(z),
+        eps,
+        1.0,
+    )
+}

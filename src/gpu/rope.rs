@@ -1,0 +1,253 @@
+//! Rotary position embedding in place (`shaders/rope.wgsl`). CPU references:
+//! `cpu::ops::{rope_neox, rope_interleaved}`; frequency tables: `cpu::ops::{rope_inv_freq,
+//! yarn_inv_freq}`.
+//!
+//! The inverse frequencies are computed on the CPU (f32, as the references do) and uploaded
+//! once as a [`RopeTable`]; positions are u32 (a buffer, or `pos0 + t`), so the kernel can
+//! reduce the angle exactly (see the shader's header) and stays accurate at any position.
+
+use super::{grid, Binding, Gpu, Pass, PipelineSpec};
+use crate::{Error, Result};
+
+const SRC: &str = include_str!("../../shaders/rope.wgsl");
+const WG: u32 = 256;
+
+/// Uniforms of `rope.wgsl` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n_tokens: u32,
+    n_heads: u32,
+    n_freq: u32,
+    /// In elements.
+    x_off: u32,
+    token_stride: u32,
+    head_stride: u32,
+    rot_off: u32,
+    pos0: u32,
+    pos_off: u32,
+    inverse: u32,
+    _pad: [u32; 2],
+}
+const _: () = assert!(std::mem::size_of::<Params>() == 48);
+
+/// Which elements pair up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// `(i, i + n_rot/2)`: HF `rotate_half`, llama.cpp NEOX (Qwen3.5).
+    Neox,
+    /// `(2i, 2i+1)`: DeepSeek's complex pairs, llama.cpp NORM.
+    Interleaved,
+}
+
+/// A frequency table on the GPU: per frequency, `inv_freq / 2π` as a 64-bit binary fraction
+/// of a turn, `(hi, lo)` u32 pairs `[n_freq, 2]`.
+pub struct RopeTable {
+    pub buffer: wgpu::Buffer,
+    /// `n_rot / 2`.
+    pub n_freq: u32,
+}
+
+/// `inv_freq[i] / 2π` mod 1 as 64-bit fractions `(hi, lo)`: the rotation per position in
+/// turns. f64 keeps 53 significant bits, so `pos · table` is off by < 2^-53·pos turns.
+pub fn turn_table(inv_freq: &[f32]) -> Vec<u32> {
+    inv_freq
+        .iter()
+        .flat_map(|&f| {
+            let t = (f as f64 / std::f64::consts::TAU).rem_euclid(1.0);
+            let fixed = (t * 18446744073709551616.0) as u64; // 2^64; saturates at t → 1
+            [(fixed >> 32) as u32, fixed as u32]
+        })
+        .collect()
+}
+
+impl RopeTable {
+    /// Upload `inv_freq` (`[n_rot/2]`, e.g. from `cpu::ops::rope_inv_freq`).
+    pub fn new(gpu: &Gpu, inv_freq: &[f32], label: &str) -> Result<RopeTable> {
+        if inv_freq.is_empty() || inv_freq.iter().any(|f| !f.is_finite()) {
+            return Err(Error::Invalid(format!(
+                "{label}: RoPE needs a non-empty table of finite frequencies"
+            )));
+        }
+        let words = turn_table(inv_freq);
+        Ok(RopeTable {
+            buffer: gpu.upload(bytemuck::cast_slice(&words), label)?,
+            n_freq: inv_freq.len() as u32,
+        })
+    }
+}
+
+/// Heads to rotate: token `t`, head `h` starts at element `off + t·token_stride + h·head_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeView<'a> {
+    pub buf: &'a wgpu::Buffer,
+    /// In elements.
+    pub off: u32,
+    pub n_tokens: u32,
+    pub n_heads: u32,
+    pub head_dim: u32,
+    pub token_stride: u32,
+    pub head_stride: u32,
+}
+
+impl<'a> RopeView<'a> {
+    /// Packed `[n_tokens, n_heads, head_dim]` at element `off`.
+    pub fn packed(
+        buf: &'a wgpu::Buffer,
+        off: u32,
+        n_tokens: u32,
+        n_heads: u32,
+        head_dim: u32,
+    ) -> Self {
+        RopeView {
+            buf,
+            off,
+            n_tokens,
+            n_heads,
+            head_dim,
+            token_stride: n_heads * head_dim,
+            head_stride: head_dim,
+        }
+    }
+}
+
+/// Per-token positions.
+#[derive(Clone, Copy, Debug)]
+pub enum Positions<'a> {
+    /// Token `t` is at `pos0 + t`.
+    From(u32),
+    /// Token `t` is at `buf[off + t]` (u32).
+    Buffer { buf: &'a wgpu::Buffer, off: u32 },
+}
+
+/// Rotate the `2·table.n_freq` dims starting at `rot_off` of every head of `x` in place.
+pub fn rope(
+    pass: &mut Pass<'_>,
+    x: &RopeView<'_>,
+    style: RopeStyle,
+    rot_off: u32,
+    table: &RopeTable,
+    pos: Positions<'_>,
+    inverse: bool,
+) -> Result<()> {
+    let n_rot = 2 * table.n_freq;
+    if rot_off as u64 + n_rot as u64 > x.head_dim as u64 {
+        return Err(Error::Invalid(format!(
+            "rope: {n_rot} rotated dims at {rot_off} do not fit a head of {}",
+            x.head_dim
+        )));
+    }
+    let n = x.n_tokens as u64 * x.n_heads as u64 * table.n_freq as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    if n > u32::MAX as u64 - WG as u64 {
+        return Err(Error::Invalid(format!(
+            "rope: {n} pairs is too many for one dispatch"
+        )));
+    }
+    let end = x.off as u64
+        + (x.n_tokens as u64 - 1) * x.token_stride as u64
+        + (x.n_heads as u64 - 1) * x.head_stride as u64
+        + x.head_dim as u64;
+    if end * 4 > x.buf.size() {
+        return Err(Error::Invalid(format!(
+            "rope: heads reach element {end}, the buffer holds {}",
+            x.buf.size() / 4
+        )));
+    }
+    let (pos0, pos_off, pos_buf) = match pos {
+        Positions::From(p0) => {
+            if p0 as u64 + x.n_tokens as u64 > u32::MAX as u64 + 1 {
+                return Err(Error::Invalid(format!(
+                    "rope: positions from {p0} overflow u32"
+                )));
+            }
+            (p0, 0, None)
+        }
+        Positions::Buffer { buf, off } => {
+            if (off as u64 + x.n_tokens as u64) * 4 > buf.size() {
+                return Err(Error::Invalid(format!(
+                    "rope: {} positions from {off} run past the positions buffer ({} entries)",
+                    x.n_tokens,
+                    buf.size() / 4
+                )));
+            }
+            (0, off, Some(buf))
+        }
+    };
+    let interleaved = style == RopeStyle::Interleaved;
+    let label = format!(
+        "rope_{}{}",
+        if interleaved { "interleaved" } else { "neox" },
+        if pos_buf.is_some() { "_posbuf" } else { "" }
+    );
+    let pl = pass.gpu().pipeline(
+        &PipelineSpec::new(label, SRC, "main")
+            .define("INTERLEAVED", interleaved)
+            .define("POS_BUF", pos_buf.is_some()),
+    )?;
+    let params = Params {
+        n_tokens: x.n_tokens,
+        n_heads: x.n_heads,
+        n_freq: table.n_freq,
+        x_off: x.off,
+        token_stride: x.token_stride,
+        head_stride: x.head_stride,
+        rot_off,
+        pos0,
+        pos_off,
+        inverse: inverse as u32,
+        _pad: [0; 2],
+    };
+    let mut bindings = vec![Binding::from(x.buf), Binding::from(&table.buffer)];
+    if let Some(b) = pos_buf {
+        bindings.push(b.into());
+    }
+    pass.dispatch(
+        &pl,
+        "rope",
+        &params,
+        &bindings,
+        grid((n as u32).div_ceil(WG)),
+    );
+    Ok(())
+}
+
+/// NEOX halves on the LEADING `2·table.n_freq` dims of each head (Qwen3.5: 64 of 256).
+pub fn rope_neox(
+    pass: &mut Pass<'_>,
+    x: &RopeView<'_>,
+    table: &RopeTable,
+    pos: Positions<'_>,
+    inverse: bool,
+) -> Result<()> {
+    rope(pass, x, RopeStyle::Neox, 0, table, pos, inverse)
+}
+
+/// Interleaved pairs on the TRAILING `2·table.n_freq` dims of each head (DeepSeek-V4: the
+/// last 64 of 512).
+pub fn rope_interleaved(
+    pass: &mut Pass<'_>,
+    x: &RopeView<'_>,
+    table: &RopeTable,
+    pos: Positions<'_>,
+    inverse: bool,
+) -> Result<()> {
+    let rot_off = x.head_dim.checked_sub(2 * table.n_freq).ok_or_else(|| {
+        Error::Invalid(format!(
+            "rope: {} rotated dims exceed a head of {}",
+            2 * table.n_freq,
+            x.head_dim
+        ))
+    })?;
+    rope(
+        pass,
+        x,
+        RopeStyle::Interleaved,
+        rot_off,
+        table,
+        pos,
+        inverse,
+    )
+}

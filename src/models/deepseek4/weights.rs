@@ -1,0 +1,632 @@
+//! Tensor names (one table per format) and the loader that brings both formats into one
+//! internal layout.
+//!
+//! The two formats hold the same values in the same orientation (checked tensor by tensor
+//! on the fixtures: llama.cpp's converter copies DeepSeek's tensors unchanged), so the
+//! layout is simply DeepSeek's own, with these transforms:
+//! - norms are plain `w` in both (model.py multiplies `w · x̂`; no `1+w` anywhere);
+//! - routed experts are stacked `[n_expert, rows, cols]`: GGUF stores the stack in ggml
+//!   MXFP4 blocks; the release stores one packed-MXFP4 tensor (+ E8M0 `.scale`) per expert,
+//!   repacked here into ggml MXFP4 bytes (see `experts_upstream`);
+//! - FP8 e4m3 block-scaled linears of the release are dequantized to f32 (see `Loader::mat`);
+//! - `tid2eid` (GGUF I32, release I64) becomes exact f32 expert ids.
+
+use super::Hparams;
+use crate::models::{expect_shape, read_f32, ModelFile, Weight};
+use crate::safetensors::{dequant_fp8_block, find_block_scale, repack_mxfp4_to_ggml, HfModel};
+use crate::tensor::TensorRef;
+use crate::{DType, Error, Result};
+
+/// Every tensor a DeepSeek-V4 model has, by role.
+#[derive(Clone, Copy, Debug)]
+pub enum W {
+    TokEmbd,
+    Output,
+    OutputNorm,
+    HcHeadFn,
+    HcHeadBase,
+    HcHeadScale,
+    AttnNorm(usize),
+    FfnNorm(usize),
+    HcAttnFn(usize),
+    HcAttnBase(usize),
+    HcAttnScale(usize),
+    HcFfnFn(usize),
+    HcFfnBase(usize),
+    HcFfnScale(usize),
+    // Attention
+    Sink(usize),
+    WqA(usize),
+    QNorm(usize),
+    WqB(usize),
+    Wkv(usize),
+    KvNorm(usize),
+    WoA(usize),
+    WoB(usize),
+    // KV compressor of the attention (ratio > 0 layers)
+    CmpApe(usize),
+    CmpNorm(usize),
+    CmpGate(usize),
+    CmpKv(usize),
+    // Lightning indexer (ratio-4 layers) and its own compressor
+    IxWqB(usize),
+    IxProj(usize),
+    IxCmpApe(usize),
+    IxCmpNorm(usize),
+    IxCmpGate(usize),
+    IxCmpKv(usize),
+    // MoE
+    Router(usize),
+    RouterBias(usize),
+    Tid2Eid(usize),
+    /// Routed experts: GGUF stacks them; the release stores one tensor per expert
+    /// (the second index): w1 = gate, w3 = up, w2 = down.
+    GateExps(usize),
+    UpExps(usize),
+    DownExps(usize),
+    GateExp(usize, usize),
+    UpExp(usize, usize),
+    DownExp(usize, usize),
+    ShGate(usize),
+    ShUp(usize),
+    ShDown(usize),
+}
+
+impl W {
+    /// llama.cpp's names (`llama-arch.cpp`, `LLM_ARCH_DEEPSEEK4`).
+    pub fn gguf_name(self) -> String {
+        use W::*;
+        let b = |l: usize, s: &str| format!("blk.{l}.{s}");
+        match self {
+            TokEmbd => "token_embd.weight".into(),
+            Output => "output.weight".into(),
+            OutputNorm => "output_norm.weight".into(),
+            HcHeadFn => "output_hc_fn.weight".into(),
+            HcHeadBase => "output_hc_base.weight".into(),
+            HcHeadScale => "output_hc_scale.weight".into(),
+            AttnNorm(l) => b(l, "attn_norm.weight"),
+            FfnNorm(l) => b(l, "ffn_norm.weight"),
+            HcAttnFn(l) => b(l, "hc_attn_fn.weight"),
+            HcAttnBase(l) => b(l, "hc_attn_base.weight"),
+            HcAttnScale(l) => b(l, "hc_attn_scale.weight"),
+            HcFfnFn(l) => b(l, "hc_ffn_fn.weight"),
+            HcFfnBase(l) => b(l, "hc_ffn_base.weight"),
+            HcFfnScale(l) => b(l, "hc_ffn_scale.weight"),
+            Sink(l) => b(l, "attn_sinks.weight"),
+            WqA(l) => b(l, "attn_q_a.weight"),
+            QNorm(l) => b(l, "attn_q_a_norm.weight"),
+            WqB(l) => b(l, "attn_q_b.weight"),
+            Wkv(l) => b(l, "attn_kv.weight"),
+            KvNorm(l) => b(l, "attn_kv_a_norm.weight"),
+            WoA(l) => b(l, "attn_output_a.weight"),
+            WoB(l) => b(l, "attn_output_b.weight"),
+            CmpApe(l) => b(l, "attn_compressor_ape.weight"),
+            CmpNorm(l) => b(l, "attn_compressor_norm.weight"),
+            CmpGate(l) => b(l, "attn_compressor_gate.weight"),
+            CmpKv(l) => b(l, "attn_compressor_kv.weight"),
+            IxWqB(l) => b(l, "indexer.attn_q_b.weight"),
+            IxProj(l) => b(l, "indexer.proj.weight"),
+            IxCmpApe(l) => b(l, "indexer_compressor_ape.weight"),
+            IxCmpNorm(l) => b(l, "indexer_compressor_norm.weight"),
+            IxCmpGate(l) => b(l, "indexer_compressor_gate.weight"),
+            IxCmpKv(l) => b(l, "indexer_compressor_kv.weight"),
+            Router(l) => b(l, "ffn_gate_inp.weight"),
+            RouterBias(l) => b(l, "exp_probs_b.bias"),
+            Tid2Eid(l) => b(l, "ffn_gate_tid2eid.weight"),
+            GateExps(l) | GateExp(l, _) => b(l, "ffn_gate_exps.weight"),
+            UpExps(l) | UpExp(l, _) => b(l, "ffn_up_exps.weight"),
+            DownExps(l) | DownExp(l, _) => b(l, "ffn_down_exps.weight"),
+            ShGate(l) => b(l, "ffn_gate_shexp.weight"),
+            ShUp(l) => b(l, "ffn_up_shexp.weight"),
+            ShDown(l) => b(l, "ffn_down_shexp.weight"),
+        }
+    }
+
+    /// DeepSeek's release names (model.py's module paths). The stacked expert roles have no
+    /// tensor of their own there; they name the per-expert prefix.
+    pub fn upstream_name(self) -> String {
+        use W::*;
+        let b = |l: usize, s: &str| format!("layers.{l}.{s}");
+        match self {
+            TokEmbd => "embed.weight".into(),
+            Output => "head.weight".into(),
+            OutputNorm => "norm.weight".into(),
+            HcHeadFn => "hc_head_fn".into(),
+            HcHeadBase => "hc_head_base".into(),
+            HcHeadScale => "hc_head_scale".into(),
+            AttnNorm(l) => b(l, "attn_norm.weight"),
+            FfnNorm(l) => b(l, "ffn_norm.weight"),
+            HcAttnFn(l) => b(l, "hc_attn_fn"),
+            HcAttnBase(l) => b(l, "hc_attn_base"),
+            HcAttnScale(l) => b(l, "hc_attn_scale"),
+            HcFfnFn(l) => b(l, "hc_ffn_fn"),
+            HcFfnBase(l) => b(l, "hc_ffn_base"),
+            HcFfnScale(l) => b(l, "hc_ffn_scale"),
+            Sink(l) => b(l, "attn.attn_sink"),
+            WqA(l) => b(l, "attn.wq_a.weight"),
+            QNorm(l) => b(l, "attn.q_norm.weight"),
+            WqB(l) => b(l, "attn.wq_b.weight"),
+            Wkv(l) => b(l, "attn.wkv.weight"),
+            KvNorm(l) => b(l, "attn.kv_norm.weight"),
+            WoA(l) => b(l, "attn.wo_a.weight"),
+            WoB(l) => b(l, "attn.wo_b.weight"),
+            CmpApe(l) => b(l, "attn.compressor.ape"),
+            CmpNorm(l) => b(l, "attn.compressor.norm.weight"),
+            CmpGate(l) => b(l, "attn.compressor.wgate.weight"),
+            CmpKv(l) => b(l, "attn.compressor.wkv.weight"),
+            IxWqB(l) => b(l, "attn.indexer.wq_b.weight"),
+            IxProj(l) => b(l, "attn.indexer.weights_proj.weight"),
+            IxCmpApe(l) => b(l, "attn.indexer.compressor.ape"),
+            IxCmpNorm(l) => b(l, "attn.indexer.compressor.norm.weight"),
+            IxCmpGate(l) => b(l, "attn.indexer.compressor.wgate.weight"),
+            IxCmpKv(l) => b(l, "attn.indexer.compressor.wkv.weight"),
+            Router(l) => b(l, "ffn.gate.weight"),
+            RouterBias(l) => b(l, "ffn.gate.bias"),
+            Tid2Eid(l) => b(l, "ffn.gate.tid2eid"),
+            GateExps(l) | UpExps(l) | DownExps(l) => b(l, "ffn.experts"),
+            GateExp(l, e) => b(l, &format!("ffn.experts.{e}.w1.weight")),
+            UpExp(l, e) => b(l, &format!("ffn.experts.{e}.w3.weight")),
+            DownExp(l, e) => b(l, &format!("ffn.experts.{e}.w2.weight")),
+            ShGate(l) => b(l, "ffn.shared_experts.w1.weight"),
+            ShUp(l) => b(l, "ffn.shared_experts.w3.weight"),
+            ShDown(l) => b(l, "ffn.shared_experts.w2.weight"),
+        }
+    }
+}
+
+/// Hyper-connection mixing weights of one site (attention or FFN half of a block, or the
+/// head fold). Block sites: `fn_` [hc_mix, hc·n_embd], `base` [hc_mix], `scale` [3]
+/// (pre | post | comb). Head: `fn_` [hc, hc·n_embd], `base` [hc], `scale` [1].
+pub struct Hc<T> {
+    pub fn_: T,
+    pub base: T,
+    pub scale: T,
+}
+
+/// A KV compressor of ratio m over `d`-wide entries; `coff` = 2 when overlapping (ratio 4),
+/// else 1.
+pub struct Compressor<T> {
+    /// [m, coff·d]: added to the scores by position in the window.
+    pub ape: T,
+    /// [coff·d, n_embd] each: the kv stream and its pooling scores. Overlapping: channels
+    /// `..d` pool into the NEXT window's entry, `d..` into this window's.
+    pub wkv: T,
+    pub wgate: T,
+    /// [d]: weighted RMSNorm of a pooled entry.
+    pub norm: T,
+}
+
+/// Lightning indexer of a ratio-4 layer.
+pub struct Indexer<T> {
+    /// [n_ix_head·ix_head_dim, q_lora]: indexer queries from the normed q low-rank `qr`.
+    pub wq_b: T,
+    /// [n_ix_head, n_embd]: per-head weights from the attention input.
+    pub proj: T,
+    /// Its own overlapping compressor with d = ix_head_dim.
+    pub cmp: Compressor<T>,
+}
+
+pub struct Attn<T> {
+    /// [n_head]: per-head sink logit.
+    pub sink: T,
+    /// [q_lora, n_embd]
+    pub wq_a: T,
+    /// [q_lora]
+    pub q_norm: T,
+    /// [n_head·head_dim, q_lora]
+    pub wq_b: T,
+    /// [head_dim, n_embd]: the one K=V head.
+    pub wkv: T,
+    /// [head_dim]
+    pub kv_norm: T,
+    /// [o_groups·o_lora, n_head·head_dim/o_groups]: group g uses rows g·o_lora.. against
+    /// its own slice of the heads.
+    pub wo_a: T,
+    /// [n_embd, o_groups·o_lora]
+    pub wo_b: T,
+    /// Layers with ratio > 0.
+    pub cmp: Option<Compressor<T>>,
+    /// Ratio-4 layers.
+    pub ix: Option<Indexer<T>>,
+}
+
+pub struct Moe<T> {
+    /// [n_expert, n_embd]
+    pub router: T,
+    /// [n_expert]: selection-only bias (score-routed layers).
+    pub bias: Option<T>,
+    /// [n_vocab, n_used] f32 expert ids (hash layers).
+    pub tid2eid: Option<T>,
+    /// [n_expert, n_ff_exp, n_embd] (gate = w1, up = w3), [n_expert, n_embd, n_ff_exp] (down = w2).
+    pub gate_exps: T,
+    pub up_exps: T,
+    pub down_exps: T,
+    /// Shared expert: [n_ff_shexp, n_embd] (gate, up), [n_embd, n_ff_shexp] (down).
+    pub sh_gate: T,
+    pub sh_up: T,
+    pub sh_down: T,
+}
+
+pub struct Layer<T> {
+    pub hc_attn: Hc<T>,
+    /// [n_embd] each, plain `w`.
+    pub attn_norm: T,
+    pub attn: Attn<T>,
+    pub hc_ffn: Hc<T>,
+    pub ffn_norm: T,
+    pub moe: Moe<T>,
+}
+
+pub struct Weights<T> {
+    /// [n_vocab, n_embd]
+    pub tok_embd: T,
+    pub layers: Vec<Layer<T>>,
+    pub hc_head: Hc<T>,
+    /// [n_embd], plain `w`.
+    pub output_norm: T,
+    /// [n_vocab, n_embd]
+    pub output: T,
+}
+
+struct Loader<'a> {
+    file: &'a ModelFile,
+    gguf: bool,
+}
+
+impl<'a> Loader<'a> {
+    fn name(&self, w: W) -> String {
+        if self.gguf {
+            w.gguf_name()
+        } else {
+            w.upstream_name()
+        }
+    }
+    fn req(&self, w: W) -> Result<TensorRef<'a>> {
+        self.file.require(&self.name(w))
+    }
+    fn shaped(&self, w: W, shape: &[u64]) -> Result<TensorRef<'a>> {
+        let t = self.req(w)?;
+        expect_shape(&t, shape)?;
+        Ok(t)
+    }
+
+    /// Any weight: stored as it is, except the release's FP8 e4m3 linears (`X.weight` +
+    /// `X.scale` E8M0 per 128×128 block), dequantized to f32 here.
+    // TODO(lead): the GPU path wants these in a stored type (requantize to Q8_0, or an FP8
+    // kernel); until a `Weight::Owned` variant exists this is the CPU reference's path.
+    fn mat(&self, w: W, shape: &[u64]) -> Result<Weight<'a>> {
+        let t = self.shaped(w, shape)?;
+        if t.dtype != DType::F8_E4M3 {
+            return Ok(Weight::Stored(t));
+        }
+        Ok(Weight::F32 {
+            name: t.name.to_string(),
+            shape: shape.to_vec(),
+            data: self.fp8_to_f32(&t)?,
+        })
+    }
+
+    fn fp8_to_f32(&self, t: &TensorRef<'a>) -> Result<Vec<f32>> {
+        let ModelFile::Hf(h) = self.file else {
+            return Err(Error::tensor(t.path, t.name, "FP8 weight in a GGUF file"));
+        };
+        let scale = find_block_scale(h, t.name).ok_or_else(|| {
+            Error::tensor(
+                t.path,
+                t.name,
+                "FP8 weight without a `.scale` / `.weight_scale_inv` tensor",
+            )
+        })?;
+        let mut out = vec![0f32; t.n_elements() as usize];
+        dequant_fp8_block(t, &scale, &mut out)?;
+        Ok(out)
+    }
+
+    fn hc(
+        &self,
+        f: W,
+        b: W,
+        s: W,
+        mix: usize,
+        n_scale: u64,
+        hp: &Hparams,
+    ) -> Result<Hc<Weight<'a>>> {
+        let mix = mix as u64;
+        Ok(Hc {
+            fn_: self.mat(f, &[mix, (hp.hc * hp.n_embd) as u64])?,
+            base: self.mat(b, &[mix])?,
+            scale: self.mat(s, &[n_scale])?,
+        })
+    }
+
+    fn compressor(
+        &self,
+        names: [W; 4],
+        ratio: usize,
+        d: usize,
+        overlap: bool,
+        hp: &Hparams,
+    ) -> Result<Compressor<Weight<'a>>> {
+        let [ape, norm, gate, kv] = names;
+        let width = if overlap { 2 * d } else { d } as u64;
+        let e = hp.n_embd as u64;
+        Ok(Compressor {
+            ape: self.mat(ape, &[ratio as u64, width])?,
+            wkv: self.mat(kv, &[width, e])?,
+            wgate: self.mat(gate, &[width, e])?,
+            norm: self.mat(norm, &[d as u64])?,
+        })
+    }
+
+    /// Routed experts of the release: one tensor per expert, stacked to
+    /// `[n_expert, rows, cols]`. Packed MXFP4 (I8/U8 + E8M0 scale) is repacked into ggml's
+    /// MXFP4 blocks, so one GPU kernel serves both formats.
+    // TODO(lead): return the repacked bytes as `Weight::Owned { dtype: MXFP4, .. }` once that
+    // variant exists; until then they are dequantized to f32 HERE, which only the CPU
+    // reference can afford.
+    fn experts_upstream(
+        &self,
+        h: &'a HfModel,
+        one: fn(usize, usize) -> W,
+        l: usize,
+        shape: [u64; 3],
+    ) -> Result<Weight<'a>> {
+        let (ne, rows, cols) = (shape[0] as usize, shape[1], shape[2]);
+        let ts = (0..ne)
+            .map(|x| self.req(one(l, x)))
+            .collect::<Result<Vec<_>>>()?;
+        match ts[0].dtype {
+            DType::I8 | DType::U8 => {
+                let mut bytes = Vec::new();
+                for t in &ts {
+                    expect_shape(t, &[rows, cols / 2])?;
+                    let scale = find_block_scale(h, t.name).ok_or_else(|| {
+                        Error::tensor(
+                            t.path,
+                            t.name,
+                            "packed MXFP4 expert without a `.scale` tensor",
+                        )
+                    })?;
+                    bytes.extend(repack_mxfp4_to_ggml(t, &scale)?);
+                }
+                let data = crate::quant::dequantize_to_vec(
+                    DType::MXFP4,
+                    &bytes,
+                    ne * (rows * cols) as usize,
+                )
+                .map_err(|e| Error::tensor(ts[0].path, ts[0].name, e.to_string()))?;
+                Ok(Weight::F32 {
+                    name: ts[0].name.to_string(),
+                    shape: shape.to_vec(),
+                    data,
+                })
+            }
+            DType::F8_E4M3 => {
+                let mut data = Vec::with_capacity(ne * (rows * cols) as usize);
+                for t in &ts {
+                    expect_shape(t, &[rows, cols])?;
+                    data.extend(self.fp8_to_f32(t)?);
+                }
+                Ok(Weight::F32 {
+                    name: ts[0].name.to_string(),
+                    shape: shape.to_vec(),
+                    data,
+                })
+            }
+            _ => {
+                for t in &ts {
+                    expect_shape(t, &[rows, cols])?;
+                }
+                Ok(Weight::Stack {
+                    parts: ts,
+                    shape: shape.to_vec(),
+                })
+            }
+        }
+    }
+
+    fn experts(
+        &self,
+        all: W,
+        one: fn(usize, usize) -> W,
+        l: usize,
+        shape: [u64; 3],
+    ) -> Result<Weight<'a>> {
+        match self.file {
+            ModelFile::Gguf(_) => Ok(Weight::Stored(self.shaped(all, &shape)?)),
+            ModelFile::Hf(h) => self.experts_upstream(h, one, l, shape),
+        }
+    }
+
+    /// `tid2eid` [n_vocab, n_used] as f32 ids, each checked to name an expert.
+    fn tid2eid(&self, l: usize, hp: &Hparams) -> Result<Weight<'a>> {
+        let t = self.shaped(W::Tid2Eid(l), &[hp.n_vocab as u64, hp.n_used as u64])?;
+        if !matches!(
+            t.dtype,
+            DType::I32 | DType::I64 | DType::I16 | DType::I8 | DType::U8
+        ) {
+            return Err(Error::tensor(
+                t.path,
+                t.name,
+                format!("expert ids stored as {}, expected an integer type", t.dtype),
+            ));
+        }
+        let ids = read_f32(&t)?;
+        if let Some(i) = ids
+            .iter()
+            .position(|&v| !(v >= 0.0 && (v as usize) < hp.n_expert))
+        {
+            return Err(Error::tensor(
+                t.path,
+                t.name,
+                format!(
+                    "entry {i} = {} is not an expert id below {}",
+                    ids[i], hp.n_expert
+                ),
+            ));
+        }
+        Ok(Weight::F32 {
+            name: t.name.to_string(),
+            shape: vec![hp.n_vocab as u64, hp.n_used as u64],
+            data: ids,
+        })
+    }
+}
+
+/// Load every weight through `sink` (GPU upload or CPU dequantization), in the layout
+/// described at the top of this file.
+pub fn load<T>(
+    file: &ModelFile,
+    hp: &Hparams,
+    mut sink: impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Weights<T>> {
+    let ld = Loader {
+        file,
+        gguf: hp.gguf,
+    };
+    let e = hp.n_embd as u64;
+    let v = hp.n_vocab as u64;
+    let tok_embd = sink(ld.mat(W::TokEmbd, &[v, e])?)?;
+    let mut layers = Vec::with_capacity(hp.n_layer);
+    for l in 0..hp.n_layer {
+        let hc_attn = ld.hc(
+            W::HcAttnFn(l),
+            W::HcAttnBase(l),
+            W::HcAttnScale(l),
+            hp.hc_mix(),
+            3,
+            hp,
+        )?;
+        let hc_attn = sink_hc(hc_attn, &mut sink)?;
+        let attn_norm = sink(ld.mat(W::AttnNorm(l), &[e])?)?;
+        let attn = load_attn(&ld, hp, l, &mut sink)?;
+        let hc_ffn = ld.hc(
+            W::HcFfnFn(l),
+            W::HcFfnBase(l),
+            W::HcFfnScale(l),
+            hp.hc_mix(),
+            3,
+            hp,
+        )?;
+        let hc_ffn = sink_hc(hc_ffn, &mut sink)?;
+        let ffn_norm = sink(ld.mat(W::FfnNorm(l), &[e])?)?;
+        let moe = load_moe(&ld, hp, l, &mut sink)?;
+        layers.push(Layer {
+            hc_attn,
+            attn_norm,
+            attn,
+            hc_ffn,
+            ffn_norm,
+            moe,
+        });
+    }
+    let hc_head = ld.hc(W::HcHeadFn, W::HcHeadBase, W::HcHeadScale, hp.hc, 1, hp)?;
+    let hc_head = sink_hc(hc_head, &mut sink)?;
+    let output_norm = sink(ld.mat(W::OutputNorm, &[e])?)?;
+    let output = sink(ld.mat(W::Output, &[v, e])?)?;
+    Ok(Weights {
+        tok_embd,
+        layers,
+        hc_head,
+        output_norm,
+        output,
+    })
+}
+
+fn sink_hc<T>(h: Hc<Weight<'_>>, sink: &mut impl FnMut(Weight<'_>) -> Result<T>) -> Result<Hc<T>> {
+    Ok(Hc {
+        fn_: sink(h.fn_)?,
+        base: sink(h.base)?,
+        scale: sink(h.scale)?,
+    })
+}
+
+fn sink_cmp<T>(
+    c: Compressor<Weight<'_>>,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Compressor<T>> {
+    Ok(Compressor {
+        ape: sink(c.ape)?,
+        wkv: sink(c.wkv)?,
+        wgate: sink(c.wgate)?,
+        norm: sink(c.norm)?,
+    })
+}
+
+fn load_attn<T>(
+    ld: &Loader<'_>,
+    hp: &Hparams,
+    l: usize,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Attn<T>> {
+    let e = hp.n_embd as u64;
+    let (hd, ql) = (hp.head_dim as u64, hp.q_lora as u64);
+    let q_dim = hp.q_dim() as u64;
+    let ratio = hp.compress_ratio[l];
+    let cmp = if ratio > 0 {
+        let names = [W::CmpApe(l), W::CmpNorm(l), W::CmpGate(l), W::CmpKv(l)];
+        let c = ld.compressor(names, ratio, hp.head_dim, hp.overlap(l), hp)?;
+        Some(sink_cmp(c, sink)?)
+    } else {
+        None
+    };
+    let ix = if hp.has_indexer(l) {
+        let names = [
+            W::IxCmpApe(l),
+            W::IxCmpNorm(l),
+            W::IxCmpGate(l),
+            W::IxCmpKv(l),
+        ];
+        let c = ld.compressor(names, ratio, hp.ix_head_dim, hp.overlap(l), hp)?;
+        let wq_b = ld.mat(W::IxWqB(l), &[(hp.n_ix_head * hp.ix_head_dim) as u64, ql])?;
+        let proj = ld.mat(W::IxProj(l), &[hp.n_ix_head as u64, e])?;
+        Some(Indexer {
+            wq_b: sink(wq_b)?,
+            proj: sink(proj)?,
+            cmp: sink_cmp(c, sink)?,
+        })
+    } else {
+        None
+    };
+    let og = hp.o_groups as u64;
+    let ol = hp.o_lora as u64;
+    Ok(Attn {
+        sink: sink(ld.mat(W::Sink(l), &[hp.n_head as u64])?)?,
+        wq_a: sink(ld.mat(W::WqA(l), &[ql, e])?)?,
+        q_norm: sink(ld.mat(W::QNorm(l), &[ql])?)?,
+        wq_b: sink(ld.mat(W::WqB(l), &[q_dim, ql])?)?,
+        wkv: sink(ld.mat(W::Wkv(l), &[hd, e])?)?,
+        kv_norm: sink(ld.mat(W::KvNorm(l), &[hd])?)?,
+        wo_a: sink(ld.mat(W::WoA(l), &[og * ol, q_dim / og])?)?,
+        wo_b: sink(ld.mat(W::WoB(l), &[e, og * ol])?)?,
+        cmp,
+        ix,
+    })
+}
+
+fn load_moe<T>(
+    ld: &Loader<'_>,
+    hp: &Hparams,
+    l: usize,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Moe<T>> {
+    let e = hp.n_embd as u64;
+    let (ne, f, fs) = (hp.n_expert as u64, hp.n_ff_exp as u64, hp.n_ff_shexp as u64);
+    let router = sink(ld.mat(W::Router(l), &[ne, e])?)?;
+    let (bias, tid2eid) = if hp.is_hash(l) {
+        (None, Some(sink(ld.tid2eid(l, hp)?)?))
+    } else {
+        (Some(sink(ld.mat(W::RouterBias(l), &[ne])?)?), None)
+    };
+    Ok(Moe {
+        router,
+        bias,
+        tid2eid,
+        gate_exps: sink(ld.experts(W::GateExps(l), W::GateExp, l, [ne, f, e])?)?,
+        up_exps: sink(ld.experts(W::UpExps(l), W::UpExp, l, [ne, f, e])?)?,
+        down_exps: sink(ld.experts(W::DownExps(l), W::DownExp, l, [ne, e, f])?)?,
+        sh_gate: sink(ld.mat(W::ShGate(l), &[fs, e])?)?,
+        sh_up: sink(ld.mat(W::ShUp(l), &[fs, e])?)?,
+        sh_down: sink(ld.mat(W::ShDown(l), &[e, fs])?)?,
+    })
+}

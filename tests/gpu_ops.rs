@@ -1,0 +1,992 @@
+//! The small GPU ops (elementwise, norms, RoPE, softmax, embedding gather, top-k, router)
+//! against their CPU references in `lathe::cpu::ops`, on whatever adapter the machine has
+//! (lavapipe in CI).
+//!
+//! Every output lives inside a larger buffer at an offset (and usually a row stride), the
+//! rest of which is filled with guard values: a test fails if any element outside the op's
+//! rows changes. Sizes: odd (1, 7, 33, 255, 1000) and real (2048, 4096, 16 heads × 256,
+//! 64 heads × 512, vocab 248,320). Tolerances are stated per test.
+
+use lathe::cpu::ops;
+use lathe::gpu::elementwise::{self as ew, View};
+use lathe::gpu::rope::{Positions, RopeTable, RopeView};
+use lathe::gpu::{embed, norm, rope, softmax, topk, AdapterChoice, Gpu, GpuTensor, TensorPart};
+use lathe::tensor::TensorRef;
+use lathe::DType;
+use std::path::Path;
+
+const GUARD: f32 = -7777.25;
+
+fn gpu() -> Gpu {
+    Gpu::new(&AdapterChoice::Auto).expect("a wgpu adapter (lavapipe in CI)")
+}
+
+/// xorshift64*: deterministic test data.
+struct Rng(u64);
+impl Rng {
+    fn u32(&mut self) -> u32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32
+    }
+    fn uniform(&mut self) -> f32 {
+        self.u32() as f32 / 4294967296.0 * 2.0 - 1.0
+    }
+    /// Roughly normal (sum of four uniforms, variance 4/3 → scaled to 1).
+    fn normal(&mut self) -> f32 {
+        (self.uniform() + self.uniform() + self.uniform() + self.uniform()) * 0.866
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.normal() * scale).collect()
+    }
+}
+
+/// Where `rows × cols` live inside a guarded buffer.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    rows: usize,
+    cols: usize,
+    off: usize,
+    stride: usize,
+}
+
+impl Layout {
+    fn new(rows: usize, cols: usize, off: usize, stride: usize) -> Layout {
+        Layout {
+            rows,
+            cols,
+            off,
+            stride,
+        }
+    }
+    fn len(&self) -> usize {
+        self.off + (self.rows - 1) * self.stride + self.cols + 5
+    }
+    fn idx(&self, r: usize, c: usize) -> usize {
+        self.off + r * self.stride + c
+    }
+    /// The buffer: guards everywhere, `data` (packed rows) at the layout's positions.
+    fn place(&self, data: &[f32]) -> Vec<f32> {
+        let mut v = vec![GUARD; self.len()];
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                v[self.idx(r, c)] = data[r * self.cols + c];
+            }
+        }
+        v
+    }
+    fn gather(&self, full: &[f32]) -> Vec<f32> {
+        let mut v = Vec::with_capacity(self.rows * self.cols);
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                v.push(full[self.idx(r, c)]);
+            }
+        }
+        v
+    }
+    fn view<'a>(&self, buf: &'a wgpu::Buffer) -> View<'a> {
+        View::strided(buf, self.off as u32, self.stride as u32)
+    }
+}
+
+/// `|got − want| ≤ abs + rel·|want|` elementwise (NaN only where NaN is expected).
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], abs: f32, rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() && g.is_nan() {
+            continue;
+        }
+        let err = (g - w).abs();
+        assert!(
+            err <= abs + rel * w.abs(),
+            "{what}: element {i}: got {g}, want {w} (err {err:e})"
+        );
+    }
+}
+
+/// Everything outside `layout` must be bit-identical to `before`.
+#[track_caller]
+fn assert_guards(what: &str, layout: &Layout, full: &[f32], before: &[f32]) {
+    let mut inside = vec![false; full.len()];
+    for r in 0..layout.rows {
+        for c in 0..layout.cols {
+            inside[layout.idx(r, c)] = true;
+        }
+    }
+    for i in 0..full.len() {
+        if !inside[i] {
+            assert_eq!(
+                full[i].to_bits(),
+                before[i].to_bits(),
+                "{what}: element {i} outside the output changed"
+            );
+        }
+    }
+}
+
+/// Run `f` on a fresh pass, submit, and read `buf` back whole.
+fn run(gpu: &Gpu, buf: &wgpu::Buffer, f: impl FnOnce(&mut lathe::gpu::Pass<'_>)) -> Vec<f32> {
+    let mut pass = gpu.pass();
+    f(&mut pass);
+    pass.submit().unwrap();
+    gpu.read_f32(buf, 0, (buf.size() / 4) as usize).unwrap()
+}
+
+fn weight_tensor(gpu: &Gpu, dtype: DType, w: &[f32]) -> (GpuTensor, Vec<f32>) {
+    let bytes = lathe::quant::quantize(dtype, w).unwrap();
+    let shape = [w.len() as u64];
+    let t = TensorRef {
+        name: "w",
+        dtype,
+        shape: &shape,
+        data: &bytes,
+        path: Path::new("test"),
+    };
+    let deq = lathe::quant::dequantize_to_vec(dtype, &bytes, w.len()).unwrap();
+    (gpu.upload_tensor(&t).unwrap(), deq)
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Ew {
+    Add,
+    Mul,
+    Scale,
+    Copy,
+    Silu,
+    Sigmoid,
+    Swiglu,
+    SwigluLimit,
+    SigmoidMul,
+    SigmoidMulRow,
+    AddInplace,
+    MulInplace,
+    ScaleInplace,
+    SigmoidMulInplace,
+    SigmoidMulRowInplace,
+    AxpyRow,
+}
+
+/// Elementwise ops on strided rows. Tolerance: 1e-6 abs + 2e-6 relative (exp-based ops;
+/// the arithmetic ones are exact).
+#[test]
+fn elementwise_matches_cpu() {
+    let gpu = gpu();
+    let mut rng = Rng(0x1234_5678);
+    for &(rows, cols) in &[(1, 1), (3, 7), (2, 33), (5, 255), (1, 1000), (3, 2048)] {
+        let ly = Layout::new(rows, cols, 3, cols + 2);
+        let la = Layout::new(rows, cols, 1, cols + 5);
+        let lb = Layout::new(rows, cols, 0, cols);
+        let ls = Layout::new(rows, 1, 2, 3);
+        // Gates reach ±20 so SwiGLU's clamp at 10 bites; sigmoids see both tails.
+        let a = rng.vec(rows * cols, 8.0);
+        let b = rng.vec(rows * cols, 8.0);
+        let s = rng.vec(rows, 3.0);
+        let y0 = rng.vec(rows * cols, 1.0);
+        let abuf = gpu.upload_f32(&la.place(&a), "a").unwrap();
+        let bbuf = gpu.upload_f32(&lb.place(&b), "b").unwrap();
+        let sbuf = gpu.upload_f32(&ls.place(&s), "s").unwrap();
+        let alpha = 0.37f32;
+        use Ew::*;
+        for op in [
+            Add,
+            Mul,
+            Scale,
+            Copy,
+            Silu,
+            Sigmoid,
+            Swiglu,
+            SwigluLimit,
+            SigmoidMul,
+            SigmoidMulRow,
+            AddInplace,
+            MulInplace,
+            ScaleInplace,
+            SigmoidMulInplace,
+            SigmoidMulRowInplace,
+            AxpyRow,
+        ] {
+            let inplace = matches!(
+                op,
+                AddInplace
+                    | MulInplace
+                    | ScaleInplace
+                    | SigmoidMulInplace
+                    | SigmoidMulRowInplace
+                    | AxpyRow
+            );
+            let before = if inplace {
+                ly.place(&y0)
+            } else {
+                vec![GUARD; ly.len()]
+            };
+            let ybuf = gpu.upload_f32(&before, "y").unwrap();
+            let (r, c) = (rows as u32, cols as u32);
+            let (yv, av, bv, sv) = (
+                ly.view(&ybuf),
+                la.view(&abuf),
+                lb.view(&bbuf),
+                ls.view(&sbuf),
+            );
+            let full = run(&gpu, &ybuf, |p| {
+                match op {
+                    Add => ew::add_rows(p, r, c, yv, av, bv),
+                    Mul => ew::mul(p, r, c, yv, av, bv),
+                    Scale => ew::scale(p, r, c, yv, av, alpha),
+                    Copy => ew::copy(p, r, c, yv, av),
+                    Silu => ew::silu(p, r, c, yv, av),
+                    Sigmoid => ew::sigmoid(p, r, c, yv, av),
+                    Swiglu => ew::swiglu(p, r, c, yv, av, bv, None),
+                    SwigluLimit => ew::swiglu(p, r, c, yv, av, bv, Some(10.0)),
+                    SigmoidMul => ew::sigmoid_mul(p, r, c, yv, av, bv),
+                    SigmoidMulRow => ew::sigmoid_mul_row(p, r, c, yv, sv, av),
+                    AddInplace => ew::add_inplace(p, r, c, yv, av),
+                    MulInplace => ew::mul_inplace(p, r, c, yv, av),
+                    ScaleInplace => ew::scale_inplace(p, r, c, yv, alpha),
+                    SigmoidMulInplace => ew::sigmoid_mul_inplace(p, r, c, yv, av),
+                    SigmoidMulRowInplace => ew::sigmoid_mul_row_inplace(p, r, c, yv, sv),
+                    AxpyRow => ew::axpy_row(p, r, c, yv, sv, av),
+                }
+                .unwrap()
+            });
+            let want: Vec<f32> = match op {
+                Swiglu => ops::swiglu(&a, &b, None),
+                SwigluLimit => ops::swiglu(&a, &b, Some(10.0)),
+                _ => (0..rows * cols)
+                    .map(|i| {
+                        let (x, g, row_s, y) = (a[i], b[i], s[i / cols], y0[i]);
+                        match op {
+                            Add => x + g,
+                            Mul => x * g,
+                            Scale => alpha * x,
+                            Copy => x,
+                            Silu => ops::silu(x),
+                            Sigmoid => ops::sigmoid(x),
+                            SigmoidMul => ops::sigmoid(x) * g,
+                            SigmoidMulRow => ops::sigmoid(row_s) * x,
+                            AddInplace => y + x,
+                            MulInplace => y * x,
+                            ScaleInplace => alpha * y,
+                            SigmoidMulInplace => ops::sigmoid(x) * y,
+                            SigmoidMulRowInplace => ops::sigmoid(row_s) * y,
+                            AxpyRow => y + row_s * x,
+                            Swiglu | SwigluLimit => unreachable!(),
+                        }
+                    })
+                    .collect(),
+            };
+            let what = format!("{op:?} {rows}x{cols}");
+            assert_guards(&what, &ly, &full, &before);
+            assert_close(&what, &ly.gather(&full), &want, 1e-6, 2e-6);
+        }
+    }
+}
+
+#[test]
+fn elementwise_rejects_out_of_bounds_views() {
+    let gpu = gpu();
+    let a = gpu.upload_f32(&[0.0; 10], "a").unwrap();
+    let y = gpu.buffer(40, "y").unwrap();
+    let mut pass = gpu.pass();
+    let err = ew::copy(&mut pass, 2, 6, View::new(&y, 0), View::new(&a, 0)).unwrap_err();
+    assert!(err.to_string().contains("copy"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// RMSNorm (F32 / F16 / BF16 / no weight, out of place and in place, fused residual), L2
+/// (both modes, scaled) and gated RMSNorm. Tolerance: 1e-6 abs + 1e-5 relative against the
+/// f64 reference.
+#[test]
+fn norms_match_cpu() {
+    let gpu = gpu();
+    let mut rng = Rng(0xabcdef);
+    let eps = 1e-6f32;
+    for &(rows, dim) in &[
+        (3, 1),
+        (2, 7),
+        (3, 33),
+        (2, 255),
+        (3, 1000),
+        (2, 2048),
+        (2, 4096),
+    ] {
+        let lx = Layout::new(rows, dim, 2, dim + 3);
+        let ly = Layout::new(rows, dim, 5, dim + 1);
+        let lz = Layout::new(rows, dim, 1, dim);
+        let x: Vec<f32> = rng.vec(rows * dim, 2.0).iter().map(|v| v + 0.5).collect();
+        let z = rng.vec(rows * dim, 3.0);
+        let w = rng
+            .vec(dim, 0.3)
+            .iter()
+            .map(|v| v + 1.0)
+            .collect::<Vec<_>>();
+        let xbuf = gpu.upload_f32(&lx.place(&x), "x").unwrap();
+        let zbuf = gpu.upload_f32(&lz.place(&z), "z").unwrap();
+        let (n, d) = (rows as u32, dim as u32);
+        for wt in [None, Some(DType::F32), Some(DType::F16), Some(DType::BF16)] {
+            let (wtensor, wref) = match wt {
+                Some(t) => {
+                    let (g, r) = weight_tensor(&gpu, t, &w);
+                    (Some(g), Some(r))
+                }
+                None => (None, None),
+            };
+            let what = format!("rms_norm {rows}x{dim} w {wt:?}");
+            let want = ops::rms_norm(&x, dim, wref.as_deref(), eps);
+            // Out of place.
+            let before = vec![GUARD; ly.len()];
+            let ybuf = gpu.upload_f32(&before, "y").unwrap();
+            let full = run(&gpu, &ybuf, |p| {
+                norm::rms_norm(
+                    p,
+                    n,
+                    d,
+                    lx.view(&xbuf),
+                    Some(ly.view(&ybuf)),
+                    wtensor.as_ref(),
+                    eps,
+                )
+                .unwrap()
+            });
+            assert_guards(&what, &ly, &full, &before);
+            assert_close(&what, &ly.gather(&full), &want, 1e-6, 1e-5);
+            // In place.
+            let before = lx.place(&x);
+            let ibuf = gpu.upload_f32(&before, "x_inplace").unwrap();
+            let full = run(&gpu, &ibuf, |p| {
+                norm::rms_norm(p, n, d, lx.view(&ibuf), None, wtensor.as_ref(), eps).unwrap()
+            });
+            assert_guards(&what, &lx, &full, &before);
+            assert_close(
+                &format!("{what} in place"),
+                &lx.gather(&full),
+                &want,
+                1e-6,
+                1e-5,
+            );
+            // Gated (Qwen3.5 GDN output norm).
+            let want = ops::gated_rms_norm(&x, &z, dim, wref.as_deref(), eps);
+            let before = vec![GUARD; ly.len()];
+            let ybuf = gpu.upload_f32(&before, "y").unwrap();
+            let full = run(&gpu, &ybuf, |p| {
+                norm::gated_rms_norm(
+                    p,
+                    n,
+                    d,
+                    lx.view(&xbuf),
+                    lz.view(&zbuf),
+                    Some(ly.view(&ybuf)),
+                    wtensor.as_ref(),
+                    eps,
+                )
+                .unwrap()
+            });
+            assert_guards(&format!("gated {what}"), &ly, &full, &before);
+            assert_close(
+                &format!("gated {what}"),
+                &ly.gather(&full),
+                &want,
+                1e-6,
+                1e-5,
+            );
+        }
+        // Fused residual: x += r, y = rmsnorm(x)·w.
+        let (wt, wref) = weight_tensor(&gpu, DType::BF16, &w);
+        let before_x = lx.place(&x);
+        let hbuf = gpu.upload_f32(&before_x, "h").unwrap();
+        let before = vec![GUARD; ly.len()];
+        let ybuf = gpu.upload_f32(&before, "y").unwrap();
+        let full = run(&gpu, &ybuf, |p| {
+            norm::add_rms_norm(
+                p,
+                n,
+                d,
+                lx.view(&hbuf),
+                lz.view(&zbuf),
+                ly.view(&ybuf),
+                Some(&wt),
+                eps,
+            )
+            .unwrap()
+        });
+        let h: Vec<f32> = x.iter().zip(&z).map(|(a, b)| a + b).collect();
+        let what = format!("add_rms_norm {rows}x{dim}");
+        assert_guards(&what, &ly, &full, &before);
+        assert_close(
+            &what,
+            &ly.gather(&full),
+            &ops::rms_norm(&h, dim, Some(&wref), eps),
+            1e-6,
+            1e-5,
+        );
+        let hfull = gpu.read_f32(&hbuf, 0, lx.len()).unwrap();
+        assert_guards(&what, &lx, &hfull, &before_x);
+        assert_eq!(lx.gather(&hfull), h, "{what}: residual sum written back");
+        // L2, both guards against zero, with GDN's 1/sqrt(d_k) scale.
+        for mode in [ops::L2Mode::Hf, ops::L2Mode::Ggml] {
+            let scale = 1.0 / (dim as f32).sqrt();
+            let want = ops::l2_norm(&x, dim, eps, mode, scale);
+            let before = vec![GUARD; ly.len()];
+            let ybuf = gpu.upload_f32(&before, "y").unwrap();
+            let full = run(&gpu, &ybuf, |p| {
+                norm::l2_norm(
+                    p,
+                    n,
+                    d,
+                    lx.view(&xbuf),
+                    Some(ly.view(&ybuf)),
+                    eps,
+                    mode,
+                    scale,
+                )
+                .unwrap()
+            });
+            let what = format!("l2_norm {mode:?} {rows}x{dim}");
+            assert_guards(&what, &ly, &full, &before);
+            assert_close(&what, &ly.gather(&full), &want, 1e-6, 1e-5);
+        }
+    }
+}
+
+/// Per-head RMSNorm in place on Qwen3.5's q layout `[tokens, heads, q(256) | gate(256)]`:
+/// only the q halves change. Tolerance as `norms_match_cpu`.
+#[test]
+fn per_head_norm_leaves_gates_alone() {
+    let gpu = gpu();
+    let mut rng = Rng(42);
+    let (n_tok, n_head, hd) = (3usize, 16usize, 256usize);
+    let rows = n_tok * n_head;
+    let lq = Layout::new(rows, hd, 7, 2 * hd);
+    let all = rng.vec(lq.len(), 1.5);
+    let q = lq.gather(&all);
+    let w = rng.vec(hd, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>();
+    let (wt, wref) = weight_tensor(&gpu, DType::F32, &w);
+    let buf = gpu.upload_f32(&all, "q").unwrap();
+    let full = run(&gpu, &buf, |p| {
+        norm::rms_norm(
+            p,
+            rows as u32,
+            hd as u32,
+            lq.view(&buf),
+            None,
+            Some(&wt),
+            1e-6,
+        )
+        .unwrap()
+    });
+    assert_guards("per-head q norm", &lq, &full, &all);
+    assert_close(
+        "per-head q norm",
+        &lq.gather(&full),
+        &ops::rms_norm(&q, hd, Some(&wref), 1e-6),
+        1e-6,
+        1e-5,
+    );
+}
+
+#[test]
+fn norm_rejects_bad_weights() {
+    let gpu = gpu();
+    let x = gpu.upload_f32(&[1.0; 64], "x").unwrap();
+    let (w, _) = weight_tensor(&gpu, DType::Q8_0, &[1.0; 32]);
+    let mut pass = gpu.pass();
+    let err = norm::rms_norm(&mut pass, 2, 32, View::new(&x, 0), None, Some(&w), 1e-6).unwrap_err();
+    assert!(err.to_string().contains("Q8_0"), "{err}");
+    let (w, _) = weight_tensor(&gpu, DType::F32, &[1.0; 16]);
+    let err = norm::rms_norm(&mut pass, 2, 32, View::new(&x, 0), None, Some(&w), 1e-6).unwrap_err();
+    assert!(err.to_string().contains("[32]"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------
+
+struct RopeCase {
+    name: &'static str,
+    n_tok: usize,
+    n_head: usize,
+    head_dim: usize,
+    n_rot: usize,
+    interleaved: bool,
+    inv_freq: Vec<f32>,
+    /// Extra elements between heads (a `[q | gate]` layout leaves the gate untouched).
+    head_gap: usize,
+}
+
+/// RoPE against the exact-angle f64 reference at positions up to 3·10^6. Tolerance: 2e-5 abs
+/// (values ~N(0, 1.5²)).
+#[test]
+fn rope_matches_cpu() {
+    let gpu = gpu();
+    let mut rng = Rng(7);
+    let yarn = ops::Yarn {
+        factor: 16.0,
+        original_max_position: 65536,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+    };
+    let cases = [
+        RopeCase {
+            name: "qwen35 16x256 rot 64 neox, q|gate layout",
+            n_tok: 6,
+            n_head: 16,
+            head_dim: 256,
+            n_rot: 64,
+            interleaved: false,
+            inv_freq: ops::rope_inv_freq(1e7, 64),
+            head_gap: 256,
+        },
+        RopeCase {
+            name: "dsv4 64x512 rot 64 trailing interleaved, yarn",
+            n_tok: 6,
+            n_head: 64,
+            head_dim: 512,
+            n_rot: 64,
+            interleaved: true,
+            inv_freq: ops::yarn_inv_freq(160000.0, 64, &yarn),
+            head_gap: 0,
+        },
+        RopeCase {
+            name: "dsv4 1x512 kv rot 64 trailing, theta 1e4",
+            n_tok: 6,
+            n_head: 1,
+            head_dim: 512,
+            n_rot: 64,
+            interleaved: true,
+            inv_freq: ops::rope_inv_freq(10000.0, 64),
+            head_gap: 0,
+        },
+        RopeCase {
+            name: "odd 3x33 rot 32 trailing interleaved",
+            n_tok: 6,
+            n_head: 3,
+            head_dim: 33,
+            n_rot: 32,
+            interleaved: true,
+            inv_freq: ops::rope_inv_freq(10000.0, 32),
+            head_gap: 1,
+        },
+        RopeCase {
+            name: "odd 7x7 rot 2 neox",
+            n_tok: 6,
+            n_head: 7,
+            head_dim: 7,
+            n_rot: 2,
+            interleaved: false,
+            inv_freq: ops::rope_inv_freq(10000.0, 2),
+            head_gap: 0,
+        },
+    ];
+    let positions: [u32; 6] = [0, 1, 77, 4095, 100_000, 3_000_000];
+    for case in &cases {
+        let hs = case.head_dim + case.head_gap;
+        let ts = case.n_head * hs;
+        let off = 3usize;
+        // The buffer: guards, then tokens of heads of head_dim (+ gap) elements.
+        let lrows = Layout::new(case.n_tok * case.n_head, case.head_dim, off, hs);
+        let all = {
+            let mut v = rng.vec(lrows.len(), 1.5);
+            v[..off].fill(GUARD);
+            v
+        };
+        let x = lrows.gather(&all);
+        let table = RopeTable::new(&gpu, &case.inv_freq, "inv_freq").unwrap();
+        let pos_all: Vec<u32> = [9u32, 9].iter().chain(&positions).copied().collect();
+        let pbuf = gpu
+            .upload(bytemuck::cast_slice(&pos_all), "positions")
+            .unwrap();
+        for inverse in [false, true] {
+            for from_buffer in [true, false] {
+                if !from_buffer && inverse {
+                    continue;
+                }
+                let (pos, posv): (Positions, Vec<u32>) = if from_buffer {
+                    (Positions::Buffer { buf: &pbuf, off: 2 }, positions.to_vec())
+                } else {
+                    (
+                        Positions::From(99_990),
+                        (0..case.n_tok as u32).map(|t| 99_990 + t).collect(),
+                    )
+                };
+                let mut want = x.clone();
+                let f = if case.interleaved {
+                    ops::rope_interleaved
+                } else {
+                    ops::rope_neox
+                };
+                f(
+                    &mut want,
+                    case.n_head,
+                    case.head_dim,
+                    case.n_rot,
+                    &posv,
+                    &case.inv_freq,
+                    inverse,
+                );
+                let buf = gpu.upload_f32(&all, "x").unwrap();
+                let view = RopeView {
+                    buf: &buf,
+                    off: off as u32,
+                    n_tokens: case.n_tok as u32,
+                    n_heads: case.n_head as u32,
+                    head_dim: case.head_dim as u32,
+                    token_stride: ts as u32,
+                    head_stride: hs as u32,
+                };
+                let full = run(&gpu, &buf, |p| {
+                    if case.interleaved {
+                        rope::rope_interleaved(p, &view, &table, pos, inverse).unwrap()
+                    } else {
+                        rope::rope_neox(p, &view, &table, pos, inverse).unwrap()
+                    }
+                });
+                let what = format!("{} inverse {inverse} posbuf {from_buffer}", case.name);
+                assert_guards(&what, &lrows, &full, &all);
+                assert_close(&what, &lrows.gather(&full), &want, 2e-5, 0.0);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// Row softmax, scaled, out of place and in place, up to a vocab-sized row. Tolerance:
+/// 1e-9 abs + 1e-5 relative.
+#[test]
+fn softmax_matches_cpu() {
+    let gpu = gpu();
+    let mut rng = Rng(99);
+    for &(rows, dim) in &[
+        (2, 1),
+        (3, 7),
+        (2, 33),
+        (3, 255),
+        (2, 1000),
+        (2, 2048),
+        (2, 4096),
+        (1, 248_320),
+    ] {
+        let lx = Layout::new(rows, dim, 4, dim + 2);
+        let ly = Layout::new(rows, dim, 1, dim);
+        let x = rng.vec(rows * dim, 5.0);
+        for scale in [1.0f32, 0.0625] {
+            let want = ops::softmax(&x, dim, scale);
+            let xbuf = gpu.upload_f32(&lx.place(&x), "x").unwrap();
+            let before = vec![GUARD; ly.len()];
+            let ybuf = gpu.upload_f32(&before, "y").unwrap();
+            let full = run(&gpu, &ybuf, |p| {
+                softmax::softmax(
+                    p,
+                    rows as u32,
+                    dim as u32,
+                    lx.view(&xbuf),
+                    Some(ly.view(&ybuf)),
+                    scale,
+                )
+                .unwrap()
+            });
+            let what = format!("softmax {rows}x{dim} scale {scale}");
+            assert_guards(&what, &ly, &full, &before);
+            assert_close(&what, &ly.gather(&full), &want, 1e-9, 1e-5);
+            let before = lx.place(&x);
+            let full = run(&gpu, &xbuf, |p| {
+                softmax::softmax(p, rows as u32, dim as u32, lx.view(&xbuf), None, scale).unwrap()
+            });
+            assert_guards(&what, &lx, &full, &before);
+            assert_close(
+                &format!("{what} in place"),
+                &lx.gather(&full),
+                &want,
+                1e-9,
+                1e-5,
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+const EMBED_TYPES: [DType; 16] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+    DType::MXFP4,
+];
+
+/// Embedding gather for every stored type, one part and three parts, rows at unaligned byte
+/// offsets (e.g. 3 Q8_0 blocks = 102 bytes), an out-of-range id. Tolerance: 1e-6 relative
+/// to the row's largest magnitude (the decoders do ggml's f32 operations in ggml's order; only
+/// FMA contraction may differ).
+#[test]
+fn embed_matches_dequantize() {
+    let gpu = gpu();
+    let mut rng = Rng(2024);
+    let n_rows = 37usize;
+    let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 1000, 12, 30];
+    let idbuf = gpu
+        .upload(
+            bytemuck::cast_slice(&[[7u32].as_slice(), &ids].concat()),
+            "ids",
+        )
+        .unwrap();
+    for dt in EMBED_TYPES {
+        let row_len = if dt.block_size() == 256 { 512 } else { 96 };
+        let table: Vec<f32> = rng.vec(n_rows * row_len, 1.0);
+        let bytes = lathe::quant::quantize(dt, &table).unwrap();
+        let shape = [n_rows as u64, row_len as u64];
+        let tref = TensorRef {
+            name: "token_embd.weight",
+            dtype: dt,
+            shape: &shape,
+            data: &bytes,
+            path: Path::new("test.gguf"),
+        };
+        let valid: Vec<u32> = ids
+            .iter()
+            .map(|&i| if i as usize >= n_rows { 0 } else { i })
+            .collect();
+        let mut want = ops::embed(dt, &bytes, row_len, &valid).unwrap();
+        for (t, &i) in ids.iter().enumerate() {
+            if i as usize >= n_rows {
+                want[t * row_len..(t + 1) * row_len].fill(0.0);
+            }
+        }
+        let amax = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Three parts (rows 0..10, 10..11, 11..37) as upload_tensor makes for big tables.
+        let row_bytes = dt.bytes_for(row_len as u64).unwrap() as usize;
+        let split = GpuTensor {
+            name: "token_embd.weight".into(),
+            dtype: dt,
+            shape: shape.to_vec(),
+            parts: [(0usize, 10usize), (10, 1), (11, 26)]
+                .iter()
+                .map(|&(r0, nr)| TensorPart {
+                    buffer: gpu
+                        .upload(&bytes[r0 * row_bytes..(r0 + nr) * row_bytes], "part")
+                        .unwrap(),
+                    row_start: r0 as u64,
+                    n_rows: nr as u64,
+                })
+                .collect(),
+        };
+        for (name, t) in [
+            ("one part", gpu.upload_tensor(&tref).unwrap()),
+            ("three parts", split),
+        ] {
+            let ly = Layout::new(ids.len(), row_len, 3, row_len + 1);
+            let before = vec![GUARD; ly.len()];
+            let ybuf = gpu.upload_f32(&before, "y").unwrap();
+            let full = run(&gpu, &ybuf, |p| {
+                embed::embed(p, &t, &idbuf, 1, ids.len() as u32, ly.view(&ybuf)).unwrap()
+            });
+            let what = format!("embed {dt} {name}");
+            assert_guards(&what, &ly, &full, &before);
+            assert_close(&what, &ly.gather(&full), &want, 1e-6 * amax, 0.0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// Top-k values drawn from few levels (many ties), with NaNs and −inf sprinkled in.
+fn tie_heavy(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| match rng.u32() % 64 {
+            0 => f32::NAN,
+            1 => f32::NEG_INFINITY,
+            r => (r % 23) as f32 - 11.0 + (rng.u32() % 4) as f32 * 0.25,
+        })
+        .collect()
+}
+
+/// Top-k and argmax: indices and values exact (bit for bit), ties to the lower index,
+/// one-chunk rows, two stages (vocab 248,320) and three stages (300,000).
+#[test]
+fn topk_matches_cpu() {
+    let gpu = gpu();
+    let mut rng = Rng(5);
+    let sizes: &[(usize, usize)] = &[
+        (3, 1),
+        (3, 7),
+        (2, 8),
+        (3, 33),
+        (2, 255),
+        (4, 256),
+        (3, 512),
+        (2, 1000),
+        (2, 2048),
+        (2, 2049),
+        (2, 50_000),
+        (2, 248_320),
+        (1, 300_000),
+    ];
+    for &(rows, n) in sizes {
+        let lx = Layout::new(rows, n, 3, n + 1);
+        let x = if n >= 50_000 {
+            // Vocab-like logits with ties planted at the top.
+            let mut v = rng.vec(rows * n, 2.0);
+            for r in 0..rows {
+                for j in [n / 2, n / 3, n - 1, 5] {
+                    v[r * n + j.min(n - 1)] = 20.0;
+                }
+                v[r * n + 7] = f32::NAN;
+            }
+            v
+        } else {
+            tie_heavy(&mut rng, rows * n)
+        };
+        let xbuf = gpu.upload_f32(&lx.place(&x), "x").unwrap();
+        let scratch = if topk::needs_scratch(n as u32) {
+            Some(topk::TopkScratch::new(&gpu, rows as u32, n as u32).unwrap())
+        } else {
+            None
+        };
+        for k in [1usize, 4, 8, 16] {
+            let li = Layout::new(rows, k, 2, k + 1);
+            let lv = Layout::new(rows, k, 1, k);
+            let ibuf = gpu.upload_f32(&vec![GUARD; li.len()], "ids").unwrap();
+            let vbuf = gpu.upload_f32(&vec![GUARD; lv.len()], "vals").unwrap();
+            let mut pass = gpu.pass();
+            if k == 1 {
+                topk::argmax(
+                    &mut pass,
+                    rows as u32,
+                    n as u32,
+                    lx.view(&xbuf),
+                    li.view(&ibuf),
+                    Some(lv.view(&vbuf)),
+                    scratch.as_ref(),
+                )
+                .unwrap();
+            } else {
+                topk::topk(
+                    &mut pass,
+                    rows as u32,
+                    n as u32,
+                    k as u32,
+                    lx.view(&xbuf),
+                    li.view(&ibuf),
+                    Some(lv.view(&vbuf)),
+                    scratch.as_ref(),
+                )
+                .unwrap();
+            }
+            pass.submit().unwrap();
+            let ifull = gpu.read_f32(&ibuf, 0, li.len()).unwrap();
+            let vfull = gpu.read_f32(&vbuf, 0, lv.len()).unwrap();
+            let what = format!("topk {rows}x{n} k {k}");
+            assert_guards(&what, &li, &ifull, &vec![GUARD; li.len()]);
+            assert_guards(&what, &lv, &vfull, &vec![GUARD; lv.len()]);
+            let got_i: Vec<u32> = li.gather(&ifull).iter().map(|v| v.to_bits()).collect();
+            let got_v: Vec<u32> = lv.gather(&vfull).iter().map(|v| v.to_bits()).collect();
+            for r in 0..rows {
+                let (wi, wv) = ops::topk(&x[r * n..(r + 1) * n], k);
+                assert_eq!(
+                    &got_i[r * k..(r + 1) * k],
+                    &wi[..],
+                    "{what} row {r} indices"
+                );
+                let wv: Vec<u32> = wv.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(&got_v[r * k..(r + 1) * k], &wv[..], "{what} row {r} values");
+            }
+        }
+    }
+}
+
+#[test]
+fn topk_needs_scratch_for_long_rows() {
+    let gpu = gpu();
+    let x = gpu.buffer(4 * 5000, "x").unwrap();
+    let ids = gpu.buffer(64, "ids").unwrap();
+    let mut pass = gpu.pass();
+    let err = topk::topk(
+        &mut pass,
+        1,
+        5000,
+        4,
+        View::new(&x, 0),
+        View::new(&ids, 0),
+        None,
+        None,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("TopkScratch"), "{err}");
+    let err = topk::topk(
+        &mut pass,
+        1,
+        50,
+        17,
+        View::new(&x, 0),
+        View::new(&ids, 0),
+        None,
+        None,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("k = 17"), "{err}");
+}
+
+/// Fused MoE router (softmax → top-k → renormalise) against the CPU reference: ids exact,
+/// weights 1e-7 abs + 1e-5 relative. Expert counts of Qwen3.5 (256, top-8), DeepSeek-V4 Pro
+/// (384, top-6) and odd ones.
+#[test]
+fn router_matches_cpu() {
+    let gpu = gpu();
+    let mut rng = Rng(11);
+    let n_tok = 5usize;
+    for &(n_exp, k) in &[
+        (8usize, 2usize),
+        (60, 4),
+        (128, 8),
+        (256, 8),
+        (384, 6),
+        (512, 10),
+        (2048, 16),
+        (16, 16),
+    ] {
+        let lx = Layout::new(n_tok, n_exp, 1, n_exp + 2);
+        let logits = rng.vec(n_tok * n_exp, 3.0);
+        let xbuf = gpu.upload_f32(&lx.place(&logits), "logits").unwrap();
+        for renorm in [true, false] {
+            let li = Layout::new(n_tok, k, 2, k);
+            let lw = Layout::new(n_tok, k, 0, k + 3);
+            let ibuf = gpu.upload_f32(&vec![GUARD; li.len()], "ids").unwrap();
+            let wbuf = gpu.upload_f32(&vec![GUARD; lw.len()], "w").unwrap();
+            let mut pass = gpu.pass();
+            topk::router_softmax_topk(
+                &mut pass,
+                n_tok as u32,
+                n_exp as u32,
+                k as u32,
+                renorm,
+                lx.view(&xbuf),
+                li.view(&ibuf),
+                lw.view(&wbuf),
+            )
+            .unwrap();
+            pass.submit().unwrap();
+            let ifull = gpu.read_f32(&ibuf, 0, li.len()).unwrap();
+            let wfull = gpu.read_f32(&wbuf, 0, lw.len()).unwrap();
+            let what = format!("router {n_exp} experts top-{k} renorm {renorm}");
+            assert_guards(&what, &li, &ifull, &vec![GUARD; li.len()]);
+            assert_guards(&what, &lw, &wfull, &vec![GUARD; lw.len()]);
+            let (wi, ww) = ops::router_softmax_topk(&logits, n_exp, k, renorm);
+            let got_i: Vec<u32> = li.gather(&ifull).iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got_i, wi, "{what}: ids");
+            assert_close(&what, &lw.gather(&wfull), &ww, 1e-7, 1e-5);
+        }
+    }
+}
