@@ -27,13 +27,27 @@ impl std::str::FromStr for KvType {
     }
 }
 
+/// Called while weights upload: `(bytes done, bytes total)`.
+pub type Progress = Arc<dyn Fn(u64, u64) + Send + Sync>;
+
 /// How to load and run a model. Defaults are what most users want.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct LoadOptions {
     pub adapter: AdapterChoice,
     pub kv_type: KvType,
     /// Context length the caches are sized for (they grow beyond it when needed).
     pub ctx: usize,
+    pub progress: Option<Progress>,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("adapter", &self.adapter)
+            .field("kv_type", &self.kv_type)
+            .field("ctx", &self.ctx)
+            .finish()
+    }
 }
 
 impl Default for LoadOptions {
@@ -42,47 +56,141 @@ impl Default for LoadOptions {
             adapter: AdapterChoice::Auto,
             kv_type: KvType::F16,
             ctx: 4096,
+            progress: None,
+        }
+    }
+}
+
+/// A loaded model of any supported architecture.
+pub enum Model {
+    Qwen35(Box<crate::models::qwen35::gpu::GpuModel>),
+}
+
+/// One sequence's state (KV cache, recurrent state) for a [`Model`].
+pub enum Seq {
+    Qwen35(crate::models::qwen35::gpu::GpuSeq),
+}
+
+impl Seq {
+    /// Tokens this sequence has consumed.
+    pub fn pos(&self) -> usize {
+        match self {
+            Seq::Qwen35(s) => s.pos(),
+        }
+    }
+}
+
+/// A model ready to run, with its tokenizer when the file carries one.
+pub struct Engine {
+    pub gpu: Arc<Gpu>,
+    pub model: Model,
+    pub tokenizer: Option<crate::tokenizer::Tokenizer>,
+    /// Bytes of weights a decode step reads (for speed reports).
+    pub decode_bytes: u64,
+    pub model_bytes: u64,
+    pub path: std::path::PathBuf,
+}
+
+fn is_qwen35(arch: &str) -> bool {
+    matches!(
+        arch,
+        "qwen35"
+            | "qwen35moe"
+            | "qwen3next"
+            | "Qwen3_5ForCausalLM"
+            | "Qwen3_5MoeForCausalLM"
+            | "Qwen3NextForCausalLM"
+            | "Qwen3_5ForConditionalGeneration"
+            | "Qwen3_5MoeForConditionalGeneration"
+    )
+}
+
+/// The tokenizer a model file carries: GGUF `tokenizer.ggml.*` (none for `model = "none"`),
+/// or `tokenizer.json` in a HF directory.
+pub fn load_tokenizer(file: &ModelFile) -> Result<Option<crate::tokenizer::Tokenizer>> {
+    match file {
+        ModelFile::Gguf(g) => match g.opt_str("tokenizer.ggml.model")? {
+            None | Some("none") => Ok(None),
+            Some(_) => Ok(Some(crate::tokenizer::Tokenizer::from_gguf(g)?)),
+        },
+        ModelFile::Hf(h) => {
+            if h.dir().join("tokenizer.json").exists() {
+                Ok(Some(crate::tokenizer::Tokenizer::from_hf_dir(h.dir())?))
+            } else {
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Engine {
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Engine> {
+        let file = ModelFile::open(path)?;
+        let arch = file.architecture()?;
+        let tokenizer = load_tokenizer(&file)?;
+        let decode_bytes = crate::inspect::decode_bytes(&file);
+        let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
+        let gpu = Arc::new(Gpu::new(&opts.adapter)?);
+        let model = if is_qwen35(&arch) {
+            Model::Qwen35(Box::new(crate::models::qwen35::gpu::GpuModel::load(gpu.clone(), &file, opts)?))
+        } else {
+            return Err(Error::Unsupported(format!("{}: architecture {arch}", path.display())));
+        };
+        Ok(Engine {
+            gpu,
+            model,
+            tokenizer,
+            decode_bytes,
+            model_bytes,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match &self.model {
+            Model::Qwen35(m) => m.hp.n_vocab,
+        }
+    }
+
+    pub fn new_seq(&self) -> Result<Seq> {
+        match &self.model {
+            Model::Qwen35(m) => Ok(Seq::Qwen35(m.new_seq()?)),
+        }
+    }
+
+    /// Forget the sequence's history.
+    pub fn reset(&self, seq: &mut Seq) -> Result<()> {
+        match (&self.model, seq) {
+            (Model::Qwen35(m), Seq::Qwen35(s)) => m.reset(s),
+        }
+    }
+
+    /// Feed `tokens` to `seq`; logits of every token (`all`) or of the last one,
+    /// `[n, vocab]` row-major.
+    pub fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::Invalid("no tokens to run".into()));
+        }
+        match (&mut self.model, seq) {
+            (Model::Qwen35(m), Seq::Qwen35(s)) => m.forward(s, tokens, all),
         }
     }
 }
 
 /// Logits for every position of `tokens`: the first `prefill` tokens as one batch, the rest
 /// one per step through the decode path. Returns `(logits [T·vocab], vocab)`.
-pub fn logits(
-    path: &Path,
-    tokens: &[u32],
-    prefill: usize,
-    opts: &LoadOptions,
-) -> Result<(Vec<f32>, usize)> {
-    let file = ModelFile::open(path)?;
-    let arch = file.architecture()?;
-    match arch.as_str() {
-        "qwen35"
-        | "qwen35moe"
-        | "qwen3next"
-        | "Qwen3_5ForCausalLM"
-        | "Qwen3_5MoeForCausalLM"
-        | "Qwen3NextForCausalLM"
-        | "Qwen3_5ForConditionalGeneration"
-        | "Qwen3_5MoeForConditionalGeneration" => {
-            let gpu = Arc::new(Gpu::new(&opts.adapter)?);
-            eprintln!("{}", gpu.report());
-            let mut m = crate::models::qwen35::gpu::GpuModel::load(gpu, &file, opts)?;
-            let v = m.hp.n_vocab;
-            let mut seq = m.new_seq()?;
-            let prefill = prefill.min(tokens.len());
-            let mut out = Vec::with_capacity(tokens.len() * v);
-            if prefill > 0 {
-                out.extend(m.forward(&mut seq, &tokens[..prefill], true)?);
-            }
-            for t in &tokens[prefill..] {
-                out.extend(m.forward(&mut seq, std::slice::from_ref(t), true)?);
-            }
-            Ok((out, v))
-        }
-        a => Err(Error::Unsupported(format!(
-            "{}: architecture {a}",
-            path.display()
-        ))),
+pub fn logits(path: &Path, tokens: &[u32], prefill: usize, opts: &LoadOptions) -> Result<(Vec<f32>, usize)> {
+    let mut e = Engine::load(path, opts)?;
+    eprintln!("{}", e.gpu.report());
+    let v = e.vocab_size();
+    let mut seq = e.new_seq()?;
+    let prefill = prefill.min(tokens.len());
+    let mut out = Vec::with_capacity(tokens.len() * v);
+    if prefill > 0 {
+        out.extend(e.forward(&mut seq, &tokens[..prefill], true)?);
     }
+    for t in &tokens[prefill..] {
+        out.extend(e.forward(&mut seq, std::slice::from_ref(t), true)?);
+    }
+    Ok((out, v))
 }

@@ -341,13 +341,13 @@ impl Hparams {
         if self.n_layer == 0 || self.n_embd == 0 || self.n_vocab == 0 || self.n_head == 0 {
             return bad("zero layers, width, heads or vocabulary".into());
         }
-        if self.n_rot > self.head_dim || self.n_rot % 2 != 0 || self.n_rot == 0 {
+        if self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) || self.n_rot == 0 {
             return bad(format!(
                 "rope dims {} invalid for head size {}",
                 self.n_rot, self.head_dim
             ));
         }
-        if self.o_groups == 0 || self.n_head % self.o_groups != 0 {
+        if self.o_groups == 0 || !self.n_head.is_multiple_of(self.o_groups) {
             return bad(format!(
                 "{} heads not a multiple of {} output groups",
                 self.n_head, self.o_groups

@@ -111,7 +111,16 @@ fn kv_shape(hp: &Hparams, t: attention::KvType) -> KvShape {
 impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
         let hp = Hparams::from_file(file)?;
-        let w = weights::load(file, &hp, |w| w.with_tensor(|t| gpu.upload_tensor(t)))?;
+        let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
+        let mut done = 0u64;
+        let w = weights::load(file, &hp, |w| {
+            let t = w.with_tensor(|t| gpu.upload_tensor(t))?;
+            done += t.bytes();
+            if let Some(p) = &opts.progress {
+                p(done.min(total), total);
+            }
+            Ok(t)
+        })?;
         let inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, hp.n_rot.max(2));
         let rope = RopeTable::new(&gpu, &inv, "qwen35.rope")?;
         let kv_type = match opts.kv_type {
