@@ -2,6 +2,8 @@
 //! Conventions: results on stdout; progress, logs and the adapter report on stderr; an
 //! error prints one line and exits 1 (2 for an internal error, never Rust's 101).
 
+mod cli;
+
 use clap::{Parser, Subcommand};
 use lathe::gpu::AdapterChoice;
 use std::path::PathBuf;

@@ -54,13 +54,13 @@ pub fn attention(
         head_dim: hd,
     } = d;
     assert!(
-        n_head % n_head_kv == 0,
+        n_head.is_multiple_of(n_head_kv),
         "n_head {n_head} not a multiple of n_head_kv {n_head_kv}"
     );
     assert_eq!(q.len(), n_q * n_head * hd, "q length");
     let row = n_head_kv * hd;
     assert!(
-        a.k.len() % row == 0 && a.k.len() == a.v.len(),
+        a.k.len().is_multiple_of(row) && a.k.len() == a.v.len(),
         "source A length"
     );
     let n_a = a.k.len() / row;

@@ -77,7 +77,7 @@ impl KvShape {
     }
     fn check(&self) -> Result<()> {
         let hd = self.head_dim;
-        if hd == 0 || hd % 4 != 0 || hd > MAX_HEAD_DIM {
+        if hd == 0 || !hd.is_multiple_of(4) || hd > MAX_HEAD_DIM {
             return Err(Error::Invalid(format!(
                 "attention: head_dim {hd} unsupported (a multiple of 4 up to {MAX_HEAD_DIM})"
             )));
@@ -377,7 +377,7 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
     let kv = at.kv;
     kv.check()?;
     let hd = kv.head_dim;
-    if at.n_head == 0 || at.n_head % kv.n_head_kv != 0 {
+    if at.n_head == 0 || !at.n_head.is_multiple_of(kv.n_head_kv) {
         return Err(Error::Invalid(format!(
             "attention: n_head {} is not a multiple of n_head_kv {}",
             at.n_head, kv.n_head_kv

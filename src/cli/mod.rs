@@ -1,0 +1,2 @@
+//! Command implementations of the `lathe` binary, one module per command (or family of
+//! commands). Each parses nothing itself (clap does, in main.rs) and calls the library.
