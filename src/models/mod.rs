@@ -91,6 +91,14 @@ pub enum Weight<'a> {
         shape: Vec<u64>,
         data: Vec<f32>,
     },
+    /// Bytes made at load in a stored type (e.g. DeepSeek's packed MXFP4 experts repacked
+    /// into ggml's MXFP4 blocks: a layout change, not a widening).
+    Owned {
+        name: String,
+        dtype: DType,
+        shape: Vec<u64>,
+        bytes: Vec<u8>,
+    },
     /// Several stored tensors of one type concatenated along a new outer axis (HF keeps
     /// each expert's matrix apart; lathe wants one `[n_expert, rows, cols]` stack).
     Stack {
@@ -105,6 +113,7 @@ impl Weight<'_> {
             Weight::Stored(t) | Weight::Rows { src: t, .. } => t.name,
             Weight::F32 { name, .. } => name,
             Weight::Stack { parts, .. } => parts[0].name,
+            Weight::Owned { name, .. } => name,
         }
     }
     pub fn shape(&self) -> &[u64] {
@@ -112,7 +121,8 @@ impl Weight<'_> {
             Weight::Stored(t) => t.shape,
             Weight::Rows { shape, .. }
             | Weight::F32 { shape, .. }
-            | Weight::Stack { shape, .. } => shape,
+            | Weight::Stack { shape, .. }
+            | Weight::Owned { shape, .. } => shape,
         }
     }
     pub fn dtype(&self) -> DType {
@@ -120,6 +130,7 @@ impl Weight<'_> {
             Weight::Stored(t) | Weight::Rows { src: t, .. } => t.dtype,
             Weight::F32 { .. } => DType::F32,
             Weight::Stack { parts, .. } => parts[0].dtype,
+            Weight::Owned { dtype, .. } => *dtype,
         }
     }
 
@@ -171,6 +182,18 @@ impl Weight<'_> {
                     path: parts[0].path,
                 })
             }
+            Weight::Owned {
+                name,
+                dtype,
+                shape,
+                bytes,
+            } => f(&TensorRef {
+                name,
+                dtype: *dtype,
+                shape,
+                data: bytes,
+                path: Path::new("(made at load)"),
+            }),
             Weight::F32 { name, shape, data } => f(&TensorRef {
                 name,
                 dtype: DType::F32,
