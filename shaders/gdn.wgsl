@@ -5,7 +5,8 @@
 //
 // Defines: DK, DV (head sizes), WG (threads, a power of two), CHUNK (64), and one of
 //   RECURRENT (+ CB columns × R row groups = WG threads),
-//   PREP, SCAN (+ CB columns per workgroup, NE = ceil(CHUNK·CB / WG)).
+//   PREP (WG = 256, + TD dims per Gram tile),
+//   SCAN (+ CB ∈ {4, 8, 16, 32} columns per workgroup, NE = CHUNK·CB / WG, TD rows per tile).
 //
 // Per value head h the state S [DK, DV] evolves per token as
 //   S ← e^g S;  δ = β (v − Sᵀk̂);  S ← S + k̂ δᵀ;  o = Sᵀq̂
@@ -204,17 +205,24 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
 #endif
 
 #ifdef PREP
-// Intra-chunk part of the chunked form, independent of the state: one workgroup per
-// (sequence, chunk, value head), all chunks in parallel. Fills the scratch slot above.
+// Intra-chunk part of the chunked form, independent of the state: one workgroup of 256
+// threads per (sequence, chunk, value head), all chunks in parallel. Fills the scratch
+// slot above, rows i ≥ n of a short last chunk with zeros (the scan multiplies whole tiles).
 @group(0) @binding(7) var<storage, read_write> scratch: array<f32>;  // [chunk slots, Hv, SLOT]
 
+// Gram tiles: CHUNK rows × TD dims of q and k (TD a define: 16, or 8 when workgroup memory
+// is 16 KiB), rows padded to TS floats so that the 16 rows a half-warp reads at once fall
+// in distinct banks.
+const TS = TD + 1u;
+var<workgroup> qt: array<f32, CHUNK * TS>;
+var<workgroup> kt: array<f32, CHUNK * TS>;
 var<workgroup> gsh: array<f32, CHUNK>;   // g, then its inclusive cumulative sum G
 var<workgroup> bsh: array<f32, CHUNK>;   // β
 var<workgroup> rqs: array<f32, CHUNK>;   // rsqrt(Σq²+ε)/sqrt(DK)
 var<workgroup> rks: array<f32, CHUNK>;   // rsqrt(Σk²+ε)
 var<workgroup> amat: array<f32, CHUNK * (CHUNK - 1u) / 2u>;  // A, strictly lower, packed by rows
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(256)
 fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let wg = wid.x + wid.y * nwg.x;
@@ -231,23 +239,67 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let q_col = p.qkv_off + kh * DK;
     let k_col = p.qkv_off + (p.n_head_k + kh) * DK;
     let v_col = p.qkv_off + 2u * p.n_head_k * DK + h * DV;
-    let scale = inverseSqrt(f32(DK));
 
-    for (var i = lid; i < n; i += WG) {
-        let rb = (r0 + i) * p.qkv_stride;
-        var qq = 0.0;
-        var kk = 0.0;
-        for (var d = 0u; d < DK; d++) {
-            let qv = qkv[rb + q_col + d];
-            let kv = qkv[rb + k_col + d];
-            qq += qv * qv;
-            kk += kv * kv;
+    if (lid >= 128u && lid < 128u + n) {
+        let gb = gate(r0 + lid - 128u, h);
+        gsh[lid - 128u] = gb.x;
+        bsh[lid - 128u] = gb.y;
+    }
+    // Gram matrices QKᵀ and KKᵀ of the raw rows: thread (ti, tj) owns rows ti + 16a and
+    // columns tj + 16b (a, b < 4); threads < 128 also sum the squares of one q or k row.
+    let ti = lid / 16u;
+    let tj = lid % 16u;
+    var gqk: array<f32, 16>;
+    var gkk: array<f32, 16>;
+    var sq = 0.0;
+    for (var d0 = 0u; d0 < DK; d0 += TD) {
+        for (var e = lid; e < CHUNK * TD; e += 256u) {
+            let i = e / TD;
+            let d = d0 + e % TD;
+            var qv = 0.0;
+            var kv = 0.0;
+            if (i < n && d < DK) {
+                let rb = (r0 + i) * p.qkv_stride;
+                qv = qkv[rb + q_col + d];
+                kv = qkv[rb + k_col + d];
+            }
+            qt[i * TS + e % TD] = qv;
+            kt[i * TS + e % TD] = kv;
         }
-        rqs[i] = inverseSqrt(qq + EPS) * scale;
-        rks[i] = inverseSqrt(kk + EPS);
-        let gb = gate(r0 + i, h);
-        gsh[i] = gb.x;
-        bsh[i] = gb.y;
+        workgroupBarrier();
+        for (var dd = 0u; dd < TD; dd++) {
+            var qi: array<f32, 4>;
+            var ki: array<f32, 4>;
+            var kj: array<f32, 4>;
+            for (var a = 0u; a < 4u; a++) {
+                qi[a] = qt[(ti + 16u * a) * TS + dd];
+                ki[a] = kt[(ti + 16u * a) * TS + dd];
+                kj[a] = kt[(tj + 16u * a) * TS + dd];
+            }
+            for (var a = 0u; a < 4u; a++) {
+                for (var b = 0u; b < 4u; b++) {
+                    gqk[a * 4u + b] += qi[a] * kj[b];
+                    gkk[a * 4u + b] += ki[a] * kj[b];
+                }
+            }
+        }
+        if (lid < 2u * CHUNK) {
+            for (var dd = 0u; dd < TD; dd++) {
+                var x: f32;
+                if (lid < CHUNK) {
+                    x = qt[lid * TS + dd];
+                } else {
+                    x = kt[(lid - CHUNK) * TS + dd];
+                }
+                sq += x * x;
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lid < CHUNK) {
+        rqs[lid] = inverseSqrt(sq + EPS) * inverseSqrt(f32(DK));
+    } else if (lid < 2u * CHUNK) {
+        rks[lid - CHUNK] = inverseSqrt(sq + EPS);
     }
     workgroupBarrier();
     if (lid == 0u) {
@@ -261,54 +313,56 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     workgroupBarrier();
     let g_last = gsh[n - 1u];
 
-    for (var e = lid; e < n * DK; e += WG) {
+    // P (all CHUNK² entries, zero outside j ≤ i < n) and A (strictly lower, into amat).
+    for (var a = 0u; a < 4u; a++) {
+        for (var b = 0u; b < 4u; b++) {
+            let i = ti + 16u * a;
+            let j = tj + 16u * b;
+            var pv = 0.0;
+            if (j <= i && i < n) {
+                let decay = exp(gsh[i] - gsh[j]);
+                pv = decay * rqs[i] * rks[j] * gqk[a * 4u + b];
+                if (j < i) {
+                    amat[i * (i - 1u) / 2u + j] = bsh[i] * decay * rks[i] * rks[j] * gkk[a * 4u + b];
+                }
+            }
+            scratch[base + OFF_P + i * CHUNK + j] = pv;
+        }
+    }
+    for (var e = lid; e < CHUNK * DK; e += 256u) {
         let i = e / DK;
         let d = e % DK;
-        let rb = (r0 + i) * p.qkv_stride;
-        scratch[base + OFF_QG + e] = qkv[rb + q_col + d] * rqs[i] * exp(gsh[i]);
-        scratch[base + OFF_KD + e] = qkv[rb + k_col + d] * rks[i] * exp(g_last - gsh[i]);
-    }
-    // Pairs j ≤ i < n, enumerated row by row: pair index = i(i+1)/2 + j.
-    let n_pairs = n * (n + 1u) / 2u;
-    for (var pi = lid; pi < n_pairs; pi += WG) {
-        var i = u32((sqrt(8.0 * f32(pi) + 1.0) - 1.0) * 0.5);
-        if ((i + 1u) * (i + 2u) / 2u <= pi) { i += 1u; }
-        if (i * (i + 1u) / 2u > pi) { i -= 1u; }
-        let j = pi - i * (i + 1u) / 2u;
-        let ri = (r0 + i) * p.qkv_stride;
-        let rj = (r0 + j) * p.qkv_stride;
-        var qk = 0.0;
-        var kk = 0.0;
-        for (var d = 0u; d < DK; d++) {
-            let kj = qkv[rj + k_col + d];
-            qk += qkv[ri + q_col + d] * kj;
-            kk += qkv[ri + k_col + d] * kj;
+        var qg = 0.0;
+        var kd = 0.0;
+        if (i < n) {
+            let rb = (r0 + i) * p.qkv_stride;
+            qg = qkv[rb + q_col + d] * rqs[i] * exp(gsh[i]);
+            kd = qkv[rb + k_col + d] * rks[i] * exp(g_last - gsh[i]);
         }
-        let decay = exp(gsh[i] - gsh[j]);
-        scratch[base + OFF_P + i * CHUNK + j] = decay * rqs[i] * rks[j] * qk;
-        if (j < i) {
-            amat[i * (i - 1u) / 2u + j] = bsh[i] * decay * rks[i] * rks[j] * kk;
-        }
+        scratch[base + OFF_QG + e] = qg;
+        scratch[base + OFF_KD + e] = kd;
     }
     workgroupBarrier();
 
     // Solve (I + A) X = [βV | β e^G K̂] by forward substitution, one column per thread:
     // X[i] = B[i] − Σ_{m<i} A[i][m] X[m] (HF builds (I + A)⁻¹ row by row; same math).
     var xs: array<f32, CHUNK>;
-    for (var col = lid; col < DV + DK; col += WG) {
-        for (var i = 0u; i < n; i++) {
-            let rb = (r0 + i) * p.qkv_stride;
-            var acc: f32;
-            if (col < DV) {
-                acc = bsh[i] * qkv[rb + v_col + col];
-            } else {
-                acc = bsh[i] * exp(gsh[i]) * rks[i] * qkv[rb + k_col + col - DV];
+    for (var col = lid; col < DV + DK; col += 256u) {
+        for (var i = 0u; i < CHUNK; i++) {
+            var acc = 0.0;
+            if (i < n) {
+                let rb = (r0 + i) * p.qkv_stride;
+                if (col < DV) {
+                    acc = bsh[i] * qkv[rb + v_col + col];
+                } else {
+                    acc = bsh[i] * exp(gsh[i]) * rks[i] * qkv[rb + k_col + col - DV];
+                }
+                let arow = i * (i - 1u) / 2u;
+                for (var m = 0u; m < i; m++) {
+                    acc -= amat[arow + m] * xs[m];
+                }
+                xs[i] = acc;
             }
-            let arow = i * (i - 1u) / 2u;
-            for (var m = 0u; m < i; m++) {
-                acc -= amat[arow + m] * xs[m];
-            }
-            xs[i] = acc;
             if (col < DV) {
                 scratch[base + OFF_U + i * DV + col] = acc;
             } else {
@@ -323,12 +377,28 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 // Inter-chunk pass: one workgroup per (sequence, value head, block of CB columns of S),
 // looping over the sequence's chunks in order with S in workgroup memory:
 //   Δ = U − W S;  o = QG S + P Δ;  S ← γ S + KDᵀ Δ
+// The chunk's W, QG, P and KD are staged through workgroup memory in CHUNK × TD tiles
+// with coalesced loads; every thread then reads them from there.
 @group(0) @binding(2) var<storage, read> scratch: array<f32>;        // [chunk slots, Hv, SLOT]
 @group(0) @binding(3) var<storage, read_write> state: array<f32>;    // [slots, Hv, DK, DV]
 @group(0) @binding(4) var<storage, read_write> o: array<f32>;        // [rows, o_stride]: [Hv, DV]
 
 var<workgroup> ssh: array<f32, DK * CB>;     // S[:, block], [DK, CB]
 var<workgroup> vn: array<f32, CHUNK * CB>;   // Δ[:, block], [CHUNK, CB]
+var<workgroup> t1: array<f32, CHUNK * TD>;
+var<workgroup> t2: array<f32, CHUNK * TD>;
+
+// t[i][dd] = src[base + i * row + d0 + dd] for dd < TD, zero past `cols`.
+fn stage1(lid: u32, base: u32, row: u32, d0: u32, cols: u32) {
+    for (var e = lid; e < CHUNK * TD; e += WG) {
+        let d = d0 + e % TD;
+        var v = 0.0;
+        if (d < cols) {
+            v = scratch[base + (e / TD) * row + d];
+        }
+        t1[e] = v;
+    }
+}
 
 @compute @workgroup_size(WG)
 fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -344,6 +414,9 @@ fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let slot = seqs[bq * 4u + 2u];
     let chunk0 = seqs[bq * 4u + 3u];
     let sbase = p.state_off + (slot * p.n_head_v + h) * DK * DV;
+    // This thread's entries of the CHUNK × CB tiles: rows lid / CB + k · (WG / CB), column c.
+    let c = lid % CB;
+    let live = col0 + c < DV;
 
     for (var e = lid; e < DK * CB; e += WG) {
         let col = col0 + e % CB;
@@ -353,59 +426,80 @@ fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         }
         ssh[e] = v;
     }
-    workgroupBarrier();
     let n_chunks = (ntok + CHUNK - 1u) / CHUNK;
-    var inter: array<f32, NE>;
     for (var ci = 0u; ci < n_chunks; ci++) {
         let n = min(CHUNK, ntok - ci * CHUNK);
         let base = ((chunk0 + ci) * p.n_head_v + h) * SLOT;
         // Δ = U − W S and the inter-chunk output QG S, both from the old S.
+        var ws: array<f32, NE>;
+        var oi: array<f32, NE>;
+        for (var d0 = 0u; d0 < DK; d0 += TD) {
+            workgroupBarrier();
+            stage1(lid, base + OFF_W, DK, d0, DK);
+            for (var e = lid; e < CHUNK * TD; e += WG) {
+                let d = d0 + e % TD;
+                var v = 0.0;
+                if (d < DK) {
+                    v = scratch[base + OFF_QG + (e / TD) * DK + d];
+                }
+                t2[e] = v;
+            }
+            workgroupBarrier();
+            for (var k = 0u; k < NE; k++) {
+                let i = lid / CB + k * (WG / CB);
+                for (var dd = 0u; dd < TD; dd++) {
+                    let sv = ssh[(min(d0 + dd, DK - 1u)) * CB + c];
+                    ws[k] += t1[i * TD + dd] * sv;
+                    oi[k] += t2[i * TD + dd] * sv;
+                }
+            }
+        }
         for (var k = 0u; k < NE; k++) {
-            let e = lid + k * WG;
-            let i = e / CB;
-            let c = e % CB;
+            let i = lid / CB + k * (WG / CB);
             var dv = 0.0;
-            var oi = 0.0;
-            if (i < n && col0 + c < DV) {
-                var ws = 0.0;
-                for (var d = 0u; d < DK; d++) {
-                    let sv = ssh[d * CB + c];
-                    ws += scratch[base + OFF_W + i * DK + d] * sv;
-                    oi += scratch[base + OFF_QG + i * DK + d] * sv;
-                }
-                dv = scratch[base + OFF_U + i * DV + col0 + c] - ws;
+            if (live) {
+                dv = scratch[base + OFF_U + i * DV + col0 + c] - ws[k];
             }
-            if (e < CHUNK * CB) {
-                vn[e] = dv;
-            }
-            inter[k] = oi;
+            vn[i * CB + c] = dv;
         }
-        workgroupBarrier();
-        // o = QG S + P Δ (reads vn) and S ← γ S + KDᵀ Δ (writes ssh, read above).
+        // o = QG S + P Δ.
+        for (var j0 = 0u; j0 < CHUNK; j0 += TD) {
+            workgroupBarrier();
+            stage1(lid, base + OFF_P, CHUNK, j0, CHUNK);
+            workgroupBarrier();
+            for (var k = 0u; k < NE; k++) {
+                let i = lid / CB + k * (WG / CB);
+                for (var jj = 0u; jj < TD; jj++) {
+                    oi[k] += t1[i * TD + jj] * vn[(j0 + jj) * CB + c];
+                }
+            }
+        }
         for (var k = 0u; k < NE; k++) {
-            let e = lid + k * WG;
-            let i = e / CB;
-            let c = e % CB;
-            if (i < n && col0 + c < DV) {
-                var acc = inter[k];
-                for (var j = 0u; j <= i; j++) {
-                    acc += scratch[base + OFF_P + i * CHUNK + j] * vn[j * CB + c];
-                }
-                o[p.o_off + (row0 + ci * CHUNK + i) * p.o_stride + h * DV + col0 + c] = acc;
+            let i = lid / CB + k * (WG / CB);
+            if (i < n && live) {
+                o[p.o_off + (row0 + ci * CHUNK + i) * p.o_stride + h * DV + col0 + c] = oi[k];
             }
         }
+        // S ← γ S + KDᵀ Δ, TD rows of S per tile.
         let gamma = scratch[base + OFF_GAMMA];
-        for (var e = lid; e < DK * CB; e += WG) {
-            let d = e / CB;
-            let c = e % CB;
-            var acc = gamma * ssh[e];
-            for (var j = 0u; j < n; j++) {
-                acc += scratch[base + OFF_KD + j * DK + d] * vn[j * CB + c];
+        for (var d0 = 0u; d0 < DK; d0 += TD) {
+            workgroupBarrier();
+            stage1(lid, base + OFF_KD, DK, d0, DK);
+            workgroupBarrier();
+            for (var e = lid; e < TD * CB; e += WG) {
+                let dd = e / CB;
+                let cc = e % CB;
+                if (d0 + dd < DK) {
+                    var acc = gamma * ssh[(d0 + dd) * CB + cc];
+                    for (var j = 0u; j < CHUNK; j++) {
+                        acc += t1[j * TD + dd] * vn[j * CB + cc];
+                    }
+                    ssh[(d0 + dd) * CB + cc] = acc;
+                }
             }
-            ssh[e] = acc;
         }
-        workgroupBarrier();
     }
+    workgroupBarrier();
     for (var e = lid; e < DK * CB; e += WG) {
         let col = col0 + e % CB;
         if (col < DV) {

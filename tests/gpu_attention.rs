@@ -811,7 +811,7 @@ fn index_sink_case(
     let mut idx = Vec::new();
     let mut s = 7u32;
     for t in 0..n_q {
-        for i in 0..n_idx {
+        for _ in 0..n_idx {
             s = s.wrapping_mul(1_103_515_245).wrapping_add(12345);
             let r = (s >> 16) % 5;
             idx.push(if t == 1 || r == 0 {
@@ -821,7 +821,6 @@ fn index_sink_case(
             } else {
                 SRC_B | ((s >> 8) % n_b)
             });
-            let _ = i;
         }
     }
     let kca = make_cache(g, kv, &ka, n_a, 0);
@@ -1062,7 +1061,7 @@ fn bad_arguments_are_errors() {
 /// Real sizes: Qwen3.5 (16 q / 2 kv × 256, f16 cache) prefill of 300 tokens and decode at
 /// long context, DeepSeek-V4 (64 heads × 512, K = V, sinks, 128 + 256 indices).
 #[test]
-#[ignore = "real sizes: a minute or more on lavapipe"]
+#[ignore = "real sizes: run once per kernel change (about 5 s on lavapipe)"]
 fn real_sizes() {
     let _serial = serial();
     let c = Case {

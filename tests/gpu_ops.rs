@@ -18,7 +18,9 @@ use std::path::Path;
 const GUARD: f32 = -7777.25;
 
 fn gpu() -> Gpu {
-    Gpu::new(&AdapterChoice::Auto).expect("a wgpu adapter (lavapipe in CI)")
+    let gpu = Gpu::new(&AdapterChoice::Auto).expect("a wgpu adapter (lavapipe in CI)");
+    eprintln!("{}", gpu.report());
+    gpu
 }
 
 /// xorshift64*: deterministic test data.

@@ -226,7 +226,9 @@ pub enum Keys<'a> {
 }
 
 /// One attention call. Output `[n_q][n_head][head_dim]` f32; query token `t`'s q head `h`
-/// uses KV head `h / (n_head / n_head_kv)`.
+/// uses KV head `h / (n_head / n_head_kv)`. The output buffer (and the split scratch) must
+/// be a buffer no other field names: wgpu rejects a buffer bound both read-only and
+/// read-write in one dispatch.
 #[derive(Clone, Copy, Debug)]
 pub struct Attention<'a> {
     pub n_q: u32,

@@ -32,6 +32,8 @@ const REC_R: u32 = 8;
 /// (d_v / 16 workgroups per head keeps a single long prefill spread over the GPU).
 const CHUNK_WG: u32 = 256;
 const SCAN_CB_MAX: u32 = 16;
+/// Rows of S updated per staged tile in the scan.
+const SCAN_TD: u32 = 16;
 
 /// One sequence of a batch: its token rows and its state slot (GDN state and conv state).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,21 +261,35 @@ pub fn scratch_bytes(s: &GdnShape, total_chunks: u32) -> u64 {
     slot_len(s) * s.n_head_v as u64 * total_chunks as u64 * 4
 }
 
-/// Column block of the chunk scan: the widest power of two ≤ 16 whose S and Δ tiles fit
+/// Column block of the chunk scan: the widest of 16, 8, 4 whose S, Δ and staging tiles fit
 /// the adapter's workgroup memory.
-fn scan_cb(gpu: &Gpu, s: &GdnShape) -> Result<u32> {
-    let limit = gpu.limits.max_compute_workgroup_storage_size as u64;
+fn scan_cb(limit: u64, s: &GdnShape) -> Result<u32> {
+    let bytes =
+        |cb: u64| ((s.d_k as u64 + CHUNK as u64) * cb + 2 * CHUNK as u64 * SCAN_TD as u64) * 4;
     let mut cb = SCAN_CB_MAX;
-    while cb > 1 && (s.d_k as u64 + CHUNK as u64) * cb as u64 * 4 > limit {
+    while cb > 4 && bytes(cb as u64) > limit {
         cb /= 2;
     }
-    if (s.d_k as u64 + CHUNK as u64) * cb as u64 * 4 > limit {
+    if bytes(cb as u64) > limit {
         return Err(Error::Unsupported(format!(
-            "gdn: d_k {} exceeds workgroup memory",
-            s.d_k
+            "gdn: d_k {} needs {} bytes of workgroup memory, the adapter has {limit}",
+            s.d_k,
+            bytes(cb as u64)
         )));
     }
     Ok(cb)
+}
+
+/// Gram tile width of the chunk prep: 16 dims, 8 when workgroup memory is 16 KiB.
+fn prep_td(limit: u64) -> u32 {
+    let bytes = |td: u64| {
+        (2 * CHUNK as u64 * (td + 1) + 4 * CHUNK as u64 + (CHUNK * (CHUNK - 1) / 2) as u64) * 4
+    };
+    if bytes(16) <= limit {
+        16
+    } else {
+        8
+    }
 }
 
 /// The chunked form over every sequence of `batch` (the prefill path): same inputs,
@@ -285,6 +301,21 @@ pub fn chunked(
     batch: &SeqBatch,
     io: &GdnIo<'_>,
     scratch: &wgpu::Buffer,
+) -> Result<()> {
+    let limit = pass.gpu().limits.max_compute_workgroup_storage_size as u64;
+    chunked_within(pass, s, batch, io, scratch, limit)
+}
+
+/// [`chunked`] with kernel variants chosen for `wg_mem` bytes of workgroup memory (at most
+/// the adapter's): lets tests run the variants of 16 KiB adapters anywhere.
+#[doc(hidden)]
+pub fn chunked_within(
+    pass: &mut Pass<'_>,
+    s: &GdnShape,
+    batch: &SeqBatch,
+    io: &GdnIo<'_>,
+    scratch: &wgpu::Buffer,
+    wg_mem: u64,
 ) -> Result<()> {
     let p = params(s, batch, io)?;
     if batch.n_seq == 0 {
@@ -305,15 +336,22 @@ pub fn chunked(
             "gdn chunked: scratch of {need} bytes is too large"
         )));
     }
-    let prep = gpu.pipeline(&spec("chunk_prep", "prep", s, CHUNK_WG, &[]))?;
-    let cb = scan_cb(gpu, s)?;
-    let ne = (CHUNK as u32 * cb).div_ceil(CHUNK_WG);
+    let prep = gpu.pipeline(&spec(
+        "chunk_prep",
+        "prep",
+        s,
+        CHUNK_WG,
+        &[("TD", prep_td(wg_mem))],
+    ))?;
+    let cb = scan_cb(wg_mem, s)?;
+    // CB ≥ 4 makes the CHUNK × CB tiles a whole number of entries per thread.
+    let ne = CHUNK as u32 * cb / CHUNK_WG;
     let scan = gpu.pipeline(&spec(
         "chunk_scan",
         "scan",
         s,
         CHUNK_WG,
-        &[("CB", cb), ("NE", ne)],
+        &[("CB", cb), ("NE", ne), ("TD", SCAN_TD)],
     ))?;
     let seqs = Binding::from(&batch.table);
     let n_prep = batch.n_seq as u64 * p.max_chunks as u64 * s.n_head_v as u64;

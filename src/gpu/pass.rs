@@ -137,7 +137,7 @@ impl<'g> Pass<'g> {
 
     /// Encode everything recorded into `enc`; the arena is written now, so exactly one
     /// pass may be encoded per submission (hence private: `submit` is the only caller).
-    fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<()> {
+    fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
         let gpu = self.gpu;
         let need = (self.uniforms.len() as u64).max(256);
         let mut guard = gpu.uniforms.buf.lock().unwrap_or_else(|p| p.into_inner());
@@ -156,7 +156,6 @@ impl<'g> Pass<'g> {
             }));
         }
         let ubuf = guard.as_ref().unwrap().clone();
-        drop(guard);
         if !self.uniforms.is_empty() {
             gpu.queue.write_buffer(&ubuf, 0, &self.uniforms);
         }
@@ -219,7 +218,9 @@ impl<'g> Pass<'g> {
             }
         }
         drop(cpass);
-        Ok(())
+        // The arena stays locked until the caller has submitted: another thread's pass
+        // writing the arena before this submit would overwrite these uniforms.
+        Ok(guard)
     }
 
     /// Encode and submit as one command buffer. Does not wait.
@@ -230,8 +231,9 @@ impl<'g> Pass<'g> {
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("lathe"),
             });
-        self.encode(&mut enc)?;
+        let arena = self.encode(&mut enc)?;
         let idx = gpu.queue.submit([enc.finish()]);
+        drop(arena);
         gpu.check()?;
         Ok(idx)
     }

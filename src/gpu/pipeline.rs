@@ -108,14 +108,14 @@ pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<S
 
 #[derive(Default)]
 pub(crate) struct PipelineCache {
-    map: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    map: Mutex<HashMap<String, (Arc<wgpu::ComputePipeline>, PipelineSpec)>>,
 }
 
 impl Gpu {
     /// The pipeline for `spec`, compiled on first use. Shader errors become `Error::Gpu`
     /// naming the variant (never a panic).
     pub fn pipeline(&self, spec: &PipelineSpec) -> Result<Arc<wgpu::ComputePipeline>> {
-        if let Some(p) = self.pipelines.map.lock().unwrap().get(&spec.label) {
+        if let Some((p, _)) = self.pipelines.map.lock().unwrap().get(&spec.label) {
             return Ok(p.clone());
         }
         let wgsl = spec.wgsl()?;
@@ -162,8 +162,15 @@ impl Gpu {
             .map
             .lock()
             .unwrap()
-            .insert(spec.label.clone(), p.clone());
+            .insert(spec.label.clone(), (p.clone(), spec.clone()));
         Ok(p)
+    }
+
+    /// Every pipeline variant compiled so far (for the cross-backend translation test).
+    pub fn compiled_specs(&self) -> Vec<PipelineSpec> {
+        let mut v: Vec<PipelineSpec> = self.pipelines.map.lock().unwrap().values().map(|(_, s)| s.clone()).collect();
+        v.sort_by(|a, b| a.label.cmp(&b.label));
+        v
     }
 }
 
