@@ -16,8 +16,11 @@
 //! any token count), [`chunked`] is the prefill path (HF `chunk_gated_delta_rule`, chunks of
 //! [`CHUNK`] tokens in the WY form: every chunk's intra-chunk solve in parallel, then one
 //! ordered pass over the chunks per (sequence, head, column block) carrying the state).
-//! Any d_k, d_v ≥ 1 work (pipelines are specialised per size); the chunk scan keeps
-//! (d_k + 64)·CB floats of S and Δ in workgroup memory, CB chosen to fit the adapter.
+//! Any d_k, d_v ≥ 1 work (pipelines are specialised per size; tested: 12, 16, 40, 64, 128,
+//! 256). Workgroup memory: the recurrent kernel (2·d_k + 1536)·4 bytes; the chunk prep
+//! 17.8 KiB (13.7 KiB on 16 KiB adapters); the chunk scan ((d_k + 64)·CB + 2048)·4 bytes
+//! with CB = 16 (8 or 4 on smaller adapters), so d_k ≤ 256 runs on 16 KiB adapters and
+//! larger d_k needs more.
 
 use super::{grid, Binding, Gpu, Pass, PipelineSpec};
 pub use crate::cpu::gdn::{GdnShape, KeyHeadMap, CHUNK};

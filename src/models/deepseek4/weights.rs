@@ -7,7 +7,7 @@
 //! - norms are plain `w` in both (model.py multiplies `w · x̂`; no `1+w` anywhere);
 //! - routed experts are stacked `[n_expert, rows, cols]`: GGUF stores the stack in ggml
 //!   MXFP4 blocks; the release stores one packed-MXFP4 tensor (+ E8M0 `.scale`) per expert,
-//!   repacked here into ggml MXFP4 bytes (see `experts_upstream`);
+//!   repacked here into ggml MXFP4 bytes (`Weight::Owned`, see `experts_upstream`);
 //! - FP8 e4m3 block-scaled linears of the release are dequantized to f32 (see `Loader::mat`);
 //! - `tid2eid` (GGUF I32, release I64) becomes exact f32 expert ids.
 
@@ -360,10 +360,8 @@ impl<'a> Loader<'a> {
 
     /// Routed experts of the release: one tensor per expert, stacked to
     /// `[n_expert, rows, cols]`. Packed MXFP4 (I8/U8 + E8M0 scale) is repacked into ggml's
-    /// MXFP4 blocks, so one GPU kernel serves both formats.
-    // TODO(lead): return the repacked bytes as `Weight::Owned { dtype: MXFP4, .. }` once that
-    // variant exists; until then they are dequantized to f32 HERE, which only the CPU
-    // reference can afford.
+    /// MXFP4 blocks (a layout change, no rounding), so the GPU's MXFP4 kernels serve both
+    /// formats and the CPU reference dequantizes the same bytes.
     fn experts_upstream(
         &self,
         h: &'a HfModel,
@@ -389,16 +387,11 @@ impl<'a> Loader<'a> {
                     })?;
                     bytes.extend(repack_mxfp4_to_ggml(t, &scale)?);
                 }
-                let data = crate::quant::dequantize_to_vec(
-                    DType::MXFP4,
-                    &bytes,
-                    ne * (rows * cols) as usize,
-                )
-                .map_err(|e| Error::tensor(ts[0].path, ts[0].name, e.to_string()))?;
-                Ok(Weight::F32 {
+                Ok(Weight::Owned {
                     name: ts[0].name.to_string(),
+                    dtype: DType::MXFP4,
                     shape: shape.to_vec(),
-                    data,
+                    bytes,
                 })
             }
             DType::F8_E4M3 => {

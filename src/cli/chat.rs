@@ -1,0 +1,170 @@
+//! `lathe chat`: an interactive conversation on stdin/stdout.
+//!
+//! The conversation lives in one sequence. Each turn renders the whole conversation with the
+//! chat template and hands it to [`Session::generate`], which feeds only the tokens past what
+//! the sequence already holds when the earlier rendering is a token-level prefix of the new
+//! one, and re-prefills from scratch when it is not (a template that rewrites earlier turns,
+//! a reply cut by a stop string or the token limit).
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::sync::atomic::Ordering;
+
+use clap::Args;
+use lathe::generate::{ChatPrompt, GenerateOptions, Session};
+use lathe::{Error, Result};
+use serde_json::{json, Value};
+
+use super::run::{interrupt_flag, load_engine, set_busy, ModelArgs, SamplingArgs};
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// System message that opens the conversation (kept across /reset).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Most tokens per reply (a reply also ends at the model's end-of-turn token).
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 4096, visible_alias = "n-predict")]
+    pub max_tokens: usize,
+    /// End a reply before this text (repeatable).
+    #[arg(long, value_name = "STR", num_args = 1..)]
+    pub stop: Vec<String>,
+    /// Print the speeds of each reply on stderr.
+    #[arg(long)]
+    pub stats: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+const HELP: &str = "Type a message and press Enter (end a line with \\ to go on to the next). \
+Commands: /reset forgets the conversation, /exit or Ctrl-D quits. Ctrl-C stops a reply \
+(and quits when no reply is running).";
+
+pub fn run(args: ChatArgs) -> Result<()> {
+    let mut engine = load_engine(&args.model)?;
+    let Some(tok) = engine.tokenizer.as_ref() else {
+        return Err(Error::Invalid(format!(
+            "{} has no vocabulary (tokenizer.ggml.model = none), so it cannot chat; try `lathe run --prompt-tokens 1,2,3`",
+            args.model.model.display()
+        )));
+    };
+    let chat = ChatPrompt::for_tokenizer(tok)?;
+    if chat.fallback {
+        eprintln!("note: the model carries no chat template; using ChatML");
+    }
+    let interrupt = interrupt_flag()?;
+    let opts = GenerateOptions {
+        max_tokens: Some(args.max_tokens),
+        sampler: args.sampling.config(),
+        stop: args.stop.clone(),
+        ignore_eog: false,
+        cancel: Some(interrupt.clone()),
+    };
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!("{HELP}");
+    }
+    let opening: Vec<Value> = args
+        .system
+        .iter()
+        .map(|s| json!({"role": "system", "content": s}))
+        .collect();
+    let mut messages = opening.clone();
+    let mut session = Session::new(&engine)?;
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock();
+    loop {
+        // Ctrl-C while waiting for input quits; while generating it stops the reply.
+        set_busy(false);
+        let input = read_message(&mut lines, interactive)?;
+        set_busy(true);
+        interrupt.store(false, Ordering::SeqCst);
+        let Some(input) = input else {
+            break;
+        };
+        match input.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages = opening.clone();
+                session.reset(&engine)?;
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            "/help" | "/?" => {
+                eprintln!("{HELP}");
+                continue;
+            }
+            cmd if cmd.starts_with('/') && !cmd.contains(char::is_whitespace) => {
+                eprintln!("unknown command {cmd}; /help lists them");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(json!({"role": "user", "content": input}));
+        let Some(tok) = engine.tokenizer.as_ref() else {
+            unreachable!("checked above")
+        };
+        let rendered = chat.render(&Value::Array(messages.clone()), true)?;
+        let prompt = tok.encode_with_bos(&rendered, true)?;
+        let stdout = std::io::stdout();
+        let mut w = stdout.lock();
+        let mut last_newline = true;
+        let out = session.generate(&mut engine, &prompt, &opts, |p| {
+            if !p.text.is_empty() {
+                last_newline = p.text.ends_with('\n');
+                let _ = w.write_all(p.text.as_bytes());
+                let _ = w.flush();
+            }
+        })?;
+        if !last_newline || out.text.is_empty() {
+            let _ = writeln!(w);
+        }
+        if out.finish.is_none() {
+            let _ = writeln!(w, "[interrupted]");
+        }
+        let _ = w.flush();
+        drop(w);
+        if args.stats {
+            super::run::print_stats(&out);
+        }
+        messages.push(json!({"role": "assistant", "content": out.text}));
+    }
+    Ok(())
+}
+
+/// Reads one message: a line, or several joined when each but the last ends with `\`.
+/// `None` at end of input.
+fn read_message(input: &mut impl BufRead, interactive: bool) -> Result<Option<String>> {
+    let mut msg = String::new();
+    let mut prompt = "> ";
+    loop {
+        if interactive {
+            print!("{prompt}");
+            let _ = std::io::stdout().flush();
+        }
+        let mut line = String::new();
+        let n = input
+            .read_line(&mut line)
+            .map_err(|e| Error::Invalid(format!("reading stdin: {e}")))?;
+        if n == 0 {
+            if interactive {
+                println!();
+            }
+            return Ok((!msg.is_empty()).then_some(msg));
+        }
+        let line = line.strip_suffix('\n').unwrap_or(&line);
+        let line = line.strip_suffix('\r').unwrap_or(line);
+        match line.strip_suffix('\\') {
+            Some(head) => {
+                msg.push_str(head);
+                msg.push('\n');
+                prompt = ". ";
+            }
+            None => {
+                msg.push_str(line);
+                return Ok(Some(msg));
+            }
+        }
+    }
+}

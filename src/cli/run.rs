@@ -1,0 +1,303 @@
+//! `lathe run`: one prompt in, the continuation streamed to stdout, speeds on stderr. Also
+//! the pieces `lathe chat` shares: model and sampling flags, loading with a progress bar.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use lathe::engine::{Engine, KvType, LoadOptions};
+use lathe::generate::{ChatPrompt, GenerateOptions, Output, Session};
+use lathe::gpu::AdapterChoice;
+use lathe::sample::{FinishReason, SamplerConfig};
+use lathe::{Error, Result};
+
+/// Which model and where to run it.
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// Model: a GGUF file (the first part of a split one) or a Hugging Face checkpoint
+    /// directory (config.json + *.safetensors + tokenizer.json).
+    #[arg(short, long, value_name = "PATH")]
+    pub model: PathBuf,
+    /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
+    #[arg(long, value_name = "I", default_value = "auto")]
+    pub device: AdapterChoice,
+    /// Context length to size the KV cache for (it grows past this when needed).
+    #[arg(long, value_name = "N", default_value_t = LoadOptions::default().ctx)]
+    pub ctx: usize,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    pub kv_type: KvType,
+}
+
+/// How the next token is chosen. Defaults are llama.cpp's; `--temp 0` is greedy.
+#[derive(Args, Debug)]
+pub struct SamplingArgs {
+    /// Temperature: divides the logits; 0 = greedy (always the most likely token).
+    #[arg(long, value_name = "T", default_value_t = SamplerConfig::default().temperature)]
+    pub temp: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, value_name = "K", default_value_t = SamplerConfig::default().top_k)]
+    pub top_k: usize,
+    /// Keep the most likely tokens whose probabilities add up to P (1 = off).
+    #[arg(long, value_name = "P", default_value_t = SamplerConfig::default().top_p)]
+    pub top_p: f32,
+    /// Drop tokens less likely than M times the most likely one (0 = off).
+    #[arg(long, value_name = "M", default_value_t = SamplerConfig::default().min_p)]
+    pub min_p: f32,
+    /// Divide the logit of every recently seen token by R (1 = off; 1.1 is a mild penalty).
+    #[arg(long, value_name = "R", default_value_t = SamplerConfig::default().repeat_penalty)]
+    pub repeat_penalty: f32,
+    /// Subtract this once from the logit of every recently seen token (0 = off).
+    #[arg(long, value_name = "X", default_value_t = SamplerConfig::default().presence_penalty)]
+    pub presence_penalty: f32,
+    /// Subtract this from a token's logit once per recent occurrence (0 = off).
+    #[arg(long, value_name = "X", default_value_t = SamplerConfig::default().frequency_penalty)]
+    pub frequency_penalty: f32,
+    /// How many of the last tokens the three penalties look at.
+    #[arg(long, value_name = "N", default_value_t = SamplerConfig::default().penalty_window)]
+    pub penalty_window: usize,
+    /// Random seed: the same seed, model and prompt give the same text.
+    #[arg(long, value_name = "S", default_value_t = SamplerConfig::default().seed)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_window: self.penalty_window,
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text. Special tokens written in it (`<|im_start|>`) are parsed as such
+    /// unless --no-parse-special.
+    #[arg(short, long, value_name = "TEXT", required_unless_present = "prompt_tokens")]
+    pub prompt: Option<String>,
+    /// Run from token ids instead of text (for models without a vocabulary, such as the test
+    /// fixtures); the generated ids are printed, space separated.
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "chat", "system"])]
+    pub prompt_tokens: Option<Vec<u32>>,
+    /// Most tokens to generate (generation also ends at the model's end-of-turn token).
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 256, visible_alias = "n-predict")]
+    pub max_tokens: usize,
+    /// Wrap the prompt in the model's chat template as a user message, ready for the
+    /// assistant's reply (lathe's ChatML when the model has no template).
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat (implies --chat).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// End generation before this text (repeatable; the text is not printed).
+    #[arg(long, value_name = "STR", num_args = 1..)]
+    pub stop: Vec<String>,
+    /// Tokenize special-token text in the prompt as plain text (not with --chat, whose
+    /// template needs its markers).
+    #[arg(long, conflicts_with_all = ["chat", "system"])]
+    pub no_parse_special: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// Loads the model with a progress bar on stderr (bytes uploaded), then one line saying what
+/// was loaded where.
+pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
+    check_model_path(&args.model)?;
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "loading [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .map_err(|e| Error::Invalid(format!("progress bar: {e}")))?
+        .progress_chars("=> "),
+    );
+    let b = bar.clone();
+    let opts = LoadOptions {
+        adapter: args.device.clone(),
+        kv_type: args.kv_type,
+        ctx: args.ctx,
+        progress: Some(Arc::new(move |done, total| {
+            b.set_length(total);
+            b.set_position(done);
+        })),
+    };
+    let t = Instant::now();
+    let engine = Engine::load(&args.model, &opts).map_err(|e| explain_load_error(e, &args.model));
+    bar.finish_and_clear();
+    let engine = engine?;
+    eprintln!(
+        "loaded {} ({:.1} MiB of weights) in {:.1} s on {} ({:?})",
+        args.model.display(),
+        engine.model_bytes as f64 / (1u64 << 20) as f64,
+        t.elapsed().as_secs_f64(),
+        engine.gpu.info.name,
+        engine.gpu.info.backend,
+    );
+    Ok(engine)
+}
+
+/// A missing path gets its own message before anything opens it.
+pub fn check_model_path(path: &Path) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "{}: no such file or directory; pass -m/--model a GGUF file or a Hugging Face checkpoint directory",
+        path.display()
+    )))
+}
+
+/// Adds what to do to the errors a user meets most while loading.
+fn explain_load_error(e: Error, path: &Path) -> Error {
+    match e {
+        Error::Format { .. } if !path.is_dir() && !starts_with_gguf_magic(path) => Error::Invalid(format!(
+            "{e}\n(not a GGUF model file; pass -m/--model a .gguf file or a Hugging Face checkpoint directory)"
+        )),
+        Error::Gpu(msg) if msg.to_ascii_lowercase().contains("memory") => Error::Gpu(format!(
+            "{msg}\n(the model or its cache does not fit on this device: try a smaller quantization, a smaller --ctx, or another --device)"
+        )),
+        other => other,
+    }
+}
+
+fn starts_with_gguf_magic(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// Whether Ctrl-C should interrupt work (true) or end the process at once (false: `lathe
+/// chat` waiting for input).
+static BUSY: AtomicBool = AtomicBool::new(true);
+
+pub fn set_busy(busy: bool) {
+    BUSY.store(busy, Ordering::SeqCst);
+}
+
+/// The Ctrl-C flag of this process: while busy, the first Ctrl-C sets it (the generation
+/// stops after the current token) and a second one ends the process; while idle, Ctrl-C
+/// ends the process.
+pub fn interrupt_flag() -> Result<Arc<AtomicBool>> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    if let Some(f) = FLAG.get() {
+        return Ok(f.clone());
+    }
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = flag.clone();
+    ctrlc::set_handler(move || {
+        if !BUSY.load(Ordering::SeqCst) || f.swap(true, Ordering::SeqCst) {
+            println!();
+            std::process::exit(130);
+        }
+    })
+    .map_err(|e| Error::Invalid(format!("cannot catch Ctrl-C: {e}")))?;
+    Ok(FLAG.get_or_init(|| flag).clone())
+}
+
+/// The speeds line on stderr, after the generated text.
+pub fn print_stats(out: &Output) {
+    let why = match &out.finish {
+        None => "interrupted".to_string(),
+        Some(FinishReason::Eog(_)) => "end of turn".to_string(),
+        Some(FinishReason::StopString(i)) => format!("stop string {}", i + 1),
+        Some(FinishReason::Length) => "token limit".to_string(),
+    };
+    eprintln!("[{} | {why}]", out.timings);
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let mut engine = load_engine(&args.model)?;
+    let prompt: Vec<u32> = match (&args.prompt_tokens, engine.tokenizer.as_ref()) {
+        (Some(ids), _) => ids.clone(),
+        (None, None) => {
+            return Err(Error::Invalid(format!(
+                "{} has no vocabulary (tokenizer.ggml.model = none): pass --prompt-tokens 1,2,3 to run it from token ids",
+                args.model.model.display()
+            )))
+        }
+        (None, Some(tok)) => {
+            let text = args.prompt.clone().unwrap_or_default();
+            if args.chat || args.system.is_some() {
+                let chat = ChatPrompt::for_tokenizer(tok)?;
+                if chat.fallback {
+                    eprintln!("note: the model carries no chat template; using ChatML");
+                }
+                let mut messages = Vec::new();
+                if let Some(s) = &args.system {
+                    messages.push(serde_json::json!({"role": "system", "content": s}));
+                }
+                messages.push(serde_json::json!({"role": "user", "content": text}));
+                let rendered = chat.render(&serde_json::Value::Array(messages), true)?;
+                tok.encode_with_bos(&rendered, true)?
+            } else {
+                tok.encode_with_bos(&text, !args.no_parse_special)?
+            }
+        }
+    };
+    if prompt.is_empty() {
+        return Err(Error::Invalid(
+            "the prompt is empty and the model adds no BOS: pass a non-empty -p/--prompt".into(),
+        ));
+    }
+    let ids_only = args.prompt_tokens.is_some();
+    let opts = GenerateOptions {
+        max_tokens: Some(args.max_tokens),
+        sampler: args.sampling.config(),
+        stop: args.stop.clone(),
+        ignore_eog: false,
+        cancel: Some(interrupt_flag()?),
+    };
+    let stdout = std::io::stdout();
+    let mut w = stdout.lock();
+    let mut write_err = None;
+    let mut ends_with_newline = true;
+    let out = Session::new(&engine)?.generate(&mut engine, &prompt, &opts, |p| {
+        let r = if ids_only {
+            let sep = if p.index == 0 { "" } else { " " };
+            write!(w, "{sep}{}", p.id)
+        } else if p.text.is_empty() {
+            Ok(())
+        } else {
+            ends_with_newline = p.text.ends_with('\n');
+            w.write_all(p.text.as_bytes())
+        };
+        // A closed pipe (`| head`) is not worth a panic: remember it and go on quietly.
+        if let Err(e) = r.and_then(|_| w.flush()) {
+            write_err.get_or_insert(e);
+        }
+    })?;
+    if ids_only {
+        let _ = writeln!(w);
+    } else if !ends_with_newline && stdout_is_terminal() {
+        // Keep the stats line off the end of the text in a terminal; a pipe gets the text as is.
+        let _ = writeln!(w);
+    }
+    let _ = w.flush();
+    drop(w);
+    if let Some(e) = write_err {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(Error::Invalid(format!("writing to stdout: {e}")));
+        }
+    }
+    print_stats(&out);
+    Ok(())
+}
+
+fn stdout_is_terminal() -> bool {
+    std::io::stdout().is_terminal()
+}
