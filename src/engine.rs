@@ -37,6 +37,8 @@ pub struct LoadOptions {
     pub kv_type: KvType,
     /// Context length the caches are sized for (they grow beyond it when needed).
     pub ctx: usize,
+    /// Sequences that can be live at once (each holds a slot of KV and recurrent state).
+    pub max_seqs: usize,
     pub progress: Option<Progress>,
 }
 
@@ -46,6 +48,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("adapter", &self.adapter)
             .field("kv_type", &self.kv_type)
             .field("ctx", &self.ctx)
+            .field("max_seqs", &self.max_seqs)
             .finish()
     }
 }
@@ -56,9 +59,18 @@ impl Default for LoadOptions {
             adapter: AdapterChoice::Auto,
             kv_type: KvType::F16,
             ctx: 4096,
+            max_seqs: 4,
             progress: None,
         }
     }
+}
+
+/// Which logits a batched forward returns for one sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    None,
+    Last,
+    All,
 }
 
 /// A loaded model of any supported architecture.
@@ -162,6 +174,24 @@ impl Engine {
     pub fn reset(&self, seq: &mut Seq) -> Result<()> {
         match (&self.model, seq) {
             (Model::Qwen35(m), Seq::Qwen35(s)) => m.reset(s),
+        }
+    }
+
+    /// Feed several sequences in shared passes (continuous batching): per item its new
+    /// tokens and which logits it wants; returns those logits per item.
+    pub fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Vec<f32>>> {
+        match &mut self.model {
+            Model::Qwen35(m) => {
+                let mut v: Vec<(&mut crate::models::qwen35::gpu::GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+                for (s, t, w) in items.iter_mut() {
+                    match s {
+                        Seq::Qwen35(q) => v.push((q, t, *w)),
+                        #[allow(unreachable_patterns)]
+                        _ => return Err(Error::Invalid("sequence from another model".into())),
+                    }
+                }
+                m.forward_batch(&mut v)
+            }
         }
     }
 

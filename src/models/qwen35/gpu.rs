@@ -5,7 +5,7 @@
 
 use super::weights::{self, Ffn, Mixer, Weights};
 use super::{HeadMap, Hparams};
-use crate::engine::{KvType, LoadOptions};
+use crate::engine::{KvType, LoadOptions, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::conv::{self, ConvIo};
 use crate::gpu::elementwise::{self as ew, View};
@@ -17,7 +17,7 @@ use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
 use crate::models::ModelFile;
 use crate::{Error, Result};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Tokens per prefill pass: activations are sized for this many rows.
 pub const DEFAULT_BATCH: usize = 256;
@@ -25,8 +25,12 @@ pub const DEFAULT_BATCH: usize = 256;
 /// Activation buffers, sized once for `rows` tokens per pass (f32 unless said).
 struct Scratch {
     rows: usize,
-    /// [rows] u32 token ids.
+    /// [rows] u32 token ids, positions, KV cache destination rows; [rows, 2] u32 visible
+    /// key ranges of decode rows.
     ids: wgpu::Buffer,
+    pos: wgpu::Buffer,
+    kv_rows: wgpu::Buffer,
+    ranges: wgpu::Buffer,
     /// [rows, n_embd]: the residual stream, and its normed copy.
     x: wgpu::Buffer,
     h: wgpu::Buffer,
@@ -68,16 +72,27 @@ struct Scratch {
     logit_rows: usize,
 }
 
-/// The per-sequence state: KV caches of the attention layers, conv and recurrent state of
-/// the GDN layers. Caches grow by doubling (a copy on the GPU), never with host work per row.
-pub struct GpuSeq {
-    pos: usize,
+/// State pools shared by all sequences, one per layer kind; sequence slot `s` owns KV rows
+/// `s·cap ..` and conv / recurrent slot `s`. One pool per layer lets a batched pass serve
+/// many sequences with one dispatch per kernel.
+struct Pools {
+    slots: usize,
+    /// KV rows per slot; grows by doubling (copied on the GPU).
     cap: usize,
-    /// Per layer: (K, V) caches [cap, n_head_kv, head_dim] (f16 or f32).
+    /// Per layer: (K, V) [slots·cap, n_head_kv, head_dim] (f16 or f32).
     kv: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
-    /// Per layer: conv state [K-1, conv_dim] and GDN state [Hv, dk, dv].
+    /// Per layer: conv state [slots, K-1, conv_dim] and GDN state [slots, Hv, dk, dv].
     conv: Vec<Option<wgpu::Buffer>>,
     ssm: Vec<Option<wgpu::Buffer>>,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+/// One sequence: a slot in the model's state pools and the number of tokens it has seen.
+/// Dropping it returns the slot.
+pub struct GpuSeq {
+    slot: u32,
+    pos: usize,
+    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl GpuSeq {
@@ -87,13 +102,29 @@ impl GpuSeq {
     }
 }
 
+impl Drop for GpuSeq {
+    fn drop(&mut self) {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.slot);
+    }
+}
+
+/// One round's share of a batch item: rows `row .. row + n` of the pass.
+struct Part {
+    item: usize,
+    start: usize,
+    n: usize,
+    row: usize,
+    slot: u32,
+    pos0: usize,
+}
+
 pub struct GpuModel {
     pub gpu: Arc<Gpu>,
     pub hp: Hparams,
     w: Weights<GpuTensor>,
     rope: RopeTable,
     kv_type: attention::KvType,
-    ctx: usize,
+    pools: Pools,
     scratch: Scratch,
     /// Debugging: stop the next pass after this layer and return the residual stream
     /// `[n_tokens, n_embd]` instead of logits.
@@ -127,207 +158,264 @@ impl GpuModel {
             KvType::F16 => attention::KvType::F16,
             KvType::F32 => attention::KvType::F32,
         };
-        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
+        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH, opts.max_seqs.max(1))?;
+        let pools = Pools::new(&gpu, &hp, kv_type, opts.max_seqs.max(1), opts.ctx.clamp(16, 4096))?;
         Ok(GpuModel {
             gpu,
             hp,
             w,
             rope,
             kv_type,
-            ctx: opts.ctx.max(16),
+            pools,
             scratch,
             trace_layer: None,
         })
     }
 
+    /// A new sequence in a free slot (at most `LoadOptions::max_seqs` live at once).
     pub fn new_seq(&self) -> Result<GpuSeq> {
-        let hp = &self.hp;
-        let gpu = &self.gpu;
-        let cap = self.ctx.min(4096);
+        let slot = self.pools.free.lock().unwrap_or_else(|p| p.into_inner()).pop().ok_or_else(|| {
+            Error::Invalid(format!(
+                "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
+                self.pools.slots
+            ))
+        })?;
         let mut seq = GpuSeq {
+            slot,
             pos: 0,
-            cap,
-            kv: Vec::new(),
-            conv: Vec::new(),
-            ssm: Vec::new(),
+            free: self.pools.free.clone(),
         };
-        for l in 0..hp.n_layer {
-            if hp.recurrent[l] {
-                seq.kv.push(None);
-                seq.conv.push(Some(gpu.buffer(
-                    ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64,
-                    "seq.conv",
-                )?));
-                seq.ssm.push(Some(
-                    gpu.buffer((hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64, "seq.ssm")?,
-                ));
-            } else {
-                let s = kv_shape(hp, self.kv_type);
-                seq.kv.push(Some((
-                    gpu.buffer(s.bytes(cap as u64), "seq.k")?,
-                    gpu.buffer(s.bytes(cap as u64), "seq.v")?,
-                )));
-                seq.conv.push(None);
-                seq.ssm.push(None);
-            }
-        }
+        self.reset(&mut seq)?;
         Ok(seq)
     }
 
-    /// Forget everything the sequence has seen (zeroes the recurrent state).
+    /// Forget everything the sequence has seen (zeroes its recurrent state).
     pub fn reset(&self, seq: &mut GpuSeq) -> Result<()> {
+        let hp = &self.hp;
         let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-        for b in seq.conv.iter().chain(seq.ssm.iter()).flatten() {
-            enc.clear_buffer(b, 0, None);
+        let s = seq.slot as u64;
+        let conv_len = ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
+        let ssm_len = (hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
+        for b in self.pools.conv.iter().flatten() {
+            enc.clear_buffer(b, s * conv_len, Some(conv_len));
+        }
+        for b in self.pools.ssm.iter().flatten() {
+            enc.clear_buffer(b, s * ssm_len, Some(ssm_len));
         }
         self.gpu.queue.submit([enc.finish()]);
         seq.pos = 0;
         Ok(())
     }
 
-    /// Grow the KV caches to hold `need` positions (doubling; old rows copied on the GPU).
-    fn reserve(&self, pass: &mut Pass<'_>, seq: &mut GpuSeq, need: usize) -> Result<()> {
-        if need <= seq.cap {
+    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
+    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
+        let p = &mut self.pools;
+        if need <= p.cap {
             return Ok(());
         }
-        let new_cap = need.max(seq.cap * 2).next_multiple_of(256);
+        let new_cap = need.max(p.cap * 2).next_multiple_of(256);
         let s = kv_shape(&self.hp, self.kv_type);
-        for kv in seq.kv.iter_mut().flatten() {
-            let k = self.gpu.buffer(s.bytes(new_cap as u64), "seq.k")?;
-            let v = self.gpu.buffer(s.bytes(new_cap as u64), "seq.v")?;
-            let used = s.bytes(seq.pos as u64);
-            if used > 0 {
-                pass.copy(&kv.0, 0, &k, 0, used);
-                pass.copy(&kv.1, 0, &v, 0, used);
+        let rows = (p.slots * new_cap) as u64;
+        if s.bytes(rows) > self.gpu.max_binding() {
+            return Err(Error::Invalid(format!(
+                "a KV cache of {new_cap} positions x {} sequences exceeds the adapter's binding limit",
+                p.slots
+            )));
+        }
+        for kv in p.kv.iter_mut().flatten() {
+            let k = self.gpu.buffer(s.bytes(rows), "kv.k")?;
+            let v = self.gpu.buffer(s.bytes(rows), "kv.v")?;
+            for slot in 0..p.slots as u64 {
+                let (from, to, len) = (s.bytes(slot * p.cap as u64), s.bytes(slot * new_cap as u64), s.bytes(p.cap as u64));
+                pass.copy(&kv.0, from, &k, to, len);
+                pass.copy(&kv.1, from, &v, to, len);
             }
             *kv = (k, v);
         }
-        seq.cap = new_cap;
+        p.cap = new_cap;
         Ok(())
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let v = self.hp.n_vocab;
+        match tokens.iter().find(|&&t| t as usize >= v) {
+            Some(&bad) => Err(Error::Invalid(format!("token id {bad} is outside the vocabulary of {v}"))),
+            None => Ok(()),
+        }
     }
 
     /// Feed `tokens`; returns logits for every token (`all`) or only the last one.
     pub fn forward(&mut self, seq: &mut GpuSeq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
-        let v = self.hp.n_vocab;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(Error::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {v}"
-            )));
+        let want = if all { Want::All } else { Want::Last };
+        let mut out = self.forward_batch(&mut [(seq, tokens, want)])?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Feed several sequences at once: each item's tokens are appended to its sequence, in
+    /// passes of at most `DEFAULT_BATCH` rows shared by all items (a long prefill is split
+    /// into chunks, so decode steps of other items never wait longer than a chunk).
+    /// Returns, per item, the logits it wants (`[n, vocab]` row-major).
+    pub fn forward_batch(&mut self, items: &mut [(&mut GpuSeq, &[u32], Want)]) -> Result<Vec<Vec<f32>>> {
+        for (_, t, _) in items.iter() {
+            self.check_tokens(t)?;
         }
-        let mut out = Vec::with_capacity(if all { tokens.len() * v } else { v });
-        let chunk = self.scratch.rows;
-        let n_chunks = tokens.len().div_ceil(chunk);
-        for (ci, c) in tokens.chunks(chunk).enumerate() {
-            let last = ci + 1 == n_chunks;
-            let want = if all {
-                c.len()
-            } else if last {
-                1
-            } else {
-                0
-            };
-            out.extend(self.forward_chunk(seq, c, want)?);
+        let v = self.hp.n_vocab;
+        let mut out: Vec<Vec<f32>> = items.iter().map(|_| Vec::new()).collect();
+        let mut done: Vec<usize> = vec![0; items.len()];
+        loop {
+            // One round: multi-token parts first, single tokens after (one batched decode
+            // attention call covers those).
+            let mut parts = Vec::new();
+            let mut rows = 0;
+            for pass_single in [false, true] {
+                for (i, (seq, toks, _)) in items.iter().enumerate() {
+                    let left = toks.len() - done[i];
+                    if left == 0 || (left == 1) != pass_single || rows == self.scratch.rows {
+                        continue;
+                    }
+                    let n = left.min(self.scratch.rows - rows);
+                    parts.push(Part {
+                        item: i,
+                        start: done[i],
+                        n,
+                        row: rows,
+                        slot: seq.slot,
+                        pos0: seq.pos + done[i],
+                    });
+                    rows += n;
+                }
+            }
+            if parts.is_empty() {
+                break;
+            }
+            let wants: Vec<(usize, usize)> = parts
+                .iter()
+                .filter_map(|p| {
+                    let toks_len = items[p.item].1.len();
+                    match items[p.item].2 {
+                        Want::All => Some((p.row, p.n)),
+                        Want::Last if p.start + p.n == toks_len => Some((p.row + p.n - 1, 1)),
+                        _ => None,
+                    }
+                })
+                .collect();
+            let toks: Vec<u32> = parts.iter().flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied()).collect();
+            let logits = self.run_round(&parts, &toks, &wants)?;
+            if self.trace_layer.is_some() {
+                // Debug pass: the residual stream came back instead of logits; the
+                // sequences' positions are left as they were.
+                return Ok(vec![logits]);
+            }
+            let mut off = 0;
+            for p in &parts {
+                let got = wants.iter().find(|w| w.0 >= p.row && w.0 < p.row + p.n).map(|w| w.1);
+                if let Some(nw) = got {
+                    out[p.item].extend_from_slice(&logits[off * v..(off + nw) * v]);
+                    off += nw;
+                }
+                done[p.item] += p.n;
+            }
+        }
+        for (i, (seq, toks, _)) in items.iter_mut().enumerate() {
+            debug_assert_eq!(done[i], toks.len());
+            seq.pos += toks.len();
         }
         Ok(out)
     }
 
-    /// One pass over `toks` (≤ scratch rows); logits of the last `want` tokens.
-    fn forward_chunk(&mut self, seq: &mut GpuSeq, toks: &[u32], want: usize) -> Result<Vec<f32>> {
+    /// One pass over the rows of `parts`; returns the logits of the `wants` row runs.
+    fn run_round(&mut self, parts: &[Part], toks: &[u32], wants: &[(usize, usize)]) -> Result<Vec<f32>> {
         let gpu = self.gpu.clone();
-        let hp = &self.hp;
         let n = toks.len() as u32;
-        let e = hp.n_embd as u32;
+        let e = self.hp.n_embd as u32;
+        let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        let mut pass = gpu.pass();
+        self.reserve(&mut pass, need)?;
+        let cap = self.pools.cap as u32;
+        // Per-row positions and KV destination rows; per decode row its visible key range.
+        let mut pos = Vec::with_capacity(toks.len());
+        let mut kv_rows = Vec::with_capacity(toks.len());
+        let mut ranges = Vec::new();
+        for p in parts {
+            for j in 0..p.n {
+                let q = (p.pos0 + j) as u32;
+                pos.push(q);
+                kv_rows.push(p.slot * cap + q);
+                if p.n == 1 {
+                    ranges.extend_from_slice(&[p.slot * cap, q + 1]);
+                }
+            }
+        }
         let sc = &mut self.scratch;
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
-        sc.batch.update(
-            &gpu,
-            &[SeqSpan {
-                row: 0,
-                n_tokens: n,
-                slot: 0,
-            }],
-        )?;
-        let mut pass = gpu.pass();
-        // Split the borrow: `reserve` needs &self while scratch is borrowed mutably.
-        let sc = &self.scratch;
-        {
-            let me: &GpuModel = self;
-            me.reserve(&mut pass, seq, seq.pos + toks.len())?;
+        gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
+        gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+        if !ranges.is_empty() {
+            gpu.write(&sc.ranges, 0, bytemuck::cast_slice(&ranges));
         }
-        embed::embed(
-            &mut pass,
-            &self.w.tok_embd,
-            &sc.ids,
-            0,
-            n,
-            View::new(&sc.x, 0),
-        )?;
+        let spans: Vec<SeqSpan> = parts
+            .iter()
+            .map(|p| SeqSpan {
+                row: p.row as u32,
+                n_tokens: p.n as u32,
+                slot: p.slot,
+            })
+            .collect();
+        sc.batch.update(&gpu, &spans)?;
+        let sc = &self.scratch;
+        let hp = &self.hp;
+        embed::embed(&mut pass, &self.w.tok_embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
         for (l, lw) in self.w.layers.iter().enumerate() {
-            norm::rms_norm(
-                &mut pass,
-                n,
-                e,
-                View::new(&sc.x, 0),
-                Some(View::new(&sc.h, 0)),
-                Some(&lw.attn_norm),
-                hp.eps,
-            )?;
+            norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&lw.attn_norm), hp.eps)?;
             match &lw.mixer {
-                Mixer::Gdn(g) => self.gdn_block(&mut pass, seq, l, g, n)?,
-                Mixer::Attn(a) => self.attn_block(&mut pass, seq, l, a, n)?,
+                Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n)?,
+                Mixer::Attn(a) => self.attn_block(&mut pass, parts, l, a, n)?,
             }
-            norm::rms_norm(
-                &mut pass,
-                n,
-                e,
-                View::new(&sc.x, 0),
-                Some(View::new(&sc.h, 0)),
-                Some(&lw.post_norm),
-                hp.eps,
-            )?;
+            norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&lw.post_norm), hp.eps)?;
             self.ffn_block(&mut pass, &lw.ffn, n)?;
             if self.trace_layer == Some(l) {
                 pass.submit()?;
                 return gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd);
             }
         }
-        let mut logits = Vec::new();
-        if want > 0 {
-            let first = n as usize - want;
-            // Final norm and head for the wanted rows, in chunks the logits buffer holds.
-            norm::rms_norm(
-                &mut pass,
-                n,
-                e,
-                View::new(&sc.x, 0),
-                Some(View::new(&sc.h, 0)),
-                Some(&self.w.output_norm),
-                hp.eps,
-            )?;
-            let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
-            let v = hp.n_vocab;
-            let mut r = first;
-            let mut pending = Some(pass);
-            while r < n as usize {
-                let rows = (n as usize - r).min(sc.logit_rows);
-                let mut p = pending.take().unwrap_or_else(|| gpu.pass());
-                matmul::matmul(
-                    &mut p,
-                    head,
-                    &sc.h,
-                    (r * hp.n_embd) as u32,
-                    &sc.logits,
-                    0,
-                    rows as u32,
-                )?;
-                p.submit()?;
-                logits.extend(gpu.read_f32(&sc.logits, 0, rows * v)?);
-                r += rows;
-            }
-        } else {
+        let total: usize = wants.iter().map(|w| w.1).sum();
+        if total == 0 {
             pass.submit()?;
+            return Ok(Vec::new());
         }
-        seq.pos += toks.len();
+        norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&self.w.output_norm), hp.eps)?;
+        let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
+        let v = hp.n_vocab;
+        // The head over the wanted rows, packed into the logits buffer; more passes (each
+        // read back) only when they outgrow it.
+        let mut logits = Vec::with_capacity(total * v);
+        let mut pending = Some(pass);
+        let mut used = 0usize;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &(r0, nr) in wants {
+            let mut r = r0;
+            while r < r0 + nr {
+                let take = (r0 + nr - r).min(sc.logit_rows);
+                runs.push((r, take));
+                r += take;
+            }
+        }
+        for (i, &(r, take)) in runs.iter().enumerate() {
+            if used + take > sc.logit_rows {
+                let p = pending.take().unwrap_or_else(|| gpu.pass());
+                p.submit()?;
+                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
+                used = 0;
+            }
+            let p = pending.get_or_insert_with(|| gpu.pass());
+            matmul::matmul(p, head, &sc.h, (r * hp.n_embd) as u32, &sc.logits, (used * v) as u32, take as u32)?;
+            used += take;
+            if i + 1 == runs.len() {
+                let p = pending.take().expect("a pass holds the head");
+                p.submit()?;
+                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
+            }
+        }
         Ok(logits)
     }
 
@@ -350,7 +438,7 @@ impl GpuModel {
     fn gdn_block(
         &self,
         pass: &mut Pass<'_>,
-        seq: &GpuSeq,
+        parts: &[Part],
         l: usize,
         g: &weights::Gdn<GpuTensor>,
         n: u32,
@@ -364,8 +452,8 @@ impl GpuModel {
         self.linear(pass, &g.z, &sc.h, &sc.z, n, false)?;
         self.linear(pass, &g.beta, &sc.h, &sc.b, n, false)?;
         self.linear(pass, &g.alpha, &sc.h, &sc.a, n, false)?;
-        let conv_state = seq.conv[l].as_ref().expect("GDN layer has conv state");
-        let ssm_state = seq.ssm[l].as_ref().expect("GDN layer has recurrent state");
+        let conv_state = self.pools.conv[l].as_ref().expect("GDN layer has conv state");
+        let ssm_state = self.pools.ssm[l].as_ref().expect("GDN layer has recurrent state");
         conv::conv1d_silu(
             pass,
             cd,
@@ -411,7 +499,7 @@ impl GpuModel {
             o_off: 0,
             o_stride: vd,
         };
-        if n == 1 {
+        if parts.iter().all(|p| p.n == 1) {
             gdn::recurrent(pass, &shape, &sc.batch, &io)?;
         } else {
             gdn::chunked(pass, &shape, &sc.batch, &io, &sc.gdn_scratch)?;
@@ -432,7 +520,7 @@ impl GpuModel {
     fn attn_block(
         &self,
         pass: &mut Pass<'_>,
-        seq: &GpuSeq,
+        parts: &[Part],
         l: usize,
         a: &weights::Attn<GpuTensor>,
         n: u32,
@@ -444,25 +532,9 @@ impl GpuModel {
         self.linear(pass, &a.k, &sc.h, &sc.k, n, false)?;
         self.linear(pass, &a.v, &sc.h, &sc.v, n, false)?;
         // Per-head q/k RMSNorm; q heads sit every 2·head_dim (interleaved with their gates).
-        norm::rms_norm(
-            pass,
-            n * nh,
-            hd,
-            View::strided(&sc.qg, 0, 2 * hd),
-            None,
-            Some(&a.q_norm),
-            hp.eps,
-        )?;
-        norm::rms_norm(
-            pass,
-            n * nkv,
-            hd,
-            View::new(&sc.k, 0),
-            None,
-            Some(&a.k_norm),
-            hp.eps,
-        )?;
-        let pos0 = seq.pos as u32;
+        norm::rms_norm(pass, n * nh, hd, View::strided(&sc.qg, 0, 2 * hd), None, Some(&a.q_norm), hp.eps)?;
+        norm::rms_norm(pass, n * nkv, hd, View::new(&sc.k, 0), None, Some(&a.k_norm), hp.eps)?;
+        let positions = Positions::Buffer { buf: &sc.pos, off: 0 };
         let qv = RopeView {
             buf: &sc.qg,
             off: 0,
@@ -472,92 +544,67 @@ impl GpuModel {
             token_stride: nh * 2 * hd,
             head_stride: 2 * hd,
         };
-        rope::rope(
-            pass,
-            &qv,
-            RopeStyle::Neox,
-            0,
-            &self.rope,
-            Positions::From(pos0),
-            false,
-        )?;
-        rope::rope(
-            pass,
-            &RopeView::packed(&sc.k, 0, n, nkv, hd),
-            RopeStyle::Neox,
-            0,
-            &self.rope,
-            Positions::From(pos0),
-            false,
-        )?;
-        let (kc, vc) = seq.kv[l].as_ref().expect("attention layer has a KV cache");
+        rope::rope(pass, &qv, RopeStyle::Neox, 0, &self.rope, positions, false)?;
+        rope::rope(pass, &RopeView::packed(&sc.k, 0, n, nkv, hd), RopeStyle::Neox, 0, &self.rope, positions, false)?;
+        let (kc, vc) = self.pools.kv[l].as_ref().expect("attention layer has a KV cache");
         let shape = kv_shape(hp, self.kv_type);
-        attention::write_kv(
-            pass,
-            shape,
-            &sc.k,
-            0,
-            nkv * hd,
-            n,
-            kc,
-            attention::DstRows::Range { row0: pos0 },
-        )?;
-        attention::write_kv(
-            pass,
-            shape,
-            &sc.v,
-            0,
-            nkv * hd,
-            n,
-            vc,
-            attention::DstRows::Range { row0: pos0 },
-        )?;
-        let n_kv = pos0 + n;
-        // Split-K only for decode: the scratch is sized for one query row per head.
-        let n_split = if n == 1 {
-            attention::pick_n_split(n, nh, shape, n_kv, false)
-        } else {
-            1
+        let dst = attention::DstRows::List { rows: &sc.kv_rows, off: 0 };
+        attention::write_kv(pass, shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
+        attention::write_kv(pass, shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        let cap = self.pools.cap as u32;
+        let q_stride = nh * 2 * hd;
+        let o_stride = nh * hd;
+        let call = |pass: &mut Pass<'_>, row: u32, n_q: u32, keys: Keys<'_>, max_keys: u32, per_query: bool| -> Result<()> {
+            // Split-K only when a few query rows face many keys (decode); the scratch is
+            // sized for `SPLIT_ROWS` query rows.
+            let mut n_split = attention::pick_n_split(n_q, nh, shape, max_keys, per_query);
+            while n_split > 1 && attention::scratch_elems(n_q, nh, hd, n_split) * 4 > sc.attn_split.size() {
+                n_split /= 2;
+            }
+            attention::attention(
+                pass,
+                &Attention {
+                    n_q,
+                    n_head: nh,
+                    kv: shape,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    q: QView {
+                        buf: &sc.qg,
+                        off: row * q_stride,
+                        tok_stride: q_stride,
+                        head_stride: 2 * hd,
+                    },
+                    out: OutView {
+                        buf: &sc.att,
+                        off: row * o_stride,
+                        tok_stride: o_stride,
+                    },
+                    a: KvSource { k: kc, v: Some(vc) },
+                    b: None,
+                    keys,
+                    sinks: None,
+                    split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+                },
+            )
         };
-        attention::attention(
-            pass,
-            &Attention {
-                n_q: n,
-                n_head: nh,
-                kv: shape,
-                scale: 1.0 / (hd as f32).sqrt(),
-                q: QView {
-                    buf: &sc.qg,
-                    off: 0,
-                    tok_stride: nh * 2 * hd,
-                    head_stride: 2 * hd,
-                },
-                out: OutView {
-                    buf: &sc.att,
-                    off: 0,
-                    tok_stride: nh * hd,
-                },
-                a: KvSource { k: kc, v: Some(vc) },
-                b: None,
-                keys: Keys::Causal {
-                    row0: 0,
-                    pos0,
-                    n_kv,
-                    window: 0,
-                },
-                sinks: None,
-                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
-            },
-        )?;
+        // Prefill parts: causal over their own slot's rows (flash tiles shared by queries).
+        for p in parts.iter().filter(|p| p.n > 1) {
+            let (pos0, np) = (p.pos0 as u32, p.n as u32);
+            let keys = Keys::Causal { row0: p.slot * cap, pos0, n_kv: pos0 + np, window: 0 };
+            call(pass, p.row as u32, np, keys, pos0 + np, false)?;
+        }
+        // Decode rows (contiguous at the end of the pass): one call for all of them.
+        let singles: Vec<&Part> = parts.iter().filter(|p| p.n == 1).collect();
+        if let [p] = singles[..] {
+            let keys = Keys::Causal { row0: p.slot * cap, pos0: p.pos0 as u32, n_kv: p.pos0 as u32 + 1, window: 0 };
+            call(pass, p.row as u32, 1, keys, p.pos0 as u32 + 1, false)?;
+        } else if let Some(first) = singles.first() {
+            let max_keys = singles.iter().map(|p| p.pos0 as u32 + 1).max().unwrap_or(1);
+            let keys = Keys::Ranges { desc: &sc.ranges, off: 0, max_keys };
+            call(pass, first.row as u32, singles.len() as u32, keys, max_keys, true)?;
+        }
         // Output gate: attn ⊙ sigmoid(gate), the gate being the second half of each head's q row.
-        ew::sigmoid_mul(
-            pass,
-            n * nh,
-            hd,
-            View::new(&sc.att_g, 0),
-            View::strided(&sc.qg, hd, 2 * hd),
-            View::new(&sc.att, 0),
-        )?;
+        ew::sigmoid_mul(pass, n * nh, hd, View::new(&sc.att_g, 0), View::strided(&sc.qg, hd, 2 * hd), View::new(&sc.att, 0))?;
         self.linear(pass, &a.o, &sc.att_g, &sc.x, n, true)
     }
 
@@ -726,8 +773,36 @@ impl GpuModel {
     }
 }
 
+impl Pools {
+    fn new(gpu: &Gpu, hp: &Hparams, kv_type: attention::KvType, slots: usize, cap: usize) -> Result<Pools> {
+        let shape = kv_shape(hp, kv_type);
+        let (mut kv, mut conv, mut ssm) = (Vec::new(), Vec::new(), Vec::new());
+        let rows = (slots * cap) as u64;
+        for l in 0..hp.n_layer {
+            if hp.recurrent[l] {
+                kv.push(None);
+                conv.push(Some(gpu.buffer((slots * (hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64, "pool.conv")?));
+                ssm.push(Some(gpu.buffer((slots * hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64, "pool.ssm")?));
+            } else {
+                kv.push(Some((gpu.buffer(shape.bytes(rows), "kv.k")?, gpu.buffer(shape.bytes(rows), "kv.v")?)));
+                conv.push(None);
+                ssm.push(None);
+            }
+        }
+        Ok(Pools {
+            slots,
+            cap,
+            kv,
+            conv,
+            ssm,
+            // Popped from the end: slot 0 first.
+            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
+        })
+    }
+}
+
 impl Scratch {
-    fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
+    fn new(gpu: &Gpu, hp: &Hparams, rows: usize, max_seqs: usize) -> Result<Scratch> {
         let f = |n: usize, label: &str| gpu.buffer((n.max(1) * 4) as u64, label);
         let r = rows;
         let (k, ffw) = match &hp.moe {
@@ -755,17 +830,20 @@ impl Scratch {
             gdn::scratch_bytes(&shape, batch.total_chunks).max(4),
             "gdn.scratch",
         )?;
-        let max_split = attention::MAX_SPLIT;
-        let attn_split = gpu.buffer(
-            attention::scratch_elems(1, hp.n_head as u32, hp.head_dim as u32, max_split) * 4,
-            "attn.split",
-        )?;
+        // Split-K partials for a decode step of every sequence at MAX_SPLIT splits, capped at
+        // 64 MiB (fewer splits are used beyond it).
+        let split_elems = attention::scratch_elems(max_seqs as u32, hp.n_head as u32, hp.head_dim as u32, attention::MAX_SPLIT)
+            .min(16 << 20);
+        let attn_split = gpu.buffer(split_elems * 4, "attn.split")?;
         let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, r);
         // `o` doubles as the SwiGLU output, so it holds the widest of the three uses.
         let o_w = hp.v_dim().max(ff * k).max(att);
         Ok(Scratch {
             rows: r,
             ids: f(r, "ids")?,
+            pos: f(r, "pos")?,
+            kv_rows: f(r, "kv_rows")?,
+            ranges: f(2 * r, "ranges")?,
             x: f(r * hp.n_embd, "x")?,
             h: f(r * hp.n_embd, "h")?,
             qkv_raw: f(r * hp.conv_dim(), "qkv_raw")?,
