@@ -138,6 +138,17 @@ impl<'g> Pass<'g> {
     /// Encode everything recorded into `enc`; the arena is written now, so exactly one
     /// pass may be encoded per submission (hence private: `submit` is the only caller).
     fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
+        self.encode_with(enc, None)
+    }
+
+    /// `encode`; with a query set, every dispatch gets its own compute pass with timestamps
+    /// `2i` (begin) and `2i+1` (end).
+    fn encode_with(
+        self,
+        enc: &mut wgpu::CommandEncoder,
+        profile: Option<&wgpu::QuerySet>,
+    ) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
+        let mut n_dispatch = 0u32;
         let gpu = self.gpu;
         let need = (self.uniforms.len() as u64).max(256);
         let mut guard = gpu.uniforms.buf.lock().unwrap_or_else(|p| p.into_inner());
@@ -194,10 +205,19 @@ impl<'g> Pass<'g> {
                         layout: &layout,
                         entries: &entries,
                     });
+                    if profile.is_some() {
+                        cpass = None;
+                    }
+                    let tw = profile.map(|qs| wgpu::ComputePassTimestampWrites {
+                        query_set: qs,
+                        beginning_of_pass_write_index: Some(2 * n_dispatch),
+                        end_of_pass_write_index: Some(2 * n_dispatch + 1),
+                    });
+                    n_dispatch += 1;
                     let cp = cpass.get_or_insert_with(|| {
                         enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                             label: Some("lathe"),
-                            timestamp_writes: None,
+                            timestamp_writes: tw,
                         })
                         .forget_lifetime()
                     });
@@ -221,6 +241,55 @@ impl<'g> Pass<'g> {
         // The arena stays locked until the caller has submitted: another thread's pass
         // writing the arena before this submit would overwrite these uniforms.
         Ok(guard)
+    }
+
+    /// Submit with a GPU timestamp pair around every dispatch (each in its own compute
+    /// pass, so only `TIMESTAMP_QUERY` is needed), wait, and return `(label, ns)` per
+    /// dispatch in order. For breakdowns of one step; never on the normal path.
+    pub fn submit_profiled(self) -> Result<Vec<(String, f64)>> {
+        let gpu = self.gpu;
+        if !gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
+            return Err(Error::Gpu(format!("{}: no timestamp queries on this adapter", gpu.info.name)));
+        }
+        let labels: Vec<String> = self
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Dispatch { label, .. } => Some(label.clone()),
+                Op::Copy { .. } => None,
+            })
+            .collect();
+        let n = labels.len() as u32;
+        if n == 0 {
+            self.submit()?;
+            return Ok(Vec::new());
+        }
+        let qs = gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("lathe.profile"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2 * n,
+        });
+        let resolve = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("lathe.profile.resolve"),
+            size: 16 * n as u64,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("lathe.profile") });
+        let arena = self.encode_with(&mut enc, Some(&qs))?;
+        enc.resolve_query_set(&qs, 0..2 * n, &resolve, 0);
+        gpu.queue.submit([enc.finish()]);
+        drop(arena);
+        let raw = gpu.read_bytes(&resolve, 0, 16 * n as u64)?;
+        let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&raw);
+        let period = gpu.queue.get_timestamp_period() as f64;
+        Ok(labels
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| (l, ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period))
+            .collect())
     }
 
     /// Encode and submit as one command buffer. Does not wait.

@@ -129,6 +129,9 @@ pub struct GpuModel {
     /// Debugging: stop the next pass after this layer and return the residual stream
     /// `[n_tokens, n_embd]` instead of logits.
     pub trace_layer: Option<usize>,
+    /// Profiling: when `Some`, passes are timed per dispatch (GPU timestamps) and the last
+    /// round's `(kernel label, ns)` list is stored here.
+    pub profile: Option<Vec<(String, f64)>>,
 }
 
 fn kv_shape(hp: &Hparams, t: attention::KvType) -> KvShape {
@@ -169,6 +172,7 @@ impl GpuModel {
             pools,
             scratch,
             trace_layer: None,
+            profile: None,
         })
     }
 
@@ -379,8 +383,39 @@ impl GpuModel {
             }
         }
         let total: usize = wants.iter().map(|w| w.1).sum();
+        let profiling = self.profile.is_some();
+        let mut prof = Vec::new();
+        let result = self.finish_round(pass, n, wants, total, profiling, &mut prof);
+        if profiling {
+            self.profile = Some(prof);
+        }
+        result
+    }
+
+    /// The head over the wanted rows of a round, then submit (and read back the logits).
+    fn finish_round(
+        &self,
+        mut pass: Pass<'_>,
+        n: u32,
+        wants: &[(usize, usize)],
+        total: usize,
+        profiling: bool,
+        prof: &mut Vec<(String, f64)>,
+    ) -> Result<Vec<f32>> {
+        fn submit(p: Pass<'_>, profiling: bool, prof: &mut Vec<(String, f64)>) -> Result<()> {
+            if profiling {
+                prof.extend(p.submit_profiled()?);
+            } else {
+                p.submit()?;
+            }
+            Ok(())
+        }
+        let gpu = self.gpu.clone();
+        let sc = &self.scratch;
+        let hp = &self.hp;
+        let e = hp.n_embd as u32;
         if total == 0 {
-            pass.submit()?;
+            submit(pass, profiling, prof)?;
             return Ok(Vec::new());
         }
         norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&self.w.output_norm), hp.eps)?;
@@ -403,7 +438,7 @@ impl GpuModel {
         for (i, &(r, take)) in runs.iter().enumerate() {
             if used + take > sc.logit_rows {
                 let p = pending.take().unwrap_or_else(|| gpu.pass());
-                p.submit()?;
+                submit(p, profiling, prof)?;
                 logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
                 used = 0;
             }
@@ -412,7 +447,7 @@ impl GpuModel {
             used += take;
             if i + 1 == runs.len() {
                 let p = pending.take().expect("a pass holds the head");
-                p.submit()?;
+                submit(p, profiling, prof)?;
                 logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
             }
         }
