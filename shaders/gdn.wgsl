@@ -136,6 +136,12 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     }
     for (var t = 0u; t < n; t++) {
         let rb = p.qkv_off + (row0 + t) * p.qkv_stride;
+        // Loads that do not depend on the reductions below go first.
+        let gb = gate(row0 + t, h);
+        var v = 0.0;
+        if (live) {
+            v = qkv[rb + v_col + col];
+        }
         var part = vec4<f32>(0.0);
         for (var i = lid; i < DK; i += WG) {
             let qv = qkv[rb + q_col + i];
@@ -155,7 +161,6 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         let tot = red[0];
         let rq = inverseSqrt(tot.x + EPS) * scale;
         let rk = inverseSqrt(tot.y + EPS);
-        let gb = gate(row0 + t, h);
         let decay = exp(gb.x);
         var sk = 0.0;
         var sq = 0.0;
@@ -174,10 +179,6 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         for (var rr = 0u; rr < R; rr++) {
             sum_k += rsk[rr * CB + c];
             sum_q += rsq[rr * CB + c];
-        }
-        var v = 0.0;
-        if (live) {
-            v = qkv[rb + v_col + col];
         }
         // (e^g S)ᵀk̂ = e^g rk (Sᵀk); o = (e^g S + k̂δᵀ)ᵀq̂ = e^g rq (Sᵀq) + δ (k̂·q̂).
         let delta = gb.y * (v - decay * rk * sum_k);
@@ -208,6 +209,9 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
 // Intra-chunk part of the chunked form, independent of the state: one workgroup of 256
 // threads per (sequence, chunk, value head), all chunks in parallel. Fills the scratch
 // slot above, rows i ≥ n of a short last chunk with zeros (the scan multiplies whole tiles).
+//
+// Global loads are written four at a time from clamped (always valid) addresses, so that
+// they are in flight together: these kernels are bound by memory latency, not arithmetic.
 @group(0) @binding(7) var<storage, read_write> scratch: array<f32>;  // [chunk slots, Hv, SLOT]
 
 // Gram tiles: CHUNK rows × TD dims of q and k (TD a define: 16, or 8 when workgroup memory
@@ -221,6 +225,15 @@ var<workgroup> bsh: array<f32, CHUNK>;   // β
 var<workgroup> rqs: array<f32, CHUNK>;   // rsqrt(Σq²+ε)/sqrt(DK)
 var<workgroup> rks: array<f32, CHUNK>;   // rsqrt(Σk²+ε)
 var<workgroup> amat: array<f32, CHUNK * (CHUNK - 1u) / 2u>;  // A, strictly lower, packed by rows
+
+// qkv[at + d .. at + d + 4], zero where d + k ≥ cols.
+fn qkv4(at: u32, d: u32, cols: u32) -> vec4<f32> {
+    let x = qkv[at + min(d, cols - 1u)];
+    let y = qkv[at + min(d + 1u, cols - 1u)];
+    let z = qkv[at + min(d + 2u, cols - 1u)];
+    let w = qkv[at + min(d + 3u, cols - 1u)];
+    return select(vec4<f32>(0.0), vec4<f32>(x, y, z, w), d + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(cols));
+}
 
 @compute @workgroup_size(256)
 fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -253,18 +266,20 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     var gkk: array<f32, 16>;
     var sq = 0.0;
     for (var d0 = 0u; d0 < DK; d0 += TD) {
-        for (var e = lid; e < CHUNK * TD; e += 256u) {
-            let i = e / TD;
-            let d = d0 + e % TD;
-            var qv = 0.0;
-            var kv = 0.0;
-            if (i < n && d < DK) {
-                let rb = (r0 + i) * p.qkv_stride;
-                qv = qkv[rb + q_col + d];
-                kv = qkv[rb + k_col + d];
+        // CHUNK × TD floats of q and of k: TD / 16 quads of each per thread (TD = 8: half).
+        for (var k = 0u; k < (TD + 15u) / 16u; k++) {
+            let e = lid + k * 256u;
+            if (e >= CHUNK * TD / 4u) { break; }
+            let i = e / (TD / 4u);
+            let dd = (e % (TD / 4u)) * 4u;
+            let rb = (r0 + min(i, n - 1u)) * p.qkv_stride;
+            let live = f32(i < n);
+            let qv = qkv4(rb + q_col, d0 + dd, DK) * live;
+            let kv = qkv4(rb + k_col, d0 + dd, DK) * live;
+            for (var m = 0u; m < 4u; m++) {
+                qt[i * TS + dd + m] = qv[m];
+                kt[i * TS + dd + m] = kv[m];
             }
-            qt[i * TS + e % TD] = qv;
-            kt[i * TS + e % TD] = kv;
         }
         workgroupBarrier();
         for (var dd = 0u; dd < TD; dd++) {
@@ -329,18 +344,25 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             scratch[base + OFF_P + i * CHUNK + j] = pv;
         }
     }
-    for (var e = lid; e < CHUNK * DK; e += 256u) {
-        let i = e / DK;
-        let d = e % DK;
-        var qg = 0.0;
-        var kd = 0.0;
-        if (i < n) {
-            let rb = (r0 + i) * p.qkv_stride;
-            qg = qkv[rb + q_col + d] * rqs[i] * exp(gsh[i]);
-            kd = qkv[rb + k_col + d] * rks[i] * exp(g_last - gsh[i]);
+    // QG = e^G Q̂ and KD = e^(G_last − G) K̂, by quads of a row.
+    const DQ = (DK + 3u) / 4u;
+    for (var k = 0u; k < (CHUNK * DQ + 255u) / 256u; k++) {
+        let e = lid + k * 256u;
+        let i = e / DQ;
+        let d = (e % DQ) * 4u;
+        if (i < CHUNK) {
+            let ic = min(i, n - 1u);
+            let rb = (r0 + ic) * p.qkv_stride;
+            let live = f32(i < n);
+            let qg = qkv4(rb + q_col, d, DK) * (rqs[ic] * exp(gsh[ic]) * live);
+            let kd = qkv4(rb + k_col, d, DK) * (rks[ic] * exp(g_last - gsh[ic]) * live);
+            for (var m = 0u; m < 4u; m++) {
+                if (d + m < DK) {
+                    scratch[base + OFF_QG + i * DK + d + m] = qg[m];
+                    scratch[base + OFF_KD + i * DK + d + m] = kd[m];
+                }
+            }
         }
-        scratch[base + OFF_QG + e] = qg;
-        scratch[base + OFF_KD + e] = kd;
     }
     workgroupBarrier();
 
@@ -348,21 +370,36 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     // X[i] = B[i] − Σ_{m<i} A[i][m] X[m] (HF builds (I + A)⁻¹ row by row; same math).
     var xs: array<f32, CHUNK>;
     for (var col = lid; col < DV + DK; col += 256u) {
-        for (var i = 0u; i < CHUNK; i++) {
-            var acc = 0.0;
-            if (i < n) {
-                let rb = (r0 + i) * p.qkv_stride;
-                if (col < DV) {
-                    acc = bsh[i] * qkv[rb + v_col + col];
-                } else {
-                    acc = bsh[i] * exp(gsh[i]) * rks[i] * qkv[rb + k_col + col - DV];
+        // The right-hand side B, four rows at a time (rows ≥ n are zero).
+        var at: u32;
+        if (col < DV) {
+            at = v_col + col;
+        } else {
+            at = k_col + col - DV;
+        }
+        for (var i0 = 0u; i0 < CHUNK; i0 += 4u) {
+            let i = min(vec4<u32>(i0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
+            let x = qkv[(r0 + i.x) * p.qkv_stride + at];
+            let y = qkv[(r0 + i.y) * p.qkv_stride + at];
+            let z = qkv[(r0 + i.z) * p.qkv_stride + at];
+            let w = qkv[(r0 + i.w) * p.qkv_stride + at];
+            let raw = array<f32, 4>(x, y, z, w);
+            for (var m = 0u; m < 4u; m++) {
+                let r = i0 + m;
+                var f = bsh[i[m]];
+                if (col >= DV) {
+                    f *= exp(gsh[i[m]]) * rks[i[m]];
                 }
-                let arow = i * (i - 1u) / 2u;
-                for (var m = 0u; m < i; m++) {
-                    acc -= amat[arow + m] * xs[m];
-                }
-                xs[i] = acc;
+                xs[r] = select(0.0, f * raw[m], r < n);
             }
+        }
+        for (var i = 0u; i < CHUNK; i++) {
+            var acc = xs[i];
+            let arow = i * (i - 1u) / 2u;
+            for (var m = 0u; m < min(i, n); m++) {
+                acc -= amat[arow + m] * xs[m];
+            }
+            xs[i] = acc;
             if (col < DV) {
                 scratch[base + OFF_U + i * DV + col] = acc;
             } else {
@@ -378,7 +415,10 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 // looping over the sequence's chunks in order with S in workgroup memory:
 //   Δ = U − W S;  o = QG S + P Δ;  S ← γ S + KDᵀ Δ
 // The chunk's W, QG, P and KD are staged through workgroup memory in CHUNK × TD tiles
-// with coalesced loads; every thread then reads them from there.
+// (TD ∈ {16, 32, 64}) with coalesced loads, four per thread in flight at once; every
+// thread then reads them from there. The scan is bound by the latency of those loads (each
+// tile is a round trip to memory on the critical path), so TD is as wide as workgroup
+// memory allows: 64 on NVIDIA (48 KiB), 32 on 32 KiB adapters.
 @group(0) @binding(2) var<storage, read> scratch: array<f32>;        // [chunk slots, Hv, SLOT]
 @group(0) @binding(3) var<storage, read_write> state: array<f32>;    // [slots, Hv, DK, DV]
 @group(0) @binding(4) var<storage, read_write> o: array<f32>;        // [rows, o_stride]: [Hv, DV]
@@ -388,15 +428,31 @@ var<workgroup> vn: array<f32, CHUNK * CB>;   // Δ[:, block], [CHUNK, CB]
 var<workgroup> t1: array<f32, CHUNK * TD>;
 var<workgroup> t2: array<f32, CHUNK * TD>;
 
-// t[i][dd] = src[base + i * row + d0 + dd] for dd < TD, zero past `cols`.
-fn stage1(lid: u32, base: u32, row: u32, d0: u32, cols: u32) {
-    for (var e = lid; e < CHUNK * TD; e += WG) {
-        let d = d0 + e % TD;
-        var v = 0.0;
-        if (d < cols) {
-            v = scratch[base + (e / TD) * row + d];
-        }
-        t1[e] = v;
+// scratch[at + d .. at + d + 4], zero where d + k ≥ cols.
+fn scratch4(at: u32, d: u32, cols: u32) -> vec4<f32> {
+    let x = scratch[at + min(d, cols - 1u)];
+    let y = scratch[at + min(d + 1u, cols - 1u)];
+    let z = scratch[at + min(d + 2u, cols - 1u)];
+    let w = scratch[at + min(d + 3u, cols - 1u)];
+    return select(vec4<f32>(0.0), vec4<f32>(x, y, z, w), d + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(cols));
+}
+
+// Quad k of this thread's share of a CHUNK × TD tile: (row, first column).
+fn quad(lid: u32, k: u32) -> vec2<u32> {
+    let e = lid + k * WG;
+    return vec2<u32>(e / (TD / 4u), (e % (TD / 4u)) * 4u);
+}
+
+// Store a quad into t1 / t2 (naga passes no workgroup pointers to functions).
+fn put1(q: vec2<u32>, v: vec4<f32>) {
+    for (var m = 0u; m < 4u; m++) {
+        t1[q.x * TD + q.y + m] = v[m];
+    }
+}
+
+fn put2(q: vec2<u32>, v: vec4<f32>) {
+    for (var m = 0u; m < 4u; m++) {
+        t2[q.x * TD + q.y + m] = v[m];
     }
 }
 
@@ -417,6 +473,7 @@ fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     // This thread's entries of the CHUNK × CB tiles: rows lid / CB + k · (WG / CB), column c.
     let c = lid % CB;
     let live = col0 + c < DV;
+    const NQ = TD / 16u;  // quads per thread per CHUNK × TD tile (WG = 256)
 
     for (var e = lid; e < DK * CB; e += WG) {
         let col = col0 + e % CB;
@@ -430,19 +487,24 @@ fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     for (var ci = 0u; ci < n_chunks; ci++) {
         let n = min(CHUNK, ntok - ci * CHUNK);
         let base = ((chunk0 + ci) * p.n_head_v + h) * SLOT;
+        // U and γ do not depend on S: their loads are issued first and land during phase A.
+        let gamma = scratch[base + OFF_GAMMA];
+        var uu: array<f32, NE>;
+        for (var k = 0u; k < NE; k++) {
+            let i = lid / CB + k * (WG / CB);
+            uu[k] = scratch[base + OFF_U + i * DV + min(col0 + c, DV - 1u)];
+        }
         // Δ = U − W S and the inter-chunk output QG S, both from the old S.
         var ws: array<f32, NE>;
         var oi: array<f32, NE>;
         for (var d0 = 0u; d0 < DK; d0 += TD) {
             workgroupBarrier();
-            stage1(lid, base + OFF_W, DK, d0, DK);
-            for (var e = lid; e < CHUNK * TD; e += WG) {
-                let d = d0 + e % TD;
-                var v = 0.0;
-                if (d < DK) {
-                    v = scratch[base + OFF_QG + (e / TD) * DK + d];
-                }
-                t2[e] = v;
+            for (var k = 0u; k < NQ; k++) {
+                let q = quad(lid, k);
+                let w = scratch4(base + OFF_W + q.x * DK, d0 + q.y, DK);
+                let g = scratch4(base + OFF_QG + q.x * DK, d0 + q.y, DK);
+                put1(q, w);
+                put2(q, g);
             }
             workgroupBarrier();
             for (var k = 0u; k < NE; k++) {
@@ -456,16 +518,15 @@ fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         }
         for (var k = 0u; k < NE; k++) {
             let i = lid / CB + k * (WG / CB);
-            var dv = 0.0;
-            if (live) {
-                dv = scratch[base + OFF_U + i * DV + col0 + c] - ws[k];
-            }
-            vn[i * CB + c] = dv;
+            vn[i * CB + c] = select(0.0, uu[k] - ws[k], live);
         }
         // o = QG S + P Δ.
         for (var j0 = 0u; j0 < CHUNK; j0 += TD) {
             workgroupBarrier();
-            stage1(lid, base + OFF_P, CHUNK, j0, CHUNK);
+            for (var k = 0u; k < NQ; k++) {
+                let q = quad(lid, k);
+                put1(q, scratch4(base + OFF_P + q.x * CHUNK, j0 + q.y, CHUNK));
+            }
             workgroupBarrier();
             for (var k = 0u; k < NE; k++) {
                 let i = lid / CB + k * (WG / CB);
@@ -481,10 +542,12 @@ fn chunk_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             }
         }
         // S ← γ S + KDᵀ Δ, TD rows of S per tile.
-        let gamma = scratch[base + OFF_GAMMA];
         for (var d0 = 0u; d0 < DK; d0 += TD) {
             workgroupBarrier();
-            stage1(lid, base + OFF_KD, DK, d0, DK);
+            for (var k = 0u; k < NQ; k++) {
+                let q = quad(lid, k);
+                put1(q, scratch4(base + OFF_KD + q.x * DK, d0 + q.y, DK));
+            }
             workgroupBarrier();
             for (var e = lid; e < TD * CB; e += WG) {
                 let dd = e / CB;

@@ -24,10 +24,102 @@ var<workgroup> Xs: array<vec4<f32>, 512>;  // [32 k][16 quads of tokens]
 var<workgroup> tokx: array<u32, BN>;       // element of x row of tile token n, NONE if absent
 var<workgroup> toky: array<u32, BN>;       // element of y[token][0], NONE if absent
 
+// weights k0..k0+4 of tile row m / x values k0..k0+4 of tile token n
+fn put_w(k0: u32, m: u32, v: vec4<f32>) {
+    let i = m / 4u;
+    let c = m % 4u;
+    Ws[k0 * 16u + i][c] = v.x;
+    Ws[(k0 + 1u) * 16u + i][c] = v.y;
+    Ws[(k0 + 2u) * 16u + i][c] = v.z;
+    Ws[(k0 + 3u) * 16u + i][c] = v.w;
+}
+
+fn put_x(k0: u32, n: u32, v: vec4<f32>) {
+    let i = n / 4u;
+    let c = n % 4u;
+    Xs[k0 * 16u + i][c] = v.x;
+    Xs[(k0 + 1u) * 16u + i][c] = v.y;
+    Xs[(k0 + 2u) * 16u + i][c] = v.z;
+    Xs[(k0 + 3u) * 16u + i][c] = v.w;
+}
+
+// Float rows not 16-byte aligned (FSLOW) or the partial last block: element by element.
+fn slow_chunk(blk: u32) -> bool {
+#if FSLOW
+    return true;
+#else
+    return blk >= p.nb_full;
+#endif
+}
+
+// chunk s of block blk of the row at byte rb into tile row m
+fn decode_chunk(rb: u32, blk: u32, s: u32, m: u32) {
+#if FLOAT
+    if (slow_chunk(blk)) {
+        for (var j = 0u; j < 8u; j++) {
+            var v = vec4<f32>(0.0);
+            for (var i = 0u; i < 4u; i++) {
+                let e = blk * BS + xmap(s, j) + i;
+                if (e < p.cols) {
+                    v[i] = welem(rb, e);
+                }
+            }
+            put_w(4u * j, m, v);
+        }
+        return;
+    }
+#endif
+    let w = chunk_w(rb + blk * BB, s);
+    put_w(0u, m, w[0]);
+    put_w(4u, m, w[1]);
+    put_w(8u, m, w[2]);
+    put_w(12u, m, w[3]);
+    put_w(16u, m, w[4]);
+    put_w(20u, m, w[5]);
+    put_w(24u, m, w[6]);
+    put_w(28u, m, w[7]);
+}
+
+// x values of quarter-octet j of chunk s of block blk for the token whose x row is at xrow
+fn gather_x(xrow: u32, blk: u32, s: u32, j: u32) -> vec4<f32> {
+    let e0 = blk * BS + xmap(s, j);
+#if FLOAT
+    if (slow_chunk(blk)) {
+        var v = vec4<f32>(0.0);
+        for (var i = 0u; i < 4u; i++) {
+            if (e0 + i < p.cols) {
+                v[i] = x1(xrow + e0 + i);
+            }
+        }
+        return v;
+    }
+#endif
+    return x4(xrow + e0);
+}
+
+fn mm_store(n: u32, row: u32, v: vec4<f32>) {
+    let yb = toky[n];
+    if (yb == NONE) {
+        return;
+    }
+    for (var i = 0u; i < 4u; i++) {
+        if (row + i < p.rows) {
+            if (p.accumulate != 0u) {
+                Y[yb + row + i] += v[i];
+            } else {
+                Y[yb + row + i] = v[i];
+            }
+        }
+    }
+}
+
 fn mm_tile(lid: u32, row_base: u32, wbase: u32) {
     let tm = lid % 16u;
     let tn = lid / 16u;
-    var acc: array<vec4<f32>, 4>;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
     // decoder role (lid < BM): row m of the tile
     let m = lid % BM;
     let rb = wbase + min(row_base + m, p.rows - 1u) * p.row_bytes;
@@ -38,79 +130,42 @@ fn mm_tile(lid: u32, row_base: u32, wbase: u32) {
     for (var c = 0u; c < p.n_chunks; c++) {
         let blk = c / CPB;
         let s = c % CPB;
-        let slow = IS_FLOAT && (FSLOW != 0u || blk >= p.nb_full);
         if (lid < BM) {
-            if (slow) {
-                for (var j = 0u; j < 8u; j++) {
-                    for (var i = 0u; i < 4u; i++) {
-                        let e = blk * BS + xmap(s, j) + i;
-                        var v = 0.0;
-                        if (e < p.cols) {
-                            v = welem(rb, e);
-                        }
-                        Ws[(4u * j + i) * 16u + m / 4u][m % 4u] = v;
-                    }
-                }
-            } else {
-                let w = chunk_w(rb + blk * BB, s);
-                for (var j = 0u; j < 8u; j++) {
-                    for (var i = 0u; i < 4u; i++) {
-                        Ws[(4u * j + i) * 16u + m / 4u][m % 4u] = w[j][i];
-                    }
-                }
-            }
+            decode_chunk(rb, blk, s, m);
         }
-        for (var jj = 0u; jj < 2u; jj++) {
-            let j = xj + jj;
-            let e0 = blk * BS + xmap(s, j);
-            var v = vec4<f32>(0.0);
-            if (xrow != NONE) {
-                if (slow) {
-                    for (var i = 0u; i < 4u; i++) {
-                        if (e0 + i < p.cols) {
-                            v[i] = x1(xrow + e0 + i);
-                        }
-                    }
-                } else {
-                    v = x4(xrow + e0);
-                }
-            }
-            for (var i = 0u; i < 4u; i++) {
-                Xs[(4u * j + i) * 16u + xn / 4u][xn % 4u] = v[i];
-            }
+        var v0 = vec4<f32>(0.0);
+        var v1 = vec4<f32>(0.0);
+        if (xrow != NONE) {
+            v0 = gather_x(xrow, blk, s, xj);
+            v1 = gather_x(xrow, blk, s, xj + 1u);
         }
+        put_x(4u * xj, xn, v0);
+        put_x(4u * xj + 4u, xn, v1);
         workgroupBarrier();
         for (var k = 0u; k < 32u; k++) {
             let a = Ws[k * 16u + tm];
             let b = Xs[k * 16u + tn];
-            acc[0] += a * b.x;
-            acc[1] += a * b.y;
-            acc[2] += a * b.z;
-            acc[3] += a * b.w;
+            acc0 += a * b.x;
+            acc1 += a * b.y;
+            acc2 += a * b.z;
+            acc3 += a * b.w;
         }
         workgroupBarrier();
     }
-    for (var jt = 0u; jt < 4u; jt++) {
-        let yb = toky[4u * tn + jt];
-        if (yb != NONE) {
-            for (var i = 0u; i < 4u; i++) {
-                let row = row_base + 4u * tm + i;
-                if (row < p.rows) {
-                    if (p.accumulate != 0u) {
-                        Y[yb + row] += acc[jt][i];
-                    } else {
-                        Y[yb + row] = acc[jt][i];
-                    }
-                }
-            }
-        }
-    }
+    let row = row_base + 4u * tm;
+    mm_store(4u * tn, row, acc0);
+    mm_store(4u * tn + 1u, row, acc1);
+    mm_store(4u * tn + 2u, row, acc2);
+    mm_store(4u * tn + 3u, row, acc3);
 }
 
 // Y[t][row] (=|+=) sum_c W[row][c] X[t][c]; X rows at x_off + t * x_stride, Y rows at
 // y_off + t * y_stride, t < n_tokens, rows of this part.
 @compute @workgroup_size(MM_WG)
 fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    if (no_rows()) {
+        return;
+    }
     if (lid < BN) {
         let t = wid.y * BN + lid;
         let ok = t < p.n_tokens;
@@ -127,7 +182,7 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 @compute @workgroup_size(MM_WG)
 fn matmul_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let ne = p.n_expert;
-    if (wid.y >= IDX[0]) {
+    if (wid.y >= IDX[0] || no_rows()) {
         return;
     }
     let tv = IDX[p.tiles_off + wid.y];

@@ -1,91 +1,61 @@
 // Weight × activations for every stored weight type: the block decoders (shared with the tiled
 // matmul, which src/gpu/matmul.rs compiles as this file followed by matmul.wgsl) and the
-// decode-time kernels `matvec` (1..8 tokens) and `matvec_id` (MoE: one expert per (token, slot)).
+// decode-time kernels `matvec` (any number of tokens, one per grid column) and `matvec_id`
+// (MoE: one expert matrix per (token, slot) pair).
 //
 // Weights are one part of a GpuTensor in raw ggml block bytes (ggml-common.h layouts), rows
 // contiguous; binding 1 reads them as u32 words (blocks may start at any byte: Q8_0 is 34 bytes,
 // MXFP4 17), binding 2 is the same buffer as 16-byte vectors for the layouts whose blocks are
-// 16-byte aligned (Q4_K, Q5_K, F32/F16/BF16 rows of a multiple of 4/8 elements).
+// 16-byte aligned (Q4_K, Q5_K, F32/F16/BF16 rows of a multiple of 256 elements).
 // Activations and outputs are f32; accumulation is f32.
 //
-// Work unit: a "chunk" of 32 weights of one row inside one block (float types use virtual blocks
-// of 256 elements). `xmap(s, j)` says which 4 consecutive elements of the block are the j-th
-// quarter-octet of chunk s: the chunk shapes follow each layout's packing so that a thread reads
-// whole 16-byte groups and decodes each scale once (e.g. Q4_K chunk s = 16 bytes of qs holding
-// 16 weights of sub-block 2c in the low nibbles and 16 of sub-block 2c+1 in the high ones).
+// The wrapper defines one type flag (TY_Q4_K, ...) and the consts below. Each type block gives:
+// - matmul's view: `chunk_w(b, s)`, the 32 weights of chunk s of the block at byte b, and
+//   `xmap(s, j)`, the block element of the first of the 4 weights in chunk_w's vec4 j (chunk
+//   shapes follow the packing: e.g. Q4_K chunk s = 16 bytes of qs, 16 weights of sub-block 2c
+//   in the low nibbles and 16 of sub-block 2c+1 in the high ones);
+// - matvec's view: MV_CPB lanes per block, each loading its slice of x once (`load_xc`) and
+//   dotting it with that slice of R rows (`chunk_dot`). Slices are small and contiguous so that
+//   neighbouring lanes read neighbouring bytes; scales are decoded once per slice, offsets and
+//   mins leave the inner sums (sum (d q - m) x = d sum q x - m sum x, as ggml's vec_dot).
+// All indexing of local arrays is by literal constants: with run-time indices NVIDIA's driver put
+// them in local memory (the H200 ran 4x slower); literal ones stay in registers.
 //
-// matvec grid: linear workgroup id = wid.x + wid.y * nwg.x (gpu::grid); a workgroup of WG threads
-// holds WG/TPR thread groups; thread group g computes rows [R*(wg*GPW+g), +R) for all NT tokens,
-// its TPR threads striding over the chunks of those rows, then reducing (subgroups or workgroup
-// memory). Each thread loads the x chunk once per token and reuses it for its R rows.
+// matvec grid: wid.x = token (or pair), linear row group wid.y + wid.z * nwg.y. A workgroup of WG
+// threads holds GPW = WG / TPR thread groups; group g computes rows R*(rg*GPW + g) .. +R, its TPR
+// lanes striding over the row's slices, then reducing (subgroups or workgroup memory).
 
 // The route kernel of matmul.wgsl binds other buffers at the same slots: with ROUTE defined this
 // whole file drops out.
 #ifndef ROUTE
 
-// ---- variant constants (the wrapper defines them; defaults make the file valid alone) ----
 #ifndef QT
 const QT = 0u;          // ggml type id of the weights
-#endif
-#ifndef BS
 const BS = 256u;        // elements per (virtual) block
-#endif
-#ifndef BB
 const BB = 1024u;       // bytes per (virtual) block
 #endif
-#ifndef NT
-const NT = 1u;          // tokens per matvec dispatch (1..8)
-#endif
 #ifndef R
-const R = 2u;           // rows per thread group
-#endif
-#ifndef TPR
-const TPR = 64u;        // threads per thread group (power of two, >= 16)
-#endif
-#ifndef WG
+const R = 2u;           // rows per thread group (1..4)
+const TPR = 64u;        // lanes per thread group (power of two)
 const WG = 64u;         // threads per workgroup (multiple of TPR)
 #endif
-#ifndef FSLOW
-const FSLOW = 0u;       // 1: float rows not 16-byte aligned, read element by element
-#endif
 
-const CPB = BS / 32u;   // chunks per block
+const CPB = BS / 32u;   // matmul chunks per block
 const GPW = WG / TPR;   // thread groups per workgroup
-const RT = R * NT;      // accumulators per thread
-
-const T_F32 = 0u;
-const T_F16 = 1u;
-const T_Q4_0 = 2u;
-const T_Q4_1 = 3u;
-const T_Q5_0 = 6u;
-const T_Q5_1 = 7u;
-const T_Q8_0 = 8u;
-const T_Q2_K = 10u;
-const T_Q3_K = 11u;
-const T_Q4_K = 12u;
-const T_Q5_K = 13u;
-const T_Q6_K = 14u;
-const T_IQ4_NL = 20u;
-const T_IQ4_XS = 23u;
-const T_BF16 = 30u;
-const T_MXFP4 = 39u;
-
-const IS_FLOAT = QT == T_F32 || QT == T_F16 || QT == T_BF16;
 
 struct Params {
-    rows: u32,         // rows of this dispatch (of one part; of one expert for matvec_id)
+    rows: u32,         // rows of this dispatch (of one part; of one expert for the _id kernels)
     cols: u32,         // elements per row
     row_bytes: u32,    // bytes per stored row
-    n_chunks: u32,     // chunks per row = ceil(cols / BS) * CPB
-    nb_full: u32,      // complete blocks per row (float types may end in a partial one)
+    n_chunks: u32,     // matmul: 32-weight chunks per row (matvec counts its slices itself)
+    nb_full: u32,      // complete (virtual) blocks per row (float rows may end in a partial one)
     x_off: u32,        // in elements: x of token 0
     x_stride: u32,     // in elements: between tokens' (or pairs') x rows
     y_off: u32,        // in elements: y[token 0][row 0 of this dispatch]
     y_stride: u32,     // in elements: between tokens' (or pairs') y rows
     accumulate: u32,   // 1: y += W x, 0: y = W x
-    // matvec_id / matmul_id only:
     n_used: u32,       // expert slots per token (ids row length)
-    ids_off: u32,      // in elements: ids[0][0] (matvec_id) / unused (matmul_id)
+    ids_off: u32,      // in elements: ids[0][0] (matvec_id)
     e_lo: u32,         // first expert held by the bound part
     e_n: u32,          // experts in the bound part
     expert_bytes: u32, // bytes per expert matrix
@@ -109,6 +79,13 @@ struct Params {
 @group(0) @binding(3) var<storage, read> X: array<f32>;
 #endif
 @group(0) @binding(4) var<storage, read_write> Y: array<f32>;
+
+// Every entry point calls this so its layout has bindings 1 and 2 whatever the type reads (the
+// wrapper always binds the weight part to both; wgpu drops bindings an entry point never reads).
+// The wrapper never dispatches 0 rows, so the loads never run.
+fn no_rows() -> bool {
+    return p.rows == 0u && W[0] == W4[0].x;
+}
 
 // ---- activations ----
 
@@ -182,12 +159,7 @@ fn wf16(b: u32) -> f32 {
 
 // four bytes as unsigned / signed values
 fn f4u(u: u32) -> vec4<f32> {
-#if MAGIC
-    // 2^23 + b has b in its mantissa: an OR and a subtraction instead of int->float converts
-    return bitcast<vec4<f32>>(unpack4xU8(u) | vec4<u32>(0x4b000000u)) - vec4<f32>(8388608.0);
-#else
     return vec4<f32>(unpack4xU8(u));
-#endif
 }
 
 fn f4i(u: u32) -> vec4<f32> {
@@ -204,6 +176,19 @@ fn hi4(u: u32) -> vec4<f32> {
     return f4u((u >> 4u) & M4);
 }
 
+// The same conversion on the ALU: 2^23 + b has b in its mantissa, so OR in the exponent and
+// subtract 2^23. Int->float converts run on a narrow pipe (16 lanes per clock per SM on Hopper,
+// a quarter of the integer ALU): the 4-bit types convert half their nibbles this way, which
+// measured 15-20% faster there (Q4_K, Q5_K, Q4_0); for the others it was slower.
+fn g4u(u: u32) -> vec4<f32> {
+    let m = vec4<u32>(u & 0xffu, (u >> 8u) & 0xffu, (u >> 16u) & 0xffu, u >> 24u) | vec4<u32>(0x4b000000u);
+    return bitcast<vec4<f32>>(m) - vec4<f32>(8388608.0);
+}
+
+fn ghi4(u: u32) -> vec4<f32> {
+    return g4u((u >> 4u) & M4);
+}
+
 // the 4 set-or-clear bits 0..3 of v moved to bit 0 of bytes 0..3
 fn spread4(v: u32) -> u32 {
     return ((v & 0xfu) * 0x00204081u) & 0x01010101u;
@@ -217,12 +202,12 @@ fn bf16_hi(u: u32) -> f32 {
     return bitcast<f32>(u & 0xffff0000u);
 }
 
-// ggml's kvalues_iq4nl
-const KV_IQ4NL = array<f32, 16>(-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
-                                1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
-
+// ggml's kvalues_iq4nl as packed i8 (a const array indexed at run time would be copied to
+// local memory on some drivers)
 fn iq4(n: u32) -> f32 {
-    return KV_IQ4NL[n & 15u];
+    let i = n & 15u;
+    let w = select(select(0xbfad9881u, 0xf6eaddcfu, i >= 4u), select(0x26190d01u, 0x71594535u, i >= 12u), i >= 8u);
+    return f32(bitcast<i32>(w << (24u - 8u * (i & 3u))) >> 24u);
 }
 
 fn iq4_lo(u: u32) -> vec4<f32> {
@@ -264,24 +249,18 @@ fn mx_scale(e: u32) -> vec2<f32> {
 
 // 6-bit scale and min of sub-blocks 2c and 2c+1 of a Q4_K / Q5_K block (ggml's
 // get_scale_min_k4), from the header's scale words y, z, w (bytes 4..16 of the block):
-// (sc0, m0, sc1, m1).
+// (sc0, m0, sc1, m1). Works on the two bytes of each pair at once.
 fn k4_scales(y: u32, z: u32, w: u32, c: u32) -> vec4<f32> {
-    let yb = unpack4xU8(y);
-    let zb = unpack4xU8(z);
-    let wb = unpack4xU8(w);
-    var sc: vec4<u32>;
-    var mn: vec4<u32>;
-    if (c < 2u) {
-        sc = yb & vec4<u32>(63u);
-        mn = zb & vec4<u32>(63u);
-    } else {
-        sc = (wb & vec4<u32>(15u)) | ((yb >> vec4<u32>(6u)) << vec4<u32>(4u));
-        mn = (wb >> vec4<u32>(4u)) | ((zb >> vec4<u32>(6u)) << vec4<u32>(4u));
-    }
-    let odd = (c & 1u) == 1u;
-    let s2 = select(sc.xy, sc.zw, odd);
-    let m2 = select(mn.xy, mn.zw, odd);
-    return vec4<f32>(f32(s2.x), f32(m2.x), f32(s2.y), f32(m2.y));
+    let sh = 16u * (c & 1u);
+    let ys = y >> sh;
+    let zs = z >> sh;
+    let ws = w >> sh;
+    // c < 2: low 6 bits of bytes j, j+1 (scales in y, mins in z); c >= 2: low / high nibble of w
+    // with the top two bits of y / z above them
+    let hi = c >= 2u;
+    let sc = select(ys & 0x3f3fu, (ws & 0x0f0fu) | ((ys >> 2u) & 0x3030u), hi);
+    let mn = select(zs & 0x3f3fu, ((ws >> 4u) & 0x0f0fu) | ((zs >> 2u) & 0x3030u), hi);
+    return g4u((sc & 0xffu) | ((mn & 0xffu) << 8u) | ((sc & 0xff00u) << 8u) | ((mn & 0xff00u) << 16u));
 }
 
 // signed 6-bit scale j (0..16) of a Q3_K block whose 12 scale bytes start at byte b
@@ -291,440 +270,608 @@ fn q3k_scale(b: u32, j: u32) -> f32 {
     return f32(i32(lo | (hi << 4u)) - 32);
 }
 
-// ---- chunk geometry ----
+// Q5_0 / Q5_1: 5-bit levels of elements 4i..4i+4 (low nibbles of qs word qw) and 16+4i..
+// (high nibbles), fifth bits from qh
+fn q5lo(qw: u32, qh: u32, i: u32) -> vec4<f32> {
+    return f4u((qw & M4) | (spread4(qh >> (4u * i)) << 4u));
+}
 
-// offset within its block of the first of the 4 elements of quarter-octet j of chunk s
+fn q5hi(qw: u32, qh: u32, i: u32) -> vec4<f32> {
+    return f4u(((qw >> 4u) & M4) | (spread4(qh >> (16u + 4u * i)) << 4u));
+}
+
+// ---- per-type decoders ----
+
+#if TY_F32
+// virtual blocks of 256 elements; chunk s, vec4 j = elements 4s + 32j (8 lanes cover 128
+// contiguous bytes per load)
 fn xmap(s: u32, j: u32) -> u32 {
-    switch QT {
-        case T_F32: {
-            return 4u * s + 32u * j;
-        }
-        case T_F16, T_BF16: {
-            return 8u * s + 64u * (j >> 1u) + 4u * (j & 1u);
-        }
-        case T_Q4_K, T_Q5_K: {
-            return 64u * (s >> 1u) + 16u * (s & 1u) + 32u * (j >> 2u) + 4u * (j & 3u);
-        }
-        case T_Q6_K: {
-            return 128u * (s >> 2u) + 32u * (j >> 1u) + 8u * (s & 3u) + 4u * (j & 1u);
-        }
-        default: {
-            return 32u * s + 4u * j;
-        }
-    }
+    return 4u * s + 32u * j;
 }
 
-// One element of a float row starting at byte rb (slow path for unaligned rows and tails).
-fn welem(rb: u32, e: u32) -> f32 {
-    switch QT {
-        case T_F32: {
-            return bitcast<f32>(W[(rb >> 2u) + e]);
-        }
-        case T_F16: {
-            return wf16(rb + 2u * e);
-        }
-        default: {
-            return bitcast<f32>(whalf_bits(rb + 2u * e) << 16u);
-        }
-    }
+fn wv(bi: u32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(W4[bi]);
 }
-
-// ---- decode: the 32 weights of chunk s of the block at byte b, in chunk order ----
 
 fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
-    var w: array<vec4<f32>, 8>;
-    switch QT {
-        case T_F32: {
-            let bi = (b >> 4u) + s;
-            for (var j = 0u; j < 8u; j++) {
-                w[j] = bitcast<vec4<f32>>(W4[bi + 8u * j]);
-            }
-        }
-        case T_F16: {
-            let bi = (b >> 4u) + s;
-            for (var j = 0u; j < 4u; j++) {
-                let u = W4[bi + 8u * j];
-                w[2u * j] = vec4<f32>(unpack2x16float(u.x), unpack2x16float(u.y));
-                w[2u * j + 1u] = vec4<f32>(unpack2x16float(u.z), unpack2x16float(u.w));
-            }
-        }
-        case T_BF16: {
-            let bi = (b >> 4u) + s;
-            for (var j = 0u; j < 4u; j++) {
-                let u = W4[bi + 8u * j];
-                w[2u * j] = vec4<f32>(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
-                w[2u * j + 1u] = vec4<f32>(bf16_lo(u.z), bf16_hi(u.z), bf16_lo(u.w), bf16_hi(u.w));
-            }
-        }
-        case T_Q4_0: {
-            // d: f16, qs[16]: element j low nibble, j+16 high; value d * (q - 8)
-            let d = wf16(b);
-            let q = wu4(b + 2u);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = d * (lo4(q[j]) - 8.0);
-                w[j + 4u] = d * (hi4(q[j]) - 8.0);
-            }
-        }
-        case T_Q4_1: {
-            // d, m: f16, qs[16]; value d * q + m
-            let dm = unpack2x16float(W[b >> 2u]);
-            let q = wa4(b + 4u);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = dm.x * lo4(q[j]) + dm.y;
-                w[j + 4u] = dm.x * hi4(q[j]) + dm.y;
-            }
-        }
-        case T_Q5_0: {
-            // d: f16, qh: u32 (bit e = 5th bit of element e), qs[16]; value d * (q - 16)
-            let d = wf16(b);
-            let qh = wu(b + 2u);
-            let q = wu4(b + 6u);
-            for (var j = 0u; j < 4u; j++) {
-                let h0 = spread4(qh >> (4u * j)) << 4u;
-                let h1 = spread4(qh >> (16u + 4u * j)) << 4u;
-                w[j] = d * (f4u((q[j] & M4) | h0) - 16.0);
-                w[j + 4u] = d * (f4u(((q[j] >> 4u) & M4) | h1) - 16.0);
-            }
-        }
-        case T_Q5_1: {
-            // d, m: f16, qh: u32, qs[16]; value d * q + m
-            let dm = unpack2x16float(W[b >> 2u]);
-            let qh = W[(b >> 2u) + 1u];
-            let q = wa4(b + 8u);
-            for (var j = 0u; j < 4u; j++) {
-                let h0 = spread4(qh >> (4u * j)) << 4u;
-                let h1 = spread4(qh >> (16u + 4u * j)) << 4u;
-                w[j] = dm.x * f4u((q[j] & M4) | h0) + dm.y;
-                w[j + 4u] = dm.x * f4u(((q[j] >> 4u) & M4) | h1) + dm.y;
-            }
-        }
-        case T_Q8_0: {
-            // d: f16, qs: 32 x i8
-            let d = wf16(b);
-            let q0 = wu4(b + 2u);
-            let q1 = wu4(b + 18u);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = d * f4i(q0[j]);
-                w[j + 4u] = d * f4i(q1[j]);
-            }
-        }
-        case T_Q2_K: {
-            // scales[16] (low nibble scale, high nibble min), qs[64], d, dmin. Chunk s: half
-            // n = s/4, shift 2*(s%4), 32 consecutive elements from the 32 qs bytes of half n.
-            let n = s >> 2u;
-            let sh = 2u * (s & 3u);
-            let dd = unpack2x16float(W[(b >> 2u) + 20u]);
-            let scw = whalf_bits(b + 8u * n + 2u * (s & 3u));
-            let s0 = scw & 0xffu;
-            let s1 = scw >> 8u;
-            let d0 = dd.x * f32(s0 & 15u);
-            let m0 = dd.y * f32(s0 >> 4u);
-            let d1 = dd.x * f32(s1 & 15u);
-            let m1 = dd.y * f32(s1 >> 4u);
-            let qa = wa4(b + 16u + 32u * n);
-            let qb = wa4(b + 32u + 32u * n);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = d0 * f4u((qa[j] >> sh) & 0x03030303u) - m0;
-                w[j + 4u] = d1 * f4u((qb[j] >> sh) & 0x03030303u) - m1;
-            }
-        }
-        case T_Q3_K: {
-            // hmask[32], qs[64], scales[12], d. Element 128n + 32j + l (l < 32): low bits
-            // (qs[32n + l] >> 2j) & 3, high bit (hmask[l] >> (4n + j)) & 1, value
-            // d * scale[8n + 2j + l/16] * (low + 4 * high - 4).
-            let n = s >> 2u;
-            let jj = s & 3u;
-            let d = wf16(b + 108u);
-            let sc0 = d * q3k_scale(b + 96u, 8u * n + 2u * jj);
-            let sc1 = d * q3k_scale(b + 96u, 8u * n + 2u * jj + 1u);
-            let hs = 4u * n + jj;
-            for (var j = 0u; j < 8u; j++) {
-                let lo = (wu(b + 32u + 32u * n + 4u * j) >> (2u * jj)) & 0x03030303u;
-                let hb = ((wu(b + 4u * j) >> hs) & 0x01010101u) << 2u;
-                let v = f4u(lo | hb) - 4.0;
-                w[j] = select(sc0, sc1, j >= 4u) * v;
-            }
-        }
-        case T_Q4_K: {
-            // d, dmin, scales[12], qs[128]; chunk s: qs bytes 16s..16s+16, low nibbles = elements
-            // 64c+16h.. of sub-block 2c, high = 64c+32+16h.. of sub-block 2c+1 (c = s/2, h = s%2);
-            // value d * sc * q - dmin * m
-            let bi = b >> 4u;
-            let hd = W4[bi];
-            let q = W4[bi + 1u + s];
-            let dm = unpack2x16float(hd.x);
-            let sm = k4_scales(hd.y, hd.z, hd.w, s >> 1u);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = dm.x * sm.x * lo4(q[j]) - dm.y * sm.y;
-                w[j + 4u] = dm.x * sm.z * hi4(q[j]) - dm.y * sm.w;
-            }
-        }
-        case T_Q5_K: {
-            // d, dmin, scales[12], qh[32], qs[128]: as Q4_K plus the fifth bit, bit 2c (low
-            // nibbles) / 2c+1 (high) of qh[l] for element l of the 64-group
-            let bi = b >> 4u;
-            let hd = W4[bi];
-            let qh = W4[bi + 1u + (s & 1u)];
-            let q = W4[bi + 3u + s];
-            let c = s >> 1u;
-            let dm = unpack2x16float(hd.x);
-            let sm = k4_scales(hd.y, hd.z, hd.w, c);
-            for (var j = 0u; j < 4u; j++) {
-                let a = (q[j] & M4) | (((qh[j] >> (2u * c)) & 0x01010101u) << 4u);
-                let h = ((q[j] >> 4u) & M4) | (((qh[j] >> (2u * c + 1u)) & 0x01010101u) << 4u);
-                w[j] = dm.x * sm.x * f4u(a) - dm.y * sm.y;
-                w[j + 4u] = dm.x * sm.z * f4u(h) - dm.y * sm.w;
-            }
-        }
-        case T_Q6_K: {
-            let v = q6k_chunk(b, s);
-            let sc = v.sc * v.d;
-            for (var j = 0u; j < 8u; j++) {
-                w[j] = sc[j >> 1u] * (f4u(v.q[j]) - 32.0);
-            }
-        }
-        case T_IQ4_NL: {
-            // d: f16, qs[16] as Q4_0, value d * kvalues_iq4nl[q]
-            let d = wf16(b);
-            let q = wu4(b + 2u);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = d * iq4_lo(q[j]);
-                w[j + 4u] = d * iq4_hi(q[j]);
-            }
-        }
-        case T_IQ4_XS: {
-            // d: f16, scales_h: u16, scales_l[4], qs[128]; chunk s = sub-block s (32 elements,
-            // its 16 qs bytes as IQ4_NL); value d * (ls - 32) * kvalues_iq4nl[q]
-            let w0 = W[b >> 2u];
-            let d = unpack2x16float(w0).x;
-            let sh = w0 >> 16u;
-            let sl = wbyte(b + 4u + (s >> 1u));
-            let ls = ((sl >> (4u * (s & 1u))) & 15u) | (((sh >> (2u * s)) & 3u) << 4u);
-            let dl = d * f32(i32(ls) - 32);
-            let q = wa4(b + 8u + 16u * s);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = dl * iq4_lo(q[j]);
-                w[j + 4u] = dl * iq4_hi(q[j]);
-            }
-        }
-        case T_MXFP4: {
-            // e: E8M0, qs[16] as Q4_0 holding e2m1 nibbles
-            let f = mx_scale(wbyte(b));
-            let q = wu4(b + 1u);
-            for (var j = 0u; j < 4u; j++) {
-                w[j] = (e2m1_lo(q[j]) * f.x) * f.y;
-                w[j + 4u] = (e2m1_hi(q[j]) * f.x) * f.y;
-            }
-        }
-        default: {}
-    }
-    return w;
+    let bi = (b >> 4u) + s;
+    return array<vec4<f32>, 8>(wv(bi), wv(bi + 8u), wv(bi + 16u), wv(bi + 24u),
+                               wv(bi + 32u), wv(bi + 40u), wv(bi + 48u), wv(bi + 56u));
 }
 
-// Q6_K: ql[128], qh[64], scales[16] (i8), d. Element 128n + 32k + l (k < 4, l < 32): low 4 bits
-// from ql[64n + l + 32(k&1)] (low nibble for k < 2, high for k >= 2), high 2 bits
-// (qh[32n + l] >> 2k) & 3, scale scales[8n + 2k + l/16], value d * scale * (q - 32).
-// Chunk s: n = s/4, l in 8(s%4)..+8, all four k: 6-bit levels as bytes q[2k + word].
-struct Q6Chunk {
-    q: array<u32, 8>,
-    sc: vec4<f32>,
-    d: f32,
+fn welem(rb: u32, e: u32) -> f32 {
+    return bitcast<f32>(W[(rb >> 2u) + e]);
+}
+#endif
+
+#if TY_F16
+// virtual blocks of 256; chunk s: 4 vec4<u32> of 8 halves at elements 8s + 64j'
+fn xmap(s: u32, j: u32) -> u32 {
+    return 8u * s + 64u * (j >> 1u) + 4u * (j & 1u);
 }
 
-fn q6k_chunk(b: u32, s: u32) -> Q6Chunk {
-    var v: Q6Chunk;
+fn h4(a: u32, c: u32) -> vec4<f32> {
+    return vec4<f32>(unpack2x16float(a), unpack2x16float(c));
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let bi = (b >> 4u) + s;
+    let u0 = W4[bi];
+    let u1 = W4[bi + 8u];
+    let u2 = W4[bi + 16u];
+    let u3 = W4[bi + 24u];
+    return array<vec4<f32>, 8>(h4(u0.x, u0.y), h4(u0.z, u0.w), h4(u1.x, u1.y), h4(u1.z, u1.w),
+                               h4(u2.x, u2.y), h4(u2.z, u2.w), h4(u3.x, u3.y), h4(u3.z, u3.w));
+}
+
+fn welem(rb: u32, e: u32) -> f32 {
+    return wf16(rb + 2u * e);
+}
+#endif
+
+#if TY_BF16
+fn xmap(s: u32, j: u32) -> u32 {
+    return 8u * s + 64u * (j >> 1u) + 4u * (j & 1u);
+}
+
+fn b4(a: u32, c: u32) -> vec4<f32> {
+    return vec4<f32>(bf16_lo(a), bf16_hi(a), bf16_lo(c), bf16_hi(c));
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let bi = (b >> 4u) + s;
+    let u0 = W4[bi];
+    let u1 = W4[bi + 8u];
+    let u2 = W4[bi + 16u];
+    let u3 = W4[bi + 24u];
+    return array<vec4<f32>, 8>(b4(u0.x, u0.y), b4(u0.z, u0.w), b4(u1.x, u1.y), b4(u1.z, u1.w),
+                               b4(u2.x, u2.y), b4(u2.z, u2.w), b4(u3.x, u3.y), b4(u3.z, u3.w));
+}
+
+fn welem(rb: u32, e: u32) -> f32 {
+    return bitcast<f32>(whalf_bits(rb + 2u * e) << 16u);
+}
+#endif
+
+#if TY_Q4_0
+// d: f16, qs[16]: byte j = element j (low nibble) and j+16 (high); value d * (q - 8)
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let d = wf16(b);
+    let q = wu4(b + 2u);
+    let o = vec4<f32>(8.0);
+    return array<vec4<f32>, 8>(d * (lo4(q.x) - o), d * (lo4(q.y) - o), d * (lo4(q.z) - o), d * (lo4(q.w) - o),
+                               d * (hi4(q.x) - o), d * (hi4(q.y) - o), d * (hi4(q.z) - o), d * (hi4(q.w) - o));
+}
+
+// matvec: 2 lanes per block, lane k = qs bytes 8k..8k+8 (elements 8k.. and 16+8k..)
+const MV_CPB = 2u;
+
+struct XC {
+    v: array<vec4<f32>, 4>,
+    s: f32,
+}
+
+fn load_xc(xb: u32, k: u32) -> XC {
+    let a = x4(xb + 8u * k);
+    let c = x4(xb + 8u * k + 4u);
+    let e = x4(xb + 16u + 8u * k);
+    let f = x4(xb + 20u + 8u * k);
+    return XC(array<vec4<f32>, 4>(a, c, e, f), dot(a + c + e + f, vec4<f32>(1.0)));
+}
+
+fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+    let q = wu2(b + 2u + 8u * k);
+    let acc = dot(lo4(q.x), xc.v[0]) + dot(lo4(q.y), xc.v[1]) + dot(ghi4(q.x), xc.v[2]) + dot(ghi4(q.y), xc.v[3]);
+    return wf16(b) * (acc - 8.0 * xc.s);
+}
+#endif
+
+#if TY_Q4_1
+// d, m: f16, qs[16] as Q4_0; value d * q + m (blocks of 20 bytes: 4-aligned)
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let dm = unpack2x16float(W[b >> 2u]);
+    let q = wa4(b + 4u);
+    let d = dm.x;
+    let m = vec4<f32>(dm.y);
+    return array<vec4<f32>, 8>(d * lo4(q.x) + m, d * lo4(q.y) + m, d * lo4(q.z) + m, d * lo4(q.w) + m,
+                               d * hi4(q.x) + m, d * hi4(q.y) + m, d * hi4(q.z) + m, d * hi4(q.w) + m);
+}
+#endif
+
+#if TY_Q5_0
+// d: f16, qh: u32 (bit e = fifth bit of element e), qs[16] as Q4_0; value d * (q - 16)
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let d = wf16(b);
+    let h = wu(b + 2u);
+    let q = wu4(b + 6u);
+    let o = vec4<f32>(16.0);
+    return array<vec4<f32>, 8>(d * (q5lo(q.x, h, 0u) - o), d * (q5lo(q.y, h, 1u) - o),
+                               d * (q5lo(q.z, h, 2u) - o), d * (q5lo(q.w, h, 3u) - o),
+                               d * (q5hi(q.x, h, 0u) - o), d * (q5hi(q.y, h, 1u) - o),
+                               d * (q5hi(q.z, h, 2u) - o), d * (q5hi(q.w, h, 3u) - o));
+}
+#endif
+
+#if TY_Q5_1
+// d, m: f16, qh: u32, qs[16]; value d * q + m (blocks of 24 bytes: 4-aligned)
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let dm = unpack2x16float(W[b >> 2u]);
+    let h = W[(b >> 2u) + 1u];
+    let q = wa4(b + 8u);
+    let d = dm.x;
+    let m = vec4<f32>(dm.y);
+    return array<vec4<f32>, 8>(d * q5lo(q.x, h, 0u) + m, d * q5lo(q.y, h, 1u) + m,
+                               d * q5lo(q.z, h, 2u) + m, d * q5lo(q.w, h, 3u) + m,
+                               d * q5hi(q.x, h, 0u) + m, d * q5hi(q.y, h, 1u) + m,
+                               d * q5hi(q.z, h, 2u) + m, d * q5hi(q.w, h, 3u) + m);
+}
+#endif
+
+#if TY_Q8_0
+// d: f16, qs: 32 x i8; value d * q
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let d = wf16(b);
+    let q0 = wu4(b + 2u);
+    let q1 = wu4(b + 18u);
+    return array<vec4<f32>, 8>(d * f4i(q0.x), d * f4i(q0.y), d * f4i(q0.z), d * f4i(q0.w),
+                               d * f4i(q1.x), d * f4i(q1.y), d * f4i(q1.z), d * f4i(q1.w));
+}
+
+// matvec: 2 lanes per block, lane k = qs bytes 16k..16k+16 (one 5-word read)
+const MV_CPB = 2u;
+
+struct XC {
+    v: array<vec4<f32>, 4>,
+}
+
+fn load_xc(xb: u32, k: u32) -> XC {
+    let b0 = xb + 16u * k;
+    return XC(array<vec4<f32>, 4>(x4(b0), x4(b0 + 4u), x4(b0 + 8u), x4(b0 + 12u)));
+}
+
+fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+    let q = wu4(b + 2u + 16u * k);
+    return wf16(b) * (dot(f4i(q.x), xc.v[0]) + dot(f4i(q.y), xc.v[1]) + dot(f4i(q.z), xc.v[2]) + dot(f4i(q.w), xc.v[3]));
+}
+
+#endif
+
+#if TY_Q2_K
+// scales[16] (low nibble scale, high nibble min), qs[64], d, dmin (84 bytes: 4-aligned).
+// Chunk s: half n = s/4, shift 2(s%4): 32 consecutive elements from the 32 qs bytes of half n;
+// value d * sc * q - dmin * m per 16 elements.
+fn xmap(s: u32, j: u32) -> u32 {
+    return 32u * s + 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let n = s >> 2u;
+    let sh = 2u * (s & 3u);
+    let dd = unpack2x16float(W[(b >> 2u) + 20u]);
+    let scw = whalf_bits(b + 8u * n + 2u * (s & 3u));
+    let s0 = scw & 0xffu;
+    let s1 = scw >> 8u;
+    let d0 = dd.x * f32(s0 & 15u);
+    let m0 = vec4<f32>(dd.y * f32(s0 >> 4u));
+    let d1 = dd.x * f32(s1 & 15u);
+    let m1 = vec4<f32>(dd.y * f32(s1 >> 4u));
+    let qa = (wa4(b + 16u + 32u * n) >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
+    let qb = (wa4(b + 32u + 32u * n) >> vec4<u32>(sh)) & vec4<u32>(0x03030303u);
+    return array<vec4<f32>, 8>(d0 * f4u(qa.x) - m0, d0 * f4u(qa.y) - m0, d0 * f4u(qa.z) - m0, d0 * f4u(qa.w) - m0,
+                               d1 * f4u(qb.x) - m1, d1 * f4u(qb.y) - m1, d1 * f4u(qb.z) - m1, d1 * f4u(qb.w) - m1);
+}
+#endif
+
+#if TY_Q3_K
+// hmask[32], qs[64], scales[12], d. Element 128n + 32j + l: low bits (qs[32n + l] >> 2j) & 3,
+// high bit (hmask[l] >> (4n + j)) & 1, value d * scale[8n + 2j + l/16] * (low + 4 high - 4).
+// Chunk s = (n, j) = (s/4, s%4): 32 consecutive elements.
+fn xmap(s: u32, j: u32) -> u32 {
+    return 32u * s + 4u * j;
+}
+
+// levels of elements 4i..4i+4 of chunk (n, j), offset removed
+fn q3v(b: u32, n: u32, j: u32, i: u32) -> vec4<f32> {
+    let lo = (wu(b + 32u + 32u * n + 4u * i) >> (2u * j)) & 0x03030303u;
+    let hb = ((wu(b + 4u * i) >> (4u * n + j)) & 0x01010101u) << 2u;
+    return f4u(lo | hb) - vec4<f32>(4.0);
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let n = s >> 2u;
+    let j = s & 3u;
+    let d = wf16(b + 108u);
+    let s0 = d * q3k_scale(b + 96u, 8u * n + 2u * j);
+    let s1 = d * q3k_scale(b + 96u, 8u * n + 2u * j + 1u);
+    return array<vec4<f32>, 8>(s0 * q3v(b, n, j, 0u), s0 * q3v(b, n, j, 1u), s0 * q3v(b, n, j, 2u), s0 * q3v(b, n, j, 3u),
+                               s1 * q3v(b, n, j, 4u), s1 * q3v(b, n, j, 5u), s1 * q3v(b, n, j, 6u), s1 * q3v(b, n, j, 7u));
+}
+#endif
+
+#if TY_Q4_K
+// d, dmin, scales[12], qs[128] (144 bytes: 16-aligned). Chunk s: qs bytes 16s..16s+16; low
+// nibbles = elements 64c+16h.. of sub-block 2c, high = 64c+32+16h.. of sub-block 2c+1
+// (c = s/2, h = s%2); value d * sc * q - dmin * m.
+fn xmap(s: u32, j: u32) -> u32 {
+    return 64u * (s >> 1u) + 16u * (s & 1u) + 32u * (j >> 2u) + 4u * (j & 3u);
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let bi = b >> 4u;
+    let hd = W4[bi];
+    let q = W4[bi + 1u + s];
+    let dm = unpack2x16float(hd.x);
+    let sm = k4_scales(hd.y, hd.z, hd.w, s >> 1u);
+    let d0 = dm.x * sm.x;
+    let m0 = vec4<f32>(dm.y * sm.y);
+    let d1 = dm.x * sm.z;
+    let m1 = vec4<f32>(dm.y * sm.w);
+    return array<vec4<f32>, 8>(d0 * lo4(q.x) - m0, d0 * lo4(q.y) - m0, d0 * lo4(q.z) - m0, d0 * lo4(q.w) - m0,
+                               d1 * hi4(q.x) - m1, d1 * hi4(q.y) - m1, d1 * hi4(q.z) - m1, d1 * hi4(q.w) - m1);
+}
+
+// matvec: the same chunks, 8 lanes per block: one 16-byte load of qs plus the 16-byte header
+const MV_CPB = 8u;
+
+struct XC {
+    v: array<vec4<f32>, 8>,
+    s: vec2<f32>,   // sums of v[0..4] and v[4..8]
+}
+
+fn load_xc(xb: u32, s: u32) -> XC {
+    let b0 = xb + 64u * (s >> 1u) + 16u * (s & 1u);
+    let a0 = x4(b0);
+    let a1 = x4(b0 + 4u);
+    let a2 = x4(b0 + 8u);
+    let a3 = x4(b0 + 12u);
+    let a4 = x4(b0 + 32u);
+    let a5 = x4(b0 + 36u);
+    let a6 = x4(b0 + 40u);
+    let a7 = x4(b0 + 44u);
+    let one = vec4<f32>(1.0);
+    return XC(array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7),
+              vec2<f32>(dot(a0 + a1 + a2 + a3, one), dot(a4 + a5 + a6 + a7, one)));
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    let bi = b >> 4u;
+    let hd = W4[bi];
+    let q = W4[bi + 1u + s];
+    let dm = unpack2x16float(hd.x);
+    let sm = k4_scales(hd.y, hd.z, hd.w, s >> 1u);
+    let lo = dot(lo4(q.x), xc.v[0]) + dot(lo4(q.y), xc.v[1]) + dot(lo4(q.z), xc.v[2]) + dot(lo4(q.w), xc.v[3]);
+    let hi = dot(ghi4(q.x), xc.v[4]) + dot(ghi4(q.y), xc.v[5]) + dot(ghi4(q.z), xc.v[6]) + dot(ghi4(q.w), xc.v[7]);
+    return dm.x * (sm.x * lo + sm.z * hi) - dm.y * (sm.y * xc.s.x + sm.w * xc.s.y);
+}
+#endif
+
+#if TY_Q5_K
+// d, dmin, scales[12], qh[32], qs[128] (176 bytes: 16-aligned): as Q4_K plus the fifth bit,
+// bit 2c (low nibbles) / 2c+1 (high) of qh[l] for element l of the 64-group c
+fn xmap(s: u32, j: u32) -> u32 {
+    return 64u * (s >> 1u) + 16u * (s & 1u) + 32u * (j >> 2u) + 4u * (j & 3u);
+}
+
+struct Q5K {
+    lo: vec4<u32>,  // 5-bit levels, 4 per word, of sub-block 2c
+    hi: vec4<u32>,  // of sub-block 2c+1
+    sm: vec4<f32>,  // d*sc0, dmin*m0, d*sc1, dmin*m1
+}
+
+fn q5k(b: u32, s: u32) -> Q5K {
+    let bi = b >> 4u;
+    let hd = W4[bi];
+    let qh = W4[bi + 1u + (s & 1u)];
+    let q = W4[bi + 3u + s];
+    let c = s >> 1u;
+    let dm = unpack2x16float(hd.x);
+    let sm = k4_scales(hd.y, hd.z, hd.w, c);
+    let m4 = vec4<u32>(M4);
+    let one = vec4<u32>(0x01010101u);
+    let lo = (q & m4) | (((qh >> vec4<u32>(2u * c)) & one) << vec4<u32>(4u));
+    let hi = ((q >> vec4<u32>(4u)) & m4) | (((qh >> vec4<u32>(2u * c + 1u)) & one) << vec4<u32>(4u));
+    return Q5K(lo, hi, vec4<f32>(dm.x * sm.x, dm.y * sm.y, dm.x * sm.z, dm.y * sm.w));
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let v = q5k(b, s);
+    let d0 = v.sm.x;
+    let m0 = vec4<f32>(v.sm.y);
+    let d1 = v.sm.z;
+    let m1 = vec4<f32>(v.sm.w);
+    return array<vec4<f32>, 8>(d0 * f4u(v.lo.x) - m0, d0 * f4u(v.lo.y) - m0, d0 * f4u(v.lo.z) - m0, d0 * f4u(v.lo.w) - m0,
+                               d1 * f4u(v.hi.x) - m1, d1 * f4u(v.hi.y) - m1, d1 * f4u(v.hi.z) - m1, d1 * f4u(v.hi.w) - m1);
+}
+
+const MV_CPB = 8u;
+
+struct XC {
+    v: array<vec4<f32>, 8>,
+    s: vec2<f32>,
+}
+
+fn load_xc(xb: u32, s: u32) -> XC {
+    let b0 = xb + 64u * (s >> 1u) + 16u * (s & 1u);
+    let a0 = x4(b0);
+    let a1 = x4(b0 + 4u);
+    let a2 = x4(b0 + 8u);
+    let a3 = x4(b0 + 12u);
+    let a4 = x4(b0 + 32u);
+    let a5 = x4(b0 + 36u);
+    let a6 = x4(b0 + 40u);
+    let a7 = x4(b0 + 44u);
+    let one = vec4<f32>(1.0);
+    return XC(array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7),
+              vec2<f32>(dot(a0 + a1 + a2 + a3, one), dot(a4 + a5 + a6 + a7, one)));
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    let v = q5k(b, s);
+    let lo = dot(f4u(v.lo.x), xc.v[0]) + dot(f4u(v.lo.y), xc.v[1]) + dot(f4u(v.lo.z), xc.v[2]) + dot(f4u(v.lo.w), xc.v[3]);
+    let hi = dot(g4u(v.hi.x), xc.v[4]) + dot(g4u(v.hi.y), xc.v[5]) + dot(g4u(v.hi.z), xc.v[6]) + dot(g4u(v.hi.w), xc.v[7]);
+    return v.sm.x * lo + v.sm.z * hi - (v.sm.y * xc.s.x + v.sm.w * xc.s.y);
+}
+#endif
+
+#if TY_Q6_K
+// ql[128], qh[64], scales[16] (i8), d (210 bytes: 2-aligned). Element 128n + 32k + l (k < 4,
+// l < 32): low 4 bits from ql[64n + l + 32(k&1)] (low nibble for k < 2, high for k >= 2), high 2
+// bits (qh[32n + l] >> 2k) & 3, value d * scales[8n + 2k + l/16] * (q - 32).
+
+// 6-bit levels of 4 consecutive l for k = 0..3, one word each, from the ql words at l and l+32
+// and the qh word at l
+fn q6w(a: u32, c: u32, h: u32) -> vec4<u32> {
+    let m2 = 0x03030303u;
+    return vec4<u32>((a & M4) | ((h & m2) << 4u), (c & M4) | (((h >> 2u) & m2) << 4u),
+                     ((a >> 4u) & M4) | (((h >> 4u) & m2) << 4u), ((c >> 4u) & M4) | (((h >> 6u) & m2) << 4u));
+}
+
+// the four scales of k = 0..3 for half n, l in a 16-group
+fn q6_scales(b: u32, n: u32, l: u32) -> vec4<f32> {
+    let sb = b + 192u + 8u * n + (l >> 4u);
+    let s01 = unpack4xI8(wu(sb));
+    let s23 = unpack4xI8(wu(sb + 4u));
+    return vec4<f32>(f32(s01.x), f32(s01.z), f32(s23.x), f32(s23.z));
+}
+
+// matmul chunk s: n = s/4, l = 8(s%4)..+8, all four k; vec4 j = 2k + (which 4 of the 8 l)
+fn xmap(s: u32, j: u32) -> u32 {
+    return 128u * (s >> 2u) + 32u * (j >> 1u) + 8u * (s & 3u) + 4u * (j & 1u);
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
     let n = s >> 2u;
     let l = 8u * (s & 3u);
     let a = wu2(b + 64u * n + l);
     let c = wu2(b + 64u * n + 32u + l);
     let h = wu2(b + 128u + 32u * n + l);
-    let sb = b + 192u + 8u * n + (l >> 4u);
-    let s01 = unpack4xI8(wu(sb));
-    let s23 = unpack4xI8(wu(sb + 4u));
-    v.sc = vec4<f32>(f32(s01.x), f32(s01.z), f32(s23.x), f32(s23.z));
-    v.d = wf16(b + 208u);
-    for (var i = 0u; i < 2u; i++) {
-        v.q[i] = (a[i] & M4) | ((h[i] & 0x03030303u) << 4u);
-        v.q[2u + i] = (c[i] & M4) | (((h[i] >> 2u) & 0x03030303u) << 4u);
-        v.q[4u + i] = ((a[i] >> 4u) & M4) | (((h[i] >> 4u) & 0x03030303u) << 4u);
-        v.q[6u + i] = ((c[i] >> 4u) & M4) | (((h[i] >> 6u) & 0x03030303u) << 4u);
-    }
-    return v;
+    let sc = wf16(b + 208u) * q6_scales(b, n, l);
+    let q0 = q6w(a.x, c.x, h.x);
+    let q1 = q6w(a.y, c.y, h.y);
+    let o = vec4<f32>(32.0);
+    return array<vec4<f32>, 8>(sc.x * (f4u(q0.x) - o), sc.x * (f4u(q1.x) - o), sc.y * (f4u(q0.y) - o), sc.y * (f4u(q1.y) - o),
+                               sc.z * (f4u(q0.z) - o), sc.z * (f4u(q1.z) - o), sc.w * (f4u(q0.w) - o), sc.w * (f4u(q1.w) - o));
 }
 
-// ---- matvec: dot of chunk s of the block at byte b with the x chunk xv ----
-// xs[k] = sum of the 8 x values in xv[2k], xv[2k+1]: lets offsets and mins leave the inner
-// loop (sum (d q - m) x = d sum q x - m sum x), as ggml's vec_dot does.
+// matvec: matmul's chunks, 8 lanes per block, 32 weights each (three 8-byte reads)
+const MV_CPB = 8u;
 
-fn chunk_dot(b: u32, s: u32, xv: array<vec4<f32>, 8>, xs: vec4<f32>) -> f32 {
-    switch QT {
-        case T_F32: {
-            let bi = (b >> 4u) + s;
-            var acc = 0.0;
-            for (var j = 0u; j < 8u; j++) {
-                acc += dot(bitcast<vec4<f32>>(W4[bi + 8u * j]), xv[j]);
-            }
-            return acc;
-        }
-        case T_F16: {
-            let bi = (b >> 4u) + s;
-            var acc = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                let u = W4[bi + 8u * j];
-                acc += dot(vec4<f32>(unpack2x16float(u.x), unpack2x16float(u.y)), xv[2u * j]);
-                acc += dot(vec4<f32>(unpack2x16float(u.z), unpack2x16float(u.w)), xv[2u * j + 1u]);
-            }
-            return acc;
-        }
-        case T_BF16: {
-            let bi = (b >> 4u) + s;
-            var acc = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                let u = W4[bi + 8u * j];
-                acc += dot(vec4<f32>(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y)), xv[2u * j]);
-                acc += dot(vec4<f32>(bf16_lo(u.z), bf16_hi(u.z), bf16_lo(u.w), bf16_hi(u.w)), xv[2u * j + 1u]);
-            }
-            return acc;
-        }
-        case T_Q4_0: {
-            let d = wf16(b);
-            let q = wu4(b + 2u);
-            var acc = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                acc += dot(lo4(q[j]), xv[j]) + dot(hi4(q[j]), xv[j + 4u]);
-            }
-            return d * (acc - 8.0 * (xs.x + xs.y + xs.z + xs.w));
-        }
-        case T_Q8_0: {
-            let d = wf16(b);
-            let q0 = wu4(b + 2u);
-            let q1 = wu4(b + 18u);
-            var acc = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                acc += dot(f4i(q0[j]), xv[j]) + dot(f4i(q1[j]), xv[j + 4u]);
-            }
-            return d * acc;
-        }
-        case T_Q4_K: {
-            let bi = b >> 4u;
-            let hd = W4[bi];
-            let q = W4[bi + 1u + s];
-            let dm = unpack2x16float(hd.x);
-            let sm = k4_scales(hd.y, hd.z, hd.w, s >> 1u);
-            var lo = 0.0;
-            var hi = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                lo += dot(lo4(q[j]), xv[j]);
-                hi += dot(hi4(q[j]), xv[j + 4u]);
-            }
-            return dm.x * (sm.x * lo + sm.z * hi) - dm.y * (sm.y * (xs.x + xs.y) + sm.w * (xs.z + xs.w));
-        }
-        case T_Q5_K: {
-            let bi = b >> 4u;
-            let hd = W4[bi];
-            let qh = W4[bi + 1u + (s & 1u)];
-            let q = W4[bi + 3u + s];
-            let c = s >> 1u;
-            let dm = unpack2x16float(hd.x);
-            let sm = k4_scales(hd.y, hd.z, hd.w, c);
-            var lo = 0.0;
-            var hi = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                let a = (q[j] & M4) | (((qh[j] >> (2u * c)) & 0x01010101u) << 4u);
-                let h = ((q[j] >> 4u) & M4) | (((qh[j] >> (2u * c + 1u)) & 0x01010101u) << 4u);
-                lo += dot(f4u(a), xv[j]);
-                hi += dot(f4u(h), xv[j + 4u]);
-            }
-            return dm.x * (sm.x * lo + sm.z * hi) - dm.y * (sm.y * (xs.x + xs.y) + sm.w * (xs.z + xs.w));
-        }
-        case T_Q6_K: {
-            let v = q6k_chunk(b, s);
-            var acc = vec4<f32>(0.0);
-            for (var k = 0u; k < 4u; k++) {
-                acc[k] = dot(f4u(v.q[2u * k]), xv[2u * k]) + dot(f4u(v.q[2u * k + 1u]), xv[2u * k + 1u]);
-            }
-            return v.d * dot(v.sc, acc - 32.0 * xs);
-        }
-        case T_MXFP4: {
-            let f = mx_scale(wbyte(b));
-            let q = wu4(b + 1u);
-            var acc = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                acc += dot(e2m1_lo(q[j]), xv[j]) + dot(e2m1_hi(q[j]), xv[j + 4u]);
-            }
-            return (acc * f.x) * f.y;
-        }
-        default: {
-            let w = chunk_w(b, s);
-            var acc = 0.0;
-            for (var j = 0u; j < 8u; j++) {
-                acc += dot(w[j], xv[j]);
-            }
-            return acc;
-        }
-    }
+struct XC {
+    v: array<vec4<f32>, 8>,
+    s: vec4<f32>,   // sums of v[2k] + v[2k+1]
 }
 
-// Per-thread partial sums of rows row0..row0+R (clamped to the last row; writes are skipped
-// later) for NT tokens. wbase: byte offset of row 0 in W; xbase: element of token 0's x.
-fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> array<f32, RT> {
-    var acc: array<f32, RT>;
-    var rb: array<u32, R>;
-    for (var r = 0u; r < R; r++) {
-        rb[r] = wbase + min(row0 + r, p.rows - 1u) * p.row_bytes;
+fn load_xc(xb: u32, s: u32) -> XC {
+    let b0 = xb + 128u * (s >> 2u) + 8u * (s & 3u);
+    let a0 = x4(b0);
+    let a1 = x4(b0 + 4u);
+    let a2 = x4(b0 + 32u);
+    let a3 = x4(b0 + 36u);
+    let a4 = x4(b0 + 64u);
+    let a5 = x4(b0 + 68u);
+    let a6 = x4(b0 + 96u);
+    let a7 = x4(b0 + 100u);
+    let one = vec4<f32>(1.0);
+    return XC(array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7),
+              vec4<f32>(dot(a0 + a1, one), dot(a2 + a3, one), dot(a4 + a5, one), dot(a6 + a7, one)));
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    let n = s >> 2u;
+    let l = 8u * (s & 3u);
+    let a = wu2(b + 64u * n + l);
+    let c = wu2(b + 64u * n + 32u + l);
+    let h = wu2(b + 128u + 32u * n + l);
+    let q0 = q6w(a.x, c.x, h.x);
+    let q1 = q6w(a.y, c.y, h.y);
+    let v = vec4<f32>(dot(f4u(q0.x), xc.v[0]) + dot(f4u(q1.x), xc.v[1]), dot(f4u(q0.y), xc.v[2]) + dot(f4u(q1.y), xc.v[3]),
+                      dot(f4u(q0.z), xc.v[4]) + dot(f4u(q1.z), xc.v[5]), dot(f4u(q0.w), xc.v[6]) + dot(f4u(q1.w), xc.v[7]));
+    return wf16(b + 208u) * dot(q6_scales(b, n, l), v - 32.0 * xc.s);
+}
+
+#endif
+
+#if TY_IQ4_NL
+// d: f16, qs[16] as Q4_0; value d * kvalues_iq4nl[q]
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let d = wf16(b);
+    let q = wu4(b + 2u);
+    return array<vec4<f32>, 8>(d * iq4_lo(q.x), d * iq4_lo(q.y), d * iq4_lo(q.z), d * iq4_lo(q.w),
+                               d * iq4_hi(q.x), d * iq4_hi(q.y), d * iq4_hi(q.z), d * iq4_hi(q.w));
+}
+#endif
+
+#if TY_IQ4_XS
+// d: f16, scales_h: u16, scales_l[4], qs[128] (136 bytes: 8-aligned); chunk s = sub-block s
+// (its 16 qs bytes as IQ4_NL); value d * (ls - 32) * kvalues_iq4nl[q]
+fn xmap(s: u32, j: u32) -> u32 {
+    return 32u * s + 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let w0 = W[b >> 2u];
+    let d = unpack2x16float(w0).x;
+    let sh = w0 >> 16u;
+    let sl = wbyte(b + 4u + (s >> 1u));
+    let ls = ((sl >> (4u * (s & 1u))) & 15u) | (((sh >> (2u * s)) & 3u) << 4u);
+    let dl = d * f32(i32(ls) - 32);
+    let q = wa4(b + 8u + 16u * s);
+    return array<vec4<f32>, 8>(dl * iq4_lo(q.x), dl * iq4_lo(q.y), dl * iq4_lo(q.z), dl * iq4_lo(q.w),
+                               dl * iq4_hi(q.x), dl * iq4_hi(q.y), dl * iq4_hi(q.z), dl * iq4_hi(q.w));
+}
+#endif
+
+#if TY_MXFP4
+// e: E8M0, qs[16] as Q4_0 holding e2m1 nibbles (17 bytes: any alignment)
+fn xmap(s: u32, j: u32) -> u32 {
+    return 4u * j;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let f = mx_scale(wbyte(b));
+    let q = wu4(b + 1u);
+    return array<vec4<f32>, 8>(e2m1_lo(q.x) * f.x * f.y, e2m1_lo(q.y) * f.x * f.y, e2m1_lo(q.z) * f.x * f.y, e2m1_lo(q.w) * f.x * f.y,
+                               e2m1_hi(q.x) * f.x * f.y, e2m1_hi(q.y) * f.x * f.y, e2m1_hi(q.z) * f.x * f.y, e2m1_hi(q.w) * f.x * f.y);
+}
+
+// matvec: 2 lanes per block, lane k = qs bytes 8k..8k+8 (elements 8k.. and 16+8k..)
+const MV_CPB = 2u;
+
+struct XC {
+    v: array<vec4<f32>, 4>,
+}
+
+fn load_xc(xb: u32, k: u32) -> XC {
+    return XC(array<vec4<f32>, 4>(x4(xb + 8u * k), x4(xb + 8u * k + 4u), x4(xb + 16u + 8u * k), x4(xb + 20u + 8u * k)));
+}
+
+fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+    let f = mx_scale(wbyte(b));
+    let q = wu2(b + 1u + 8u * k);
+    let acc = dot(e2m1_lo(q.x), xc.v[0]) + dot(e2m1_lo(q.y), xc.v[1]) + dot(e2m1_hi(q.x), xc.v[2]) + dot(e2m1_hi(q.y), xc.v[3]);
+    return (acc * f.x) * f.y;
+}
+#endif
+
+#if MV32
+// matvec over matmul's chunks: one lane per 32-weight chunk, chunk_w dotted with x
+const MV_CPB = CPB;
+
+struct XC {
+    v: array<vec4<f32>, 8>,
+}
+
+fn load_xc(xb: u32, s: u32) -> XC {
+    return XC(array<vec4<f32>, 8>(x4(xb + xmap(s, 0u)), x4(xb + xmap(s, 1u)), x4(xb + xmap(s, 2u)), x4(xb + xmap(s, 3u)),
+                                  x4(xb + xmap(s, 4u)), x4(xb + xmap(s, 5u)), x4(xb + xmap(s, 6u)), x4(xb + xmap(s, 7u))));
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    let w = chunk_w(b, s);
+    return dot(w[0], xc.v[0]) + dot(w[1], xc.v[1]) + dot(w[2], xc.v[2]) + dot(w[3], xc.v[3])
+         + dot(w[4], xc.v[4]) + dot(w[5], xc.v[5]) + dot(w[6], xc.v[6]) + dot(w[7], xc.v[7]);
+}
+#endif
+
+// ---- matvec ----
+
+// Partial sums of slice c of rows at bytes rb (x of the token at element xbase).
+fn mv_step(c: u32, rb: vec4<u32>, xbase: u32) -> vec4<f32> {
+    let blk = c / MV_CPB;
+    let s = c % MV_CPB;
+    let boff = blk * BB;
+    let xc = load_xc(xbase + blk * BS, s);
+    var acc = vec4<f32>(0.0);
+    acc.x = chunk_dot(rb.x + boff, s, xc);
+    if (R > 1u) {
+        acc.y = chunk_dot(rb.y + boff, s, xc);
     }
-    for (var c = tl; c < p.n_chunks; c += TPR) {
-        let blk = c / CPB;
-        let s = c % CPB;
-        let boff = blk * BB;
-        let xb = xbase + blk * BS;
-        if (IS_FLOAT && (FSLOW != 0u || blk >= p.nb_full)) {
-            // unaligned float rows and the partial last block: element by element, masked
-            for (var t = 0u; t < NT; t++) {
-                for (var j = 0u; j < 8u; j++) {
-                    for (var i = 0u; i < 4u; i++) {
-                        let e = blk * BS + xmap(s, j) + i;
-                        if (e < p.cols) {
-                            let xe = x1(xbase + t * p.x_stride + e);
-                            for (var r = 0u; r < R; r++) {
-                                acc[r * NT + t] += welem(rb[r], e) * xe;
-                            }
-                        }
-                    }
-                }
-            }
-            continue;
-        }
-        for (var t = 0u; t < NT; t++) {
-            var xv: array<vec4<f32>, 8>;
-            for (var j = 0u; j < 8u; j++) {
-                xv[j] = x4(xb + t * p.x_stride + xmap(s, j));
-            }
-            let one = vec4<f32>(1.0);
-            let xs = vec4<f32>(dot(xv[0] + xv[1], one), dot(xv[2] + xv[3], one),
-                               dot(xv[4] + xv[5], one), dot(xv[6] + xv[7], one));
-            for (var r = 0u; r < R; r++) {
-                acc[r * NT + t] += chunk_dot(rb[r] + boff, s, xv, xs);
-            }
-        }
+    if (R > 2u) {
+        acc.z = chunk_dot(rb.z + boff, s, xc);
+    }
+    if (R > 3u) {
+        acc.w = chunk_dot(rb.w + boff, s, xc);
     }
     return acc;
 }
 
-// ---- reduction over the TPR threads of a thread group, then the write ----
-
-#if SUBGROUPS
-var<workgroup> red: array<f32, (WG / 4u) * RT>;
+// Per-lane partial sums of rows row0..row0+R (clamped to the last row; their writes are
+// skipped) over the lane's slices. wbase: byte of row 0 in W; xbase: element of the token's x.
+fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> vec4<f32> {
+    var acc = vec4<f32>(0.0);
+    let last = p.rows - 1u;
+    let rb = vec4<u32>(wbase) + min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
+#if FSLOW
+    // float rows not 16-byte aligned or not a multiple of 256 elements: element by element
+    for (var e = tl; e < p.cols; e += TPR) {
+        let xe = x1(xbase + e);
+        acc.x += welem(rb.x, e) * xe;
+        if (R > 1u) {
+            acc.y += welem(rb.y, e) * xe;
+        }
+        if (R > 2u) {
+            acc.z += welem(rb.z, e) * xe;
+        }
+        if (R > 3u) {
+            acc.w += welem(rb.w, e) * xe;
+        }
+    }
 #else
-var<workgroup> red: array<f32, WG * RT>;
+    let n_items = ((p.cols + BS - 1u) / BS) * MV_CPB;
+    for (var c = tl; c < n_items; c += TPR) {
+        acc += mv_step(c, rb, xbase);
+    }
 #endif
+    return acc;
+}
 
-fn store_y(i: u32, row0: u32, ybase: u32, v: f32) {
-    let r = i / NT;
-    let t = i % NT;
-    let row = row0 + r;
+fn store1(row: u32, ybase: u32, v: f32) {
     if (row < p.rows) {
-        let o = ybase + t * p.y_stride + row;
+        let o = ybase + row;
         if (p.accumulate != 0u) {
             Y[o] += v;
         } else {
@@ -733,102 +880,111 @@ fn store_y(i: u32, row0: u32, ybase: u32, v: f32) {
     }
 }
 
+fn store_rows(row0: u32, ybase: u32, v: vec4<f32>) {
+    store1(row0, ybase, v.x);
+    if (R > 1u) {
+        store1(row0 + 1u, ybase, v.y);
+    }
+    if (R > 2u) {
+        store1(row0 + 2u, ybase, v.z);
+    }
+    if (R > 3u) {
+        store1(row0 + 3u, ybase, v.w);
+    }
+}
+
+// Sum over the TPR lanes of each thread group (aligned runs of lanes), lane 0 writes.
 #if SUBGROUPS
-fn reduce_store(acc_in: array<f32, RT>, lid: u32, sg_size: u32, sg_lane: u32, row0: u32, ybase: u32) {
-    var acc = acc_in;
-    let g = lid / TPR;
+var<workgroup> red: array<vec4<f32>, WG / 4u>;
+
+fn reduce_store(acc: vec4<f32>, lid: u32, sg_size: u32, sg_lane: u32, row0: u32, ybase: u32) {
     let tl = lid % TPR;
+    var v = acc;
     if (TPR <= sg_size) {
-        // butterfly inside the subgroup over the group's TPR lanes (groups are aligned runs)
-        for (var i = 0u; i < RT; i++) {
-            var v = acc[i];
-            for (var o = 1u; o < TPR; o <<= 1u) {
-                v += subgroupShuffleXor(v, o);
-            }
-            acc[i] = v;
+        for (var o = 1u; o < TPR; o <<= 1u) {
+            v += subgroupShuffleXor(v, o);
         }
-        for (var i = 0u; i < RT; i++) {
-            if (tl == i) {
-                store_y(i, row0, ybase, acc[i]);
-            }
+        if (tl == 0u) {
+            store_rows(row0, ybase, v);
         }
         return;
     }
-    for (var i = 0u; i < RT; i++) {
-        acc[i] = subgroupAdd(acc[i]);
-    }
-    let sgi = lid / sg_size;
+    v = subgroupAdd(v);
     if (sg_lane == 0u) {
-        for (var i = 0u; i < RT; i++) {
-            red[sgi * RT + i] = acc[i];
-        }
+        red[lid / sg_size] = v;
     }
     workgroupBarrier();
-    let per = TPR / sg_size;
-    if (tl < RT) {
-        var v = 0.0;
+    if (tl == 0u) {
+        let per = TPR / sg_size;
+        let g0 = (lid / TPR) * per;
+        var t = vec4<f32>(0.0);
         for (var k = 0u; k < per; k++) {
-            v += red[(g * per + k) * RT + tl];
+            t += red[g0 + k];
         }
-        store_y(tl, row0, ybase, v);
+        store_rows(row0, ybase, t);
     }
 }
 #else
-fn reduce_store(acc: array<f32, RT>, lid: u32, row0: u32, ybase: u32) {
-    let g = lid / TPR;
+var<workgroup> red: array<vec4<f32>, WG>;
+
+fn reduce_store(acc: vec4<f32>, lid: u32, row0: u32, ybase: u32) {
     let tl = lid % TPR;
-    for (var i = 0u; i < RT; i++) {
-        red[i * WG + lid] = acc[i];
-    }
+    red[lid] = acc;
     workgroupBarrier();
     for (var o = TPR / 2u; o > 0u; o >>= 1u) {
         if (tl < o) {
-            for (var i = 0u; i < RT; i++) {
-                red[i * WG + lid] += red[i * WG + lid + o];
-            }
+            red[lid] += red[lid + o];
         }
         workgroupBarrier();
     }
-    if (tl < RT) {
-        store_y(tl, row0, ybase, red[tl * WG + g * TPR]);
+    if (tl == 0u) {
+        store_rows(row0, ybase, red[lid]);
     }
 }
 #endif
 
-// y[t][row] (=|+=) sum_c W[row][c] x[t][c], rows of this part, t < NT
+// y[t][row] (=|+=) sum_c W[row][c] x[t][c] for token t = wid.x, rows of this part
 @compute @workgroup_size(WG)
 fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
 #if SUBGROUPS
           @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) sg_lane: u32,
 #endif
           @builtin(local_invocation_index) lid: u32) {
-    let wg = wid.x + wid.y * nwg.x;
-    let row0 = (wg * GPW + lid / TPR) * R;
-    let acc = mv_partial(row0, lid % TPR, 0u, p.x_off);
+    let rg = wid.y + wid.z * nwg.y;
+    if (rg * GPW * R >= p.rows || no_rows()) {
+        return;
+    }
+    let row0 = (rg * GPW + lid / TPR) * R;
+    let t = wid.x;
+    let acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
 #if SUBGROUPS
-    reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off);
+    reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + t * p.y_stride);
 #else
-    reduce_store(acc, lid, row0, p.y_off);
+    reduce_store(acc, lid, row0, p.y_off + t * p.y_stride);
 #endif
 }
 
-// MoE: for pair q = p.pair_off + wid.y (token q / n_used, slot q % n_used) with expert
+// MoE: for pair q = p.pair_off + wid.x (token q / n_used, slot q % n_used) with expert
 // e = ids[ids_off + q]: y[q][row] (=|+=) sum_c W[e][row][c] x[q or q / n_used][c].
 // Workgroups whose expert is not in the bound part return at once.
 @group(0) @binding(5) var<storage, read> IDX: array<u32>;
 
 @compute @workgroup_size(WG)
-fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>,
+fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
 #if SUBGROUPS
              @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) sg_lane: u32,
 #endif
              @builtin(local_invocation_index) lid: u32) {
-    let q = p.pair_off + wid.y;
+    let rg = wid.y + wid.z * nwg.y;
+    if (rg * GPW * R >= p.rows || no_rows()) {
+        return;
+    }
+    let q = p.pair_off + wid.x;
     let e = IDX[p.ids_off + q];
     if (e < p.e_lo || e - p.e_lo >= p.e_n) {
         return;
     }
-    let row0 = (wid.x * GPW + lid / TPR) * R;
+    let row0 = (rg * GPW + lid / TPR) * R;
     let xq = select(q / p.n_used, q, p.x_per_pair != 0u);
     let acc = mv_partial(row0, lid % TPR, (e - p.e_lo) * p.expert_bytes, p.x_off + xq * p.x_stride);
 #if SUBGROUPS

@@ -76,11 +76,13 @@ pub enum Want {
 /// A loaded model of any supported architecture.
 pub enum Model {
     Qwen35(Box<crate::models::qwen35::gpu::GpuModel>),
+    DeepSeek4(Box<crate::models::deepseek4::gpu::GpuModel>),
 }
 
 /// One sequence's state (KV cache, recurrent state) for a [`Model`].
 pub enum Seq {
     Qwen35(crate::models::qwen35::gpu::GpuSeq),
+    DeepSeek4(crate::models::deepseek4::gpu::GpuSeq),
 }
 
 impl Seq {
@@ -88,6 +90,7 @@ impl Seq {
     pub fn pos(&self) -> usize {
         match self {
             Seq::Qwen35(s) => s.pos(),
+            Seq::DeepSeek4(s) => s.pos(),
         }
     }
 }
@@ -145,6 +148,8 @@ impl Engine {
         let gpu = Arc::new(Gpu::new(&opts.adapter)?);
         let model = if is_qwen35(&arch) {
             Model::Qwen35(Box::new(crate::models::qwen35::gpu::GpuModel::load(gpu.clone(), &file, opts)?))
+        } else if matches!(arch.as_str(), "deepseek4" | "DeepseekV4ForCausalLM") {
+            Model::DeepSeek4(Box::new(crate::models::deepseek4::gpu::GpuModel::load(gpu.clone(), &file, opts)?))
         } else {
             return Err(Error::Unsupported(format!("{}: architecture {arch}", path.display())));
         };
@@ -161,12 +166,14 @@ impl Engine {
     pub fn vocab_size(&self) -> usize {
         match &self.model {
             Model::Qwen35(m) => m.hp.n_vocab,
+            Model::DeepSeek4(m) => m.hp.n_vocab,
         }
     }
 
     pub fn new_seq(&self) -> Result<Seq> {
         match &self.model {
             Model::Qwen35(m) => Ok(Seq::Qwen35(m.new_seq()?)),
+            Model::DeepSeek4(m) => Ok(Seq::DeepSeek4(m.new_seq()?)),
         }
     }
 
@@ -174,6 +181,8 @@ impl Engine {
     pub fn reset(&self, seq: &mut Seq) -> Result<()> {
         match (&self.model, seq) {
             (Model::Qwen35(m), Seq::Qwen35(s)) => m.reset(s),
+            (Model::DeepSeek4(m), Seq::DeepSeek4(s)) => m.reset(s),
+            _ => Err(Error::Invalid("sequence from another model".into())),
         }
     }
 
@@ -192,6 +201,34 @@ impl Engine {
                 }
                 m.forward_batch(&mut v)
             }
+            // One sequence after another (no shared passes yet).
+            Model::DeepSeek4(m) => items
+                .iter_mut()
+                .map(|(s, t, w)| match s {
+                    Seq::DeepSeek4(q) => {
+                        let out = m.forward(q, t, *w == Want::All)?;
+                        Ok(if *w == Want::None { Vec::new() } else { out })
+                    }
+                    _ => Err(Error::Invalid("sequence from another model".into())),
+                })
+                .collect(),
+        }
+    }
+
+    /// One decode step of `token` timed per kernel with GPU timestamps: `(label, ns)` per
+    /// dispatch, in order (a breakdown for `lathe bench`; slower than a normal step).
+    pub fn profile_step(&mut self, seq: &mut Seq, token: u32) -> Result<Vec<(String, f64)>> {
+        match (&mut self.model, seq) {
+            (Model::Qwen35(m), Seq::Qwen35(s)) => {
+                m.profile = Some(Vec::new());
+                let r = m.forward(s, &[token], false);
+                let prof = m.profile.take().unwrap_or_default();
+                r.map(|_| prof)
+            }
+            (Model::DeepSeek4(_), Seq::DeepSeek4(_)) => Err(Error::Unsupported(
+                "per-kernel profile of DeepSeek-V4".into(),
+            )),
+            _ => Err(Error::Invalid("sequence from another model".into())),
         }
     }
 
@@ -203,6 +240,8 @@ impl Engine {
         }
         match (&mut self.model, seq) {
             (Model::Qwen35(m), Seq::Qwen35(s)) => m.forward(s, tokens, all),
+            (Model::DeepSeek4(m), Seq::DeepSeek4(s)) => m.forward(s, tokens, all),
+            _ => Err(Error::Invalid("sequence from another model".into())),
         }
     }
 }

@@ -180,11 +180,29 @@ impl Session {
         engine: &mut Engine,
         prompt: &[u32],
         opts: &GenerateOptions,
+        on_piece: impl FnMut(Piece<'_>),
+    ) -> Result<Output> {
+        // The tokenizer lives in the engine, which `forward` borrows mutably: lend it out for
+        // the loop and put it back whatever happens.
+        let tokenizer = engine.tokenizer.take();
+        let out = self.generate_with(engine, tokenizer.as_ref(), prompt, opts, on_piece);
+        engine.tokenizer = tokenizer;
+        out
+    }
+
+    fn generate_with(
+        &mut self,
+        engine: &mut Engine,
+        tokenizer: Option<&Tokenizer>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
         mut on_piece: impl FnMut(Piece<'_>),
     ) -> Result<Output> {
         let t0 = Instant::now();
         if prompt.is_empty() {
-            return Err(Error::Invalid("the prompt is empty: nothing to continue".into()));
+            return Err(Error::Invalid(
+                "the prompt is empty: nothing to continue".into(),
+            ));
         }
         let vocab = engine.vocab_size();
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -219,7 +237,6 @@ impl Session {
         let mut logits = self.feed(engine, &prompt[n_cached..])?;
         timings.prefill = t0.elapsed();
 
-        let tokenizer = engine.tokenizer.as_ref();
         let eog = match (opts.ignore_eog, tokenizer) {
             (false, Some(t)) => t.eog_ids(),
             _ => Vec::new(),
@@ -325,7 +342,12 @@ impl ChatPrompt {
 
     /// The prompt text for `messages` (a JSON list of `{role, content}`); with
     /// `add_generation_prompt` it ends where the assistant's reply begins.
-    pub fn render(&self, messages: &serde_json::Value, add_generation_prompt: bool) -> Result<String> {
-        self.template.render(messages, add_generation_prompt, &self.vars)
+    pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.template
+            .render(messages, add_generation_prompt, &self.vars)
     }
 }

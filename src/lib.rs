@@ -6,10 +6,12 @@
 //! plain references of every GPU op; `models` has one file per architecture; `moe` the expert
 //! planner; `tokenizer`, `sample`, `server` the text front end.
 
+pub mod bench;
 pub mod cpu;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod generate;
 pub mod gguf;
 pub mod gpu;
 pub mod inspect;
@@ -20,6 +22,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod sample;
 pub mod server;
+pub mod synth;
 pub mod tensor;
 pub mod tokenizer;
 

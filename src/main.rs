@@ -22,6 +22,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Generate text from a prompt: streams it to stdout, then speeds on stderr.
+    Run(cli::run::RunArgs),
+    /// Chat with a model on stdin/stdout (/reset, /exit; Ctrl-C stops a reply).
+    Chat(cli::chat::ChatArgs),
+    /// Serve the model over HTTP with an OpenAI-compatible API (chat, completions, SSE).
+    Serve(cli::serve::ServeArgs),
+    /// Print the token ids of a text as JSON (no model on the GPU: only its vocabulary).
+    Tokenize(cli::text::TokenizeArgs),
+    /// Render a chat template for a list of messages; prints exactly the rendering.
+    Template(cli::text::TemplateArgs),
+    /// Plan a MoE model's expert placement: slots per layer, bytes a decode step reads from
+    /// VRAM and from host memory, and the speed limit that implies.
+    Plan(cli::plan::PlanArgs),
+    /// Write a random-weight GGUF with a released model's exact tensor names, shapes, types
+    /// and metadata (for speed measurements without downloads).
+    Synth(cli::synth::SynthArgs),
+    /// Measure prefill and decode speed (llama-bench style) against the adapter's bandwidth.
+    Bench(cli::bench::BenchArgs),
     /// List the GPU adapters wgpu can use (index, name, backend, type).
     Devices,
     /// Describe a model file: architecture, hyper-parameters, tensors, bytes per decode step.
@@ -54,6 +72,14 @@ enum Cmd {
 
 fn run(cli: Cli) -> lathe::Result<()> {
     match cli.cmd {
+        Cmd::Run(a) => cli::run::run(a),
+        Cmd::Chat(a) => cli::chat::run(a),
+        Cmd::Serve(a) => cli::serve::run(a),
+        Cmd::Tokenize(a) => cli::text::tokenize(a),
+        Cmd::Template(a) => cli::text::template(a),
+        Cmd::Plan(a) => cli::plan::run(a),
+        Cmd::Synth(a) => cli::synth::run(a),
+        Cmd::Bench(a) => cli::bench::run(a),
         Cmd::Devices => {
             for (i, a) in lathe::gpu::list_adapters().iter().enumerate() {
                 println!(

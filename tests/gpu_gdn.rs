@@ -174,12 +174,17 @@ impl Case {
                 let scratch = gpu
                     .buffer(gdn::scratch_bytes(s, batch.total_chunks), "scratch")
                     .unwrap();
-                let mem = if path == Path::Chunked16K {
+                let wg_mem = if path == Path::Chunked16K {
                     16384
                 } else {
                     gpu.limits.max_compute_workgroup_storage_size as u64
                 };
-                gdn::chunked_within(&mut pass, s, &batch, &io, &scratch, mem).unwrap();
+                let opts = gdn::ChunkOpts {
+                    wg_mem,
+                    prep: true,
+                    scan: true,
+                };
+                gdn::chunked_with(&mut pass, s, &batch, &io, &scratch, &opts).unwrap();
             }
         }
         pass.submit().unwrap();
@@ -201,10 +206,10 @@ impl Case {
         let what = format!(
             "{:?} {} lens {:?}",
             self.s,
-            if path == Path::Chunked {
-                "chunked"
-            } else {
-                "recurrent"
+            match path {
+                Path::Recurrent => "recurrent",
+                Path::Chunked => "chunked",
+                Path::Chunked16K => "chunked (16 KiB variants)",
             },
             self.spans.iter().map(|s| s.n_tokens).collect::<Vec<_>>()
         );
@@ -374,6 +379,12 @@ fn chunked_matches_recurrent_over_chunk_boundaries() {
         map: KeyHeadMap::Tile,
     };
     Case::new(odd, &[130, 3], 5).check(&gpu, Path::Chunked, 1e-4);
+    Case::new(odd, &[130, 3], 5).check(&gpu, Path::Chunked16K, 1e-4);
+    Case::new(shape(2, 4, 128, KeyHeadMap::Repeat), &[70, 9], 6).check(
+        &gpu,
+        Path::Chunked16K,
+        1e-4,
+    );
 }
 
 #[test]
@@ -533,6 +544,54 @@ fn bench_real_size() {
             time(&format!("{what} chunked"), reps, bytes, &|p| {
                 gdn::chunked(p, &s, &batch, &io, &scratch).unwrap()
             });
+            let wg_mem = gpu.limits.max_compute_workgroup_storage_size as u64;
+            for (part, prep) in [("prep", true), ("scan", false)] {
+                let opts = gdn::ChunkOpts {
+                    wg_mem,
+                    prep,
+                    scan: !prep,
+                };
+                time(&format!("{what} chunked, {part} only"), reps, bytes, &|p| {
+                    gdn::chunked_with(p, &s, &batch, &io, &scratch, &opts).unwrap()
+                });
+            }
         }
+    }
+}
+
+/// Every variant these kernels compile also translates to SPIR-V, MSL and HLSL (the Metal
+/// and DX12 back ends), as `tests/shaders.rs` checks for the variants a model run uses.
+#[test]
+fn variants_translate_to_every_backend() {
+    let gpu = gpu();
+    let s = shape(1, 2, 128, KeyHeadMap::Tile);
+    for path in [Path::Recurrent, Path::Chunked, Path::Chunked16K] {
+        Case::new(s, &[3], 1).run(&gpu, path);
+    }
+    let specs: Vec<_> = gpu
+        .compiled_specs()
+        .into_iter()
+        .filter(|sp| sp.label.starts_with("gdn_"))
+        .collect();
+    assert_eq!(specs.len(), 5, "recurrent, prep and scan in two variants");
+    for spec in specs {
+        let wgsl = spec.wgsl().unwrap();
+        let module = naga::front::wgsl::parse_str(&wgsl).unwrap();
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap();
+        naga::back::spv::write_vec(&module, &info, &Default::default(), None)
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", spec.label));
+        let mut msl = String::new();
+        naga::back::msl::Writer::new(&mut msl)
+            .write(&module, &info, &Default::default(), &Default::default())
+            .unwrap_or_else(|e| panic!("{}: MSL: {e}", spec.label));
+        let mut hlsl = String::new();
+        naga::back::hlsl::Writer::new(&mut hlsl, &Default::default(), &Default::default())
+            .write(&module, &info, None)
+            .unwrap_or_else(|e| panic!("{}: HLSL: {e}", spec.label));
     }
 }

@@ -195,11 +195,12 @@ fn submit(pass: Pass<'_>) {
 }
 
 /// Columns for a type: the smallest multiple of the block not a multiple of 64 (256 for K-quant
-/// blocks), odd counts for the float types (element-by-element path).
+/// blocks); for the float types an odd count (unaligned rows), a multiple of 4/8 that ends in a
+/// partial 256-block, and whole 256-blocks (the vector path).
 fn odd_cols(dt: DType) -> &'static [u64] {
     match dt {
-        DType::F32 => &[161, 772],
-        DType::F16 | DType::BF16 => &[161, 776],
+        DType::F32 => &[161, 772, 768],
+        DType::F16 | DType::BF16 => &[161, 776, 768],
         _ if dt.block_size() == 256 => &[768],
         _ => &[160],
     }
@@ -264,8 +265,14 @@ fn matvec_every_type_odd_sizes() {
 #[test]
 fn matvec_options_and_paths() {
     // unaligned x (scalar loads), the portable reduction, other work splits, 8 tokens
-    for dt in [DType::Q4_K, DType::Q8_0, DType::MXFP4, DType::F16] {
-        let cols = odd_cols(dt)[0];
+    for dt in [
+        DType::Q4_K,
+        DType::Q8_0,
+        DType::MXFP4,
+        DType::F16,
+        DType::Q6_K,
+    ] {
+        let cols = *odd_cols(dt).last().unwrap();
         run_matvec(dt, 33, cols, 2, 3, &MatvecOpts::default(), 1);
         let portable = MatvecOpts {
             portable: true,
@@ -273,7 +280,7 @@ fn matvec_options_and_paths() {
         };
         run_matvec(dt, 257, cols, 1, 0, &portable, 2);
         run_matvec(dt, 33, cols, 8, 0, &MatvecOpts::default(), 3);
-        for tune in [(64, 1), (256, 4), (16, 2)] {
+        for tune in [(64, 1), (256, 4), (16, 2), (128, 3)] {
             let o = MatvecOpts {
                 tune: Some(matvec::Tune {
                     wg: tune.0,
@@ -372,8 +379,9 @@ fn run_matmul(dt: DType, rows: u64, cols: u64, n_tokens: usize, tiled: bool, see
 #[test]
 fn matmul_every_type() {
     for (i, dt) in ALL.into_iter().enumerate() {
-        let cols = odd_cols(dt)[0];
-        run_matmul(dt, 70, cols, 67, true, 40 + i as u64);
+        for &cols in odd_cols(dt) {
+            run_matmul(dt, 70, cols, 67, true, 40 + i as u64);
+        }
     }
 }
 
@@ -600,4 +608,87 @@ fn real_mxfp4_bf16_f16() {
     real(DType::BF16, 4096, 2048, 1);
     real(DType::F16, 2048, 4096, 3);
     real(DType::Q5_K, 4096, 4096, 1);
+}
+
+/// Every variant this family compiles must also translate to MSL and HLSL (Metal, DX12), as
+/// `tests/shaders.rs` checks for a model's forward pass: compile all of them here on tiny inputs.
+#[test]
+fn variants_translate_to_every_backend() {
+    let g = gpu();
+    let _l = serial();
+    for dt in ALL {
+        // the vector path of every type (other tests cover the float element-by-element paths,
+        // which share their code)
+        for &cols in &odd_cols(dt)[odd_cols(dt).len() - 1..] {
+            let w = Weight::random(dt, &[2, 8, cols], 3);
+            let w2 = Weight::random(dt, &[8, cols], 3);
+            let (wt, wt2) = (w.upload(g), w2.upload(g));
+            let xb = g.upload_f32(&vec![0.5; 16 * cols as usize], "x").unwrap();
+            let yb = g.buffer(16 * 16 * 4, "y").unwrap();
+            let ids = g
+                .upload(bytemuck::cast_slice(&[0u32, 1, 1, 0]), "ids")
+                .unwrap();
+            let route = MoeRoute::new(g, 2, 4).unwrap();
+            let mut pass = g.pass();
+            let portable = MatvecOpts {
+                portable: true,
+                ..Default::default()
+            };
+            let opts: &[&MatvecOpts] = if dt == DType::Q4_K {
+                &[&MatvecOpts::default(), &portable]
+            } else {
+                &[&MatvecOpts::default()]
+            };
+            for o in opts {
+                matvec::matvec_opts(&mut pass, &wt2, &xb, 0, &yb, 0, 2, o).unwrap();
+                matvec::matvec_indexed(&mut pass, &wt, &xb, 0, true, &ids, 0, 2, &yb, 0, 2, o)
+                    .unwrap();
+            }
+            matmul::matmul_tiled(&mut pass, &wt2, &xb, 0, &yb, 0, 9, &MatvecOpts::default())
+                .unwrap();
+            matmul::route(&mut pass, &route, &ids, 0, 2, 2).unwrap();
+            matmul::matmul_indexed(
+                &mut pass,
+                &wt,
+                &xb,
+                0,
+                false,
+                &route,
+                2,
+                2,
+                &yb,
+                0,
+                &MatvecOpts::default(),
+            )
+            .unwrap();
+            submit(pass);
+        }
+    }
+    g.wait().unwrap();
+    let mut n = 0;
+    for spec in g.compiled_specs() {
+        if !(spec.label.starts_with("matvec") || spec.label.starts_with("matmul")) {
+            continue;
+        }
+        n += 1;
+        let wgsl = spec.wgsl().unwrap();
+        let module = naga::front::wgsl::parse_str(&wgsl).unwrap();
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}: {e:?}", spec.label));
+        let mut msl = String::new();
+        naga::back::msl::Writer::new(&mut msl)
+            .write(&module, &info, &Default::default(), &Default::default())
+            .unwrap_or_else(|e| panic!("{}: MSL: {e}", spec.label));
+        let mut hlsl = String::new();
+        let hopts = naga::back::hlsl::Options::default();
+        naga::back::hlsl::Writer::new(&mut hlsl, &hopts, &Default::default())
+            .write(&module, &info, None)
+            .unwrap_or_else(|e| panic!("{}: HLSL: {e}", spec.label));
+    }
+    eprintln!("{n} matvec / matmul variants translated");
+    assert!(n >= 16 * 4, "expected every type's variants, got {n}");
 }

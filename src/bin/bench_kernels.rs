@@ -83,19 +83,23 @@ struct StreamParams {
     pad: [u32; 2],
 }
 
-/// Times `passes` passes of `record`; returns seconds per pass.
+/// Times `passes` passes of `record`; returns seconds per pass on the GPU (timestamps, else wall)
+/// and in wall time (recording, encoding and submitting included: when it is much larger the
+/// CPU, not the kernel, sets the pace).
 fn time_passes(
     gpu: &Gpu,
     passes: u32,
     record: &mut dyn FnMut(&mut Pass<'_>) -> Result<()>,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let ts = gpu.features.contains(
         wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS,
     );
-    // warm-up (pipelines, caches, clocks), waited for
-    let mut pass = gpu.pass();
-    record(&mut pass)?;
-    pass.submit()?;
+    // warm-up (pipelines, caches, clocks: the GPU idles while a new variant compiles), waited for
+    for _ in 0..3 {
+        let mut pass = gpu.pass();
+        record(&mut pass)?;
+        pass.submit()?;
+    }
     gpu.wait()?;
     let qs = ts.then(|| {
         gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
@@ -125,7 +129,7 @@ fn time_passes(
     stamp(1);
     gpu.wait()?;
     let wall = t0.elapsed().as_secs_f64() / passes as f64;
-    let Some(q) = qs else { return Ok(wall) };
+    let Some(q) = qs else { return Ok((wall, wall)) };
     let resolve = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("ts"),
         size: 16,
@@ -140,9 +144,9 @@ fn time_passes(
     let t: Vec<u64> = bytemuck::pod_collect_to_vec(&gpu.read_bytes(&read, 0, 16)?);
     let ns = t[1].wrapping_sub(t[0]) as f64 * gpu.queue.get_timestamp_period() as f64;
     if ns <= 0.0 || ns > 1e12 {
-        return Ok(wall);
+        return Ok((wall, wall));
     }
-    Ok(ns * 1e-9 / passes as f64)
+    Ok((ns * 1e-9 / passes as f64, wall))
 }
 
 /// GB/s of a plain vec4 read over `bytes` bytes (split in buffers of the binding limit).
@@ -177,7 +181,7 @@ fn stream_bandwidth(gpu: &Gpu, bytes: u64, passes: u32) -> Result<f64> {
         }
         Ok(())
     };
-    let s = time_passes(gpu, passes, &mut rec)?;
+    let (s, _) = time_passes(gpu, passes, &mut rec)?;
     Ok((reps as u64 * n * chunk) as f64 / s / 1e9)
 }
 
@@ -282,7 +286,10 @@ fn main() -> Result<()> {
         let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
         gpu.wait()?;
         let setup = t0.elapsed();
-        for (tune, defines) in tunes.iter().flat_map(|t| variants.iter().map(move |v| (t, *v))) {
+        for (tune, defines) in tunes
+            .iter()
+            .flat_map(|t| variants.iter().map(move |v| (t, *v)))
+        {
             let opts = MatvecOpts {
                 tune: *tune,
                 defines,
@@ -299,11 +306,12 @@ fn main() -> Result<()> {
                 }
                 Ok(())
             };
-            let s = time_passes(&gpu, passes, &mut rec)? / per_pass as f64;
+            let (s, wall) = time_passes(&gpu, passes, &mut rec)?;
+            let (s, wall) = (s / per_pass as f64, wall / per_pass as f64);
             let gbs = one as f64 / s / 1e9;
             let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
             println!(
-                "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream   (setup {:.1?})",
+                "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream  (wall {:.1} us, setup {:.1?})",
                 dt.name(),
                 (one * n_mat) >> 20,
                 tune.map(|t| format!("wg{}x{}", t.wg, t.rows)).unwrap_or_else(|| "auto".into()),
@@ -311,6 +319,7 @@ fn main() -> Result<()> {
                 s * 1e6,
                 gbs,
                 100.0 * gbs / stream,
+                wall * 1e6,
                 setup
             );
         }
@@ -334,7 +343,7 @@ fn main() -> Result<()> {
                 }
                 Ok(())
             };
-            let s = time_passes(&gpu, passes, &mut rec)? / per_pass as f64;
+            let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
             let tflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e12;
             println!(
                 "{:<6} {rows}x{cols} prefill {np} tokens: {:8.1} ms  {:6.2} TFLOP/s  {:6.0} tok/s",

@@ -14,7 +14,9 @@ use lathe::generate::{ChatPrompt, GenerateOptions, Session};
 use lathe::{Error, Result};
 use serde_json::{json, Value};
 
-use super::run::{interrupt_flag, load_engine, set_busy, ModelArgs, SamplingArgs};
+use super::run::{
+    has_vocabulary, interrupt_flag, load_engine, no_vocabulary, set_busy, ModelArgs, SamplingArgs,
+};
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -24,7 +26,13 @@ pub struct ChatArgs {
     #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
     /// Most tokens per reply (a reply also ends at the model's end-of-turn token).
-    #[arg(short = 'n', long, value_name = "N", default_value_t = 4096, visible_alias = "n-predict")]
+    #[arg(
+        short = 'n',
+        long,
+        value_name = "N",
+        default_value_t = 4096,
+        visible_alias = "n-predict"
+    )]
     pub max_tokens: usize,
     /// End a reply before this text (repeatable).
     #[arg(long, value_name = "STR", num_args = 1..)]
@@ -41,12 +49,13 @@ Commands: /reset forgets the conversation, /exit or Ctrl-D quits. Ctrl-C stops a
 (and quits when no reply is running).";
 
 pub fn run(args: ChatArgs) -> Result<()> {
+    let hint = "it cannot chat; try `lathe run --prompt-tokens 1,2,3`";
+    if !has_vocabulary(&args.model.model)? {
+        return Err(no_vocabulary(&args.model.model, hint));
+    }
     let mut engine = load_engine(&args.model)?;
     let Some(tok) = engine.tokenizer.as_ref() else {
-        return Err(Error::Invalid(format!(
-            "{} has no vocabulary (tokenizer.ggml.model = none), so it cannot chat; try `lathe run --prompt-tokens 1,2,3`",
-            args.model.model.display()
-        )));
+        return Err(no_vocabulary(&args.model.model, hint));
     };
     let chat = ChatPrompt::for_tokenizer(tok)?;
     if chat.fallback {

@@ -1,2 +1,10 @@
 //! Command implementations of the `lathe` binary, one module per command (or family of
 //! commands). Each parses nothing itself (clap does, in main.rs) and calls the library.
+
+pub mod bench;
+pub mod chat;
+pub mod plan;
+pub mod run;
+pub mod serve;
+pub mod synth;
+pub mod text;

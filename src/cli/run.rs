@@ -86,14 +86,25 @@ pub struct RunArgs {
     pub model: ModelArgs,
     /// The prompt text. Special tokens written in it (`<|im_start|>`) are parsed as such
     /// unless --no-parse-special.
-    #[arg(short, long, value_name = "TEXT", required_unless_present = "prompt_tokens")]
+    #[arg(
+        short,
+        long,
+        value_name = "TEXT",
+        required_unless_present = "prompt_tokens"
+    )]
     pub prompt: Option<String>,
     /// Run from token ids instead of text (for models without a vocabulary, such as the test
     /// fixtures); the generated ids are printed, space separated.
     #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "chat", "system"])]
     pub prompt_tokens: Option<Vec<u32>>,
     /// Most tokens to generate (generation also ends at the model's end-of-turn token).
-    #[arg(short = 'n', long, value_name = "N", default_value_t = 256, visible_alias = "n-predict")]
+    #[arg(
+        short = 'n',
+        long,
+        value_name = "N",
+        default_value_t = 256,
+        visible_alias = "n-predict"
+    )]
     pub max_tokens: usize,
     /// Wrap the prompt in the model's chat template as a user message, ready for the
     /// assistant's reply (lathe's ChatML when the model has no template).
@@ -117,36 +128,62 @@ pub struct RunArgs {
 /// was loaded where.
 pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
     check_model_path(&args.model)?;
-    let bar = indicatif::ProgressBar::new(0).with_style(
-        indicatif::ProgressStyle::with_template(
-            "loading [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .map_err(|e| Error::Invalid(format!("progress bar: {e}")))?
-        .progress_chars("=> "),
-    );
+    // A spinner from the start (opening the file, the vocabulary and the device take a
+    // while), then a bar of the weight bytes uploaded.
+    let spinner = indicatif::ProgressStyle::with_template("{spinner} {msg}")
+        .map_err(|e| Error::Invalid(format!("progress bar: {e}")))?;
+    let bytes = indicatif::ProgressStyle::with_template(
+        "{spinner} {msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}",
+    )
+    .map_err(|e| Error::Invalid(format!("progress bar: {e}")))?
+    .progress_chars("=> ");
+    let bar = indicatif::ProgressBar::new(0).with_style(spinner.clone());
+    bar.set_message(format!("loading {}", args.model.display()));
+    bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let b = bar.clone();
     let opts = LoadOptions {
         adapter: args.device.clone(),
         kv_type: args.kv_type,
         ctx: args.ctx,
         progress: Some(Arc::new(move |done, total| {
-            b.set_length(total);
+            if b.length() != Some(total) {
+                b.set_style(bytes.clone());
+                b.set_length(total);
+            }
             b.set_position(done);
         })),
+        // One conversation at a time: one slot of state.
+        max_seqs: 1,
     };
     let t = Instant::now();
     let engine = Engine::load(&args.model, &opts).map_err(|e| explain_load_error(e, &args.model));
+    let mut engine = engine.inspect_err(|_| bar.finish_and_clear())?;
+    let loaded = t.elapsed();
+    bar.set_style(spinner);
+    bar.set_message("warming up (compiling kernels)");
+    let warm = warm_up(&mut engine);
     bar.finish_and_clear();
-    let engine = engine?;
+    warm?;
     eprintln!(
-        "loaded {} ({:.1} MiB of weights) in {:.1} s on {} ({:?})",
+        "loaded {} ({:.1} MiB of weights) in {:.1} s (+{:.1} s warm-up) on {} ({:?})",
         args.model.display(),
         engine.model_bytes as f64 / (1u64 << 20) as f64,
-        t.elapsed().as_secs_f64(),
+        loaded.as_secs_f64(),
+        (t.elapsed() - loaded).as_secs_f64(),
         engine.gpu.info.name,
         engine.gpu.info.backend,
     );
     Ok(engine)
+}
+
+/// Runs a two-token prefill and one decode step on a scratch sequence, so that compiling the
+/// pipelines (hundreds of ms, seconds on a CPU adapter) does not count as prompt time in the
+/// speeds reported afterwards (llama.cpp warms up the same way).
+fn warm_up(engine: &mut Engine) -> Result<()> {
+    let mut seq = engine.new_seq()?;
+    engine.forward(&mut seq, &[0, 0], false)?;
+    engine.forward(&mut seq, &[0], false)?;
+    Ok(())
 }
 
 /// A missing path gets its own message before anything opens it.
@@ -164,10 +201,10 @@ pub fn check_model_path(path: &Path) -> Result<()> {
 fn explain_load_error(e: Error, path: &Path) -> Error {
     match e {
         Error::Format { .. } if !path.is_dir() && !starts_with_gguf_magic(path) => Error::Invalid(format!(
-            "{e}\n(not a GGUF model file; pass -m/--model a .gguf file or a Hugging Face checkpoint directory)"
+            "{e}; pass -m/--model a .gguf model file or a Hugging Face checkpoint directory"
         )),
         Error::Gpu(msg) if msg.to_ascii_lowercase().contains("memory") => Error::Gpu(format!(
-            "{msg}\n(the model or its cache does not fit on this device: try a smaller quantization, a smaller --ctx, or another --device)"
+            "{msg}; the model or its cache does not fit on this device: try a smaller quantization, a smaller --ctx, or another --device"
         )),
         other => other,
     }
@@ -220,15 +257,47 @@ pub fn print_stats(out: &Output) {
     eprintln!("[{} | {why}]", out.timings);
 }
 
+/// Whether the model file carries a vocabulary, found without loading the weights: GGUF
+/// `tokenizer.ggml.model` other than `none`, or a tokenizer.json in a HF directory.
+pub fn has_vocabulary(path: &Path) -> Result<bool> {
+    check_model_path(path)?;
+    if path.is_dir() {
+        return Ok(path.join("tokenizer.json").is_file());
+    }
+    if !starts_with_gguf_magic(path) {
+        // Let the loader say what is wrong with it.
+        return Ok(true);
+    }
+    let g = lathe::gguf::GgufFile::open(path)?;
+    Ok(!matches!(
+        g.opt_str("tokenizer.ggml.model")?,
+        None | Some("none")
+    ))
+}
+
+/// The error for text commands on a model without a vocabulary.
+pub fn no_vocabulary(path: &Path, hint: &str) -> Error {
+    Error::Invalid(format!(
+        "{} has no vocabulary (GGUF tokenizer.ggml.model = none, or no tokenizer.json): {hint}",
+        path.display()
+    ))
+}
+
 pub fn run(args: RunArgs) -> Result<()> {
+    if args.prompt_tokens.is_none() && !has_vocabulary(&args.model.model)? {
+        return Err(no_vocabulary(
+            &args.model.model,
+            "pass --prompt-tokens 1,2,3 to run it from token ids",
+        ));
+    }
     let mut engine = load_engine(&args.model)?;
     let prompt: Vec<u32> = match (&args.prompt_tokens, engine.tokenizer.as_ref()) {
         (Some(ids), _) => ids.clone(),
         (None, None) => {
-            return Err(Error::Invalid(format!(
-                "{} has no vocabulary (tokenizer.ggml.model = none): pass --prompt-tokens 1,2,3 to run it from token ids",
-                args.model.model.display()
-            )))
+            return Err(no_vocabulary(
+                &args.model.model,
+                "pass --prompt-tokens 1,2,3 to run it from token ids",
+            ))
         }
         (None, Some(tok)) => {
             let text = args.prompt.clone().unwrap_or_default();

@@ -17,7 +17,12 @@ pub struct TokenizeArgs {
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// The text to tokenize; prints one JSON array of ids.
-    #[arg(long, value_name = "TEXT", required_unless_present = "file", conflicts_with = "file")]
+    #[arg(
+        long,
+        value_name = "TEXT",
+        required_unless_present = "file",
+        conflicts_with = "file"
+    )]
     pub text: Option<String>,
     /// A file with one JSON string per line; prints one JSON array of ids per line.
     #[arg(long, value_name = "F")]
@@ -131,7 +136,11 @@ fn read_template(path: &Path) -> Result<String> {
         let file = GgufFile::open(path)?;
         return match file.opt_str("tokenizer.chat_template")? {
             Some(s) => Ok(s.to_string()),
-            None => Err(Error::config(path, "tokenizer.chat_template", "this GGUF carries no chat template")),
+            None => Err(Error::config(
+                path,
+                "tokenizer.chat_template",
+                "this GGUF carries no chat template",
+            )),
         };
     }
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
@@ -147,7 +156,11 @@ fn read_template(path: &Path) -> Result<String> {
                 .and_then(|t| t.get("template").and_then(Value::as_str))
                 .map(str::to_string)
                 .ok_or_else(|| Error::config(path, "chat_template", "no template named `default`")),
-            _ => Err(Error::config(path, "chat_template", "missing; pass a .jinja file instead")),
+            _ => Err(Error::config(
+                path,
+                "chat_template",
+                "missing; pass a .jinja file instead",
+            )),
         };
     }
     Ok(text)
@@ -182,7 +195,10 @@ pub fn template(args: TemplateArgs) -> Result<()> {
             ))
         }
     };
-    for (name, value) in [("bos_token", &args.bos_token), ("eos_token", &args.eos_token)] {
+    for (name, value) in [
+        ("bos_token", &args.bos_token),
+        ("eos_token", &args.eos_token),
+    ] {
         if let Some(t) = value {
             vars.insert(name.into(), t.clone().into());
         }

@@ -9,9 +9,9 @@
 //!   `attn_qkv`); for the GDN rule this is the conv output (after SiLU).
 //! - conv weight [conv_dim, K] (GGUF `ssm_conv1d` as stored; HF `conv1d.weight` [conv_dim, 1, K]);
 //!   conv state [K−1, conv_dim]: the last K−1 inputs, oldest first.
-//! - `a`, `b` [T, Hv]: raw projections; `a_neg` [Hv] = −exp(A_log) (GGUF `ssm_a`);
-//!   `dt_bias` [Hv]. Gates `g`, `beta` [T, Hv].
-//! - state [Hv, d_k, d_v]: S[i][j] pairs key dim i with value dim j (o = Sᵀq), as HF's
+//! - `a`, `b` [T, Hv]: raw projections; `a_neg` `[Hv]` = −exp(A_log) (GGUF `ssm_a`);
+//!   `dt_bias` `[Hv]`. Gates `g`, `beta` [T, Hv].
+//! - state [Hv, d_k, d_v]: `S[i][j]` pairs key dim i with value dim j (o = Sᵀq), as HF's
 //!   `recurrent_state` [B, H, d_k, d_v].
 //! - output `o` [T, Hv, d_v].
 
@@ -87,7 +87,7 @@ fn silu(x: f64) -> f64 {
 
 /// Causal depthwise conv1d + SiLU over T tokens continuing from `state`.
 /// `x`, `y` [T, C]; `w` [C, K]; `state` [K−1, C], updated to the last K−1 inputs.
-/// `y[t][c] = silu(Σ_j w[c][j] · x̃[t+j][c])` where x̃ = state ++ x (w[c][K−1] takes the
+/// `y[t][c] = silu(Σ_j w[c][j] · x̃[t+j][c])` where x̃ = state ++ x (`w[c][K−1]` takes the
 /// current token, as PyTorch's conv1d with K−1 left padding).
 pub fn conv1d(x: &[f32], w: &[f32], k: usize, state: &mut [f32], y: &mut [f32]) {
     let c = w.len() / k;
@@ -129,7 +129,7 @@ pub fn softplus(x: f64) -> f64 {
 }
 
 /// Gates per token and value head: `g = a_neg · softplus(a + dt_bias)`, `beta = sigmoid(b)`.
-/// `a`, `b`, `g`, `beta` [T, Hv]; `a_neg`, `dt_bias` [Hv].
+/// `a`, `b`, `g`, `beta` [T, Hv]; `a_neg`, `dt_bias` `[Hv]`.
 pub fn gates(
     a: &[f32],
     b: &[f32],

@@ -1,5 +1,9 @@
 //! CPU kernels and the plain references of the GPU ops, one module per family.
 
 pub mod attention;
+pub mod compress;
 pub mod gdn;
+pub mod hc;
+pub mod moe;
 pub mod ops;
+pub mod router;

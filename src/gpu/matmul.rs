@@ -70,8 +70,10 @@ fn pipeline(
     entry: &'static str,
     xvec: bool,
 ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    let label = format!("{entry}_{}_bm{BM}_bn{BN}", geo.label(xvec));
-    gpu.pipeline(&geo.defines(PipelineSpec::new(label, SRC, entry), xvec))
+    // a partial last float block is handled chunk by chunk: only misaligned rows go slow
+    let slow = geo.misaligned();
+    let label = format!("{entry}_{}_bm{BM}_bn{BN}", geo.label(xvec, slow));
+    gpu.pipeline(&geo.defines(PipelineSpec::new(label, SRC, entry), xvec, slow))
 }
 
 /// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above 8 tokens).
@@ -116,7 +118,7 @@ pub fn matmul_tiled(
                 w.name
             )));
         }
-        let mut prm = geo.params(rows);
+        let mut prm = geo.params(rows, false);
         prm.x_off = x_off;
         prm.x_stride = x_stride;
         prm.y_off = y_off + part.row_start as u32;
@@ -302,7 +304,7 @@ pub fn matmul_indexed(
                 w.name
             )));
         }
-        let mut prm = geo.params(geo.rows);
+        let mut prm = geo.params(geo.rows, false);
         prm.x_off = x_off;
         prm.x_stride = x_stride;
         prm.y_off = y_off;

@@ -1,5 +1,6 @@
-//! Weight × activations at decode time (`shaders/matvec.wgsl`): `y = W x` for 1..=8 tokens, and
-//! the MoE form that picks one expert matrix per (token, slot) from a 3-D stack.
+//! Weight × activations at decode time (`shaders/matvec.wgsl`): `y = W x` for a few tokens (one
+//! grid column each; each token re-reads the weights, from L2 when the others just did), and the
+//! MoE form that picks one expert matrix per (token, slot) pair from a 3-D stack.
 //!
 //! Shapes (row-major, f32 activations, offsets in elements):
 //! - `w`: [rows, cols] (or [n_expert, rows, cols] for [`matvec_indexed`]) in its stored type.
@@ -9,13 +10,19 @@
 //! Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS,
 //! MXFP4 (ggml block layouts). CPU reference: `quant::dequantize` + a dot product.
 //! Weights split into parts (binding limit) take one dispatch per part.
+//!
+//! Speed (H200, `bench_kernels`, weight bytes per second against a plain f32 read of 4.41 TB/s):
+//! 16384 x 16384: BF16/F16 91%, F32 86-99%, Q8_0 65%, Q6_K 50%, Q4_K/Q5_K 48%, Q4_0 44%,
+//! MXFP4 37%; 4096 columns reach less (Q8_0 35-46%, Q4_K 21-33%). The quantized kernels are
+//! bound by instruction issue (decode, int->float converts), not memory: see the bench.
 
 use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = include_str!("../../shaders/matvec.wgsl");
 
-/// Most tokens one matvec dispatch handles (accumulators live in registers).
+/// Above this many tokens [`matmul`](super::matmul::matmul) switches to the tiled kernel
+/// (matvec reads the weights once per token from L2 and decodes them once per token).
 pub const MAX_TOKENS: u32 = 8;
 
 /// Uniforms shared by `matvec.wgsl` and `matmul.wgsl` (same fields, same order).
@@ -25,7 +32,7 @@ pub(crate) struct Params {
     pub rows: u32,         // rows of this dispatch
     pub cols: u32,         // elements per row
     pub row_bytes: u32,    // bytes per stored row
-    pub n_chunks: u32,     // chunks (32 weights) per row
+    pub n_chunks: u32,     // matmul: 32-weight chunks per row (unused by matvec)
     pub nb_full: u32,      // complete (virtual) blocks per row
     pub x_off: u32,        // elements
     pub x_stride: u32,     // elements
@@ -58,10 +65,10 @@ pub struct MatvecOpts {
     pub y_stride: u32,
     /// Reduce through workgroup memory even when the adapter has subgroups (tests, debugging).
     pub portable: bool,
-    /// Work split override (benchmarks); `None` picks [`Tune::pick`].
+    /// Work split override (benchmarks); `None` takes [`Tune::default`].
     pub tune: Option<Tune>,
-    /// Extra shader defines `(NAME, value)` for experiments in the kernel lab (`bench_kernels`),
-    /// e.g. `("MAGIC", "true")`; empty in normal use.
+    /// Extra shader defines `(NAME, value)` for `#if` variants tried in the kernel lab
+    /// (`bench_kernels --variant`); the shipped shaders have none, normal use leaves this empty.
     pub defines: &'static [(&'static str, &'static str)],
 }
 
@@ -74,16 +81,19 @@ pub struct Tune {
     pub rows: u32,
 }
 
-impl Tune {
-    /// Defaults: 128-thread workgroups, 2 rows per thread group for one token (fewer
-    /// accumulators per thread as tokens grow).
-    pub fn pick(n_tokens: u32) -> Tune {
-        Tune {
-            wg: 128,
-            rows: if n_tokens <= 2 { 2 } else { 1 },
-        }
+impl Default for Tune {
+    /// 128-thread workgroups, 4 rows per thread group: x is loaded once for 4 rows and each lane
+    /// has 4 independent weight streams in flight. Without an explicit tune, 2 rows are used
+    /// when 4 would leave the GPU short of threads (see `MANY_LANES`).
+    fn default() -> Tune {
+        Tune { wg: 128, rows: 4 }
     }
 }
+
+/// Lanes a dispatch should have before it takes 4 rows per thread group: on the H200 (132 SMs)
+/// 4096-column matrices of 4096-12288 rows ran 10-40% faster with 2 rows, 16384 x 16384 ones
+/// faster with 4.
+const MANY_LANES: u64 = 1 << 18;
 
 /// True for the weight types the kernels decode.
 pub fn supported(dt: DType) -> bool {
@@ -107,6 +117,17 @@ pub(crate) fn layout(dt: DType) -> Option<(u32, u32)> {
     })
 }
 
+/// Matvec lanes per block for the types with their own slicing in matvec.wgsl (`MV_CPB`);
+/// `None`: one lane per 32-weight chunk of matmul's decoder (`MV32`).
+fn mv_lanes(dt: DType) -> Option<u32> {
+    use DType as T;
+    match dt {
+        T::Q4_0 | T::Q8_0 | T::MXFP4 => Some(2),
+        T::Q4_K | T::Q5_K | T::Q6_K => Some(8),
+        _ => None,
+    }
+}
+
 /// What every kernel of the family needs to know about one weight.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Geometry {
@@ -114,12 +135,13 @@ pub(crate) struct Geometry {
     pub rows: u32, // rows per matrix (per expert for stacks)
     pub cols: u32,
     pub row_bytes: u32,
-    pub n_chunks: u32,
+    pub n_blocks: u32,
     pub nb_full: u32,
     bs: u32,
     bb: u32,
-    /// Float rows not 16-byte aligned: read element by element.
-    fslow: bool,
+    float: bool,
+    /// Float rows not 16-byte aligned: element-by-element paths.
+    misaligned: bool,
 }
 
 impl Geometry {
@@ -138,7 +160,7 @@ impl Geometry {
         }
         let cols = w.row_len();
         let rows = w.shape[w.shape.len() - 2];
-        if cols == 0 || rows == 0 || cols % w.dtype.block_size() as u64 != 0 {
+        if cols == 0 || rows == 0 || !cols.is_multiple_of(w.dtype.block_size() as u64) {
             return Err(bad(format!(
                 "shape {:?} does not hold whole {} blocks",
                 w.shape, w.dtype
@@ -148,18 +170,11 @@ impl Geometry {
         if rows > u32::MAX as u64 || cols > u32::MAX as u64 / 4 || row_bytes > u32::MAX as u64 {
             return Err(bad(format!("shape {:?} too large", w.shape)));
         }
-        let cols = cols as u32;
-        let n_blocks = cols.div_ceil(bs);
-        let fslow = match w.dtype {
-            DType::F32 => cols % 4 != 0,
-            DType::F16 | DType::BF16 => cols % 8 != 0,
-            _ => false,
-        };
         for part in &w.parts {
-            // binding 2 views the part as 16-byte vectors: WebGPU needs at least one of them
             if part.buffer.size() > u32::MAX as u64 {
                 return Err(bad("a part larger than 4 GiB (byte offsets are u32)".into()));
             }
+            // binding 2 views the part as 16-byte vectors: WebGPU needs at least one of them
             if part.buffer.size() < 16 {
                 return Err(bad(format!(
                     "part of {} bytes: kernels need weights of at least 16 bytes",
@@ -167,26 +182,60 @@ impl Geometry {
                 )));
             }
         }
+        let cols = cols as u32;
+        let float = matches!(w.dtype, DType::F32 | DType::F16 | DType::BF16);
         Ok(Geometry {
             dtype: w.dtype,
             rows: rows as u32,
             cols,
             row_bytes: row_bytes as u32,
-            n_chunks: n_blocks * (bs / 32),
+            n_blocks: cols.div_ceil(bs),
             nb_full: cols / bs,
             bs,
             bb,
-            fslow,
+            float,
+            misaligned: float && !row_bytes.is_multiple_of(16),
         })
     }
 
-    /// The family's common defines on `spec`.
-    pub fn defines(&self, spec: PipelineSpec, xvec: bool) -> PipelineSpec {
+    /// Float rows not 16-byte aligned.
+    pub fn misaligned(&self) -> bool {
+        self.misaligned
+    }
+
+    /// Whether matvec must take the element-by-element path (float rows not 16-byte aligned or
+    /// not whole virtual blocks); matmul handles a partial last block chunk by chunk.
+    pub fn mv_slow(&self) -> bool {
+        self.misaligned || (self.float && !self.cols.is_multiple_of(self.bs))
+    }
+
+    /// Work items per row: matvec slices, or matmul's 32-weight chunks.
+    pub fn n_items(&self, matvec: bool) -> u32 {
+        if matvec && self.mv_slow() {
+            0
+        } else if matvec {
+            self.n_blocks * mv_lanes(self.dtype).unwrap_or(self.bs / 32)
+        } else {
+            self.n_blocks * (self.bs / 32)
+        }
+    }
+
+    /// The family's common defines on `spec` (`slow`: the FSLOW element-by-element paths).
+    pub fn defines(&self, spec: PipelineSpec, xvec: bool, slow: bool) -> PipelineSpec {
         let mut s = spec
+            .define(&format!("TY_{}", self.dtype.name()), "true")
             .define("QT", format!("{}u", self.dtype.ggml_id().unwrap_or(0)))
             .define("BS", format!("{}u", self.bs))
-            .define("BB", format!("{}u", self.bb))
-            .define("FSLOW", if self.fslow { "1u" } else { "0u" });
+            .define("BB", format!("{}u", self.bb));
+        if mv_lanes(self.dtype).is_none() {
+            s = s.define("MV32", "true");
+        }
+        if self.float {
+            s = s.define("FLOAT", "true");
+        }
+        if slow {
+            s = s.define("FSLOW", "true");
+        }
         if xvec {
             s = s.define("XVEC", "true");
         }
@@ -194,22 +243,22 @@ impl Geometry {
     }
 
     /// Label suffix naming the defines of [`Geometry::defines`].
-    pub fn label(&self, xvec: bool) -> String {
+    pub fn label(&self, xvec: bool, slow: bool) -> String {
         format!(
             "{}{}{}",
             self.dtype.name(),
             if xvec { "_xv" } else { "_xs" },
-            if self.fslow { "_fslow" } else { "" }
+            if slow { "_fslow" } else { "" }
         )
     }
 
     /// Base uniforms for one dispatch over `rows` rows.
-    pub fn params(&self, rows: u32) -> Params {
+    pub fn params(&self, rows: u32, matvec: bool) -> Params {
         Params {
             rows,
             cols: self.cols,
             row_bytes: self.row_bytes,
-            n_chunks: self.n_chunks,
+            n_chunks: self.n_items(matvec),
             nb_full: self.nb_full,
             ..Default::default()
         }
@@ -218,7 +267,7 @@ impl Geometry {
 
 /// Whether x can be read as 16-byte vectors: every row start a multiple of 4 elements.
 pub(crate) fn x_vec(x: &wgpu::Buffer, x_off: u32, x_stride: u32, n_rows: u32) -> bool {
-    x_off % 4 == 0 && (x_stride % 4 == 0 || n_rows <= 1) && x.size() >= 16
+    x_off.is_multiple_of(4) && (x_stride.is_multiple_of(4) || n_rows <= 1) && x.size() >= 16
 }
 
 /// Checks that rows `off + i * stride + [0, len)`, i < n, lie in `buf` (f32 elements).
@@ -253,67 +302,74 @@ struct Plan {
     tpr: u32,
 }
 
-fn plan(geo: &Geometry, n_tokens: u32, opts: &MatvecOpts) -> Result<Plan> {
-    let t = opts.tune.unwrap_or_else(|| Tune::pick(n_tokens));
-    if !(t.wg.is_power_of_two() && (16..=256).contains(&t.wg)) || !(1..=4).contains(&t.rows) {
-        return Err(Error::Invalid(format!(
-            "matvec tune {t:?}: wg a power of two in 16..=256, rows 1..=4"
-        )));
+impl Plan {
+    fn new(geo: &Geometry, opts: &MatvecOpts) -> Result<Plan> {
+        let t = opts.tune.unwrap_or_default();
+        if !(t.wg.is_power_of_two() && (16..=256).contains(&t.wg) && (1..=4).contains(&t.rows)) {
+            return Err(Error::Invalid(format!(
+                "matvec tune {t:?}: wg a power of two in 16..=256, rows 1..=4"
+            )));
+        }
+        // lanes per row group: about a quarter of the row's slices (elements on the slow path),
+        // so each lane has several in flight and short rows (4096 columns) leave whole
+        // workgroups of row groups reduced by subgroup shuffles alone
+        let items = if geo.mv_slow() {
+            geo.cols
+        } else {
+            geo.n_items(true)
+        };
+        let tpr = (items / 4).next_power_of_two().clamp(4, t.wg);
+        let mut r = t.rows;
+        if opts.tune.is_none() && r == 4 && (geo.rows as u64) * (tpr as u64) / 4 < MANY_LANES {
+            r = 2;
+        }
+        Ok(Plan { wg: t.wg, r, tpr })
     }
-    if t.rows * n_tokens > 16 {
-        return Err(Error::Invalid(format!(
-            "matvec tune {t:?}: rows * n_tokens = {} exceeds 16 accumulators",
-            t.rows * n_tokens
-        )));
+
+    /// Workgroups for `rows` rows, as the (y, z) of the grid.
+    fn groups(&self, rows: u32) -> (u32, u32) {
+        let g = grid(rows.div_ceil(self.wg / self.tpr * self.r));
+        (g[0], g[1])
     }
-    // threads per row group: enough for the row's chunks, at least 16 (>= accumulators, so the
-    // reduction has a thread per output)
-    let tpr = geo.n_chunks.next_power_of_two().clamp(16, t.wg);
-    Ok(Plan {
-        wg: t.wg,
-        r: t.rows,
-        tpr,
-    })
+
+    fn pipeline(
+        &self,
+        gpu: &Gpu,
+        geo: &Geometry,
+        entry: &'static str,
+        sg: bool,
+        xvec: bool,
+        extra: &[(&str, &str)],
+    ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+        let slow = geo.mv_slow();
+        let mut label = format!(
+            "{entry}_{}_r{}_t{}_wg{}_{}",
+            geo.label(xvec, slow),
+            self.r,
+            self.tpr,
+            self.wg,
+            if sg { "sg" } else { "wgmem" }
+        );
+        for (n, v) in extra {
+            label.push_str(&format!("_{n}={v}"));
+        }
+        let mut spec = geo
+            .defines(PipelineSpec::new(label, SRC, entry), xvec, slow)
+            .define("R", format!("{}u", self.r))
+            .define("TPR", format!("{}u", self.tpr))
+            .define("WG", format!("{}u", self.wg));
+        if sg {
+            spec = spec.define("SUBGROUPS", "true");
+        }
+        for (n, v) in extra {
+            spec = spec.define(n, v);
+        }
+        gpu.pipeline(&spec)
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn pipeline(
-    gpu: &Gpu,
-    geo: &Geometry,
-    entry: &'static str,
-    nt: u32,
-    pl: &Plan,
-    sg: bool,
-    xvec: bool,
-    extra: &[(&str, &str)],
-) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    let mut label = format!(
-        "{entry}_{}_nt{nt}_r{}_t{}_wg{}_{}",
-        geo.label(xvec),
-        pl.r,
-        pl.tpr,
-        pl.wg,
-        if sg { "sg" } else { "wgmem" }
-    );
-    for (n, v) in extra {
-        label.push_str(&format!("_{n}={v}"));
-    }
-    let mut spec = geo
-        .defines(PipelineSpec::new(label, SRC, entry), xvec)
-        .define("NT", format!("{nt}u"))
-        .define("R", format!("{}u", pl.r))
-        .define("TPR", format!("{}u", pl.tpr))
-        .define("WG", format!("{}u", pl.wg));
-    if sg {
-        spec = spec.define("SUBGROUPS", "true");
-    }
-    for (n, v) in extra {
-        spec = spec.define(n, v);
-    }
-    gpu.pipeline(&spec)
-}
-
-/// `y[t] = W x[t]` for `n_tokens` (1..=8) tokens; see the module doc for shapes.
+/// `y[t] = W x[t]` for `n_tokens` tokens (any count; above [`MAX_TOKENS`] the tiled
+/// [`matmul`](super::matmul::matmul_tiled) is cheaper); see the module doc for shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec(
     pass: &mut Pass<'_>,
@@ -350,9 +406,9 @@ pub fn matvec_opts(
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
-    if !(1..=MAX_TOKENS).contains(&n_tokens) {
+    if !(1..=MAX_GROUPS).contains(&n_tokens) {
         return Err(Error::Invalid(format!(
-            "{}: matvec of {n_tokens} tokens (1..={MAX_TOKENS}; use matmul for more)",
+            "{}: matvec of {n_tokens} tokens",
             w.name
         )));
     }
@@ -368,14 +424,14 @@ pub fn matvec_opts(
     };
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
-    let pl = plan(&geo, n_tokens, opts)?;
+    let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
-    let pipe = pipeline(gpu, &geo, "matvec", n_tokens, &pl, sg, xvec, opts.defines)?;
-    let rows_per_wg = pl.wg / pl.tpr * pl.r;
+    let pipe = pl.pipeline(gpu, &geo, "matvec", sg, xvec, opts.defines)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
-        let mut prm = geo.params(rows);
+        let (gy, gz) = pl.groups(rows);
+        let mut prm = geo.params(rows, true);
         prm.x_off = x_off;
         prm.x_stride = x_stride;
         prm.y_off = y_off + part.row_start as u32;
@@ -391,7 +447,7 @@ pub fn matvec_opts(
                 x.into(),
                 Binding::from(y),
             ],
-            grid(rows.div_ceil(rows_per_wg)),
+            [n_tokens, gy, gz],
         );
     }
     Ok(())
@@ -449,17 +505,11 @@ pub fn matvec_indexed(
             ids.size() / 4
         )));
     }
-    let pl = plan(&geo, 1, opts)?;
+    let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
     let xvec = x_vec(x, x_off, x_stride, x_rows);
-    let pipe = pipeline(gpu, &geo, "matvec_id", 1, &pl, sg, xvec, opts.defines)?;
-    let row_groups = geo.rows.div_ceil(pl.wg / pl.tpr * pl.r);
-    if row_groups > MAX_GROUPS {
-        return Err(Error::Invalid(format!(
-            "{}: {} rows per expert",
-            w.name, geo.rows
-        )));
-    }
+    let pipe = pl.pipeline(gpu, &geo, "matvec_id", sg, xvec, opts.defines)?;
+    let (gy, gz) = pl.groups(geo.rows);
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {
         let e_lo = part.row_start / geo.rows as u64;
@@ -470,7 +520,7 @@ pub fn matvec_indexed(
                 w.name
             )));
         }
-        let mut prm = geo.params(geo.rows);
+        let mut prm = geo.params(geo.rows, true);
         prm.x_off = x_off;
         prm.x_stride = x_stride;
         prm.y_off = y_off;
@@ -497,7 +547,7 @@ pub fn matvec_indexed(
                     Binding::from(y),
                     ids.into(),
                 ],
-                [row_groups, n, 1],
+                [n, gy, gz],
             );
             q0 += n;
         }

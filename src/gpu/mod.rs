@@ -7,14 +7,18 @@ mod pass;
 mod pipeline;
 
 pub mod attention;
+pub mod compress;
 pub mod conv;
 pub mod elementwise;
 pub mod embed;
 pub mod gdn;
+pub mod hc;
 pub mod matmul;
 pub mod matvec;
+pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod router;
 pub mod softmax;
 pub mod topk;
 
@@ -26,6 +30,10 @@ pub use pipeline::{preprocess, PipelineSpec};
 /// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.
 pub const SHADERS: &[(&str, &str)] = &[
     ("attention", include_str!("../../shaders/attention.wgsl")),
+    ("compress", include_str!("../../shaders/compress.wgsl")),
+    ("hc", include_str!("../../shaders/hc.wgsl")),
+    ("moe", include_str!("../../shaders/moe.wgsl")),
+    ("router", include_str!("../../shaders/router.wgsl")),
     ("conv", include_str!("../../shaders/conv.wgsl")),
     (
         "elementwise",

@@ -1,1 +1,125 @@
-//! (in progress)
+//! MoE models bigger than VRAM: a model-wide arena of expert slots on the GPU, cold experts
+//! on the CPU straight from the mmap, and the policy that decides which are which.
+//!
+//! Pieces:
+//! - [`layout`]: the experts of a model file ([`MoeInfo`]) and their stored bytes
+//!   ([`ExpertWeights`]).
+//! - [`budget`]: adapter memory ([`AdapterMemory`], `--gpu-mem`), what the model needs
+//!   beside its experts, and the bytes left for slots ([`Budget`]).
+//! - [`plan`]: the arena's groups and each layer's slots and remap table ([`Placement`]),
+//!   the expected traffic of a decode step.
+//! - [`stats`]: routing statistics, written by `--save-expert-stats`, read by the planner.
+//! - [`cache`]: adaptive residency while decoding ([`ResidencyCache`]).
+//! - GPU side: `gpu::moe` ([`crate::gpu::moe::ExpertArena`], [`crate::gpu::moe::RemapTables`],
+//!   the remap / scatter kernels, the one readback); CPU side: `cpu::moe` (cold experts).
+//!
+//! The router always ranges over all experts: residency changes speed, never the selection.
+//!
+//! # Summation contract
+//! Per token t the routed output is `Σ_{s=0}^{n_used-1} w[t,s] · y[t,s]`, summed in top-k
+//! slot order s (the order the router wrote the ids), where `y[t,s]` is the UNWEIGHTED output
+//! of expert `ids[t,s]` for token t. The GPU holds `y` in its per-pair buffer `moe_out`
+//! `[n_tokens · n_used, n_embd]` (row `t·n_used + s`): hot pairs are written there by the
+//! indexed matvec on the arena, cold pairs by [`crate::gpu::moe::scatter_rows`] from the
+//! CPU's rows (computed with weight 1). The weighted sum then runs on the GPU exactly as for
+//! an all-GPU model (one `axpy_row` per slot s, in order). So a mixed placement differs from
+//! an all-GPU one only by the rounding of the individual `y[t,s]` computed on the CPU
+//! (`quant::dot`, f32 accumulation) instead of the GPU; the order and the arithmetic of the
+//! sum are the same. `cpu::moe::combine_slots` is the CPU statement of the same sum.
+//!
+//! # Integration recipe (one MoE layer of a forward)
+//! At load:
+//! 1. `info = MoeInfo::from_file(&file)`; `mem = AdapterMemory::detect(&gpu.info, gpu_mem)`;
+//!    `budget = Budget::new(&BudgetInputs { memory: mem.bytes, weights: info.other_bytes,
+//!    kv_bytes_per_token, ctx, state_bytes, activation_bytes, margin: None })`. Upload the
+//!    non-expert weights (the output head first, FACTS.md) before the arena claims memory.
+//! 2. `placement = Placement::new(&info, Fill::Budget(budget.experts), stats.as_ref())`, or
+//!    `Fill::Fraction(f)` for `--gpu-experts f`.
+//! 3. `weights[i] = ExpertWeights::from_file(&file, &info.layers[i])` (borrows the mmap; HF
+//!    DeepSeek: build from the repacked bytes); `arena = ExpertArena::new(&gpu, &placement)`;
+//!    `arena.fill(&gpu, &placement, &weights)`; `remaps = RemapTables::new(&gpu, &placement)`;
+//!    `cache = ResidencyCache::new(&placement, CacheConfig::default())`.
+//!
+//! Scratch beyond the usual: `slot_ids` u32 `[rows · n_used]`, `cold_rows` f32
+//! `[rows · n_used, n_embd]`, `cold_index` u32 `[rows · n_used]`.
+//!
+//! Per MoE layer L, `n` tokens, `k = n_used`, `g = placement.layer(L).group`:
+//! 4. In the forward's pass: router matvec → `topk::router_softmax_topk` → `moe_ids` u32
+//!    `[n, k]` and `moe_w` f32 `[n, k]` as today, then `gpu::moe::remap(pass, &remaps, L,
+//!    &moe_ids, 0, &slot_ids, 0, n·k)`.
+//! 5. Only if the layer has cold experts now (`cache.remap(L)` holds a `COLD`): submit the
+//!    pass, then `(ids, h) = gpu::moe::read_back(&gpu, (&moe_ids, 0, n·k), (&h, 0,
+//!    n·n_embd))`: the ONE readback of this layer (chosen ids and FFN input rows, one
+//!    staging buffer, one wait); `pairs = cold_pairs(cache.remap(L), &ids, k)`. Continue
+//!    recording into a new pass.
+//! 6. `matvec_indexed` (n ≤ 8) or `matmul::route` + `matmul_indexed` (with a `MoeRoute` made
+//!    for `n_expert = placement.groups[g].n_slots`, one per group) on `arena.group(g)`'s
+//!    gate / up / down, reading `slot_ids` instead of `moe_ids`: cold pairs write nothing.
+//!    The shared expert into its own buffer as today. With cold pairs, submit this pass now
+//!    so the GPU runs the hot experts while the CPU runs the cold ones (step 7).
+//! 7. With cold pairs: `cpu::moe::expert_rows(&weights[i], &h, &pairs, limit, &mut rows)`
+//!    (rayon; each cold expert read once for all the batch's tokens); `gpu.write` `rows` to
+//!    `cold_rows` and `token·k + slot` of each pair to `cold_index` (ordered before the next
+//!    submission); in the next pass `scatter_rows(pass, &cold_rows, 0, &cold_index, 0,
+//!    pairs.len(), n_embd, &moe_out, 0, n_embd, n·k)`. Then the unchanged combine: one
+//!    `axpy_row` per top-k slot in order, the shared expert added after.
+//! 8. `for u in cache.observe(L, &ids)`: `arena.write_expert(&gpu, g, u.slot,
+//!    &weights[index of u.layer], u.expert)`; then `remaps.write(&gpu, L', cache.remap(L'))`
+//!    for `u.layer` and for `u.evicted`'s layer. These writes land before the next
+//!    submission and after the work already submitted (queue order): kernels in flight see
+//!    the old arena and tables, later layers the new ones, consistently with the host copy
+//!    `cache.remap` that step 5 reads. With `--save-expert-stats`, `ExpertStats::record(L,
+//!    &ids)` here (a layer without cold experts skips step 5: read its ids at the end of the
+//!    token instead, or record only while some experts are cold).
+//!
+//! A model whose experts all have slots never takes step 5, 7 or 8 and stays one pass per
+//! token; the remap is then a fixed permutation.
+//!
+//! Decide placement before any state advances: a layer that declines half-way must not
+//! advance caches twice (FACTS.md).
+
+pub mod budget;
+pub mod cache;
+pub mod layout;
+pub mod plan;
+pub mod stats;
+
+pub use budget::{parse_size, AdapterMemory, Budget, BudgetInputs, MemSource};
+pub use cache::{CacheConfig, LayerHits, ResidencyCache, Upload};
+pub use layout::{ExpertMats, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo};
+pub use plan::{remap_ids, ArenaGroup, Fill, LayerPlacement, LayerTraffic, Placement};
+pub use stats::{ExpertStats, LayerStats};
+
+/// Remap-table entry and slot id of an expert without a slot. The indexed matvec writes
+/// nothing for ids at or above the arena's slot count, so a cold pair is skipped on the GPU.
+pub const COLD: u32 = u32::MAX;
+
+/// One routed (token, expert) pair computed on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ColdPair {
+    /// Row of the batch.
+    pub token: u32,
+    /// Top-k position (0..n_used): where the output goes in the fixed-order sum.
+    pub slot: u32,
+    pub expert: u32,
+    /// Scale of the output row: 1 when the GPU applies the router weight in its combine
+    /// (the contract above); the router weight for a CPU-only sum.
+    pub weight: f32,
+}
+
+/// The pairs of `ids` (`[n_tokens, n_used]`, as the router wrote them) whose expert is cold
+/// in `remap`, in pair order, with weight 1. Ids outside the table (padding) are skipped:
+/// they have no expert to run.
+pub fn cold_pairs(remap: &[u32], ids: &[u32], n_used: usize) -> Vec<ColdPair> {
+    let k = n_used.max(1);
+    ids.iter()
+        .enumerate()
+        .filter(|(_, &e)| remap.get(e as usize) == Some(&COLD))
+        .map(|(q, &e)| ColdPair {
+            token: (q / k) as u32,
+            slot: (q % k) as u32,
+            expert: e,
+            weight: 1.0,
+        })
+        .collect()
+}

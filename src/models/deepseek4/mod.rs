@@ -11,6 +11,7 @@
 //! (see `cpu.rs`).
 
 pub mod cpu;
+pub mod gpu;
 pub mod weights;
 
 use super::ModelFile;

@@ -292,8 +292,8 @@ impl<'a> Loader<'a> {
 
     /// Any weight: stored as it is, except the release's FP8 e4m3 linears (`X.weight` +
     /// `X.scale` E8M0 per 128×128 block), dequantized to f32 here.
-    // TODO(lead): the GPU path wants these in a stored type (requantize to Q8_0, or an FP8
-    // kernel); until a `Weight::Owned` variant exists this is the CPU reference's path.
+    // TODO(lead): the GPU gets these as f32 too (4× the bytes of FP8); it wants a stored
+    // type instead (an FP8 block-scaled matvec, or a requantization to Q8_0 as `Owned`).
     fn mat(&self, w: W, shape: &[u64]) -> Result<Weight<'a>> {
         let t = self.shaped(w, shape)?;
         if t.dtype != DType::F8_E4M3 {

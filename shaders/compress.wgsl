@@ -1,0 +1,311 @@
+// DeepSeek-V4 KV compression, lightning indexer and attention index lists (model.py
+// `Compressor`, `Indexer`, and the window ∪ compressed key set of `Attention`). Wrapper and
+// shapes: src/gpu/compress.rs; CPU reference: src/cpu/compress.rs.
+//
+// A compressor of ratio m turns every window of m tokens into one entry of d channels. Its
+// per-token rows (kv | score, each `width` = coff·d wide, coff = 2 when windows overlap) live
+// in a per-sequence ring `store` [cap][2·width]: position q in row q % cap.
+//
+// Entry points (one flag each):
+//   STORE   one thread per (token, element): store[(pos0+t) % cap] = src row t, the score
+//           half plus ape[(pos0+t) % m] (the absolute position bias inside the window).
+//   POOL    one workgroup per completed window w = w0 + k: per channel c, a softmax over the
+//           window's scores weighs its kv values (overlapping: the previous window's channels
+//           [0, d) and this window's [d, 2d), 2m rows; window 0 has no previous one), then
+//           RMSNorm · norm and RoPE (interleaved pairs on the last 2·n_freq channels) at the
+//           window's first position w·m. Out: f32 rows of d at out_off + k·d.
+//   SCORE   indexer scores: one workgroup per (token, 64 entries): for entry i visible to the
+//           token (i < (pos+1)/m) s = scale · Σ_h relu(q_h · k_i) · w_h, else −1e30.
+//   SELECT  one workgroup per token: the top k of the visible scores (ties to the lower
+//           index) into index-list slots [idx_off, idx_off + n_slots) as SRC_B | entry, the
+//           slots beyond min(k, visible) INVALID.
+//   INDEX   one thread per (token, slot) of the attention's key list: slots [0, n_win) are the
+//           window, newest first (ring row (pos − i) % ring, INVALID before position 0);
+//           with `fill_comp` the rest are the compressed entries i < (pos+1)/m in order.
+//
+// Grid: linear workgroup id = wid.x + wid.y * nwg.x (see gpu::grid).
+
+const INVALID = 0xffffffffu;
+const SRC_B = 0x80000000u;
+const NEG = -1.0e30;
+
+
+#if STORE
+const WG = 256u;
+struct Params {
+    n_tok: u32,
+    pos0: u32,        // position of token 0
+    ratio: u32,       // m
+    cap: u32,         // store rows
+    width: u32,       // coff·d: kv (and score) elements per row
+    src_off: u32,     // in elements
+    src_stride: u32,  // elements between tokens of src (rows of kv | score)
+    _pad: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> src: array<f32>;
+@group(0) @binding(2) var<storage, read> ape: array<f32>;
+@group(0) @binding(3) var<storage, read_write> store: array<f32>;
+
+@compute @workgroup_size(WG)
+fn store_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    let row = 2u * p.width;
+    if (i >= p.n_tok * row) { return; }
+    let t = i / row;
+    let c = i - t * row;
+    let pos = p.pos0 + t;
+    var v = src[p.src_off + t * p.src_stride + c];
+    if (c >= p.width) { v += ape[(pos % p.ratio) * p.width + c - p.width]; }
+    store[(pos % p.cap) * row + c] = v;
+}
+#endif
+
+#if POOL
+const WG = 128u;
+struct Params {
+    w0: u32,          // first window
+    n_win: u32,
+    ratio: u32,
+    cap: u32,         // store rows
+    d: u32,           // channels of an entry (= D)
+    width: u32,       // coff·d
+    overlap: u32,     // 1: ratio-4 style overlapping windows
+    n_freq: u32,      // rotated pairs at the end of the entry
+    out_off: u32,     // in elements
+    eps: f32,
+    _pad0: u32,
+    _pad1: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> store: array<f32>;
+@group(0) @binding(2) var<storage, read> norm_w: array<f32>;
+@group(0) @binding(3) var<storage, read> table: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+var<workgroup> ent: array<f32, D>;
+var<workgroup> red: array<f32, WG>;
+
+// High 32 bits of the 64-bit product a·b (as shaders/rope.wgsl).
+fn mul_hi(a: u32, b: u32) -> u32 {
+    let a0 = a & 0xffffu;
+    let a1 = a >> 16u;
+    let b0 = b & 0xffffu;
+    let b1 = b >> 16u;
+    let p01 = a0 * b1;
+    let p10 = a1 * b0;
+    let mid = ((a0 * b0) >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+    return a1 * b1 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
+}
+
+// (cos, sin) of u / 2^32 turns: exact octant reduction, then short polynomials (the method
+// and coefficients of shaders/rope.wgsl, so entries rotate exactly as keys do).
+fn cos_sin_turns(u: u32) -> vec2<f32> {
+    let v = u + 0x20000000u;
+    let q = v >> 30u;
+    let r = i32(v & 0x3fffffffu) - 0x20000000;
+    let t = f32(r) * 1.4629180792671596e-9;
+    let z = t * t;
+    let s = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * t + t;
+    let c = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z
+        - 0.5 * z + 1.0;
+    switch q {
+        case 0u: { return vec2<f32>(c, s); }
+        case 1u: { return vec2<f32>(-s, c); }
+        case 2u: { return vec2<f32>(-c, -s); }
+        default: { return vec2<f32>(s, -c); }
+    }
+}
+
+// Score and kv of position q, channel c of the store row.
+fn sc_at(q: u32, c: u32) -> f32 { return store[(q % p.cap) * 2u * p.width + p.width + c]; }
+fn kv_at(q: u32, c: u32) -> f32 { return store[(q % p.cap) * 2u * p.width + c]; }
+
+@compute @workgroup_size(WG)
+fn pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let k = wid.x + wid.y * nwg.x;
+    if (k >= p.n_win) { return; }
+    let w = p.w0 + k;
+    let m = p.ratio;
+    let d = p.d;
+    let overlap = p.overlap != 0u;
+    // Rows (position, channel offset) of the window: the previous window's [0, d) channels
+    // when overlapping (none before window 0), then this window's (offset d when overlapping).
+    let has_prev = overlap && w > 0u;
+    let cur_off = select(0u, d, overlap);
+    var ss = 0.0;
+    for (var c = lid; c < d; c += WG) {
+        var mx = NEG;
+        if (has_prev) {
+            for (var r = 0u; r < m; r++) { mx = max(mx, sc_at((w - 1u) * m + r, c)); }
+        }
+        for (var r = 0u; r < m; r++) { mx = max(mx, sc_at(w * m + r, cur_off + c)); }
+        var num = 0.0;
+        var den = 0.0;
+        if (has_prev) {
+            for (var r = 0u; r < m; r++) {
+                let q = (w - 1u) * m + r;
+                let e = exp(sc_at(q, c) - mx);
+                num += e * kv_at(q, c);
+                den += e;
+            }
+        }
+        for (var r = 0u; r < m; r++) {
+            let q = w * m + r;
+            let e = exp(sc_at(q, cur_off + c) - mx);
+            num += e * kv_at(q, cur_off + c);
+            den += e;
+        }
+        let v = num / den;
+        ent[c] = v;
+        ss += v * v;
+    }
+    red[lid] = ss;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (lid < s) { red[lid] += red[lid + s]; }
+        workgroupBarrier();
+    }
+    let rn = inverseSqrt(red[0] / f32(d) + p.eps);
+    for (var c = lid; c < d; c += WG) { ent[c] = ent[c] * rn * norm_w[c]; }
+    workgroupBarrier();
+    let n_freq = p.n_freq;
+    let rot = d - 2u * n_freq;
+    let pos = w * m;
+    for (var f = lid; f < n_freq; f += WG) {
+        let turns = pos * table[2u * f] + mul_hi(pos, table[2u * f + 1u]);
+        let cs = cos_sin_turns(turns);
+        let a = ent[rot + 2u * f];
+        let b = ent[rot + 2u * f + 1u];
+        ent[rot + 2u * f] = a * cs.x - b * cs.y;
+        ent[rot + 2u * f + 1u] = b * cs.x + a * cs.y;
+    }
+    workgroupBarrier();
+    for (var c = lid; c < d; c += WG) { out[p.out_off + k * d + c] = ent[c]; }
+}
+#endif
+
+#if SCORE
+const WG = 64u;
+struct Params {
+    n_tok: u32,
+    pos0: u32,
+    ratio: u32,
+    n_ent: u32,       // entries per score row
+    n_head: u32,
+    d: u32,           // indexer head size (= D)
+    scale: f32,       // d^-½ · n_head^-½
+    _pad: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> wts: array<f32>;
+@group(0) @binding(3) var<storage, read> keys: array<f32>;
+@group(0) @binding(4) var<storage, read_write> scores: array<f32>;
+
+var<workgroup> qs: array<f32, D>;
+
+@compute @workgroup_size(WG)
+fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+         @builtin(local_invocation_index) lid: u32) {
+    let gid = wid.x + wid.y * nwg.x;
+    let tiles = (p.n_ent + WG - 1u) / WG;
+    let t = gid / tiles;
+    if (t >= p.n_tok) { return; }
+    let i = (gid % tiles) * WG + lid;
+    let d = p.d;
+    let nh = p.n_head;
+    let n_vis = min((p.pos0 + t + 1u) / p.ratio, p.n_ent);
+    let live = i < n_vis;
+    var acc = 0.0;
+    for (var h = 0u; h < nh; h++) {
+        for (var c = lid; c < d; c += WG) { qs[c] = q[(t * nh + h) * d + c]; }
+        workgroupBarrier();
+        if (live) {
+            var dot = 0.0;
+            for (var c = 0u; c < d; c++) { dot += qs[c] * keys[i * d + c]; }
+            acc += max(dot, 0.0) * wts[t * nh + h];
+        }
+        workgroupBarrier();
+    }
+    if (i < p.n_ent) { scores[t * p.n_ent + i] = select(NEG, acc * p.scale, live); }
+}
+#endif
+
+#if SELECT
+const WG = 256u;
+struct Params {
+    n_tok: u32,
+    pos0: u32,
+    ratio: u32,
+    n_ent: u32,       // entries per score row
+    k: u32,
+    idx_stride: u32,  // slots per token of the index list
+    idx_off: u32,     // first slot this kernel owns
+    n_slots: u32,     // slots it owns (≥ min(k, visible entries))
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> scores: array<f32>;
+@group(0) @binding(2) var<storage, read_write> idx: array<u32>;
+
+@compute @workgroup_size(WG)
+fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let t = wid.x + wid.y * nwg.x;
+    if (t >= p.n_tok) { return; }
+    let n_vis = min((p.pos0 + t + 1u) / p.ratio, p.n_ent);
+    let k = p.k;
+    let row = t * p.n_ent;
+    let out = t * p.idx_stride + p.idx_off;
+    for (var i = lid; i < n_vis; i += WG) {
+        let v = scores[row + i];
+        var rank = 0u;
+        for (var j = 0u; j < n_vis; j++) {
+            let u = scores[row + j];
+            rank += select(0u, 1u, u > v || (u == v && j < i));
+        }
+        if (rank < k) { idx[out + rank] = SRC_B | i; }
+    }
+    for (var s = lid; s < p.n_slots; s += WG) {
+        if (s >= min(k, n_vis)) { idx[out + s] = INVALID; }
+    }
+}
+#endif
+
+#if INDEX
+const WG = 256u;
+struct Params {
+    n_tok: u32,
+    pos0: u32,
+    n_idx: u32,       // slots per token
+    n_win: u32,       // window slots (≤ window)
+    window: u32,
+    ring: u32,        // rows of the window ring
+    ratio: u32,       // compressed entries: i < (pos+1)/ratio (0: none)
+    fill_comp: u32,   // 1: write the compressed slots too (else the indexer owns them)
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> idx: array<u32>;
+
+@compute @workgroup_size(WG)
+fn index_list(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let g = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (g >= p.n_tok * p.n_idx) { return; }
+    let t = g / p.n_idx;
+    let i = g - t * p.n_idx;
+    let pos = p.pos0 + t;
+    var v = INVALID;
+    if (i < p.n_win) {
+        if (i <= pos && i < p.window) { v = (pos - i) % p.ring; }
+    } else if (p.fill_comp != 0u) {
+        let c = i - p.n_win;
+        if (p.ratio > 0u && c < (pos + 1u) / p.ratio) { v = SRC_B | c; }
+    } else {
+        return;
+    }
+    idx[g] = v;
+}
+#endif

@@ -1,0 +1,81 @@
+//! `lathe bench`: prefill and decode speed, llama-bench style (table or one JSON object on
+//! stdout; the adapter report and notes on stderr).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use lathe::bench::{self, BenchOptions};
+use lathe::engine::KvType;
+use lathe::gpu::AdapterChoice;
+use lathe::Result;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model: a GGUF file or a Hugging Face checkpoint directory.
+    #[arg(short, long, value_name = "PATH")]
+    pub model: PathBuf,
+    /// Prompt tokens of the prefill test (0: skip it).
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_name = "N",
+        default_value_t = 512
+    )]
+    pub n_prompt: usize,
+    /// Tokens of the decode test, one forward each with the logits read back (0: skip it).
+    #[arg(short = 'n', long = "n-gen", value_name = "N", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions of each test (mean ± standard deviation).
+    #[arg(
+        short = 'r',
+        long = "repetitions",
+        value_name = "N",
+        default_value_t = 5
+    )]
+    pub reps: usize,
+    /// Fill the context with this many tokens (untimed) before each test.
+    #[arg(short = 'd', long, value_name = "N", default_value_t = 0)]
+    pub depth: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
+    #[arg(long, value_name = "I", default_value = "auto")]
+    pub device: AdapterChoice,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    pub kv_type: KvType,
+    /// GPU memory for weights (24GiB, 512MiB, ...): accepted now, used once the expert
+    /// planner places experts by it.
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_mem: Option<String>,
+    /// Seed of the random token ids.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(m) = &a.gpu_mem {
+        eprintln!("note: --gpu-mem {m} is accepted but not used yet (every weight is uploaded)");
+    }
+    let opts = BenchOptions {
+        n_prompt: a.n_prompt,
+        n_gen: a.n_gen,
+        reps: a.reps,
+        depth: a.depth,
+        adapter: a.device,
+        kv_type: a.kv_type,
+        seed: a.seed,
+    };
+    let r = bench::run(&a.model, &opts)?;
+    eprintln!(
+        "adapter: {} ({}, {}); loaded in {:.2} s",
+        r.adapter, r.backend, r.device_type, r.load_s
+    );
+    if a.json {
+        println!("{}", r.json());
+    } else {
+        print!("{}", r.table());
+    }
+    Ok(())
+}

@@ -1,0 +1,369 @@
+//! `lathe plan`: where a MoE model's experts would live on this adapter (or a given memory
+//! size), what a decode step then reads from VRAM and from host memory, and the decode
+//! speed limit those bytes imply. Loads nothing onto the GPU.
+//!
+//! The limit is bandwidth arithmetic: `t_vram = vram bytes / --vram-bw`, `t_host = host bytes
+//! / --host-bw`; "serial" is `1 / (t_vram + t_host)` (CPU and GPU take turns), "overlapped"
+//! `1 / max(t_vram, t_host)` (the CPU's cold experts fully hidden behind the GPU, or the
+//! reverse). Defaults are measurements (FACTS.md): 4000 GB/s for the H200 (lathe's f32 matvec
+//! streams 4.34 TB/s through wgpu) and 20 GB/s for host reads of cold experts (what llama.cpp's
+//! CPU experts reached with 16 threads on the H200's host: 20 Q4_K_M layers at 50.6 tok/s).
+//! Pass your own measurements for other machines.
+//!
+//! KV, recurrent state and activation bytes are estimated here per architecture (the budget
+//! library takes them as inputs): Qwen3.5 family and DeepSeek-V4; other architectures count
+//! only weights and the margin.
+
+use clap::Args;
+use lathe::engine::KvType;
+use lathe::gpu::AdapterChoice;
+use lathe::inspect::human_bytes;
+use lathe::models::ModelFile;
+use lathe::moe::{
+    parse_size, AdapterMemory, Budget, BudgetInputs, ExpertStats, Fill, MoeInfo, Placement,
+};
+use lathe::{Error, Result};
+use std::fmt::Write;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Model: a GGUF file or a Hugging Face checkpoint directory.
+    #[arg(short, long, value_name = "PATH")]
+    pub model: PathBuf,
+    /// Adapter memory to plan for (24GiB, 512MiB, 1.5GB, ...); default: what lathe can tell
+    /// about the adapter (wgpu does not report memory; see `moe::budget`).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_mem: Option<String>,
+    /// Give each MoE layer this share of its experts as slots (0..1), overriding the budget.
+    #[arg(long, value_name = "F")]
+    pub gpu_experts: Option<f64>,
+    /// Context length the KV cache is sized for.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    pub ctx: u64,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    pub kv_type: KvType,
+    /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
+    #[arg(long, value_name = "FILE")]
+    pub stats: Option<PathBuf>,
+    /// Tokens per prefill pass the activations are sized for.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub batch: u64,
+    /// GPU adapter whose memory to plan for: `auto`, an index or a name substring.
+    #[arg(long, value_name = "I", default_value = "auto")]
+    pub device: AdapterChoice,
+    /// VRAM bandwidth in GB/s (measured H200 default).
+    #[arg(long, value_name = "GBPS", default_value_t = 4000.0)]
+    pub vram_bw: f64,
+    /// Host memory bandwidth the CPU reaches on cold experts, in GB/s.
+    #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
+    pub host_bw: f64,
+}
+
+/// Per-architecture byte estimates beside the weights.
+struct Needs {
+    kv_per_token: u64,
+    state: u64,
+    activations: u64,
+    note: Option<String>,
+}
+
+fn needs(f: &ModelFile, kv: KvType, batch: u64) -> Needs {
+    let kv_elem: u64 = match kv {
+        KvType::F16 => 2,
+        KvType::F32 => 4,
+    };
+    if let Ok(hp) = lathe::models::qwen35::Hparams::from_file(f) {
+        let n_attn = hp.recurrent.iter().filter(|r| !**r).count() as u64;
+        let n_gdn = hp.recurrent.len() as u64 - n_attn;
+        let kv_per_token = n_attn * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem;
+        // f32 recurrent state [Hv, dk, dv] and the conv's last K-1 inputs per GDN layer.
+        let state = n_gdn
+            * 4
+            * ((hp.n_v_heads * hp.d_k * hp.d_v) as u64
+                + (hp.conv_kernel.saturating_sub(1) * hp.conv_dim()) as u64);
+        let (k, ff, ne) = match &hp.moe {
+            Some(m) => (m.n_used, m.n_ff_exp.max(m.n_ff_shexp), m.n_expert),
+            None => (1, hp.n_ff, 0),
+        };
+        let att = hp.n_head * hp.head_dim;
+        // The forward's scratch rows (models/qwen35/gpu.rs `Scratch`), f32, plus logits.
+        let per_row = 2 * hp.n_embd
+            + 2 * hp.conv_dim()
+            + 2 * hp.v_dim()
+            + hp.v_dim().max(ff * k).max(att)
+            + 2 * hp.n_v_heads
+            + 4 * att
+            + 2 * hp.n_head_kv * hp.head_dim
+            + 2 * ff * k
+            + k * hp.n_embd
+            + ne
+            + 2 * k
+            + hp.n_vocab;
+        return Needs {
+            kv_per_token,
+            state,
+            activations: batch * per_row as u64 * 4,
+            note: None,
+        };
+    }
+    if let Ok(hp) = lathe::models::deepseek4::Hparams::from_file(f) {
+        let hd = hp.head_dim as u64;
+        let mut kv_per_token = 0u64;
+        let mut state = 0u64;
+        for &r in &hp.compress_ratio {
+            // Every layer keeps a sliding window of K=V rows; compressed layers add one entry
+            // per `r` positions (and the indexer's keys on ratio-4 layers).
+            state += hp.window as u64 * hd * kv_elem;
+            if r > 0 {
+                let r = r as u64;
+                kv_per_token += hd * kv_elem / r;
+                if r == 4 {
+                    kv_per_token += hp.ix_head_dim as u64 * kv_elem / r;
+                }
+            }
+        }
+        let per_row = 4 * hp.hc * hp.n_embd
+            + 2 * hp.n_head * hp.head_dim
+            + 2 * hp.n_used * hp.n_ff_exp.max(hp.n_ff_shexp)
+            + hp.n_used * hp.n_embd
+            + hp.n_expert
+            + hp.n_vocab;
+        return Needs {
+            kv_per_token,
+            state,
+            activations: batch * per_row as u64 * 4,
+            note: None,
+        };
+    }
+    Needs {
+        kv_per_token: 0,
+        state: 0,
+        activations: 0,
+        note: Some("unknown architecture: KV, state and activations not counted".into()),
+    }
+}
+
+/// The adapter `choice` names, without creating a device.
+fn adapter_info(choice: &AdapterChoice) -> Option<wgpu::AdapterInfo> {
+    let all = lathe::gpu::list_adapters();
+    match choice {
+        AdapterChoice::Auto => all.into_iter().next(),
+        AdapterChoice::Index(i) => all.into_iter().nth(*i),
+        AdapterChoice::Name(n) => {
+            let n = n.to_lowercase();
+            all.into_iter().find(|a| a.name.to_lowercase().contains(&n))
+        }
+    }
+}
+
+pub fn run(a: PlanArgs) -> Result<()> {
+    print!("{}", report(&a)?);
+    Ok(())
+}
+
+fn gbps(bytes: f64, bw: f64) -> f64 {
+    bytes / (bw * 1e9)
+}
+
+/// The whole report (stdout).
+pub fn report(a: &PlanArgs) -> Result<String> {
+    if !(a.vram_bw > 0.0 && a.host_bw > 0.0) {
+        return Err(Error::Invalid(
+            "--vram-bw and --host-bw must be positive (GB/s)".into(),
+        ));
+    }
+    let file = ModelFile::open(&a.model)?;
+    let info = MoeInfo::from_file(&file)?;
+    let gpu_mem = a.gpu_mem.as_deref().map(parse_size).transpose()?;
+    let (adapter, mem) = match (adapter_info(&a.device), gpu_mem) {
+        (Some(i), m) => (i.name.clone(), AdapterMemory::detect(&i, m)),
+        (None, Some(b)) => (
+            "(none found)".to_string(),
+            AdapterMemory {
+                bytes: b,
+                source: lathe::moe::MemSource::Flag,
+            },
+        ),
+        (None, None) => {
+            return Err(Error::Gpu(
+                "no GPU adapter found: pass --gpu-mem SIZE to plan for one".into(),
+            ))
+        }
+    };
+    let stats = match &a.stats {
+        Some(p) => {
+            let s = ExpertStats::load(p)?;
+            s.check(&info, p)?;
+            Some(s)
+        }
+        None => None,
+    };
+    let nd = needs(&file, a.kv_type, a.batch.max(1));
+    let budget = Budget::new(&BudgetInputs {
+        memory: mem.bytes,
+        weights: info.other_bytes,
+        kv_bytes_per_token: nd.kv_per_token,
+        ctx: a.ctx,
+        state_bytes: nd.state,
+        activation_bytes: nd.activations,
+        margin: None,
+    });
+    let fill = match a.gpu_experts {
+        Some(f) => Fill::Fraction(f),
+        None => Fill::Budget(budget.experts),
+    };
+    let placement = Placement::new(&info, fill, stats.as_ref())?;
+
+    let mut s = String::new();
+    let hb = human_bytes;
+    writeln!(
+        s,
+        "model: {} ({}): {} layers, {} MoE layers, top-{}",
+        info.path.display(),
+        info.arch,
+        info.n_layer,
+        info.layers.len(),
+        info.n_used
+    )
+    .ok();
+    writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
+    if let Some(n) = &nd.note {
+        writeln!(s, "note: {n}").ok();
+    }
+    writeln!(
+        s,
+        "budget (ctx {}, KV {:?}, batch {}):",
+        a.ctx, a.kv_type, a.batch
+    )
+    .ok();
+    for (what, b) in [
+        ("non-expert weights", budget.weights),
+        ("KV cache", budget.kv),
+        ("recurrent state", budget.state),
+        ("activations", budget.activations),
+        ("safety margin", budget.margin),
+        ("left for experts", budget.experts),
+    ] {
+        writeln!(s, "  {what:<20} {:>12}", hb(b)).ok();
+    }
+    if !budget.fits() {
+        writeln!(
+            s,
+            "  DOES NOT FIT: {} short beside the experts",
+            hb(budget.shortfall)
+        )
+        .ok();
+    }
+    if info.layers.is_empty() {
+        writeln!(s, "no routed experts: nothing to place").ok();
+        return Ok(s);
+    }
+    writeln!(
+        s,
+        "routed experts: {} in all; placement by {}{}:",
+        hb(info.expert_bytes()),
+        match fill {
+            Fill::Fraction(f) => format!("--gpu-experts {f}"),
+            Fill::Budget(_) => "budget".into(),
+        },
+        if stats.is_some() {
+            " and routing statistics"
+        } else {
+            ""
+        }
+    )
+    .ok();
+    for (g, grp) in placement.groups.iter().enumerate() {
+        let sh: Vec<String> = grp
+            .shapes
+            .iter()
+            .zip(["gate", "up", "down"])
+            .map(|(m, k)| format!("{k} {} {}x{}", m.dtype, m.rows, m.cols))
+            .collect();
+        writeln!(
+            s,
+            "  arena group {g}: {}; {} per slot, {} slots, {}",
+            sh.join(", "),
+            hb(grp.slot_bytes()),
+            grp.n_slots,
+            hb(grp.bytes())
+        )
+        .ok();
+    }
+    let traffic = placement.traffic(&info, stats.as_ref());
+    writeln!(
+        s,
+        "  {:>5} {:>7} {:>6} {:>6} {:>12} {:>12} {:>9}",
+        "layer", "experts", "slots", "group", "slot bytes", "arena bytes", "hot picks"
+    )
+    .ok();
+    for ((lp, m), t) in placement.layers.iter().zip(&info.layers).zip(&traffic) {
+        writeln!(
+            s,
+            "  {:>5} {:>7} {:>6} {:>6} {:>12} {:>12} {:>9.3}",
+            lp.layer,
+            lp.n_expert,
+            lp.n_slots(),
+            lp.group,
+            m.expert_bytes(),
+            m.expert_bytes() * lp.n_slots() as u64,
+            t.hot_picks
+        )
+        .ok();
+    }
+    let arena = placement.arena_bytes();
+    writeln!(s, "  arena total: {}", hb(arena)).ok();
+    if arena > budget.experts {
+        writeln!(
+            s,
+            "  warning: the arena exceeds the budget by {}",
+            hb(arena - budget.experts)
+        )
+        .ok();
+    }
+    let hot: f64 = traffic.iter().map(|t| t.vram_bytes).sum();
+    let cold: f64 = traffic.iter().map(|t| t.host_bytes).sum();
+    let kv_read = (nd.kv_per_token * a.ctx + nd.state) as f64;
+    let vram = info.other_decode_bytes as f64 + hot + kv_read;
+    writeln!(
+        s,
+        "decode step ({} routing):",
+        if stats.is_some() {
+            "measured"
+        } else {
+            "uniform"
+        }
+    )
+    .ok();
+    writeln!(
+        s,
+        "  VRAM reads: {} (weights {}, hot experts {}, KV + state at ctx {} {})",
+        hb(vram as u64),
+        hb(info.other_decode_bytes),
+        hb(hot as u64),
+        a.ctx,
+        hb(kv_read as u64)
+    )
+    .ok();
+    writeln!(s, "  host reads: {} (cold experts)", hb(cold as u64)).ok();
+    let (tv, th) = (gbps(vram, a.vram_bw), gbps(cold, a.host_bw));
+    writeln!(
+        s,
+        "limit (VRAM {} GB/s, host {} GB/s): {:.1} tok/s serial, {:.1} tok/s overlapped \
+         (VRAM alone {:.1}, host alone {})",
+        a.vram_bw,
+        a.host_bw,
+        1.0 / (tv + th),
+        1.0 / tv.max(th),
+        1.0 / tv,
+        if th > 0.0 {
+            format!("{:.1}", 1.0 / th)
+        } else {
+            "-".into()
+        }
+    )
+    .ok();
+    Ok(s)
+}

@@ -1,0 +1,121 @@
+//! `lathe serve`: the OpenAI-compatible HTTP server (see `lathe::server`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use lathe::engine::{KvType, LoadOptions};
+use lathe::gpu::AdapterChoice;
+use lathe::server::ServerConfig;
+use lathe::Result;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model: a GGUF file (the first part of a split one) or a Hugging Face checkpoint
+    /// directory.
+    #[arg(short, long, value_name = "PATH")]
+    pub model: PathBuf,
+    /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed on stderr).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Requests generated at once, each with its own sequence (KV cache and state).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub parallel: usize,
+    /// Requests that may wait for a free slot; more are refused with 429.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub queue: usize,
+    /// Prompt tokens fed per step over all requests in prefill, so a long prompt delays the
+    /// other requests' next token by at most this much work.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Context length of each slot: prompt + reply tokens.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    pub ctx: usize,
+    /// Longest prompt accepted, in tokens (default: the context length - 1).
+    #[arg(long, value_name = "N")]
+    pub max_prompt_tokens: Option<usize>,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 8 << 20)]
+    pub max_body: usize,
+    /// Wall-clock limit of one request in seconds, queueing included.
+    #[arg(long, value_name = "S", default_value_t = 600.0)]
+    pub timeout: f64,
+    /// Require `Authorization: Bearer KEY` on every route but /health (also read from
+    /// LATHE_API_KEY).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// A tokenizer.json to use instead of the vocabulary in the model file.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// A Jinja chat template file to use instead of the model's.
+    #[arg(long, value_name = "PATH")]
+    pub chat_template: Option<PathBuf>,
+    /// The model's name in /v1/models and in responses (default: the file name).
+    #[arg(long, value_name = "NAME")]
+    pub alias: Option<String>,
+    /// `auto`: `<think>` blocks go to `reasoning_content`; `none`: they stay in `content`.
+    #[arg(long, value_name = "FORMAT", default_value = "auto", value_parser = ["auto", "none"])]
+    pub reasoning_format: String,
+    /// After SIGINT/SIGTERM, seconds that requests in flight get to finish.
+    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    pub shutdown_grace: f64,
+    /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
+    #[arg(long, value_name = "I", default_value = "auto")]
+    pub device: AdapterChoice,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    pub kv_type: KvType,
+    /// Testing aid: wait this many milliseconds before loading the model.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub debug_load_delay_ms: u64,
+}
+
+fn seconds(flag: &str, s: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| lathe::Error::Invalid(format!("--{flag} {s}: expected seconds >= 0")))
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let mut cfg = ServerConfig::new(a.model);
+    let total_shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Upload progress in tenths, on stderr (a server's log, not a terminal bar).
+    let progress: lathe::engine::Progress = Arc::new(move |done, total| {
+        let tenth = if total == 0 { 10 } else { done * 10 / total };
+        let prev = total_shown.fetch_max(tenth, std::sync::atomic::Ordering::Relaxed);
+        if tenth > prev {
+            eprintln!("lathe serve: loading {}%", tenth * 10);
+        }
+    });
+    cfg.load = LoadOptions {
+        adapter: a.device,
+        kv_type: a.kv_type,
+        ctx: a.ctx,
+        // One live sequence per slot.
+        max_seqs: a.parallel.max(1),
+        progress: Some(progress),
+    };
+    cfg.host = a.host;
+    cfg.port = a.port;
+    cfg.parallel = a.parallel;
+    cfg.queue = a.queue;
+    cfg.prefill_chunk = a.prefill_chunk;
+    cfg.ctx = a.ctx;
+    cfg.max_prompt_tokens = a.max_prompt_tokens.unwrap_or(usize::MAX);
+    cfg.max_body_bytes = a.max_body;
+    cfg.timeout = seconds("timeout", a.timeout)?;
+    cfg.api_key = a
+        .api_key
+        .or_else(|| std::env::var("LATHE_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    cfg.tokenizer = a.tokenizer;
+    cfg.chat_template = a.chat_template;
+    cfg.alias = a.alias;
+    cfg.reasoning = a.reasoning_format == "auto";
+    cfg.shutdown_grace = seconds("shutdown-grace", a.shutdown_grace)?;
+    cfg.load_delay = Duration::from_millis(a.debug_load_delay_ms);
+    lathe::server::run(cfg)
+}

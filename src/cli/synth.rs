@@ -1,0 +1,160 @@
+//! `lathe synth`: write a random-weight GGUF with a released model's exact layout.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use clap::Args;
+use lathe::inspect::human_bytes;
+use lathe::synth::{self, FileType, PlanOptions, Vocab};
+use lathe::{Error, Result};
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Model shape: demo, qwen3.5-0.8b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b,
+    /// qwen3.5-35b-a3b, qwen3.5-122b-a10b, deepseek-v4-flash.
+    #[arg(long, value_name = "NAME")]
+    pub preset: String,
+    /// File type as llama-quantize names it: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1,
+    /// q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, mxfp4_moe (default: q4_k_m; q8_0 with MXFP4
+    /// experts for deepseek-v4-flash).
+    #[arg(long = "type", value_name = "TYPE")]
+    pub ftype: Option<FileType>,
+    /// Keep only the first N layers (a shortened model of the same width).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// Expert popularity skew: 0 routes uniformly; S > 0 scales the router rows of a few
+    /// experts per layer by up to 1 + S so they are picked far more often.
+    #[arg(long, value_name = "S", default_value_t = 0.0)]
+    pub skew: f32,
+    /// A tokenizer.json (or .json.gz), or a GGUF to copy `tokenizer.ggml.*` from: makes the
+    /// model a chat model (the vocabulary size follows the tokenizer).
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// Chat template (Jinja) to store; default: the tokenizer's own, else ChatML.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Vocabulary size of a model without tokenizer (default: the preset's).
+    #[arg(long, value_name = "N")]
+    pub vocab: Option<usize>,
+    /// Seed of the random weights (the same seed gives the same file).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Print a JSON summary on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Plan only: print the summary (sizes included) and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Output file.
+    #[arg(short, long, value_name = "FILE.gguf")]
+    pub out: PathBuf,
+}
+
+pub fn run(a: SynthArgs) -> Result<()> {
+    let preset = synth::preset(&a.preset)?;
+    let vocab = match &a.tokenizer {
+        None => {
+            if let Some(t) = &a.chat_template {
+                return Err(Error::Invalid(format!(
+                    "--chat-template {}: needs --tokenizer (a model without vocabulary has no chat)",
+                    t.display()
+                )));
+            }
+            None
+        }
+        Some(path) => {
+            let mut v = Vocab::load(path)?;
+            if let Some(t) = &a.chat_template {
+                let text = std::fs::read_to_string(t).map_err(|e| Error::io(t, e))?;
+                lathe::tokenizer::ChatTemplate::new(&text)
+                    .map_err(|e| Error::format(t, e.to_string()))?;
+                v.chat_template = Some(text);
+            } else if v.chat_template.is_none() {
+                v.chat_template = Some(lathe::tokenizer::CHATML.to_string());
+            }
+            Some(v)
+        }
+    };
+    if a.tokenizer.is_some() && a.vocab.is_some() {
+        return Err(Error::Invalid(
+            "--vocab: the vocabulary size follows --tokenizer".into(),
+        ));
+    }
+    let opts = PlanOptions {
+        ftype: a.ftype,
+        n_layer: a.layers,
+        skew: a.skew,
+        n_vocab: a.vocab,
+        ..Default::default()
+    };
+    let plan = synth::plan(&preset, &opts, vocab.as_ref())?;
+    let total = plan.data_bytes();
+    let summary = |bytes: u64, seconds: f64| {
+        serde_json::json!({
+            "path": a.out.display().to_string(),
+            "preset": preset.name,
+            "arch": plan.arch,
+            "type": plan.ftype.name(),
+            "layers": plan.n_layer,
+            "vocab": plan.n_vocab,
+            "tensors": plan.tensors.len(),
+            "bytes": bytes,
+            "data_bytes": total,
+            "expert_bytes": plan.expert_bytes(),
+            "seconds": seconds,
+            "mb_s": bytes as f64 / 1e6 / seconds.max(1e-9),
+        })
+    };
+    if a.dry_run {
+        eprintln!(
+            "would write {}: {} {} layers, {} tensors, {}, {} of tensor data",
+            a.out.display(),
+            plan.arch,
+            plan.n_layer,
+            plan.tensors.len(),
+            plan.ftype,
+            human_bytes(total)
+        );
+        if a.json {
+            println!("{}", summary(total, 0.0));
+        }
+        return Ok(());
+    }
+    let bar = if std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_message(format!("writing {}", a.out.display()));
+        Some(b)
+    } else {
+        None
+    };
+    let progress = |done: u64, _total: u64| {
+        if let Some(b) = &bar {
+            b.set_position(done);
+        }
+    };
+    let stats = plan.write(&a.out, a.seed, Some(&progress))?;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    eprintln!(
+        "wrote {}: {} {} layers, {} tensors, {}, {} in {:.1} s ({:.0} MB/s)",
+        a.out.display(),
+        plan.arch,
+        plan.n_layer,
+        plan.tensors.len(),
+        plan.ftype,
+        human_bytes(stats.bytes),
+        stats.seconds,
+        stats.mb_per_s()
+    );
+    if a.json {
+        println!("{}", summary(stats.bytes, stats.seconds));
+    }
+    Ok(())
+}

@@ -1,0 +1,438 @@
+//! The GPU side of MoE models bigger than VRAM (`shaders/moe.wgsl`): the expert arena, the
+//! per-layer remap tables, the kernels that map router ids to slots and put the CPU's cold
+//! rows in place, and the one readback per MoE layer. The recipe that ties them into a
+//! forward is in `moe/mod.rs`. CPU references: `moe::remap_ids`, a plain scatter, and the
+//! arena's bytes against the mmap.
+
+use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
+use crate::moe::{ExpertWeights, Kind, Placement};
+use crate::{Error, Result};
+
+const SRC: &str = include_str!("../../shaders/moe.wgsl");
+const WG: u32 = 256;
+
+/// Uniforms of `moe.wgsl` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n: u32,          // remap: ids; scatter_rows: rows; copy_bytes: destination words
+    n_expert: u32,   // remap: table entries
+    width: u32,      // scatter_rows: words per row
+    n_out: u32,      // scatter_rows: rows of the output
+    in_off: u32,     // words
+    out_off: u32,    // words
+    out_stride: u32, // words
+    tab_off: u32,    // words
+    byte_off: u32,   // bytes
+    n_bytes: u32,    // bytes
+    _pad: [u32; 2],
+}
+const _: () = assert!(std::mem::size_of::<Params>() == 48);
+
+fn pipe(gpu: &Gpu, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+    gpu.pipeline(&PipelineSpec::new(format!("moe_{entry}"), SRC, entry))
+}
+
+fn words_check(what: &str, buf: &wgpu::Buffer, end_words: u64) -> Result<()> {
+    if end_words * 4 > buf.size() || end_words > u32::MAX as u64 {
+        return Err(Error::Invalid(format!(
+            "moe: {what} needs {end_words} words, its buffer holds {}",
+            buf.size() / 4
+        )));
+    }
+    Ok(())
+}
+
+/// One arena group on the GPU: gate, up, down as `[n_slots, rows, cols]` tensors in the
+/// stored type, split into parts of whole slots (binding limit), so `matvec_indexed` /
+/// `matmul_indexed` read them with slot ids.
+pub struct ArenaTensors {
+    pub gate: GpuTensor,
+    pub up: GpuTensor,
+    pub down: GpuTensor,
+    pub n_slots: u32,
+}
+
+impl ArenaTensors {
+    pub fn get(&self, kind: Kind) -> &GpuTensor {
+        match kind {
+            Kind::Gate => &self.gate,
+            Kind::Up => &self.up,
+            Kind::Down => &self.down,
+        }
+    }
+}
+
+/// The model-wide expert arena: one [`ArenaTensors`] per placement group (`None` for a
+/// group without slots).
+pub struct ExpertArena {
+    pub groups: Vec<Option<ArenaTensors>>,
+}
+
+/// A zeroed `[n_slots, rows, cols]` tensor in parts of at most the binding limit.
+fn arena_tensor(
+    gpu: &Gpu,
+    name: String,
+    s: crate::moe::MatShape,
+    n_slots: u32,
+) -> Result<GpuTensor> {
+    let eb = s.bytes();
+    let max = gpu.max_binding() & !3;
+    if eb > max {
+        return Err(Error::Gpu(format!(
+            "{name}: one expert matrix of {eb} bytes exceeds the binding limit {max}"
+        )));
+    }
+    let per_part = (max / eb).max(1);
+    let mut parts = Vec::new();
+    let mut s0 = 0u64;
+    while s0 < n_slots as u64 {
+        let n = per_part.min(n_slots as u64 - s0);
+        // ≥ 16 bytes: the matvec kernels view weights as 16-byte vectors.
+        let buffer = gpu.buffer((n * eb).max(16), &name)?;
+        parts.push(TensorPart {
+            buffer,
+            row_start: s0 * s.rows,
+            n_rows: n * s.rows,
+        });
+        s0 += n;
+    }
+    Ok(GpuTensor {
+        name,
+        dtype: s.dtype,
+        shape: vec![n_slots as u64, s.rows, s.cols],
+        parts,
+    })
+}
+
+impl ExpertArena {
+    /// Allocate every group's slots (zeroed; [`fill`](Self::fill) uploads the placement).
+    pub fn new(gpu: &Gpu, placement: &Placement) -> Result<ExpertArena> {
+        let mut groups = Vec::with_capacity(placement.groups.len());
+        for (g, grp) in placement.groups.iter().enumerate() {
+            if grp.n_slots == 0 {
+                groups.push(None);
+                continue;
+            }
+            let t = |i: usize| {
+                arena_tensor(
+                    gpu,
+                    format!("moe.arena.g{g}.{}", Kind::ALL[i].name()),
+                    grp.shapes[i],
+                    grp.n_slots,
+                )
+            };
+            groups.push(Some(ArenaTensors {
+                gate: t(0)?,
+                up: t(1)?,
+                down: t(2)?,
+                n_slots: grp.n_slots,
+            }));
+        }
+        Ok(ExpertArena { groups })
+    }
+
+    /// Group `g`'s tensors (`None` when it has no slots).
+    pub fn group(&self, g: usize) -> Option<&ArenaTensors> {
+        self.groups.get(g).and_then(Option::as_ref)
+    }
+
+    /// Copy expert `expert` of `w` (its three matrices, stored bytes from the mmap) into
+    /// slot `slot` of group `g`. Ordered before the next submission and after everything
+    /// submitted so far. Slots whose size is a multiple of 4 bytes take one
+    /// `queue.write_buffer` per matrix; others go through a staging buffer and the
+    /// `copy_bytes` kernel (one submission), which keeps the neighbouring slots' bytes.
+    pub fn write_expert(
+        &self,
+        gpu: &Gpu,
+        g: usize,
+        slot: u32,
+        w: &ExpertWeights<'_>,
+        expert: u32,
+    ) -> Result<()> {
+        let at = self
+            .group(g)
+            .ok_or_else(|| Error::Invalid(format!("moe arena: group {g} has no slots")))?;
+        if slot >= at.n_slots || expert as usize >= w.n_expert() {
+            return Err(Error::Invalid(format!(
+                "moe arena: slot {slot} of {} / expert {expert} of {} (layer {})",
+                at.n_slots,
+                w.n_expert(),
+                w.layer
+            )));
+        }
+        let mut pass: Option<Pass<'_>> = None;
+        for kind in Kind::ALL {
+            let t = at.get(kind);
+            let m = w.mats(kind);
+            if m.shape.dtype != t.dtype || [m.shape.rows, m.shape.cols] != [t.shape[1], t.shape[2]]
+            {
+                return Err(Error::Invalid(format!(
+                    "moe arena: layer {} {} experts are {}x{} {}, group {g} holds {:?} {}",
+                    w.layer,
+                    kind.name(),
+                    m.shape.rows,
+                    m.shape.cols,
+                    m.shape.dtype,
+                    &t.shape[1..],
+                    t.dtype
+                )));
+            }
+            let eb = m.shape.bytes();
+            let row0 = slot as u64 * m.shape.rows;
+            let part = t
+                .parts
+                .iter()
+                .find(|p| (p.row_start..p.row_start + p.n_rows).contains(&row0))
+                .expect("arena parts cover every slot");
+            let off = (row0 - part.row_start) / m.shape.rows * eb;
+            let bytes = m.expert(expert as usize);
+            if eb.is_multiple_of(4) {
+                gpu.write(&part.buffer, off, bytes);
+            } else {
+                let staging = gpu.upload(bytes, "moe.arena.staging")?;
+                let first = off / 4;
+                let end = (off + eb).div_ceil(4);
+                let prm = Params {
+                    n: (end - first) as u32,
+                    byte_off: off as u32,
+                    n_bytes: eb as u32,
+                    ..Default::default()
+                };
+                if off + eb > u32::MAX as u64 {
+                    return Err(Error::Gpu(format!(
+                        "{}: part beyond 4 GiB with unaligned slots",
+                        t.name
+                    )));
+                }
+                let p = pass.get_or_insert_with(|| gpu.pass());
+                p.dispatch(
+                    &pipe(gpu, "copy_bytes")?,
+                    "moe_copy_bytes",
+                    &prm,
+                    &[(&staging).into(), Binding::from(&part.buffer)],
+                    grid(prm.n.div_ceil(WG)),
+                );
+            }
+        }
+        if let Some(p) = pass {
+            p.submit()?;
+        }
+        Ok(())
+    }
+
+    /// Upload every hot expert of `placement` (`weights` in `placement.layers` order).
+    pub fn fill(
+        &self,
+        gpu: &Gpu,
+        placement: &Placement,
+        weights: &[ExpertWeights<'_>],
+    ) -> Result<()> {
+        if weights.len() != placement.layers.len() {
+            return Err(Error::Invalid(format!(
+                "moe arena: {} layers of weights for {} MoE layers",
+                weights.len(),
+                placement.layers.len()
+            )));
+        }
+        for (lp, w) in placement.layers.iter().zip(weights) {
+            for (e, s) in lp.hot() {
+                self.write_expert(gpu, lp.group, s, w, e)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every MoE layer's remap table (`u32 [n_expert]`: slot or `COLD`) in one buffer.
+pub struct RemapTables {
+    pub buffer: wgpu::Buffer,
+    /// (model layer, first word, n_expert).
+    layers: Vec<(usize, u32, u32)>,
+}
+
+impl RemapTables {
+    /// Upload the tables of `placement`.
+    pub fn new(gpu: &Gpu, placement: &Placement) -> Result<RemapTables> {
+        let mut words = Vec::new();
+        let mut layers = Vec::new();
+        for lp in &placement.layers {
+            layers.push((lp.layer, words.len() as u32, lp.remap.len() as u32));
+            words.extend_from_slice(&lp.remap);
+        }
+        let buffer = gpu.upload(bytemuck::cast_slice(&words), "moe.remap")?;
+        Ok(RemapTables { buffer, layers })
+    }
+
+    /// (first word, n_expert) of model layer `layer`'s table.
+    pub fn table(&self, layer: usize) -> Option<(u32, u32)> {
+        self.layers
+            .iter()
+            .find(|l| l.0 == layer)
+            .map(|&(_, o, n)| (o, n))
+    }
+
+    /// Replace `layer`'s table (e.g. with `ResidencyCache::remap(layer)` after uploads);
+    /// ordered before the next submission.
+    pub fn write(&self, gpu: &Gpu, layer: usize, remap: &[u32]) -> Result<()> {
+        let (off, n) = self.table(layer).ok_or_else(|| {
+            Error::Invalid(format!("moe remap: layer {layer} is not a MoE layer"))
+        })?;
+        if remap.len() != n as usize {
+            return Err(Error::Invalid(format!(
+                "moe remap: layer {layer} has {n} experts, table of {}",
+                remap.len()
+            )));
+        }
+        gpu.write(&self.buffer, off as u64 * 4, bytemuck::cast_slice(remap));
+        Ok(())
+    }
+}
+
+/// `slots[slots_off + i] = table_L[ids[ids_off + i]]` for `i < n` (`COLD` for ids outside the
+/// table): router ids → arena slot ids of layer `layer`. `ids` and `slots` u32 buffers (must
+/// be different buffers).
+#[allow(clippy::too_many_arguments)]
+pub fn remap(
+    pass: &mut Pass<'_>,
+    tables: &RemapTables,
+    layer: usize,
+    ids: &wgpu::Buffer,
+    ids_off: u32,
+    slots: &wgpu::Buffer,
+    slots_off: u32,
+    n: u32,
+) -> Result<()> {
+    let (tab_off, n_expert) = tables
+        .table(layer)
+        .ok_or_else(|| Error::Invalid(format!("moe remap: layer {layer} is not a MoE layer")))?;
+    words_check("remap ids", ids, ids_off as u64 + n as u64)?;
+    words_check("remap slots", slots, slots_off as u64 + n as u64)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let prm = Params {
+        n,
+        n_expert,
+        in_off: ids_off,
+        out_off: slots_off,
+        tab_off,
+        ..Default::default()
+    };
+    pass.dispatch(
+        &pipe(pass.gpu(), "remap")?,
+        "moe_remap",
+        &prm,
+        &[(&tables.buffer).into(), Binding::from(slots), ids.into()],
+        grid(n.div_ceil(WG)),
+    );
+    Ok(())
+}
+
+/// Row r < n_rows of `rows` (f32 `[n_rows, width]` from `rows_off`) goes to row
+/// `index[index_off + r]` of `out` (at `out_off + row·out_stride`); index values ≥ `n_out`
+/// are skipped. Puts the CPU's cold expert rows into the per-pair buffer: `index` =
+/// `token·n_used + slot` of each cold pair, `n_out` = `n_tokens·n_used`.
+#[allow(clippy::too_many_arguments)]
+pub fn scatter_rows(
+    pass: &mut Pass<'_>,
+    rows: &wgpu::Buffer,
+    rows_off: u32,
+    index: &wgpu::Buffer,
+    index_off: u32,
+    n_rows: u32,
+    width: u32,
+    out: &wgpu::Buffer,
+    out_off: u32,
+    out_stride: u32,
+    n_out: u32,
+) -> Result<()> {
+    if n_rows == 0 || width == 0 {
+        return Ok(());
+    }
+    if out_stride < width {
+        return Err(Error::Invalid(format!(
+            "moe scatter: stride {out_stride} below the row width {width}"
+        )));
+    }
+    let total = n_rows as u64 * width as u64;
+    if total > u32::MAX as u64 {
+        return Err(Error::Invalid(format!(
+            "moe scatter: {n_rows} rows of {width}"
+        )));
+    }
+    words_check("scatter rows", rows, rows_off as u64 + total)?;
+    words_check("scatter index", index, index_off as u64 + n_rows as u64)?;
+    words_check(
+        "scatter output",
+        out,
+        out_off as u64 + (n_out.max(1) as u64 - 1) * out_stride as u64 + width as u64,
+    )?;
+    let prm = Params {
+        n: n_rows,
+        width,
+        n_out,
+        in_off: rows_off,
+        out_off,
+        out_stride,
+        tab_off: index_off,
+        ..Default::default()
+    };
+    pass.dispatch(
+        &pipe(pass.gpu(), "scatter_rows")?,
+        "moe_scatter_rows",
+        &prm,
+        &[rows.into(), Binding::from(out), index.into()],
+        grid((total as u32).div_ceil(WG)),
+    );
+    Ok(())
+}
+
+/// The one readback of a MoE layer with cold experts: `n_ids` u32 at word `ids_off` of `ids`
+/// and `n_x` f32 at element `x_off` of `x`, through one staging buffer, one submission and
+/// one wait (everything submitted before is finished when it returns).
+pub fn read_back(
+    gpu: &Gpu,
+    ids: (&wgpu::Buffer, u32, u32),
+    x: (&wgpu::Buffer, u32, u32),
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (ib, io, ni) = ids;
+    let (xb, xo, nx) = x;
+    words_check("readback ids", ib, io as u64 + ni as u64)?;
+    words_check("readback rows", xb, xo as u64 + nx as u64)?;
+    let (ilen, xlen) = (ni as u64 * 4, nx as u64 * 4);
+    let staging = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("moe.readback"),
+        size: (ilen + xlen).max(4),
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    if ilen > 0 {
+        enc.copy_buffer_to_buffer(ib, io as u64 * 4, &staging, 0, ilen);
+    }
+    if xlen > 0 {
+        enc.copy_buffer_to_buffer(xb, xo as u64 * 4, &staging, ilen, xlen);
+    }
+    gpu.queue.submit([enc.finish()]);
+    let slice = staging.slice(..);
+    let (tx, rx) = std::sync::mpsc::channel();
+    slice.map_async(wgpu::MapMode::Read, move |r| {
+        let _ = tx.send(r);
+    });
+    gpu.wait()?;
+    rx.recv()
+        .map_err(|_| Error::Gpu("moe readback: map callback never ran".into()))?
+        .map_err(|e| Error::Gpu(format!("moe readback: {e}")))?;
+    let (ids_v, x_v) = {
+        let data = slice
+            .get_mapped_range()
+            .map_err(|e| Error::Gpu(format!("moe readback: {e:?}")))?;
+        (
+            bytemuck::pod_collect_to_vec(&data[..ilen as usize]),
+            bytemuck::pod_collect_to_vec(&data[ilen as usize..(ilen + xlen) as usize]),
+        )
+    };
+    staging.unmap();
+    Ok((ids_v, x_v))
+}

@@ -1,0 +1,180 @@
+//! Score-function MoE router of DeepSeek-V3/V4 (`shaders/router.wgsl`): scores by softmax,
+//! sigmoid or sqrt(softplus); top-k of score + bias, or a hash table's ids; weights =
+//! the chosen unbiased scores, renormalised, times `route_scale`. CPU reference:
+//! `cpu::router::route`.
+
+use super::elementwise::View;
+use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
+use crate::{DType, Error, Result};
+
+const SRC: &str = include_str!("../../shaders/router.wgsl");
+/// Most experts one router handles (workgroup memory: 3 × 4 bytes each).
+pub const MAX_EXPERTS: u32 = 1024;
+
+/// Uniforms of `router.wgsl` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n_tok: u32,
+    n_exp: u32,
+    k: u32,
+    func: u32,
+    /// In elements.
+    logits_off: u32,
+    logits_stride: u32,
+    out_off: u32,
+    out_stride: u32,
+    /// In u32 elements.
+    tok_off: u32,
+    has_bias: u32,
+    hash: u32,
+    renorm: u32,
+    route_scale: f32,
+    _pad: [u32; 3],
+}
+const _: () = assert!(std::mem::size_of::<Params>() == 64);
+
+/// Score function (model.py `score_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoreFn {
+    Softmax,
+    Sigmoid,
+    SqrtSoftplus,
+}
+
+/// How experts are chosen.
+#[derive(Clone, Copy)]
+pub enum Select<'a> {
+    /// Top-k of score + `bias` (F32 [n_exp]) when given.
+    TopK { bias: Option<&'a GpuTensor> },
+    /// Row `tokens[tok_off + t]` of `table` (F32 expert ids [vocab, k]).
+    Hash {
+        table: &'a GpuTensor,
+        tokens: &'a wgpu::Buffer,
+        tok_off: u32,
+    },
+}
+
+/// One router call over `n_tok` rows of `logits` (rows of `n_exp`); writes `ids` (u32) and
+/// `weights` (f32) rows of `k`.
+#[allow(clippy::too_many_arguments)]
+pub fn route(
+    pass: &mut Pass<'_>,
+    n_tok: u32,
+    n_exp: u32,
+    k: u32,
+    func: ScoreFn,
+    select: Select<'_>,
+    renorm: bool,
+    route_scale: f32,
+    logits: View<'_>,
+    ids: View<'_>,
+    weights: View<'_>,
+) -> Result<()> {
+    if n_exp == 0 || n_exp > MAX_EXPERTS || k == 0 || k > n_exp {
+        return Err(Error::Invalid(format!(
+            "router: {n_exp} experts (1..={MAX_EXPERTS}), k = {k}"
+        )));
+    }
+    if n_tok == 0 {
+        return Ok(());
+    }
+    logits.check("router", "logits", n_tok, n_exp)?;
+    ids.check("router", "ids", n_tok, k)?;
+    weights.check("router", "weights", n_tok, k)?;
+    if ids.stride_for(k) != weights.stride_for(k) || ids.off != weights.off {
+        return Err(Error::Invalid(
+            "router: ids and weights must share offset and stride".into(),
+        ));
+    }
+    let f32_of = |w: &GpuTensor, n: u64| -> Result<()> {
+        if w.dtype != DType::F32 || w.n_rows() * w.row_len() != n || w.parts.len() != 1 {
+            return Err(Error::Invalid(format!(
+                "router: `{}` is {} {:?}, expected F32 with {n} elements in one buffer",
+                w.name, w.dtype, w.shape
+            )));
+        }
+        Ok(())
+    };
+    // Unused bindings get a buffer the dispatch already reads (the layout keeps them all).
+    let stand_in = logits.buf;
+    let (bias, table, tokens, tok_off, has_bias, hash) = match select {
+        Select::TopK { bias } => {
+            if let Some(b) = bias {
+                f32_of(b, n_exp as u64)?;
+            }
+            (
+                bias.map_or(stand_in, |b| &b.parts[0].buffer),
+                stand_in,
+                stand_in,
+                0,
+                bias.is_some(),
+                false,
+            )
+        }
+        Select::Hash {
+            table,
+            tokens,
+            tok_off,
+        } => {
+            if table.dtype != DType::F32 || table.row_len() != k as u64 || table.parts.len() != 1 {
+                return Err(Error::Invalid(format!(
+                    "router: hash table `{}` is {} {:?}, expected F32 [vocab, {k}] in one buffer",
+                    table.name, table.dtype, table.shape
+                )));
+            }
+            if (tok_off as u64 + n_tok as u64) * 4 > tokens.size() {
+                return Err(Error::Invalid(
+                    "router: token ids run past their buffer".into(),
+                ));
+            }
+            (
+                stand_in,
+                &table.parts[0].buffer,
+                tokens,
+                tok_off,
+                false,
+                true,
+            )
+        }
+    };
+    let ne = n_exp.next_power_of_two().max(64);
+    let pl = pass
+        .gpu()
+        .pipeline(&PipelineSpec::new(format!("router_ne{ne}"), SRC, "main").define("NE", ne))?;
+    let params = Params {
+        n_tok,
+        n_exp,
+        k,
+        func: match func {
+            ScoreFn::Softmax => 0,
+            ScoreFn::Sigmoid => 1,
+            ScoreFn::SqrtSoftplus => 2,
+        },
+        logits_off: logits.off,
+        logits_stride: logits.stride_for(n_exp),
+        out_off: ids.off,
+        out_stride: ids.stride_for(k),
+        tok_off,
+        has_bias: has_bias as u32,
+        hash: hash as u32,
+        renorm: renorm as u32,
+        route_scale,
+        _pad: [0; 3],
+    };
+    pass.dispatch(
+        &pl,
+        "router",
+        &params,
+        &[
+            Binding::from(logits.buf),
+            bias.into(),
+            table.into(),
+            tokens.into(),
+            ids.buf.into(),
+            weights.buf.into(),
+        ],
+        grid(n_tok),
+    );
+    Ok(())
+}

@@ -1,0 +1,659 @@
+//! The engine thread: it alone owns the [`Engine`] and `n` slots, each a sequence with the
+//! tokens it holds. Requests wait in a bounded queue and take a free slot between steps.
+//!
+//! One step runs every active slot once: a decoding slot feeds its last sampled token, a
+//! prefilling slot feeds the next piece of its prompt. Prompt tokens per step are capped
+//! (`prefill_chunk`, shared by all prefilling slots), so a long prompt delays the others'
+//! next token by at most one chunk's work. The step's work, a list of (slot, tokens), goes
+//! to the GPU as one batched forward ([`Engine::forward_batch`]) in [`run_batch`].
+//!
+//! A slot keeps its tokens after a request ends: a later request whose prompt starts with all
+//! of them feeds only the rest (the cache of a multi-turn chat). A slot whose tokens are not a
+//! prefix is reset: recurrent layers cannot be rolled back to a shorter prefix.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::engine::{Engine, Seq, Want};
+use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::{Error, Result};
+
+/// One request for the engine thread.
+pub struct Job {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    /// Tokens to sample at most (already capped by the context length).
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// None = no log-probabilities; Some(k) = the chosen token's and the k most likely.
+    pub logprobs: Option<usize>,
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-generation tokens do not end it: it runs to `max_tokens`.
+    pub ignore_eos: bool,
+    pub deadline: Instant,
+    pub events: UnboundedSender<Event>,
+}
+
+/// The log-probability of one sampled token (natural log, of the model's distribution
+/// before sampling settings), and the `top` most likely tokens with theirs.
+#[derive(Clone, Debug)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why a generation ended, in the API's terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+/// What the engine thread tells a request's handler, in order: `Started`, any number of
+/// `Delta`s, then `Done` or `Error`.
+#[derive(Debug)]
+pub enum Event {
+    Started {
+        n_cached: usize,
+    },
+    /// Text that is now safe to show (it may be empty) and the token sampled this step.
+    Delta {
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        finish: Finish,
+        n_prompt: usize,
+        n_cached: usize,
+        n_generated: usize,
+    },
+    Error {
+        message: String,
+        /// `timeout` or `internal`.
+        code: &'static str,
+    },
+}
+
+/// Settings of the engine thread.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub n_slots: usize,
+    pub queue: usize,
+    pub prefill_chunk: usize,
+    /// Most tokens a slot may hold (prompt + generated).
+    pub ctx: usize,
+}
+
+/// Filled by the engine thread once the model is loaded.
+pub struct Loaded {
+    pub tokenizer: Arc<Tokenizer>,
+    pub vocab: usize,
+}
+
+/// State the HTTP side reads.
+#[derive(Default)]
+pub struct Shared {
+    pub loaded: OnceLock<Loaded>,
+    /// Set when loading failed or the engine thread ended: the server cannot generate.
+    pub failed: Mutex<Option<String>>,
+    pub active: AtomicUsize,
+    pub queued: AtomicUsize,
+}
+
+impl Shared {
+    pub fn failure(&self) -> Option<String> {
+        self.failed.lock().ok().and_then(|f| f.clone())
+    }
+}
+
+/// Why a job was not queued.
+#[derive(Debug)]
+pub enum SubmitError {
+    Full,
+    Closed,
+}
+
+/// The HTTP side's handle on the engine thread.
+#[derive(Clone)]
+pub struct Scheduler {
+    tx: SyncSender<Job>,
+    pub shared: Arc<Shared>,
+}
+
+impl Scheduler {
+    pub fn submit(&self, job: Job) -> std::result::Result<(), SubmitError> {
+        self.shared.queued.fetch_add(1, Ordering::Relaxed);
+        let r = self.tx.try_send(job);
+        if r.is_err() {
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        match r {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(SubmitError::Full),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Closed),
+        }
+    }
+}
+
+/// Starts the engine thread; `load` runs on it and makes the engine and its tokenizer. The
+/// thread ends when every [`Scheduler`] is dropped and the last active request is done.
+pub fn start(
+    cfg: SchedulerConfig,
+    load: impl FnOnce() -> Result<(Engine, Tokenizer)> + Send + 'static,
+    on_loaded: impl FnOnce(std::result::Result<(), String>) + Send + 'static,
+) -> (Scheduler, std::thread::JoinHandle<()>) {
+    let (tx, rx) = std::sync::mpsc::sync_channel(cfg.queue.max(1));
+    let shared = Arc::new(Shared::default());
+    let sh = shared.clone();
+    let handle = std::thread::Builder::new()
+        .name("lathe-engine".into())
+        .spawn(move || {
+            let fail = |sh: &Shared, msg: String| {
+                if let Ok(mut f) = sh.failed.lock() {
+                    *f = Some(msg);
+                }
+            };
+            let setup = load().and_then(|(engine, tok)| {
+                let slots = (0..cfg.n_slots.max(1))
+                    .map(|_| Slot::new(&engine))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((engine, Arc::new(tok), slots))
+            });
+            let (engine, tokenizer, slots) = match setup {
+                Ok(x) => x,
+                Err(e) => {
+                    fail(&sh, e.to_string());
+                    on_loaded(Err(e.to_string()));
+                    return;
+                }
+            };
+            let _ = sh.loaded.set(Loaded {
+                tokenizer: tokenizer.clone(),
+                vocab: engine.vocab_size(),
+            });
+            on_loaded(Ok(()));
+            let mut w = Worker {
+                cfg,
+                engine,
+                tokenizer,
+                slots,
+                rx,
+                shared: sh.clone(),
+                clock: 0,
+            };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.run()));
+            let why = match r {
+                Ok(()) => "the engine thread has stopped".to_string(),
+                Err(_) => "the engine thread crashed (internal error)".to_string(),
+            };
+            fail(&sh, why);
+        })
+        .expect("spawning the engine thread");
+    (Scheduler { tx, shared }, handle)
+}
+
+/// A sequence and the tokens it holds.
+struct Slot {
+    seq: Seq,
+    /// The tokens `seq` has consumed, in order.
+    history: Vec<u32>,
+    /// The sequence may hold more than `history` says (a forward failed half-way).
+    stale: bool,
+    /// For picking the least recently used free slot.
+    last_used: u64,
+    active: Option<Active>,
+}
+
+impl Slot {
+    fn new(engine: &Engine) -> Result<Slot> {
+        Ok(Slot {
+            seq: engine.new_seq()?,
+            history: Vec::new(),
+            stale: false,
+            last_used: 0,
+            active: None,
+        })
+    }
+
+    /// How many tokens of `prompt` this slot already holds and can keep.
+    fn reusable(&self, prompt: &[u32]) -> usize {
+        let n = self.history.len();
+        if !self.stale && n < prompt.len() && prompt[..n] == self.history[..] {
+            n
+        } else {
+            0
+        }
+    }
+}
+
+/// A request running in a slot.
+struct Active {
+    job: Job,
+    /// Tokens to feed next: the rest of the prompt, then each sampled token.
+    feed: Vec<u32>,
+    prefilling: bool,
+    n_cached: usize,
+    n_generated: usize,
+    sampler: Sampler,
+    stop: StopCondition,
+    decoder: StreamDecoder,
+    started: Instant,
+    first_token: Option<Duration>,
+}
+
+/// What a slot feeds this step.
+struct Work {
+    slot: usize,
+    tokens: Vec<u32>,
+    /// The logits of the last token are needed (to sample from them).
+    want: bool,
+}
+
+struct Worker {
+    cfg: SchedulerConfig,
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    slots: Vec<Slot>,
+    rx: Receiver<Job>,
+    shared: Arc<Shared>,
+    clock: u64,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        loop {
+            if !self.admit() {
+                return;
+            }
+            self.drop_finished_or_expired();
+            let work = self.plan();
+            if work.is_empty() {
+                continue;
+            }
+            let results = run_batch(&mut self.engine, &mut self.slots, &work);
+            self.absorb(work, results);
+        }
+    }
+
+    fn n_active(&self) -> usize {
+        self.slots.iter().filter(|s| s.active.is_some()).count()
+    }
+
+    /// Moves queued jobs into free slots. Blocks while nothing is active. Returns false when
+    /// the server is gone and nothing is left to do.
+    fn admit(&mut self) -> bool {
+        while self.slots.iter().any(|s| s.active.is_none()) {
+            let job = if self.n_active() == 0 {
+                match self.rx.recv_timeout(Duration::from_millis(500)) {
+                    Ok(j) => j,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return false,
+                }
+            } else {
+                match self.rx.try_recv() {
+                    Ok(j) => j,
+                    Err(_) => return true,
+                }
+            };
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            if job.events.is_closed() {
+                continue;
+            }
+            if Instant::now() >= job.deadline {
+                let _ = job.events.send(Event::Error {
+                    message: "the request timed out waiting in the queue".into(),
+                    code: "timeout",
+                });
+                continue;
+            }
+            self.start_job(job);
+        }
+        true
+    }
+
+    fn start_job(&mut self, job: Job) {
+        // The free slot holding the longest reusable prefix; else the least recently used.
+        let free = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.active.is_none());
+        let best = free
+            .max_by_key(|(_, s)| (s.reusable(&job.prompt), std::cmp::Reverse(s.last_used)))
+            .map(|(i, _)| i);
+        let Some(i) = best else { return };
+        self.clock += 1;
+        let slot = &mut self.slots[i];
+        slot.last_used = self.clock;
+        let n_cached = slot.reusable(&job.prompt);
+        if n_cached == 0 && (slot.stale || !slot.history.is_empty()) {
+            if let Err(e) = self.engine.reset(&mut slot.seq) {
+                let _ = job.events.send(Event::Error {
+                    message: format!("resetting the sequence failed: {e}"),
+                    code: "internal",
+                });
+                return;
+            }
+            slot.history.clear();
+            slot.stale = false;
+        }
+        let eog = if job.ignore_eos {
+            Vec::new()
+        } else {
+            self.tokenizer.eog_ids()
+        };
+        let _ = job.events.send(Event::Started { n_cached });
+        slot.active = Some(Active {
+            feed: job.prompt[n_cached..].to_vec(),
+            prefilling: true,
+            n_cached,
+            n_generated: 0,
+            sampler: Sampler::new(job.sampler.clone()),
+            stop: StopCondition::new(Some(job.max_tokens), job.stop.clone(), eog),
+            decoder: StreamDecoder::new(),
+            started: Instant::now(),
+            first_token: None,
+            job,
+        });
+        self.shared.active.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Frees the slots of requests whose client has gone, and ends those past their deadline.
+    fn drop_finished_or_expired(&mut self) {
+        let now = Instant::now();
+        for slot in &mut self.slots {
+            let Some(a) = &slot.active else { continue };
+            if a.job.events.is_closed() {
+                eprintln!("lathe serve: {} cancelled (client gone)", a.job.id);
+            } else if now >= a.job.deadline {
+                let _ = a.job.events.send(Event::Error {
+                    message: "the request timed out".into(),
+                    code: "timeout",
+                });
+            } else {
+                continue;
+            }
+            slot.active = None;
+            self.shared.active.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// This step's work: every decoding slot's token, then prompt pieces up to the chunk.
+    fn plan(&self) -> Vec<Work> {
+        let mut work = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(a) = &s.active {
+                if !a.prefilling {
+                    work.push(Work {
+                        slot: i,
+                        tokens: a.feed.clone(),
+                        want: true,
+                    });
+                }
+            }
+        }
+        let mut budget = self.cfg.prefill_chunk.max(1);
+        // Oldest request first, so a stream of short prompts cannot starve a long one.
+        let mut pre: Vec<(usize, Instant)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.active
+                    .as_ref()
+                    .filter(|a| a.prefilling)
+                    .map(|a| (i, a.started))
+            })
+            .collect();
+        pre.sort_by_key(|p| p.1);
+        for (i, _) in pre {
+            if budget == 0 {
+                break;
+            }
+            let feed = &self.slots[i].active.as_ref().expect("prefilling slot").feed;
+            let n = feed.len().min(budget);
+            budget -= n;
+            work.push(Work {
+                slot: i,
+                tokens: feed[..n].to_vec(),
+                want: n == feed.len(),
+            });
+        }
+        work
+    }
+
+    /// Takes the step's logits: advances prompts, samples, streams, finishes.
+    fn absorb(&mut self, work: Vec<Work>, results: Vec<Result<Vec<f32>>>) {
+        // (slot, logits) of the slots that sample this step.
+        let mut to_sample: Vec<(usize, Vec<f32>)> = Vec::new();
+        for (w, r) in work.into_iter().zip(results) {
+            let slot = &mut self.slots[w.slot];
+            let Some(a) = slot.active.as_mut() else {
+                continue;
+            };
+            match r {
+                Ok(logits) => {
+                    slot.history.extend_from_slice(&w.tokens);
+                    a.feed.drain(..w.tokens.len());
+                    if a.feed.is_empty() {
+                        a.prefilling = false;
+                        to_sample.push((w.slot, logits));
+                    }
+                }
+                Err(e) => {
+                    let _ = a.job.events.send(Event::Error {
+                        message: format!("the forward pass failed: {e}"),
+                        code: "internal",
+                    });
+                    eprintln!("lathe serve: {}: forward failed: {e}", a.job.id);
+                    slot.active = None;
+                    slot.stale = true;
+                    self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
+        // Sampling costs O(vocab) per slot: in parallel over slots.
+        let mut picks: Vec<(usize, u32, Option<TokenLogprob>)> = {
+            let slots = &mut self.slots;
+            let mut refs: Vec<(usize, &mut Slot, Vec<f32>)> = Vec::with_capacity(to_sample.len());
+            let mut by_slot: Vec<Option<Vec<f32>>> = (0..slots.len()).map(|_| None).collect();
+            for (i, l) in to_sample {
+                by_slot[i] = Some(l);
+            }
+            for (i, s) in slots.iter_mut().enumerate() {
+                if let Some(l) = by_slot[i].take() {
+                    refs.push((i, s, l));
+                }
+            }
+            refs.into_par_iter()
+                .map(|(i, s, mut logits)| {
+                    let a = s.active.as_mut().expect("sampling slot is active");
+                    let (id, lp) = sample_one(a, &s.history, &mut logits);
+                    (i, id, lp)
+                })
+                .collect()
+        };
+        picks.sort_by_key(|p| p.0);
+        for (i, id, logprob) in picks {
+            self.emit(i, id, logprob);
+        }
+    }
+
+    /// Streams one sampled token and ends the request when it was the last.
+    fn emit(&mut self, i: usize, id: u32, logprob: Option<TokenLogprob>) {
+        let ctx = self.cfg.ctx;
+        let slot = &mut self.slots[i];
+        let Some(a) = slot.active.as_mut() else {
+            return;
+        };
+        a.n_generated += 1;
+        if a.first_token.is_none() {
+            a.first_token = Some(a.started.elapsed());
+        }
+        let piece = a.decoder.push(&self.tokenizer, id);
+        let step = a.stop.push(id, &piece);
+        let mut text = step.text;
+        let mut finish = step.finish.map(|f| match f {
+            FinishReason::Length => Finish::Length,
+            _ => Finish::Stop,
+        });
+        // The next forward would pass the context length.
+        if finish.is_none() && slot.history.len() >= ctx {
+            text.push_str(&a.stop.finish());
+            finish = Some(Finish::Length);
+        }
+        if finish == Some(Finish::Length) {
+            text.push_str(&a.decoder.flush());
+        }
+        let sent = a.job.events.send(Event::Delta { text, logprob }).is_ok();
+        match finish {
+            Some(finish) => {
+                // Free the slot before saying so: a client that reads `Done` and asks
+                // /health sees it free.
+                let a = slot.active.take().expect("active slot");
+                self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                log_done(&a, finish);
+                let _ = a.job.events.send(Event::Done {
+                    finish,
+                    n_prompt: a.job.prompt.len(),
+                    n_cached: a.n_cached,
+                    n_generated: a.n_generated,
+                });
+            }
+            None if !sent => {
+                eprintln!("lathe serve: {} cancelled (client gone)", a.job.id);
+                slot.active = None;
+                self.shared.active.fetch_sub(1, Ordering::Relaxed);
+            }
+            None => a.feed = vec![id],
+        }
+    }
+}
+
+fn log_done(a: &Active, finish: Finish) {
+    let total = a.started.elapsed();
+    let ttft = a.first_token.unwrap_or(total);
+    let decode = total.saturating_sub(ttft).as_secs_f64();
+    let rate = if a.n_generated > 1 && decode > 0.0 {
+        format!(" ({:.1} tok/s)", (a.n_generated - 1) as f64 / decode)
+    } else {
+        String::new()
+    };
+    eprintln!(
+        "lathe serve: {} prompt {} ({} cached), generated {}{rate}, first token {:.0} ms, {:?}",
+        a.job.id,
+        a.job.prompt.len(),
+        a.n_cached,
+        a.n_generated,
+        ttft.as_secs_f64() * 1e3,
+        finish
+    );
+}
+
+/// Samples the next token of `a` from `logits` [vocab]; `history` is everything the slot
+/// holds (prompt and generated tokens), for the penalties.
+fn sample_one(a: &mut Active, history: &[u32], logits: &mut [f32]) -> (u32, Option<TokenLogprob>) {
+    for &(id, b) in &a.job.logit_bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += b;
+        }
+    }
+    let raw = a.job.logprobs.map(|_| logits.to_vec());
+    let id = a.sampler.sample(logits, history);
+    let lp = raw.map(|raw| logprob_of(&raw, id, a.job.logprobs.unwrap_or(0)));
+    (id, lp)
+}
+
+/// log-softmax of `logits` at `id`, and the `k` largest entries with theirs.
+pub fn logprob_of(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| ((x - max) as f64).exp())
+        .sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |x: f32| (x as f64 - lse) as f32;
+    let top = crate::sample::top_k(logits, k.max(1))
+        .into_iter()
+        .take(k)
+        .map(|(t, l)| (t, lp(l)))
+        .collect();
+    TokenLogprob {
+        id,
+        logprob: logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top,
+    }
+}
+
+/// Runs one step's work in one batched forward: `work[i].tokens` through
+/// `slots[work[i].slot]` (each slot at most once), returning per item the logits of its last
+/// token [vocab] when it asked for them (`want`), else an empty vector. A failed pass leaves
+/// every sequence in it in an unknown state: they are all marked stale.
+fn run_batch(engine: &mut Engine, slots: &mut [Slot], work: &[Work]) -> Vec<Result<Vec<f32>>> {
+    let result = {
+        let mut seqs: Vec<Option<&mut Seq>> = slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
+        let mut items: Vec<(&mut Seq, &[u32], Want)> = work
+            .iter()
+            .map(|w| {
+                let seq = seqs[w.slot].take().expect("a slot appears once in a step");
+                let want = if w.want { Want::Last } else { Want::None };
+                (seq, w.tokens.as_slice(), want)
+            })
+            .collect();
+        engine.forward_batch(&mut items)
+    };
+    match result {
+        Ok(out) if out.len() == work.len() => out.into_iter().map(Ok).collect(),
+        Ok(out) => {
+            for w in work {
+                slots[w.slot].stale = true;
+            }
+            let msg = format!(
+                "the batch returned {} results for {} sequences",
+                out.len(),
+                work.len()
+            );
+            work.iter().map(|_| Err(Error::Gpu(msg.clone()))).collect()
+        }
+        Err(e) => {
+            for w in work {
+                slots[w.slot].stale = true;
+            }
+            let msg = e.to_string();
+            work.iter().map(|_| Err(Error::Gpu(msg.clone()))).collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax() {
+        let l = [1.0f32, 3.0, 2.0, f32::NAN];
+        let t = logprob_of(&l, 2, 2);
+        let z: f64 = [1.0f64, 3.0, 2.0].iter().map(|x| x.exp()).sum();
+        assert!((t.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((t.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        assert!(logprob_of(&l, 1, 0).top.is_empty());
+    }
+}

@@ -1,0 +1,324 @@
+//! Shapes of the released models synth imitates, plus a small demo.
+//!
+//! Numbers from the models' own `config.json` files (Qwen3.5: `text_config`; DeepSeek-V4:
+//! the release's flat config), as collected in `../shared/design/FACTS.md`. The tokenizer
+//! and vision tower are not part of the shape: synth writes the text model only, as
+//! `convert_hf_to_gguf.py --no-mtp` does (no MTP layers).
+
+use super::ftype::FileType;
+use crate::{Error, Result};
+
+/// A Qwen3.5 / 3.6 text model (`qwen35`, or `qwen35moe` with `moe`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QwenDims {
+    pub n_embd: usize,
+    pub n_layer: usize,
+    /// Dense FFN width (unused by MoE models).
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Rotated dims per head (a quarter of the head in the releases).
+    pub rope_dim: usize,
+    /// Gated DeltaNet key heads (`ssm.group_count`) and value heads (`ssm.time_step_rank`).
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+    pub conv_kernel: usize,
+    /// Layer i is full attention iff (i + 1) % interval == 0.
+    pub full_attention_interval: usize,
+    pub n_vocab: usize,
+    /// No `output.weight`: the embedding doubles as the output head.
+    pub tied: bool,
+    pub ctx: usize,
+    pub rope_theta: f32,
+    pub eps: f32,
+    pub moe: Option<QwenMoe>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct QwenMoe {
+    pub n_expert: usize,
+    pub n_used: usize,
+    pub n_ff_exp: usize,
+    pub n_ff_shexp: usize,
+}
+
+/// DeepSeek-V4 (`deepseek4`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DsDims {
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub rope_dim: usize,
+    pub q_lora: usize,
+    pub o_groups: usize,
+    pub o_lora: usize,
+    pub n_expert: usize,
+    pub n_used: usize,
+    pub n_ff_exp: usize,
+    pub n_shared: usize,
+    pub window: usize,
+    pub ix_heads: usize,
+    pub ix_dim: usize,
+    pub ix_top_k: usize,
+    /// Per layer: 0 (sliding window only), 4 (overlapping compressor + indexer) or 128.
+    pub compress_ratios: Vec<u32>,
+    /// The first this-many layers route by `tid2eid[token]`.
+    pub n_hash: usize,
+    pub hc: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub n_vocab: usize,
+    pub ctx: usize,
+    pub rope_theta: f32,
+    pub compress_rope_theta: f32,
+    pub yarn: Option<Yarn>,
+    pub eps: f32,
+    pub route_scale: f32,
+    pub swiglu_limit: f32,
+}
+
+/// YaRN of the compressed layers (`rope.scaling.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Yarn {
+    pub factor: f32,
+    pub orig_ctx: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Dims {
+    Qwen35(QwenDims),
+    Deepseek4(DsDims),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Preset {
+    /// The `--preset` name.
+    pub name: String,
+    /// `general.name`.
+    pub display: String,
+    pub dims: Dims,
+    pub default_type: FileType,
+    /// Small enough for lavapipe: the vocabulary follows a given tokenizer exactly.
+    pub demo: bool,
+}
+
+/// Qwen3.5's vocabulary (the embedding rows; the tokenizer has a few hundred fewer ids).
+pub const QWEN35_VOCAB: usize = 248_320;
+/// DeepSeek-V4's vocabulary.
+pub const DSV4_VOCAB: usize = 129_280;
+
+/// The names `--preset` takes.
+pub const PRESET_NAMES: &[&str] = &[
+    "demo",
+    "qwen3.5-0.8b",
+    "qwen3.5-4b",
+    "qwen3.5-9b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-122b-a10b",
+    "deepseek-v4-flash",
+];
+
+/// Everything the Qwen3.5 releases share: 256-wide attention heads rotating a quarter,
+/// GDN heads of 128, conv kernel 4, full attention every fourth layer, theta 1e7.
+fn qwen(
+    n_embd: usize,
+    n_layer: usize,
+    n_ff: usize,
+    heads: (usize, usize),
+    gdn_heads: (usize, usize),
+    tied: bool,
+    moe: Option<QwenMoe>,
+) -> QwenDims {
+    QwenDims {
+        n_embd,
+        n_layer,
+        n_ff,
+        n_head: heads.0,
+        n_head_kv: heads.1,
+        head_dim: 256,
+        rope_dim: 64,
+        n_k_heads: gdn_heads.0,
+        n_v_heads: gdn_heads.1,
+        d_k: 128,
+        d_v: 128,
+        conv_kernel: 4,
+        full_attention_interval: 4,
+        n_vocab: QWEN35_VOCAB,
+        tied,
+        ctx: 262_144,
+        rope_theta: 1e7,
+        eps: 1e-6,
+        moe,
+    }
+}
+
+fn moe(n_ff_exp: usize) -> Option<QwenMoe> {
+    Some(QwenMoe {
+        n_expert: 256,
+        n_used: 8,
+        n_ff_exp,
+        n_ff_shexp: n_ff_exp,
+    })
+}
+
+/// DeepSeek-V4-Flash: 43 layers, ratios 0, 0, then 4 / 128 alternating, the last 4.
+fn deepseek_v4_flash() -> DsDims {
+    let n_layer = 43;
+    let compress_ratios = (0..n_layer)
+        .map(|i| match i {
+            0 | 1 => 0,
+            i if i % 2 == 0 => 4,
+            _ => 128,
+        })
+        .collect();
+    DsDims {
+        n_embd: 4096,
+        n_layer,
+        n_head: 64,
+        head_dim: 512,
+        rope_dim: 64,
+        q_lora: 1024,
+        o_groups: 8,
+        o_lora: 1024,
+        n_expert: 256,
+        n_used: 6,
+        n_ff_exp: 2048,
+        n_shared: 1,
+        window: 128,
+        ix_heads: 64,
+        ix_dim: 128,
+        ix_top_k: 512,
+        compress_ratios,
+        n_hash: 3,
+        hc: 4,
+        sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        n_vocab: DSV4_VOCAB,
+        ctx: 1_048_576,
+        rope_theta: 10_000.0,
+        compress_rope_theta: 160_000.0,
+        yarn: Some(Yarn {
+            factor: 16.0,
+            orig_ctx: 65_536,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }),
+        eps: 1e-6,
+        route_scale: 1.5,
+        swiglu_limit: 10.0,
+    }
+}
+
+/// The preset called `name` (see [`PRESET_NAMES`]).
+pub fn preset(name: &str) -> Result<Preset> {
+    let q = |display: &str, dims: QwenDims| Preset {
+        name: name.to_string(),
+        display: display.to_string(),
+        dims: Dims::Qwen35(dims),
+        default_type: FileType::Q4_K_M,
+        demo: false,
+    };
+    Ok(match name.to_ascii_lowercase().as_str() {
+        // Qwen3.5 architecture at lavapipe scale: 3 GDN layers and 1 attention layer, heads
+        // of 64, every matrix row a whole number of 256-blocks so Q4_K_M needs no fallback.
+        "demo" => Preset {
+            name: "demo".into(),
+            display: "Lathe Demo".into(),
+            dims: Dims::Qwen35(QwenDims {
+                n_embd: 256,
+                n_layer: 4,
+                n_ff: 512,
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+                rope_dim: 16,
+                n_k_heads: 2,
+                n_v_heads: 4,
+                d_k: 64,
+                d_v: 64,
+                conv_kernel: 4,
+                full_attention_interval: 4,
+                n_vocab: QWEN35_VOCAB,
+                tied: false,
+                ctx: 32_768,
+                rope_theta: 1e7,
+                eps: 1e-6,
+                moe: None,
+            }),
+            default_type: FileType::Q4_K_M,
+            demo: true,
+        },
+        // The small releases tie the output head to the embedding (0.8B's config says
+        // tie_word_embeddings: true; the 4B is taken to do the same).
+        "qwen3.5-0.8b" => q(
+            "Qwen3.5 0.8B",
+            qwen(1024, 24, 3584, (8, 2), (16, 16), true, None),
+        ),
+        "qwen3.5-4b" => q(
+            "Qwen3.5 4B",
+            qwen(2560, 32, 9216, (16, 4), (16, 32), true, None),
+        ),
+        "qwen3.5-9b" => q(
+            "Qwen3.5 9B",
+            qwen(4096, 32, 12288, (16, 4), (16, 32), false, None),
+        ),
+        "qwen3.5-27b" => q(
+            "Qwen3.5 27B",
+            qwen(5120, 64, 17408, (24, 4), (16, 48), false, None),
+        ),
+        "qwen3.5-35b-a3b" => q(
+            "Qwen3.5 35B A3B",
+            qwen(2048, 40, 0, (16, 2), (16, 32), false, moe(512)),
+        ),
+        "qwen3.5-122b-a10b" => q(
+            "Qwen3.5 122B A10B",
+            qwen(3072, 48, 0, (32, 2), (16, 64), false, moe(1024)),
+        ),
+        // llama.cpp's own V4 files: Q8_0 with the routed experts kept in MXFP4.
+        "deepseek-v4-flash" => Preset {
+            name: name.to_string(),
+            display: "DeepSeek V4 Flash".into(),
+            dims: Dims::Deepseek4(deepseek_v4_flash()),
+            default_type: FileType::Q8_0,
+            demo: false,
+        },
+        _ => {
+            return Err(Error::Invalid(format!(
+                "--preset {name}: expected one of {}",
+                PRESET_NAMES.join(", ")
+            )))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_builds() {
+        for n in PRESET_NAMES {
+            let p = preset(n).unwrap();
+            assert_eq!(&p.name, n);
+        }
+        assert!(preset("qwen3.5-1t").is_err());
+    }
+
+    #[test]
+    fn flash_ratios_follow_the_release() {
+        let Dims::Deepseek4(d) = preset("deepseek-v4-flash").unwrap().dims else {
+            panic!("not deepseek4")
+        };
+        assert_eq!(d.compress_ratios.len(), 43);
+        assert_eq!(&d.compress_ratios[..6], &[0, 0, 4, 128, 4, 128]);
+        assert_eq!(d.compress_ratios[42], 4);
+        assert_eq!(d.compress_ratios.iter().filter(|&&r| r == 4).count(), 21);
+    }
+}

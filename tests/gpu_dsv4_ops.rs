@@ -1,0 +1,486 @@
+//! DeepSeek-V4's own GPU kernels against their CPU references: hyper-connections
+//! (`gpu::hc` vs `cpu::hc`), the score router (`gpu::router` vs `cpu::router`), the KV
+//! compressor, indexer and attention key lists (`gpu::compress` vs `cpu::compress`).
+//! Sizes: odd ones (hc 3, 257-wide rows, ratio 3, 13 entries) and the release's (hc 4 ×
+//! 4096, 256 experts top-6 with bias, 384 hash-routed, 512-wide entries at ratios 4 and 128,
+//! indexer 64 heads × 128 choosing 512 of 1000). Tolerance: |err| ≤ 1e-4·(1 + |ref|) for
+//! f32 math against the f64 references unless stated; ids and index lists exactly.
+
+use lathe::cpu;
+use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
+use lathe::gpu::elementwise::View;
+use lathe::gpu::hc::{self, HcShape, HcWeights};
+use lathe::gpu::rope::RopeTable;
+use lathe::gpu::router::{self, ScoreFn, Select};
+use lathe::gpu::{AdapterChoice, Gpu, GpuTensor, Pass};
+use lathe::tensor::TensorRef;
+use lathe::DType;
+use std::path::Path;
+
+fn gpu() -> Gpu {
+    let gpu = Gpu::new(&AdapterChoice::Auto).expect("a wgpu adapter (lavapipe in CI)");
+    eprintln!("{}", gpu.report());
+    gpu
+}
+
+/// xorshift64*: deterministic test data.
+struct Rng(u64);
+impl Rng {
+    fn u32(&mut self) -> u32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32
+    }
+    fn uniform(&mut self) -> f32 {
+        self.u32() as f32 / 4294967296.0 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.uniform() + self.uniform() + self.uniform()) * scale)
+            .collect()
+    }
+}
+
+fn tensor(gpu: &Gpu, shape: &[u64], data: &[f32]) -> GpuTensor {
+    gpu.upload_tensor(&TensorRef {
+        name: "w",
+        dtype: DType::F32,
+        shape,
+        data: bytemuck::cast_slice(data),
+        path: Path::new("test"),
+    })
+    .unwrap()
+}
+
+fn submit(gpu: &Gpu, f: impl FnOnce(&mut Pass<'_>)) {
+    let mut pass = gpu.pass();
+    f(&mut pass);
+    pass.submit().unwrap();
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0f32;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        assert!(
+            err <= tol * (1.0 + w.abs()),
+            "{what}: element {i}: got {g}, want {w} (err {err:e})"
+        );
+        worst = worst.max(err);
+    }
+    eprintln!("{what}: max abs err {worst:.2e}");
+}
+
+// ---------------------------------------------------------------------------- hyper-connections
+
+#[test]
+fn hc_pre_post_head_match_reference() {
+    let gpu = gpu();
+    let mut rng = Rng(7);
+    for (hc_n, e, n, iters) in [
+        (4usize, 64usize, 3usize, 20u32),
+        (3, 257, 5, 7),
+        (4, 4096, 2, 20),
+    ] {
+        let nm = (2 + hc_n) * hc_n;
+        let x = rng.vec(n * hc_n * e, 1.0);
+        let fn_mix = rng.vec(n * nm, 3.0);
+        let base = rng.vec(nm, 0.5);
+        let scale = rng.vec(3, 0.5);
+        let norm = rng.vec(e, 1.0);
+        let blk = rng.vec(n * e, 1.0);
+        let (hb, hs) = (rng.vec(hc_n, 0.5), rng.vec(1, 0.5));
+        let s = HcShape {
+            n_embd: e as u32,
+            hc: hc_n as u32,
+            iters,
+            eps: 1e-6,
+            hc_eps: 1e-6,
+        };
+        let tb = tensor(&gpu, &[nm as u64], &base);
+        let ts = tensor(&gpu, &[3], &scale);
+        let tn = tensor(&gpu, &[e as u64], &norm);
+        let thb = tensor(&gpu, &[hc_n as u64], &hb);
+        let ths = tensor(&gpu, &[1], &hs);
+        let xb = gpu.upload_f32(&x, "x").unwrap();
+        let mb = gpu.upload_f32(&fn_mix, "mixes").unwrap();
+        let hmb = gpu.upload_f32(&fn_mix[..n * hc_n], "head mixes").unwrap();
+        let bb = gpu.upload_f32(&blk, "blk").unwrap();
+        let h = gpu.buffer((n * e * 4) as u64, "h").unwrap();
+        let hh = gpu.buffer((n * e * 4) as u64, "hh").unwrap();
+        let pc = gpu
+            .buffer((n * (hc_n + hc_n * hc_n) * 4) as u64, "pc")
+            .unwrap();
+        submit(&gpu, |p| {
+            let w = HcWeights {
+                base: &tb,
+                scale: &ts,
+                norm: &tn,
+            };
+            hc::pre(p, &s, n as u32, &xb, &mb, &w, &h, &pc).unwrap();
+            let w = HcWeights {
+                base: &thb,
+                scale: &ths,
+                norm: &tn,
+            };
+            hc::head(p, &s, n as u32, &xb, &hmb, &w, &hh).unwrap();
+            hc::post(p, &s, n as u32, &xb, &bb, &pc).unwrap();
+        });
+        let (want_h, want_pc) = cpu::hc::pre(
+            &x,
+            &fn_mix,
+            &base,
+            &scale,
+            &norm,
+            hc_n,
+            iters as usize,
+            1e-6,
+            1e-6,
+        );
+        let what = format!("hc {hc_n}×{e}, {n} tokens");
+        let got_pc = gpu.read_f32(&pc, 0, want_pc.len()).unwrap();
+        assert_close(&format!("{what}: post/comb"), &got_pc, &want_pc, 1e-5);
+        let got_h = gpu.read_f32(&h, 0, n * e).unwrap();
+        assert_close(&format!("{what}: pre"), &got_h, &want_h, 1e-4);
+        let want_hh = cpu::hc::head(&x, &fn_mix[..n * hc_n], &hb, hs[0], &norm, hc_n, 1e-6, 1e-6);
+        let got_hh = gpu.read_f32(&hh, 0, n * e).unwrap();
+        assert_close(&format!("{what}: head"), &got_hh, &want_hh, 1e-4);
+        // post from the GPU's own (post, comb), so the check is of the mixing alone.
+        let mut want_x = x.clone();
+        cpu::hc::post(&mut want_x, &blk, &got_pc, hc_n, e);
+        let got_x = gpu.read_f32(&xb, 0, x.len()).unwrap();
+        assert_close(&format!("{what}: post"), &got_x, &want_x, 1e-5);
+        // Sinkhorn made comb doubly stochastic (up to eps and the last row pass).
+        for t in 0..n {
+            let c = &got_pc[t * (hc_n + hc_n * hc_n) + hc_n..][..hc_n * hc_n];
+            for j in 0..hc_n {
+                let col: f32 = (0..hc_n).map(|i| c[i * hc_n + j]).sum();
+                assert!((col - 1.0).abs() < 1e-3, "{what}: column {j} sums to {col}");
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- router
+
+#[test]
+fn router_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng(11);
+    let cases = [
+        (8usize, 2usize, ScoreFn::SqrtSoftplus, false, false),
+        (256, 6, ScoreFn::SqrtSoftplus, true, false),
+        (384, 8, ScoreFn::SqrtSoftplus, false, true),
+        (33, 5, ScoreFn::Sigmoid, true, false),
+        (64, 4, ScoreFn::Softmax, false, false),
+    ];
+    for (ne, k, func, with_bias, hash) in cases {
+        let n = 5usize;
+        let vocab = 17usize;
+        let logits = rng.vec(n * ne, 2.0);
+        let bias = rng.vec(ne, 0.3);
+        let table: Vec<f32> = (0..vocab * k)
+            .map(|i| ((i * 7 + i / k * 3) % ne) as f32)
+            .collect();
+        let toks: Vec<u32> = (0..n as u32).map(|t| (t * 5 + 2) % vocab as u32).collect();
+        let lb = gpu.upload_f32(&logits, "logits").unwrap();
+        let tb = tensor(&gpu, &[ne as u64], &bias);
+        let tt = tensor(&gpu, &[vocab as u64, k as u64], &table);
+        let tokb = gpu.upload(bytemuck::cast_slice(&toks), "tokens").unwrap();
+        let ids = gpu.buffer((n * k * 4) as u64, "ids").unwrap();
+        let wts = gpu.buffer((n * k * 4) as u64, "weights").unwrap();
+        let select = if hash {
+            Select::Hash {
+                table: &tt,
+                tokens: &tokb,
+                tok_off: 0,
+            }
+        } else {
+            Select::TopK {
+                bias: with_bias.then_some(&tb),
+            }
+        };
+        submit(&gpu, |p| {
+            router::route(
+                p,
+                n as u32,
+                ne as u32,
+                k as u32,
+                func,
+                select,
+                true,
+                1.5,
+                View::new(&lb, 0),
+                View::new(&ids, 0),
+                View::new(&wts, 0),
+            )
+            .unwrap()
+        });
+        let got_ids = gpu.read_u32(&ids, 0, n * k).unwrap();
+        let got_w = gpu.read_f32(&wts, 0, n * k).unwrap();
+        let cf = match func {
+            ScoreFn::Softmax => cpu::router::ScoreFn::Softmax,
+            ScoreFn::Sigmoid => cpu::router::ScoreFn::Sigmoid,
+            ScoreFn::SqrtSoftplus => cpu::router::ScoreFn::SqrtSoftplus,
+        };
+        for t in 0..n {
+            let row: Vec<u32> = (0..k)
+                .map(|s| table[toks[t] as usize * k + s] as u32)
+                .collect();
+            let (wi, ww) = cpu::router::route(
+                &logits[t * ne..(t + 1) * ne],
+                k,
+                cf,
+                with_bias.then_some(&bias[..]),
+                hash.then_some(&row[..]),
+                true,
+                1.5,
+            );
+            let what = format!(
+                "router {ne} experts top-{k} {func:?} bias {with_bias} hash {hash}, token {t}"
+            );
+            assert_eq!(&got_ids[t * k..(t + 1) * k], &wi[..], "{what}: ids");
+            assert_close(&what, &got_w[t * k..(t + 1) * k], &ww, 1e-5);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- compressor
+
+/// Feed `total` tokens in chunks through store + pool on both sides; every entry matches.
+fn compressor_case(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    ratio: usize,
+    d: usize,
+    overlap: bool,
+    chunks: &[usize],
+) {
+    let n_rot = 8.min(d);
+    let inv_freq: Vec<f32> = (0..n_rot / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / n_rot as f32))
+        .collect();
+    let table = RopeTable::new(gpu, &inv_freq, "rope").unwrap();
+    let width = if overlap { 2 * d } else { d };
+    let max_chunk = *chunks.iter().max().unwrap();
+    let s = CmpShape {
+        ratio: ratio as u32,
+        d: d as u32,
+        overlap,
+        cap: CmpShape::store_rows(ratio as u32, overlap, max_chunk as u32),
+    };
+    let cap = s.cap as usize;
+    let ape = rng.vec(ratio * width, 0.5);
+    let norm = rng.vec(d, 1.0);
+    let tape = tensor(gpu, &[ratio as u64, width as u64], &ape);
+    let tnorm = tensor(gpu, &[d as u64], &norm);
+    let store = gpu.buffer(s.store_bytes(), "store").unwrap();
+    let total: usize = chunks.iter().sum();
+    let n_ent = total / ratio;
+    let out = gpu
+        .buffer((n_ent.max(1) * d * 4) as u64, "entries")
+        .unwrap();
+    let mut cpu_store = vec![0f32; cap * 2 * width];
+    let mut want = Vec::new();
+    let mut pos0 = 0;
+    for &n in chunks {
+        // src rows of kv | score with a stride wider than 2·width (an offset view).
+        let stride = 2 * width + 3;
+        let src = rng.vec(n * stride + 1, 1.0);
+        let sb = gpu.upload_f32(&src, "src").unwrap();
+        let (w0, w_end) = (pos0 / ratio, (pos0 + n) / ratio);
+        submit(gpu, |p| {
+            compress::store(
+                p,
+                &s,
+                n as u32,
+                pos0 as u32,
+                &sb,
+                1,
+                stride as u32,
+                &tape,
+                &store,
+            )
+            .unwrap();
+            compress::pool(
+                p,
+                &s,
+                w0 as u32,
+                (w_end - w0) as u32,
+                &tnorm,
+                &table,
+                1e-6,
+                &store,
+                &out,
+                (w0 * d) as u32,
+            )
+            .unwrap();
+        });
+        cpu::compress::store(
+            &mut cpu_store,
+            cap,
+            ratio,
+            width,
+            pos0,
+            &src[1..],
+            stride,
+            n,
+            &ape,
+        );
+        for w in w0..w_end {
+            want.extend(cpu::compress::pool(
+                &cpu_store, cap, ratio, d, overlap, w, &norm, &inv_freq, 1e-6,
+            ));
+        }
+        pos0 += n;
+    }
+    let got = gpu.read_f32(&out, 0, n_ent * d).unwrap();
+    let what = format!("compressor ratio {ratio} d {d} overlap {overlap} chunks {chunks:?}");
+    assert_close(&what, &got, &want, 1e-4);
+}
+
+#[test]
+fn compressor_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng(3);
+    compressor_case(&gpu, &mut rng, 4, 16, true, &[5, 1, 1, 1, 9, 2, 4]);
+    compressor_case(&gpu, &mut rng, 3, 20, true, &[1, 1, 1, 1, 7, 11]);
+    compressor_case(&gpu, &mut rng, 5, 12, false, &[13, 1, 1, 6]);
+    compressor_case(&gpu, &mut rng, 4, 512, true, &[37, 1, 1, 1, 1]);
+    compressor_case(&gpu, &mut rng, 128, 512, false, &[200, 1, 55, 1, 1]);
+}
+
+// ---------------------------------------------------------------------------- indexer, key lists
+
+fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: usize, n: usize) {
+    let ratio = 4usize;
+    // Tokens whose visible entry counts run up to n_ent.
+    let pos0 = n_ent * ratio - n;
+    let q = rng.vec(n * nh * d, 1.0);
+    let w = rng.vec(n * nh, 1.0);
+    let keys = rng.vec(n_ent * d, 1.0);
+    let (qb, wb, kb) = (
+        gpu.upload_f32(&q, "q").unwrap(),
+        gpu.upload_f32(&w, "w").unwrap(),
+        gpu.upload_f32(&keys, "keys").unwrap(),
+    );
+    let scores = gpu.buffer((n * n_ent * 4) as u64, "scores").unwrap();
+    let s = IndexerShape {
+        n_head: nh as u32,
+        d: d as u32,
+        ratio: ratio as u32,
+        top_k: k as u32,
+    };
+    // Index list: 3 window slots owned by someone else (guards), then k compressed slots.
+    let (n_win, n_slots) = (3usize, k.min(n_ent));
+    let stride = n_win + n_slots;
+    let guard = 0x1234_5678u32;
+    let idx = gpu
+        .upload(bytemuck::cast_slice(&vec![guard; n * stride]), "idx")
+        .unwrap();
+    submit(gpu, |p| {
+        compress::index_scores(
+            p,
+            &s,
+            n as u32,
+            pos0 as u32,
+            n_ent as u32,
+            &qb,
+            &wb,
+            &kb,
+            &scores,
+        )
+        .unwrap();
+        compress::select_topk(
+            p,
+            &s,
+            n as u32,
+            pos0 as u32,
+            n_ent as u32,
+            &scores,
+            &idx,
+            stride as u32,
+            n_win as u32,
+            n_slots as u32,
+        )
+        .unwrap();
+    });
+    let got = gpu.read_f32(&scores, 0, n * n_ent).unwrap();
+    let want = cpu::compress::index_scores(&q, &w, &keys, n, pos0, n_ent, nh, d, ratio);
+    let what = format!("indexer {nh}×{d} top-{k} of {n_ent}");
+    // Masked entries are -1e30 on both sides: compare them exactly, scores with the tolerance.
+    for (i, (&g, &wv)) in got.iter().zip(&want).enumerate() {
+        if wv <= -1e29 {
+            assert_eq!(g, wv, "{what}: score {i} should be masked");
+        }
+    }
+    assert_close(&format!("{what}: scores"), &got, &want, 1e-4);
+    let got_idx = gpu.read_u32(&idx, 0, n * stride).unwrap();
+    for t in 0..n {
+        let row = &got_idx[t * stride..(t + 1) * stride];
+        assert!(
+            row[..n_win].iter().all(|&v| v == guard),
+            "{what}: window slots touched"
+        );
+        // Selection from the GPU's own scores (a near-tie of f32 vs f64 sums must not decide).
+        let vis = ((pos0 + t + 1) / ratio).min(n_ent);
+        let mut sel = cpu::compress::select_topk(&got[t * n_ent..(t + 1) * n_ent], vis, k, n_slots);
+        let mut g = row[n_win..].to_vec();
+        sel.sort_unstable();
+        g.sort_unstable();
+        assert_eq!(g, sel, "{what}: token {t} selection");
+    }
+}
+
+#[test]
+fn indexer_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng(5);
+    indexer_case(&gpu, &mut rng, 4, 16, 2, 13, 6);
+    indexer_case(&gpu, &mut rng, 3, 40, 5, 3, 9);
+    indexer_case(&gpu, &mut rng, 64, 128, 512, 1000, 2);
+}
+
+#[test]
+fn index_list_matches_reference() {
+    let gpu = gpu();
+    let guard = 0x0bad_f00du32;
+    for (pos0, n, window, ring, ratio, fill, comp) in [
+        (0usize, 5usize, 8usize, 12usize, 4usize, true, 1usize),
+        (3, 1, 8, 8, 4, false, 2),
+        (126, 9, 128, 383, 128, true, 1),
+        (1000, 1, 128, 383, 0, false, 0),
+        (500, 17, 128, 383, 4, false, 16),
+    ] {
+        let n_win = window.min(pos0 + n);
+        let n_idx = n_win + comp;
+        let buf = gpu
+            .upload(bytemuck::cast_slice(&vec![guard; n * n_idx]), "idx")
+            .unwrap();
+        let l = IndexList {
+            n_idx: n_idx as u32,
+            n_win: n_win as u32,
+            window: window as u32,
+            ring: ring as u32,
+            ratio: ratio as u32,
+            fill_comp: fill,
+        };
+        submit(&gpu, |p| {
+            compress::index_list(p, &l, n as u32, pos0 as u32, &buf).unwrap()
+        });
+        let got = gpu.read_u32(&buf, 0, n * n_idx).unwrap();
+        for t in 0..n {
+            let want = cpu::compress::index_list(pos0 + t, n_idx, n_win, window, ring, ratio, fill);
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(
+                    got[t * n_idx + i],
+                    w.unwrap_or(guard),
+                    "{l:?} pos0 {pos0}: token {t} slot {i}"
+                );
+            }
+        }
+    }
+}

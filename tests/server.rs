@@ -1,0 +1,712 @@
+//! `lathe serve` end to end: the built binary on 127.0.0.1 (port 0, the address read from
+//! its log) with plain HTTP/1.1 over std's TcpStream.
+//!
+//! The model: tests/fixtures/models/qwen35-tiny/model-f32.gguf (random weights, 512 ids)
+//! given a real vocabulary: its tensors copied by `GgufWriter` with `tokenizer.ggml.*` keys
+//! for the first 512 tokens of DeepSeek-V4's tokenizer.json (3 specials, the 256 byte
+//! tokens, 253 merged tokens) and the 253 merges among them, pre-tokenizer `deepseek-v3`.
+//! Any text encodes (every byte has a token); `<｜end▁of▁sentence｜>` (id 1) is EOS. No chat
+//! template: the server's ChatML fallback renders chats. Outputs are gibberish, but greedy
+//! outputs are deterministic, which is what the tests compare.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use lathe::gguf::{GgufFile, GgufWriter, Value as GV};
+use serde_json::{json, Value};
+
+const N_VOCAB: usize = 512;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Builds (once per test binary) the tiny model with a 512-token vocabulary.
+fn model() -> &'static Path {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-demo.gguf");
+        let src = GgufFile::open(root().join("tests/fixtures/models/qwen35-tiny/model-f32.gguf"))
+            .expect("qwen35-tiny fixture");
+        let tj: Value = serde_json::from_slice(
+            &std::fs::read(root().join("tests/fixtures/tokenizer/deepseek-v4/tokenizer.json"))
+                .expect("deepseek-v4 tokenizer.json"),
+        )
+        .unwrap();
+        let vocab = tj["model"]["vocab"].as_object().unwrap();
+        let mut tokens = vec![String::new(); N_VOCAB];
+        for (t, id) in vocab {
+            let id = id.as_u64().unwrap() as usize;
+            if id < N_VOCAB {
+                tokens[id] = t.clone();
+            }
+        }
+        assert!(tokens.iter().all(|t| !t.is_empty()), "ids 0..512 all used");
+        let known: std::collections::HashSet<&str> = tokens.iter().map(String::as_str).collect();
+        let merges: Vec<GV> = tj["model"]["merges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| {
+                let (a, b) = match m {
+                    Value::String(s) => {
+                        let (a, b) = s.split_once(' ')?;
+                        (a.to_string(), b.to_string())
+                    }
+                    Value::Array(p) => (p[0].as_str()?.to_string(), p[1].as_str()?.to_string()),
+                    _ => return None,
+                };
+                let ab = format!("{a}{b}");
+                (known.contains(a.as_str())
+                    && known.contains(b.as_str())
+                    && known.contains(ab.as_str()))
+                .then(|| GV::from(format!("{a} {b}").as_str()))
+            })
+            .collect();
+        let mut w = GgufWriter::new();
+        for (k, v) in src.metadata() {
+            if !k.starts_with("tokenizer.") {
+                w.set(k.clone(), v.clone()).unwrap();
+            }
+        }
+        w.set("tokenizer.ggml.model", "gpt2").unwrap();
+        w.set("tokenizer.ggml.pre", "deepseek-v3").unwrap();
+        w.set(
+            "tokenizer.ggml.tokens",
+            GV::Array(tokens.iter().map(|t| GV::from(t.as_str())).collect()),
+        )
+        .unwrap();
+        let types: Vec<GV> = (0..N_VOCAB)
+            .map(|i| GV::I32(if i < 3 { 3 } else { 1 }))
+            .collect();
+        w.set("tokenizer.ggml.token_type", GV::Array(types))
+            .unwrap();
+        w.set("tokenizer.ggml.merges", GV::Array(merges)).unwrap();
+        w.set("tokenizer.ggml.bos_token_id", GV::U32(0)).unwrap();
+        w.set("tokenizer.ggml.eos_token_id", GV::U32(1)).unwrap();
+        w.set("tokenizer.ggml.padding_token_id", GV::U32(2))
+            .unwrap();
+        w.set("tokenizer.ggml.add_bos_token", GV::Bool(false))
+            .unwrap();
+        let tensors: Vec<_> = src.tensors().collect();
+        for t in &tensors {
+            w.add_tensor_info(t.name, t.dtype, t.shape).unwrap();
+        }
+        w.write(&out, |i, o| o.write_all(tensors[i].data)).unwrap();
+        out
+    })
+}
+
+/// A running `lathe serve`, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        Server::start_with(args, true)
+    }
+
+    fn start_with(args: &[&str], wait_ready: bool) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lathe"))
+            .arg("serve")
+            .arg("--model")
+            .arg(model())
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting lathe serve");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let l2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(|l| l.ok()) {
+                if let Some(a) = line.split("listening on http://").nth(1) {
+                    let _ = tx.send(a.trim().to_string());
+                }
+                l2.lock().unwrap().push(line);
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("server did not start: {:?}", log.lock().unwrap());
+            }
+        };
+        let s = Server { child, addr, log };
+        if wait_ready {
+            s.wait_ready();
+        }
+        s
+    }
+
+    fn wait_ready(&self) {
+        let t0 = Instant::now();
+        loop {
+            if let Ok((200, _)) = self.try_get("/health") {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "not ready: {:?}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn try_get(&self, path: &str) -> std::io::Result<(u16, Value)> {
+        let (s, _, b) = request(&self.addr, "GET", path, &[], None)?;
+        Ok((s, serde_json::from_slice(&b).unwrap_or(Value::Null)))
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        self.try_get(path).unwrap()
+    }
+
+    /// POST a JSON body; (status, parsed body).
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, &[], body.to_string().as_bytes())
+    }
+
+    fn post_raw(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, Value) {
+        let (s, _, b) = request(&self.addr, "POST", path, headers, Some(body)).unwrap();
+        let v = serde_json::from_slice(&b)
+            .unwrap_or_else(|_| panic!("not JSON ({s}): {}", String::from_utf8_lossy(&b)));
+        (s, v)
+    }
+
+    /// POST with `stream: true`; the `data:` payloads in order ([DONE] included).
+    fn stream(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
+        let (s, h, b) = request(
+            &self.addr,
+            "POST",
+            path,
+            &[],
+            Some(body.to_string().as_bytes()),
+        )
+        .unwrap();
+        if s == 200 {
+            assert!(h.contains("text/event-stream"), "{h}");
+        }
+        let text = String::from_utf8(b).unwrap();
+        let events = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(String::from)
+            .collect();
+        (s, events)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`: (status, raw headers, body with any
+/// chunked encoding undone).
+fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> std::io::Result<(u16, String, Vec<u8>)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes())?;
+    if let Some(b) = body {
+        s.write_all(b)?;
+    }
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("end of headers");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut body = raw[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = unchunk(&body);
+    }
+    Ok((status, head, body))
+}
+
+fn unchunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
+            break;
+        };
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + n]);
+        b = &b[eol + 2 + n + 2..];
+    }
+    out
+}
+
+/// The concatenated text of streamed chunks: (content or text, reasoning, finish_reason,
+/// the usage chunk's usage).
+fn assemble(events: &[String]) -> (String, String, Option<String>, Option<Value>) {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let (mut text, mut reasoning, mut finish, mut usage) =
+        (String::new(), String::new(), None, None);
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            usage = Some(u.clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(s) = c["text"].as_str() {
+                text.push_str(s);
+            }
+            if let Some(s) = c.pointer("/delta/content").and_then(Value::as_str) {
+                text.push_str(s);
+            }
+            if let Some(s) = c
+                .pointer("/delta/reasoning_content")
+                .and_then(Value::as_str)
+            {
+                reasoning.push_str(s);
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (text, reasoning, finish, usage)
+}
+
+/// Bans EOS so a generation runs to its token budget.
+fn no_eos() -> Value {
+    json!({"1": -100})
+}
+
+fn completion(prompt: &str, n: usize) -> Value {
+    json!({"model": "x", "prompt": prompt, "max_tokens": n, "temperature": 0, "logit_bias": no_eos()})
+}
+
+#[test]
+fn health_models_completions_chat_and_concurrency() {
+    let s = Server::start(&["--parallel", "4"]);
+    let (st, h) = s.get("/health");
+    assert_eq!((st, h["status"].as_str()), (200, Some("ok")), "{h}");
+    assert_eq!(h["slots"]["total"], 4);
+    let (st, m) = s.get("/v1/models");
+    assert_eq!(st, 200);
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "server-test-demo");
+
+    // Completions, whole.
+    let (st, r) = s.post("/v1/completions", &completion("The quick brown fox", 12));
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["object"], "text_completion");
+    assert_eq!(r["model"], "x");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["usage"]["completion_tokens"], 12);
+    assert_eq!(
+        r["usage"]["total_tokens"],
+        r["usage"]["prompt_tokens"].as_u64().unwrap() + 12
+    );
+    let text = r["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!text.is_empty());
+
+    // The same, streamed: the same text, then usage and [DONE].
+    let mut body = completion("The quick brown fox", 12);
+    body["stream"] = true.into();
+    body["stream_options"] = json!({"include_usage": true});
+    let (st, ev) = s.stream("/v1/completions", &body);
+    assert_eq!(st, 200);
+    let (t2, _, finish, usage) = assemble(&ev);
+    assert_eq!(t2, text, "streamed text differs from the whole one");
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert_eq!(usage.unwrap()["completion_tokens"], 12);
+
+    // Token-id prompts and logprobs (legacy format).
+    let (st, r) = s.post(
+        "/v1/completions",
+        &json!({"prompt": [10, 20, 30], "max_tokens": 3, "temperature": 0, "logprobs": 2, "logit_bias": no_eos()}),
+    );
+    assert_eq!(st, 200, "{r}");
+    let lp = &r["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 2);
+        // Greedy: the chosen token is the most likely one (logprobs are of the logits
+        // after `logit_bias`, so the banned EOS is not it).
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(chosen < 0.0 && (best - chosen).abs() < 1e-6, "{lp}");
+    }
+
+    // Chat, whole and streamed.
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+                      "max_completion_tokens": 10, "temperature": 0, "logit_bias": no_eos(),
+                      "logprobs": true, "top_logprobs": 3});
+    let (st, r) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert!(r["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let msg = &r["choices"][0]["message"];
+    assert_eq!(msg["role"], "assistant");
+    let content = msg["content"].as_str().unwrap().to_string();
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    let lps = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(lps.len(), 10);
+    assert_eq!(lps[0]["top_logprobs"].as_array().unwrap().len(), 3);
+    let mut sc = chat.clone();
+    sc["stream"] = true.into();
+    let (st, ev) = s.stream("/v1/chat/completions", &sc);
+    assert_eq!(st, 200);
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (c2, _, finish, usage) = assemble(&ev);
+    assert_eq!(c2, content.trim_start());
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert!(
+        usage.is_none(),
+        "usage only with stream_options.include_usage"
+    );
+
+    // Concurrent clients get what they got alone (greedy).
+    let prompts = [
+        "Once upon a time",
+        "1, 2, 3, 4,",
+        "def main():",
+        "Paris is the capital of",
+    ];
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let (st, r) = s.post("/v1/completions", &completion(p, 16));
+            assert_eq!(st, 200, "{r}");
+            r["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let together: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let s = &s;
+                sc.spawn(move || {
+                    let mut body = completion(p, 16);
+                    if i % 2 == 1 {
+                        body["stream"] = true.into();
+                        let (st, ev) = s.stream("/v1/completions", &body);
+                        assert_eq!(st, 200);
+                        assemble(&ev).0
+                    } else {
+                        let (st, r) = s.post("/v1/completions", &body);
+                        assert_eq!(st, 200, "{r}");
+                        r["choices"][0]["text"].as_str().unwrap().to_string()
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+}
+
+#[test]
+fn errors_auth_limits_and_loading() {
+    let s = Server::start_with(
+        &[
+            "--api-key",
+            "sekret",
+            "--max-body",
+            "2000",
+            "--ctx",
+            "64",
+            "--debug-load-delay-ms",
+            "1500",
+        ],
+        false,
+    );
+    let auth = [("Authorization", "Bearer sekret")];
+    let post = |body: &[u8]| {
+        let (st, _, b) =
+            request(&s.addr, "POST", "/v1/chat/completions", &auth, Some(body)).unwrap();
+        (st, serde_json::from_slice::<Value>(&b).unwrap())
+    };
+    // Loading: /health 503, generation 503 in OpenAI's error shape.
+    let (st, h) = s.get("/health");
+    assert_eq!((st, h["status"].as_str()), (503, Some("loading")), "{h}");
+    let hello = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let (st, e) = post(hello.to_string().as_bytes());
+    assert_eq!(st, 503, "{e}");
+    assert_eq!(e["error"]["code"], "model_loading");
+    s.wait_ready();
+
+    // API key: everything but /health wants it.
+    assert_eq!(s.get("/health").0, 200);
+    let (st, e) = s.get("/v1/models");
+    assert_eq!(st, 401);
+    assert_eq!(e["error"]["code"], "invalid_api_key");
+    let (st, e) = s.post_raw(
+        "/v1/chat/completions",
+        &[("Authorization", "Bearer wrong")],
+        hello.to_string().as_bytes(),
+    );
+    assert_eq!(st, 401, "{e}");
+    let (st, _, _) = request(&s.addr, "GET", "/v1/models", &auth, None).unwrap();
+    assert_eq!(st, 200);
+    let (st, r) = post(hello.to_string().as_bytes());
+    assert_eq!(st, 200, "{r}");
+
+    // Bad requests: 400 with the error shape and the field named.
+    let (st, e) = post(b"{not json");
+    assert_eq!(st, 400);
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("JSON"),
+        "{e}"
+    );
+    for key in ["message", "type", "param", "code"] {
+        assert!(e["error"].get(key).is_some(), "{e}");
+    }
+    let mut n2 = hello.clone();
+    n2["n"] = 2.into();
+    let (st, e) = post(n2.to_string().as_bytes());
+    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("n")), "{e}");
+    let (st, e) = post(json!({"messages": "hi"}).to_string().as_bytes());
+    assert_eq!(
+        (st, e["error"]["param"].as_str()),
+        (400, Some("messages")),
+        "{e}"
+    );
+    let mut t = hello.clone();
+    t["temperature"] = "hot".into();
+    let (st, e) = post(t.to_string().as_bytes());
+    assert_eq!(
+        (st, e["error"]["param"].as_str()),
+        (400, Some("temperature")),
+        "{e}"
+    );
+    // Too long for --ctx 64.
+    let long = json!({"messages": [{"role": "user", "content": "word ".repeat(100)}]});
+    let (st, e) = post(long.to_string().as_bytes());
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["code"], "context_length_exceeded");
+    // Over --max-body.
+    let big = json!({"messages": [{"role": "user", "content": "x".repeat(3000)}]});
+    let (st, e) = post(big.to_string().as_bytes());
+    assert_eq!(st, 413, "{e}");
+    // Unknown route, wrong method.
+    let (st, _, b) = request(&s.addr, "GET", "/v1/nothing", &auth, None).unwrap();
+    assert_eq!(st, 404);
+    assert!(serde_json::from_slice::<Value>(&b).unwrap()["error"].is_object());
+    let (st, _, _) = request(&s.addr, "GET", "/v1/chat/completions", &auth, None).unwrap();
+    assert_eq!(st, 405);
+    // The server still serves after all that.
+    let (st, r) = post(hello.to_string().as_bytes());
+    assert_eq!(st, 200, "{r}");
+    // max_tokens past the context is cut at the context: finish_reason length.
+    let mut m = hello.clone();
+    m["max_tokens"] = 1000.into();
+    m["logit_bias"] = no_eos();
+    let (st, r) = post(m.to_string().as_bytes());
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    let u = &r["usage"];
+    assert!(u["total_tokens"].as_u64().unwrap() <= 65, "{u}");
+}
+
+/// Opens a streaming request and reads until the first content chunk arrives.
+fn open_stream(addr: &str, body: &Value) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let b = body.to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+        b.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("\"text\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "stream closed early: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    s
+}
+
+#[test]
+fn disconnect_frees_the_slot_queue_limit_and_prompt_cache() {
+    let s = Server::start(&["--parallel", "1", "--queue", "1", "--ctx", "2048"]);
+    let mut long = completion("A long story:", 2000);
+    long["stream"] = true.into();
+    let conn = open_stream(&s.addr, &long);
+    // The one slot is busy: one request may wait, the next is refused.
+    let addr = s.addr.clone();
+    let waiting = std::thread::spawn(move || {
+        let (st, _, b) = request(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            Some(completion("Hi", 2).to_string().as_bytes()),
+        )
+        .unwrap();
+        (st, String::from_utf8_lossy(&b).into_owned())
+    });
+    let t0 = Instant::now();
+    while s.get("/health").1["slots"]["queued"] != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "second request never queued"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (st, e) = s.post("/v1/completions", &completion("Hi", 2));
+    assert_eq!(st, 429, "{e}");
+    assert_eq!(e["error"]["type"], "rate_limit_error");
+    // Hanging up frees the slot at once: the queued request runs and finishes.
+    let t0 = Instant::now();
+    drop(conn);
+    let (st, body) = waiting.join().unwrap();
+    assert_eq!(st, 200, "{body}");
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    // The log line comes through a pipe: give it a moment.
+    let t0 = Instant::now();
+    while !s
+        .log()
+        .iter()
+        .any(|l| l.contains("cancelled (client gone)"))
+    {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.get("/health").1["slots"]["active"], 0);
+
+    // Prompt cache: after a 1-token reply the slot holds exactly the prompt, so a prompt
+    // that extends it reuses it, and gives what a fresh slot gives.
+    let p: Vec<u32> = (100..140).collect();
+    let req = |ids: &[u32], n: usize| json!({"prompt": ids, "max_tokens": n, "temperature": 0, "logit_bias": no_eos()});
+    let (st, r) = s.post("/v1/completions", &req(&p, 1));
+    assert_eq!(st, 200, "{r}");
+    let mut p2 = p.clone();
+    p2.extend([7, 8, 9]);
+    let (_, cached) = s.post("/v1/completions", &req(&p2, 8));
+    assert_eq!(
+        cached["usage"]["prompt_tokens_details"]["cached_tokens"],
+        p.len()
+    );
+    let (_, other) = s.post("/v1/completions", &req(&[5, 6, 7], 1));
+    assert_eq!(other["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, fresh) = s.post("/v1/completions", &req(&p2, 8));
+    assert_eq!(fresh["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(fresh["choices"][0]["text"], cached["choices"][0]["text"]);
+}
+
+/// Template variables reach the template: DeepSeek-V4's template (read from ../shared, never
+/// copied) with `enable_thinking` leaves `<think>` open, so the reply is reasoning.
+#[test]
+fn chat_template_kwargs_and_reasoning() {
+    let tmpl = root().join("../shared/fixtures/tokenizer/chat/deepseek-v4.jinja");
+    if !tmpl.is_file() {
+        eprintln!("note: {} absent: skipping", tmpl.display());
+        return;
+    }
+    let s = Server::start(&["--chat-template", tmpl.to_str().unwrap()]);
+    let ask = |thinking: bool| {
+        let (st, r) = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 8,
+                    "temperature": 0, "logit_bias": no_eos(),
+                    "chat_template_kwargs": {"enable_thinking": thinking}}),
+        );
+        assert_eq!(st, 200, "{r}");
+        r["choices"][0]["message"].clone()
+    };
+    let m = ask(true);
+    assert!(
+        !m["reasoning_content"].as_str().unwrap_or("").is_empty(),
+        "{m}"
+    );
+    let m = ask(false);
+    assert!(m.get("reasoning_content").is_none(), "{m}");
+    assert!(!m["content"].as_str().unwrap().is_empty(), "{m}");
+}
+
+/// The official `openai` Python client against the server (tests/server_openai.py), when
+/// python3 can import it.
+#[test]
+fn openai_python_client() {
+    let has = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has {
+        eprintln!("note: python3 cannot import `openai` (pip install openai): skipping");
+        return;
+    }
+    let s = Server::start(&["--parallel", "4", "--api-key", "k"]);
+    let out = Command::new("python3")
+        .arg(root().join("tests/server_openai.py"))
+        .env("LATHE_URL", format!("http://{}/v1", s.addr))
+        .env("LATHE_API_KEY", "k")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}\nserver log: {:?}", s.log());
+    eprintln!("{text}");
+}

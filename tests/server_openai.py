@@ -1,0 +1,104 @@
+"""lathe serve through the official `openai` Python client.
+
+Run by tests/server.rs (test `openai_python_client`) against a server it started, with
+LATHE_URL (the base URL, ending in /v1) and LATHE_API_KEY set. Needs `pip install openai`.
+Prints one line per check and `N passed, 0 failed` at the end; exits non-zero on a failure.
+"""
+
+import concurrent.futures
+import os
+import sys
+
+import openai
+from openai import OpenAI
+
+URL = os.environ["LATHE_URL"]
+KEY = os.environ.get("LATHE_API_KEY", "none")
+# Ban EOS (id 1 in the test model's vocabulary) so replies run to max_tokens.
+NO_EOS = {"1": -100}
+
+client = OpenAI(base_url=URL, api_key=KEY, max_retries=0, timeout=60)
+passed = 0
+
+
+def check(name, cond, detail=""):
+    global passed
+    if not cond:
+        print(f"FAIL {name}: {detail}")
+        print(f"{passed} passed, 1 failed")
+        sys.exit(1)
+    passed += 1
+    print(f"ok {name}")
+
+
+def chat(text, stream=False, **kw):
+    return client.chat.completions.create(
+        model="anything",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=kw.pop("max_tokens", 12),
+        temperature=0,
+        logit_bias=NO_EOS,
+        stream=stream,
+        **kw,
+    )
+
+
+models = client.models.list()
+check("models.list", len(models.data) == 1 and models.data[0].object == "model", models)
+
+r = chat("Hello")
+check("chat object", r.object == "chat.completion", r)
+check("chat finish_reason", r.choices[0].finish_reason == "length", r.choices[0])
+check("chat usage", r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0, r.usage)
+whole = r.choices[0].message.content
+check("chat content", isinstance(whole, str) and whole != "", r.choices[0].message)
+
+chunks = list(chat("Hello", stream=True, stream_options={"include_usage": True}))
+text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+check("stream text equals the whole reply", text == whole, (text, whole))
+finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+check("stream finish_reason", finish == ["length"], finish)
+check("stream usage chunk", chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12, chunks[-1])
+
+lp = chat("Hi", max_tokens=4, logprobs=True, top_logprobs=2)
+content = lp.choices[0].logprobs.content
+check("chat logprobs", len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content), content)
+
+c = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8, temperature=0, logit_bias=NO_EOS)
+check("completion", c.object == "text_completion" and c.choices[0].finish_reason == "length", c)
+cs = client.completions.create(
+    model="m", prompt="Once upon a time", max_tokens=8, temperature=0, logit_bias=NO_EOS, stream=True
+)
+check("completion stream", "".join(x.choices[0].text for x in cs if x.choices) == c.choices[0].text)
+
+# Several clients at once: each gets what it got alone (greedy).
+prompts = ["one", "two two", "three three three", "four", "five", "six"]
+alone = [chat(p).choices[0].message.content for p in prompts]
+
+
+def streamed(p):
+    return "".join(x.choices[0].delta.content or "" for x in chat(p, stream=True) if x.choices)
+
+
+def one(i_p):
+    i, p = i_p
+    return streamed(p) if i % 2 else chat(p).choices[0].message.content
+
+
+with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    together = list(pool.map(one, enumerate(prompts)))
+check("concurrent clients match", together == alone, (together, alone))
+
+try:
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+    check("n=2 refused", False, "no error")
+except openai.BadRequestError as e:
+    check("n=2 refused", e.status_code == 400 and e.body.get("param") == "n", e.body)
+
+try:
+    OpenAI(base_url=URL, api_key="wrong", max_retries=0).models.list()
+    check("wrong key refused", False, "no error")
+except openai.AuthenticationError as e:
+    check("wrong key refused", e.status_code == 401, e)
+
+print(f"{passed} passed, 0 failed")

@@ -1,0 +1,607 @@
+//! `lathe synth` and `lathe bench`.
+//!
+//! The plans are checked against llama.cpp's own files: built with the fixture models'
+//! dimensions, a plan must name, shape, type and order every tensor, and write every
+//! metadata key, exactly as `convert_hf_to_gguf.py` and `llama-quantize` did for the
+//! fixtures (tests/fixtures/models; the bigger `*-dims` files from ../shared when present).
+//! The demo model is written, inspected, run on the GPU (lavapipe here) and benchmarked.
+
+use lathe::engine::{Engine, LoadOptions};
+use lathe::gguf::{GgufFile, Value};
+use lathe::synth::{self, Dims, DsDims, FileType, PlanOptions, Preset, QwenDims, QwenMoe, Yarn};
+use lathe::DType;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn fixture(name: &str, file: &str) -> PathBuf {
+    root().join("tests/fixtures/models").join(name).join(file)
+}
+
+/// `../shared/fixtures/models/<name>/<file>` when this machine has it.
+fn shared(name: &str, file: &str) -> Option<PathBuf> {
+    let p = root()
+        .join("../shared/fixtures/models")
+        .join(name)
+        .join(file);
+    if p.is_file() {
+        Some(p)
+    } else {
+        eprintln!("note: {} absent: skipped", p.display());
+        None
+    }
+}
+
+fn tmp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lathe-synth-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn preset(name: &str, display: &str, dims: Dims) -> Preset {
+    Preset {
+        name: name.into(),
+        display: display.into(),
+        dims,
+        default_type: FileType::Q4_K_M,
+        demo: false,
+    }
+}
+
+/// `qwen35-tiny` of the fixtures: hidden 64, attention every second layer, heads of 16.
+fn qwen35_tiny() -> Preset {
+    preset(
+        "qwen35-tiny",
+        "Qwen35 Tiny",
+        Dims::Qwen35(QwenDims {
+            n_embd: 64,
+            n_layer: 4,
+            n_ff: 128,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 16,
+            rope_dim: 4,
+            n_k_heads: 2,
+            n_v_heads: 4,
+            d_k: 16,
+            d_v: 16,
+            conv_kernel: 4,
+            full_attention_interval: 2,
+            n_vocab: 512,
+            tied: false,
+            ctx: 4096,
+            rope_theta: 1e7,
+            eps: 1e-6,
+            moe: None,
+        }),
+    )
+}
+
+/// `qwen35-dims`: the real head sizes (4 q / 1 kv × 256, GDN 2 k / 4 v × 128).
+fn qwen35_dims() -> Preset {
+    preset(
+        "qwen35-dims",
+        "Qwen35 Dims",
+        Dims::Qwen35(QwenDims {
+            n_embd: 256,
+            n_layer: 4,
+            n_ff: 512,
+            n_head: 4,
+            n_head_kv: 1,
+            head_dim: 256,
+            rope_dim: 64,
+            n_k_heads: 2,
+            n_v_heads: 4,
+            d_k: 128,
+            d_v: 128,
+            conv_kernel: 4,
+            full_attention_interval: 4,
+            n_vocab: 1024,
+            tied: false,
+            ctx: 4096,
+            rope_theta: 1e7,
+            eps: 1e-6,
+            moe: None,
+        }),
+    )
+}
+
+/// `qwen35moe-dims`: 16 experts × 256, top-4, shared expert 256.
+fn qwen35moe_dims() -> Preset {
+    let Dims::Qwen35(mut d) = qwen35_dims().dims else {
+        unreachable!()
+    };
+    d.n_layer = 2;
+    d.n_head = 2;
+    d.full_attention_interval = 2;
+    d.moe = Some(QwenMoe {
+        n_expert: 16,
+        n_used: 4,
+        n_ff_exp: 256,
+        n_ff_shexp: 256,
+    });
+    preset("qwen35moe-dims", "Qwen35Moe Dims", Dims::Qwen35(d))
+}
+
+/// `dsv4-tiny`: hidden 64, 4 heads × 32, ratios 0 / 4 / 128 / 4, one hash layer.
+fn dsv4_tiny() -> Preset {
+    preset(
+        "dsv4-tiny",
+        "Upstream",
+        Dims::Deepseek4(DsDims {
+            n_embd: 64,
+            n_layer: 4,
+            n_head: 4,
+            head_dim: 32,
+            rope_dim: 8,
+            q_lora: 32,
+            o_groups: 2,
+            o_lora: 16,
+            n_expert: 8,
+            n_used: 2,
+            n_ff_exp: 32,
+            n_shared: 1,
+            window: 8,
+            ix_heads: 8,
+            ix_dim: 16,
+            ix_top_k: 2,
+            compress_ratios: vec![0, 4, 128, 4],
+            n_hash: 1,
+            hc: 4,
+            sinkhorn_iters: 20,
+            hc_eps: 1e-6,
+            n_vocab: 512,
+            ctx: 1_048_576,
+            rope_theta: 10_000.0,
+            compress_rope_theta: 160_000.0,
+            yarn: None,
+            eps: 1e-6,
+            route_scale: 1.5,
+            swiglu_limit: 10.0,
+        }),
+    )
+}
+
+/// `dsv4-dims`: 2 heads × 512, indexer 16 × 128, YaRN on the compressed layers.
+fn dsv4_dims() -> Preset {
+    let Dims::Deepseek4(t) = dsv4_tiny().dims else {
+        unreachable!()
+    };
+    preset(
+        "dsv4-dims",
+        "Upstream",
+        Dims::Deepseek4(DsDims {
+            n_embd: 256,
+            n_head: 2,
+            head_dim: 512,
+            rope_dim: 64,
+            q_lora: 128,
+            o_lora: 64,
+            n_expert: 16,
+            n_used: 4,
+            n_ff_exp: 128,
+            window: 128,
+            ix_heads: 16,
+            ix_dim: 128,
+            ix_top_k: 16,
+            n_hash: 2,
+            n_vocab: 1024,
+            yarn: Some(Yarn {
+                factor: 16.0,
+                orig_ctx: 65_536,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+            }),
+            ..t
+        }),
+    )
+}
+
+fn plan_of(p: &Preset, ftype: FileType, base: DType) -> synth::Plan {
+    let opts = PlanOptions {
+        ftype: Some(ftype),
+        base,
+        ..Default::default()
+    };
+    synth::plan(p, &opts, None).unwrap()
+}
+
+/// The plan against a file llama.cpp wrote: every key with its value in order, every
+/// tensor with its type and shape in order.
+fn assert_same_layout(plan: &synth::Plan, file: &Path) {
+    let g = GgufFile::open(file).unwrap();
+    let want: Vec<(&str, &Value)> = g.metadata().iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let got: Vec<(&str, &Value)> = plan.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let want_keys: Vec<&str> = want.iter().map(|(k, _)| *k).collect();
+    let got_keys: Vec<&str> = got.iter().map(|(k, _)| *k).collect();
+    assert_eq!(got_keys, want_keys, "{}: metadata keys", file.display());
+    for ((k, a), (_, b)) in got.iter().zip(&want) {
+        assert_eq!(a, b, "{}: key {k}", file.display());
+    }
+    let want: Vec<(String, DType, Vec<u64>)> = g
+        .tensors()
+        .map(|t| (t.name.to_string(), t.dtype, t.shape.to_vec()))
+        .collect();
+    let got: Vec<(String, DType, Vec<u64>)> = plan
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+        .collect();
+    assert_eq!(got.len(), want.len(), "{}: tensor count", file.display());
+    for (a, b) in got.iter().zip(&want) {
+        assert_eq!(a, b, "{}: tensor", file.display());
+    }
+    assert_eq!(plan.data_bytes(), g.data_bytes(), "{}", file.display());
+}
+
+#[test]
+fn qwen35_plans_match_llama_cpps_files() {
+    let p = qwen35_tiny();
+    for (ft, file) in [
+        (FileType::F32, "model-f32.gguf"),
+        (FileType::Q8_0, "model-q8_0.gguf"),
+        (FileType::Q4_0, "model-q4_0.gguf"),
+    ] {
+        assert_same_layout(&plan_of(&p, ft, DType::F32), &fixture("qwen35-tiny", file));
+    }
+    // Q4_K_M: Q6_K for the output head and, by use_more_bits, attn_qkv/attn_v and ffn_down
+    // of the last two of four layers.
+    let dims = plan_of(&qwen35_dims(), FileType::Q4_K_M, DType::BF16);
+    assert_same_layout(&dims, &fixture("qwen35-dims", "model-q4_k_m.gguf"));
+    let moe = plan_of(&qwen35moe_dims(), FileType::Q4_K_M, DType::BF16);
+    assert_same_layout(&moe, &fixture("qwen35moe-dims", "model-q4_k_m.gguf"));
+    for (p, name) in [
+        (qwen35_dims(), "qwen35-dims"),
+        (qwen35moe_dims(), "qwen35moe-dims"),
+    ] {
+        for (ft, file) in [
+            (FileType::BF16, "model-bf16.gguf"),
+            (FileType::Q8_0, "model-q8_0.gguf"),
+        ] {
+            if let Some(f) = shared(name, file) {
+                assert_same_layout(&plan_of(&p, ft, DType::BF16), &f);
+            }
+        }
+    }
+}
+
+#[test]
+fn deepseek4_plans_match_llama_cpps_files() {
+    let p = dsv4_tiny();
+    assert_same_layout(
+        &plan_of(&p, FileType::F32, DType::F32),
+        &fixture("dsv4-tiny", "model-f32.gguf"),
+    );
+    assert_same_layout(
+        &plan_of(&p, FileType::Q8_0, DType::F32),
+        &fixture("dsv4-tiny", "model-q8_0.gguf"),
+    );
+    let p = dsv4_dims();
+    for (ft, file) in [
+        (FileType::BF16, "model-bf16.gguf"),
+        (FileType::Q8_0, "model-q8_0.gguf"),
+        (FileType::Q4_K_M, "model-q4_k_m.gguf"),
+    ] {
+        if let Some(f) = shared("dsv4-dims", file) {
+            assert_same_layout(&plan_of(&p, ft, DType::BF16), &f);
+        }
+    }
+}
+
+#[test]
+fn release_presets_have_the_released_sizes() {
+    let gb = |name: &str, layers: Option<usize>| {
+        let opts = PlanOptions {
+            n_layer: layers,
+            ..Default::default()
+        };
+        synth::plan(&synth::preset(name).unwrap(), &opts, None)
+            .unwrap()
+            .data_bytes() as f64
+            / 1e9
+    };
+    // llama.cpp's Q4_K_M files: 9B 5.7 GB, 35B-A3B 21 GB; FACTS.md: DeepSeek-V4-Flash cut to
+    // 8 layers (Q8_0 + MXFP4 experts) 27.7 GiB.
+    let nine = gb("qwen3.5-9b", None);
+    assert!((5.0..6.5).contains(&nine), "9B: {nine} GB");
+    let moe = gb("qwen3.5-35b-a3b", None);
+    assert!((19.0..23.0).contains(&moe), "35B-A3B: {moe} GB");
+    let ds = gb("deepseek-v4-flash", Some(8)) * 1e9 / (1u64 << 30) as f64;
+    assert!((ds - 27.7).abs() < 0.8, "V4-Flash 8 layers: {ds} GiB");
+}
+
+/// `--layers 2` of the 9B: the full width, two GDN layers, consistent keys (the file would
+/// be 1.7 GB with the real vocabulary, so only the plan is checked).
+#[test]
+fn shortened_9b_plan_is_consistent() {
+    let opts = PlanOptions {
+        n_layer: Some(2),
+        ..Default::default()
+    };
+    let plan = synth::plan(&synth::preset("qwen3.5-9b").unwrap(), &opts, None).unwrap();
+    let u = |k: &str| plan.get(k).and_then(Value::as_u64).unwrap();
+    assert_eq!(u("qwen35.block_count"), 2);
+    assert_eq!(u("qwen35.embedding_length"), 4096);
+    assert_eq!(u("qwen35.feed_forward_length"), 12288);
+    assert_eq!(u("qwen35.vocab_size"), 248_320);
+    assert_eq!(u("general.file_type"), 15);
+    assert_eq!(
+        plan.get("qwen35.attention.recurrent_layers")
+            .and_then(Value::as_array)
+            .map(<[Value]>::len),
+        Some(2)
+    );
+    // 2 globals + output_norm + 14 tensors per GDN layer.
+    assert_eq!(plan.tensors.len(), 3 + 2 * 14);
+    for t in &plan.tensors {
+        if let Some(rest) = t.name.strip_prefix("blk.") {
+            assert!(
+                rest.starts_with("0.") || rest.starts_with("1."),
+                "{}",
+                t.name
+            );
+        }
+    }
+    let t = |n: &str| plan.tensor(n).unwrap();
+    assert_eq!(
+        (t("output.weight").dtype, &t("output.weight").shape[..]),
+        (DType::Q6_K, &[248_320, 4096][..])
+    );
+    assert_eq!(t("token_embd.weight").dtype, DType::Q4_K);
+    // GDN: 16 key heads and 32 value heads of 128: q, k, v rows 2048 + 2048 + 4096.
+    assert_eq!(t("blk.0.attn_qkv.weight").shape, [8192, 4096]);
+    assert_eq!(t("blk.0.ssm_conv1d.weight").shape, [8192, 4]);
+    assert_eq!(t("blk.0.ssm_out.weight").shape, [4096, 4096]);
+    assert_eq!(t("blk.1.ssm_a").shape, [32]);
+    // use_more_bits over 2 layers picks layer 1 only.
+    assert_eq!(t("blk.0.ffn_down.weight").dtype, DType::Q4_K);
+    assert_eq!(t("blk.1.ffn_down.weight").dtype, DType::Q6_K);
+    assert_eq!(t("blk.1.attn_qkv.weight").dtype, DType::Q6_K);
+    assert_eq!(t("blk.0.ssm_conv1d.weight").dtype, DType::F32);
+    // The embedding (Q4_K) and output head (Q6_K) of 248,320 rows are 1.4 GB alone.
+    let gb = plan.data_bytes() as f64 / 1e9;
+    assert!((1.5..1.9).contains(&gb), "{gb} GB");
+}
+
+fn lathe() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_lathe"))
+}
+
+fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn synth_demo(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let out = dir.join(name);
+    let mut c = lathe();
+    c.args(["synth", "--preset", "demo", "-o"])
+        .arg(&out)
+        .args(extra);
+    run_ok(&mut c);
+    out
+}
+
+/// Logits of a short prefill and two decode steps: finite and not all alike.
+fn check_forward(path: &Path) {
+    let mut e = Engine::load(path, &LoadOptions::default()).unwrap();
+    let v = e.vocab_size();
+    let mut seq = e.new_seq().unwrap();
+    let mut rows = e.forward(&mut seq, &[1, 2, 3, 4, 5], true).unwrap();
+    assert_eq!(rows.len(), 5 * v);
+    for t in [7u32, 11] {
+        rows.extend(e.forward(&mut seq, &[t], false).unwrap());
+    }
+    assert!(rows.iter().all(|x| x.is_finite()), "{}", path.display());
+    for row in rows.chunks(v) {
+        let mean = row.iter().sum::<f32>() / v as f32;
+        let sd = (row.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v as f32).sqrt();
+        // Unit-variance weights give logits of order one.
+        assert!(sd > 0.05 && sd < 50.0, "{}: logit sd {sd}", path.display());
+    }
+}
+
+#[test]
+fn demo_model_loads_runs_and_benches() {
+    let dir = tmp_dir("demo");
+    // The default type (Q4_K_M) with the real Qwen vocabulary.
+    let q4 = synth_demo(&dir, "demo-q4_k_m.gguf", &["--json"]);
+    let plan = synth::plan(
+        &synth::preset("demo").unwrap(),
+        &PlanOptions::default(),
+        None,
+    )
+    .unwrap();
+    let g = GgufFile::open(&q4).unwrap();
+    assert_eq!(g.n_tensors(), plan.tensors.len());
+    for (t, p) in g.tensors().zip(&plan.tensors) {
+        assert_eq!(
+            (t.name, t.dtype, t.shape),
+            (p.name.as_str(), p.dtype, &p.shape[..])
+        );
+    }
+    drop(g);
+    let report = run_ok(lathe().arg("inspect").arg(&q4));
+    assert!(report.contains("qwen35"), "{report}");
+    check_forward(&q4);
+    for ty in ["q8_0", "bf16"] {
+        let f = synth_demo(
+            &dir,
+            &format!("demo-{ty}.gguf"),
+            &["--type", ty, "--vocab", "4096"],
+        );
+        run_ok(lathe().arg("inspect").arg(&f));
+        check_forward(&f);
+    }
+
+    let out = run_ok(
+        lathe()
+            .args(["bench", "-p", "8", "-n", "4", "-r", "1", "--json", "-m"])
+            .arg(&q4),
+    );
+    let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(j["model"].as_str(), Some(q4.to_str().unwrap()));
+    assert_eq!(j["bytes"].as_u64(), Some(plan.data_bytes()));
+    for (test, n) in [("prefill", 8), ("decode", 4)] {
+        assert_eq!(j[test]["tokens"].as_u64(), Some(n), "{out}");
+        assert!(j[test]["tok_s"].as_f64().unwrap() > 0.0, "{out}");
+        assert!(j[test]["sd"].as_f64().unwrap() >= 0.0, "{out}");
+    }
+    let bpt = j["bytes_per_token"].as_u64().unwrap();
+    assert!(bpt > 0 && bpt < plan.data_bytes(), "{out}");
+    let bw = j["bandwidth_gbs"].as_f64().unwrap();
+    let roof = j["roofline_fraction"].as_f64().unwrap();
+    let want = j["decode"]["tok_s"].as_f64().unwrap() * bpt as f64 / (bw * 1e9);
+    assert!(
+        bw > 0.0 && (roof - want).abs() <= 1e-9 * want.max(1.0),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn tokenizer_makes_a_chat_model() {
+    let dir = tmp_dir("tok");
+    let gz = root().join("assets/deepseek-v4-tokenizer.json.gz");
+    let json = root().join("tests/fixtures/tokenizer/deepseek-v4/tokenizer.json");
+    // The shipped copy is the fixture, compressed.
+    let mut raw = Vec::new();
+    std::io::Read::read_to_end(
+        &mut flate2::read::GzDecoder::new(std::fs::File::open(&gz).unwrap()),
+        &mut raw,
+    )
+    .unwrap();
+    assert_eq!(raw, std::fs::read(&json).unwrap());
+
+    let f = synth_demo(
+        &dir,
+        "chat.gguf",
+        &["--tokenizer", gz.to_str().unwrap(), "--type", "q8_0"],
+    );
+    let g = GgufFile::open(&f).unwrap();
+    assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), "gpt2");
+    assert_eq!(g.get_str("tokenizer.ggml.pre").unwrap(), "deepseek-v3");
+    assert_eq!(
+        g.get_str("tokenizer.chat_template").unwrap(),
+        lathe::tokenizer::CHATML
+    );
+    // The demo's vocabulary follows the tokenizer: 128,000 BPE tokens + 1,280 added.
+    assert_eq!(
+        g.require("token_embd.weight").unwrap().shape,
+        [129_280, 256]
+    );
+    assert!(g.get("qwen35.vocab_size").is_none());
+    let from_gguf = lathe::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+    let from_json = lathe::tokenizer::Tokenizer::from_file(&json).unwrap();
+    for text in [
+        "Hello, world!",
+        "数字 12345 and émigré\n\ttabs",
+        "<｜begin▁of▁sentence｜>hi",
+    ] {
+        assert_eq!(
+            from_gguf.encode(text, true).unwrap(),
+            from_json.encode(text, true).unwrap(),
+            "{text}"
+        );
+    }
+    assert_eq!(from_gguf.bos_id(), from_json.bos_id());
+    assert_eq!(from_gguf.eos_id(), from_json.eos_id());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn same_seed_same_bytes_and_skew_favours_a_few_experts() {
+    let dir = tmp_dir("seed");
+    let p = qwen35moe_dims();
+    let write = |name: &str, seed: u64, skew: f32| {
+        let opts = PlanOptions {
+            ftype: Some(FileType::Q4_K_M),
+            skew,
+            ..Default::default()
+        };
+        let path = dir.join(name);
+        synth::plan(&p, &opts, None)
+            .unwrap()
+            .write(&path, seed, None)
+            .unwrap();
+        path
+    };
+    let a = std::fs::read(write("a.gguf", 1, 0.0)).unwrap();
+    let b = std::fs::read(write("b.gguf", 1, 0.0)).unwrap();
+    let c = std::fs::read(write("c.gguf", 2, 0.0)).unwrap();
+    assert!(a == b, "same seed, different bytes");
+    assert!(a != c, "different seeds, same bytes");
+
+    // Router row norms: equal in distribution without skew, a few far larger with it.
+    let norms = |path: &Path| -> Vec<f32> {
+        let g = GgufFile::open(path).unwrap();
+        let t = g.require("blk.0.ffn_gate_inp.weight").unwrap();
+        assert_eq!(t.dtype, DType::F32);
+        let w: Vec<f32> = t
+            .data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        w.chunks(256)
+            .map(|r| r.iter().map(|x| x * x).sum::<f32>().sqrt())
+            .collect()
+    };
+    let ratio = |n: Vec<f32>| {
+        let max = n.iter().cloned().fold(0.0, f32::max);
+        let min = n.iter().cloned().fold(f32::INFINITY, f32::min);
+        max / min
+    };
+    // Gains 1 + 8·e^(−rank/4) over 16 experts: 9 for the first, 1.19 for the last.
+    let flat = ratio(norms(&dir.join("a.gguf")));
+    let skewed = ratio(norms(&write("s.gguf", 1, 8.0)));
+    assert!(flat < 1.5, "no skew: max/min row norm {flat}");
+    assert!(skewed > 5.0, "skew 8: max/min row norm {skewed}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_arguments_fail_with_one_line() {
+    let dir = tmp_dir("bad");
+    let out = dir.join("x.gguf");
+    for args in [
+        &["--preset", "qwen9"][..],
+        &["--preset", "demo", "--layers", "9"][..],
+        &["--preset", "demo", "--type", "q3_k_xl"][..],
+        &[
+            "--preset",
+            "demo",
+            "--tokenizer",
+            "/nonexistent/tokenizer.json",
+        ][..],
+    ] {
+        let r = lathe()
+            .arg("synth")
+            .args(args)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(!r.status.success(), "{args:?}");
+        assert!(
+            matches!(r.status.code(), Some(1 | 2)),
+            "{args:?}: {:?}",
+            r.status
+        );
+        assert!(!out.exists(), "{args:?} left a file");
+    }
+    // A model lathe cannot run yet fails cleanly in bench too.
+    let r = lathe()
+        .args(["bench", "-m", "/nonexistent.gguf", "-p", "8", "-n", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(r.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).ok();
+}
