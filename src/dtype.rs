@@ -148,7 +148,7 @@ impl DType {
     /// Bytes needed for `n` elements, or `None` when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let bs = self.block_size() as u64;
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return None;
         }
         (n / bs).checked_mul(self.block_bytes() as u64)

@@ -6,7 +6,7 @@ use lathe::gpu::{elementwise, AdapterChoice, Gpu};
 fn add_odd_length_and_offsets() {
     let gpu = Gpu::new(&AdapterChoice::Auto).expect("a wgpu adapter (lavapipe in CI)");
     eprintln!("{}", gpu.report());
-    let n = 1000_003usize;
+    let n = 1_000_003usize;
     let a: Vec<f32> = (0..n + 5).map(|i| i as f32 * 0.5).collect();
     let b: Vec<f32> = (0..n).map(|i| -(i as f32) * 0.25 + 1.0).collect();
     let ab = gpu.upload_f32(&a, "a").unwrap();

@@ -46,7 +46,7 @@ impl Gpu {
         if data.is_empty() {
             return;
         }
-        if data.len() % 4 == 0 {
+        if data.len().is_multiple_of(4) {
             self.queue.write_buffer(buf, offset, data);
         } else {
             let mut v = data.to_vec();

@@ -171,10 +171,10 @@ impl CpuModel {
         let mut qkv = vec![0f32; cd];
         for c in 0..cd {
             let mut acc = 0f64;
-            for j in 0..kk {
-                let inp = if j < kk - 1 { conv[j][c] } else { qkv_in[c] };
-                acc += g.conv.data[c * kk + j] as f64 * inp as f64;
+            for (j, past) in conv.iter().enumerate() {
+                acc += g.conv.data[c * kk + j] as f64 * past[c] as f64;
             }
+            acc += g.conv.data[c * kk + kk - 1] as f64 * qkv_in[c] as f64;
             qkv[c] = silu(acc as f32);
         }
         conv.remove(0);

@@ -273,19 +273,19 @@ impl Hparams {
                 self.n_layer
             ));
         }
-        if self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!(
                 "{} query heads not a multiple of {} kv heads",
                 self.n_head, self.n_head_kv
             ));
         }
-        if self.n_k_heads == 0 || self.n_v_heads % self.n_k_heads != 0 {
+        if self.n_k_heads == 0 || !self.n_v_heads.is_multiple_of(self.n_k_heads) {
             return bad(format!(
                 "{} GDN value heads not a multiple of {} key heads",
                 self.n_v_heads, self.n_k_heads
             ));
         }
-        if self.n_rot > self.head_dim || self.n_rot % 2 != 0 {
+        if self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return bad(format!(
                 "rotary dims {} invalid for head size {}",
                 self.n_rot, self.head_dim
