@@ -24,17 +24,19 @@ fn main() -> lathe::Result<()> {
         });
     }
     let gpu = Arc::new(lathe::gpu::Gpu::new(&Default::default())?);
-    let mut opts = lathe::engine::LoadOptions::default();
-    opts.kv_type = lathe::engine::KvType::F32;
+    let opts = lathe::engine::LoadOptions {
+        kv_type: lathe::engine::KvType::F32,
+        ..Default::default()
+    };
     let mut m = GpuModel::load(gpu, &f, &opts)?;
-    for l in 0..cpu.hp.n_layer {
+    for (l, want_l) in want.iter().enumerate() {
         m.trace_layer = Some(l);
         let mut s = m.new_seq()?;
         let got = m.forward(&mut s, toks, true)?;
         let per_tok: Vec<String> = (0..toks.len())
             .map(|t| {
                 let d = (0..e)
-                    .map(|i| (got[t * e + i] - want[l][t * e + i]).abs())
+                    .map(|i| (got[t * e + i] - want_l[t * e + i]).abs())
                     .fold(0f32, f32::max);
                 format!("{d:.1e}")
             })

@@ -289,7 +289,7 @@ fn encode_speed_one_megabyte() {
         for k in 0..(2 + x % 9) {
             random.push(letters[((x >> (5 * k)) % letters.len() as u64) as usize]);
         }
-        random.push(if x % 13 == 0 { '\n' } else { ' ' });
+        random.push(if x.is_multiple_of(13) { '\n' } else { ' ' });
     }
     for (name, text) in [("repeated", &repeated), ("random words", &random)] {
         let t = std::time::Instant::now();

@@ -93,7 +93,7 @@ pub fn reference_for(dir: &Path, file: &str) -> PathBuf {
 /// The fixture bar: RMS ≤ 0.02, top-1 ≥ 95%, and RMS no larger than llama.cpp's own on the
 /// same file or 0.001, whichever is larger.
 pub fn assert_bar(label: &str, s: &Score, llama: Option<f64>) {
-    let cap = llama.unwrap_or(0.001).max(0.001).min(0.02);
+    let cap = llama.unwrap_or(0.001).clamp(0.001, 0.02);
     eprintln!(
         "{label}: rms {:.3e} max_abs {:.3e} top1 {:.3} (bar rms ≤ {cap:.3e})",
         s.rms, s.max_abs, s.top1
