@@ -4,7 +4,11 @@ use lathe::engine::{Engine, LoadOptions, Want};
 
 fn main() -> lathe::Result<()> {
     let a: Vec<String> = std::env::args().collect();
-    let toks: Vec<u32> = lathe::npy::read_i64(&a[2])?.data.iter().map(|&t| t as u32).collect();
+    let toks: Vec<u32> = lathe::npy::read_i64(&a[2])?
+        .data
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
     let mut e = Engine::load(std::path::Path::new(&a[1]), &LoadOptions::default())?;
     let v = e.vocab_size();
     // Alone: each sequence prefilled with a different prefix, then decoded.
@@ -18,13 +22,23 @@ fn main() -> lathe::Result<()> {
     // Together: three prefills in one batch, then three decode rows in one batch.
     let mut seqs: Vec<_> = cuts.iter().map(|_| e.new_seq().unwrap()).collect();
     {
-        let mut items: Vec<_> = seqs.iter_mut().zip(&cuts).map(|(s, &c)| (s, &toks[..c], Want::None)).collect();
+        let mut items: Vec<_> = seqs
+            .iter_mut()
+            .zip(&cuts)
+            .map(|(s, &c)| (s, &toks[..c], Want::None))
+            .collect();
         e.forward_batch(&mut items)?;
     }
-    let mut items: Vec<_> = seqs.iter_mut().zip(&cuts).map(|(s, &c)| (s, &toks[c..c + 1], Want::Last)).collect();
+    let mut items: Vec<_> = seqs
+        .iter_mut()
+        .zip(&cuts)
+        .map(|(s, &c)| (s, &toks[c..c + 1], Want::Last))
+        .collect();
     let together = e.forward_batch(&mut items)?;
     for i in 0..cuts.len() {
-        let d = (0..v).map(|j| (alone[i][j] - together[i][j]).abs()).fold(0f32, f32::max);
+        let d = (0..v)
+            .map(|j| (alone[i][j] - together[i][j]).abs())
+            .fold(0f32, f32::max);
         println!("seq {i}: max abs diff alone vs batched {d:.2e}");
     }
     Ok(())

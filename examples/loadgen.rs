@@ -141,33 +141,38 @@ fn one_request(o: &Opts, prompt: &str) -> std::io::Result<Sample> {
     let mut ttft = None;
     let mut tokens = 0;
     let mut pending = String::new();
-    let mut on_bytes = |b: &[u8], ttft: &mut Option<Duration>, tokens: &mut usize| {
-        pending.push_str(&String::from_utf8_lossy(b));
-        while let Some(end) = pending.find("\n\n") {
-            let ev: String = pending.drain(..end + 2).collect();
-            let Some(data) = ev.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                continue;
+    let mut error = None;
+    let mut on_bytes =
+        |b: &[u8], ttft: &mut Option<Duration>, tokens: &mut usize, error: &mut Option<String>| {
+            pending.push_str(&String::from_utf8_lossy(b));
+            while let Some(end) = pending.find("\n\n") {
+                let ev: String = pending.drain(..end + 2).collect();
+                let Some(data) = ev.trim().strip_prefix("data: ") else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    continue;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                if let Some(e) = v.get("error") {
+                    *error = Some(e.to_string());
+                }
+                if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")) {
+                    *tokens = u.as_u64().unwrap_or(0) as usize;
+                }
+                let c = &v["choices"][0];
+                let text = c["text"]
+                    .as_str()
+                    .or(c["delta"]["content"].as_str())
+                    .or(c["delta"]["reasoning_content"].as_str())
+                    .unwrap_or("");
+                if ttft.is_none() && !text.is_empty() {
+                    *ttft = Some(t0.elapsed());
+                }
             }
-            let Ok(v) = serde_json::from_str::<Value>(data) else {
-                continue;
-            };
-            if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")) {
-                *tokens = u.as_u64().unwrap_or(0) as usize;
-            }
-            let c = &v["choices"][0];
-            let text = c["text"]
-                .as_str()
-                .or(c["delta"]["content"].as_str())
-                .or(c["delta"]["reasoning_content"].as_str())
-                .unwrap_or("");
-            if ttft.is_none() && !text.is_empty() {
-                *ttft = Some(t0.elapsed());
-            }
-        }
-    };
+        };
     if chunked {
         loop {
             let mut line = String::new();
@@ -181,7 +186,7 @@ fn one_request(o: &Opts, prompt: &str) -> std::io::Result<Sample> {
             }
             let mut buf = vec![0u8; n + 2];
             r.read_exact(&mut buf)?;
-            on_bytes(&buf[..n], &mut ttft, &mut tokens);
+            on_bytes(&buf[..n], &mut ttft, &mut tokens, &mut error);
         }
     } else {
         let mut buf = [0u8; 8192];
@@ -190,8 +195,11 @@ fn one_request(o: &Opts, prompt: &str) -> std::io::Result<Sample> {
             if n == 0 {
                 break;
             }
-            on_bytes(&buf[..n], &mut ttft, &mut tokens);
+            on_bytes(&buf[..n], &mut ttft, &mut tokens, &mut error);
         }
+    }
+    if let Some(e) = error {
+        return Err(std::io::Error::other(format!("error event: {e}")));
     }
     let total = t0.elapsed();
     Ok(Sample {

@@ -17,16 +17,28 @@ fn main() -> lathe::Result<()> {
     let mut by: BTreeMap<String, (usize, f64)> = BTreeMap::new();
     for (l, ns) in &prof {
         let key = l.split(['.', ' ']).next().unwrap_or(l).to_string();
-        let key = if key.starts_with("blk") || key.contains("weight") { "matvec (weights)".to_string() } else { key };
+        let key = if key.starts_with("blk") || key.contains("weight") {
+            "matvec (weights)".to_string()
+        } else {
+            key
+        };
         let en = by.entry(key).or_default();
         en.0 += 1;
         en.1 += ns;
     }
-    println!("{} dispatches, {:.1} us GPU time in one decode step at context {ctx}", prof.len(), total / 1e3);
+    println!(
+        "{} dispatches, {:.1} us GPU time in one decode step at context {ctx}",
+        prof.len(),
+        total / 1e3
+    );
     let mut v: Vec<_> = by.into_iter().collect();
     v.sort_by(|a, b| b.1 .1.partial_cmp(&a.1 .1).unwrap());
     for (k, (n, ns)) in v {
-        println!("{k:<28} {n:>5} dispatches {:>10.1} us {:>5.1}%", ns / 1e3, 100.0 * ns / total);
+        println!(
+            "{k:<28} {n:>5} dispatches {:>10.1} us {:>5.1}%",
+            ns / 1e3,
+            100.0 * ns / total
+        );
     }
     Ok(())
 }

@@ -17,8 +17,8 @@
 //   SCORE   indexer scores: one workgroup per (token, 64 entries): for entry i visible to the
 //           token (i < (pos+1)/m) s = scale · Σ_h relu(q_h · k_i) · w_h, else −1e30.
 //   SELECT  one workgroup per token: the top k of the visible scores (ties to the lower
-//           index) into index-list slots [idx_off, idx_off + n_slots) as SRC_B | entry, the
-//           slots beyond min(k, visible) INVALID.
+//           index) into index-list slots [idx_off, idx_off + n_slots) as SRC_B | entry in
+//           entry order, the slots beyond min(k, visible) INVALID.
 //   INDEX   one thread per (token, slot) of the attention's key list: slots [0, n_win) are the
 //           window, newest first (ring row (pos − i) % ring, INVALID before position 0);
 //           with `fill_comp` the rest are the compressed entries i < (pos+1)/m in order.
@@ -188,6 +188,8 @@ fn pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 #endif
 
 #if SCORE
+// Workgroup: one token, WG entries (one per thread). Query heads go through workgroup memory
+// HG at a time (HG·D floats), so each thread reads its key row once per group of heads.
 const WG = 64u;
 struct Params {
     n_tok: u32,
@@ -205,7 +207,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read> keys: array<f32>;
 @group(0) @binding(4) var<storage, read_write> scores: array<f32>;
 
-var<workgroup> qs: array<f32, D>;
+var<workgroup> qs: array<f32, HG * D>;
 
 @compute @workgroup_size(WG)
 fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -215,18 +217,22 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     let t = gid / tiles;
     if (t >= p.n_tok) { return; }
     let i = (gid % tiles) * WG + lid;
-    let d = p.d;
     let nh = p.n_head;
     let n_vis = min((p.pos0 + t + 1u) / p.ratio, p.n_ent);
     let live = i < n_vis;
+    let kb = select(0u, i, live) * D;
     var acc = 0.0;
-    for (var h = 0u; h < nh; h++) {
-        for (var c = lid; c < d; c += WG) { qs[c] = q[(t * nh + h) * d + c]; }
+    for (var h0 = 0u; h0 < nh; h0 += HG) {
+        let hn = min(HG, nh - h0);
+        for (var c = lid; c < hn * D; c += WG) { qs[c] = q[(t * nh + h0) * D + c]; }
         workgroupBarrier();
         if (live) {
-            var dot = 0.0;
-            for (var c = 0u; c < d; c++) { dot += qs[c] * keys[i * d + c]; }
-            acc += max(dot, 0.0) * wts[t * nh + h];
+            var dots: array<f32, HG>;
+            for (var c = 0u; c < D; c++) {
+                let kc = keys[kb + c];
+                for (var j = 0u; j < HG; j++) { dots[j] += qs[j * D + c] * kc; }
+            }
+            for (var j = 0u; j < hn; j++) { acc += max(dots[j], 0.0) * wts[t * nh + h0 + j]; }
         }
         workgroupBarrier();
     }
@@ -235,6 +241,10 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
 #endif
 
 #if SELECT
+// Workgroup: one token. The k-th largest score is found by bisection on order-preserving
+// u32 keys (32 counting passes), then the entries above it and the lowest-index ones equal
+// to it are written in index order (two workgroup prefix sums per WG entries): the same set
+// as a full sort with ties to the lower index, at O(32·n) instead of O(n²).
 const WG = 256u;
 struct Params {
     n_tok: u32,
@@ -250,6 +260,42 @@ struct Params {
 @group(0) @binding(1) var<storage, read> scores: array<f32>;
 @group(0) @binding(2) var<storage, read_write> idx: array<u32>;
 
+var<workgroup> red: array<u32, WG>;
+
+// Larger float ↔ larger key (negative floats: all bits flipped; others: sign bit set).
+fn key(v: f32) -> u32 {
+    let b = bitcast<u32>(v);
+    return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
+}
+
+fn wg_sum(v: u32, lid: u32) -> u32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (lid < s) { red[lid] += red[lid + s]; }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+// Exclusive prefix sum over the workgroup (Hillis–Steele); .y = the total.
+fn wg_scan(v: u32, lid: u32) -> vec2<u32> {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var s = 1u; s < WG; s <<= 1u) {
+        var add = 0u;
+        if (lid >= s) { add = red[lid - s]; }
+        workgroupBarrier();
+        red[lid] += add;
+        workgroupBarrier();
+    }
+    let r = vec2<u32>(red[lid] - v, red[WG - 1u]);
+    workgroupBarrier();
+    return r;
+}
+
 @compute @workgroup_size(WG)
 fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
@@ -259,17 +305,37 @@ fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let k = p.k;
     let row = t * p.n_ent;
     let out = t * p.idx_stride + p.idx_off;
-    for (var i = lid; i < n_vis; i += WG) {
-        let v = scores[row + i];
-        var rank = 0u;
-        for (var j = 0u; j < n_vis; j++) {
-            let u = scores[row + j];
-            rank += select(0u, 1u, u > v || (u == v && j < i));
+    if (n_vis <= k) {
+        for (var s = lid; s < p.n_slots; s += WG) {
+            idx[out + s] = select(INVALID, SRC_B | s, s < n_vis);
         }
-        if (rank < k) { idx[out + rank] = SRC_B | i; }
+        return;
     }
-    for (var s = lid; s < p.n_slots; s += WG) {
-        if (s >= min(k, n_vis)) { idx[out + s] = INVALID; }
+    // T = the largest key with at least k keys ≥ T: the k-th largest.
+    var thr = 0u;
+    for (var bit = 31i; bit >= 0i; bit--) {
+        let cand = thr | (1u << u32(bit));
+        var c = 0u;
+        for (var i = lid; i < n_vis; i += WG) { c += select(0u, 1u, key(scores[row + i]) >= cand); }
+        if (wg_sum(c, lid) >= k) { thr = cand; }
+    }
+    var c = 0u;
+    for (var i = lid; i < n_vis; i += WG) { c += select(0u, 1u, key(scores[row + i]) > thr); }
+    let quota = k - wg_sum(c, lid);   // entries equal to T to take, lowest index first
+    var base = 0u;
+    var eq_seen = 0u;
+    for (var c0 = 0u; c0 < n_vis; c0 += WG) {
+        let i = c0 + lid;
+        var kk = 0u;
+        if (i < n_vis) { kk = key(scores[row + i]); }
+        let gt = i < n_vis && kk > thr;
+        let eq = i < n_vis && kk == thr;
+        let e = wg_scan(select(0u, 1u, eq), lid);
+        let take = gt || (eq && eq_seen + e.x < quota);
+        let tk = wg_scan(select(0u, 1u, take), lid);
+        if (take) { idx[out + base + tk.x] = SRC_B | i; }
+        base += tk.y;
+        eq_seen += e.y;
     }
 }
 #endif

@@ -416,9 +416,7 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 //   Δ = U − W S;  o = QG S + P Δ;  S ← γ S + KDᵀ Δ
 // The chunk's W, QG, P and KD are staged through workgroup memory in CHUNK × TD tiles
 // (TD ∈ {16, 32, 64}) with coalesced loads, four per thread in flight at once; every
-// thread then reads them from there. The scan is bound by the latency of those loads (each
-// tile is a round trip to memory on the critical path), so TD is as wide as workgroup
-// memory allows: 64 on NVIDIA (48 KiB), 32 on 32 KiB adapters.
+// thread then reads them from there (the wrapper's scan_tiles says which TD and why).
 @group(0) @binding(2) var<storage, read> scratch: array<f32>;        // [chunk slots, Hv, SLOT]
 @group(0) @binding(3) var<storage, read_write> state: array<f32>;    // [slots, Hv, DK, DV]
 @group(0) @binding(4) var<storage, read_write> o: array<f32>;        // [rows, o_stride]: [Hv, DV]

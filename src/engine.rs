@@ -147,11 +147,22 @@ impl Engine {
         let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
         let gpu = Arc::new(Gpu::new(&opts.adapter)?);
         let model = if is_qwen35(&arch) {
-            Model::Qwen35(Box::new(crate::models::qwen35::gpu::GpuModel::load(gpu.clone(), &file, opts)?))
+            Model::Qwen35(Box::new(crate::models::qwen35::gpu::GpuModel::load(
+                gpu.clone(),
+                &file,
+                opts,
+            )?))
         } else if matches!(arch.as_str(), "deepseek4" | "DeepseekV4ForCausalLM") {
-            Model::DeepSeek4(Box::new(crate::models::deepseek4::gpu::GpuModel::load(gpu.clone(), &file, opts)?))
+            Model::DeepSeek4(Box::new(crate::models::deepseek4::gpu::GpuModel::load(
+                gpu.clone(),
+                &file,
+                opts,
+            )?))
         } else {
-            return Err(Error::Unsupported(format!("{}: architecture {arch}", path.display())));
+            return Err(Error::Unsupported(format!(
+                "{}: architecture {arch}",
+                path.display()
+            )));
         };
         Ok(Engine {
             gpu,
@@ -188,10 +199,14 @@ impl Engine {
 
     /// Feed several sequences in shared passes (continuous batching): per item its new
     /// tokens and which logits it wants; returns those logits per item.
-    pub fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Vec<f32>>> {
+    pub fn forward_batch(
+        &mut self,
+        items: &mut [(&mut Seq, &[u32], Want)],
+    ) -> Result<Vec<Vec<f32>>> {
         match &mut self.model {
             Model::Qwen35(m) => {
-                let mut v: Vec<(&mut crate::models::qwen35::gpu::GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+                let mut v: Vec<(&mut crate::models::qwen35::gpu::GpuSeq, &[u32], Want)> =
+                    Vec::with_capacity(items.len());
                 for (s, t, w) in items.iter_mut() {
                     match s {
                         Seq::Qwen35(q) => v.push((q, t, *w)),
@@ -248,7 +263,12 @@ impl Engine {
 
 /// Logits for every position of `tokens`: the first `prefill` tokens as one batch, the rest
 /// one per step through the decode path. Returns `(logits [T·vocab], vocab)`.
-pub fn logits(path: &Path, tokens: &[u32], prefill: usize, opts: &LoadOptions) -> Result<(Vec<f32>, usize)> {
+pub fn logits(
+    path: &Path,
+    tokens: &[u32],
+    prefill: usize,
+    opts: &LoadOptions,
+) -> Result<(Vec<f32>, usize)> {
     let mut e = Engine::load(path, opts)?;
     eprintln!("{}", e.gpu.report());
     let v = e.vocab_size();

@@ -62,12 +62,27 @@ fn ok(args: &[&str]) -> String {
     stdout(&o)
 }
 
-/// A fresh scratch directory for one test.
-fn scratch(name: &str) -> PathBuf {
+/// A fresh scratch directory for one test, removed when dropped.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("lathe-cli-text-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 fn ids_of(v: &Value) -> Vec<u32> {
@@ -324,7 +339,7 @@ fn byte_char(b: u8) -> char {
 /// single bytes (no merges), the ChatML specials, and the other ids as added one-character
 /// CJK tokens. So any generated ids re-tokenize to themselves, and a chat's earlier turns are
 /// a token-level prefix of the next rendering (no chat template: lathe's ChatML).
-fn tiny_with_vocab(name: &str, config: Value) -> PathBuf {
+fn tiny_with_vocab(name: &str, config: Value) -> Scratch {
     let dir = scratch(name);
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(tiny().join(f), dir.join(f)).unwrap();
@@ -384,7 +399,7 @@ fn tokenize_add_special_puts_bos_when_asked() {
 fn run_streams_text_and_stops() {
     let dir = tiny_with_vocab("run", json!({"eos_token": "<|im_end|>"}));
     let d = dir.to_str().unwrap();
-    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+    let tok = Tokenizer::from_hf_dir(&*dir).unwrap();
     let greedy = ["--temp", "0", "-n", "12"];
     // The ids the model picks for the prompt's tokens...
     let prompt = tok.encode("Hello there", true).unwrap();
@@ -574,4 +589,92 @@ fn errors_are_one_line_and_exit_1() {
         assert!(ours[0].contains(says), "{args:?}: {err}");
         assert!(stdout(&o).is_empty(), "{args:?}");
     }
+}
+
+/// The library loop under the CLI: cancellation from the callback, a zero budget, prefix
+/// reuse and the timings' bookkeeping.
+#[test]
+fn generate_loop_cancels_reuses_and_counts() {
+    use lathe::generate::{GenerateOptions, Session};
+    use lathe::sample::{FinishReason, SamplerConfig};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let dir = tiny_with_vocab("lib", json!({"eos_token": "<|im_end|>"}));
+    let mut engine = lathe::engine::Engine::load(&dir, &Default::default()).unwrap();
+    let tok = engine.tokenizer.as_ref().unwrap();
+    let prompt = tok.encode("Once upon", true).unwrap();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = GenerateOptions {
+        max_tokens: Some(10),
+        sampler: SamplerConfig::greedy(),
+        ignore_eog: true,
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let mut s = Session::new(&engine).unwrap();
+    let full = s.generate(&mut engine, &prompt, &opts, |_| {}).unwrap();
+    assert_eq!(full.finish, Some(FinishReason::Length));
+    assert_eq!(full.tokens.len(), 10);
+    let t = &full.timings;
+    assert_eq!(
+        (t.n_prompt, t.n_cached, t.n_generated),
+        (prompt.len(), 0, 10)
+    );
+    assert!(t.first_token >= t.prefill && t.gen_tok_s().is_some());
+    // The sequence holds the prompt and all but the last sampled token.
+    assert_eq!(s.tokens().len(), prompt.len() + 9);
+    assert_eq!(&s.tokens()[..prompt.len()], &prompt[..]);
+
+    // Continuing the same context feeds only what is new, and greedy gives the same ids.
+    let mut longer = s.tokens().to_vec();
+    longer.push(full.tokens[9]);
+    let more = s.generate(&mut engine, &longer, &opts, |_| {}).unwrap();
+    assert_eq!(more.timings.n_cached, prompt.len() + 9);
+    let mut fresh = Session::new(&engine).unwrap();
+    let again = fresh.generate(&mut engine, &longer, &opts, |_| {}).unwrap();
+    drop(fresh);
+    assert_eq!(again.timings.n_cached, 0);
+    assert_eq!(more.tokens, again.tokens);
+
+    // A prompt that is not a continuation starts over.
+    let other = s.generate(&mut engine, &prompt, &opts, |_| {}).unwrap();
+    assert_eq!(other.timings.n_cached, 0);
+    assert_eq!(other.tokens, full.tokens);
+
+    // Cancelled from the callback after 3 tokens: no finish reason, 3 tokens.
+    let mut seen = 0;
+    let out = s
+        .generate(&mut engine, &prompt, &opts, |p| {
+            seen += 1;
+            if p.index == 2 {
+                cancel.store(true, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+    assert_eq!((out.finish.clone(), out.tokens.len(), seen), (None, 3, 3));
+    assert_eq!(out.tokens, full.tokens[..3]);
+    // Already cancelled: nothing runs.
+    let out = s.generate(&mut engine, &prompt, &opts, |_| {}).unwrap();
+    assert!(out.tokens.is_empty() && out.finish.is_none());
+    cancel.store(false, Ordering::SeqCst);
+
+    // No budget: the prompt is consumed, nothing sampled.
+    let none = GenerateOptions {
+        max_tokens: Some(0),
+        ..opts.clone()
+    };
+    let out = s.generate(&mut engine, &prompt, &none, |_| {}).unwrap();
+    assert_eq!(
+        (out.finish, out.tokens.len()),
+        (Some(FinishReason::Length), 0)
+    );
+    // Bad ids are refused before anything runs.
+    let err = s
+        .generate(&mut engine, &[0, 100_000], &opts, |_| {})
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("outside the model's vocabulary"),
+        "{err}"
+    );
 }

@@ -484,3 +484,55 @@ fn index_list_matches_reference() {
         }
     }
 }
+
+/// Top-k selection where ties straddle the k-th place (few distinct values, negatives,
+/// −0.0 and +0.0 apart): the set is the lowest-index ones among the tied, as a sort would give.
+#[test]
+fn select_topk_breaks_ties_like_a_sort() {
+    let gpu = gpu();
+    let mut rng = Rng(9);
+    let (n_ent, ratio) = (700usize, 4usize);
+    for k in [1usize, 5, 100, 512, 699] {
+        let n = 3usize;
+        let pos0 = n_ent * ratio - n;
+        let vals = [-2.0f32, -0.0, 0.0, 0.5, 0.5, 1.0, 3.0];
+        let scores: Vec<f32> = (0..n * n_ent)
+            .map(|_| vals[(rng.u32() % vals.len() as u32) as usize])
+            .collect();
+        let sb = gpu.upload_f32(&scores, "scores").unwrap();
+        let n_slots = k.min(n_ent);
+        let idx = gpu.buffer((n * n_slots * 4) as u64, "idx").unwrap();
+        let s = IndexerShape {
+            n_head: 1,
+            d: 1,
+            ratio: ratio as u32,
+            top_k: k as u32,
+        };
+        submit(&gpu, |p| {
+            compress::select_topk(
+                p,
+                &s,
+                n as u32,
+                pos0 as u32,
+                n_ent as u32,
+                &sb,
+                &idx,
+                n_slots as u32,
+                0,
+                n_slots as u32,
+            )
+            .unwrap()
+        });
+        let got = gpu.read_u32(&idx, 0, n * n_slots).unwrap();
+        for t in 0..n {
+            let vis = ((pos0 + t + 1) / ratio).min(n_ent);
+            let mut want =
+                cpu::compress::select_topk(&scores[t * n_ent..(t + 1) * n_ent], vis, k, n_slots);
+            let mut g = got[t * n_slots..(t + 1) * n_slots].to_vec();
+            // Entry order on the GPU: already sorted apart from the INVALID padding.
+            want.sort_unstable();
+            g.sort_unstable();
+            assert_eq!(g, want, "top-{k} of {vis}, token {t}");
+        }
+    }
+}

@@ -548,7 +548,7 @@ fn residency_floor_beats_global_lru_on_a_layer_sweep() {
             "adapting must pay"
         );
         assert!(up_ours * 10 < up_lru, "uploads: {up_ours} vs {up_lru}");
-        let floor = (p.layers[0].n_slots() / 2) as usize;
+        let floor = p.layers[0].n_slots() / 2;
         assert!(ours
             .hits()
             .iter()

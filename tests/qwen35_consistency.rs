@@ -6,15 +6,24 @@ use lathe::engine::{Engine, LoadOptions};
 use std::path::Path;
 
 fn rms(a: &[f32], b: &[f32]) -> f64 {
-    (a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt()
+    (a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>()
+        / a.len() as f64)
+        .sqrt()
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold(0, |b, (i, v)| if *v > x[b] { i } else { b }) as u32
+    x.iter()
+        .enumerate()
+        .fold(0, |b, (i, v)| if *v > x[b] { i } else { b }) as u32
 }
 
 fn check(model: &str, steps: usize) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(model);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(model);
     let toks: Vec<u32> = lathe::npy::read_i64(path.parent().unwrap().join("tokens.npy"))
         .unwrap()
         .data
@@ -42,8 +51,14 @@ fn check(model: &str, steps: usize) {
         la = e.forward(&mut a, &[ta], false).unwrap();
         lb = e.forward(&mut b, &[ta], false).unwrap();
     }
-    eprintln!("{model}: {steps} steps, rms mean {:.2e} max {worst:.2e}, argmax differences {flips}", sum / steps as f64);
-    assert!(worst <= 1e-4, "{model}: prefill+decode vs token-by-token rms {worst:.3e} > 1e-4");
+    eprintln!(
+        "{model}: {steps} steps, rms mean {:.2e} max {worst:.2e}, argmax differences {flips}",
+        sum / steps as f64
+    );
+    assert!(
+        worst <= 1e-4,
+        "{model}: prefill+decode vs token-by-token rms {worst:.3e} > 1e-4"
+    );
 }
 
 #[test]

@@ -267,10 +267,7 @@ fn request(
 
 fn unchunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
         let n = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
         if n == 0 {
             break;
@@ -414,12 +411,17 @@ fn health_models_completions_chat_and_concurrency() {
         "usage only with stream_options.include_usage"
     );
 
-    // Concurrent clients get what they got alone (greedy).
+    // Concurrent clients get what they got alone (greedy). Two prompts are longer than a
+    // prefill chunk (256 tokens), so their prefills are split and interleaved with the
+    // others' decoding.
+    let long: Vec<String> = (0..2)
+        .map(|k| (0..60).map(|i| format!("word{} ", i * (k + 1))).collect())
+        .collect();
     let prompts = [
         "Once upon a time",
-        "1, 2, 3, 4,",
+        long[0].as_str(),
         "def main():",
-        "Paris is the capital of",
+        long[1].as_str(),
     ];
     let alone: Vec<String> = prompts
         .iter()
@@ -709,4 +711,54 @@ fn openai_python_client() {
     );
     assert!(out.status.success(), "{text}\nserver log: {:?}", s.log());
     eprintln!("{text}");
+}
+
+/// SIGTERM: no new connections, the request in flight runs to its end, then exit 0.
+#[cfg(unix)]
+#[test]
+fn sigterm_finishes_requests_in_flight() {
+    let mut s = Server::start(&[]);
+    let mut body = completion("Shutting down", 150);
+    body["stream"] = true.into();
+    let mut conn = open_stream(&s.addr, &body);
+    let ok = Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let mut rest = Vec::new();
+    conn.read_to_end(&mut rest).unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("\"finish_reason\":\"length\""), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(TcpStream::connect(&s.addr).is_err());
+}
+
+/// `--timeout`: a request still running at its deadline ends with 504 (whole) or an error
+/// event (streamed), and its slot is free again.
+#[test]
+fn request_timeout() {
+    let s = Server::start(&["--timeout", "0.5", "--parallel", "1"]);
+    let mut body = completion("Tick tock", 4000);
+    body["ignore_eos"] = true.into();
+    let (st, e) = s.post("/v1/completions", &body);
+    assert_eq!(st, 504, "{e}");
+    assert_eq!(e["error"]["code"], "timeout");
+    body["stream"] = true.into();
+    let (st, ev) = s.stream("/v1/completions", &body);
+    assert_eq!(st, 200);
+    let err: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(err["error"]["code"], "timeout", "{ev:?}");
+    assert_eq!(s.get("/health").1["slots"]["active"], 0);
+    let (st, r) = s.post("/v1/completions", &completion("Quick", 2));
+    assert_eq!(st, 200, "{r}");
 }

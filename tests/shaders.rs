@@ -7,16 +7,25 @@ use lathe::engine::{Engine, LoadOptions};
 use std::path::Path;
 
 fn translate(label: &str, wgsl: &str) -> Result<(), String> {
-    let module = naga::front::wgsl::parse_str(wgsl).map_err(|e| format!("{label}: parse: {}", e.emit_to_string(wgsl)))?;
-    let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
-        .validate(&module)
-        .map_err(|e| format!("{label}: validate: {}", e.emit_to_string(wgsl)))?;
+    let module = naga::front::wgsl::parse_str(wgsl)
+        .map_err(|e| format!("{label}: parse: {}", e.emit_to_string(wgsl)))?;
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .validate(&module)
+    .map_err(|e| format!("{label}: validate: {}", e.emit_to_string(wgsl)))?;
     naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
         .map_err(|e| format!("{label}: SPIR-V: {e}"))?;
     let mut msl = String::new();
     let pipeline_opts = naga::back::msl::PipelineOptions::default();
     naga::back::msl::Writer::new(&mut msl)
-        .write(&module, &info, &naga::back::msl::Options::default(), &pipeline_opts)
+        .write(
+            &module,
+            &info,
+            &naga::back::msl::Options::default(),
+            &pipeline_opts,
+        )
         .map_err(|e| format!("{label}: MSL: {e}"))?;
     let mut hlsl = String::new();
     let hopts = naga::back::hlsl::Options::default();
@@ -31,7 +40,11 @@ fn compiled_variants_translate_to_every_backend() {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
     let mut failures = Vec::new();
     let mut n = 0;
-    for model in ["qwen35-tiny/model-q4_0.gguf", "qwen35moe-tiny/model-q8_0.gguf", "qwen35-dims/model-q4_k_m.gguf"] {
+    for model in [
+        "qwen35-tiny/model-q4_0.gguf",
+        "qwen35moe-tiny/model-q8_0.gguf",
+        "qwen35-dims/model-q4_k_m.gguf",
+    ] {
         let mut e = Engine::load(&fx.join(model), &LoadOptions::default()).unwrap();
         let mut seq = e.new_seq().unwrap();
         let toks: Vec<u32> = (0..70).map(|i| (i * 7 % 500) as u32).collect();
@@ -45,6 +58,9 @@ fn compiled_variants_translate_to_every_backend() {
         }
     }
     eprintln!("{n} compiled variants checked");
-    assert!(n > 10, "expected the forward passes to compile many variants");
+    assert!(
+        n > 10,
+        "expected the forward passes to compile many variants"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

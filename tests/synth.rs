@@ -311,6 +311,64 @@ fn release_presets_have_the_released_sizes() {
     assert!((19.0..23.0).contains(&moe), "35B-A3B: {moe} GB");
     let ds = gb("deepseek-v4-flash", Some(8)) * 1e9 / (1u64 << 30) as f64;
     assert!((ds - 27.7).abs() < 0.8, "V4-Flash 8 layers: {ds} GiB");
+    // The small releases tie the head to the embedding, which then gets the head's Q6_K.
+    let small = synth::plan(
+        &synth::preset("qwen3.5-0.8b").unwrap(),
+        &PlanOptions::default(),
+        None,
+    )
+    .unwrap();
+    assert!(small.tensor("output.weight").is_none());
+    assert_eq!(
+        small.tensor("token_embd.weight").unwrap().dtype,
+        DType::Q6_K
+    );
+}
+
+/// Qwen's own vocabulary: 248,070 ids padded to the 248,320 embedding rows with llama.cpp's
+/// `[PAD<id>]` tokens, `qwen35` pre-tokenizer, `<|im_end|>` as EOS (plan only: the file
+/// would be hundreds of MB).
+#[test]
+fn qwen_vocabulary_pads_to_the_embedding() {
+    let v = synth::Vocab::load(&root().join("tests/fixtures/tokenizer/qwen36/tokenizer.json.gz"))
+        .unwrap();
+    assert_eq!(v.len(), 248_070);
+    let plan = synth::plan(
+        &synth::preset("qwen3.5-0.8b").unwrap(),
+        &PlanOptions::default(),
+        Some(&v),
+    )
+    .unwrap();
+    assert_eq!(plan.n_vocab, 248_320);
+    assert_eq!(
+        plan.tensor("token_embd.weight").unwrap().shape,
+        [248_320, 1024]
+    );
+    let str_of = |k: &str| plan.get(k).and_then(Value::as_str).unwrap().to_string();
+    assert_eq!(str_of("tokenizer.ggml.model"), "gpt2");
+    assert_eq!(str_of("tokenizer.ggml.pre"), "qwen35");
+    let tokens = plan
+        .get("tokenizer.ggml.tokens")
+        .and_then(Value::as_array)
+        .unwrap();
+    let types = plan
+        .get("tokenizer.ggml.token_type")
+        .and_then(Value::as_array)
+        .unwrap();
+    assert_eq!((tokens.len(), types.len()), (248_320, 248_320));
+    assert_eq!(tokens[248_319].as_str(), Some("[PAD248319]"));
+    assert_eq!(types[248_319].as_i64(), Some(5));
+    assert_eq!(
+        types[248_045].as_i64(),
+        Some(3),
+        "<|im_start|> is a control token"
+    );
+    let eos = plan
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(Value::as_u64)
+        .unwrap() as usize;
+    assert_eq!(tokens[eos].as_str(), Some("<|im_end|>"));
+    assert!(plan.get("qwen35.vocab_size").is_none());
 }
 
 /// `--layers 2` of the 9B: the full width, two GDN layers, consistent keys (the file would
@@ -407,6 +465,31 @@ fn check_forward(path: &Path) {
         // Unit-variance weights give logits of order one.
         assert!(sd > 0.05 && sd < 50.0, "{}: logit sd {sd}", path.display());
     }
+}
+
+/// The MoE and DeepSeek-V4 layouts run too (dims-sized plans, skewed routers): finite logits
+/// of order one.
+#[test]
+fn moe_and_deepseek4_synthetic_models_run() {
+    let dir = tmp_dir("run");
+    for (p, ftype, name) in [
+        (qwen35moe_dims(), FileType::Q4_K_M, "moe.gguf"),
+        (dsv4_dims(), FileType::Q8_0, "dsv4.gguf"),
+    ] {
+        let opts = PlanOptions {
+            ftype: Some(ftype),
+            skew: 4.0,
+            ..Default::default()
+        };
+        let path = dir.join(name);
+        synth::plan(&p, &opts, None)
+            .unwrap()
+            .write(&path, 3, None)
+            .unwrap();
+        check_forward(&path);
+        std::fs::remove_file(&path).ok();
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -344,12 +344,12 @@ fn main() -> Result<()> {
                 Ok(())
             };
             let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
-            let tflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e12;
+            let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
             println!(
-                "{:<6} {rows}x{cols} prefill {np} tokens: {:8.1} ms  {:6.2} TFLOP/s  {:6.0} tok/s",
+                "{:<6} {rows}x{cols} prefill {np} tokens: {:8.1} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
                 dt.name(),
                 s * 1e3,
-                tflops,
+                gflops,
                 np as f64 / s
             );
         }

@@ -56,7 +56,11 @@ pub struct BenchArgs {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(m) = &a.gpu_mem {
-        eprintln!("note: --gpu-mem {m} is accepted but not used yet (every weight is uploaded)");
+        let bytes = lathe::moe::parse_size(m)?;
+        eprintln!(
+            "note: --gpu-mem {m} ({bytes} bytes) is accepted but not used yet: every weight is \
+             uploaded"
+        );
     }
     let opts = BenchOptions {
         n_prompt: a.n_prompt,

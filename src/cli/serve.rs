@@ -84,7 +84,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let total_shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
     // Upload progress in tenths, on stderr (a server's log, not a terminal bar).
     let progress: lathe::engine::Progress = Arc::new(move |done, total| {
-        let tenth = if total == 0 { 10 } else { done * 10 / total };
+        let tenth = (done * 10).checked_div(total).unwrap_or(10);
         let prev = total_shown.fetch_max(tenth, std::sync::atomic::Ordering::Relaxed);
         if tenth > prev {
             eprintln!("lathe serve: loading {}%", tenth * 10);

@@ -345,10 +345,13 @@ pub fn index_scores(
     if tiles > u32::MAX as u64 / 2 {
         return Err(Error::Invalid("index_scores: too many workgroups".into()));
     }
+    // Heads per workgroup-memory load: HG·d floats ≤ 8 KiB.
+    let hg = (2048 / s.d).clamp(1, 16);
     let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(format!("compress_score_d{}", s.d), SRC, "score")
+        &PipelineSpec::new(format!("compress_score_d{}_hg{hg}", s.d), SRC, "score")
             .define("SCORE", true)
-            .define("D", format!("{}u", s.d)),
+            .define("D", format!("{}u", s.d))
+            .define("HG", format!("{hg}u")),
     )?;
     let prm = ScoreParams {
         n_tok,
@@ -371,9 +374,9 @@ pub fn index_scores(
 }
 
 /// Per token, the top `k` of its visible scores (rows of `n_ent` from [`index_scores`]) into
-/// `idx[t·idx_stride + idx_off ..][..n_slots]` as `SRC_B | entry`, ties to the lower entry;
-/// slots beyond `min(k, visible)` get `INVALID`. `n_slots ≥ min(k, entries the last token
-/// sees)`.
+/// `idx[t·idx_stride + idx_off ..][..n_slots]` as `SRC_B | entry` in entry order, ties to
+/// the lower entry; slots beyond `min(k, visible)` get `INVALID`. `n_slots ≥ min(k, entries
+/// the last token sees)`.
 #[allow(clippy::too_many_arguments)]
 pub fn select_topk(
     pass: &mut Pass<'_>,

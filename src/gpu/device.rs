@@ -172,7 +172,9 @@ impl Gpu {
 
     /// Largest byte range one kernel binding may cover (and one buffer may hold).
     pub fn max_binding(&self) -> u64 {
-        self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
     }
 
     /// Return (and clear) the first asynchronous GPU error since the last call.

@@ -137,7 +137,10 @@ impl<'g> Pass<'g> {
 
     /// Encode everything recorded into `enc`; the arena is written now, so exactly one
     /// pass may be encoded per submission (hence private: `submit` is the only caller).
-    fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
+    fn encode(
+        self,
+        enc: &mut wgpu::CommandEncoder,
+    ) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
         self.encode_with(enc, None)
     }
 
@@ -249,7 +252,10 @@ impl<'g> Pass<'g> {
     pub fn submit_profiled(self) -> Result<Vec<(String, f64)>> {
         let gpu = self.gpu;
         if !gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
-            return Err(Error::Gpu(format!("{}: no timestamp queries on this adapter", gpu.info.name)));
+            return Err(Error::Gpu(format!(
+                "{}: no timestamp queries on this adapter",
+                gpu.info.name
+            )));
         }
         let labels: Vec<String> = self
             .ops
@@ -277,7 +283,9 @@ impl<'g> Pass<'g> {
         });
         let mut enc = gpu
             .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("lathe.profile") });
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("lathe.profile"),
+            });
         let arena = self.encode_with(&mut enc, Some(&qs))?;
         enc.resolve_query_set(&qs, 0..2 * n, &resolve, 0);
         gpu.queue.submit([enc.finish()]);
@@ -288,7 +296,12 @@ impl<'g> Pass<'g> {
         Ok(labels
             .into_iter()
             .enumerate()
-            .map(|(i, l)| (l, ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period))
+            .map(|(i, l)| {
+                (
+                    l,
+                    ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period,
+                )
+            })
             .collect())
     }
 

@@ -181,7 +181,14 @@ impl Gpu {
 
     /// Every pipeline variant compiled so far (for the cross-backend translation test).
     pub fn compiled_specs(&self) -> Vec<PipelineSpec> {
-        let mut v: Vec<PipelineSpec> = self.pipelines.map.lock().unwrap().values().map(|(_, s)| s.clone()).collect();
+        let mut v: Vec<PipelineSpec> = self
+            .pipelines
+            .map
+            .lock()
+            .unwrap()
+            .values()
+            .map(|(_, s)| s.clone())
+            .collect();
         v.sort_by(|a, b| a.label.cmp(&b.label));
         v
     }

@@ -219,13 +219,14 @@ impl ResidencyCache {
         self.last_layer = Some(layer);
         let n_expert = self.layers[li].remap.len();
         // Picks per distinct expert in this call.
-        let mut picks: Vec<(u32, u32)> = Vec::new();
+        let mut count = vec![0u32; n_expert];
         for &e in chosen.iter().filter(|&&e| (e as usize) < n_expert) {
-            match picks.iter_mut().find(|(x, _)| *x == e) {
-                Some(p) => p.1 += 1,
-                None => picks.push((e, 1)),
-            }
+            count[e as usize] += 1;
         }
+        let picks: Vec<(u32, u32)> = (0..n_expert as u32)
+            .map(|e| (e, count[e as usize]))
+            .filter(|&(_, n)| n > 0)
+            .collect();
         let mut misses: Vec<(u32, u32)> = Vec::new();
         for &(e, n) in &picks {
             let st = &mut self.layers[li];

@@ -24,6 +24,12 @@ use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
 
+/// Prompts that feed a piece in the same step. One, for now: two multi-token pieces in one
+/// batched pass that fill it (e.g. 115 + 141 of 256 rows) overflow the Qwen3.5 forward's
+/// chunked-GDN scratch, sized for `rows / 64` chunks of one sequence ("gdn chunked: scratch of
+/// 524544 bytes, need 655680"). Raise it once that scratch counts a partial chunk per sequence.
+const MAX_PREFILLS_PER_STEP: usize = 1;
+
 /// One request for the engine thread.
 pub struct Job {
     pub id: String,
@@ -373,18 +379,22 @@ impl Worker {
         let now = Instant::now();
         for slot in &mut self.slots {
             let Some(a) = &slot.active else { continue };
-            if a.job.events.is_closed() {
+            let gone = a.job.events.is_closed();
+            if !gone && now < a.job.deadline {
+                continue;
+            }
+            // Free the slot before telling the client, as `emit` does.
+            let a = slot.active.take().expect("active slot");
+            self.shared.active.fetch_sub(1, Ordering::Relaxed);
+            if gone {
                 eprintln!("lathe serve: {} cancelled (client gone)", a.job.id);
-            } else if now >= a.job.deadline {
+            } else {
+                eprintln!("lathe serve: {} timed out", a.job.id);
                 let _ = a.job.events.send(Event::Error {
                     message: "the request timed out".into(),
                     code: "timeout",
                 });
-            } else {
-                continue;
             }
-            slot.active = None;
-            self.shared.active.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -416,7 +426,7 @@ impl Worker {
             })
             .collect();
         pre.sort_by_key(|p| p.1);
-        for (i, _) in pre {
+        for (i, _) in pre.into_iter().take(MAX_PREFILLS_PER_STEP) {
             if budget == 0 {
                 break;
             }
@@ -451,39 +461,35 @@ impl Worker {
                     }
                 }
                 Err(e) => {
+                    let a = slot.active.take().expect("active slot");
+                    slot.stale = true;
+                    self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                    eprintln!("lathe serve: {}: forward failed: {e}", a.job.id);
                     let _ = a.job.events.send(Event::Error {
                         message: format!("the forward pass failed: {e}"),
                         code: "internal",
                     });
-                    eprintln!("lathe serve: {}: forward failed: {e}", a.job.id);
-                    slot.active = None;
-                    slot.stale = true;
-                    self.shared.active.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         }
         // Sampling costs O(vocab) per slot: in parallel over slots.
-        let mut picks: Vec<(usize, u32, Option<TokenLogprob>)> = {
-            let slots = &mut self.slots;
-            let mut refs: Vec<(usize, &mut Slot, Vec<f32>)> = Vec::with_capacity(to_sample.len());
-            let mut by_slot: Vec<Option<Vec<f32>>> = (0..slots.len()).map(|_| None).collect();
-            for (i, l) in to_sample {
-                by_slot[i] = Some(l);
-            }
-            for (i, s) in slots.iter_mut().enumerate() {
-                if let Some(l) = by_slot[i].take() {
-                    refs.push((i, s, l));
-                }
-            }
-            refs.into_par_iter()
-                .map(|(i, s, mut logits)| {
-                    let a = s.active.as_mut().expect("sampling slot is active");
-                    let (id, lp) = sample_one(a, &s.history, &mut logits);
-                    (i, id, lp)
-                })
-                .collect()
-        };
-        picks.sort_by_key(|p| p.0);
+        let mut logits_of: Vec<Option<Vec<f32>>> = (0..self.slots.len()).map(|_| None).collect();
+        for (i, l) in to_sample {
+            logits_of[i] = Some(l);
+        }
+        // rayon's collect keeps the slots' order.
+        let picks: Vec<(usize, u32, Option<TokenLogprob>)> = self
+            .slots
+            .par_iter_mut()
+            .zip(logits_of.par_iter_mut())
+            .enumerate()
+            .filter_map(|(i, (s, l))| {
+                let mut logits = l.take()?;
+                let a = s.active.as_mut()?;
+                let (id, lp) = sample_one(a, &s.history, &mut logits);
+                Some((i, id, lp))
+            })
+            .collect();
         for (i, id, logprob) in picks {
             self.emit(i, id, logprob);
         }

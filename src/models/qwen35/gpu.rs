@@ -104,7 +104,10 @@ impl GpuSeq {
 
 impl Drop for GpuSeq {
     fn drop(&mut self) {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.slot);
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.slot);
     }
 }
 
@@ -162,7 +165,13 @@ impl GpuModel {
             KvType::F32 => attention::KvType::F32,
         };
         let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH, opts.max_seqs.max(1))?;
-        let pools = Pools::new(&gpu, &hp, kv_type, opts.max_seqs.max(1), opts.ctx.clamp(16, 4096))?;
+        let pools = Pools::new(
+            &gpu,
+            &hp,
+            kv_type,
+            opts.max_seqs.max(1),
+            opts.ctx.clamp(16, 4096),
+        )?;
         Ok(GpuModel {
             gpu,
             hp,
@@ -178,12 +187,18 @@ impl GpuModel {
 
     /// A new sequence in a free slot (at most `LoadOptions::max_seqs` live at once).
     pub fn new_seq(&self) -> Result<GpuSeq> {
-        let slot = self.pools.free.lock().unwrap_or_else(|p| p.into_inner()).pop().ok_or_else(|| {
-            Error::Invalid(format!(
-                "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                self.pools.slots
-            ))
-        })?;
+        let slot = self
+            .pools
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
+                    self.pools.slots
+                ))
+            })?;
         let mut seq = GpuSeq {
             slot,
             pos: 0,
@@ -230,7 +245,11 @@ impl GpuModel {
             let k = self.gpu.buffer(s.bytes(rows), "kv.k")?;
             let v = self.gpu.buffer(s.bytes(rows), "kv.v")?;
             for slot in 0..p.slots as u64 {
-                let (from, to, len) = (s.bytes(slot * p.cap as u64), s.bytes(slot * new_cap as u64), s.bytes(p.cap as u64));
+                let (from, to, len) = (
+                    s.bytes(slot * p.cap as u64),
+                    s.bytes(slot * new_cap as u64),
+                    s.bytes(p.cap as u64),
+                );
                 pass.copy(&kv.0, from, &k, to, len);
                 pass.copy(&kv.1, from, &v, to, len);
             }
@@ -243,7 +262,9 @@ impl GpuModel {
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         let v = self.hp.n_vocab;
         match tokens.iter().find(|&&t| t as usize >= v) {
-            Some(&bad) => Err(Error::Invalid(format!("token id {bad} is outside the vocabulary of {v}"))),
+            Some(&bad) => Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {v}"
+            ))),
             None => Ok(()),
         }
     }
@@ -259,7 +280,10 @@ impl GpuModel {
     /// passes of at most `DEFAULT_BATCH` rows shared by all items (a long prefill is split
     /// into chunks, so decode steps of other items never wait longer than a chunk).
     /// Returns, per item, the logits it wants (`[n, vocab]` row-major).
-    pub fn forward_batch(&mut self, items: &mut [(&mut GpuSeq, &[u32], Want)]) -> Result<Vec<Vec<f32>>> {
+    pub fn forward_batch(
+        &mut self,
+        items: &mut [(&mut GpuSeq, &[u32], Want)],
+    ) -> Result<Vec<Vec<f32>>> {
         for (_, t, _) in items.iter() {
             self.check_tokens(t)?;
         }
@@ -303,7 +327,10 @@ impl GpuModel {
                     }
                 })
                 .collect();
-            let toks: Vec<u32> = parts.iter().flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied()).collect();
+            let toks: Vec<u32> = parts
+                .iter()
+                .flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied())
+                .collect();
             let logits = self.run_round(&parts, &toks, &wants)?;
             if self.trace_layer.is_some() {
                 // Debug pass: the residual stream came back instead of logits; the
@@ -312,7 +339,10 @@ impl GpuModel {
             }
             let mut off = 0;
             for p in &parts {
-                let got = wants.iter().find(|w| w.0 >= p.row && w.0 < p.row + p.n).map(|w| w.1);
+                let got = wants
+                    .iter()
+                    .find(|w| w.0 >= p.row && w.0 < p.row + p.n)
+                    .map(|w| w.1);
                 if let Some(nw) = got {
                     out[p.item].extend_from_slice(&logits[off * v..(off + nw) * v]);
                     off += nw;
@@ -328,7 +358,12 @@ impl GpuModel {
     }
 
     /// One pass over the rows of `parts`; returns the logits of the `wants` row runs.
-    fn run_round(&mut self, parts: &[Part], toks: &[u32], wants: &[(usize, usize)]) -> Result<Vec<f32>> {
+    fn run_round(
+        &mut self,
+        parts: &[Part],
+        toks: &[u32],
+        wants: &[(usize, usize)],
+    ) -> Result<Vec<f32>> {
         let gpu = self.gpu.clone();
         let n = toks.len() as u32;
         let e = self.hp.n_embd as u32;
@@ -368,14 +403,37 @@ impl GpuModel {
         sc.batch.update(&gpu, &spans)?;
         let sc = &self.scratch;
         let hp = &self.hp;
-        embed::embed(&mut pass, &self.w.tok_embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
+        embed::embed(
+            &mut pass,
+            &self.w.tok_embd,
+            &sc.ids,
+            0,
+            n,
+            View::new(&sc.x, 0),
+        )?;
         for (l, lw) in self.w.layers.iter().enumerate() {
-            norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&lw.attn_norm), hp.eps)?;
+            norm::rms_norm(
+                &mut pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                Some(View::new(&sc.h, 0)),
+                Some(&lw.attn_norm),
+                hp.eps,
+            )?;
             match &lw.mixer {
                 Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n)?,
                 Mixer::Attn(a) => self.attn_block(&mut pass, parts, l, a, n)?,
             }
-            norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&lw.post_norm), hp.eps)?;
+            norm::rms_norm(
+                &mut pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                Some(View::new(&sc.h, 0)),
+                Some(&lw.post_norm),
+                hp.eps,
+            )?;
             self.ffn_block(&mut pass, &lw.ffn, n)?;
             if self.trace_layer == Some(l) {
                 pass.submit()?;
@@ -418,7 +476,15 @@ impl GpuModel {
             submit(pass, profiling, prof)?;
             return Ok(Vec::new());
         }
-        norm::rms_norm(&mut pass, n, e, View::new(&sc.x, 0), Some(View::new(&sc.h, 0)), Some(&self.w.output_norm), hp.eps)?;
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(&self.w.output_norm),
+            hp.eps,
+        )?;
         let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
         let v = hp.n_vocab;
         // The head over the wanted rows, packed into the logits buffer; more passes (each
@@ -443,7 +509,15 @@ impl GpuModel {
                 used = 0;
             }
             let p = pending.get_or_insert_with(|| gpu.pass());
-            matmul::matmul(p, head, &sc.h, (r * hp.n_embd) as u32, &sc.logits, (used * v) as u32, take as u32)?;
+            matmul::matmul(
+                p,
+                head,
+                &sc.h,
+                (r * hp.n_embd) as u32,
+                &sc.logits,
+                (used * v) as u32,
+                take as u32,
+            )?;
             used += take;
             if i + 1 == runs.len() {
                 let p = pending.take().expect("a pass holds the head");
@@ -487,8 +561,12 @@ impl GpuModel {
         self.linear(pass, &g.z, &sc.h, &sc.z, n, false)?;
         self.linear(pass, &g.beta, &sc.h, &sc.b, n, false)?;
         self.linear(pass, &g.alpha, &sc.h, &sc.a, n, false)?;
-        let conv_state = self.pools.conv[l].as_ref().expect("GDN layer has conv state");
-        let ssm_state = self.pools.ssm[l].as_ref().expect("GDN layer has recurrent state");
+        let conv_state = self.pools.conv[l]
+            .as_ref()
+            .expect("GDN layer has conv state");
+        let ssm_state = self.pools.ssm[l]
+            .as_ref()
+            .expect("GDN layer has recurrent state");
         conv::conv1d_silu(
             pass,
             cd,
@@ -567,9 +645,28 @@ impl GpuModel {
         self.linear(pass, &a.k, &sc.h, &sc.k, n, false)?;
         self.linear(pass, &a.v, &sc.h, &sc.v, n, false)?;
         // Per-head q/k RMSNorm; q heads sit every 2·head_dim (interleaved with their gates).
-        norm::rms_norm(pass, n * nh, hd, View::strided(&sc.qg, 0, 2 * hd), None, Some(&a.q_norm), hp.eps)?;
-        norm::rms_norm(pass, n * nkv, hd, View::new(&sc.k, 0), None, Some(&a.k_norm), hp.eps)?;
-        let positions = Positions::Buffer { buf: &sc.pos, off: 0 };
+        norm::rms_norm(
+            pass,
+            n * nh,
+            hd,
+            View::strided(&sc.qg, 0, 2 * hd),
+            None,
+            Some(&a.q_norm),
+            hp.eps,
+        )?;
+        norm::rms_norm(
+            pass,
+            n * nkv,
+            hd,
+            View::new(&sc.k, 0),
+            None,
+            Some(&a.k_norm),
+            hp.eps,
+        )?;
+        let positions = Positions::Buffer {
+            buf: &sc.pos,
+            off: 0,
+        };
         let qv = RopeView {
             buf: &sc.qg,
             off: 0,
@@ -580,20 +677,41 @@ impl GpuModel {
             head_stride: 2 * hd,
         };
         rope::rope(pass, &qv, RopeStyle::Neox, 0, &self.rope, positions, false)?;
-        rope::rope(pass, &RopeView::packed(&sc.k, 0, n, nkv, hd), RopeStyle::Neox, 0, &self.rope, positions, false)?;
-        let (kc, vc) = self.pools.kv[l].as_ref().expect("attention layer has a KV cache");
+        rope::rope(
+            pass,
+            &RopeView::packed(&sc.k, 0, n, nkv, hd),
+            RopeStyle::Neox,
+            0,
+            &self.rope,
+            positions,
+            false,
+        )?;
+        let (kc, vc) = self.pools.kv[l]
+            .as_ref()
+            .expect("attention layer has a KV cache");
         let shape = kv_shape(hp, self.kv_type);
-        let dst = attention::DstRows::List { rows: &sc.kv_rows, off: 0 };
+        let dst = attention::DstRows::List {
+            rows: &sc.kv_rows,
+            off: 0,
+        };
         attention::write_kv(pass, shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
         attention::write_kv(pass, shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
         let cap = self.pools.cap as u32;
         let q_stride = nh * 2 * hd;
         let o_stride = nh * hd;
-        let call = |pass: &mut Pass<'_>, row: u32, n_q: u32, keys: Keys<'_>, max_keys: u32, per_query: bool| -> Result<()> {
+        let call = |pass: &mut Pass<'_>,
+                    row: u32,
+                    n_q: u32,
+                    keys: Keys<'_>,
+                    max_keys: u32,
+                    per_query: bool|
+         -> Result<()> {
             // Split-K only when a few query rows face many keys (decode); the scratch is
             // sized for `SPLIT_ROWS` query rows.
             let mut n_split = attention::pick_n_split(n_q, nh, shape, max_keys, per_query);
-            while n_split > 1 && attention::scratch_elems(n_q, nh, hd, n_split) * 4 > sc.attn_split.size() {
+            while n_split > 1
+                && attention::scratch_elems(n_q, nh, hd, n_split) * 4 > sc.attn_split.size()
+            {
                 n_split /= 2;
             }
             attention::attention(
@@ -625,21 +743,49 @@ impl GpuModel {
         // Prefill parts: causal over their own slot's rows (flash tiles shared by queries).
         for p in parts.iter().filter(|p| p.n > 1) {
             let (pos0, np) = (p.pos0 as u32, p.n as u32);
-            let keys = Keys::Causal { row0: p.slot * cap, pos0, n_kv: pos0 + np, window: 0 };
+            let keys = Keys::Causal {
+                row0: p.slot * cap,
+                pos0,
+                n_kv: pos0 + np,
+                window: 0,
+            };
             call(pass, p.row as u32, np, keys, pos0 + np, false)?;
         }
         // Decode rows (contiguous at the end of the pass): one call for all of them.
         let singles: Vec<&Part> = parts.iter().filter(|p| p.n == 1).collect();
         if let [p] = singles[..] {
-            let keys = Keys::Causal { row0: p.slot * cap, pos0: p.pos0 as u32, n_kv: p.pos0 as u32 + 1, window: 0 };
+            let keys = Keys::Causal {
+                row0: p.slot * cap,
+                pos0: p.pos0 as u32,
+                n_kv: p.pos0 as u32 + 1,
+                window: 0,
+            };
             call(pass, p.row as u32, 1, keys, p.pos0 as u32 + 1, false)?;
         } else if let Some(first) = singles.first() {
             let max_keys = singles.iter().map(|p| p.pos0 as u32 + 1).max().unwrap_or(1);
-            let keys = Keys::Ranges { desc: &sc.ranges, off: 0, max_keys };
-            call(pass, first.row as u32, singles.len() as u32, keys, max_keys, true)?;
+            let keys = Keys::Ranges {
+                desc: &sc.ranges,
+                off: 0,
+                max_keys,
+            };
+            call(
+                pass,
+                first.row as u32,
+                singles.len() as u32,
+                keys,
+                max_keys,
+                true,
+            )?;
         }
         // Output gate: attn ⊙ sigmoid(gate), the gate being the second half of each head's q row.
-        ew::sigmoid_mul(pass, n * nh, hd, View::new(&sc.att_g, 0), View::strided(&sc.qg, hd, 2 * hd), View::new(&sc.att, 0))?;
+        ew::sigmoid_mul(
+            pass,
+            n * nh,
+            hd,
+            View::new(&sc.att_g, 0),
+            View::strided(&sc.qg, hd, 2 * hd),
+            View::new(&sc.att, 0),
+        )?;
         self.linear(pass, &a.o, &sc.att_g, &sc.x, n, true)
     }
 
@@ -809,17 +955,32 @@ impl GpuModel {
 }
 
 impl Pools {
-    fn new(gpu: &Gpu, hp: &Hparams, kv_type: attention::KvType, slots: usize, cap: usize) -> Result<Pools> {
+    fn new(
+        gpu: &Gpu,
+        hp: &Hparams,
+        kv_type: attention::KvType,
+        slots: usize,
+        cap: usize,
+    ) -> Result<Pools> {
         let shape = kv_shape(hp, kv_type);
         let (mut kv, mut conv, mut ssm) = (Vec::new(), Vec::new(), Vec::new());
         let rows = (slots * cap) as u64;
         for l in 0..hp.n_layer {
             if hp.recurrent[l] {
                 kv.push(None);
-                conv.push(Some(gpu.buffer((slots * (hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64, "pool.conv")?));
-                ssm.push(Some(gpu.buffer((slots * hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64, "pool.ssm")?));
+                conv.push(Some(gpu.buffer(
+                    (slots * (hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64,
+                    "pool.conv",
+                )?));
+                ssm.push(Some(gpu.buffer(
+                    (slots * hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64,
+                    "pool.ssm",
+                )?));
             } else {
-                kv.push(Some((gpu.buffer(shape.bytes(rows), "kv.k")?, gpu.buffer(shape.bytes(rows), "kv.v")?)));
+                kv.push(Some((
+                    gpu.buffer(shape.bytes(rows), "kv.k")?,
+                    gpu.buffer(shape.bytes(rows), "kv.v")?,
+                )));
                 conv.push(None);
                 ssm.push(None);
             }
@@ -861,14 +1022,19 @@ impl Scratch {
                 slot: 0,
             }],
         )?;
-        let gdn_scratch = gpu.buffer(
-            gdn::scratch_bytes(&shape, batch.total_chunks).max(4),
-            "gdn.scratch",
-        )?;
+        // Chunk slots of a pass: Σ ceil(n_i / CHUNK) ≤ rows / CHUNK + one partial chunk per
+        // sequence sharing the pass.
+        let max_chunks = batch.total_chunks + max_seqs as u32;
+        let gdn_scratch = gpu.buffer(gdn::scratch_bytes(&shape, max_chunks).max(4), "gdn.scratch")?;
         // Split-K partials for a decode step of every sequence at MAX_SPLIT splits, capped at
         // 64 MiB (fewer splits are used beyond it).
-        let split_elems = attention::scratch_elems(max_seqs as u32, hp.n_head as u32, hp.head_dim as u32, attention::MAX_SPLIT)
-            .min(16 << 20);
+        let split_elems = attention::scratch_elems(
+            max_seqs as u32,
+            hp.n_head as u32,
+            hp.head_dim as u32,
+            attention::MAX_SPLIT,
+        )
+        .min(16 << 20);
         let attn_split = gpu.buffer(split_elems * 4, "attn.split")?;
         let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, r);
         // `o` doubles as the SwiGLU output, so it holds the widest of the three uses.
