@@ -360,6 +360,23 @@ fn health_models_completions_chat_and_concurrency() {
     assert_eq!(finish.as_deref(), Some("length"));
     assert_eq!(usage.unwrap()["completion_tokens"], 12);
 
+    // A stop string cuts the same greedy text just before it: finish_reason stop.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let mut body = completion("The quick brown fox", 12);
+    body["stop"] = json!(["never appears in it", stop]);
+    let (st, r) = s.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], &text[..text.find(&stop).unwrap()]);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+
+    // Sampling with a seed is repeatable.
+    let seeded = json!({"prompt": "Dice:", "max_tokens": 10, "temperature": 1.0, "top_k": 0,
+                        "top_p": 1.0, "min_p": 0, "seed": 42, "logit_bias": no_eos()});
+    let (_, a) = s.post("/v1/completions", &seeded);
+    let (_, b) = s.post("/v1/completions", &seeded);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+
     // Token-id prompts and logprobs (legacy format).
     let (st, r) = s.post(
         "/v1/completions",
@@ -682,6 +699,24 @@ fn chat_template_kwargs_and_reasoning() {
     let m = ask(false);
     assert!(m.get("reasoning_content").is_none(), "{m}");
     assert!(!m["content"].as_str().unwrap().is_empty(), "{m}");
+    // `tools` reach the template (its tool section lengthens the prompt); tool calls in
+    // earlier turns, arguments given as JSON text, render too.
+    let msgs = json!([{"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let n_prompt = |with_tools: bool| {
+        let mut b = json!({"messages": msgs, "max_tokens": 1});
+        if with_tools {
+            b["tools"] = tools.clone();
+        }
+        let (st, r) = s.post("/v1/chat/completions", &b);
+        assert_eq!(st, 200, "{r}");
+        r["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    assert!(n_prompt(true) > n_prompt(false) + 100);
 }
 
 /// The official `openai` Python client against the server (tests/server_openai.py), when

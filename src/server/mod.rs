@@ -267,8 +267,10 @@ async fn serve(cfg: ServerConfig) -> Result<()> {
             }
             r = &mut load_rx, if !loaded => {
                 loaded = true;
-                if let Ok(Err(msg)) = r {
-                    return Err(Error::Invalid(format!("loading the model failed: {msg}")));
+                match r {
+                    Ok(Ok(())) => {}
+                    Ok(Err(msg)) => return Err(Error::Invalid(format!("loading the model failed: {msg}"))),
+                    Err(_) => return Err(Error::Invalid("the engine thread ended while loading".into())),
                 }
             }
             _ = &mut hard_rx => {
@@ -277,10 +279,18 @@ async fn serve(cfg: ServerConfig) -> Result<()> {
             }
         }
     }
-    // Every handle on the scheduler is gone with the server: the engine thread ends once
-    // its last request is done.
-    let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;
-    eprintln!("lathe serve: stopped");
+    if !loaded {
+        // Stopped while loading: no request ever ran.
+        eprintln!("lathe serve: stopped");
+        return Ok(());
+    }
+    // Every handle on the scheduler went with the server: the engine thread ends once its
+    // last request is done (or the grace period ends first).
+    let join = tokio::task::spawn_blocking(move || engine_thread.join());
+    tokio::select! {
+        _ = join => eprintln!("lathe serve: stopped"),
+        _ = &mut hard_rx => eprintln!("lathe serve: quitting with requests still in flight"),
+    }
     Ok(())
 }
 

@@ -12,7 +12,7 @@
 //! prefix is reset: recurrent layers cannot be rolled back to a shorter prefix.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -23,12 +23,6 @@ use crate::engine::{Engine, Seq, Want};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
-
-/// Prompts that feed a piece in the same step. One, for now: two multi-token pieces in one
-/// batched pass that fill it (e.g. 115 + 141 of 256 rows) overflow the Qwen3.5 forward's
-/// chunked-GDN scratch, sized for `rows / 64` chunks of one sequence ("gdn chunked: scratch of
-/// 524544 bytes, need 655680"). Raise it once that scratch counts a partial chunk per sequence.
-const MAX_PREFILLS_PER_STEP: usize = 1;
 
 /// One request for the engine thread.
 pub struct Job {
@@ -169,12 +163,15 @@ pub fn start(
                     *f = Some(msg);
                 }
             };
-            let setup = load().and_then(|(engine, tok)| {
-                let slots = (0..cfg.n_slots.max(1))
-                    .map(|_| Slot::new(&engine))
-                    .collect::<Result<Vec<_>>>()?;
-                Ok((engine, Arc::new(tok), slots))
-            });
+            let setup = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                load().and_then(|(engine, tok)| {
+                    let slots = (0..cfg.n_slots.max(1))
+                        .map(|_| Slot::new(&engine))
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok((engine, Arc::new(tok), slots))
+                })
+            }))
+            .unwrap_or_else(|_| Err(Error::Invalid("loading crashed (internal error)".into())));
             let (engine, tokenizer, slots) = match setup {
                 Ok(x) => x,
                 Err(e) => {
@@ -300,10 +297,9 @@ impl Worker {
     fn admit(&mut self) -> bool {
         while self.slots.iter().any(|s| s.active.is_none()) {
             let job = if self.n_active() == 0 {
-                match self.rx.recv_timeout(Duration::from_millis(500)) {
+                match self.rx.recv() {
                     Ok(j) => j,
-                    Err(RecvTimeoutError::Timeout) => continue,
-                    Err(RecvTimeoutError::Disconnected) => return false,
+                    Err(_) => return false,
                 }
             } else {
                 match self.rx.try_recv() {
@@ -426,7 +422,7 @@ impl Worker {
             })
             .collect();
         pre.sort_by_key(|p| p.1);
-        for (i, _) in pre.into_iter().take(MAX_PREFILLS_PER_STEP) {
+        for (i, _) in pre {
             if budget == 0 {
                 break;
             }
