@@ -11,8 +11,37 @@
 // NE (a define) bounds the experts held in workgroup memory.
 // Bindings: 1 logits, 2 bias, 3 table, 4 tokens (u32), 5 ids, 6 weights. Every binding is
 // always bound (the wrapper passes a stand-in for an unused one).
+//
+// COMBINE (its own entry): one thread per (token, d): y[t][d] += Σ_s w[t][s]·x[t·k + s][d],
+// the routed experts' outputs weighed and added in slot order (one dispatch for all slots).
 
 const WG = 256u;
+
+#if COMBINE
+struct CParams {
+    n_tok: u32,
+    n_embd: u32,
+    k: u32,
+    _pad: u32,
+}
+@group(0) @binding(0) var<uniform> cp: CParams;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read> x: array<f32>;
+
+@compute @workgroup_size(WG)
+fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    let e = cp.n_embd;
+    if (i >= cp.n_tok * e) { return; }
+    let t = i / e;
+    let d = i - t * e;
+    var acc = y[i];
+    for (var s = 0u; s < cp.k; s++) { acc += w[t * cp.k + s] * x[(t * cp.k + s) * e + d]; }
+    y[i] = acc;
+}
+#else
 
 struct Params {
     n_tok: u32,
@@ -114,3 +143,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         }
     }
 }
+#endif

@@ -240,9 +240,12 @@ impl Engine {
                 let prof = m.profile.take().unwrap_or_default();
                 r.map(|_| prof)
             }
-            (Model::DeepSeek4(_), Seq::DeepSeek4(_)) => Err(Error::Unsupported(
-                "per-kernel profile of DeepSeek-V4".into(),
-            )),
+            (Model::DeepSeek4(m), Seq::DeepSeek4(s)) => {
+                m.profile = Some(Vec::new());
+                let r = m.forward(s, &[token], false);
+                let prof = m.profile.take().unwrap_or_default();
+                r.map(|_| prof)
+            }
             _ => Err(Error::Invalid("sequence from another model".into())),
         }
     }

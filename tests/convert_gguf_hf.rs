@@ -33,13 +33,20 @@ fn hf_head(j: usize, hk: usize, hv: usize) -> usize {
 }
 
 /// Rows of `m` ([rows, cols]) in blocks of `blk` rows, block j taken from block perm(j).
-fn permute_rows(m: &Mat, blk: usize, first: usize, n_blocks: usize, perm: &dyn Fn(usize) -> usize) -> Vec<f32> {
+fn permute_rows(
+    m: &Mat,
+    blk: usize,
+    first: usize,
+    n_blocks: usize,
+    perm: &dyn Fn(usize) -> usize,
+) -> Vec<f32> {
     let cols = *m.shape.last().unwrap() as usize;
     let mut out = m.data.clone();
     for j in 0..n_blocks {
         let src = first + perm(j) * blk;
         let dst = first + j * blk;
-        out[dst * cols..(dst + blk) * cols].copy_from_slice(&m.data[src * cols..(src + blk) * cols]);
+        out[dst * cols..(dst + blk) * cols]
+            .copy_from_slice(&m.data[src * cols..(src + blk) * cols]);
     }
     out
 }
@@ -52,14 +59,17 @@ fn permute_cols(m: &Mat, blk: usize, n_blocks: usize, perm: &dyn Fn(usize) -> us
     for r in 0..rows {
         for j in 0..n_blocks {
             let (s, d) = (perm(j) * blk, j * blk);
-            out[r * cols + d..r * cols + d + blk].copy_from_slice(&m.data[r * cols + s..r * cols + s + blk]);
+            out[r * cols + d..r * cols + d + blk]
+                .copy_from_slice(&m.data[r * cols + s..r * cols + s + blk]);
         }
     }
     out
 }
 
 fn check(name: &str) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name);
     let g = load(&dir.join("model-f32.gguf"));
     let h = load(&dir);
     let hp = &g.hp;
@@ -68,7 +78,12 @@ fn check(name: &str) {
     let (hk, hv, dk, dv) = (hp.n_k_heads, hp.n_v_heads, hp.d_k, hp.d_v);
     let perm = move |j: usize| if reorder { hf_head(j, hk, hv) } else { j };
     same("token_embd", &g.w.tok_embd, &h.w.tok_embd.data, 0);
-    same("output_norm (1+w)", &g.w.output_norm, &h.w.output_norm.data, 0);
+    same(
+        "output_norm (1+w)",
+        &g.w.output_norm,
+        &h.w.output_norm.data,
+        0,
+    );
     match (&g.w.output, &h.w.output) {
         (Some(a), Some(b)) => same("output", a, &b.data, 0),
         (None, None) => {}
@@ -81,19 +96,49 @@ fn check(name: &str) {
         match (&gl.mixer, &hl.mixer) {
             (Mixer::Gdn(a), Mixer::Gdn(b)) => {
                 let v0 = 2 * hk * dk;
-                same(&t("qkv"), &a.qkv, &permute_rows(&b.qkv, dv, v0, hv, &perm), 0);
-                same(&t("conv"), &a.conv, &permute_rows(&b.conv, dv, v0, hv, &perm), 0);
+                same(
+                    &t("qkv"),
+                    &a.qkv,
+                    &permute_rows(&b.qkv, dv, v0, hv, &perm),
+                    0,
+                );
+                same(
+                    &t("conv"),
+                    &a.conv,
+                    &permute_rows(&b.conv, dv, v0, hv, &perm),
+                    0,
+                );
                 same(&t("z"), &a.z, &permute_rows(&b.z, dv, 0, hv, &perm), 0);
-                same(&t("beta"), &a.beta, &permute_rows(&b.beta, 1, 0, hv, &perm), 0);
-                same(&t("alpha"), &a.alpha, &permute_rows(&b.alpha, 1, 0, hv, &perm), 0);
+                same(
+                    &t("beta"),
+                    &a.beta,
+                    &permute_rows(&b.beta, 1, 0, hv, &perm),
+                    0,
+                );
+                same(
+                    &t("alpha"),
+                    &a.alpha,
+                    &permute_rows(&b.alpha, 1, 0, hv, &perm),
+                    0,
+                );
                 let pv = |m: &Mat| (0..hv).map(|j| m.data[perm(j)]).collect::<Vec<f32>>();
                 same(&t("ssm_a = -exp(A_log)"), &a.a, &pv(&b.a), 1);
                 same(&t("dt_bias"), &a.dt_bias, &pv(&b.dt_bias), 0);
                 same(&t("ssm_norm"), &a.norm, &b.norm.data, 0);
-                same(&t("ssm_out"), &a.out, &permute_cols(&b.out, dv, hv, &perm), 0);
+                same(
+                    &t("ssm_out"),
+                    &a.out,
+                    &permute_cols(&b.out, dv, hv, &perm),
+                    0,
+                );
             }
             (Mixer::Attn(a), Mixer::Attn(b)) => {
-                for (s, x, y) in [("q", &a.q, &b.q), ("k", &a.k, &b.k), ("v", &a.v, &b.v), ("o", &a.o, &b.o)] {
+                for (s, x, y) in [
+                    ("q", &a.q, &b.q),
+                    ("k", &a.k, &b.k),
+                    ("v", &a.v, &b.v),
+                    ("o", &a.o, &b.o),
+                ] {
                     same(&t(s), x, &y.data, 0);
                 }
                 same(&t("q_norm (1+w)"), &a.q_norm, &b.q_norm.data, 0);
@@ -102,7 +147,14 @@ fn check(name: &str) {
             _ => panic!("{name} layer {l}: layer kinds differ"),
         }
         match (&gl.ffn, &hl.ffn) {
-            (Ffn::Dense { gate, up, down }, Ffn::Dense { gate: g2, up: u2, down: d2 }) => {
+            (
+                Ffn::Dense { gate, up, down },
+                Ffn::Dense {
+                    gate: g2,
+                    up: u2,
+                    down: d2,
+                },
+            ) => {
                 same(&t("ffn_gate"), gate, &g2.data, 0);
                 same(&t("ffn_up"), up, &u2.data, 0);
                 same(&t("ffn_down"), down, &d2.data, 0);
@@ -112,7 +164,8 @@ fn check(name: &str) {
                 same(&t("gate_exps"), &a.gate_exps, &b.gate_exps.data, 0);
                 same(&t("up_exps"), &a.up_exps, &b.up_exps.data, 0);
                 same(&t("down_exps"), &a.down_exps, &b.down_exps.data, 0);
-                let ((g1, u1, d1, i1), (g2, u2, d2, i2)) = (a.shared.as_ref().unwrap(), b.shared.as_ref().unwrap());
+                let ((g1, u1, d1, i1), (g2, u2, d2, i2)) =
+                    (a.shared.as_ref().unwrap(), b.shared.as_ref().unwrap());
                 same(&t("shexp gate"), g1, &g2.data, 0);
                 same(&t("shexp up"), u1, &u2.data, 0);
                 same(&t("shexp down"), d1, &d2.data, 0);

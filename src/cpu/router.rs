@@ -65,3 +65,15 @@ pub fn route(
     }
     (ids, w)
 }
+
+/// `y[t] += Σ_s w[t·k + s]·x[t·k + s]` (rows of `n_embd`), slots in order, in f32 as the GPU
+/// adds them.
+pub fn combine(y: &mut [f32], w: &[f32], x: &[f32], k: usize, n_embd: usize) {
+    for (t, yt) in y.chunks_mut(n_embd).enumerate() {
+        for (d, v) in yt.iter_mut().enumerate() {
+            for s in 0..k {
+                *v += w[t * k + s] * x[(t * k + s) * n_embd + d];
+            }
+        }
+    }
+}

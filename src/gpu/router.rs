@@ -1,7 +1,8 @@
 //! Score-function MoE router of DeepSeek-V3/V4 (`shaders/router.wgsl`): scores by softmax,
 //! sigmoid or sqrt(softplus); top-k of score + bias, or a hash table's ids; weights =
 //! the chosen unbiased scores, renormalised, times `route_scale`. CPU reference:
-//! `cpu::router::route`.
+//! `cpu::router::route`. Also [`combine`]: the weighted sum of the routed experts' outputs
+//! in one dispatch (CPU reference `cpu::router::combine`).
 
 use super::elementwise::View;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
@@ -175,6 +176,66 @@ pub fn route(
             weights.buf.into(),
         ],
         grid(n_tok),
+    );
+    Ok(())
+}
+
+/// Uniforms of `combine`.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct CombineParams {
+    n_tok: u32,
+    n_embd: u32,
+    k: u32,
+    _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 16);
+
+/// `y[t] += Σ_s w[t·k + s]·x[t·k + s]` in slot order, for `n_tok` tokens: `y` [n, n_embd],
+/// `w` [n, k] (router weights), `x` [n·k, n_embd] (expert outputs), all packed from 0.
+pub fn combine(
+    pass: &mut Pass<'_>,
+    n_tok: u32,
+    n_embd: u32,
+    k: u32,
+    y: &wgpu::Buffer,
+    w: &wgpu::Buffer,
+    x: &wgpu::Buffer,
+) -> Result<()> {
+    if n_tok == 0 {
+        return Ok(());
+    }
+    let n = n_tok as u64 * n_embd as u64;
+    for (what, b, elems) in [
+        ("y", y, n),
+        ("w", w, n_tok as u64 * k as u64),
+        ("x", x, n * k as u64),
+    ] {
+        if elems * 4 > b.size() {
+            return Err(Error::Invalid(format!(
+                "moe combine: {what} needs {elems} f32, its buffer holds {}",
+                b.size() / 4
+            )));
+        }
+    }
+    if n > (u32::MAX - 256) as u64 {
+        return Err(Error::Invalid("moe combine: too many elements".into()));
+    }
+    let pl = pass
+        .gpu()
+        .pipeline(&PipelineSpec::new("router_combine", SRC, "combine").define("COMBINE", true))?;
+    let prm = CombineParams {
+        n_tok,
+        n_embd,
+        k,
+        _pad: 0,
+    };
+    pass.dispatch(
+        &pl,
+        "moe_combine",
+        &prm,
+        &[Binding::from(y), w.into(), x.into()],
+        grid((n as u32).div_ceil(256)),
     );
     Ok(())
 }

@@ -181,6 +181,9 @@ pub struct GpuModel {
     pub trace: Option<Trace>,
     pub traced: Vec<f32>,
     trace_buf: Option<wgpu::Buffer>,
+    /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
+    /// append `(label, ns)` here (slow; for per-kernel breakdowns).
+    pub profile: Option<Vec<(String, f64)>>,
 }
 
 fn kv_shape(t: attention::KvType, d: usize) -> KvShape {
@@ -273,6 +276,7 @@ impl GpuModel {
             trace: None,
             traced: Vec::new(),
             trace_buf: None,
+            profile: None,
         })
     }
 
@@ -497,6 +501,16 @@ impl GpuModel {
             hc::post(&mut pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
             trace_point!("layer_out", l, &sc.x, width);
         }
+        fn submit(p: Pass<'_>, prof: &mut Option<Vec<(String, f64)>>) -> Result<()> {
+            match prof {
+                Some(v) => v.extend(p.submit_profiled()?),
+                None => {
+                    p.submit()?;
+                }
+            }
+            Ok(())
+        }
+        let mut prof = self.profile.as_ref().map(|_| Vec::new());
         let mut logits = Vec::new();
         if want > 0 {
             // Head fold (sigmoid gate only) and the final norm, then the head for the
@@ -524,12 +538,15 @@ impl GpuModel {
                     0,
                     rows as u32,
                 )?;
-                p.submit()?;
+                submit(p, &mut prof)?;
                 logits.extend(gpu.read_f32(&sc.logits, 0, rows * v)?);
                 r += rows;
             }
         } else {
-            pass.submit()?;
+            submit(pass, &mut prof)?;
+        }
+        if let (Some(all), Some(new)) = (self.profile.as_mut(), prof) {
+            all.extend(new);
         }
         seq.pos = pos_end;
         if let (Some(tb), true) = (&self.trace_buf, trace_len > 0) {
@@ -950,17 +967,7 @@ impl GpuModel {
             limit(hp.swiglu_limit_shexp[l]),
         )?;
         self.linear(pass, &m.sh_down, &sc.f_act, &sc.blk, n)?;
-        for s in 0..k {
-            ew::axpy_row(
-                pass,
-                n,
-                e,
-                View::new(&sc.blk, 0),
-                View::strided(&sc.moe_w, s, k),
-                View::strided(&sc.moe_out, s * e, k * e),
-            )?;
-        }
-        Ok(())
+        router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out)
     }
 }
 

@@ -1025,7 +1025,8 @@ impl Scratch {
         // Chunk slots of a pass: Σ ceil(n_i / CHUNK) ≤ rows / CHUNK + one partial chunk per
         // sequence sharing the pass.
         let max_chunks = batch.total_chunks + max_seqs as u32;
-        let gdn_scratch = gpu.buffer(gdn::scratch_bytes(&shape, max_chunks).max(4), "gdn.scratch")?;
+        let gdn_scratch =
+            gpu.buffer(gdn::scratch_bytes(&shape, max_chunks).max(4), "gdn.scratch")?;
         // Split-K partials for a decode step of every sequence at MAX_SPLIT splits, capped at
         // 64 MiB (fewer splits are used beyond it).
         let split_elems = attention::scratch_elems(
