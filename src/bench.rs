@@ -45,7 +45,7 @@ impl Default for BenchOptions {
             reps: 5,
             depth: 0,
             adapter: AdapterChoice::Auto,
-            kv_type: KvType::F16,
+            kv_type: KvType::Auto,
             seed: 0,
         }
     }

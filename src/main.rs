@@ -65,7 +65,7 @@ enum Cmd {
         #[arg(long, default_value = "auto")]
         device: AdapterChoice,
         /// KV cache element type.
-        #[arg(long, default_value = "f16")]
+        #[arg(long, default_value = "auto")]
         kv_type: String,
     },
 }

@@ -536,3 +536,26 @@ fn select_topk_breaks_ties_like_a_sort() {
         }
     }
 }
+
+#[test]
+fn moe_combine_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng(13);
+    for (n, e, k) in [(1usize, 64usize, 2usize), (7, 257, 6), (3, 4096, 6)] {
+        let y = rng.vec(n * e, 1.0);
+        let w = rng.vec(n * k, 1.0);
+        let x = rng.vec(n * k * e, 1.0);
+        let (yb, wb, xb) = (
+            gpu.upload_f32(&y, "y").unwrap(),
+            gpu.upload_f32(&w, "w").unwrap(),
+            gpu.upload_f32(&x, "x").unwrap(),
+        );
+        submit(&gpu, |p| {
+            router::combine(p, n as u32, e as u32, k as u32, &yb, &wb, &xb).unwrap()
+        });
+        let mut want = y.clone();
+        cpu::router::combine(&mut want, &w, &x, k, e);
+        let got = gpu.read_f32(&yb, 0, n * e).unwrap();
+        assert_close(&format!("moe combine {n}×{e}, k {k}"), &got, &want, 1e-6);
+    }
+}

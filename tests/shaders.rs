@@ -44,6 +44,7 @@ fn compiled_variants_translate_to_every_backend() {
         "qwen35-tiny/model-q4_0.gguf",
         "qwen35moe-tiny/model-q8_0.gguf",
         "qwen35-dims/model-q4_k_m.gguf",
+        "dsv4-tiny/model-q8_0.gguf",
     ] {
         let mut e = Engine::load(&fx.join(model), &LoadOptions::default()).unwrap();
         let mut seq = e.new_seq().unwrap();

@@ -41,8 +41,9 @@ pub struct PlanArgs {
     /// Context length the KV cache is sized for.
     #[arg(long, value_name = "N", default_value_t = 4096)]
     pub ctx: u64,
-    /// KV cache element type: f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
+    /// DeepSeek-V4), f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
     /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
     #[arg(long, value_name = "FILE")]
@@ -71,7 +72,7 @@ struct Needs {
 
 fn needs(f: &ModelFile, kv: KvType, batch: u64) -> Needs {
     let kv_elem: u64 = match kv {
-        KvType::F16 => 2,
+        KvType::F16 | KvType::Auto => 2,
         KvType::F32 => 4,
     };
     if let Ok(hp) = lathe::models::qwen35::Hparams::from_file(f) {

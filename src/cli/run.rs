@@ -27,8 +27,9 @@ pub struct ModelArgs {
     /// Context length to size the KV cache for (it grows past this when needed).
     #[arg(long, value_name = "N", default_value_t = LoadOptions::default().ctx)]
     pub ctx: usize,
-    /// KV cache element type: f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
+    /// DeepSeek-V4), f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
 }
 

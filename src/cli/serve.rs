@@ -66,8 +66,9 @@ pub struct ServeArgs {
     /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
     #[arg(long, value_name = "I", default_value = "auto")]
     pub device: AdapterChoice,
-    /// KV cache element type: f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
+    /// DeepSeek-V4), f16 or f32.
+    #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
     /// Testing aid: wait this many milliseconds before loading the model.
     #[arg(long, hide = true, default_value_t = 0)]

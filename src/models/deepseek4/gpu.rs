@@ -261,7 +261,8 @@ impl GpuModel {
             .collect::<Result<Vec<_>>>()?;
         let kv_type = match opts.kv_type {
             KvType::F16 => attention::KvType::F16,
-            KvType::F32 => attention::KvType::F32,
+            // f32 by default: see `KvType`.
+            KvType::Auto | KvType::F32 => attention::KvType::F32,
         };
         let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
         Ok(GpuModel {

@@ -161,7 +161,7 @@ impl GpuModel {
         let inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, hp.n_rot.max(2));
         let rope = RopeTable::new(&gpu, &inv, "qwen35.rope")?;
         let kv_type = match opts.kv_type {
-            KvType::F16 => attention::KvType::F16,
+            KvType::Auto | KvType::F16 => attention::KvType::F16,
             KvType::F32 => attention::KvType::F32,
         };
         let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH, opts.max_seqs.max(1))?;
