@@ -150,7 +150,6 @@ fn dims_q8_0() {
 }
 
 #[test]
-#[ignore = "slow on lavapipe (about 30 s)"]
 fn dims_bf16() {
     if let Some(d) = dims() {
         check(&d, "model-bf16.gguf", "bf16", KvType::Auto);
@@ -158,7 +157,6 @@ fn dims_bf16() {
 }
 
 #[test]
-#[ignore = "slow on lavapipe (about 30 s)"]
 fn dims_q4_k_m() {
     if let Some(d) = dims() {
         check(&d, "model-q4_k_m.gguf", "q4_k_m", KvType::Auto);
@@ -166,7 +164,6 @@ fn dims_q4_k_m() {
 }
 
 #[test]
-#[ignore = "slow on lavapipe (about 30 s)"]
 fn dims_upstream() {
     if let Some(d) = dims() {
         check(&d, "", "bf16", KvType::Auto);
