@@ -231,3 +231,47 @@ pub fn expect_shape(t: &TensorRef<'_>, shape: &[u64]) -> Result<()> {
     }
     Ok(())
 }
+
+/// A family's tensor-role enum: the name of a role in each format (one table per format).
+pub trait TensorNames: Copy {
+    /// llama.cpp's GGUF name.
+    fn gguf_name(self) -> String;
+    /// The name in the family's other format (HF checkpoint or the vendor's release layout).
+    fn other_name(self) -> String;
+}
+
+/// Looks tensors up by role in whichever format `file` is, checking shapes. Families add
+/// their own value transforms (norm folding, FP8 dequantization) in inherent impls.
+pub struct Loader<'a, W> {
+    pub file: &'a ModelFile,
+    pub gguf: bool,
+    _roles: std::marker::PhantomData<W>,
+}
+
+impl<'a, W: TensorNames> Loader<'a, W> {
+    pub fn new(file: &'a ModelFile) -> Self {
+        Loader {
+            file,
+            gguf: matches!(file, ModelFile::Gguf(_)),
+            _roles: std::marker::PhantomData,
+        }
+    }
+    pub fn name(&self, w: W) -> String {
+        if self.gguf {
+            w.gguf_name()
+        } else {
+            w.other_name()
+        }
+    }
+    pub fn get(&self, w: W) -> Option<TensorRef<'a>> {
+        self.file.tensor(&self.name(w))
+    }
+    pub fn req(&self, w: W) -> Result<TensorRef<'a>> {
+        self.file.require(&self.name(w))
+    }
+    pub fn shaped(&self, w: W, shape: &[u64]) -> Result<TensorRef<'a>> {
+        let t = self.req(w)?;
+        expect_shape(&t, shape)?;
+        Ok(t)
+    }
+}

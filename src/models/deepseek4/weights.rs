@@ -268,28 +268,19 @@ pub struct Weights<T> {
     pub output: T,
 }
 
-struct Loader<'a> {
-    file: &'a ModelFile,
-    gguf: bool,
+/// The shared role-by-name loader (`models::Loader`) over this family's table.
+type Loader<'a> = crate::models::Loader<'a, W>;
+
+impl crate::models::TensorNames for W {
+    fn gguf_name(self) -> String {
+        W::gguf_name(self)
+    }
+    fn other_name(self) -> String {
+        W::upstream_name(self)
+    }
 }
 
 impl<'a> Loader<'a> {
-    fn name(&self, w: W) -> String {
-        if self.gguf {
-            w.gguf_name()
-        } else {
-            w.upstream_name()
-        }
-    }
-    fn req(&self, w: W) -> Result<TensorRef<'a>> {
-        self.file.require(&self.name(w))
-    }
-    fn shaped(&self, w: W, shape: &[u64]) -> Result<TensorRef<'a>> {
-        let t = self.req(w)?;
-        expect_shape(&t, shape)?;
-        Ok(t)
-    }
-
     /// Any weight: stored as it is, except the release's FP8 e4m3 linears (`X.weight` +
     /// `X.scale` E8M0 per 128×128 block), dequantized to f32 here.
     // TODO(lead): the GPU gets these as f32 too (4× the bytes of FP8); it wants a stored
@@ -473,10 +464,8 @@ pub fn load<T>(
     hp: &Hparams,
     mut sink: impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Weights<T>> {
-    let ld = Loader {
-        file,
-        gguf: hp.gguf,
-    };
+    let ld = Loader::new(file);
+    debug_assert_eq!(ld.gguf, hp.gguf);
     let e = hp.n_embd as u64;
     let v = hp.n_vocab as u64;
     let tok_embd = sink(ld.mat(W::TokEmbd, &[v, e])?)?;

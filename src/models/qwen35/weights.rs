@@ -6,7 +6,6 @@
 
 use super::{Family, Hparams};
 use crate::models::{ModelFile, Weight};
-use crate::tensor::TensorRef;
 use crate::{Error, Result};
 
 /// Every tensor a Qwen3.5-family model has, by role. `names()` maps it per format.
@@ -221,30 +220,19 @@ pub struct Weights<T> {
     pub layers: Vec<Layer<T>>,
 }
 
-struct Loader<'a> {
-    file: &'a ModelFile,
-    gguf: bool,
+/// The shared role-by-name loader (`models::Loader`) over this family's table.
+type Loader<'a> = crate::models::Loader<'a, W>;
+
+impl crate::models::TensorNames for W {
+    fn gguf_name(self) -> String {
+        W::gguf_name(self)
+    }
+    fn other_name(self) -> String {
+        W::hf_name(self)
+    }
 }
 
 impl<'a> Loader<'a> {
-    fn name(&self, w: W) -> String {
-        if self.gguf {
-            w.gguf_name()
-        } else {
-            w.hf_name()
-        }
-    }
-    fn get(&self, w: W) -> Option<TensorRef<'a>> {
-        self.file.tensor(&self.name(w))
-    }
-    fn req(&self, w: W) -> Result<TensorRef<'a>> {
-        self.file.require(&self.name(w))
-    }
-    fn shaped(&self, w: W, shape: &[u64]) -> Result<TensorRef<'a>> {
-        let t = self.req(w)?;
-        crate::models::expect_shape(&t, shape)?;
-        Ok(t)
-    }
     /// A norm weight: GGUF stores `1+w` already; HF stores `w` and is folded here.
     fn norm(&self, w: W, n: usize) -> Result<Weight<'a>> {
         let t = self.shaped(w, &[n as u64])?;
@@ -266,10 +254,8 @@ pub fn load<T>(
     hp: &Hparams,
     mut sink: impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Weights<T>> {
-    let ld = Loader {
-        file,
-        gguf: hp.gguf,
-    };
+    let ld = Loader::new(file);
+    debug_assert_eq!(ld.gguf, hp.gguf);
     let e = hp.n_embd as u64;
     let tok = ld.shaped(W::TokEmbd, &[hp.n_vocab as u64, e])?;
     let tok_embd = sink(Weight::Stored(tok))?;
