@@ -5,8 +5,8 @@
 # $OUT/bench.jsonl and the full log in $OUT/bench.log).
 #
 #   Qwen3.5-9B Q4_K_M                    p512 / n128
-#   Qwen3.5-35B-A3B Q4_K_M               p512 / n128, then with --gpu-mem holding 50% and
-#                                        0% of the experts (ignored until the planner lands)
+#   Qwen3.5-35B-A3B Q4_K_M               p512 / n128, then with --gpu-mem holding 75%, 50%
+#                                        and 0% of the experts; a skewed-router file at 50%
 #   DeepSeek-V4-Flash, 8 of 43 layers    inspect + bench ("n/a" while lathe cannot run it)
 #
 # usage: scripts/bench-device.sh [LATHE] [--quick]
@@ -159,10 +159,19 @@ else
         f=$WORK/qwen35-35b-a3b.gguf
         non_expert=$((DATA_BYTES - EXPERT_BYTES))
         bench "Qwen3.5-35B-A3B Q4_K_M" "$f" -p $P -n $N -r "$R"
-        bench "Qwen3.5-35B-A3B Q4_K_M, 50% experts on GPU" "$f" -p $P -n $N -r "$R" \
+        for share in 75 50 0; do
+            bench "Qwen3.5-35B-A3B Q4_K_M, $share% experts on GPU" "$f" -p $P -n $N -r "$R" \
+                --gpu-mem "$((non_expert + EXPERT_BYTES * share / 100))"
+        done
+        rm -f "$f"
+    fi
+    # Real routers favour some experts: with a skewed file the adaptive slots should hold
+    # the popular ones and beat an even spread at the same budget.
+    if synth qwen35-35b-a3b-skew --preset qwen3.5-35b-a3b --type q4_k_m --skew 1.0; then
+        f=$WORK/qwen35-35b-a3b-skew.gguf
+        non_expert=$((DATA_BYTES - EXPERT_BYTES))
+        bench "Qwen3.5-35B-A3B Q4_K_M skew 1.0, 50% experts on GPU" "$f" -p $P -n $N -r "$R" \
             --gpu-mem "$((non_expert + EXPERT_BYTES / 2))"
-        bench "Qwen3.5-35B-A3B Q4_K_M, 0% experts on GPU" "$f" -p $P -n $N -r "$R" \
-            --gpu-mem "$non_expert"
         rm -f "$f"
     fi
     if synth dsv4-flash-8l --preset deepseek-v4-flash --layers 8; then

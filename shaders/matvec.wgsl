@@ -3,10 +3,11 @@
 // decode-time kernels `matvec` (any number of tokens, one per grid column) and `matvec_id`
 // (MoE: one expert matrix per (token, slot) pair).
 //
-// Weights are one part of a GpuTensor in raw ggml block bytes (ggml-common.h layouts), rows
-// contiguous; binding 1 reads them as u32 words (blocks may start at any byte: Q8_0 is 34 bytes,
-// MXFP4 17), binding 2 is the same buffer as 16-byte vectors for the layouts whose blocks are
-// 16-byte aligned (Q4_K, Q5_K, F32/F16/BF16 rows of a multiple of 256 elements).
+// Weights are one part of a GpuTensor in raw ggml block bytes (ggml-common.h layouts; plus
+// lathe's FP8 block F8_E4M3_B128, src/quant/fp8.rs), rows contiguous; binding 1 reads them as
+// u32 words (blocks may start at any byte: Q8_0 is 34 bytes, MXFP4 17), binding 2 is the same
+// buffer as 16-byte vectors for the layouts whose blocks are 16-byte aligned (Q4_K, Q5_K,
+// F32/F16/BF16 rows of a multiple of 256 elements).
 // Activations and outputs are f32; accumulation is f32.
 //
 // The wrapper defines one type flag (TY_Q4_K, ...) and the consts below. Each type block gives:
@@ -24,6 +25,80 @@
 // matvec grid: wid.x = token (or pair), linear row group wid.y + wid.z * nwg.y. A workgroup of WG
 // threads holds GPW = WG / TPR thread groups; group g computes rows R*(rg*GPW + g) .. +R, its TPR
 // lanes striding over the row's slices, then reducing (subgroups or workgroup memory).
+
+// int8 activations (Q8X, src/gpu/matvec.rs `matvec_q8x`): x is first quantized per 32-element
+// block as ggml's block_q8_1 (kernel `quantize_x`, QUANT_X below); the Q8X variants of the Q4_0,
+// Q8_0, Q4_K and Q6_K matvec multiply the integer weight codes with the int8 x four at a time
+// (dot4I8Packed: weight codes 0..63 are valid signed bytes too) and apply the block scales once
+// per integer sum, trading f32 precision of x for far fewer instructions per weight.
+
+#if QUANT_X
+// x rows (f32) to int8 blocks of 32, ggml's quantize_row_q8_1: d = max|x| / 127, q = round(x / d)
+// as x * (1 / d) (WGSL round: ties to even, where ggml's roundf rounds them away from zero), and
+// s = d * sum(q) for the types with an offset or min. One thread per block; a token's x is a few
+// thousand values, so this kernel is tiny next to the product.
+struct QParams {
+    n_blocks: u32, // blocks per token row (cols / 32)
+    n_tokens: u32,
+    x_off: u32,    // in elements: x of token 0
+    x_stride: u32, // in elements: between tokens' x rows
+}
+
+@group(0) @binding(0) var<uniform> qp: QParams;
+@group(0) @binding(1) var<storage, read> XIN: array<f32>;
+// [n_tokens, n_blocks, 2] vec4: the 32 codes of a block, 4 per word, little-endian
+@group(0) @binding(2) var<storage, read_write> QOUT: array<vec4<u32>>;
+// [n_tokens, n_blocks]: (d, d * sum q)
+@group(0) @binding(3) var<storage, read_write> SOUT: array<vec2<f32>>;
+
+fn xin4(e: u32) -> vec4<f32> {
+    return vec4<f32>(XIN[e], XIN[e + 1u], XIN[e + 2u], XIN[e + 3u]);
+}
+
+fn amax4(v: vec4<f32>) -> f32 {
+    let a = abs(v);
+    return max(max(a.x, a.y), max(a.z, a.w));
+}
+
+fn hsum4(v: vec4<i32>) -> i32 {
+    return v.x + v.y + v.z + v.w;
+}
+
+@compute @workgroup_size(64)
+fn quantize_x(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let blk = gid.x;
+    let t = gid.y;
+    if (blk >= qp.n_blocks || t >= qp.n_tokens) {
+        return;
+    }
+    let e = qp.x_off + t * qp.x_stride + 32u * blk;
+    let v0 = xin4(e);
+    let v1 = xin4(e + 4u);
+    let v2 = xin4(e + 8u);
+    let v3 = xin4(e + 12u);
+    let v4 = xin4(e + 16u);
+    let v5 = xin4(e + 20u);
+    let v6 = xin4(e + 24u);
+    let v7 = xin4(e + 28u);
+    let amax = max(max(max(amax4(v0), amax4(v1)), max(amax4(v2), amax4(v3))),
+                   max(max(amax4(v4), amax4(v5)), max(amax4(v6), amax4(v7))));
+    let d = amax / 127.0;
+    let id = select(0.0, 1.0 / d, d > 0.0);
+    let q0 = vec4<i32>(round(v0 * id));
+    let q1 = vec4<i32>(round(v1 * id));
+    let q2 = vec4<i32>(round(v2 * id));
+    let q3 = vec4<i32>(round(v3 * id));
+    let q4 = vec4<i32>(round(v4 * id));
+    let q5 = vec4<i32>(round(v5 * id));
+    let q6 = vec4<i32>(round(v6 * id));
+    let q7 = vec4<i32>(round(v7 * id));
+    let o = t * qp.n_blocks + blk;
+    QOUT[2u * o] = vec4<u32>(pack4xI8(q0), pack4xI8(q1), pack4xI8(q2), pack4xI8(q3));
+    QOUT[2u * o + 1u] = vec4<u32>(pack4xI8(q4), pack4xI8(q5), pack4xI8(q6), pack4xI8(q7));
+    let sum = hsum4(q0 + q1 + q2 + q3) + hsum4(q4 + q5 + q6 + q7);
+    SOUT[o] = vec2<f32>(d, d * f32(sum));
+}
+#else
 
 // The route kernel of matmul.wgsl binds other buffers at the same slots: with ROUTE defined this
 // whole file drops out.
@@ -73,10 +148,16 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> W: array<u32>;
 @group(0) @binding(2) var<storage, read> W4: array<vec4<u32>>;
+#if Q8X
+// int8 x from quantize_x: [tokens, blocks of 32, 2] vec4 of codes and [tokens, blocks] (d, d * sum q)
+@group(0) @binding(3) var<storage, read> QX: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read> XS: array<vec2<f32>>;
+#else
 #if XVEC
 @group(0) @binding(3) var<storage, read> X: array<vec4<f32>>;
 #else
 @group(0) @binding(3) var<storage, read> X: array<f32>;
+#endif
 #endif
 @group(0) @binding(4) var<storage, read_write> Y: array<f32>;
 
@@ -89,6 +170,16 @@ fn no_rows() -> bool {
 
 // ---- activations ----
 
+#if Q8X
+// the four words (16 codes) h of x block blk, integer dot of 16 codes
+fn qx(blk: u32, h: u32) -> vec4<u32> {
+    return QX[2u * blk + h];
+}
+
+fn dot16(a: vec4<u32>, b: vec4<u32>) -> i32 {
+    return dot4I8Packed(a.x, b.x) + dot4I8Packed(a.y, b.y) + dot4I8Packed(a.z, b.z) + dot4I8Packed(a.w, b.w);
+}
+#else
 // x[e..e+4] (e a multiple of 4 when X is bound as vectors)
 fn x4(e: u32) -> vec4<f32> {
 #if XVEC
@@ -105,6 +196,7 @@ fn x1(e: u32) -> f32 {
     return X[e];
 #endif
 }
+#endif
 
 // ---- raw weight bytes ----
 
@@ -367,6 +459,33 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
                                d * (hi4(q.x) - o), d * (hi4(q.y) - o), d * (hi4(q.z) - o), d * (hi4(q.w) - o));
 }
 
+#if Q8X
+// matvec, int8 x: 2 lanes per block, lane k = qs bytes 8k..8k+8: low nibbles = elements 8k..
+// (x words 2k, 2k+1), high = 16+8k.. (x words 4+2k, 5+2k). The -8 offset of the whole block
+// is -8 d_x sum(q_x) = -8 s_x, taken by lane 0 alone.
+const MV_CPB = 2u;
+
+struct XC {
+    q: vec4<u32>,   // x words of the low nibbles (.xy) and of the high ones (.zw)
+    d: vec2<f32>,   // d_x, and s_x for lane 0 (0 for lane 1)
+}
+
+fn load_xc(xe: u32, k: u32) -> XC {
+    let blk = xe / 32u;
+    let u = qx(blk, 0u);
+    let v = qx(blk, 1u);
+    let h = k == 1u;
+    let sc = XS[blk];
+    return XC(vec4<u32>(select(u.xy, u.zw, h), select(v.xy, v.zw, h)), vec2<f32>(sc.x, select(sc.y, 0.0, h)));
+}
+
+fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+    let q = wu2(b + 2u + 8u * k);
+    let i = dot4I8Packed(q.x & M4, xc.q.x) + dot4I8Packed(q.y & M4, xc.q.y)
+          + dot4I8Packed((q.x >> 4u) & M4, xc.q.z) + dot4I8Packed((q.y >> 4u) & M4, xc.q.w);
+    return wf16(b) * (xc.d.x * f32(i) - 8.0 * xc.d.y);
+}
+#else
 // matvec: 2 lanes per block, lane k = qs bytes 8k..8k+8 (elements 8k.. and 16+8k..)
 const MV_CPB = 2u;
 
@@ -388,6 +507,7 @@ fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
     let acc = dot(lo4(q.x), xc.v[0]) + dot(lo4(q.y), xc.v[1]) + dot(ghi4(q.x), xc.v[2]) + dot(ghi4(q.y), xc.v[3]);
     return wf16(b) * (acc - 8.0 * xc.s);
 }
+#endif
 #endif
 
 #if TY_Q4_1
@@ -457,6 +577,25 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
                                d * f4i(q1.x), d * f4i(q1.y), d * f4i(q1.z), d * f4i(q1.w));
 }
 
+#if Q8X
+// matvec, int8 x: 2 lanes per block, lane k = codes 16k..16k+16 (one 5-word read) against x
+// words 4k..4k+4
+const MV_CPB = 2u;
+
+struct XC {
+    q: vec4<u32>,
+    d: f32,
+}
+
+fn load_xc(xe: u32, k: u32) -> XC {
+    let blk = xe / 32u;
+    return XC(qx(blk, k), XS[blk].x);
+}
+
+fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+    return wf16(b) * xc.d * f32(dot16(wu4(b + 2u + 16u * k), xc.q));
+}
+#else
 // matvec: 2 lanes per block, lane k = qs bytes 16k..16k+16 (one 5-word read)
 const MV_CPB = 2u;
 
@@ -473,6 +612,7 @@ fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
     let q = wu4(b + 2u + 16u * k);
     return wf16(b) * (dot(f4i(q.x), xc.v[0]) + dot(f4i(q.y), xc.v[1]) + dot(f4i(q.z), xc.v[2]) + dot(f4i(q.w), xc.v[3]));
 }
+#endif
 
 #endif
 
@@ -550,6 +690,36 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
                                d1 * hi4(q.x) - m1, d1 * hi4(q.y) - m1, d1 * hi4(q.z) - m1, d1 * hi4(q.w) - m1);
 }
 
+#if Q8X
+// matvec, int8 x: 4 lanes per block, lane c = qs bytes 32c..32c+32 (two 16-byte loads): low
+// nibbles = sub-block 2c against x block 2c, high = sub-block 2c+1 against x block 2c+1; the
+// mins as dmin * m * s_x per sub-block (ggml's vec_dot_q4_K_q8_1).
+const MV_CPB = 4u;
+
+struct XC {
+    q: array<vec4<u32>, 4>,   // x blocks 2c (words 0..8) and 2c+1
+    d: vec4<f32>,             // (d, s) of x block 2c, then of 2c+1
+}
+
+fn load_xc(xe: u32, c: u32) -> XC {
+    let blk = xe / 32u + 2u * c;
+    return XC(array<vec4<u32>, 4>(qx(blk, 0u), qx(blk, 1u), qx(blk + 1u, 0u), qx(blk + 1u, 1u)),
+              vec4<f32>(XS[blk], XS[blk + 1u]));
+}
+
+fn chunk_dot(b: u32, c: u32, xc: XC) -> f32 {
+    let bi = b >> 4u;
+    let hd = W4[bi];
+    let q0 = W4[bi + 1u + 2u * c];
+    let q1 = W4[bi + 2u + 2u * c];
+    let m4 = vec4<u32>(M4);
+    let lo = dot16(q0 & m4, xc.q[0]) + dot16(q1 & m4, xc.q[1]);
+    let hi = dot16((q0 >> vec4<u32>(4u)) & m4, xc.q[2]) + dot16((q1 >> vec4<u32>(4u)) & m4, xc.q[3]);
+    let dm = unpack2x16float(hd.x);
+    let sm = k4_scales(hd.y, hd.z, hd.w, c);
+    return dm.x * (sm.x * xc.d.x * f32(lo) + sm.z * xc.d.z * f32(hi)) - dm.y * (sm.y * xc.d.y + sm.w * xc.d.w);
+}
+#else
 // matvec: the same chunks, 8 lanes per block: one 16-byte load of qs plus the 16-byte header
 const MV_CPB = 8u;
 
@@ -583,6 +753,7 @@ fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
     let hi = dot(ghi4(q.x), xc.v[4]) + dot(ghi4(q.y), xc.v[5]) + dot(ghi4(q.z), xc.v[6]) + dot(ghi4(q.w), xc.v[7]);
     return dm.x * (sm.x * lo + sm.z * hi) - dm.y * (sm.y * xc.s.x + sm.w * xc.s.y);
 }
+#endif
 #endif
 
 #if TY_Q5_K
@@ -693,6 +864,47 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
                                sc.z * (f4u(q0.z) - o), sc.z * (f4u(q1.z) - o), sc.w * (f4u(q0.w) - o), sc.w * (f4u(q1.w) - o));
 }
 
+#if Q8X
+// matvec, int8 x: 4 lanes per block, lane j = half n = j/2, l = 16(j%2)..+16, all four k:
+// elements 128n + 32k + l.. = words 4(j%2)..+4 of x block 4n+k, one scale per k. The 6-bit
+// levels (0..63, valid signed bytes) dot x, and the -32 offset is -32 sum(q_x) over the same
+// 16 codes, summed once in load_xc for the R rows.
+const MV_CPB = 4u;
+
+struct XC {
+    q: array<vec4<u32>, 4>,   // per k
+    d: vec4<f32>,             // d_x per k
+    s: vec4<f32>,             // 32 * sum(q_x) per k
+}
+
+fn load_xc(xe: u32, j: u32) -> XC {
+    let blk = xe / 32u + 4u * (j >> 1u);
+    let h = j & 1u;
+    let a0 = qx(blk, h);
+    let a1 = qx(blk + 1u, h);
+    let a2 = qx(blk + 2u, h);
+    let a3 = qx(blk + 3u, h);
+    let one = vec4<u32>(0x01010101u);
+    let s = vec4<i32>(dot16(a0, one), dot16(a1, one), dot16(a2, one), dot16(a3, one));
+    return XC(array<vec4<u32>, 4>(a0, a1, a2, a3),
+              vec4<f32>(XS[blk].x, XS[blk + 1u].x, XS[blk + 2u].x, XS[blk + 3u].x), 32.0 * vec4<f32>(s));
+}
+
+fn chunk_dot(b: u32, j: u32, xc: XC) -> f32 {
+    let n = j >> 1u;
+    let l = 16u * (j & 1u);
+    let a = wu4(b + 64u * n + l);
+    let c = wu4(b + 64u * n + 32u + l);
+    let h = wu4(b + 128u + 32u * n + l);
+    let v0 = q6w(a.x, c.x, h.x);
+    let v1 = q6w(a.y, c.y, h.y);
+    let v2 = q6w(a.z, c.z, h.z);
+    let v3 = q6w(a.w, c.w, h.w);
+    let i = vec4<i32>(dot16(vec4<u32>(v0.x, v1.x, v2.x, v3.x), xc.q[0]), dot16(vec4<u32>(v0.y, v1.y, v2.y, v3.y), xc.q[1]),
+                      dot16(vec4<u32>(v0.z, v1.z, v2.z, v3.z), xc.q[2]), dot16(vec4<u32>(v0.w, v1.w, v2.w, v3.w), xc.q[3]));
+    return wf16(b + 208u) * dot(q6_scales(b, n, l), xc.d * (vec4<f32>(i) - xc.s));
+}
+#else
 // matvec: matmul's chunks, 8 lanes per block, 32 weights each (three 8-byte reads)
 const MV_CPB = 8u;
 
@@ -728,6 +940,7 @@ fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
                       dot(f4u(q0.z), xc.v[4]) + dot(f4u(q1.z), xc.v[5]), dot(f4u(q0.w), xc.v[6]) + dot(f4u(q1.w), xc.v[7]));
     return wf16(b + 208u) * dot(q6_scales(b, n, l), v - 32.0 * xc.s);
 }
+#endif
 
 #endif
 
@@ -794,6 +1007,64 @@ fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
     let q = wu2(b + 1u + 8u * k);
     let acc = dot(e2m1_lo(q.x), xc.v[0]) + dot(e2m1_lo(q.y), xc.v[1]) + dot(e2m1_hi(q.x), xc.v[2]) + dot(e2m1_hi(q.y), xc.v[3]);
     return (acc * f.x) * f.y;
+}
+#endif
+
+#if TY_F8_E4M3_B128
+// lathe's FP8 block (src/quant/fp8.rs): d: f32, qs: 128 e4m3fn codes (132 bytes: 4-aligned, so
+// whole words); value e4m3(q) * d. Chunk s = elements 32s..32s+32 = qs words 8s..8s+8.
+fn xmap(s: u32, j: u32) -> u32 {
+    return 32u * s + 4u * j;
+}
+
+// e4m3fn (sign, 4-bit exponent with bias 7, 3-bit mantissa) becomes an f16 bit pattern by moving
+// the 7 magnitude bits to f16 bits 7..13 (the low 4 exponent bits and the top 3 mantissa bits)
+// and the sign to bit 15: the f16 is exactly the e4m3 value times 2^-8 (bias 15 vs 7),
+// subnormals included (exponent 0: m * 2^-9 becomes the f16 subnormal m * 2^-17). Bytes 0 and 2
+// of t; the NaN codes S.1111.111 (never in valid weights) decode as +-480.
+fn e4m3_pair(t: u32) -> vec2<f32> {
+    return unpack2x16float(((t << 7u) & 0x3f803f80u) | ((t << 8u) & 0x80008000u));
+}
+
+// the four codes of one qs word, in units of 2^-8
+fn e4m3_4(u: u32) -> vec4<f32> {
+    let a = e4m3_pair(u);       // bytes 0, 2
+    let c = e4m3_pair(u >> 8u); // bytes 1, 3
+    return vec4<f32>(a.x, c.x, a.y, c.y);
+}
+
+// the block scale times 2^8, undoing e4m3_4's units exactly (the product e4m3 * d then rounds
+// once, as the CPU reference's)
+fn f8_scale(b: u32) -> f32 {
+    return bitcast<f32>(W[b >> 2u]) * 256.0;
+}
+
+fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
+    let d = f8_scale(b);
+    let i = (b >> 2u) + 1u + 8u * s;
+    return array<vec4<f32>, 8>(e4m3_4(W[i]) * d, e4m3_4(W[i + 1u]) * d, e4m3_4(W[i + 2u]) * d, e4m3_4(W[i + 3u]) * d,
+                               e4m3_4(W[i + 4u]) * d, e4m3_4(W[i + 5u]) * d, e4m3_4(W[i + 6u]) * d, e4m3_4(W[i + 7u]) * d);
+}
+
+// matvec: matmul's chunks, 4 lanes per block, the scale applied once per 32-weight slice
+const MV_CPB = 4u;
+
+struct XC {
+    v: array<vec4<f32>, 8>,
+}
+
+fn load_xc(xb: u32, s: u32) -> XC {
+    let b0 = xb + 32u * s;
+    return XC(array<vec4<f32>, 8>(x4(b0), x4(b0 + 4u), x4(b0 + 8u), x4(b0 + 12u),
+                                  x4(b0 + 16u), x4(b0 + 20u), x4(b0 + 24u), x4(b0 + 28u)));
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    let i = (b >> 2u) + 1u + 8u * s;
+    let acc = dot(e4m3_4(W[i]), xc.v[0]) + dot(e4m3_4(W[i + 1u]), xc.v[1]) + dot(e4m3_4(W[i + 2u]), xc.v[2])
+            + dot(e4m3_4(W[i + 3u]), xc.v[3]) + dot(e4m3_4(W[i + 4u]), xc.v[4]) + dot(e4m3_4(W[i + 5u]), xc.v[5])
+            + dot(e4m3_4(W[i + 6u]), xc.v[6]) + dot(e4m3_4(W[i + 7u]), xc.v[7]);
+    return acc * f8_scale(b);
 }
 #endif
 
@@ -964,6 +1235,7 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 #endif
 }
 
+#ifndef Q8X
 // MoE: for pair q = p.pair_off + wid.x (token q / n_used, slot q % n_used) with expert
 // e = ids[ids_off + q]: y[q][row] (=|+=) sum_c W[e][row][c] x[q or q / n_used][c].
 // Workgroups whose expert is not in the bound part return at once.
@@ -993,5 +1265,7 @@ fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     reduce_store(acc, lid, row0, p.y_off + q * p.y_stride);
 #endif
 }
+#endif
 
+#endif
 #endif

@@ -1,6 +1,6 @@
-// Top-k per row (k ≤ 16) with ties to the lower index, argmax (k = 1), and the fused MoE
-// router (softmax → top-k → renormalise). CPU references: cpu::ops::{topk, argmax,
-// router_softmax_topk}.
+// Top-k per row with ties to the lower index, argmax (k = 1), the log-sum-exp of a row, and
+// the fused MoE router (softmax → top-k → renormalise). CPU references: cpu::ops::{topk,
+// argmax, router_softmax_topk}, sample::log_sum_exp.
 //
 // One workgroup owns a chunk of CHUNK = WG·PER elements of a row, PER per thread, held in
 // registers. It extracts its best K in K rounds: each round every thread picks its best
@@ -12,9 +12,11 @@
 // candidates the same way (src/gpu/topk.rs chains the stages).
 //
 // Defines: K; PAIRS (input is candidate pairs, else f32 values); FINAL (write ids and,
-// with HAS_VALS, values; else candidate pairs); ROUTER (the `router` entry's bindings).
+// with HAS_VALS, values; else candidate pairs); PACKED (FINAL: the values go into the ids
+// buffer as f32 bits at val_off, so one readback brings both); ROUTER (the `router` entry's
+// bindings); LSE (the `lse` entry's bindings).
 // Bindings (main): 1 input, 2 ids or candidates out, 3 values (FINAL + HAS_VALS).
-// Bindings (router): 1 logits, 2 ids, 3 weights.
+// Bindings (router): 1 logits, 2 ids, 3 weights. Bindings (lse): 1 values, 2 out.
 
 const WG = 256u;
 const PER = 8u;
@@ -40,6 +42,10 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
+#if LSE
+@group(0) @binding(1) var<storage, read> xs: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out_lse: array<f32>;
+#else
 #if ROUTER
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out_ids: array<u32>;
@@ -57,6 +63,7 @@ struct Params {
 #endif
 #else
 @group(0) @binding(2) var<storage, read_write> cand_out: array<u32>;
+#endif
 #endif
 #endif
 
@@ -111,6 +118,63 @@ fn select_k(lid: u32, v: ptr<function, array<f32, PER>>, ix: ptr<function, array
     }
 }
 
+#if LSE
+// Log-sum-exp of each row of n values (NaNs skipped): one workgroup per row; every thread
+// keeps a running (max, sum of exp(x − max)) over its strided elements, rescaling the sum
+// when the max grows, and a tree combines the pairs. −inf elements add nothing; a row
+// without a finite or +inf element gives −inf.
+var<workgroup> rs: array<f32, WG>;
+
+// (m, s) of two parts: the sum rescaled to the larger max. A part with m = −inf is empty.
+// −inf compared on the bits, like NaN (see is_nan).
+fn is_neg_inf(v: f32) -> bool { return bitcast<u32>(v) == 0xff800000u; }
+
+fn lse_merge(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
+    if (is_neg_inf(m2)) { return vec2<f32>(m1, s1); }
+    if (is_neg_inf(m1)) { return vec2<f32>(m2, s2); }
+    let m = max(m1, m2);
+    return vec2<f32>(m, s1 * exp(m1 - m) + s2 * exp(m2 - m));
+}
+
+@compute @workgroup_size(WG)
+fn lse(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+       @builtin(local_invocation_index) lid: u32) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= p.n_rows) { return; }
+    let base = p.in_off + row * p.in_stride;
+    var m = neg_inf();
+    var s = 0.0;
+    for (var e = lid; e < p.n; e += WG) {
+        let x = xs[base + e];
+        if (is_nan(x) || is_neg_inf(x)) { continue; }
+        if (is_neg_inf(m)) {
+            m = x;
+            s = 1.0;
+        } else if (x > m) {
+            s = s * exp(m - x) + 1.0;
+            m = x;
+        } else {
+            s += exp(x - m);
+        }
+    }
+    rv[lid] = m;
+    rs[lid] = s;
+    workgroupBarrier();
+    for (var st = WG / 2u; st > 0u; st >>= 1u) {
+        if (lid < st) {
+            let c = lse_merge(rv[lid], rs[lid], rv[lid + st], rs[lid + st]);
+            rv[lid] = c.x;
+            rs[lid] = c.y;
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        var r = neg_inf();
+        if (!is_neg_inf(rv[0])) { r = rv[0] + log(rs[0]); }
+        out_lse[p.out_off + row * p.out_stride] = r;
+    }
+}
+#else
 #if ROUTER
 // One workgroup per row of n ≤ CHUNK expert logits: top-K on the logits (softmax is
 // monotonic), then the winners' softmax probabilities over all n, renormalised if asked.
@@ -196,6 +260,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 #if HAS_VALS
         out_vals[p.val_off + row * p.val_stride + lid] = win_v[lid];
 #endif
+#if PACKED
+        out_ids[p.val_off + row * p.val_stride + lid] = bitcast<u32>(win_v[lid]);
+#endif
 #else
         let o = p.out_off + 2u * ((row * p.n_chunks + chunk) * K + lid);
         cand_out[o] = bitcast<u32>(win_v[lid]);
@@ -203,4 +270,5 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 #endif
     }
 }
+#endif
 #endif

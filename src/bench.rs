@@ -2,7 +2,8 @@
 //! measured read bandwidth as the yardstick for decode.
 //!
 //! Prefill: `n_prompt` random token ids in one `forward`. Decode: `n_gen` single-token
-//! `forward` calls, each returning the logits to the host (what a user waits for). Each
+//! forwards as greedy generation runs them (what a user waits for): the argmax found on the
+//! GPU in the step's pass, 12 bytes read back instead of the vocabulary's logits. Each
 //! test runs `reps` times on a fresh sequence, optionally after filling the context to
 //! `depth` tokens (untimed); speeds are mean ± sample standard deviation of tokens/s over
 //! the repetitions, as llama-bench reports them.
@@ -11,7 +12,7 @@
 //! adapter's stream bandwidth says how close decode runs to the hardware's limit. The
 //! bandwidth comes from [`stream_bandwidth`], a read-only kernel of 16-byte coalesced loads.
 
-use crate::engine::{Engine, KvType, LoadOptions};
+use crate::engine::{Engine, KvType, LoadOptions, GREEDY};
 use crate::gpu::{grid, AdapterChoice, Binding, Gpu, PipelineSpec};
 use crate::inspect::human_bytes;
 use crate::{Error, Result};
@@ -35,6 +36,12 @@ pub struct BenchOptions {
     pub kv_type: KvType,
     /// Seeds the random token ids.
     pub seed: u64,
+    /// Expert placement of MoE models (`LoadOptions` fields of the same names).
+    pub gpu_mem: Option<u64>,
+    pub gpu_experts: Option<f64>,
+    pub expert_stats: Option<std::path::PathBuf>,
+    /// Write the routing statistics counted during the run here.
+    pub save_expert_stats: Option<std::path::PathBuf>,
 }
 
 impl Default for BenchOptions {
@@ -47,6 +54,10 @@ impl Default for BenchOptions {
             adapter: AdapterChoice::Auto,
             kv_type: KvType::Auto,
             seed: 0,
+            gpu_mem: None,
+            gpu_experts: None,
+            expert_stats: None,
+            save_expert_stats: None,
         }
     }
 }
@@ -119,6 +130,8 @@ pub struct BenchReport {
     /// GPU time of one decode step by kernel (summed over its dispatches, longest first),
     /// when the adapter has timestamp queries.
     pub kernels: Option<Vec<KernelTime>>,
+    /// Where a MoE model's routed experts were at the end (`None` for a dense model).
+    pub placement: Option<crate::gpu::moe::PlacementReport>,
 }
 
 /// One kernel's share of a decode step.
@@ -162,6 +175,7 @@ impl BenchReport {
                     .map(|k| json!({"label": k.label, "calls": k.calls, "ns": k.ns}))
                     .collect::<Vec<_>>()
             }),
+            "placement": self.placement.as_ref().and_then(|p| serde_json::to_value(p).ok()),
         })
     }
 
@@ -298,6 +312,10 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         adapter: opts.adapter.clone(),
         kv_type: opts.kv_type,
         ctx: opts.depth + opts.n_prompt.max(opts.n_gen) + 16,
+        gpu_mem: opts.gpu_mem,
+        gpu_experts: opts.gpu_experts,
+        expert_stats: opts.expert_stats.clone(),
+        save_expert_stats: opts.save_expert_stats.clone(),
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -313,7 +331,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         e.forward(&mut seq, &t, false)?;
     }
     for t in ids.take(2, vocab) {
-        e.forward(&mut seq, &[t], false)?;
+        e.forward_batch_with(&mut [(&mut seq, &[t], GREEDY)])?;
     }
 
     let fill = |e: &mut Engine, seq: &mut crate::engine::Seq, ids: &mut Ids| -> Result<()> {
@@ -346,8 +364,9 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             let t = ids.take(opts.n_gen, vocab);
             let s = Instant::now();
             for &tok in &t {
-                // Each step returns the logits to the host.
-                e.forward(&mut seq, &[tok], false)?;
+                // Each step as greedy generation runs it: the argmax found on the GPU,
+                // 12 bytes read back.
+                e.forward_batch_with(&mut [(&mut seq, &[tok], GREEDY)])?;
             }
             secs.push(s.elapsed().as_secs_f64());
         }
@@ -369,6 +388,8 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         None
     };
     drop(seq);
+    e.finish_expert_stats()?;
+    let placement = e.placement_report();
     let bandwidth = stream_bandwidth(&e.gpu)?;
     let info = &e.gpu.info;
     Ok(BenchReport {
@@ -386,6 +407,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         decode,
         bandwidth,
         kernels,
+        placement,
     })
 }
 

@@ -1,8 +1,9 @@
 //! Element and block types of stored tensors, shared by both file formats, the CPU
 //! reference kernels and the GPU kernels.
 //!
-//! Ids are ggml's `enum ggml_type` (ggml.h); types that only safetensors has (FP8) get ids
-//! outside ggml's range so one enum can name every stored type.
+//! Ids are ggml's `enum ggml_type` (ggml.h); types that only safetensors has (FP8) and
+//! lathe's own load-time layout (`F8_E4M3_B128`) have no ggml id (`ggml_id() == None`), so
+//! the GGUF writer refuses them and the reader can never produce them.
 
 use std::fmt;
 
@@ -41,11 +42,17 @@ pub enum DType {
     F8_E8M0,
     /// safetensors only: raw bytes (packed MXFP4 pairs are stored as U8 or I8).
     U8,
+    /// lathe only (never in a file): FP8 e4m3fn weights with 128-wide block scales, made at
+    /// load from a release's `X.weight` F8_E4M3 + `X.scale` (DeepSeek-V3/V4 layout). One
+    /// block = 128 consecutive elements of a row: the scale of their 128×128 block as f32
+    /// (4 bytes, E8M0 converted exactly) then the 128 e4m3 bytes unchanged; 132 bytes, so
+    /// blocks stay 4-byte aligned. See `quant::BlockF8B128`.
+    F8_E4M3_B128,
 }
 
 impl DType {
-    /// All types, in ggml id order then the safetensors-only ones.
-    pub const ALL: [DType; 24] = [
+    /// All types, in ggml id order, then the safetensors-only ones, then lathe's own.
+    pub const ALL: [DType; 25] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
@@ -70,6 +77,7 @@ impl DType {
         DType::F8_E4M3,
         DType::F8_E8M0,
         DType::U8,
+        DType::F8_E4M3_B128,
     ];
 
     /// ggml type id (`enum ggml_type`), `None` for safetensors-only types.
@@ -96,7 +104,7 @@ impl DType {
             DType::F64 => 28,
             DType::BF16 => 30,
             DType::MXFP4 => 39,
-            DType::F8_E4M3 | DType::F8_E8M0 | DType::U8 => return None,
+            DType::F8_E4M3 | DType::F8_E8M0 | DType::U8 | DType::F8_E4M3_B128 => return None,
         })
     }
 
@@ -115,6 +123,7 @@ impl DType {
             | DType::Q8_0
             | DType::IQ4_NL
             | DType::MXFP4 => 32,
+            DType::F8_E4M3_B128 => 128,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
                 256
             }
@@ -142,6 +151,7 @@ impl DType {
             DType::IQ4_NL => 18,
             DType::IQ4_XS => 136,
             DType::MXFP4 => 17,
+            DType::F8_E4M3_B128 => 132,
         }
     }
 
@@ -194,6 +204,7 @@ impl DType {
             DType::F8_E4M3 => "F8_E4M3",
             DType::F8_E8M0 => "F8_E8M0",
             DType::U8 => "U8",
+            DType::F8_E4M3_B128 => "F8_E4M3_B128",
         }
     }
 
@@ -232,5 +243,10 @@ mod tests {
         assert_eq!(DType::IQ4_XS.block_bytes(), 2 + 2 + 256 / 64 + 256 / 2);
         assert_eq!(DType::Q4_0.bytes_for(33), None);
         assert_eq!(DType::Q4_0.bytes_for(64), Some(36));
+        // lathe's FP8 block: f32 scale + 128 e4m3 bytes, never a ggml type.
+        assert_eq!(DType::F8_E4M3_B128.bytes_for(256), Some(264));
+        assert_eq!(DType::F8_E4M3_B128.bytes_for(64), None);
+        assert_eq!(DType::F8_E4M3_B128.ggml_id(), None);
+        assert!(DType::F8_E4M3_B128.is_quantized() && DType::F8_E4M3_B128.is_float_like());
     }
 }

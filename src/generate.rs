@@ -4,9 +4,11 @@
 //!
 //! A [`Session`] owns one sequence and remembers the tokens it has consumed, so a caller that
 //! sends the whole conversation each turn pays only for the new part: when the consumed
-//! tokens are a prefix of the new prompt, only the rest is fed; otherwise the sequence is
-//! reset and the whole prompt is fed again (recurrent layers cannot be rolled back to a
-//! shorter prefix).
+//! tokens are a prefix of the new prompt, only the rest is fed. Recurrent layers cannot be
+//! rolled back to a shorter prefix, so a session can keep a [`Checkpoint`]: a copy of its
+//! state where the last prompt's conversation ended, restored when the next prompt agrees
+//! with it but not with everything the sequence holds (a chat template that rewrites the
+//! last assistant turn). Otherwise the sequence is reset and the whole prompt is fed again.
 //!
 //! Text is streamed the way llama.cpp's server streams it: each token goes through the
 //! [`StreamDecoder`] (never half a UTF-8 character) and then the [`StopCondition`] (text that
@@ -16,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, Seq};
+use crate::engine::{Engine, Logits, Seq, Want};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer, CHATML};
 use crate::{Error, Result};
@@ -128,7 +130,77 @@ pub struct Output {
     pub timings: Timings,
 }
 
-/// One sequence and the tokens it has consumed.
+/// Tokens per prefill piece: the models' pass size (`DEFAULT_BATCH` of both GPU forwards),
+/// so feeding a long prompt piece by piece runs exactly the passes one call would, and a
+/// cancellation is seen between them.
+const PREFILL_CHUNK: usize = crate::models::qwen35::gpu::DEFAULT_BATCH;
+
+/// `held.len()` when `held` is a proper prefix of `prompt` (at least one prompt token must
+/// be fed to get logits), else 0.
+pub fn reusable_prefix(held: &[u32], prompt: &[u32]) -> usize {
+    let n = held.len();
+    if n < prompt.len() && prompt[..n] == *held {
+        n
+    } else {
+        0
+    }
+}
+
+/// A saved sequence state to come back to: a second sequence holding a copy of another's
+/// state after `tokens`. Recurrent state (Gated DeltaNet, DeepSeek-V4's compressors)
+/// cannot be rolled back to a shorter prefix, so when the next prompt rewrites part of what
+/// a sequence holds (chat templates drop the reasoning of earlier assistant turns), the
+/// sequence restarts from here instead of from nothing. Costs one sequence state of memory
+/// and one GPU copy per save or restore.
+pub struct Checkpoint {
+    seq: Seq,
+    /// The tokens `seq` holds; empty while nothing is saved.
+    tokens: Vec<u32>,
+}
+
+impl Checkpoint {
+    pub fn new(engine: &Engine) -> Result<Checkpoint> {
+        Ok(Checkpoint {
+            seq: engine.new_seq()?,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// The tokens saved.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// How many tokens of `prompt` a restore gives (see [`reusable_prefix`]).
+    pub fn reusable(&self, prompt: &[u32]) -> usize {
+        reusable_prefix(&self.tokens, prompt)
+    }
+
+    /// Saves the state of `seq`, which holds `tokens`.
+    pub fn save(&mut self, engine: &Engine, seq: &Seq, tokens: &[u32]) -> Result<()> {
+        if self.tokens == tokens {
+            return Ok(());
+        }
+        // Nothing counts as saved unless the copy went through.
+        self.tokens.clear();
+        engine.copy_seq(seq, &mut self.seq)?;
+        self.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Copies the saved state into `seq`; returns the tokens `seq` now holds.
+    pub fn restore(&self, engine: &Engine, seq: &mut Seq) -> Result<&[u32]> {
+        engine.copy_seq(&self.seq, seq)?;
+        Ok(&self.tokens)
+    }
+
+    /// Forget what is saved.
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+    }
+}
+
+/// One sequence and the tokens it has consumed, and optionally a [`Checkpoint`] of it.
 pub struct Session {
     seq: Seq,
     /// The tokens `seq` holds, in order: prompts and fed generated tokens. The last sampled
@@ -136,15 +208,28 @@ pub struct Session {
     tokens: Vec<u32>,
     /// An error left the sequence in an unknown state: reset before the next use.
     stale: bool,
+    /// The state at the checkpoint position of the last prompt ([`Session::generate_at`]).
+    checkpoint: Option<Checkpoint>,
 }
 
 impl Session {
+    /// A session without checkpoint: a prompt that does not extend what the sequence holds
+    /// is fed again from the start.
     pub fn new(engine: &Engine) -> Result<Session> {
         Ok(Session {
             seq: engine.new_seq()?,
             tokens: Vec::new(),
             stale: false,
+            checkpoint: None,
         })
+    }
+
+    /// A session that keeps a [`Checkpoint`] (a second sequence) of the state where each
+    /// prompt's conversation ends, for chats whose template rewrites earlier turns.
+    pub fn with_checkpoint(engine: &Engine) -> Result<Session> {
+        let mut s = Session::new(engine)?;
+        s.checkpoint = Some(Checkpoint::new(engine)?);
+        Ok(s)
     }
 
     /// The tokens the sequence holds.
@@ -152,8 +237,20 @@ impl Session {
         &self.tokens
     }
 
-    /// Forget everything.
+    /// The tokens of the saved checkpoint (`None` without checkpoints; empty before any).
+    pub fn checkpoint(&self) -> Option<&[u32]> {
+        self.checkpoint.as_ref().map(Checkpoint::tokens)
+    }
+
+    /// Forget everything, the checkpoint included.
     pub fn reset(&mut self, engine: &Engine) -> Result<()> {
+        if let Some(c) = &mut self.checkpoint {
+            c.clear();
+        }
+        self.reset_seq(engine)
+    }
+
+    fn reset_seq(&mut self, engine: &Engine) -> Result<()> {
         self.stale = true;
         engine.reset(&mut self.seq)?;
         self.tokens.clear();
@@ -161,20 +258,48 @@ impl Session {
         Ok(())
     }
 
-    /// How many tokens of `prompt` the sequence already holds and can keep: all it holds
-    /// when that is a proper prefix of `prompt` (at least one token must be fed to get
-    /// logits), else 0.
+    /// How many tokens of `prompt` need not be fed again: what the sequence holds when that
+    /// is a proper prefix of `prompt`, or the checkpoint's tokens when those are (the
+    /// longer of the two), else 0.
     pub fn reusable(&self, prompt: &[u32]) -> usize {
-        let n = self.tokens.len();
-        if !self.stale && n < prompt.len() && prompt[..n] == self.tokens[..] {
-            n
-        } else {
+        let live = if self.stale {
             0
+        } else {
+            reusable_prefix(&self.tokens, prompt)
+        };
+        let saved = self.checkpoint.as_ref().map_or(0, |c| c.reusable(prompt));
+        live.max(saved)
+    }
+
+    /// Brings the sequence to the longest reusable prefix of `prompt` ([`Session::reusable`]):
+    /// keeps it, restores the checkpoint, or resets. Returns the tokens kept.
+    fn resume(&mut self, engine: &Engine, prompt: &[u32]) -> Result<usize> {
+        let live = if self.stale {
+            0
+        } else {
+            reusable_prefix(&self.tokens, prompt)
+        };
+        if let Some(c) = self
+            .checkpoint
+            .as_ref()
+            .filter(|c| c.reusable(prompt) > live)
+        {
+            self.stale = true;
+            let held = c.restore(engine, &mut self.seq)?;
+            self.tokens.clear();
+            self.tokens.extend_from_slice(held);
+            self.stale = false;
+            return Ok(self.tokens.len());
         }
+        if live == 0 && (self.stale || !self.tokens.is_empty()) {
+            self.reset_seq(engine)?;
+        }
+        Ok(live)
     }
 
     /// Generates a continuation of `prompt` (the whole context: earlier turns included),
-    /// calling `on_piece` for every sampled token as soon as it is sampled.
+    /// calling `on_piece` for every sampled token as soon as it is sampled. A checkpoint,
+    /// when the session keeps one, is saved at the end of the prompt.
     pub fn generate(
         &mut self,
         engine: &mut Engine,
@@ -182,10 +307,36 @@ impl Session {
         opts: &GenerateOptions,
         on_piece: impl FnMut(Piece<'_>),
     ) -> Result<Output> {
+        self.generate_at(engine, prompt, prompt.len(), opts, on_piece)
+    }
+
+    /// [`Session::generate`], saving the checkpoint (when the session keeps one) once the
+    /// first `checkpoint_at` prompt tokens are in the sequence: for a chat, where the
+    /// conversation ends and the generation prompt begins ([`ChatPrompt::encode`]), the
+    /// last point the next turn's rendering is sure to share. Nothing is saved when the
+    /// sequence already held more than `checkpoint_at` tokens of the prompt.
+    ///
+    /// The prompt is fed in pieces of the model's pass size; a cancellation between two
+    /// ends the call with nothing sampled, and the session holds the pieces fed.
+    pub fn generate_at(
+        &mut self,
+        engine: &mut Engine,
+        prompt: &[u32],
+        checkpoint_at: usize,
+        opts: &GenerateOptions,
+        on_piece: impl FnMut(Piece<'_>),
+    ) -> Result<Output> {
         // The tokenizer lives in the engine, which `forward` borrows mutably: lend it out for
         // the loop and put it back whatever happens.
         let tokenizer = engine.tokenizer.take();
-        let out = self.generate_with(engine, tokenizer.as_ref(), prompt, opts, on_piece);
+        let out = self.generate_with(
+            engine,
+            tokenizer.as_ref(),
+            prompt,
+            checkpoint_at.min(prompt.len()),
+            opts,
+            on_piece,
+        );
         engine.tokenizer = tokenizer;
         out
     }
@@ -195,6 +346,7 @@ impl Session {
         engine: &mut Engine,
         tokenizer: Option<&Tokenizer>,
         prompt: &[u32],
+        checkpoint_at: usize,
         opts: &GenerateOptions,
         mut on_piece: impl FnMut(Piece<'_>),
     ) -> Result<Output> {
@@ -215,10 +367,7 @@ impl Session {
                 .as_ref()
                 .is_some_and(|c| c.load(Ordering::Relaxed))
         };
-        let n_cached = self.reusable(prompt);
-        if n_cached == 0 && (self.stale || !self.tokens.is_empty()) {
-            self.reset(engine)?;
-        }
+        let n_cached = self.resume(engine, prompt)?;
         let mut timings = Timings {
             n_prompt: prompt.len(),
             n_cached,
@@ -234,8 +383,14 @@ impl Session {
             out.timings = timings;
             return Ok(out);
         }
-        let mut logits = self.feed(engine, &prompt[n_cached..])?;
+        // Greedy and top-k sampling read back only the best logits, found on the GPU.
+        let want = opts.sampler.gpu_want(None);
+        let prefilled = self.prefill(engine, prompt, n_cached, checkpoint_at, want, &cancelled)?;
         timings.prefill = t0.elapsed();
+        let Some(mut logits) = prefilled else {
+            out.timings = timings;
+            return Ok(out);
+        };
 
         let eog = match (opts.ignore_eog, tokenizer) {
             (false, Some(t)) => t.eog_ids(),
@@ -249,7 +404,7 @@ impl Session {
         let mut t_first = None;
         out.finish = stop.finished().cloned();
         while out.finish.is_none() {
-            let id = sampler.sample(&mut logits, &context);
+            let id = sampler.sample_logits(&mut logits, &context);
             context.push(id);
             out.tokens.push(id);
             let piece = tokenizer.map(|t| decoder.push(t, id)).unwrap_or_default();
@@ -287,7 +442,7 @@ impl Session {
                 }
                 break;
             }
-            logits = self.feed(engine, &[id])?;
+            logits = self.feed(engine, &[id], want)?;
         }
         timings.n_generated = out.tokens.len();
         timings.decode = t_first.map(|t| t.elapsed()).unwrap_or_default();
@@ -295,10 +450,52 @@ impl Session {
         Ok(out)
     }
 
-    /// Feeds `tokens` (at least one) and returns the last one's logits [vocab].
-    fn feed(&mut self, engine: &mut Engine, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Feeds `prompt[from..]` (at least one token) in pieces of [`PREFILL_CHUNK`], saving
+    /// the checkpoint once `checkpoint_at` tokens are held, and returns what `want` asks of
+    /// the last token's logits; `None` when `cancelled` turned true between two pieces.
+    fn prefill(
+        &mut self,
+        engine: &mut Engine,
+        prompt: &[u32],
+        from: usize,
+        checkpoint_at: usize,
+        want: Want,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Option<Logits>> {
+        let mut at = from;
+        loop {
+            let mut end = (at + PREFILL_CHUNK).min(prompt.len());
+            if at < checkpoint_at && checkpoint_at < end {
+                end = checkpoint_at;
+            }
+            let last = end == prompt.len();
+            let logits = self.feed(
+                engine,
+                &prompt[at..end],
+                if last { want } else { Want::None },
+            )?;
+            at = end;
+            if at == checkpoint_at {
+                if let Some(c) = &mut self.checkpoint {
+                    c.save(engine, &self.seq, &self.tokens)?;
+                }
+            }
+            if last {
+                return Ok(Some(logits));
+            }
+            if cancelled() {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Feeds `tokens` (at least one) and returns what `want` asks of the last one's logits.
+    fn feed(&mut self, engine: &mut Engine, tokens: &[u32], want: Want) -> Result<Logits> {
         self.stale = true;
-        let logits = engine.forward(&mut self.seq, tokens, false)?;
+        let logits = engine
+            .forward_batch_with(&mut [(&mut self.seq, tokens, want)])?
+            .pop()
+            .ok_or_else(|| Error::Gpu("the forward returned nothing".into()))?;
         self.tokens.extend_from_slice(tokens);
         self.stale = false;
         Ok(logits)
@@ -349,5 +546,41 @@ impl ChatPrompt {
     ) -> Result<String> {
         self.template
             .render(messages, add_generation_prompt, &self.vars)
+    }
+
+    /// The prompt tokens for `messages` (rendered with the generation prompt, BOS as the
+    /// tokenizer wants it) and how many of them the conversation fills
+    /// ([`conversation_len`]): the checkpoint position for [`Session::generate_at`].
+    pub fn encode(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &serde_json::Value,
+    ) -> Result<(Vec<u32>, usize)> {
+        let prompt = tokenizer.encode_with_bos(&self.render(messages, true)?, true)?;
+        let n = conversation_len(&self.template, &self.vars, messages, tokenizer, &prompt);
+        Ok((prompt, n))
+    }
+}
+
+/// How many leading tokens of `prompt` (the encoding of `template` over `messages` with
+/// the generation prompt) the conversation itself fills: the encoding of the rendering
+/// without the generation prompt when it is a prefix of `prompt`, else all of `prompt`.
+/// A checkpoint belongs there: templates rewrite earlier assistant turns (Qwen3.5 and
+/// DeepSeek-V4 drop their reasoning, and their generation prompt opens a `<think>` block
+/// that the same turn in history lacks), so the next turn's rendering is only sure to
+/// agree with this one up to the end of the conversation.
+pub fn conversation_len(
+    template: &ChatTemplate,
+    vars: &serde_json::Map<String, serde_json::Value>,
+    messages: &serde_json::Value,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+) -> usize {
+    let head = template
+        .render(messages, false, vars)
+        .and_then(|text| tokenizer.encode_with_bos(&text, true));
+    match head {
+        Ok(h) if h.len() <= prompt.len() && prompt[..h.len()] == h[..] => h.len(),
+        _ => prompt.len(),
     }
 }

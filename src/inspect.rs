@@ -41,7 +41,11 @@ pub fn decode_bytes(f: &ModelFile) -> u64 {
         && f.tensor("head.weight").is_none();
     let mut total = 0u64;
     for t in f.tensors() {
-        let b = t.data.len() as u64;
+        let mut b = t.data.len() as u64;
+        if t.dtype == DType::F8_E4M3 {
+            // read as F8_E4M3_B128: 132 bytes per 128 weights (the f32 block scale beside them)
+            b = b / 128 * 132;
+        }
         let emb = matches!(
             t.name,
             "token_embd.weight" | "model.embed_tokens.weight" | "embed.weight"

@@ -67,6 +67,8 @@ enum Cmd {
         /// KV cache element type.
         #[arg(long, default_value = "auto")]
         kv_type: String,
+        #[command(flatten)]
+        moe: cli::run::MoeArgs,
     },
 }
 
@@ -101,6 +103,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
             prefill,
             device,
             kv_type,
+            moe,
         } => {
             let toks = lathe::npy::read_i64(&tokens)?;
             let ids: Vec<u32> = toks
@@ -115,14 +118,18 @@ fn run(cli: Cli) -> lathe::Result<()> {
                     })
                 })
                 .collect::<lathe::Result<_>>()?;
-            let opts = lathe::engine::LoadOptions {
+            let mut opts = lathe::engine::LoadOptions {
                 adapter: device,
                 kv_type: kv_type.parse()?,
                 ..Default::default()
             };
-            let (logits, vocab) =
-                lathe::engine::logits(&model, &ids, prefill.unwrap_or(ids.len()), &opts)?;
-            lathe::npy::write_f32(&out, &[ids.len(), vocab], &logits)
+            moe.apply(&mut opts);
+            let mut e = lathe::engine::Engine::load(&model, &opts)?;
+            eprintln!("{}", e.gpu.report());
+            let vocab = e.vocab_size();
+            let logits = lathe::engine::logits_on(&mut e, &ids, prefill.unwrap_or(ids.len()))?;
+            lathe::npy::write_f32(&out, &[ids.len(), vocab], &logits)?;
+            moe.save(&e)
         }
     }
 }

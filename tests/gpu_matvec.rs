@@ -33,7 +33,7 @@ fn serial() -> MutexGuard<'static, ()> {
     L.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-const ALL: [DType; 16] = [
+const ALL: [DType; 17] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -50,6 +50,7 @@ const ALL: [DType; 16] = [
     DType::IQ4_NL,
     DType::IQ4_XS,
     DType::MXFP4,
+    DType::F8_E4M3_B128,
 ];
 
 const SENTINEL: f32 = -12345.0;
@@ -195,13 +196,14 @@ fn submit(pass: Pass<'_>) {
 }
 
 /// Columns for a type: the smallest multiple of the block not a multiple of 64 (256 for K-quant
-/// blocks); for the float types an odd count (unaligned rows), a multiple of 4/8 that ends in a
+/// blocks, an odd number of 128-blocks for F8_E4M3_B128); for the float types an odd count (unaligned rows), a multiple of 4/8 that ends in a
 /// partial 256-block, and whole 256-blocks (the vector path).
 fn odd_cols(dt: DType) -> &'static [u64] {
     match dt {
         DType::F32 => &[161, 772, 768],
         DType::F16 | DType::BF16 => &[161, 776, 768],
         _ if dt.block_size() == 256 => &[768],
+        DType::F8_E4M3_B128 => &[384],
         _ => &[160],
     }
 }
@@ -400,7 +402,7 @@ fn matmul_token_counts() {
 #[test]
 fn multi_part_weights() {
     let g = gpu();
-    for dt in [DType::Q6_K, DType::Q8_0, DType::BF16] {
+    for dt in [DType::Q6_K, DType::Q8_0, DType::BF16, DType::F8_E4M3_B128] {
         let cols = *odd_cols(dt).last().unwrap() as usize;
         let rows = 257usize;
         let w = Weight::random(dt, &[rows as u64, cols as u64], 21);
@@ -524,6 +526,7 @@ fn indexed_moe() {
         DType::Q8_0,
         DType::F16,
         DType::Q5_0,
+        DType::F8_E4M3_B128,
     ]
     .into_iter()
     .enumerate()
@@ -610,6 +613,57 @@ fn real_mxfp4_bf16_f16() {
     real(DType::Q5_K, 4096, 4096, 1);
 }
 
+/// FP8 blocks as DeepSeek's releases make them (power-of-two E8M0 scales, here 2^-20..2^3)
+/// over every e4m3 code but NaN, subnormals included, at DeepSeek-V4's row width (7168 =
+/// 56 blocks): matvec and the tiled matmul against the CPU reference.
+#[test]
+fn f8_every_code_and_scale() {
+    let g = gpu();
+    let (rows, cols) = (37usize, 7168usize);
+    let codes: Vec<u8> = (0..=255u8).filter(|b| b & 0x7f != 0x7f).collect();
+    let mut bytes = Vec::new();
+    for r in 0..rows {
+        for b in 0..cols / 128 {
+            let e = (r * 7 + b * 3) % 24;
+            bytes.extend(2f32.powi(e as i32 - 20).to_le_bytes());
+            bytes.extend((0..128).map(|j| codes[(r * 31 + b * 128 + j) % codes.len()]));
+        }
+    }
+    let dt = DType::F8_E4M3_B128;
+    let deq = quant::dequantize_to_vec(dt, &bytes, rows * cols).unwrap();
+    assert!(deq.iter().all(|v| v.is_finite()));
+    let w = Weight {
+        dtype: dt,
+        shape: vec![rows as u64, cols as u64],
+        bytes,
+        deq,
+    };
+    let x = Rng::new(8).normals(67 * cols, 1.0);
+    let _l = serial();
+    let wt = w.upload(g);
+    let xb = g.upload_f32(&x, "x").unwrap();
+    for nt in [1usize, 3, 67] {
+        let yb = out_buffer(g, nt * rows);
+        let mut pass = g.pass();
+        matmul::matmul(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, nt as u32).unwrap();
+        submit(pass);
+        let got = g.read_f32(&yb, 0, nt * rows + 2 * GUARD).unwrap();
+        let want: Vec<_> = (0..nt * rows)
+            .map(|i| Some(w.dot(i % rows, &x[(i / rows) * cols..][..cols])))
+            .collect();
+        check(&got, &want, &format!("F8 every code, tokens {nt}"));
+    }
+}
+
+#[test]
+#[ignore]
+fn real_f8_e4m3_b128() {
+    // DeepSeek-V4-Flash: wq_a-like [1024, 4096], a [4096, 7168] projection, prefill width
+    real(DType::F8_E4M3_B128, 1024, 4096, 1);
+    real(DType::F8_E4M3_B128, 4096, 7168, 1);
+    real(DType::F8_E4M3_B128, 4096, 7168, 16);
+}
+
 /// Every variant this family compiles must also translate to MSL and HLSL (Metal, DX12), as
 /// `tests/shaders.rs` checks for a model's forward pass: compile all of them here on tiny inputs.
 #[test]
@@ -691,4 +745,346 @@ fn variants_translate_to_every_backend() {
     }
     eprintln!("{n} matvec / matmul variants translated");
     assert!(n >= 16 * 4, "expected every type's variants, got {n}");
+}
+
+// ---- int8 activations (matvec::quantize_x + matvec_q8x) ----
+//
+// Two references per output: (1) the product with the x̂ = d·q the GPU quantized (read back, so
+// a rounding tie decided differently by the GPU's 1/d cannot fail the test): the integer sums are
+// exact and only f32 rounding of scales remains, tolerance 1e-4·(1 + Σ|w x̂|) as above; (2) the
+// product with the f32 x: off by at most Σ_blocks d/2·Σ|w| (each |x − x̂| ≤ d/2, d = max|x|/127
+// of the block) plus the same f32 tolerance.
+
+const Q8X_TYPES: [DType; 4] = [DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q4_0];
+
+/// x with a spread of block ranges: normals, every 5th block scaled by 30, one block of zeros.
+fn q8x_input(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = Rng::new(seed).normals(n, 1.0);
+    for (b, blk) in x.chunks_mut(32).enumerate() {
+        match b % 7 {
+            3 => blk.iter_mut().for_each(|v| *v *= 30.0),
+            5 if b == 5 => blk.iter_mut().for_each(|v| *v = 0.0),
+            _ => {}
+        }
+    }
+    x
+}
+
+/// Reads back what `qx` holds.
+fn read_quant_x(g: &Gpu, qx: &matvec::QuantX) -> lathe::cpu::q8x::QuantizedX {
+    let nb = (qx.n_tokens * qx.cols / 32) as usize;
+    let words = g.read_u32(&qx.qs, 0, nb * 8).unwrap();
+    let sc = g.read_f32(&qx.scales, 0, nb * 2).unwrap();
+    lathe::cpu::q8x::QuantizedX::from_gpu(&words, &sc, qx.cols as usize)
+}
+
+#[test]
+fn int8_x_quantize_matches_cpu() {
+    let g = gpu();
+    let _l = serial();
+    for (cols, nt, x_off, stride) in [
+        (32usize, 1usize, 0usize, 0usize),
+        (96, 3, 5, 101),
+        (4096, 2, 4, 0),
+    ] {
+        let st = if stride == 0 { cols } else { stride };
+        let x = q8x_input(x_off + nt * st, cols as u64);
+        let xb = g.upload_f32(&x, "x").unwrap();
+        let mut qx = matvec::QuantX::new(g, nt as u32, cols as u32).unwrap();
+        let mut pass = g.pass();
+        matvec::quantize_x(
+            &mut pass,
+            &xb,
+            x_off as u32,
+            stride as u32,
+            nt as u32,
+            cols as u32,
+            &mut qx,
+        )
+        .unwrap();
+        submit(pass);
+        let got = read_quant_x(g, &qx);
+        let rows: Vec<f32> = (0..nt)
+            .flat_map(|t| x[x_off + t * st..][..cols].to_vec())
+            .collect();
+        let want = lathe::cpu::q8x::quantize_x(&rows, cols);
+        let mut differ = 0;
+        for (b, (gs, ws)) in got.scales.iter().zip(&want.scales).enumerate() {
+            assert!(
+                (gs[0] - ws[0]).abs() <= 2e-7 * ws[0],
+                "cols {cols} block {b}: d {} want {}",
+                gs[0],
+                ws[0]
+            );
+            let codes = &got.qs[32 * b..32 * b + 32];
+            let sum: i32 = codes.iter().map(|&c| c as i32).sum();
+            assert!(
+                (gs[1] - gs[0] * sum as f32).abs() <= 1e-6 * gs[1].abs(),
+                "block {b}: s"
+            );
+            for (i, (&q, &v)) in codes.iter().zip(&rows[32 * b..32 * b + 32]).enumerate() {
+                let wq = want.qs[32 * b + i];
+                // the code rounds v / d: a different code only at a near tie
+                let e = (v / ws[0].max(f32::MIN_POSITIVE)) - q as f32;
+                assert!(
+                    q == wq || ((q as i32 - wq as i32).abs() == 1 && (e.abs() - 0.5).abs() < 1e-4),
+                    "cols {cols} block {b} element {i}: code {q}, want {wq} (x {v})"
+                );
+                assert!(q.unsigned_abs() <= 127);
+                differ += (q != wq) as usize;
+            }
+        }
+        assert!(
+            differ * 1000 <= rows.len(),
+            "{differ} codes differ from the CPU's"
+        );
+        eprintln!("int8 x {nt}x{cols}: {differ} near-tie codes differ");
+    }
+}
+
+/// quantize_x + matvec_q8x of a [rows, cols] weight for n tokens, against both references.
+fn run_q8x(dt: DType, rows: u64, cols: u64, n_tokens: usize, seed: u64) {
+    let g = gpu();
+    let w = Weight::random(dt, &[rows, cols], seed);
+    let (r, c) = (rows as usize, cols as usize);
+    let x = q8x_input(n_tokens * c, seed ^ 99);
+    let _l = serial();
+    let wt = w.upload(g);
+    let xb = g.upload_f32(&x, "x").unwrap();
+    let yb = out_buffer(g, n_tokens * r);
+    let mut qx = matvec::QuantX::new(g, n_tokens as u32, cols as u32).unwrap();
+    let mut pass = g.pass();
+    matvec::quantize_x(&mut pass, &xb, 0, 0, n_tokens as u32, cols as u32, &mut qx).unwrap();
+    matvec::matvec_q8x(
+        &mut pass,
+        &wt,
+        &qx,
+        &yb,
+        GUARD as u32,
+        &MatvecOpts::default(),
+    )
+    .unwrap();
+    submit(pass);
+    let got = g.read_f32(&yb, 0, n_tokens * r + 2 * GUARD).unwrap();
+    let q = read_quant_x(g, &qx);
+    let xh = q.dequantize();
+    let what = format!("q8x {dt} {rows}x{cols} nt{n_tokens}");
+    let want: Vec<_> = (0..n_tokens * r)
+        .map(|i| Some(w.dot(i % r, &xh[(i / r) * c..][..c])))
+        .collect();
+    check(&got, &want, &what);
+    let mut worst = 0f64;
+    for i in 0..n_tokens * r {
+        let (t, row) = (i / r, i % r);
+        let (v, a) = w.dot(row, &x[t * c..][..c]);
+        let bound = q.error_bound(t, &w.deq[row * c..][..c]) + 1e-4 * (1.0 + a);
+        let err = (got[GUARD + i] as f64 - v).abs();
+        assert!(
+            err <= bound,
+            "{what}: element {i} = {}, f32-x value {v} (err {err:.3e} > {bound:.3e})",
+            got[GUARD + i]
+        );
+        worst = worst.max(err / bound);
+    }
+    eprintln!("{what}: against f32 x, worst err / quantization bound = {worst:.3}");
+}
+
+#[test]
+fn int8_x_matvec_odd_sizes() {
+    for (i, dt) in Q8X_TYPES.into_iter().enumerate() {
+        let small = dt.block_size() as u64;
+        for (k, rows) in [1u64, 7, 33, 257].into_iter().enumerate() {
+            for (j, cols) in [small, 3 * small, 4096].into_iter().enumerate() {
+                let nt = [1, 3, 8][(k + j) % 3];
+                run_q8x(dt, rows, cols, nt, (i * 100 + k * 10 + j) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_x_one_step_options_and_parts() {
+    let g = gpu();
+    for dt in Q8X_TYPES {
+        let (rows, cols, nt) = (40u64, 512u64, 2usize);
+        let (r, c) = (rows as usize, cols as usize);
+        let w = Weight::random(dt, &[rows, cols], 11);
+        let (x_off, x_stride, y_stride) = (3usize, c + 7, r + 3);
+        let x = q8x_input(x_off + nt * x_stride, 5);
+        let _l = serial();
+        // split rows: the product runs one dispatch per part
+        let wt = w.upload_parts(g, &[16, 24]);
+        let xb = g.upload_f32(&x, "x").unwrap();
+        let n_out = (nt - 1) * y_stride + r;
+        let init: Vec<f32> = (0..n_out + 2 * GUARD).map(|i| i as f32 * 0.25).collect();
+        let yb = g.upload_f32(&init, "y").unwrap();
+        let opts = MatvecOpts {
+            int8_x: true,
+            accumulate: true,
+            x_stride: x_stride as u32,
+            y_stride: y_stride as u32,
+            ..Default::default()
+        };
+        let portable = MatvecOpts {
+            portable: true,
+            accumulate: false,
+            ..opts
+        };
+        let y2 = g.buffer(4 * (n_out + 2 * GUARD) as u64, "y2").unwrap();
+        let mut pass = g.pass();
+        matmul::matmul_opts(
+            &mut pass,
+            &wt,
+            &xb,
+            x_off as u32,
+            &yb,
+            GUARD as u32,
+            nt as u32,
+            &opts,
+        )
+        .unwrap();
+        matvec::matvec_opts(
+            &mut pass,
+            &wt,
+            &xb,
+            x_off as u32,
+            &y2,
+            GUARD as u32,
+            nt as u32,
+            &portable,
+        )
+        .unwrap();
+        submit(pass);
+        let got = g.read_f32(&yb, 0, n_out + 2 * GUARD).unwrap();
+        let got2 = g.read_f32(&y2, 0, n_out + 2 * GUARD).unwrap();
+        let rows_x: Vec<f32> = (0..nt)
+            .flat_map(|t| x[x_off + t * x_stride..][..c].to_vec())
+            .collect();
+        let q = lathe::cpu::q8x::quantize_x(&rows_x, c);
+        let xh = q.dequantize();
+        for i in 0..n_out + 2 * GUARD {
+            let o = i.wrapping_sub(GUARD);
+            let (t, row) = (o / y_stride, o % y_stride);
+            if i < GUARD || o >= n_out || row >= r {
+                assert_eq!(
+                    got[i], init[i],
+                    "{dt}: element {i} outside the output was written"
+                );
+                assert_eq!(
+                    got2[i], 0.0,
+                    "{dt}: element {i} outside the output was written (portable)"
+                );
+                continue;
+            }
+            let (v, a) = w.dot(row, &xh[t * c..][..c]);
+            // near-tie codes may round the other way on the GPU: one code step d·|w| each
+            let tie = q.error_bound(t, &w.deq[row * c..][..c]) * 2.0 / 1000.0;
+            let bound = 1e-4 * (1.0 + a) + tie;
+            let e1 = (got[i] as f64 - init[i] as f64 - v).abs();
+            let e2 = (got2[i] as f64 - v).abs();
+            assert!(
+                e1 <= bound && e2 <= bound,
+                "{dt}: token {t} row {row}: {} / {} want {v}",
+                got[i] - init[i],
+                got2[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn int8_x_errors_and_fallback() {
+    let g = gpu();
+    let _l = serial();
+    let w = Weight::random(DType::Q4_K, &[8, 512], 1).upload(g);
+    let f = Weight::random(DType::F16, &[8, 512], 1);
+    let xb = g.upload_f32(&vec![0.5; 1024], "x").unwrap();
+    let yb = g.buffer(64 * 4, "y").unwrap();
+    let mut qx = matvec::QuantX::new(g, 1, 256).unwrap();
+    let mut pass = g.pass();
+    // cols not a multiple of 32, more than the scratch holds, x too short
+    assert!(matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 48, &mut qx).is_err());
+    assert!(matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 512, &mut qx).is_err());
+    assert!(matvec::quantize_x(&mut pass, &xb, 900, 0, 1, 256, &mut qx).is_err());
+    // nothing quantized yet, then columns that do not match the weight
+    assert!(matvec::matvec_q8x(&mut pass, &w, &qx, &yb, 0, &MatvecOpts::default()).is_err());
+    matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 256, &mut qx).unwrap();
+    assert!(matvec::matvec_q8x(&mut pass, &w, &qx, &yb, 0, &MatvecOpts::default()).is_err());
+    // a type without an int8 kernel: an error from matvec_q8x, the f32 path under int8_x
+    let ft = f.upload(g);
+    let mut q2 = matvec::QuantX::new(g, 1, 512).unwrap();
+    matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 512, &mut q2).unwrap();
+    assert!(!matvec::int8_x_supported(DType::F16));
+    assert!(matvec::matvec_q8x(&mut pass, &ft, &q2, &yb, 0, &MatvecOpts::default()).is_err());
+    let o = MatvecOpts {
+        int8_x: true,
+        ..Default::default()
+    };
+    matvec::matvec_opts(&mut pass, &ft, &xb, 0, &yb, 0, 1, &o).unwrap();
+    submit(pass);
+    let got = g.read_f32(&yb, 0, 8).unwrap();
+    for (r, &v) in got.iter().enumerate() {
+        let (want, a) = f.dot(r, &[0.5; 512]);
+        assert!(
+            (v as f64 - want).abs() <= 1e-4 * (1.0 + a),
+            "f16 fallback row {r}: {v} want {want}"
+        );
+    }
+}
+
+#[test]
+fn int8_x_variants_translate_to_every_backend() {
+    let g = gpu();
+    {
+        let _l = serial();
+        for dt in Q8X_TYPES {
+            let cols = dt.block_size() as u32 * 2;
+            let wt = Weight::random(dt, &[8, cols as u64], 3).upload(g);
+            let xb = g.upload_f32(&vec![0.5; 2 * cols as usize], "x").unwrap();
+            let yb = g.buffer(16 * 4, "y").unwrap();
+            let mut qx = matvec::QuantX::new(g, 2, cols).unwrap();
+            let mut pass = g.pass();
+            matvec::quantize_x(&mut pass, &xb, 0, 0, 2, cols, &mut qx).unwrap();
+            for portable in [false, true] {
+                let o = MatvecOpts {
+                    portable,
+                    ..Default::default()
+                };
+                matvec::matvec_q8x(&mut pass, &wt, &qx, &yb, 0, &o).unwrap();
+            }
+            submit(pass);
+        }
+        g.wait().unwrap();
+    }
+    let mut n = 0;
+    for spec in g.compiled_specs() {
+        if !(spec.label.contains("Q8X") || spec.label.contains("quantize_x")) {
+            continue;
+        }
+        n += 1;
+        let wgsl = spec.wgsl().unwrap();
+        let module = naga::front::wgsl::parse_str(&wgsl).unwrap();
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}: {e:?}", spec.label));
+        naga::back::spv::write_vec(&module, &info, &Default::default(), None)
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", spec.label));
+        let mut msl = String::new();
+        naga::back::msl::Writer::new(&mut msl)
+            .write(&module, &info, &Default::default(), &Default::default())
+            .unwrap_or_else(|e| panic!("{}: MSL: {e}", spec.label));
+        let mut hlsl = String::new();
+        let hopts = naga::back::hlsl::Options::default();
+        naga::back::hlsl::Writer::new(&mut hlsl, &hopts, &Default::default())
+            .write(&module, &info, None)
+            .unwrap_or_else(|e| panic!("{}: HLSL: {e}", spec.label));
+    }
+    eprintln!("{n} int8-x variants translated");
+    assert!(
+        n >= 1 + Q8X_TYPES.len(),
+        "expected the quantizer and every type's variants, got {n}"
+    );
 }

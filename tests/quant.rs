@@ -83,7 +83,7 @@ impl Rng {
     }
 }
 
-const QUANTIZABLE: [DType; 16] = [
+const QUANTIZABLE: [DType; 17] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -100,6 +100,7 @@ const QUANTIZABLE: [DType; 16] = [
     DType::IQ4_NL,
     DType::IQ4_XS,
     DType::MXFP4,
+    DType::F8_E4M3_B128,
 ];
 
 #[test]
@@ -234,6 +235,7 @@ fn rms_limit(dtype: DType) -> f64 {
         DType::Q4_0 | DType::IQ4_NL | DType::IQ4_XS => 0.15,
         DType::MXFP4 | DType::Q3_K => 0.18,
         DType::Q2_K => 0.4,
+        DType::F8_E4M3_B128 => 0.035,
         _ => unreachable!("{dtype} is not quantizable"),
     }
 }
@@ -246,8 +248,8 @@ fn round_trip_within_bounds() {
     for dtype in QUANTIZABLE {
         let bs = dtype.block_size().max(32);
         for nblocks in [3usize, 7, 13] {
-            let n = if dtype.block_size() == 256 {
-                256 * nblocks
+            let n = if dtype.block_size() >= 128 {
+                dtype.block_size() * nblocks
             } else {
                 32 * nblocks * 3
             };

@@ -797,3 +797,51 @@ fn request_timeout() {
     let (st, r) = s.post("/v1/completions", &completion("Quick", 2));
     assert_eq!(st, 200, "{r}");
 }
+
+/// Prompt cache through a template that rewrites the last assistant turn: Qwen3.5's template
+/// (read from ../shared, never copied) opens `<think>` in the generation prompt and drops it
+/// from history, so turn 2 cannot keep what the slot's sequence holds. It restores the slot's
+/// checkpoint, saved where turn 1's conversation ended (before the generation prompt), and
+/// answers what a fresh slot answers.
+#[test]
+fn chat_follow_up_reuses_the_slot_checkpoint() {
+    let tmpl = root().join("../shared/fixtures/tokenizer/chat/qwen35.jinja");
+    if !tmpl.is_file() {
+        eprintln!("note: {} absent: skipping", tmpl.display());
+        return;
+    }
+    let s = Server::start(&["--parallel", "1", "--chat-template", tmpl.to_str().unwrap()]);
+    let ask = |messages: &Value| {
+        let body = json!({"messages": messages, "max_tokens": 6, "temperature": 0,
+                          "logit_bias": no_eos()});
+        let (st, r) = s.post("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{r}");
+        r
+    };
+    let cached = |r: &Value| {
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let turn1 = json!([{"role": "user", "content": "Name a prime number."}]);
+    let r1 = ask(&turn1);
+    assert_eq!(cached(&r1), 0, "{r1}");
+    let p1 = r1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let turn2 = json!([{"role": "user", "content": "Name a prime number."},
+                       {"role": "assistant", "content": "Seven."},
+                       {"role": "user", "content": "And another?"}]);
+    let r2 = ask(&turn2);
+    // Turn 1's conversation without its generation prompt: more than nothing, less than
+    // turn 1's prompt.
+    let c2 = cached(&r2);
+    assert!(c2 > 0 && c2 < p1, "cached {c2} of turn 1's {p1}: {r2}");
+    // An unrelated request takes the slot and its checkpoint: turn 2 then runs fresh.
+    let (st, r) = s.post(
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7], "max_tokens": 1}),
+    );
+    assert_eq!(st, 200, "{r}");
+    let r3 = ask(&turn2);
+    assert_eq!(cached(&r3), 0, "{r3}");
+    assert_eq!(r3["choices"][0]["message"], r2["choices"][0]["message"]);
+}

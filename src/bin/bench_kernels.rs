@@ -3,7 +3,7 @@
 //! the tiled prefill matmul in TFLOP/s.
 //!
 //! `cargo run --release --bin bench_kernels -- [--types q4_k,q6_k] [--rows N --cols N]
-//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--adapter NAME]`
+//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--int8-x] [--adapter NAME]`
 //!
 //! Each type gets enough matrices of rows × cols to exceed `--mb` (default 1024 MB on GPUs so
 //! the L2 cache cannot hold them; less on CPU adapters), then passes of many dispatches rotate
@@ -43,12 +43,21 @@ struct Args {
     /// Also time the tiled matmul with this many tokens (0: skip).
     #[arg(long, default_value_t = 0)]
     prefill: u32,
+    /// Batched-decode token counts to compare per-token matvec and the tiled matmul on, e.g.
+    /// `2,4,8,16,32,64` (empty: skip): where one overtakes the other.
+    #[arg(long, default_value = "")]
+    batch: String,
     /// Timed passes per measurement.
     #[arg(long, default_value_t = 5)]
     passes: u32,
     /// Shader define sets to compare (repeatable): `NAME[=VALUE],...`; `-` for none.
     #[arg(long)]
     variant: Vec<String>,
+    /// Also time the int8-activation matvec (`MatvecOpts::int8_x`: x quantized, then the
+    /// integer-dot product) for the types that have one: quantize + product per matvec, and the
+    /// product alone with x quantized once per pass (x shared by several weights).
+    #[arg(long)]
+    int8_x: bool,
     /// Adapter index or name substring.
     #[arg(long, default_value = "auto")]
     adapter: String,
@@ -286,13 +295,20 @@ fn main() -> Result<()> {
         let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
         gpu.wait()?;
         let setup = t0.elapsed();
-        for (tune, defines) in tunes
+        let modes: &[bool] = if args.int8_x && matvec::int8_x_supported(dt) {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for ((tune, defines), &int8_x) in tunes
             .iter()
             .flat_map(|t| variants.iter().map(move |v| (t, *v)))
+            .flat_map(|tv| modes.iter().map(move |m| (tv, m)))
         {
             let opts = MatvecOpts {
                 tune: *tune,
                 defines,
+                int8_x,
                 ..Default::default()
             };
             let per_pass = if cpu {
@@ -311,10 +327,11 @@ fn main() -> Result<()> {
             let gbs = one as f64 / s / 1e9;
             let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
             println!(
-                "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream  (wall {:.1} us, setup {:.1?})",
+                "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {}{} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream  (wall {:.1} us, setup {:.1?})",
                 dt.name(),
                 (one * n_mat) >> 20,
                 tune.map(|t| format!("wg{}x{}", t.wg, t.rows)).unwrap_or_else(|| "auto".into()),
+                if int8_x { " int8-x" } else { "" },
                 dl.join(","),
                 s * 1e6,
                 gbs,
@@ -322,6 +339,27 @@ fn main() -> Result<()> {
                 wall * 1e6,
                 setup
             );
+            if int8_x {
+                // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
+                let mut qx = matvec::QuantX::new(&gpu, nt, cols as u32)?;
+                let mut rec = |pass: &mut Pass<'_>| {
+                    matvec::quantize_x(pass, &x, 0, 0, nt, cols as u32, &mut qx)?;
+                    for i in 0..per_pass {
+                        matvec::matvec_q8x(pass, &ws[i % ws.len()], &qx, &y, 0, &opts)?;
+                    }
+                    Ok(())
+                };
+                let (s, _) = time_passes(&gpu, passes, &mut rec)?;
+                let s = s / per_pass as f64;
+                let gbs = one as f64 / s / 1e9;
+                println!(
+                    "{:<6} {rows}x{cols} nt{nt} int8-x product only (x quantized once per {per_pass}): {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream",
+                    dt.name(),
+                    s * 1e6,
+                    gbs,
+                    100.0 * gbs / stream
+                );
+            }
         }
         if args.prefill > 0 {
             let np = args.prefill;
@@ -352,6 +390,37 @@ fn main() -> Result<()> {
                 gflops,
                 np as f64 / s
             );
+        }
+
+        for nb in args
+            .batch
+            .split(',')
+            .filter_map(|v| v.trim().parse::<u32>().ok())
+        {
+            let xb = gpu.upload_f32(&vec![0.01; (cols * nb as u64) as usize], "xb")?;
+            let yb = gpu.buffer(rows * 4 * nb as u64, "yb")?;
+            let per_pass = if cpu { 1 } else { 16 };
+            let o = MatvecOpts::default();
+            let mut line = format!("{:<6} {rows}x{cols} batch {nb:>3}:", dt.name());
+            for kind in ["matvec", "tiled"] {
+                let mut rec = |pass: &mut Pass<'_>| {
+                    for i in 0..per_pass {
+                        let w = &ws[i % ws.len()];
+                        match kind {
+                            "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, &o)?,
+                            _ => matmul::matmul_tiled(pass, w, &xb, 0, &yb, 0, nb, &o)?,
+                        }
+                    }
+                    Ok(())
+                };
+                let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
+                line += &format!(
+                    "  {kind} {:8.1} us ({:5.1}% of stream)",
+                    s * 1e6,
+                    100.0 * one as f64 / s / 1e9 / stream
+                );
+            }
+            println!("{line}");
         }
     }
     Ok(())

@@ -46,23 +46,14 @@ pub struct BenchArgs {
     /// DeepSeek-V4), f16 or f32.
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
-    /// GPU memory for weights (24GiB, 512MiB, ...): accepted now, used once the expert
-    /// planner places experts by it.
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_mem: Option<String>,
+    #[command(flatten)]
+    pub moe: super::run::MoeArgs,
     /// Seed of the random token ids.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    if let Some(m) = &a.gpu_mem {
-        let bytes = lathe::moe::parse_size(m)?;
-        eprintln!(
-            "note: --gpu-mem {m} ({bytes} bytes) is accepted but not used yet: every weight is \
-             uploaded"
-        );
-    }
     let opts = BenchOptions {
         n_prompt: a.n_prompt,
         n_gen: a.n_gen,
@@ -71,12 +62,31 @@ pub fn run(a: BenchArgs) -> Result<()> {
         adapter: a.device,
         kv_type: a.kv_type,
         seed: a.seed,
+        gpu_mem: a.moe.gpu_mem,
+        gpu_experts: a.moe.gpu_experts,
+        expert_stats: a.moe.expert_stats.clone(),
+        save_expert_stats: a.moe.save_expert_stats.clone(),
     };
     let r = bench::run(&a.model, &opts)?;
     eprintln!(
         "adapter: {} ({}, {}); loaded in {:.2} s",
         r.adapter, r.backend, r.device_type, r.load_s
     );
+    if let Some(p) = &r.placement {
+        eprintln!(
+            "experts: {}/{} on the GPU ({:.1}%), cache hit rate {:.1}%, {} uploads, {} pairs on \
+             the CPU{}",
+            p.hot_experts,
+            p.total_experts,
+            100.0 * p.hot_share,
+            100.0 * p.hit_rate,
+            p.uploads,
+            p.cold_pairs,
+            p.memory
+                .as_ref()
+                .map_or(String::new(), |m| format!("; memory {m}"))
+        );
+    }
     if a.json {
         println!("{}", r.json());
     } else {

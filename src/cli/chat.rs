@@ -1,10 +1,13 @@
 //! `lathe chat`: an interactive conversation on stdin/stdout.
 //!
 //! The conversation lives in one sequence. Each turn renders the whole conversation with the
-//! chat template and hands it to [`Session::generate`], which feeds only the tokens past what
-//! the sequence already holds when the earlier rendering is a token-level prefix of the new
-//! one, and re-prefills from scratch when it is not (a template that rewrites earlier turns,
-//! a reply cut by a stop string or the token limit).
+//! chat template and hands it to [`Session::generate_at`], which feeds only the tokens past
+//! what the sequence already holds when the earlier rendering is a token-level prefix of the
+//! new one. When it is not (templates rewrite the last assistant turn: Qwen3.5 and
+//! DeepSeek-V4 drop its reasoning; a reply cut by a stop string or the token limit), the
+//! session's checkpoint, saved where the previous turn's conversation ended (before the
+//! generation prompt), is restored and only the rest is fed. `--stats` shows per reply how
+//! many prompt tokens were reused ("N cached").
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::Ordering;
@@ -15,7 +18,8 @@ use lathe::{Error, Result};
 use serde_json::{json, Value};
 
 use super::run::{
-    has_vocabulary, interrupt_flag, load_engine, no_vocabulary, set_busy, ModelArgs, SamplingArgs,
+    has_vocabulary, interrupt_flag, load_engine_seqs, no_vocabulary, set_busy, ModelArgs,
+    SamplingArgs,
 };
 
 #[derive(Args, Debug)]
@@ -45,15 +49,16 @@ pub struct ChatArgs {
 }
 
 const HELP: &str = "Type a message and press Enter (end a line with \\ to go on to the next). \
-Commands: /reset forgets the conversation, /exit or Ctrl-D quits. Ctrl-C stops a reply \
-(and quits when no reply is running).";
+Commands: /reset forgets the conversation, /exit or Ctrl-D quits. Ctrl-C stops a reply, \
+or the reading of a long message (which is then dropped); it quits when nothing runs.";
 
 pub fn run(args: ChatArgs) -> Result<()> {
     let hint = "it cannot chat; try `lathe run --prompt-tokens 1,2,3`";
     if !has_vocabulary(&args.model.model)? {
         return Err(no_vocabulary(&args.model.model, hint));
     }
-    let mut engine = load_engine(&args.model)?;
+    // The conversation's sequence and its checkpoint.
+    let mut engine = load_engine_seqs(&args.model, 2)?;
     let Some(tok) = engine.tokenizer.as_ref() else {
         return Err(no_vocabulary(&args.model.model, hint));
     };
@@ -79,7 +84,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .map(|s| json!({"role": "system", "content": s}))
         .collect();
     let mut messages = opening.clone();
-    let mut session = Session::new(&engine)?;
+    let mut session = Session::with_checkpoint(&engine)?;
     let stdin = std::io::stdin();
     let mut lines = stdin.lock();
     loop {
@@ -114,12 +119,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
         let Some(tok) = engine.tokenizer.as_ref() else {
             unreachable!("checked above")
         };
-        let rendered = chat.render(&Value::Array(messages.clone()), true)?;
-        let prompt = tok.encode_with_bos(&rendered, true)?;
+        let (prompt, conversation) = chat.encode(tok, &Value::Array(messages.clone()))?;
         let stdout = std::io::stdout();
         let mut w = stdout.lock();
         let mut last_newline = true;
-        let out = session.generate(&mut engine, &prompt, &opts, |p| {
+        let out = session.generate_at(&mut engine, &prompt, conversation, &opts, |p| {
             if !p.text.is_empty() {
                 last_newline = p.text.ends_with('\n');
                 let _ = w.write_all(p.text.as_bytes());
@@ -137,9 +141,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
         if args.stats {
             super::run::print_stats(&out);
         }
+        if out.finish.is_none() && out.tokens.is_empty() {
+            // Stopped while reading the prompt: the message goes unanswered and is dropped
+            // (the session keeps what it fed; the next turn reuses what still agrees).
+            messages.pop();
+            continue;
+        }
         messages.push(json!({"role": "assistant", "content": out.text}));
     }
-    Ok(())
+    args.model.moe.save(&engine)
 }
 
 /// Reads one message: a line, or several joined when each but the last ends with `\`.

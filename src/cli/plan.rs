@@ -10,9 +10,9 @@
 //! CPU experts reached with 16 threads on the H200's host: 20 Q4_K_M layers at 50.6 tok/s).
 //! Pass your own measurements for other machines.
 //!
-//! KV, recurrent state and activation bytes are estimated here per architecture (the budget
-//! library takes them as inputs): Qwen3.5 family and DeepSeek-V4; other architectures count
-//! only weights and the margin.
+//! KV, recurrent state and activation bytes are `moe::needs`, the estimate the loaders
+//! budget with: Qwen3.5 family and DeepSeek-V4; other architectures count only weights and
+//! the margin.
 
 use clap::Args;
 use lathe::engine::KvType;
@@ -60,90 +60,6 @@ pub struct PlanArgs {
     /// Host memory bandwidth the CPU reaches on cold experts, in GB/s.
     #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
     pub host_bw: f64,
-}
-
-/// Per-architecture byte estimates beside the weights.
-struct Needs {
-    kv_per_token: u64,
-    state: u64,
-    activations: u64,
-    note: Option<String>,
-}
-
-fn needs(f: &ModelFile, kv: KvType, batch: u64) -> Needs {
-    let kv_elem: u64 = match kv {
-        KvType::F16 | KvType::Auto => 2,
-        KvType::F32 => 4,
-    };
-    if let Ok(hp) = lathe::models::qwen35::Hparams::from_file(f) {
-        let n_attn = hp.recurrent.iter().filter(|r| !**r).count() as u64;
-        let n_gdn = hp.recurrent.len() as u64 - n_attn;
-        let kv_per_token = n_attn * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem;
-        // f32 recurrent state [Hv, dk, dv] and the conv's last K-1 inputs per GDN layer.
-        let state = n_gdn
-            * 4
-            * ((hp.n_v_heads * hp.d_k * hp.d_v) as u64
-                + (hp.conv_kernel.saturating_sub(1) * hp.conv_dim()) as u64);
-        let (k, ff, ne) = match &hp.moe {
-            Some(m) => (m.n_used, m.n_ff_exp.max(m.n_ff_shexp), m.n_expert),
-            None => (1, hp.n_ff, 0),
-        };
-        let att = hp.n_head * hp.head_dim;
-        // The forward's scratch rows (models/qwen35/gpu.rs `Scratch`), f32, plus logits.
-        let per_row = 2 * hp.n_embd
-            + 2 * hp.conv_dim()
-            + 2 * hp.v_dim()
-            + hp.v_dim().max(ff * k).max(att)
-            + 2 * hp.n_v_heads
-            + 4 * att
-            + 2 * hp.n_head_kv * hp.head_dim
-            + 2 * ff * k
-            + k * hp.n_embd
-            + ne
-            + 2 * k
-            + hp.n_vocab;
-        return Needs {
-            kv_per_token,
-            state,
-            activations: batch * per_row as u64 * 4,
-            note: None,
-        };
-    }
-    if let Ok(hp) = lathe::models::deepseek4::Hparams::from_file(f) {
-        let hd = hp.head_dim as u64;
-        let mut kv_per_token = 0u64;
-        let mut state = 0u64;
-        for &r in &hp.compress_ratio {
-            // Every layer keeps a sliding window of K=V rows; compressed layers add one entry
-            // per `r` positions (and the indexer's keys on ratio-4 layers).
-            state += hp.window as u64 * hd * kv_elem;
-            if r > 0 {
-                let r = r as u64;
-                kv_per_token += hd * kv_elem / r;
-                if r == 4 {
-                    kv_per_token += hp.ix_head_dim as u64 * kv_elem / r;
-                }
-            }
-        }
-        let per_row = 4 * hp.hc * hp.n_embd
-            + 2 * hp.n_head * hp.head_dim
-            + 2 * hp.n_used * hp.n_ff_exp.max(hp.n_ff_shexp)
-            + hp.n_used * hp.n_embd
-            + hp.n_expert
-            + hp.n_vocab;
-        return Needs {
-            kv_per_token,
-            state,
-            activations: batch * per_row as u64 * 4,
-            note: None,
-        };
-    }
-    Needs {
-        kv_per_token: 0,
-        state: 0,
-        activations: 0,
-        note: Some("unknown architecture: KV, state and activations not counted".into()),
-    }
 }
 
 /// The adapter `choice` names, without creating a device.
@@ -201,7 +117,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         }
         None => None,
     };
-    let nd = needs(&file, a.kv_type, a.batch.max(1));
+    let nd = lathe::moe::needs(&file, a.kv_type, a.batch.max(1), 1);
     let budget = Budget::new(&BudgetInputs {
         memory: mem.bytes,
         weights: info.other_bytes,

@@ -31,6 +31,63 @@ pub struct ModelArgs {
     /// DeepSeek-V4), f16 or f32.
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
+    #[command(flatten)]
+    pub moe: MoeArgs,
+}
+
+/// Where a MoE model's routed experts go (GPU arena slots or the CPU); shared by every
+/// command that runs a model.
+#[derive(Args, Debug, Clone, Default)]
+pub struct MoeArgs {
+    /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
+    /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
+    /// Default: detected from the adapter.
+    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
+    pub gpu_mem: Option<u64>,
+    /// Share of each MoE layer's experts kept on the GPU (0..1); overrides --gpu-mem.
+    #[arg(long, value_name = "FRACTION", value_parser = fraction_arg)]
+    pub gpu_experts: Option<f64>,
+    /// Routing statistics (from --save-expert-stats) that choose which experts stay on
+    /// the GPU; without them the slots are spread evenly.
+    #[arg(long, value_name = "FILE")]
+    pub expert_stats: Option<PathBuf>,
+    /// Count the router's picks while running and write them here at the end (JSON, for
+    /// --expert-stats and `lathe plan`); costs one readback per MoE layer and token.
+    #[arg(long, value_name = "FILE")]
+    pub save_expert_stats: Option<PathBuf>,
+}
+
+fn size_arg(s: &str) -> std::result::Result<u64, String> {
+    lathe::moe::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn fraction_arg(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("`{s}`: a share between 0 and 1")),
+    }
+}
+
+impl MoeArgs {
+    /// Put the flags into `opts`.
+    pub fn apply(&self, opts: &mut LoadOptions) {
+        opts.gpu_mem = self.gpu_mem;
+        opts.gpu_experts = self.gpu_experts;
+        opts.expert_stats = self.expert_stats.clone();
+        opts.save_expert_stats = self.save_expert_stats.clone();
+    }
+
+    /// Write the statistics `engine` counted, when --save-expert-stats asked for them (a
+    /// model dropped without this writes them too, reporting errors only on stderr).
+    pub fn save(&self, engine: &Engine) -> Result<()> {
+        if self.save_expert_stats.is_some() {
+            match engine.finish_expert_stats()? {
+                Some(p) => eprintln!("expert statistics written to {}", p.display()),
+                None => eprintln!("note: the model has no routed experts: no statistics"),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How the next token is chosen. Defaults are llama.cpp's; `--temp 0` is greedy.
@@ -126,8 +183,14 @@ pub struct RunArgs {
 }
 
 /// Loads the model with a progress bar on stderr (bytes uploaded), then one line saying what
-/// was loaded where.
+/// was loaded where. State for one sequence.
 pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
+    load_engine_seqs(args, 1)
+}
+
+/// [`load_engine`] with state for `max_seqs` sequences (`lathe chat`: the conversation and
+/// its checkpoint).
+pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     check_model_path(&args.model)?;
     // A spinner from the start (opening the file, the vocabulary and the device take a
     // while), then a bar of the weight bytes uploaded.
@@ -142,7 +205,7 @@ pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
     bar.set_message(format!("loading {}", args.model.display()));
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let b = bar.clone();
-    let opts = LoadOptions {
+    let mut opts = LoadOptions {
         adapter: args.device.clone(),
         kv_type: args.kv_type,
         ctx: args.ctx,
@@ -153,9 +216,10 @@ pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
             }
             b.set_position(done);
         })),
-        // One conversation at a time: one slot of state.
-        max_seqs: 1,
+        max_seqs,
+        ..Default::default()
     };
+    args.moe.apply(&mut opts);
     let t = Instant::now();
     let engine = Engine::load(&args.model, &opts).map_err(|e| explain_load_error(e, &args.model));
     let mut engine = engine.inspect_err(|_| bar.finish_and_clear())?;
@@ -365,7 +429,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     }
     print_stats(&out);
-    Ok(())
+    args.model.moe.save(&engine)
 }
 
 fn stdout_is_terminal() -> bool {

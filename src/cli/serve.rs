@@ -70,6 +70,8 @@ pub struct ServeArgs {
     /// DeepSeek-V4), f16 or f32.
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
+    #[command(flatten)]
+    pub moe: super::run::MoeArgs,
     /// Testing aid: wait this many milliseconds before loading the model.
     #[arg(long, hide = true, default_value_t = 0)]
     pub debug_load_delay_ms: u64,
@@ -98,7 +100,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         // One live sequence per slot.
         max_seqs: a.parallel.max(1),
         progress: Some(progress),
+        ..Default::default()
     };
+    // --save-expert-stats: written when the engine thread drops the model at shutdown.
+    a.moe.apply(&mut cfg.load);
     cfg.host = a.host;
     cfg.port = a.port;
     cfg.parallel = a.parallel;

@@ -6,4 +6,5 @@ pub mod gdn;
 pub mod hc;
 pub mod moe;
 pub mod ops;
+pub mod q8x;
 pub mod router;

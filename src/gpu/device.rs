@@ -79,7 +79,6 @@ pub struct Gpu {
     /// handler would panic, lathe turns it into an `Error::Gpu` at the next sync point.
     errors: Arc<Mutex<Option<String>>>,
     pub(crate) pipelines: super::pipeline::PipelineCache,
-    pub(crate) uniforms: super::pass::UniformArena,
 }
 
 impl Gpu {
@@ -149,14 +148,14 @@ impl Gpu {
             features,
             errors,
             pipelines: Default::default(),
-            uniforms: Default::default(),
         })
     }
 
-    /// One line for stderr: adapter, backend, the limits that shape buffer splitting.
+    /// One line for stderr: adapter, backend, the limits that shape buffer splitting and the
+    /// choice of kernel variants.
     pub fn report(&self) -> String {
         format!(
-            "adapter: {} ({:?}, {:?}, driver {} {}); max binding {} MiB, max buffer {} MiB; subgroups {}, f16 {}, timestamps {}",
+            "adapter: {} ({:?}, {:?}, driver {} {}); max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB; subgroups {}, f16 {}, timestamps {}",
             self.info.name,
             self.info.backend,
             self.info.device_type,
@@ -164,6 +163,7 @@ impl Gpu {
             self.info.driver_info,
             self.limits.max_storage_buffer_binding_size >> 20,
             self.limits.max_buffer_size >> 20,
+            self.limits.max_compute_workgroup_storage_size >> 10,
             self.features.contains(wgpu::Features::SUBGROUP),
             self.features.contains(wgpu::Features::SHADER_F16),
             self.features.contains(wgpu::Features::TIMESTAMP_QUERY),

@@ -21,7 +21,14 @@ pub(crate) const SRC: &str = concat!(
 const BM: u32 = 64;
 const BN: u32 = 64;
 
-/// `Y = X Wᵀ` for `n_tokens` tokens: up to [`matvec::MAX_TOKENS`] through matvec (its
+/// Up to this many tokens a dense product goes through matvec (one grid column per token,
+/// the tokens' workgroups sharing the weight reads in L2): on the H200 matvec's cost grows
+/// about linearly from one token (4096x12288 Q4_K: 21 us, 8 tokens 126 us) while the tiled
+/// kernel costs the same for 2 to 64 tokens (~740 us), so the crossing is near 32 tokens
+/// (near 24 for F16 rows of 4096). Batched decode of several sequences lands here.
+pub const DENSE_MATVEC_TOKENS: u32 = 24;
+
+/// `Y = X Wᵀ` for `n_tokens` tokens: up to [`DENSE_MATVEC_TOKENS`] through matvec (its
 /// per-token cost is lower there), the tiled kernel beyond.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
@@ -57,7 +64,7 @@ pub fn matmul_opts(
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    if n_tokens <= matvec::MAX_TOKENS {
+    if n_tokens <= DENSE_MATVEC_TOKENS {
         matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
     } else {
         matmul_tiled(pass, w, x, x_off, y, y_off, n_tokens, opts)
@@ -76,7 +83,8 @@ fn pipeline(
     gpu.pipeline(&geo.defines(PipelineSpec::new(label, SRC, entry), xvec, slow))
 }
 
-/// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above 8 tokens).
+/// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above
+/// [`DENSE_MATVEC_TOKENS`]).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_tiled(
     pass: &mut Pass<'_>,

@@ -8,21 +8,31 @@
 //! - `y`: n_tokens rows of `rows` at `y_off + t * y_stride` (stride defaults to rows).
 //!
 //! Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS,
-//! MXFP4 (ggml block layouts). CPU reference: `quant::dequantize` + a dot product.
+//! MXFP4 (ggml block layouts), F8_E4M3_B128 (lathe's FP8 block, `quant::BlockF8B128`). CPU
+//! reference: `quant::dequantize` + a dot product.
 //! Weights split into parts (binding limit) take one dispatch per part.
 //!
 //! Speed (H200, `bench_kernels`, weight bytes per second against a plain f32 read of 4.41 TB/s):
 //! 16384 x 16384: BF16/F16 91%, F32 86-99%, Q8_0 65%, Q6_K 50%, Q4_K/Q5_K 48%, Q4_0 44%,
 //! MXFP4 37%; 4096 columns reach less (Q8_0 35-46%, Q4_K 21-33%). The quantized kernels are
 //! bound by instruction issue (decode, int->float converts), not memory: see the bench.
+//!
+//! int8 activations ([`matvec_q8x`], opt-in through [`MatvecOpts::int8_x`]): x is quantized
+//! once per product (or once for several products sharing it, [`quantize_x`]) to blocks of 32
+//! int8 codes with an f32 scale, ggml's `block_q8_1` numerics (CPU reference
+//! `cpu::q8x::quantize_x`); the Q4_0, Q8_0, Q4_K and Q6_K kernels then multiply integer codes
+//! four at a time (`dot4I8Packed`) and convert once per block. The result carries x's
+//! quantization error, |x - x̂| <= d/2 per element with d = max|x|/127 of its block.
 
 use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = include_str!("../../shaders/matvec.wgsl");
 
-/// Above this many tokens [`matmul`](super::matmul::matmul) switches to the tiled kernel
-/// (matvec reads the weights once per token from L2 and decodes them once per token).
+/// Above this many tokens the MoE forwards switch from the per-pair indexed matvec to the
+/// routed tiled kernel (matvec reads the weights once per token from L2 and decodes them once
+/// per token); dense products have their own threshold,
+/// [`DENSE_MATVEC_TOKENS`](super::matmul::DENSE_MATVEC_TOKENS).
 pub const MAX_TOKENS: u32 = 8;
 
 /// Uniforms shared by `matvec.wgsl` and `matmul.wgsl` (same fields, same order).
@@ -70,6 +80,27 @@ pub struct MatvecOpts {
     /// Extra shader defines `(NAME, value)` for `#if` variants tried in the kernel lab
     /// (`bench_kernels --variant`); the shipped shaders have none, normal use leaves this empty.
     pub defines: &'static [(&'static str, &'static str)],
+    /// Quantize x to int8 blocks and take the integer-dot kernel ([`matvec_q8x`]) for the
+    /// weight types that have one ([`int8_x_supported`]); others, the tiled matmul and the
+    /// indexed (MoE) products ignore it. Off by default: it adds x's int8 rounding error.
+    pub int8_x: bool,
+}
+
+/// Decode-kernel choices a model passes down to its products; the default is the f32-x path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeKernels {
+    /// Dense matvecs quantize x to int8 (see [`MatvecOpts::int8_x`]).
+    pub int8_x: bool,
+}
+
+impl DecodeKernels {
+    /// Base options carrying these choices: `MatvecOpts { accumulate, ..k.opts() }`.
+    pub fn opts(&self) -> MatvecOpts {
+        MatvecOpts {
+            int8_x: self.int8_x,
+            ..Default::default()
+        }
+    }
 }
 
 /// How matvec splits a row group over a workgroup.
@@ -113,6 +144,7 @@ pub(crate) fn layout(dt: DType) -> Option<(u32, u32)> {
         T::Q2_K | T::Q3_K | T::Q4_K | T::Q5_K | T::Q6_K | T::IQ4_XS => {
             (256, dt.block_bytes() as u32)
         }
+        T::F8_E4M3_B128 => (128, dt.block_bytes() as u32),
         _ => return None,
     })
 }
@@ -124,8 +156,24 @@ fn mv_lanes(dt: DType) -> Option<u32> {
     match dt {
         T::Q4_0 | T::Q8_0 | T::MXFP4 => Some(2),
         T::Q4_K | T::Q5_K | T::Q6_K => Some(8),
+        T::F8_E4M3_B128 => Some(4),
         _ => None,
     }
+}
+
+/// Matvec lanes per block of the int8-x kernels (`Q8X` in matvec.wgsl); `None`: no such kernel.
+fn q8x_lanes(dt: DType) -> Option<u32> {
+    use DType as T;
+    match dt {
+        T::Q4_0 | T::Q8_0 => Some(2),
+        T::Q4_K | T::Q6_K => Some(4),
+        _ => None,
+    }
+}
+
+/// True for the weight types with an int8-activation kernel ([`matvec_q8x`]).
+pub fn int8_x_supported(dt: DType) -> bool {
+    q8x_lanes(dt).is_some()
 }
 
 /// What every kernel of the family needs to know about one weight.
@@ -304,6 +352,16 @@ struct Plan {
 
 impl Plan {
     fn new(geo: &Geometry, opts: &MatvecOpts) -> Result<Plan> {
+        let items = if geo.mv_slow() {
+            geo.cols
+        } else {
+            geo.n_items(true)
+        };
+        Plan::with_items(geo, opts, items)
+    }
+
+    /// The split for rows of `items` work items (slices, or elements on the slow path).
+    fn with_items(geo: &Geometry, opts: &MatvecOpts, items: u32) -> Result<Plan> {
         let t = opts.tune.unwrap_or_default();
         if !(t.wg.is_power_of_two() && (16..=256).contains(&t.wg) && (1..=4).contains(&t.rows)) {
             return Err(Error::Invalid(format!(
@@ -313,11 +371,6 @@ impl Plan {
         // lanes per row group: about a quarter of the row's slices (elements on the slow path),
         // so each lane has several in flight and short rows (4096 columns) leave whole
         // workgroups of row groups reduced by subgroup shuffles alone
-        let items = if geo.mv_slow() {
-            geo.cols
-        } else {
-            geo.n_items(true)
-        };
         let tpr = (items / 4).next_power_of_two().clamp(4, t.wg);
         let mut r = t.rows;
         if opts.tune.is_none() && r == 4 && (geo.rows as u64) * (tpr as u64) / 4 < MANY_LANES {
@@ -368,7 +421,8 @@ impl Plan {
     }
 }
 
-/// `y[t] = W x[t]` for `n_tokens` tokens (any count; above [`MAX_TOKENS`] the tiled
+/// `y[t] = W x[t]` for `n_tokens` tokens (any count; above
+/// [`DENSE_MATVEC_TOKENS`](super::matmul::DENSE_MATVEC_TOKENS) the tiled
 /// [`matmul`](super::matmul::matmul_tiled) is cheaper); see the module doc for shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec(
@@ -424,6 +478,11 @@ pub fn matvec_opts(
     };
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    if opts.int8_x && int8_x_supported(geo.dtype) {
+        let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
+        quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
+        return matvec_q8x(pass, w, &qx, y, y_off, opts);
+    }
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
@@ -446,6 +505,202 @@ pub fn matvec_opts(
                 (&part.buffer).into(),
                 x.into(),
                 Binding::from(y),
+            ],
+            [n_tokens, gy, gz],
+        );
+    }
+    Ok(())
+}
+
+/// Activations quantized to int8 blocks of 32 values (ggml's `block_q8_1` numerics): the x of
+/// [`matvec_q8x`]. A scratch made once ([`QuantX::new`]) and filled by [`quantize_x`]; clones
+/// share the buffers.
+#[derive(Clone, Debug)]
+pub struct QuantX {
+    /// [tokens, cols / 32, 8] u32: each block's 32 codes, 4 per word (i8, little-endian).
+    pub qs: wgpu::Buffer,
+    /// [tokens, cols / 32] f32 pairs (d, d · Σq): x̂ = d · q.
+    pub scales: wgpu::Buffer,
+    /// Blocks of 32 the buffers hold.
+    capacity: u64,
+    /// Columns of the x last quantized into it.
+    pub cols: u32,
+    /// Tokens of the x last quantized into it (0: none yet).
+    pub n_tokens: u32,
+}
+
+/// Uniforms of `quantize_x` (matvec.wgsl `QParams`).
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct QParams {
+    n_blocks: u32, // blocks per token row
+    n_tokens: u32,
+    x_off: u32,    // elements
+    x_stride: u32, // elements
+}
+const _: () = assert!(std::mem::size_of::<QParams>() == 16);
+
+/// Codes per int8 block of [`QuantX`].
+pub const Q8X_BLOCK: u32 = 32;
+
+impl QuantX {
+    /// A scratch for up to `max_tokens` rows of `max_cols` values.
+    pub fn new(gpu: &Gpu, max_tokens: u32, max_cols: u32) -> Result<QuantX> {
+        let blocks = max_tokens as u64 * max_cols.div_ceil(Q8X_BLOCK) as u64;
+        QuantX::with_blocks(gpu, blocks.max(1))
+    }
+
+    fn with_blocks(gpu: &Gpu, blocks: u64) -> Result<QuantX> {
+        let bytes = blocks * Q8X_BLOCK as u64;
+        if bytes > gpu.max_binding() {
+            return Err(Error::Invalid(format!(
+                "int8 x scratch of {bytes} bytes exceeds the binding limit {}",
+                gpu.max_binding()
+            )));
+        }
+        Ok(QuantX {
+            qs: gpu.buffer(bytes, "lathe.quant_x.qs")?,
+            scales: gpu.buffer(blocks * 8, "lathe.quant_x.scales")?,
+            capacity: blocks,
+            cols: 0,
+            n_tokens: 0,
+        })
+    }
+
+    /// Blocks of 32 values the scratch holds.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The scratch behind [`MatvecOpts::int8_x`]: one per device, grown to the largest x
+    /// seen. Each use quantizes into it right before its product in the same pass, so
+    /// products in sequence may share it; a grown replacement leaves the old buffers to the
+    /// passes that recorded them. (Keyed by the device, which it keeps alive.)
+    fn cached(gpu: &Gpu, n_tokens: u32, cols: u32) -> Result<QuantX> {
+        static CACHE: std::sync::Mutex<Vec<(wgpu::Device, QuantX)>> =
+            std::sync::Mutex::new(Vec::new());
+        let need = n_tokens as u64 * cols.div_ceil(Q8X_BLOCK) as u64;
+        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+        let i = match cache.iter().position(|(d, _)| *d == gpu.device) {
+            Some(i) => i,
+            None => {
+                cache.push((gpu.device.clone(), QuantX::with_blocks(gpu, need.max(1))?));
+                cache.len() - 1
+            }
+        };
+        if cache[i].1.capacity < need {
+            // grow by half again so a slowly rising token count does not reallocate each time
+            let blocks = need.max(cache[i].1.capacity + cache[i].1.capacity / 2);
+            cache[i].1 =
+                QuantX::with_blocks(gpu, blocks).or_else(|_| QuantX::with_blocks(gpu, need))?;
+        }
+        Ok(cache[i].1.clone())
+    }
+}
+
+/// Records the quantization of `n_tokens` rows of `cols` f32 values at `x_off + t * x_stride`
+/// (stride 0: cols) into `qx`, per block of 32 as ggml's `quantize_row_q8_1`: d = max|x| / 127,
+/// q = round(x · (1/d)) with ties to even (ggml rounds them away from zero), s = d · Σq.
+/// `cols` must be a multiple of 32. CPU reference: `cpu::q8x::quantize_x`.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_x(
+    pass: &mut Pass<'_>,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_stride: u32,
+    n_tokens: u32,
+    cols: u32,
+    qx: &mut QuantX,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let x_stride = if x_stride == 0 { cols } else { x_stride };
+    if cols == 0 || !cols.is_multiple_of(Q8X_BLOCK) || !(1..=MAX_GROUPS).contains(&n_tokens) {
+        return Err(Error::Invalid(format!(
+            "int8 x: {n_tokens} rows of {cols} values (need 1..={MAX_GROUPS} rows of a multiple of {Q8X_BLOCK})"
+        )));
+    }
+    let n_blocks = cols / Q8X_BLOCK;
+    if n_tokens as u64 * n_blocks as u64 > qx.capacity {
+        return Err(Error::Invalid(format!(
+            "int8 x: {n_tokens} rows of {cols} values exceed the scratch of {} blocks",
+            qx.capacity
+        )));
+    }
+    check_span("int8 x", "x", x, x_off, x_stride, n_tokens, cols)?;
+    let pipe = gpu.pipeline(
+        &PipelineSpec::new("matvec_quantize_x", SRC, "quantize_x").define("QUANT_X", "true"),
+    )?;
+    let prm = QParams {
+        n_blocks,
+        n_tokens,
+        x_off,
+        x_stride,
+    };
+    pass.dispatch(
+        &pipe,
+        "quantize_x",
+        &prm,
+        &[x.into(), (&qx.qs).into(), Binding::from(&qx.scales)],
+        [n_blocks.div_ceil(64), n_tokens, 1],
+    );
+    qx.cols = cols;
+    qx.n_tokens = n_tokens;
+    Ok(())
+}
+
+/// `y[t] = W x̂[t]` for the `qx.n_tokens` rows quantized into `qx` ([`quantize_x`]); `w` of a
+/// type with an int8 kernel ([`int8_x_supported`]) and `qx.cols` columns; y as [`matvec`].
+/// Of `opts`, accumulate, y_stride, portable, tune and defines apply.
+pub fn matvec_q8x(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    qx: &QuantX,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, false)?;
+    let lanes = q8x_lanes(geo.dtype).ok_or_else(|| {
+        Error::Unsupported(format!("{}: int8-x matvec of {} weights", w.name, w.dtype))
+    })?;
+    let n_tokens = qx.n_tokens;
+    if qx.cols != geo.cols || n_tokens == 0 {
+        return Err(Error::Invalid(format!(
+            "{}: int8 x holds {n_tokens} rows of {} values, the weight has {} columns",
+            w.name, qx.cols, geo.cols
+        )));
+    }
+    let y_stride = if opts.y_stride == 0 {
+        geo.rows
+    } else {
+        opts.y_stride
+    };
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let pl = Plan::with_items(&geo, opts, geo.n_blocks * lanes)?;
+    let sg = use_subgroups(gpu, opts);
+    let mut extra = vec![("Q8X", "true")];
+    extra.extend_from_slice(opts.defines);
+    let pipe = pl.pipeline(gpu, &geo, "matvec", sg, false, &extra)?;
+    for part in &w.parts {
+        let rows = part.n_rows as u32;
+        let (gy, gz) = pl.groups(rows);
+        let mut prm = geo.params(rows, true);
+        prm.x_off = 0;
+        prm.x_stride = geo.cols; // elements: the kernel reads block (x_off + t * x_stride) / 32
+        prm.y_off = y_off + part.row_start as u32;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        pass.dispatch(
+            &pipe,
+            &w.name,
+            &prm,
+            &[
+                (&part.buffer).into(),
+                (&part.buffer).into(),
+                (&qx.qs).into(),
+                y.into(),
+                Binding::from(&qx.scales),
             ],
             [n_tokens, gy, gz],
         );

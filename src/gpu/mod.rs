@@ -24,7 +24,7 @@ pub mod topk;
 
 pub use buffer::{GpuTensor, TensorPart};
 pub use device::{list_adapters, AdapterChoice, Gpu};
-pub use pass::{grid, Binding, Pass, MAX_GROUPS};
+pub use pass::{grid, Binding, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec};
 
 /// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.

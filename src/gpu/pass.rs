@@ -2,12 +2,18 @@
 //!
 //! Binding convention for every lathe kernel: `@group(0) @binding(0)` is the kernel's
 //! uniform struct (`var<uniform> p: Params`), bindings `1..` are storage buffers in the
-//! order the wrapper passes them. Uniform bytes of all dispatches of a pass go into one
-//! arena buffer written just before the submit, so recording does no GPU work.
+//! order the wrapper passes them. Uniform bytes of all dispatches of a submission go into
+//! one buffer made at submit time, so recording does no GPU work.
+//!
+//! A pass may be flushed part-way ([`Pass::flush`]): what is recorded so far is submitted
+//! and recording goes on. A decode step encodes ~500 dispatches on the host; flushing
+//! every few layers lets the GPU run the first layers while the host encodes the rest,
+//! instead of idling through the whole encode.
 
 use super::Gpu;
 use crate::{Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use wgpu::util::DeviceExt;
 
 /// A storage binding: a whole buffer or a byte range of it (offset aligned to the
 /// adapter's `min_storage_buffer_offset_alignment`).
@@ -45,17 +51,14 @@ enum Op {
     },
 }
 
-#[derive(Default)]
-pub(crate) struct UniformArena {
-    buf: Mutex<Option<wgpu::Buffer>>,
-}
-
 /// Records dispatches and copies; `submit` uploads the uniforms and submits once.
 pub struct Pass<'g> {
     gpu: &'g Gpu,
     ops: Vec<Op>,
     uniforms: Vec<u8>,
     align: u64,
+    /// `flush` does nothing: the pass stays one submission (per-dispatch profiling).
+    hold: bool,
 }
 
 impl Gpu {
@@ -65,9 +68,15 @@ impl Gpu {
             ops: Vec::new(),
             uniforms: Vec::new(),
             align: self.limits.min_uniform_buffer_offset_alignment.max(16) as u64,
+            hold: false,
         }
     }
 }
+
+/// Dispatches per submission when a forward flushes at layer boundaries
+/// ([`Pass::flush_every`]): small enough that the GPU starts early, large enough that the
+/// per-submission cost (a uniform buffer, a queue submit) stays negligible.
+pub const FLUSH_OPS: usize = 48;
 
 /// Largest workgroup count per grid dimension WebGPU guarantees.
 pub const MAX_GROUPS: u32 = 65535;
@@ -135,12 +144,45 @@ impl<'g> Pass<'g> {
         self.ops.is_empty()
     }
 
-    /// Encode everything recorded into `enc`; the arena is written now, so exactly one
-    /// pass may be encoded per submission (hence private: `submit` is the only caller).
-    fn encode(
-        self,
-        enc: &mut wgpu::CommandEncoder,
-    ) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
+    /// Operations recorded since the last flush.
+    pub fn pending(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Keep this pass one submission: later `flush` calls do nothing.
+    pub fn hold(&mut self) {
+        self.hold = true;
+    }
+
+    /// Submit what is recorded so far (without waiting) and keep recording into this pass.
+    /// Queue order is kept, so the GPU sees the same sequence of work; but a `gpu.write`
+    /// made after a flush lands before the *next* submission only, after the flushed work.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.hold || self.ops.is_empty() {
+            return Ok(());
+        }
+        let head = Pass {
+            gpu: self.gpu,
+            ops: std::mem::take(&mut self.ops),
+            uniforms: std::mem::take(&mut self.uniforms),
+            align: self.align,
+            hold: false,
+        };
+        head.submit()?;
+        Ok(())
+    }
+
+    /// `flush` when at least `n` operations are pending: called at layer boundaries, it cuts
+    /// a forward into submissions of about `n` dispatches.
+    pub fn flush_every(&mut self, n: usize) -> Result<()> {
+        if self.ops.len() >= n {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Encode everything recorded into `enc`, with the uniforms in a buffer of their own.
+    fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<()> {
         self.encode_with(enc, None)
     }
 
@@ -150,29 +192,26 @@ impl<'g> Pass<'g> {
         self,
         enc: &mut wgpu::CommandEncoder,
         profile: Option<&wgpu::QuerySet>,
-    ) -> Result<std::sync::MutexGuard<'g, Option<wgpu::Buffer>>> {
+    ) -> Result<()> {
         let mut n_dispatch = 0u32;
         let gpu = self.gpu;
-        let need = (self.uniforms.len() as u64).max(256);
-        let mut guard = gpu.uniforms.buf.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.as_ref().is_none_or(|b| b.size() < need) {
-            let size = need.next_power_of_two();
-            if size > gpu.limits.max_buffer_size {
-                return Err(Error::Gpu(format!(
-                    "uniform arena of {size} bytes exceeds max_buffer_size"
-                )));
-            }
-            *guard = Some(gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        // A fresh buffer per submission: nothing to lock against other passes, and the
+        // bytes are written at creation (no queue write to order).
+        let mut uniforms = self.uniforms;
+        uniforms.resize(uniforms.len().max(256), 0);
+        if uniforms.len() as u64 > gpu.limits.max_buffer_size {
+            return Err(Error::Gpu(format!(
+                "{} bytes of uniforms exceed max_buffer_size",
+                uniforms.len()
+            )));
+        }
+        let ubuf = gpu
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("lathe.uniforms"),
-                size,
-                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }));
-        }
-        let ubuf = guard.as_ref().unwrap().clone();
-        if !self.uniforms.is_empty() {
-            gpu.queue.write_buffer(&ubuf, 0, &self.uniforms);
-        }
+                contents: &uniforms,
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
         let mut cpass: Option<wgpu::ComputePass<'_>> = None;
         for op in self.ops {
             match op {
@@ -241,9 +280,7 @@ impl<'g> Pass<'g> {
             }
         }
         drop(cpass);
-        // The arena stays locked until the caller has submitted: another thread's pass
-        // writing the arena before this submit would overwrite these uniforms.
-        Ok(guard)
+        Ok(())
     }
 
     /// Submit with a GPU timestamp pair around every dispatch (each in its own compute
@@ -286,10 +323,9 @@ impl<'g> Pass<'g> {
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("lathe.profile"),
             });
-        let arena = self.encode_with(&mut enc, Some(&qs))?;
+        self.encode_with(&mut enc, Some(&qs))?;
         enc.resolve_query_set(&qs, 0..2 * n, &resolve, 0);
         gpu.queue.submit([enc.finish()]);
-        drop(arena);
         let raw = gpu.read_bytes(&resolve, 0, 16 * n as u64)?;
         let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&raw);
         let period = gpu.queue.get_timestamp_period() as f64;
@@ -313,9 +349,8 @@ impl<'g> Pass<'g> {
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("lathe"),
             });
-        let arena = self.encode(&mut enc)?;
+        self.encode(&mut enc)?;
         let idx = gpu.queue.submit([enc.finish()]);
-        drop(arena);
         gpu.check()?;
         Ok(idx)
     }

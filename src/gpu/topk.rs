@@ -1,5 +1,8 @@
-//! Top-k per row, argmax, and the fused MoE router (`shaders/topk.wgsl`). CPU references:
-//! `cpu::ops::{topk, argmax, router_softmax_topk}`.
+//! Top-k per row, argmax, the log-sum-exp of rows, the fused MoE router
+//! (`shaders/topk.wgsl`), and [`LogitsTop`]: the sampler's top-k of a forward's logits rows
+//! found in the forward's own pass, so a decode step reads back a few hundred bytes instead
+//! of the vocabulary. CPU references: `cpu::ops::{topk, argmax, router_softmax_topk}`,
+//! `sample::log_sum_exp`.
 //!
 //! Results are best first, ties to the lower index, NaNs never selected; a row with fewer
 //! than k selectable elements pads with index `u32::MAX`, value −inf. Rows longer than
@@ -14,8 +17,11 @@ const SRC: &str = include_str!("../../shaders/topk.wgsl");
 
 /// Elements one workgroup ranks (`topk.wgsl`: 256 threads × 8 registers).
 pub const CHUNK: u32 = 2048;
-/// Largest k.
+/// Largest k of [`topk`] (its [`TopkScratch`] is sized for it).
 pub const MAX_K: u32 = 16;
+/// Largest k of [`LogitsTop`]: covers llama.cpp's default sampler top-k of 40 and the
+/// OpenAI API's 20 `top_logprobs`.
+pub const MAX_TOP_K: u32 = 64;
 
 /// Uniforms of `topk.wgsl` (same fields, same order).
 #[repr(C)]
@@ -55,10 +61,16 @@ pub struct TopkScratch {
 impl TopkScratch {
     /// Enough for `n_rows` rows of `n` elements at any k ≤ [`MAX_K`].
     pub fn new(gpu: &Gpu, n_rows: u32, n: u32) -> Result<TopkScratch> {
-        let st = stages(n, MAX_K);
+        TopkScratch::for_k(gpu, n_rows, n, MAX_K)
+    }
+
+    /// Enough for `n_rows` rows of `n` elements at any k ≤ `max_k`.
+    fn for_k(gpu: &Gpu, n_rows: u32, n: u32, max_k: u32) -> Result<TopkScratch> {
+        // Stage sizes grow with k, so the largest k bounds every smaller one.
+        let st = stages(n, max_k);
         let mut words = [1u64, 1u64];
         for (s, &m) in st.iter().enumerate().take(st.len() - 1) {
-            let c = m.div_ceil(CHUNK) as u64 * MAX_K as u64 * 2 * n_rows as u64;
+            let c = m.div_ceil(CHUNK) as u64 * max_k as u64 * 2 * n_rows as u64;
             words[s % 2] = words[s % 2].max(c);
         }
         Ok(TopkScratch {
@@ -75,13 +87,21 @@ pub fn needs_scratch(n: u32) -> bool {
     n > CHUNK
 }
 
-fn check_k(op: &str, k: u32) -> Result<()> {
-    if k == 0 || k > MAX_K {
+fn check_k(op: &str, k: u32, max_k: u32) -> Result<()> {
+    if k == 0 || k > max_k {
         return Err(Error::Invalid(format!(
-            "{op}: k = {k}, supported 1..={MAX_K}"
+            "{op}: k = {k}, supported 1..={max_k}"
         )));
     }
     Ok(())
+}
+
+/// Where the final stage puts the values: their own buffer (or nowhere), or the ids buffer
+/// itself as f32 bits (`PACKED`), so that one readback brings ids and values.
+#[derive(Clone, Copy)]
+enum Vals<'a> {
+    Own(Option<View<'a>>),
+    Packed(View<'a>),
 }
 
 /// The `k` largest of each of `n_rows` rows of `n` in `x`: indices into `ids` (u32 rows of
@@ -98,7 +118,21 @@ pub fn topk(
     vals: Option<View<'_>>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
-    check_k("topk", k)?;
+    check_k("topk", k, MAX_K)?;
+    topk_stages(pass, n_rows, n, k, x, ids, Vals::Own(vals), scratch)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn topk_stages(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n: u32,
+    k: u32,
+    x: View<'_>,
+    ids: View<'_>,
+    vals: Vals<'_>,
+    scratch: Option<&TopkScratch>,
+) -> Result<()> {
     if n_rows == 0 {
         return Ok(());
     }
@@ -107,7 +141,11 @@ pub fn topk(
     }
     x.check("topk", "x", n_rows, n)?;
     ids.check("topk", "ids", n_rows, k)?;
-    if let Some(v) = &vals {
+    let (own_vals, packed) = match vals {
+        Vals::Own(v) => (v, None),
+        Vals::Packed(v) => (None, Some(v)),
+    };
+    if let Some(v) = own_vals.as_ref().or(packed.as_ref()) {
         v.check("topk", "vals", n_rows, k)?;
     }
     let st = stages(n, k);
@@ -128,14 +166,11 @@ pub fn topk(
         let label = format!(
             "topk_k{k}{}{}",
             if pairs { "_pairs" } else { "" },
-            if last {
-                if vals.is_some() {
-                    "_final_vals"
-                } else {
-                    "_final"
-                }
-            } else {
-                ""
+            match (last, own_vals.is_some(), packed.is_some()) {
+                (false, _, _) => "",
+                (true, true, _) => "_final_vals",
+                (true, _, true) => "_final_packed",
+                _ => "_final",
             }
         );
         let pl = gpu.pipeline(
@@ -143,7 +178,8 @@ pub fn topk(
                 .define("K", format!("{k}u"))
                 .define("PAIRS", pairs)
                 .define("FINAL", last)
-                .define("HAS_VALS", vals.is_some()),
+                .define("HAS_VALS", last && own_vals.is_some())
+                .define("PACKED", last && packed.is_some()),
         )?;
         let mut params = Params {
             n: m,
@@ -171,9 +207,11 @@ pub fn topk(
             params.out_off = ids.off;
             params.out_stride = ids.stride_for(k);
             bindings.push(ids.buf.into());
-            if let Some(v) = &vals {
+            if let Some(v) = own_vals.as_ref().or(packed.as_ref()) {
                 params.val_off = v.off;
                 params.val_stride = v.stride_for(k);
+            }
+            if let Some(v) = &own_vals {
                 bindings.push(v.buf.into());
             }
         } else {
@@ -226,7 +264,7 @@ pub fn router_softmax_topk(
     ids: View<'_>,
     weights: View<'_>,
 ) -> Result<()> {
-    check_k("router_softmax_topk", k)?;
+    check_k("router_softmax_topk", k, MAX_K)?;
     if n_exp == 0 || n_exp > CHUNK || k > n_exp {
         return Err(Error::Invalid(format!(
             "router_softmax_topk: {n_exp} experts, k = {k} (need k ≤ experts ≤ {CHUNK})"
@@ -263,4 +301,160 @@ pub fn router_softmax_topk(
     ];
     pass.dispatch(&pl, "router", &params, &bindings, grid(n_rows));
     Ok(())
+}
+
+/// Log-sum-exp of each of `n_rows` rows of `n` in `x` (NaNs skipped; −inf for a row with
+/// nothing else) into `out` (f32 rows of 1). One workgroup per row.
+pub fn log_sum_exp(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n: u32,
+    x: View<'_>,
+    out: View<'_>,
+) -> Result<()> {
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if n == 0 {
+        return Err(Error::Invalid("log_sum_exp: rows of 0 elements".into()));
+    }
+    x.check("log_sum_exp", "x", n_rows, n)?;
+    out.check("log_sum_exp", "out", n_rows, 1)?;
+    let pl = pass
+        .gpu()
+        .pipeline(&PipelineSpec::new("topk_lse", SRC, "lse").define("LSE", true))?;
+    let params = Params {
+        n,
+        n_rows,
+        n_chunks: 1,
+        in_off: x.off,
+        in_stride: x.stride_for(n),
+        out_off: out.off,
+        out_stride: out.stride_for(1),
+        val_off: 0,
+        val_stride: 0,
+        renorm: 0,
+        _pad: [0; 2],
+    };
+    let bindings = [Binding::from(x.buf), out.buf.into()];
+    pass.dispatch(&pl, "lse", &params, &bindings, grid(n_rows));
+    Ok(())
+}
+
+/// u32 words per result row of [`LogitsTop`] at top-`k`: ids `[k]`, values `[k]` (f32 bits),
+/// log-sum-exp. Rows are packed for the k of the call, so a readback is `(2k + 1)·4` bytes a
+/// row (12 for greedy).
+fn top_row(k: u32) -> u32 {
+    2 * k + 1
+}
+
+/// What a sampler needs from rows of logits, computed on the GPU in the forward's own pass
+/// and read back in one copy: the k best (id, logit) pairs and, when asked, the
+/// log-sum-exp over the whole row (for log-probabilities). A decode step then reads back
+/// `8k + 4` bytes instead of the vocabulary (~1 MB for Qwen3.5's 248,320 logits).
+pub struct LogitsTop {
+    /// Elements per logits row (the vocabulary).
+    n: u32,
+    rows: u32,
+    scratch: Option<TopkScratch>,
+    /// [rows, top_row(k)] u32 for the k of the last records.
+    out: wgpu::Buffer,
+}
+
+impl LogitsTop {
+    /// Room for `rows` result rows over logits rows of `n`, at any k ≤ [`MAX_TOP_K`].
+    pub fn new(gpu: &Gpu, rows: u32, n: u32) -> Result<LogitsTop> {
+        let rows = rows.max(1);
+        let scratch = if needs_scratch(n) {
+            Some(TopkScratch::for_k(gpu, rows, n, MAX_TOP_K)?)
+        } else {
+            None
+        };
+        let out = gpu.buffer(rows as u64 * top_row(MAX_TOP_K) as u64 * 4, "logits_top")?;
+        Ok(LogitsTop {
+            n,
+            rows,
+            scratch,
+            out,
+        })
+    }
+
+    /// Result rows it holds.
+    pub fn rows(&self) -> u32 {
+        self.rows
+    }
+
+    /// Records the top `k` of `n_rows` rows of `logits` (rows of `n`), and their log-sum-exp
+    /// when `lse`, into result rows `row0 ..` (rows laid out for this `k`: every record of a
+    /// pass and its [`LogitsTop::read`] use one k). The scratch is shared by all calls of a
+    /// pass; the GPU runs them in order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn record(
+        &self,
+        pass: &mut Pass<'_>,
+        logits: View<'_>,
+        n_rows: u32,
+        row0: u32,
+        k: u32,
+        lse: bool,
+    ) -> Result<()> {
+        check_k("logits top", k, MAX_TOP_K)?;
+        if row0 + n_rows > self.rows {
+            return Err(Error::Invalid(format!(
+                "logits top: rows {row0}..{} of {}",
+                row0 + n_rows,
+                self.rows
+            )));
+        }
+        let w = top_row(k);
+        let base = row0 * w;
+        let ids = View::strided(&self.out, base, w);
+        let vals = View::strided(&self.out, base + k, w);
+        topk_stages(
+            pass,
+            n_rows,
+            self.n,
+            k,
+            logits,
+            ids,
+            Vals::Packed(vals),
+            self.scratch.as_ref(),
+        )?;
+        if lse {
+            let out = View::strided(&self.out, base + 2 * k, w);
+            log_sum_exp(pass, n_rows, self.n, logits, out)?;
+        }
+        Ok(())
+    }
+
+    /// Reads result rows `0 .. n_rows` as recorded with `k` and `lse` (waits for the
+    /// submitted work). Slots the kernel padded (rows with fewer than k selectable logits)
+    /// are left out.
+    pub fn read(
+        &self,
+        gpu: &Gpu,
+        n_rows: u32,
+        k: u32,
+        lse: bool,
+    ) -> Result<Vec<crate::sample::TopLogits>> {
+        if n_rows == 0 {
+            return Ok(Vec::new());
+        }
+        check_k("logits top", k, MAX_TOP_K)?;
+        let words = gpu.read_u32(&self.out, 0, (n_rows * top_row(k)) as usize)?;
+        let k = k as usize;
+        Ok(words
+            .chunks_exact(top_row(k as u32) as usize)
+            .map(|w| {
+                let cands = (0..k)
+                    .map(|j| (w[j], f32::from_bits(w[k + j])))
+                    .filter(|c| c.0 != u32::MAX)
+                    .collect();
+                crate::sample::TopLogits {
+                    cands,
+                    lse: lse.then(|| f32::from_bits(w[2 * k])),
+                }
+            })
+            .collect())
+    }
 }

@@ -148,6 +148,12 @@ fn parse_expert_name(name: &str) -> Option<(usize, Option<usize>, Kind, bool)> {
     None
 }
 
+/// True for a routed expert tensor name (GGUF stack, HF per-expert matrix, DeepSeek packed
+/// weight or its scale): what a loader leaves to the expert arena.
+pub fn is_expert_tensor(name: &str) -> bool {
+    parse_expert_name(name).is_some() || is_packed_scale(name)
+}
+
 /// The scale tensor of DeepSeek's packed experts (`…w1.scale` beside `…w1.weight`).
 fn is_packed_scale(name: &str) -> bool {
     name.strip_suffix(".scale")

@@ -12,6 +12,12 @@
 //! - [`cache`]: adaptive residency while decoding ([`ResidencyCache`]).
 //! - GPU side: `gpu::moe` ([`crate::gpu::moe::ExpertArena`], [`crate::gpu::moe::RemapTables`],
 //!   the remap / scatter kernels, the one readback); CPU side: `cpu::moe` (cold experts).
+//! - In the forwards: [`crate::gpu::moe::Plan`] decides at load (before any upload) whether
+//!   the model needs the arena at all; [`crate::gpu::moe::Offload`] is the recipe below as
+//!   four calls per MoE layer (`route`, `hot_ffn`, the model's shared expert, `cold_ffn`,
+//!   the model's combine), used by `models::qwen35::gpu` and `models::deepseek4::gpu`.
+//!   When every expert has a slot and no statistics are counted, there is no offload: the
+//!   layers keep their expert stacks and the forward stays one pass per token.
 //!
 //! The router always ranges over all experts: residency changes speed, never the selection.
 //!
@@ -84,9 +90,11 @@ pub mod layout;
 pub mod plan;
 pub mod stats;
 
-pub use budget::{parse_size, AdapterMemory, Budget, BudgetInputs, MemSource};
+pub use budget::{needs, parse_size, AdapterMemory, Budget, BudgetInputs, MemSource, Needs};
 pub use cache::{CacheConfig, LayerHits, ResidencyCache, Upload};
-pub use layout::{ExpertMats, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo};
+pub use layout::{
+    is_expert_tensor, ExpertMats, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo,
+};
 pub use plan::{remap_ids, ArenaGroup, Fill, LayerPlacement, LayerTraffic, Placement};
 pub use stats::{ExpertStats, LayerStats};
 

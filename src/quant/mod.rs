@@ -6,12 +6,14 @@
 //! equal ggml's and gguf-py's bit for bit and quantized bytes equal llama.cpp's reference
 //! quantizers (what `llama-quantize` writes without an importance matrix). One file per
 //! family: `float` (plain types), `legacy` (Q4_0..Q8_0), `k` (Q2_K..Q6_K), `iq` (IQ4_NL,
-//! IQ4_XS), `mxfp4`; `search` holds the quantizers' scale searches, 8 groups at a time.
+//! IQ4_XS), `mxfp4`, `fp8` (lathe's `F8_E4M3_B128`, no ggml counterpart); `search` holds the
+//! quantizers' scale searches, 8 groups at a time.
 //!
 //! Block structs hold their f16 fields as raw little-endian bytes, so they have alignment 1
 //! and a `&[u8]` from an mmap at any offset casts to `&[Block]` without copying.
 
 mod float;
+mod fp8;
 mod iq;
 mod k;
 mod legacy;
@@ -19,6 +21,7 @@ mod mxfp4;
 mod search;
 
 pub use float::{bf16_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, fp8_e4m3_to_f32};
+pub use fp8::BlockF8B128;
 pub use iq::{BlockIq4Nl, BlockIq4Xs, KVALUES_IQ4NL};
 pub use k::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K};
 pub use legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
@@ -67,6 +70,7 @@ fn dequantize_unchecked(dtype: DType, data: &[u8], out: &mut [f32]) {
         T::IQ4_NL => each_block(data, out, iq::dequant_iq4_nl),
         T::IQ4_XS => each_block(data, out, iq::dequant_iq4_xs),
         T::MXFP4 => each_block(data, out, mxfp4::dequant_mxfp4),
+        T::F8_E4M3_B128 => each_block(data, out, fp8::dequant_f8_b128),
         T::F32
         | T::F16
         | T::BF16
@@ -99,9 +103,9 @@ pub fn dequantize_to_vec(dtype: DType, data: &[u8], n: usize) -> Result<Vec<f32>
 }
 
 /// `row · x` with f32 accumulation: one stored row of `x.len()` elements against f32
-/// activations, without allocating. F32, F16, BF16, Q8_0, Q6_K, IQ4_NL and MXFP4 have fused
-/// loops; the other types (Q4_0 and Q4_K included: measured faster so) dequantize 256
-/// elements at a time into a stack buffer and dot that, 8 lanes wide. About 0.3-0.5 ns per
+/// activations, without allocating. F32, F16, BF16, Q8_0, Q6_K, IQ4_NL, MXFP4 and F8_E4M3_B128
+/// have fused loops; the other types (Q4_0 and Q4_K included: measured faster so) dequantize
+/// 256 elements at a time into a stack buffer and dot that, 8 lanes wide. About 0.3-0.5 ns per
 /// element on one core for the common weight types with the row in cache (measured with
 /// `tests/quant.rs`'s `quantize_throughput`).
 ///
@@ -125,6 +129,7 @@ pub fn dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
         T::Q6_K => k::dot_q6_k(bytemuck::cast_slice(row), x.as_chunks().0),
         T::IQ4_NL => iq::dot_iq4_nl(bytemuck::cast_slice(row), x.as_chunks().0),
         T::MXFP4 => mxfp4::dot_mxfp4(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::F8_E4M3_B128 => fp8::dot_f8_b128(bytemuck::cast_slice(row), x.as_chunks().0),
         _ => dot_chunked(dtype, row, x),
     }
 }
@@ -186,6 +191,7 @@ pub fn can_quantize(dtype: DType) -> bool {
             | T::IQ4_NL
             | T::IQ4_XS
             | T::MXFP4
+            | T::F8_E4M3_B128
     )
 }
 
@@ -213,7 +219,8 @@ fn each_block_mut<B: Pod, const N: usize>(x: &[f32], out: &mut [u8], f: fn(&[f32
 }
 
 /// Quantize `x` into `out` (exactly `dtype.bytes_for(x.len())` bytes) for F32, F16, BF16,
-/// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and MXFP4. Allocation-free and
+/// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4 and F8_E4M3_B128 (lathe's
+/// own: scale amax/448 per 128, codes rounded to nearest even). Allocation-free and
 /// independent per block, so callers parallelise over row chunks. Block types reject
 /// non-finite input (the reference would write garbage scales).
 pub fn quantize_into(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
@@ -245,6 +252,7 @@ pub fn quantize_into(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
         T::IQ4_NL => iq::quant_iq4_nl(x, bytemuck::cast_slice_mut(out)),
         T::IQ4_XS => each_block_mut(x, out, iq::quant_iq4_xs),
         T::MXFP4 => each_block_mut(x, out, mxfp4::quant_mxfp4),
+        T::F8_E4M3_B128 => each_block_mut(x, out, fp8::quant_f8_b128),
         _ => unreachable!("can_quantize admitted {dtype}"),
     }
     Ok(())
@@ -261,6 +269,8 @@ pub fn quantize_into(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
 ///   the largest magnitude clips one step).
 /// - Q4_1 / Q5_1: `d·(½ + 15u)` / `d·(½ + 31u)` plus `|min|·u`, `d = (max − min)/15` / `/31`.
 /// - MXFP4: `2^E / 2` with `E = floor(log2 amax)` (values above 1.5·2^E clip to it).
+/// - F8_E4M3_B128: `amax·2^-4 + d·2^-9`, `d = amax/448`: half of e4m3's relative step 2^-3
+///   for normals, half the subnormal step `d·2^-9` (doubled for the f32 rounding of `x/d`).
 /// - K-quants and IQ4: the searched scales have no closed form, so the bound is an envelope
 ///   `C·range/steps` with steps the type's level count minus one: Q2_K C = 1 (3 steps),
 ///   Q3_K 1.5 (7), Q4_K 1.25 (15), Q5_K 1.5 (31), Q6_K 1.75 (63), IQ4_NL / IQ4_XS 2.25 (15,
@@ -298,6 +308,7 @@ pub fn max_abs_error_bound(dtype: DType, block: &[f32]) -> f32 {
         T::Q5_K => 1.5 * range / 31.0,
         T::Q6_K => 1.75 * range / 63.0,
         T::IQ4_NL | T::IQ4_XS => 2.25 * range / 15.0,
+        T::F8_E4M3_B128 => amax * (1.0 / 16.0) + amax / 448.0 / 512.0,
         _ => f32::INFINITY,
     }
 }

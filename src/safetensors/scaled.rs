@@ -3,6 +3,8 @@
 //! - FP8 with 128×128 block scales (DeepSeek-V3 / V4): weight `X.weight` F8_E4M3 `[out, in]`,
 //!   scale `X.scale` (V4 inference naming) or `X.weight_scale_inv` (Hugging Face naming),
 //!   F32 / BF16 / F16 or E8M0 `[ceil(out/128), ceil(in/128)]`; value = e4m3(w) · scale.
+//!   The GPU reads them repacked into lathe's `F8_E4M3_B128` blocks
+//!   ([`repack_fp8_block_to_b128`]), still one byte per weight.
 //! - Packed MXFP4 (DeepSeek-V4 routed experts): weight I8 or U8 `[out, in/2]`, byte k of a
 //!   row holding element 2k in its low nibble and 2k+1 in its high nibble (e2m1 codes), and
 //!   an E8M0 scale `[out, in/32]` per 32 consecutive elements (OCP MX v1.0). E8M0 scales
@@ -71,8 +73,11 @@ fn tensor_err(t: &TensorRef, what: impl Into<String>) -> Error {
     Error::tensor(t.path, t.name, what)
 }
 
+/// Reads scale `i` of a scale tensor's bytes as f32.
+type ScaleReader = fn(&[u8], usize) -> f32;
+
 /// Per-element reader of a scale tensor, `None` for types that are not scales.
-fn scale_reader(t: &TensorRef) -> Option<fn(&[u8], usize) -> f32> {
+fn scale_reader(t: &TensorRef) -> Option<ScaleReader> {
     Some(match t.dtype {
         DType::F32 => {
             |d, i| f32::from_le_bytes([d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]])
@@ -100,9 +105,8 @@ fn n_usize(t: &TensorRef, n: u64) -> Result<usize> {
     usize::try_from(n).map_err(|_| tensor_err(t, "too many elements for this platform"))
 }
 
-/// Dequantize an FP8 e4m3fn weight `[out, in]` with 128×128 block scales
-/// `[ceil(out/128), ceil(in/128)]` into `out` (`out·in` f32, row-major).
-pub fn dequant_fp8_block(w: &TensorRef, scale: &TensorRef, out: &mut [f32]) -> Result<()> {
+/// Checks an FP8 weight and its block scale; returns (rows, cols, the scale reader).
+fn check_fp8_block(w: &TensorRef, scale: &TensorRef) -> Result<(usize, usize, ScaleReader)> {
     if w.dtype != DType::F8_E4M3 || w.shape.len() != 2 {
         return Err(tensor_err(
             w,
@@ -133,6 +137,14 @@ pub fn dequant_fp8_block(w: &TensorRef, scale: &TensorRef, out: &mut [f32]) -> R
             ),
         ));
     }
+    Ok((rows, cols, read))
+}
+
+/// Dequantize an FP8 e4m3fn weight `[out, in]` with 128×128 block scales
+/// `[ceil(out/128), ceil(in/128)]` into `out` (`out·in` f32, row-major).
+pub fn dequant_fp8_block(w: &TensorRef, scale: &TensorRef, out: &mut [f32]) -> Result<()> {
+    let (rows, cols, read) = check_fp8_block(w, scale)?;
+    let sc = cols.div_ceil(FP8_BLOCK);
     check_out_len(w, rows * cols, out.len())?;
     if cols == 0 {
         return Ok(());
@@ -154,6 +166,46 @@ pub fn dequant_fp8_block(w: &TensorRef, scale: &TensorRef, out: &mut [f32]) -> R
         }
     });
     Ok(())
+}
+
+/// Repack an FP8 e4m3fn weight `[out, in]` with 128×128 block scales into lathe's
+/// `F8_E4M3_B128` rows: per row, per 128 columns, the block's scale as f32 (4 bytes,
+/// little-endian) then the 128 codes unchanged. A layout change, no rounding: every scale type
+/// [`dequant_fp8_block`] reads (F32, BF16, F16, E8M0) converts to f32 exactly, and the
+/// dequantized values equal [`dequant_fp8_block`]'s bit for bit. Returns
+/// `out · in/128 · 132` bytes, row-major.
+///
+/// `in` must be a multiple of 128 (the type has no partial blocks): DeepSeek's releases are
+/// (every dimension is a multiple of 128); a tensor that is not is refused, naming it.
+pub fn repack_fp8_block_to_b128(w: &TensorRef, scale: &TensorRef) -> Result<Vec<u8>> {
+    let (rows, cols, read) = check_fp8_block(w, scale)?;
+    if !cols.is_multiple_of(FP8_BLOCK) {
+        return Err(tensor_err(
+            w,
+            format!(
+                "FP8 weight {:?}: {cols} columns is not a multiple of {FP8_BLOCK}; lathe keeps \
+                 FP8 weights in 128-column blocks (F8_E4M3_B128)",
+                w.shape
+            ),
+        ));
+    }
+    let nb = cols / FP8_BLOCK;
+    let bb = DType::F8_E4M3_B128.block_bytes();
+    let mut out = vec![0u8; rows * nb * bb];
+    if nb == 0 {
+        return Ok(out);
+    }
+    let (wd, sd) = (w.data, scale.data);
+    out.par_chunks_mut(nb * bb)
+        .enumerate()
+        .for_each(|(r, row)| {
+            let s_row = (r / FP8_BLOCK) * nb;
+            for (cb, dst) in row.chunks_mut(bb).enumerate() {
+                dst[..4].copy_from_slice(&read(sd, s_row + cb).to_le_bytes());
+                dst[4..].copy_from_slice(&wd[r * cols + cb * FP8_BLOCK..][..FP8_BLOCK]);
+            }
+        });
+    Ok(out)
 }
 
 /// Checks a packed MXFP4 pair of tensors; returns (rows, elements per row).

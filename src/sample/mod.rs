@@ -4,12 +4,31 @@
 //! temperature -> draw. Top-p and min-p therefore see the untempered distribution, and the
 //! temperature only reshapes what survived them. Temperature 0 is greedy (argmax after
 //! penalties). Probabilities are computed with the maximum subtracted first and summed in f64.
+//!
+//! Without penalties, greedy and top-k sampling only ever look at the k best logits, so the
+//! forward can find those on the GPU and read back only them ([`SamplerConfig::gpu_want`] says
+//! what to ask for, [`Sampler::sample_top`] draws from them): the same candidates (ties to
+//! the lower id, as [`argmax`] and [`top_k`]), the same probabilities, the same random
+//! stream, hence the same tokens as [`Sampler::sample`] on the full logits.
 
 mod stop;
 
 use std::collections::HashMap;
 
+use crate::engine::{Logits, Want};
+use crate::gpu::topk::MAX_TOP_K;
+
 pub use stop::{FinishReason, StopCondition, StopStep};
+
+/// The best logits of one row as the GPU found them ([`crate::gpu::topk::LogitsTop`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopLogits {
+    /// (id, logit), best first: larger logit, then lower id; NaNs never. Shorter than asked
+    /// when the row has fewer selectable logits.
+    pub cands: Vec<(u32, f32)>,
+    /// ln Σ exp(logit) over the whole row (NaNs skipped), when asked for.
+    pub lse: Option<f32>,
+}
 
 /// Sampling settings. The defaults are llama.cpp's (`temp 0.8, top_k 40, top_p 0.95, min_p
 /// 0.05`, no penalties, a 64-token penalty window) with a fixed seed.
@@ -60,7 +79,33 @@ impl SamplerConfig {
         }
     }
 
-    fn has_penalties(&self) -> bool {
+    /// What a forward should return so that [`Sampler::sample_top`] can pick the token:
+    /// greedy needs the best logit (`Top { k: 1 }`), top-k sampling the k best; with
+    /// `logprobs` = `Some(n)` at least n candidates and the log-sum-exp as well. Full logits
+    /// (`Want::Last`) when the penalties change logits first, when top-k is off (top-p or
+    /// min-p over the whole vocabulary) or when k exceeds [`MAX_TOP_K`].
+    pub fn gpu_want(&self, logprobs: Option<usize>) -> Want {
+        if self.has_penalties() {
+            return Want::Last;
+        }
+        let k = if self.temperature <= 0.0 {
+            1
+        } else if self.top_k > 0 {
+            self.top_k
+        } else {
+            return Want::Last;
+        };
+        let k = k.max(logprobs.unwrap_or(0));
+        if k > MAX_TOP_K as usize {
+            return Want::Last;
+        }
+        Want::Top {
+            k: k as u32,
+            lse: logprobs.is_some(),
+        }
+    }
+
+    pub fn has_penalties(&self) -> bool {
         self.penalty_window > 0
             && (self.repeat_penalty != 1.0
                 || self.presence_penalty != 0.0
@@ -87,6 +132,44 @@ impl Sampler {
     /// `penalty_window` count. NaN logits count as -inf. Empty logits give 0.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let cands = self.candidates(logits, history);
+        self.draw(&cands)
+    }
+
+    /// Picks the next token from the best logits the GPU found, as [`Sampler::sample`] would
+    /// from the full row: `top` must come from the [`Want`] that
+    /// [`SamplerConfig::gpu_want`] gave for this config (no penalties apply there).
+    pub fn sample_top(&mut self, top: &TopLogits) -> u32 {
+        let cands = self.candidates_top(top);
+        self.draw(&cands)
+    }
+
+    /// [`Sampler::sample`] or [`Sampler::sample_top`], whichever `logits` allows (a forward
+    /// asked for [`SamplerConfig::gpu_want`]). Full logits get the penalties in place.
+    pub fn sample_logits(&mut self, logits: &mut Logits, history: &[u32]) -> u32 {
+        match logits {
+            Logits::Full(l) => self.sample(l, history),
+            Logits::Top(t) => self.sample_top(t),
+        }
+    }
+
+    /// [`Sampler::candidates`] from the GPU's best logits.
+    pub fn candidates_top(&self, top: &TopLogits) -> Vec<(u32, f32)> {
+        let cfg = &self.config;
+        let mut cands = top.cands.clone();
+        if cfg.temperature <= 0.0 {
+            cands.truncate(1);
+            return cands;
+        }
+        // More than top_k may have come back (for log-probabilities); fewer means the
+        // vocabulary is smaller than k, where the full path keeps every token too.
+        if cfg.top_k > 0 {
+            cands.truncate(cfg.top_k);
+        }
+        self.narrow(cands, false)
+    }
+
+    /// Draws from softmax(cands) (sorted, most likely first); the first one when greedy.
+    fn draw(&mut self, cands: &[(u32, f32)]) -> u32 {
         if cands.len() <= 1 || self.config.temperature <= 0.0 {
             return cands.first().map(|c| c.0).unwrap_or(0);
         }
@@ -117,19 +200,26 @@ impl Sampler {
                 .map(|i| vec![(i, logits[i as usize])])
                 .unwrap_or_default();
         }
-        let mut cands = if cfg.top_k > 0 && cfg.top_k < logits.len() {
-            let mut c = top_k(logits, cfg.top_k);
-            if cfg.top_p < 1.0 {
-                top_p(&mut c, cfg.top_p);
-            }
-            c
+        // The whole-vocabulary branches give what `narrow` would on all tokens sorted,
+        // without sorting all of them (top-p already applied when `top_p_of_all` ran).
+        let (cands, nucleus_done) = if cfg.top_k > 0 && cfg.top_k < logits.len() {
+            (top_k(logits, cfg.top_k), false)
         } else if cfg.top_p < 1.0 {
-            top_p_of_all(logits, cfg.top_p)
+            (top_p_of_all(logits, cfg.top_p), true)
         } else if cfg.min_p > 0.0 {
-            above_min_p(logits, cfg.min_p)
+            (above_min_p(logits, cfg.min_p), false)
         } else {
-            top_k(logits, 0)
+            (top_k(logits, 0), false)
         };
+        self.narrow(cands, nucleus_done)
+    }
+
+    /// Top-p (unless `nucleus_done`), min-p and temperature over sorted candidates.
+    fn narrow(&self, mut cands: Vec<(u32, f32)>, nucleus_done: bool) -> Vec<(u32, f32)> {
+        let cfg = &self.config;
+        if cfg.top_p < 1.0 && !nucleus_done {
+            top_p(&mut cands, cfg.top_p);
+        }
         if cfg.min_p > 0.0 {
             min_p(&mut cands, cfg.min_p);
         }
@@ -164,6 +254,25 @@ pub fn apply_penalties(logits: &mut [f32], history: &[u32], cfg: &SamplerConfig)
         }
         *l -= c as f32 * cfg.frequency_penalty + cfg.presence_penalty;
     }
+}
+
+/// ln Σ exp(l) over `logits` in f64 (max subtracted first; NaNs skipped; −inf when nothing
+/// else is left). The CPU reference of `gpu::topk::log_sum_exp`.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    let sum: f64 = logits
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| ((x - max) as f64).exp())
+        .sum();
+    max as f64 + sum.ln()
 }
 
 /// Sort key: larger logit first, NaN as -inf, then lower id.

@@ -220,20 +220,24 @@ async fn chat_inner(st: AppState, body: std::result::Result<Bytes, BytesRejectio
     let mut vars = tokenizer.template_tokens();
     vars.extend(req.template_vars);
     let messages = req.messages;
-    let (text, ids) = tokio::task::spawn_blocking(move || -> R<(String, Vec<u32>)> {
+    let (text, ids, conversation) = tokio::task::spawn_blocking(move || -> R<_> {
         let text = template
             .render(&messages, true, &vars)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let ids = tokenizer
             .encode_with_bos(&text, true)
             .map_err(|e| ApiError::server(e.to_string()))?;
-        Ok((text, ids))
+        // Where the slot's checkpoint goes (see `Job::checkpoint`).
+        let conversation =
+            crate::generate::conversation_len(&template, &vars, &messages, &tokenizer, &ids);
+        Ok((text, ids, conversation))
     })
     .await
     .map_err(|e| ApiError::server(format!("rendering the prompt failed: {e}")))??;
     let think_open = OutputParser::prompt_opens_thinking(&text);
     let parser = OutputParser::new(st.cfg.reasoning, think_open, req.tools);
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
+    let ids = (ids, Some(conversation));
     start(&st, Kind::Chat(parser), model, ids, req.params, "messages").await
 }
 
@@ -264,6 +268,7 @@ async fn completions_inner(
         }
     };
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
+    let ids = (ids, None);
     start(&st, Kind::Completion, model, ids, req.params, "prompt").await
 }
 
@@ -282,12 +287,13 @@ struct Meta {
     params: GenParams,
 }
 
-/// Checks the prompt's length, queues the job and answers (streamed or whole).
+/// Checks the prompt's length, queues the job and answers (streamed or whole). `ids`: the
+/// prompt, and where its slot checkpoint goes when not at its end (`Job::checkpoint`).
 async fn start(
     st: &AppState,
     kind: Kind,
     model: String,
-    ids: Vec<u32>,
+    (ids, checkpoint): (Vec<u32>, Option<usize>),
     params: GenParams,
     prompt_param: &str,
 ) -> R<Response> {
@@ -316,6 +322,7 @@ async fn start(
     };
     let job = Job {
         id: id.clone(),
+        checkpoint: checkpoint.unwrap_or(ids.len()),
         prompt: ids,
         max_tokens,
         sampler: params.sampler.clone(),

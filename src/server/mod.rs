@@ -130,8 +130,11 @@ pub fn random_id(prefix: &str, n: usize) -> String {
 /// period; a second signal quits at once). Fails when the address cannot be bound or the
 /// model cannot be loaded.
 pub fn run(mut cfg: ServerConfig) -> Result<()> {
-    // One live sequence per slot.
-    cfg.load.max_seqs = cfg.load.max_seqs.max(cfg.parallel);
+    // Per slot its live sequence and its checkpoint.
+    cfg.load.max_seqs = cfg
+        .load
+        .max_seqs
+        .max(scheduler::SEQS_PER_SLOT * cfg.parallel.max(1));
     if cfg.ctx < 2 {
         return Err(Error::Invalid(format!(
             "--ctx {}: must be at least 2",

@@ -8,8 +8,13 @@
 //! to the GPU as one batched forward ([`Engine::forward_batch`]) in [`run_batch`].
 //!
 //! A slot keeps its tokens after a request ends: a later request whose prompt starts with all
-//! of them feeds only the rest (the cache of a multi-turn chat). A slot whose tokens are not a
-//! prefix is reset: recurrent layers cannot be rolled back to a shorter prefix.
+//! of them feeds only the rest (the cache of a multi-turn chat). Recurrent layers cannot be
+//! rolled back to a shorter prefix, so each slot also keeps a [`Checkpoint`], a second
+//! sequence holding the state where its last prompt's conversation ended (`Job::checkpoint`,
+//! before the generation prompt): a follow-up chat request whose rendering rewrites the last
+//! assistant turn (templates drop its reasoning) restores it and feeds the rest. A slot whose
+//! tokens and checkpoint are both no prefix is reset. A slot thus holds two sequence states
+//! ([`SEQS_PER_SLOT`]); a slot that could not get its second one runs without checkpoint.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -19,15 +24,24 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Engine, Seq, Want};
+use crate::engine::{Engine, Logits, Seq, TopLogits, Want};
+use crate::generate::{reusable_prefix, Checkpoint};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
+
+/// Sequence states a slot holds (its sequence and its checkpoint): what
+/// `LoadOptions::max_seqs` must allow per slot.
+pub const SEQS_PER_SLOT: usize = 2;
 
 /// One request for the engine thread.
 pub struct Job {
     pub id: String,
     pub prompt: Vec<u32>,
+    /// Prompt tokens after which the slot saves its checkpoint: where a chat's conversation
+    /// ends and the generation prompt begins ([`crate::generate::conversation_len`]), the
+    /// prompt's length for a completion.
+    pub checkpoint: usize,
     /// Tokens to sample at most (already capped by the context length).
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
@@ -165,9 +179,13 @@ pub fn start(
             };
             let setup = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 load().and_then(|(engine, tok)| {
-                    let slots = (0..cfg.n_slots.max(1))
+                    let mut slots = (0..cfg.n_slots.max(1))
                         .map(|_| Slot::new(&engine))
                         .collect::<Result<Vec<_>>>()?;
+                    // Every slot's sequence first: checkpoints only take what is left.
+                    for s in &mut slots {
+                        s.checkpoint = Checkpoint::new(&engine).ok();
+                    }
                     Ok((engine, Arc::new(tok), slots))
                 })
             }))
@@ -215,6 +233,8 @@ struct Slot {
     /// For picking the least recently used free slot.
     last_used: u64,
     active: Option<Active>,
+    /// The state where the conversation of the slot's last prompt ended.
+    checkpoint: Option<Checkpoint>,
 }
 
 impl Slot {
@@ -225,17 +245,49 @@ impl Slot {
             stale: false,
             last_used: 0,
             active: None,
+            checkpoint: None,
         })
     }
 
-    /// How many tokens of `prompt` this slot already holds and can keep.
-    fn reusable(&self, prompt: &[u32]) -> usize {
-        let n = self.history.len();
-        if !self.stale && n < prompt.len() && prompt[..n] == self.history[..] {
-            n
-        } else {
+    /// How many tokens of `prompt` the sequence holds and can keep.
+    fn reusable_live(&self, prompt: &[u32]) -> usize {
+        if self.stale {
             0
+        } else {
+            reusable_prefix(&self.history, prompt)
         }
+    }
+
+    /// How many tokens of `prompt` this slot need not feed again: from its sequence, or
+    /// from its checkpoint when that gives more.
+    fn reusable(&self, prompt: &[u32]) -> usize {
+        let saved = self.checkpoint.as_ref().map_or(0, |c| c.reusable(prompt));
+        self.reusable_live(prompt).max(saved)
+    }
+
+    /// Brings the sequence to the longest reusable prefix of `prompt`: keeps it, restores
+    /// the checkpoint, or resets. Returns the tokens kept.
+    fn resume(&mut self, engine: &Engine, prompt: &[u32]) -> Result<usize> {
+        let live = self.reusable_live(prompt);
+        if let Some(c) = self
+            .checkpoint
+            .as_ref()
+            .filter(|c| c.reusable(prompt) > live)
+        {
+            self.stale = true;
+            let held = c.restore(engine, &mut self.seq)?;
+            self.history.clear();
+            self.history.extend_from_slice(held);
+            self.stale = false;
+            return Ok(self.history.len());
+        }
+        if live == 0 && (self.stale || !self.history.is_empty()) {
+            self.stale = true;
+            engine.reset(&mut self.seq)?;
+            self.history.clear();
+            self.stale = false;
+        }
+        Ok(live)
     }
 }
 
@@ -258,8 +310,9 @@ struct Active {
 struct Work {
     slot: usize,
     tokens: Vec<u32>,
-    /// The logits of the last token are needed (to sample from them).
-    want: bool,
+    /// What of the last token's logits the slot samples from ([`Want::None`] while its
+    /// prompt goes on).
+    want: Want,
 }
 
 struct Worker {
@@ -337,18 +390,16 @@ impl Worker {
         self.clock += 1;
         let slot = &mut self.slots[i];
         slot.last_used = self.clock;
-        let n_cached = slot.reusable(&job.prompt);
-        if n_cached == 0 && (slot.stale || !slot.history.is_empty()) {
-            if let Err(e) = self.engine.reset(&mut slot.seq) {
+        let n_cached = match slot.resume(&self.engine, &job.prompt) {
+            Ok(n) => n,
+            Err(e) => {
                 let _ = job.events.send(Event::Error {
-                    message: format!("resetting the sequence failed: {e}"),
+                    message: format!("preparing the sequence failed: {e}"),
                     code: "internal",
                 });
                 return;
             }
-            slot.history.clear();
-            slot.stale = false;
-        }
+        };
         let eog = if job.ignore_eos {
             Vec::new()
         } else {
@@ -403,7 +454,7 @@ impl Worker {
                     work.push(Work {
                         slot: i,
                         tokens: a.feed.clone(),
-                        want: true,
+                        want: want_of(a),
                     });
                 }
             }
@@ -426,22 +477,32 @@ impl Worker {
             if budget == 0 {
                 break;
             }
-            let feed = &self.slots[i].active.as_ref().expect("prefilling slot").feed;
-            let n = feed.len().min(budget);
+            let a = self.slots[i].active.as_ref().expect("prefilling slot");
+            let feed = &a.feed;
+            let mut n = feed.len().min(budget);
+            // A piece ends at the checkpoint, which is saved between two steps.
+            let (held, ck) = (self.slots[i].history.len(), a.job.checkpoint);
+            if held < ck && ck < held + n {
+                n = ck - held;
+            }
             budget -= n;
             work.push(Work {
                 slot: i,
                 tokens: feed[..n].to_vec(),
-                want: n == feed.len(),
+                want: if n == feed.len() {
+                    want_of(a)
+                } else {
+                    Want::None
+                },
             });
         }
         work
     }
 
     /// Takes the step's logits: advances prompts, samples, streams, finishes.
-    fn absorb(&mut self, work: Vec<Work>, results: Vec<Result<Vec<f32>>>) {
+    fn absorb(&mut self, work: Vec<Work>, results: Vec<Result<Logits>>) {
         // (slot, logits) of the slots that sample this step.
-        let mut to_sample: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut to_sample: Vec<(usize, Logits)> = Vec::new();
         for (w, r) in work.into_iter().zip(results) {
             let slot = &mut self.slots[w.slot];
             let Some(a) = slot.active.as_mut() else {
@@ -451,6 +512,14 @@ impl Worker {
                 Ok(logits) => {
                     slot.history.extend_from_slice(&w.tokens);
                     a.feed.drain(..w.tokens.len());
+                    if a.prefilling && slot.history.len() == a.job.checkpoint {
+                        if let Some(c) = &mut slot.checkpoint {
+                            // A failed copy leaves no checkpoint; the request goes on.
+                            if let Err(e) = c.save(&self.engine, &slot.seq, &slot.history) {
+                                eprintln!("lathe serve: {}: checkpoint failed: {e}", a.job.id);
+                            }
+                        }
+                    }
                     if a.feed.is_empty() {
                         a.prefilling = false;
                         to_sample.push((w.slot, logits));
@@ -468,8 +537,8 @@ impl Worker {
                 }
             }
         }
-        // Sampling costs O(vocab) per slot: in parallel over slots.
-        let mut logits_of: Vec<Option<Vec<f32>>> = (0..self.slots.len()).map(|_| None).collect();
+        // Sampling full logits costs O(vocab) per slot: in parallel over slots.
+        let mut logits_of: Vec<Option<Logits>> = (0..self.slots.len()).map(|_| None).collect();
         for (i, l) in to_sample {
             logits_of[i] = Some(l);
         }
@@ -562,9 +631,28 @@ fn log_done(a: &Active, finish: Finish) {
     );
 }
 
-/// Samples the next token of `a` from `logits` [vocab]; `history` is everything the slot
-/// holds (prompt and generated tokens), for the penalties.
-fn sample_one(a: &mut Active, history: &[u32], logits: &mut [f32]) -> (u32, Option<TokenLogprob>) {
+/// What a slot's forward returns for sampling: the sampler's plan
+/// ([`crate::sample::SamplerConfig::gpu_want`]: the best logits, found on the GPU, for greedy
+/// and top-k), but full logits when `logit_bias` changes them first.
+fn want_of(a: &Active) -> Want {
+    if a.job.logit_bias.is_empty() {
+        a.sampler.config.gpu_want(a.job.logprobs)
+    } else {
+        Want::Last
+    }
+}
+
+/// Samples the next token of `a` from what its forward returned ([`want_of`]); `history` is
+/// everything the slot holds (prompt and generated tokens), for the penalties.
+fn sample_one(a: &mut Active, history: &[u32], logits: &mut Logits) -> (u32, Option<TokenLogprob>) {
+    let logits = match logits {
+        Logits::Full(l) => l,
+        Logits::Top(t) => {
+            let id = a.sampler.sample_top(t);
+            let lp = a.job.logprobs.map(|k| logprob_of_top(t, id, k));
+            return (id, lp);
+        }
+    };
     for &(id, b) in &a.job.logit_bias {
         if let Some(l) = logits.get_mut(id as usize) {
             *l += b;
@@ -578,17 +666,7 @@ fn sample_one(a: &mut Active, history: &[u32], logits: &mut [f32]) -> (u32, Opti
 
 /// log-softmax of `logits` at `id`, and the `k` largest entries with theirs.
 pub fn logprob_of(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|x| !x.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits
-        .iter()
-        .filter(|x| !x.is_nan())
-        .map(|&x| ((x - max) as f64).exp())
-        .sum();
-    let lse = max as f64 + sum.ln();
+    let lse = crate::sample::log_sum_exp(logits);
     let lp = |x: f32| (x as f64 - lse) as f32;
     let top = crate::sample::top_k(logits, k.max(1))
         .into_iter()
@@ -604,22 +682,37 @@ pub fn logprob_of(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
     }
 }
 
+/// [`logprob_of`] from the best logits and the log-sum-exp the GPU found: `top` holds at
+/// least `k` candidates and the sampled `id` (greedy and top-k only pick among them).
+pub fn logprob_of_top(top: &TopLogits, id: u32, k: usize) -> TokenLogprob {
+    let lse = top.lse.map_or(f64::NAN, |l| l as f64);
+    let lp = |x: f32| (x as f64 - lse) as f32;
+    TokenLogprob {
+        id,
+        logprob: top
+            .cands
+            .iter()
+            .find(|c| c.0 == id)
+            .map_or(f32::NEG_INFINITY, |c| lp(c.1)),
+        top: top.cands.iter().take(k).map(|&(t, l)| (t, lp(l))).collect(),
+    }
+}
+
 /// Runs one step's work in one batched forward: `work[i].tokens` through
-/// `slots[work[i].slot]` (each slot at most once), returning per item the logits of its last
-/// token [vocab] when it asked for them (`want`), else an empty vector. A failed pass leaves
-/// every sequence in it in an unknown state: they are all marked stale.
-fn run_batch(engine: &mut Engine, slots: &mut [Slot], work: &[Work]) -> Vec<Result<Vec<f32>>> {
+/// `slots[work[i].slot]` (each slot at most once), returning per item what its `want` asked
+/// of its last token's logits. A failed pass leaves every sequence in it in an unknown
+/// state: they are all marked stale.
+fn run_batch(engine: &mut Engine, slots: &mut [Slot], work: &[Work]) -> Vec<Result<Logits>> {
     let result = {
         let mut seqs: Vec<Option<&mut Seq>> = slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
         let mut items: Vec<(&mut Seq, &[u32], Want)> = work
             .iter()
             .map(|w| {
                 let seq = seqs[w.slot].take().expect("a slot appears once in a step");
-                let want = if w.want { Want::Last } else { Want::None };
-                (seq, w.tokens.as_slice(), want)
+                (seq, w.tokens.as_slice(), w.want)
             })
             .collect();
-        engine.forward_batch(&mut items)
+        engine.forward_batch_with(&mut items)
     };
     match result {
         Ok(out) if out.len() == work.len() => out.into_iter().map(Ok).collect(),
@@ -657,5 +750,32 @@ mod tests {
         assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
         assert!((t.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
         assert!(logprob_of(&l, 1, 0).top.is_empty());
+    }
+
+    /// The GPU path's log-probabilities (top candidates + log-sum-exp) equal the full path's.
+    #[test]
+    fn logprobs_from_top_match_full() {
+        let l: Vec<f32> = (0..300)
+            .map(|i| ((i * 7919) % 300) as f32 * 0.03 - 4.0)
+            .collect();
+        let (k, id) = (5, 123u32);
+        let top = TopLogits {
+            cands: crate::sample::top_k(&l, 8),
+            lse: Some(crate::sample::log_sum_exp(&l) as f32),
+        };
+        let want = logprob_of(&l, top.cands[2].0, k);
+        let got = logprob_of_top(&top, top.cands[2].0, k);
+        assert_eq!(got.id, want.id);
+        assert!(
+            (got.logprob - want.logprob).abs() < 1e-5,
+            "{got:?} {want:?}"
+        );
+        assert_eq!(got.top.len(), k);
+        for (g, w) in got.top.iter().zip(&want.top) {
+            assert_eq!(g.0, w.0);
+            assert!((g.1 - w.1).abs() < 1e-5, "{got:?} {want:?}");
+        }
+        // An id outside the candidates has no known logit.
+        assert_eq!(logprob_of_top(&top, id, k).logprob, f32::NEG_INFINITY);
     }
 }

@@ -19,17 +19,18 @@
 
 use super::weights::{self, Attn, Compressor, Moe, Weights, W};
 use super::{Hparams, ScoreFunc};
-use crate::engine::{KvType, LoadOptions};
+use crate::engine::{KvType, LoadOptions, Logits, TopLogits, Want};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::hc::{self, HcShape, HcWeights};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
+use crate::gpu::moe::{FfnBufs, Offload, Plan};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
-use crate::gpu::{embed, Gpu, GpuTensor, Pass};
+use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
 use crate::models::{ModelFile, Weight};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
@@ -92,6 +93,8 @@ struct Scratch {
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
+    /// Top-k (+ log-sum-exp) of the last logits row, for [`Want::Top`].
+    top: topk::LogitsTop,
 }
 
 /// A scratch buffer that grows (contents not kept) when a pass needs more elements.
@@ -184,6 +187,9 @@ pub struct GpuModel {
     /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
     /// append `(label, ns)` here (slow; for per-kernel breakdowns).
     pub profile: Option<Vec<(String, f64)>>,
+    /// The expert arena and cold path when not every routed expert has a slot (or routing
+    /// is counted); `None`: the per-layer expert stacks of `w`.
+    pub offload: Option<Offload>,
 }
 
 fn kv_shape(t: attention::KvType, d: usize) -> KvShape {
@@ -244,7 +250,17 @@ impl GpuModel {
             .collect();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
+        // Placement first: experts without the stacks go to the arena after the rest.
+        let plan = Plan::new(&gpu, file, opts, DEFAULT_BATCH)?;
         let mut w = weights::load(file, &hp, |w| {
+            if plan.is_some() && crate::moe::is_expert_tensor(w.name()) {
+                return Ok(GpuTensor {
+                    name: w.name().to_string(),
+                    dtype: w.dtype(),
+                    shape: w.shape().to_vec(),
+                    parts: Vec::new(),
+                });
+            }
             let f32_table = w.shape().len() == 1 || tables.contains(w.name());
             let t = upload(&gpu, &w, f32_table)?;
             done += t.bytes();
@@ -265,6 +281,10 @@ impl GpuModel {
             KvType::Auto | KvType::F32 => attention::KvType::F32,
         };
         let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
+        let offload = match plan {
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
+            None => None,
+        };
         Ok(GpuModel {
             ring: hp.window + DEFAULT_BATCH - 1,
             gpu,
@@ -278,6 +298,7 @@ impl GpuModel {
             traced: Vec::new(),
             trace_buf: None,
             profile: None,
+            offload,
         })
     }
 
@@ -346,6 +367,41 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Make `dst` a copy of `src` (a checkpoint, or its restore), on the GPU in one
+    /// submission: every layer's window ring and compressor stores whole (their rows are
+    /// addressed by position modulo their size, the same for every sequence of the model),
+    /// and the compressed entries `src` has pooled so far; `dst`'s caches grow to hold them.
+    pub fn copy_seq(&self, src: &GpuSeq, dst: &mut GpuSeq) -> Result<()> {
+        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        for (s, d) in src.layers.iter().zip(dst.layers.iter_mut()) {
+            debug_assert_eq!(s.ring.size(), d.ring.size());
+            enc.copy_buffer_to_buffer(&s.ring, 0, &d.ring, 0, s.ring.size());
+            for (sc, dc) in [(&s.cmp, &mut d.cmp), (&s.ix, &mut d.ix)] {
+                let (Some(sc), Some(dc)) = (sc, dc.as_mut()) else {
+                    continue;
+                };
+                debug_assert_eq!(sc.store.size(), dc.store.size());
+                enc.copy_buffer_to_buffer(&sc.store, 0, &dc.store, 0, sc.store.size());
+                let entries = src.pos / sc.shape.ratio as usize;
+                if entries > dc.cap_entries {
+                    // `src` grew to hold them: its capacity is enough.
+                    dc.cache = self
+                        .gpu
+                        .buffer(dc.entry_bytes * sc.cap_entries as u64, "seq.cmp_cache")?;
+                    dc.cap_entries = sc.cap_entries;
+                }
+                if entries > 0 {
+                    let used = sc.entry_bytes * entries as u64;
+                    enc.copy_buffer_to_buffer(&sc.cache, 0, &dc.cache, 0, used);
+                }
+            }
+        }
+        self.gpu.queue.submit([enc.finish()]);
+        self.gpu.check()?;
+        dst.pos = src.pos;
+        Ok(())
+    }
+
     /// Grow the compressed caches to hold the entries of `need` positions (doubling; old
     /// entries copied on the GPU).
     fn reserve(&self, pass: &mut Pass<'_>, seq: &mut GpuSeq, need: usize) -> Result<()> {
@@ -383,6 +439,19 @@ impl GpuModel {
 
     /// Feed `tokens`; returns logits for every token (`all`) or only the last one.
     pub fn forward(&mut self, seq: &mut GpuSeq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        let want = if all { Want::All } else { Want::Last };
+        Ok(self.forward_want(seq, tokens, want)?.into_full())
+    }
+
+    /// Feed `tokens`; returns what `want` asks for: every token's logits, the last one's,
+    /// none, or the last one's best logits found on the GPU ([`Want::Top`]).
+    pub fn forward_want(&mut self, seq: &mut GpuSeq, tokens: &[u32], want: Want) -> Result<Logits> {
+        crate::engine::check_want(want)?;
+        let all = want == Want::All;
+        let top = match want {
+            Want::Top { k, lse } => Some((k, lse)),
+            _ => None,
+        };
         let v = self.hp.n_vocab;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
             return Err(Error::Invalid(format!(
@@ -394,20 +463,32 @@ impl GpuModel {
         let n_chunks = tokens.len().div_ceil(chunk);
         for (ci, c) in tokens.chunks(chunk).enumerate() {
             let last = ci + 1 == n_chunks;
-            let want = if all {
+            let n_want = if all {
                 c.len()
-            } else if last {
+            } else if last && want == Want::Last {
                 1
             } else {
                 0
             };
-            out.extend(self.forward_chunk(seq, c, want)?);
+            let (logits, t) = self.forward_chunk(seq, c, n_want, top.filter(|_| last))?;
+            out.extend(logits);
+            if let Some(t) = t {
+                return Ok(Logits::Top(t));
+            }
         }
-        Ok(out)
+        Ok(Logits::Full(out))
     }
 
     /// One pass over `toks` (≤ scratch rows); logits of the last `want` tokens.
-    fn forward_chunk(&mut self, seq: &mut GpuSeq, toks: &[u32], want: usize) -> Result<Vec<f32>> {
+    /// With `top` = `Some((k, lse))` instead the best `k` logits of the last token (and the
+    /// log-sum-exp of its row), found in the same pass.
+    fn forward_chunk(
+        &mut self,
+        seq: &mut GpuSeq,
+        toks: &[u32],
+        want: usize,
+        top: Option<(u32, bool)>,
+    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
         let gpu = self.gpu.clone();
         let n = toks.len();
         let pos0 = seq.pos;
@@ -434,6 +515,9 @@ impl GpuModel {
         let mut trace_len = 0;
 
         let mut pass = gpu.pass();
+        if self.profile.is_some() || self.trace.is_some() {
+            pass.hold();
+        }
         self.reserve(&mut pass, seq, pos_end)?;
         let hp = &self.hp;
         let sc = &self.scratch;
@@ -501,6 +585,7 @@ impl GpuModel {
             trace_point!("moe_out", l, &sc.blk, hp.n_embd);
             hc::post(&mut pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
             trace_point!("layer_out", l, &sc.x, width);
+            pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         fn submit(p: Pass<'_>, prof: &mut Option<Vec<(String, f64)>>) -> Result<()> {
             match prof {
@@ -513,7 +598,8 @@ impl GpuModel {
         }
         let mut prof = self.profile.as_ref().map(|_| Vec::new());
         let mut logits = Vec::new();
-        if want > 0 {
+        let mut top_out = None;
+        if want > 0 || top.is_some() {
             // Head fold (sigmoid gate only) and the final norm, then the head for the
             // wanted rows, in chunks the logits buffer holds.
             let hh = &self.w.hc_head;
@@ -527,6 +613,25 @@ impl GpuModel {
             let v = hp.n_vocab;
             let mut r = n - want;
             let mut pending = Some(pass);
+            if let Some((k, lse)) = top {
+                // The last row's head, then its top-k (+ lse) in the same pass: only
+                // those come back.
+                let mut p = pending.take().expect("the forward's pass");
+                matmul::matmul(
+                    &mut p,
+                    &self.w.output,
+                    &sc.h,
+                    ((n - 1) * hp.n_embd) as u32,
+                    &sc.logits,
+                    0,
+                    1,
+                )?;
+                sc.top
+                    .record(&mut p, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                submit(p, &mut prof)?;
+                top_out = sc.top.read(&gpu, 1, k, lse)?.pop();
+                r = n;
+            }
             while r < n {
                 let rows = (n - r).min(sc.logit_rows);
                 let mut p = pending.take().unwrap_or_else(|| gpu.pass());
@@ -554,7 +659,7 @@ impl GpuModel {
             let v = gpu.read_f32(tb, 0, trace_len)?;
             self.traced.extend(v);
         }
-        Ok(logits)
+        Ok((logits, top_out))
     }
 
     /// `y = W x` for `n` packed rows.
@@ -891,6 +996,22 @@ impl GpuModel {
             View::new(&sc.moe_w, 0),
         )?;
         let limit = |v: f32| (v > 0.0).then_some(v);
+        if let Some(off) = self.offload.as_ref().filter(|o| o.has_layer(l)) {
+            // Experts in the arena (recipe in `moe/mod.rs`): hot pairs on the GPU, cold ones
+            // on the CPU between passes; the shared expert and the slot-order combine as
+            // below.
+            let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
+            let bufs = FfnBufs {
+                gate: &sc.f_gate,
+                up: &sc.f_up,
+                act: &sc.f_act,
+                out: &sc.moe_out,
+            };
+            off.hot_ffn(pass, l, &sc.h, n, &bufs, limit(hp.swiglu_limit[l]))?;
+            self.shared_expert(pass, l, m, n)?;
+            off.cold_ffn(pass, cold, &sc.moe_out, n, limit(hp.swiglu_limit[l]))?;
+            return router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out);
+        }
         let opts = MatvecOpts::default();
         if n <= matvec::MAX_TOKENS {
             for (w, y) in [(&m.gate_exps, &sc.f_gate), (&m.up_exps, &sc.f_up)] {
@@ -955,6 +1076,22 @@ impl GpuModel {
             )?;
         }
         // Shared expert first (it writes blk), then the routed slots in slot order.
+        self.shared_expert(pass, l, m, n)?;
+        router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out)
+    }
+
+    /// The shared expert of layer `l` into `blk` (`[n, n_embd]`); uses the gate / up / act
+    /// scratch, so it runs after the routed experts' SwiGLU.
+    fn shared_expert(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        m: &Moe<GpuTensor>,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let limit = |v: f32| (v > 0.0).then_some(v);
         let fs = hp.n_ff_shexp as u32;
         self.linear(pass, &m.sh_gate, &sc.h, &sc.f_gate, n)?;
         self.linear(pass, &m.sh_up, &sc.h, &sc.f_up, n)?;
@@ -967,8 +1104,7 @@ impl GpuModel {
             View::new(&sc.f_up, 0),
             limit(hp.swiglu_limit_shexp[l]),
         )?;
-        self.linear(pass, &m.sh_down, &sc.f_act, &sc.blk, n)?;
-        router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out)
+        self.linear(pass, &m.sh_down, &sc.f_act, &sc.blk, n)
     }
 }
 
@@ -1033,6 +1169,7 @@ impl Scratch {
             attn_split,
             logits: f(logit_rows * hp.n_vocab, "logits")?,
             logit_rows,
+            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
         })
     }
 }

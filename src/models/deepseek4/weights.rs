@@ -8,12 +8,16 @@
 //! - routed experts are stacked `[n_expert, rows, cols]`: GGUF stores the stack in ggml
 //!   MXFP4 blocks; the release stores one packed-MXFP4 tensor (+ E8M0 `.scale`) per expert,
 //!   repacked here into ggml MXFP4 bytes (`Weight::Owned`, see `experts_upstream`);
-//! - FP8 e4m3 block-scaled linears of the release are dequantized to f32 (see `Loader::mat`);
+//! - FP8 e4m3 block-scaled linears (and FP8 experts) of the release stay FP8: repacked into
+//!   lathe's `F8_E4M3_B128` blocks (each 128 columns with their f32 block scale; a layout
+//!   change, no rounding, `Weight::Owned`, see `Loader::mat`), read by the GPU kernels and
+//!   dequantized by the CPU reference through `quant`;
 //! - `tid2eid` (GGUF I32, release I64) becomes exact f32 expert ids.
 
 use super::Hparams;
 use crate::models::{expect_shape, read_f32, ModelFile, Weight};
-use crate::safetensors::{dequant_fp8_block, find_block_scale, repack_mxfp4_to_ggml, HfModel};
+use crate::safetensors::scaled::repack_fp8_block_to_b128;
+use crate::safetensors::{find_block_scale, repack_mxfp4_to_ggml, HfModel};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
 
@@ -282,22 +286,22 @@ impl crate::models::TensorNames for W {
 
 impl<'a> Loader<'a> {
     /// Any weight: stored as it is, except the release's FP8 e4m3 linears (`X.weight` +
-    /// `X.scale` E8M0 per 128×128 block), dequantized to f32 here.
-    // TODO(lead): the GPU gets these as f32 too (4× the bytes of FP8); it wants a stored
-    // type instead (an FP8 block-scaled matvec, or a requantization to Q8_0 as `Owned`).
+    /// `X.scale` per 128×128 block), repacked into `F8_E4M3_B128` (one byte per weight still).
     fn mat(&self, w: W, shape: &[u64]) -> Result<Weight<'a>> {
         let t = self.shaped(w, shape)?;
         if t.dtype != DType::F8_E4M3 {
             return Ok(Weight::Stored(t));
         }
-        Ok(Weight::F32 {
+        Ok(Weight::Owned {
             name: t.name.to_string(),
+            dtype: DType::F8_E4M3_B128,
             shape: shape.to_vec(),
-            data: self.fp8_to_f32(&t)?,
+            bytes: self.fp8_repack(&t)?,
         })
     }
 
-    fn fp8_to_f32(&self, t: &TensorRef<'a>) -> Result<Vec<f32>> {
+    /// An FP8 weight and its block scale as `F8_E4M3_B128` bytes.
+    fn fp8_repack(&self, t: &TensorRef<'a>) -> Result<Vec<u8>> {
         let ModelFile::Hf(h) = self.file else {
             return Err(Error::tensor(t.path, t.name, "FP8 weight in a GGUF file"));
         };
@@ -308,9 +312,7 @@ impl<'a> Loader<'a> {
                 "FP8 weight without a `.scale` / `.weight_scale_inv` tensor",
             )
         })?;
-        let mut out = vec![0f32; t.n_elements() as usize];
-        dequant_fp8_block(t, &scale, &mut out)?;
-        Ok(out)
+        repack_fp8_block_to_b128(t, &scale)
     }
 
     fn hc(
@@ -351,8 +353,9 @@ impl<'a> Loader<'a> {
 
     /// Routed experts of the release: one tensor per expert, stacked to
     /// `[n_expert, rows, cols]`. Packed MXFP4 (I8/U8 + E8M0 scale) is repacked into ggml's
-    /// MXFP4 blocks (a layout change, no rounding), so the GPU's MXFP4 kernels serve both
-    /// formats and the CPU reference dequantizes the same bytes.
+    /// MXFP4 blocks and FP8 (+ block scale) into `F8_E4M3_B128` (layout changes, no
+    /// rounding), so the GPU's kernels serve both formats and the CPU reference dequantizes
+    /// the same bytes.
     fn experts_upstream(
         &self,
         h: &'a HfModel,
@@ -386,15 +389,16 @@ impl<'a> Loader<'a> {
                 })
             }
             DType::F8_E4M3 => {
-                let mut data = Vec::with_capacity(ne * (rows * cols) as usize);
+                let mut bytes = Vec::new();
                 for t in &ts {
                     expect_shape(t, &[rows, cols])?;
-                    data.extend(self.fp8_to_f32(t)?);
+                    bytes.extend(self.fp8_repack(t)?);
                 }
-                Ok(Weight::F32 {
+                Ok(Weight::Owned {
                     name: ts[0].name.to_string(),
+                    dtype: DType::F8_E4M3_B128,
                     shape: shape.to_vec(),
-                    data,
+                    bytes,
                 })
             }
             _ => {

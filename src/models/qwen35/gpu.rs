@@ -5,13 +5,14 @@
 
 use super::weights::{self, Ffn, Mixer, Weights};
 use super::{HeadMap, Hparams};
-use crate::engine::{KvType, LoadOptions, Want};
+use crate::engine::{KvType, LoadOptions, Logits, TopLogits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::conv::{self, ConvIo};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::gdn::{self, GdnIo, GdnShape, KeyHeadMap, SeqBatch, SeqSpan};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
+use crate::gpu::moe::{FfnBufs, Offload, Plan};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
@@ -55,12 +56,14 @@ struct Scratch {
     f_gate: wgpu::Buffer,
     f_up: wgpu::Buffer,
     /// [rows·n_used, n_embd]: routed expert outputs; [rows, n_expert] router logits,
-    /// [rows, n_used] ids (u32) and weights; [rows, 1] shared-expert gate.
+    /// [rows, n_used] ids (u32) and weights; [rows, 1] shared-expert gate; [rows, n_embd]
+    /// the shared expert's output kept across the cold path's passes (offload only).
     moe_out: wgpu::Buffer,
     router: wgpu::Buffer,
     moe_ids: wgpu::Buffer,
     moe_w: wgpu::Buffer,
     sh_gate: wgpu::Buffer,
+    sh_out: wgpu::Buffer,
     route: Option<MoeRoute>,
     /// GDN chunk scratch and the one-sequence batch table.
     gdn_scratch: wgpu::Buffer,
@@ -70,6 +73,8 @@ struct Scratch {
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
+    /// Top-k (+ log-sum-exp) of up to `rows` logits rows, for [`Want::Top`] items.
+    top: topk::LogitsTop,
 }
 
 /// State pools shared by all sequences, one per layer kind; sequence slot `s` owns KV rows
@@ -111,6 +116,15 @@ impl Drop for GpuSeq {
     }
 }
 
+/// The [`Want::Top`] rows of a round: their rows in the pass, one k (the largest asked) and
+/// whether any item wants the log-sum-exp.
+#[derive(Default)]
+struct TopReq {
+    rows: Vec<usize>,
+    k: u32,
+    lse: bool,
+}
+
 /// One round's share of a batch item: rows `row .. row + n` of the pass.
 struct Part {
     item: usize,
@@ -135,6 +149,9 @@ pub struct GpuModel {
     /// Profiling: when `Some`, passes are timed per dispatch (GPU timestamps) and the last
     /// round's `(kernel label, ns)` list is stored here.
     pub profile: Option<Vec<(String, f64)>>,
+    /// The expert arena and cold path when not every routed expert has a slot (or routing
+    /// is counted); `None`: the per-layer expert stacks of `w`.
+    pub offload: Option<Offload>,
 }
 
 fn kv_shape(hp: &Hparams, t: attention::KvType) -> KvShape {
@@ -148,9 +165,19 @@ fn kv_shape(hp: &Hparams, t: attention::KvType) -> KvShape {
 impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
         let hp = Hparams::from_file(file)?;
+        // Placement first: experts without the stacks go to the arena after the rest.
+        let plan = Plan::new(&gpu, file, opts, DEFAULT_BATCH)?;
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
         let w = weights::load(file, &hp, |w| {
+            if plan.is_some() && crate::moe::is_expert_tensor(w.name()) {
+                return Ok(GpuTensor {
+                    name: w.name().to_string(),
+                    dtype: w.dtype(),
+                    shape: w.shape().to_vec(),
+                    parts: Vec::new(),
+                });
+            }
             let t = w.with_tensor(|t| gpu.upload_tensor(t))?;
             done += t.bytes();
             if let Some(p) = &opts.progress {
@@ -172,6 +199,10 @@ impl GpuModel {
             opts.max_seqs.max(1),
             opts.ctx.clamp(16, 4096),
         )?;
+        let offload = match plan {
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
+            None => None,
+        };
         Ok(GpuModel {
             gpu,
             hp,
@@ -182,7 +213,17 @@ impl GpuModel {
             scratch,
             trace_layer: None,
             profile: None,
+            offload,
         })
+    }
+
+    /// Layers with routed experts.
+    pub fn n_moe_layers(&self) -> usize {
+        self.w
+            .layers
+            .iter()
+            .filter(|l| matches!(l.ffn, Ffn::Moe(_)))
+            .count()
     }
 
     /// A new sequence in a free slot (at most `LoadOptions::max_seqs` live at once).
@@ -223,6 +264,53 @@ impl GpuModel {
         }
         self.gpu.queue.submit([enc.finish()]);
         seq.pos = 0;
+        Ok(())
+    }
+
+    /// Make `dst` a copy of `src` (a checkpoint, or its restore): KV rows `[0, pos)` of every
+    /// attention layer and the conv + GDN state of every recurrent layer, slot to slot, all
+    /// on the GPU in one submission. Both slots live in the same pool buffers and WebGPU
+    /// forbids a copy within one buffer, so each region goes through a staging buffer (wgpu
+    /// orders the copies with barriers). Every slot has the pool's `cap` rows, so `dst`
+    /// never needs to grow.
+    pub fn copy_seq(&self, src: &GpuSeq, dst: &mut GpuSeq) -> Result<()> {
+        let hp = &self.hp;
+        let p = &self.pools;
+        debug_assert!(src.pos <= p.cap && src.slot != dst.slot);
+        let (s, d) = (src.slot as u64, dst.slot as u64);
+        let conv_len = ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
+        let ssm_len = (hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
+        let ks = kv_shape(hp, self.kv_type);
+        // [pos, n_head_kv, head_dim]: a multiple of 4 bytes (head_dim is, see KvShape).
+        let kv_len = ks.bytes(src.pos as u64);
+        let (kv_src, kv_dst) = (ks.bytes(s * p.cap as u64), ks.bytes(d * p.cap as u64));
+        let mut regions: Vec<(&wgpu::Buffer, u64, u64, u64)> = Vec::new();
+        for (l, kv) in p.kv.iter().enumerate() {
+            if let Some((k, v)) = kv {
+                if kv_len > 0 {
+                    regions.push((k, kv_src, kv_dst, kv_len));
+                    regions.push((v, kv_src, kv_dst, kv_len));
+                }
+            }
+            if let Some(c) = &p.conv[l] {
+                regions.push((c, s * conv_len, d * conv_len, conv_len));
+            }
+            if let Some(b) = &p.ssm[l] {
+                regions.push((b, s * ssm_len, d * ssm_len, ssm_len));
+            }
+        }
+        let stage_len = regions.iter().map(|r| r.3).max().unwrap_or(0);
+        if stage_len > 0 {
+            let stage = self.gpu.buffer(stage_len, "seq.copy_stage")?;
+            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+            for (buf, from, to, len) in regions {
+                enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
+                enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
+            }
+            self.gpu.queue.submit([enc.finish()]);
+            self.gpu.check()?;
+        }
+        dst.pos = src.pos;
         Ok(())
     }
 
@@ -273,22 +361,32 @@ impl GpuModel {
     pub fn forward(&mut self, seq: &mut GpuSeq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         let want = if all { Want::All } else { Want::Last };
         let mut out = self.forward_batch(&mut [(seq, tokens, want)])?;
-        Ok(out.pop().unwrap_or_default())
+        Ok(out.pop().map(Logits::into_full).unwrap_or_default())
     }
 
     /// Feed several sequences at once: each item's tokens are appended to its sequence, in
     /// passes of at most `DEFAULT_BATCH` rows shared by all items (a long prefill is split
     /// into chunks, so decode steps of other items never wait longer than a chunk).
-    /// Returns, per item, the logits it wants (`[n, vocab]` row-major).
+    /// Returns, per item, the logits it wants (`[n, vocab]` row-major), or for
+    /// [`Want::Top`] the best logits of its last token, found in the round's pass.
     pub fn forward_batch(
         &mut self,
         items: &mut [(&mut GpuSeq, &[u32], Want)],
-    ) -> Result<Vec<Vec<f32>>> {
-        for (_, t, _) in items.iter() {
+    ) -> Result<Vec<Logits>> {
+        for (_, t, w) in items.iter() {
             self.check_tokens(t)?;
+            crate::engine::check_want(*w)?;
         }
         let v = self.hp.n_vocab;
-        let mut out: Vec<Vec<f32>> = items.iter().map(|_| Vec::new()).collect();
+        // One k for every Top item (the largest); each item keeps its own k of it.
+        let mut top = TopReq::default();
+        for (_, _, w) in items.iter() {
+            if let Want::Top { k, lse } = *w {
+                top.k = top.k.max(k);
+                top.lse |= lse;
+            }
+        }
+        let mut out: Vec<Logits> = items.iter().map(|_| Logits::Full(Vec::new())).collect();
         let mut done: Vec<usize> = vec![0; items.len()];
         loop {
             // One round: multi-token parts first, single tokens after (one batched decode
@@ -327,25 +425,47 @@ impl GpuModel {
                     }
                 })
                 .collect();
+            top.rows = parts
+                .iter()
+                .filter(|p| {
+                    matches!(items[p.item].2, Want::Top { .. })
+                        && p.start + p.n == items[p.item].1.len()
+                })
+                .map(|p| p.row + p.n - 1)
+                .collect();
             let toks: Vec<u32> = parts
                 .iter()
                 .flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied())
                 .collect();
-            let logits = self.run_round(&parts, &toks, &wants)?;
+            let (logits, tops) = self.run_round(&parts, &toks, &wants, &top)?;
             if self.trace_layer.is_some() {
                 // Debug pass: the residual stream came back instead of logits; the
                 // sequences' positions are left as they were.
-                return Ok(vec![logits]);
+                return Ok(vec![Logits::Full(logits)]);
             }
             let mut off = 0;
+            let mut tops = tops.into_iter();
             for p in &parts {
                 let got = wants
                     .iter()
                     .find(|w| w.0 >= p.row && w.0 < p.row + p.n)
                     .map(|w| w.1);
-                if let Some(nw) = got {
-                    out[p.item].extend_from_slice(&logits[off * v..(off + nw) * v]);
+                if let (Some(nw), Logits::Full(o)) = (got, &mut out[p.item]) {
+                    o.extend_from_slice(&logits[off * v..(off + nw) * v]);
                     off += nw;
+                }
+                if top.rows.contains(&(p.row + p.n - 1)) {
+                    let Want::Top { k, lse } = items[p.item].2 else {
+                        unreachable!("top rows come from Top items")
+                    };
+                    let mut t = tops.next().ok_or_else(|| {
+                        Error::Gpu("the round returned too few top-logits rows".into())
+                    })?;
+                    t.cands.truncate(k as usize);
+                    if !lse {
+                        t.lse = None;
+                    }
+                    out[p.item] = Logits::Top(t);
                 }
                 done[p.item] += p.n;
             }
@@ -357,18 +477,23 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// One pass over the rows of `parts`; returns the logits of the `wants` row runs.
+    /// One pass over the rows of `parts`; returns the logits of the `wants` row runs and the
+    /// top logits of the `top` rows (in order).
     fn run_round(
         &mut self,
         parts: &[Part],
         toks: &[u32],
         wants: &[(usize, usize)],
-    ) -> Result<Vec<f32>> {
+        top: &TopReq,
+    ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
         let gpu = self.gpu.clone();
         let n = toks.len() as u32;
         let e = self.hp.n_embd as u32;
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
         let mut pass = gpu.pass();
+        if self.profile.is_some() {
+            pass.hold();
+        }
         self.reserve(&mut pass, need)?;
         let cap = self.pools.cap as u32;
         // Per-row positions and KV destination rows; per decode row its visible key range.
@@ -434,32 +559,37 @@ impl GpuModel {
                 Some(&lw.post_norm),
                 hp.eps,
             )?;
-            self.ffn_block(&mut pass, &lw.ffn, n)?;
+            self.ffn_block(&mut pass, l, &lw.ffn, n)?;
             if self.trace_layer == Some(l) {
                 pass.submit()?;
-                return gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd);
+                let x = gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd)?;
+                return Ok((x, Vec::new()));
             }
+            pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         let total: usize = wants.iter().map(|w| w.1).sum();
         let profiling = self.profile.is_some();
         let mut prof = Vec::new();
-        let result = self.finish_round(pass, n, wants, total, profiling, &mut prof);
+        let result = self.finish_round(pass, n, wants, top, total, profiling, &mut prof);
         if profiling {
             self.profile = Some(prof);
         }
         result
     }
 
-    /// The head over the wanted rows of a round, then submit (and read back the logits).
+    /// The head over the wanted rows of a round, then submit (and read back the logits, or
+    /// only the top logits of the `top` rows).
+    #[allow(clippy::too_many_arguments)]
     fn finish_round(
         &self,
         mut pass: Pass<'_>,
         n: u32,
         wants: &[(usize, usize)],
+        top: &TopReq,
         total: usize,
         profiling: bool,
         prof: &mut Vec<(String, f64)>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
         fn submit(p: Pass<'_>, profiling: bool, prof: &mut Vec<(String, f64)>) -> Result<()> {
             if profiling {
                 prof.extend(p.submit_profiled()?);
@@ -472,9 +602,9 @@ impl GpuModel {
         let sc = &self.scratch;
         let hp = &self.hp;
         let e = hp.n_embd as u32;
-        if total == 0 {
+        if total == 0 && top.rows.is_empty() {
             submit(pass, profiling, prof)?;
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
         norm::rms_norm(
             &mut pass,
@@ -487,6 +617,33 @@ impl GpuModel {
         )?;
         let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
         let v = hp.n_vocab;
+        // Top rows first, in this pass: each row's head (one row per call, as for full
+        // logits, so the values are bit-identical) into the logits buffer, then their top-k
+        // into `sc.top`; the full-logits runs below reuse the buffer after them.
+        let mut r0 = 0;
+        for chunk in top.rows.chunks(sc.logit_rows) {
+            for (j, &r) in chunk.iter().enumerate() {
+                matmul::matmul(
+                    &mut pass,
+                    head,
+                    &sc.h,
+                    (r * hp.n_embd) as u32,
+                    &sc.logits,
+                    (j * v) as u32,
+                    1,
+                )?;
+            }
+            let rows = chunk.len() as u32;
+            sc.top.record(
+                &mut pass,
+                View::new(&sc.logits, 0),
+                rows,
+                r0,
+                top.k,
+                top.lse,
+            )?;
+            r0 += rows;
+        }
         // The head over the wanted rows, packed into the logits buffer; more passes (each
         // read back) only when they outgrow it.
         let mut logits = Vec::with_capacity(total * v);
@@ -525,7 +682,11 @@ impl GpuModel {
                 logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
             }
         }
-        Ok(logits)
+        if let Some(p) = pending {
+            submit(p, profiling, prof)?;
+        }
+        let tops = sc.top.read(&gpu, r0, top.k, top.lse)?;
+        Ok((logits, tops))
     }
 
     fn linear(
@@ -789,7 +950,84 @@ impl GpuModel {
         self.linear(pass, &a.o, &sc.att_g, &sc.x, n, true)
     }
 
-    fn ffn_block(&self, pass: &mut Pass<'_>, f: &Ffn<GpuTensor>, n: u32) -> Result<()> {
+    /// A MoE layer whose experts live in the offload's arena (recipe in `moe/mod.rs`): the
+    /// same router, per-pair outputs, slot-order combine and shared expert as the stacked
+    /// path below, with cold pairs computed on the CPU between passes.
+    fn moe_offload_block(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        m: &weights::Moe<GpuTensor>,
+        n: u32,
+    ) -> Result<()> {
+        let off = self.offload.as_ref().expect("offload layer");
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let e = hp.n_embd as u32;
+        let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
+        let (ne, k) = (mp.n_expert as u32, mp.n_used as u32);
+        self.linear(pass, &m.router, &sc.h, &sc.router, n, false)?;
+        topk::router_softmax_topk(
+            pass,
+            n,
+            ne,
+            k,
+            mp.norm_topk,
+            View::new(&sc.router, 0),
+            View::new(&sc.moe_ids, 0),
+            View::new(&sc.moe_w, 0),
+        )?;
+        let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
+        let bufs = FfnBufs {
+            gate: &sc.f_gate,
+            up: &sc.f_up,
+            act: &sc.o,
+            out: &sc.moe_out,
+        };
+        off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
+        // The shared expert while the CPU runs the cold pairs; added after the routed sum
+        // as in the stacked path.
+        if let Some((g, u, d, gi)) = &m.shared {
+            let fs = g.shape[0] as u32;
+            self.linear(pass, g, &sc.h, &sc.f_gate, n, false)?;
+            self.linear(pass, u, &sc.h, &sc.f_up, n, false)?;
+            ew::swiglu(
+                pass,
+                n,
+                fs,
+                View::new(&sc.o, 0),
+                View::new(&sc.f_gate, 0),
+                View::new(&sc.f_up, 0),
+                None,
+            )?;
+            self.linear(pass, d, &sc.o, &sc.sh_out, n, false)?;
+            self.linear(pass, gi, &sc.h, &sc.sh_gate, n, false)?;
+            ew::sigmoid_mul_row_inplace(
+                pass,
+                n,
+                e,
+                View::new(&sc.sh_out, 0),
+                View::new(&sc.sh_gate, 0),
+            )?;
+        }
+        off.cold_ffn(pass, cold, &sc.moe_out, n, None)?;
+        for s in 0..k {
+            ew::axpy_row(
+                pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                View::strided(&sc.moe_w, s, k),
+                View::strided(&sc.moe_out, s * e, k * e),
+            )?;
+        }
+        if m.shared.is_some() {
+            ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.sh_out, 0))?;
+        }
+        Ok(())
+    }
+
+    fn ffn_block(&self, pass: &mut Pass<'_>, l: usize, f: &Ffn<GpuTensor>, n: u32) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let e = hp.n_embd as u32;
@@ -808,6 +1046,9 @@ impl GpuModel {
                     None,
                 )?;
                 self.linear(pass, down, &sc.o, &sc.x, n, true)
+            }
+            Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
+                self.moe_offload_block(pass, l, m, n)
             }
             Ffn::Moe(m) => {
                 let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
@@ -1066,6 +1307,7 @@ impl Scratch {
             moe_ids: f(r * k, "moe_ids")?,
             moe_w: f(r * k, "moe_w")?,
             sh_gate: f(r, "sh_gate")?,
+            sh_out: f(if hp.moe.is_some() { r * hp.n_embd } else { 1 }, "sh_out")?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -1079,6 +1321,7 @@ impl Scratch {
             attn_split,
             logits: f(logit_rows * hp.n_vocab, "logits")?,
             logit_rows,
+            top: topk::LogitsTop::new(gpu, r as u32, hp.n_vocab as u32)?,
         })
     }
 }
