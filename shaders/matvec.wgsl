@@ -27,10 +27,10 @@
 // lanes striding over the row's slices, then reducing (subgroups or workgroup memory).
 
 // int8 activations (Q8X, src/gpu/matvec.rs `matvec_q8x`): x is first quantized per 32-element
-// block as ggml's block_q8_1 (kernel `quantize_x`, QUANT_X below); the Q8X variants of the Q4_0,
-// Q8_0, Q4_K and Q6_K matvec multiply the integer weight codes with the int8 x four at a time
-// (dot4I8Packed: weight codes 0..63 are valid signed bytes too) and apply the block scales once
-// per integer sum, trading f32 precision of x for far fewer instructions per weight.
+// block as ggml's block_q8_1 (kernel `quantize_x`, QUANT_X below); the Q8X variants of the
+// Q4_0, Q8_0, Q4_K, Q5_K and Q6_K matvec multiply the integer weight codes with the int8 x four
+// at a time (dot4I8Packed: weight codes 0..63 are valid signed bytes too) and apply the block
+// scales once per integer sum, trading f32 precision of x for far fewer instructions per weight.
 
 #if QUANT_X
 // x rows (f32) to int8 blocks of 32, ggml's quantize_row_q8_1: d = max|x| / 127, q = round(x / d)
@@ -149,7 +149,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> W: array<u32>;
 @group(0) @binding(2) var<storage, read> W4: array<vec4<u32>>;
 #if Q8X
-// int8 x from quantize_x: [tokens, blocks of 32, 2] vec4 of codes and [tokens, blocks] (d, d * sum q)
+// int8 x from quantize_x: codes [rows, blocks of 32, 2] (vec4 of 16 codes), scales
+// [rows, blocks] (d, d * sum q); matvec_id's ids move to binding 6
 @group(0) @binding(3) var<storage, read> QX: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read> XS: array<vec2<f32>>;
 #else
@@ -178,6 +179,23 @@ fn qx(blk: u32, h: u32) -> vec4<u32> {
 
 fn dot16(a: vec4<u32>, b: vec4<u32>) -> i32 {
     return dot4I8Packed(a.x, b.x) + dot4I8Packed(a.y, b.y) + dot4I8Packed(a.z, b.z) + dot4I8Packed(a.w, b.w);
+}
+
+// two consecutive x blocks: the slice of the Q4_K / Q5_K lanes (two 32-element sub-blocks)
+struct QX2 {
+    q: array<vec4<u32>, 4>,   // block blk (words 0..8), then blk+1
+    d: vec4<f32>,             // (d, s) of block blk, then of blk+1
+}
+
+fn load_qx2(blk: u32) -> QX2 {
+    return QX2(array<vec4<u32>, 4>(qx(blk, 0u), qx(blk, 1u), qx(blk + 1u, 0u), qx(blk + 1u, 1u)),
+               vec4<f32>(XS[blk], XS[blk + 1u]));
+}
+
+// sum over two 32-weight sub-blocks of d * sc * q * x - dmin * m * x (scales and mins as
+// k4_scales gives them) from the integer sums lo (sub-block 2c) and hi (2c+1)
+fn k_sub2(dm: vec2<f32>, sm: vec4<f32>, lo: i32, hi: i32, xc: QX2) -> f32 {
+    return dm.x * (sm.x * xc.d.x * f32(lo) + sm.z * xc.d.z * f32(hi)) - dm.y * (sm.y * xc.d.y + sm.w * xc.d.w);
 }
 #else
 // x[e..e+4] (e a multiple of 4 when X is bound as vectors)
@@ -696,15 +714,10 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
 // mins as dmin * m * s_x per sub-block (ggml's vec_dot_q4_K_q8_1).
 const MV_CPB = 4u;
 
-struct XC {
-    q: array<vec4<u32>, 4>,   // x blocks 2c (words 0..8) and 2c+1
-    d: vec4<f32>,             // (d, s) of x block 2c, then of 2c+1
-}
+alias XC = QX2;
 
 fn load_xc(xe: u32, c: u32) -> XC {
-    let blk = xe / 32u + 2u * c;
-    return XC(array<vec4<u32>, 4>(qx(blk, 0u), qx(blk, 1u), qx(blk + 1u, 0u), qx(blk + 1u, 1u)),
-              vec4<f32>(XS[blk], XS[blk + 1u]));
+    return load_qx2(xe / 32u + 2u * c);
 }
 
 fn chunk_dot(b: u32, c: u32, xc: XC) -> f32 {
@@ -715,9 +728,7 @@ fn chunk_dot(b: u32, c: u32, xc: XC) -> f32 {
     let m4 = vec4<u32>(M4);
     let lo = dot16(q0 & m4, xc.q[0]) + dot16(q1 & m4, xc.q[1]);
     let hi = dot16((q0 >> vec4<u32>(4u)) & m4, xc.q[2]) + dot16((q1 >> vec4<u32>(4u)) & m4, xc.q[3]);
-    let dm = unpack2x16float(hd.x);
-    let sm = k4_scales(hd.y, hd.z, hd.w, c);
-    return dm.x * (sm.x * xc.d.x * f32(lo) + sm.z * xc.d.z * f32(hi)) - dm.y * (sm.y * xc.d.y + sm.w * xc.d.w);
+    return k_sub2(unpack2x16float(hd.x), k4_scales(hd.y, hd.z, hd.w, c), lo, hi, xc);
 }
 #else
 // matvec: the same chunks, 8 lanes per block: one 16-byte load of qs plus the 16-byte header
@@ -794,6 +805,36 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
                                d1 * f4u(v.hi.x) - m1, d1 * f4u(v.hi.y) - m1, d1 * f4u(v.hi.z) - m1, d1 * f4u(v.hi.w) - m1);
 }
 
+#if Q8X
+// matvec, int8 x: as Q4_K's, 4 lanes per block, lane c = qs bytes 32c..32c+32 with the fifth
+// bits from qh (bytes 0..16 for the first 16 qs bytes, 16..32 for the next); 5-bit levels are
+// valid signed bytes.
+const MV_CPB = 4u;
+
+alias XC = QX2;
+
+fn load_xc(xe: u32, c: u32) -> XC {
+    return load_qx2(xe / 32u + 2u * c);
+}
+
+fn chunk_dot(b: u32, c: u32, xc: XC) -> f32 {
+    let bi = b >> 4u;
+    let hd = W4[bi];
+    let qh0 = W4[bi + 1u];
+    let qh1 = W4[bi + 2u];
+    let q0 = W4[bi + 3u + 2u * c];
+    let q1 = W4[bi + 4u + 2u * c];
+    let m4 = vec4<u32>(M4);
+    let one = vec4<u32>(0x01010101u);
+    let sl = vec4<u32>(2u * c);
+    let sh = vec4<u32>(2u * c + 1u);
+    let f = vec4<u32>(4u);
+    let lo = dot16((q0 & m4) | (((qh0 >> sl) & one) << f), xc.q[0]) + dot16((q1 & m4) | (((qh1 >> sl) & one) << f), xc.q[1]);
+    let hi = dot16(((q0 >> f) & m4) | (((qh0 >> sh) & one) << f), xc.q[2])
+           + dot16(((q1 >> f) & m4) | (((qh1 >> sh) & one) << f), xc.q[3]);
+    return k_sub2(unpack2x16float(hd.x), k4_scales(hd.y, hd.z, hd.w, c), lo, hi, xc);
+}
+#else
 const MV_CPB = 8u;
 
 struct XC {
@@ -822,6 +863,7 @@ fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
     let hi = dot(g4u(v.hi.x), xc.v[4]) + dot(g4u(v.hi.y), xc.v[5]) + dot(g4u(v.hi.z), xc.v[6]) + dot(g4u(v.hi.w), xc.v[7]);
     return v.sm.x * lo + v.sm.z * hi - (v.sm.y * xc.s.x + v.sm.w * xc.s.y);
 }
+#endif
 #endif
 
 #if TY_Q6_K
@@ -1235,11 +1277,14 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 #endif
 }
 
-#ifndef Q8X
 // MoE: for pair q = p.pair_off + wid.x (token q / n_used, slot q % n_used) with expert
 // e = ids[ids_off + q]: y[q][row] (=|+=) sum_c W[e][row][c] x[q or q / n_used][c].
-// Workgroups whose expert is not in the bound part return at once.
+// Workgroups whose expert is not in the bound part return at once. (Q8X: x rows are QX rows.)
+#if Q8X
+@group(0) @binding(6) var<storage, read> IDX: array<u32>;
+#else
 @group(0) @binding(5) var<storage, read> IDX: array<u32>;
+#endif
 
 @compute @workgroup_size(WG)
 fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -1265,7 +1310,6 @@ fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     reduce_store(acc, lid, row0, p.y_off + q * p.y_stride);
 #endif
 }
-#endif
 
 #endif
 #endif

@@ -755,7 +755,13 @@ fn variants_translate_to_every_backend() {
 // product with the f32 x: off by at most Σ_blocks d/2·Σ|w| (each |x − x̂| ≤ d/2, d = max|x|/127
 // of the block) plus the same f32 tolerance.
 
-const Q8X_TYPES: [DType; 4] = [DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q4_0];
+const Q8X_TYPES: [DType; 5] = [
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q6_K,
+    DType::Q4_0,
+    DType::Q5_K,
+];
 
 /// x with a spread of block ranges: normals, every 5th block scaled by 30, one block of zeros.
 fn q8x_input(n: usize, seed: u64) -> Vec<f32> {
@@ -1045,12 +1051,16 @@ fn int8_x_variants_translate_to_every_backend() {
             let mut qx = matvec::QuantX::new(g, 2, cols).unwrap();
             let mut pass = g.pass();
             matvec::quantize_x(&mut pass, &xb, 0, 0, 2, cols, &mut qx).unwrap();
+            let w3 = Weight::random(dt, &[2, 4, cols as u64], 3).upload(g);
+            let ids = g.upload(bytemuck::cast_slice(&[1u32, 0]), "ids").unwrap();
             for portable in [false, true] {
                 let o = MatvecOpts {
                     portable,
                     ..Default::default()
                 };
                 matvec::matvec_q8x(&mut pass, &wt, &qx, &yb, 0, &o).unwrap();
+                matvec::matvec_indexed_q8x(&mut pass, &w3, &qx, false, &ids, 0, 1, &yb, 0, 2, &o)
+                    .unwrap();
             }
             submit(pass);
         }
@@ -1084,7 +1094,103 @@ fn int8_x_variants_translate_to_every_backend() {
     }
     eprintln!("{n} int8-x variants translated");
     assert!(
-        n >= 1 + Q8X_TYPES.len(),
+        n > 2 * Q8X_TYPES.len(), // the quantizer plus matvec and matvec_id of every type
         "expected the quantizer and every type's variants, got {n}"
     );
+}
+
+#[test]
+#[ignore]
+fn real_int8_x() {
+    run_q8x(DType::Q4_K, 12288, 4096, 1, 1);
+    run_q8x(DType::Q6_K, 4096, 12288, 2, 2);
+    run_q8x(DType::Q8_0, 4096, 4096, 8, 3);
+    run_q8x(DType::Q4_0, 4096, 4096, 1, 4);
+    run_q8x(DType::Q5_K, 4096, 4096, 3, 5);
+}
+
+/// MoE decode with int8 x: the two-step form (x quantized per token or per pair, then
+/// matvec_indexed_q8x) and the one-step `int8_x` option, split experts, an invalid id.
+#[test]
+fn int8_x_indexed_moe() {
+    let g = gpu();
+    let (ne, rows, n_used, nt) = (6usize, 45usize, 3usize, 2usize);
+    let np = nt * n_used;
+    for (i, dt) in Q8X_TYPES.into_iter().enumerate() {
+        let cols = 2 * dt.block_size();
+        let w = Weight::random(dt, &[ne as u64, rows as u64, cols as u64], 40 + i as u64);
+        let ids: Vec<u32> = vec![0, 2, 4, 5, 99, 1];
+        let _l = serial();
+        let wt = w.upload_parts(g, &[2 * rows as u64, 4 * rows as u64]);
+        let idb = g
+            .upload(
+                bytemuck::cast_slice(&[[7u32].as_slice(), &ids].concat()),
+                "ids",
+            )
+            .unwrap();
+        for per_pair in [false, true] {
+            let xr = if per_pair { np } else { nt };
+            let x = q8x_input(xr * cols, 7 + i as u64);
+            let xb = g.upload_f32(&x, "x").unwrap();
+            let (y1, y2) = (out_buffer(g, np * rows), out_buffer(g, np * rows));
+            let mut qx = matvec::QuantX::new(g, xr as u32, cols as u32).unwrap();
+            let mut pass = g.pass();
+            matvec::quantize_x(&mut pass, &xb, 0, 0, xr as u32, cols as u32, &mut qx).unwrap();
+            let o = MatvecOpts::default();
+            let (nu, n) = (n_used as u32, nt as u32);
+            matvec::matvec_indexed_q8x(
+                &mut pass,
+                &wt,
+                &qx,
+                per_pair,
+                &idb,
+                1,
+                nu,
+                &y1,
+                GUARD as u32,
+                n,
+                &o,
+            )
+            .unwrap();
+            let o8 = MatvecOpts { int8_x: true, ..o };
+            matvec::matvec_indexed(
+                &mut pass,
+                &wt,
+                &xb,
+                0,
+                per_pair,
+                &idb,
+                1,
+                nu,
+                &y2,
+                GUARD as u32,
+                n,
+                &o8,
+            )
+            .unwrap();
+            submit(pass);
+            let q = read_quant_x(g, &qx);
+            let xh = q.dequantize();
+            let want: Vec<_> = (0..np * rows)
+                .map(|k| {
+                    let (p, r) = (k / rows, k % rows);
+                    let e = ids[p] as usize;
+                    let xq = if per_pair { p } else { p / n_used };
+                    (e < ne).then(|| w.dot(e * rows + r, &xh[xq * cols..][..cols]))
+                })
+                .collect();
+            let what = format!("q8x indexed {dt} per_pair {per_pair}");
+            check(
+                &g.read_f32(&y1, 0, np * rows + 2 * GUARD).unwrap(),
+                &want,
+                &what,
+            );
+            // the one-step path quantizes the same x with the same kernel: identical results
+            assert_eq!(
+                g.read_f32(&y1, 0, np * rows + 2 * GUARD).unwrap(),
+                g.read_f32(&y2, 0, np * rows + 2 * GUARD).unwrap(),
+                "{what}: one-step int8_x"
+            );
+        }
+    }
 }

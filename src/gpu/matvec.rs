@@ -17,12 +17,14 @@
 //! MXFP4 37%; 4096 columns reach less (Q8_0 35-46%, Q4_K 21-33%). The quantized kernels are
 //! bound by instruction issue (decode, int->float converts), not memory: see the bench.
 //!
-//! int8 activations ([`matvec_q8x`], opt-in through [`MatvecOpts::int8_x`]): x is quantized
-//! once per product (or once for several products sharing it, [`quantize_x`]) to blocks of 32
-//! int8 codes with an f32 scale, ggml's `block_q8_1` numerics (CPU reference
-//! `cpu::q8x::quantize_x`); the Q4_0, Q8_0, Q4_K and Q6_K kernels then multiply integer codes
-//! four at a time (`dot4I8Packed`) and convert once per block. The result carries x's
-//! quantization error, |x - x̂| <= d/2 per element with d = max|x|/127 of its block.
+//! int8 activations ([`matvec_q8x`], [`matvec_indexed_q8x`], opt-in through
+//! [`MatvecOpts::int8_x`] or [`DecodeKernels`]): x is quantized once per product (or once for
+//! several products sharing it, [`quantize_x`]) to blocks of 32 int8 codes with an f32 scale,
+//! ggml's `block_q8_1` numerics (CPU reference `cpu::q8x::quantize_x`); the Q4_0, Q8_0, Q4_K,
+//! Q5_K and Q6_K kernels then multiply integer codes four at a time (`dot4I8Packed`) and convert
+//! once per block. The result carries x's quantization error, |x - x̂| <= d/2 per element with
+//! d = max|x|/127 of its block. (MXFP4 has none: its e2m1 codes need a table to become
+//! integers, which costs about what the f32 path's conversion does.)
 
 use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{DType, Error, Result};
@@ -80,9 +82,9 @@ pub struct MatvecOpts {
     /// Extra shader defines `(NAME, value)` for `#if` variants tried in the kernel lab
     /// (`bench_kernels --variant`); the shipped shaders have none, normal use leaves this empty.
     pub defines: &'static [(&'static str, &'static str)],
-    /// Quantize x to int8 blocks and take the integer-dot kernel ([`matvec_q8x`]) for the
-    /// weight types that have one ([`int8_x_supported`]); others, the tiled matmul and the
-    /// indexed (MoE) products ignore it. Off by default: it adds x's int8 rounding error.
+    /// Quantize x to int8 blocks and take the integer-dot kernels ([`matvec_q8x`],
+    /// [`matvec_indexed_q8x`]) for the weight types that have one ([`int8_x_supported`]); other
+    /// types and the tiled matmuls ignore it. Off by default: it adds x's int8 rounding error.
     pub int8_x: bool,
 }
 
@@ -166,7 +168,7 @@ fn q8x_lanes(dt: DType) -> Option<u32> {
     use DType as T;
     match dt {
         T::Q4_0 | T::Q8_0 => Some(2),
-        T::Q4_K | T::Q6_K => Some(4),
+        T::Q4_K | T::Q5_K | T::Q6_K => Some(4),
         _ => None,
     }
 }
@@ -713,6 +715,8 @@ pub fn matvec_q8x(
 /// `y[y_off + q * y_stride ..][..rows] = W[e] · x_q`, where `x_q` is the row at
 /// `x_off + (x_per_pair ? q : t) * x_stride` (per token for gate/up, per pair for down).
 /// `w` is [n_expert, rows, cols]; strides default to cols / rows. Ids >= n_expert write nothing.
+/// With `opts.int8_x` and a type that has an int8 kernel, x is quantized first
+/// ([`matvec_indexed_q8x`]).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_indexed(
     pass: &mut Pass<'_>,
@@ -728,9 +732,105 @@ pub fn matvec_indexed(
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
+    let geo = Geometry::of(w, true)?;
+    let n_pairs = check_pairs(w, n_tokens, n_used)?;
+    let x_stride = if opts.x_stride == 0 {
+        geo.cols
+    } else {
+        opts.x_stride
+    };
+    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
+    if opts.int8_x && int8_x_supported(geo.dtype) {
+        let mut qx = QuantX::cached(pass.gpu(), x_rows, geo.cols)?;
+        quantize_x(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx)?;
+        return matvec_indexed_q8x(
+            pass, w, &qx, x_per_pair, ids, ids_off, n_used, y, y_off, n_tokens, opts,
+        );
+    }
+    let gpu = pass.gpu();
+    let pl = Plan::new(&geo, opts)?;
+    let sg = use_subgroups(gpu, opts);
+    let xvec = x_vec(x, x_off, x_stride, x_rows);
+    let pipe = pl.pipeline(gpu, &geo, "matvec_id", sg, xvec, opts.defines)?;
+    let xb = Binding::from(x);
+    let ind = Indexed {
+        x_off,
+        x_stride,
+        x_per_pair,
+        ids,
+        ids_off,
+        n_used,
+        n_pairs,
+    };
+    dispatch_indexed(pass, w, &geo, &pl, &pipe, &xb, None, &ind, y, y_off, opts)
+}
+
+/// [`matvec_indexed`] with x already quantized ([`quantize_x`]): `qx` holds the x rows (one per
+/// pair when `x_per_pair`, else one per token) of `w`'s columns; `w` of a type with an int8
+/// kernel ([`int8_x_supported`]). Of `opts`, accumulate, y_stride, portable, tune and defines
+/// apply.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_indexed_q8x(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    qx: &QuantX,
+    x_per_pair: bool,
+    ids: &wgpu::Buffer,
+    ids_off: u32,
+    n_used: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, true)?;
-    let n_expert = w.shape[0];
+    let lanes = q8x_lanes(geo.dtype).ok_or_else(|| {
+        Error::Unsupported(format!("{}: int8-x matvec of {} weights", w.name, w.dtype))
+    })?;
+    let n_pairs = check_pairs(w, n_tokens, n_used)?;
+    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    if qx.cols != geo.cols || qx.n_tokens < x_rows {
+        return Err(Error::Invalid(format!(
+            "{}: int8 x holds {} rows of {} values, the product needs {x_rows} of {}",
+            w.name, qx.n_tokens, qx.cols, geo.cols
+        )));
+    }
+    let pl = Plan::with_items(&geo, opts, geo.n_blocks * lanes)?;
+    let sg = use_subgroups(gpu, opts);
+    let mut extra = vec![("Q8X", "true")];
+    extra.extend_from_slice(opts.defines);
+    let pipe = pl.pipeline(gpu, &geo, "matvec_id", sg, false, &extra)?;
+    let xb = Binding::from(&qx.qs);
+    let ind = Indexed {
+        x_off: 0,
+        x_stride: geo.cols, // elements: the kernel reads block (x_off + row * x_stride) / 32
+        x_per_pair,
+        ids,
+        ids_off,
+        n_used,
+        n_pairs,
+    };
+    // bindings: W, W4, QX, Y, XS, IDX
+    let scales = Binding::from(&qx.scales);
+    dispatch_indexed(
+        pass,
+        w,
+        &geo,
+        &pl,
+        &pipe,
+        &xb,
+        Some(&scales),
+        &ind,
+        y,
+        y_off,
+        opts,
+    )
+}
+
+/// Pairs of an indexed product, checked.
+fn check_pairs(w: &GpuTensor, n_tokens: u32, n_used: u32) -> Result<u32> {
     let n_pairs = n_tokens as u64 * n_used as u64;
     if n_used == 0 || n_tokens == 0 || n_pairs > u32::MAX as u64 / 2 {
         return Err(Error::Invalid(format!(
@@ -738,32 +838,53 @@ pub fn matvec_indexed(
             w.name
         )));
     }
-    let n_pairs = n_pairs as u32;
-    let x_stride = if opts.x_stride == 0 {
-        geo.cols
-    } else {
-        opts.x_stride
-    };
+    Ok(n_pairs as u32)
+}
+
+/// The x side and the ids of an indexed product.
+struct Indexed<'a> {
+    x_off: u32,
+    x_stride: u32,
+    x_per_pair: bool,
+    ids: &'a wgpu::Buffer,
+    ids_off: u32,
+    n_used: u32,
+    n_pairs: u32,
+}
+
+/// One `matvec_id` dispatch per part and run of at most 65535 pairs; `scales`: the int8
+/// kernels' extra binding (before the ids).
+#[allow(clippy::too_many_arguments)]
+fn dispatch_indexed(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    geo: &Geometry,
+    pl: &Plan,
+    pipe: &std::sync::Arc<wgpu::ComputePipeline>,
+    x: &Binding,
+    scales: Option<&Binding>,
+    ind: &Indexed<'_>,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let n_expert = w.shape[0];
+    let n_pairs = ind.n_pairs;
     let y_stride = if opts.y_stride == 0 {
         geo.rows
     } else {
         opts.y_stride
     };
-    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
-    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
-    if (ids_off as u64 + n_pairs as u64) * 4 > ids.size() {
+    if (ind.ids_off as u64 + n_pairs as u64) * 4 > ind.ids.size() {
         return Err(Error::Invalid(format!(
-            "{}: ids need {} u32 at offset {ids_off}, buffer holds {}",
+            "{}: ids need {} u32 at offset {}, buffer holds {}",
             w.name,
             n_pairs,
-            ids.size() / 4
+            ind.ids_off,
+            ind.ids.size() / 4
         )));
     }
-    let pl = Plan::new(&geo, opts)?;
-    let sg = use_subgroups(gpu, opts);
-    let xvec = x_vec(x, x_off, x_stride, x_rows);
-    let pipe = pl.pipeline(gpu, &geo, "matvec_id", sg, xvec, opts.defines)?;
     let (gy, gz) = pl.groups(geo.rows);
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {
@@ -776,34 +897,30 @@ pub fn matvec_indexed(
             )));
         }
         let mut prm = geo.params(geo.rows, true);
-        prm.x_off = x_off;
-        prm.x_stride = x_stride;
+        prm.x_off = ind.x_off;
+        prm.x_stride = ind.x_stride;
         prm.y_off = y_off;
         prm.y_stride = y_stride;
         prm.accumulate = opts.accumulate as u32;
-        prm.n_used = n_used;
-        prm.ids_off = ids_off;
+        prm.n_used = ind.n_used;
+        prm.ids_off = ind.ids_off;
         prm.e_lo = e_lo as u32;
         prm.e_n = e_n as u32;
         prm.expert_bytes = expert_bytes as u32;
-        prm.x_per_pair = x_per_pair as u32;
+        prm.x_per_pair = ind.x_per_pair as u32;
+        let mut bindings: Vec<Binding> = vec![
+            (&part.buffer).into(),
+            (&part.buffer).into(),
+            x.clone(),
+            y.into(),
+        ];
+        bindings.extend(scales.cloned());
+        bindings.push(ind.ids.into());
         let mut q0 = 0;
         while q0 < n_pairs {
             let n = (n_pairs - q0).min(MAX_GROUPS);
             prm.pair_off = q0;
-            pass.dispatch(
-                &pipe,
-                &w.name,
-                &prm,
-                &[
-                    (&part.buffer).into(),
-                    (&part.buffer).into(),
-                    x.into(),
-                    Binding::from(y),
-                    ids.into(),
-                ],
-                [n, gy, gz],
-            );
+            pass.dispatch(pipe, &w.name, &prm, &bindings, [n, gy, gz]);
             q0 += n;
         }
     }
