@@ -200,23 +200,24 @@ impl Checkpoint {
     }
 }
 
-/// One sequence and the tokens it has consumed, and optionally a [`Checkpoint`] of it.
-pub struct Session {
+/// A sequence, the tokens it holds and optionally a [`Checkpoint`] of it: the prefix
+/// bookkeeping a chat [`Session`] and each server slot share.
+pub struct HeldSeq {
     seq: Seq,
     /// The tokens `seq` holds, in order: prompts and fed generated tokens. The last sampled
     /// token of a generation is never fed, so it is not here.
     tokens: Vec<u32>,
-    /// An error left the sequence in an unknown state: reset before the next use.
+    /// A forward failed half-way: the sequence may hold more than `tokens` says; reset
+    /// before the next use.
     stale: bool,
-    /// The state at the checkpoint position of the last prompt ([`Session::generate_at`]).
+    /// The state at the checkpoint position of the last prompt.
     checkpoint: Option<Checkpoint>,
 }
 
-impl Session {
-    /// A session without checkpoint: a prompt that does not extend what the sequence holds
-    /// is fed again from the start.
-    pub fn new(engine: &Engine) -> Result<Session> {
-        Ok(Session {
+impl HeldSeq {
+    /// A fresh sequence, without checkpoint.
+    pub fn new(engine: &Engine) -> Result<HeldSeq> {
+        Ok(HeldSeq {
             seq: engine.new_seq()?,
             tokens: Vec::new(),
             stale: false,
@@ -224,12 +225,15 @@ impl Session {
         })
     }
 
-    /// A session that keeps a [`Checkpoint`] (a second sequence) of the state where each
-    /// prompt's conversation ends, for chats whose template rewrites earlier turns.
-    pub fn with_checkpoint(engine: &Engine) -> Result<Session> {
-        let mut s = Session::new(engine)?;
-        s.checkpoint = Some(Checkpoint::new(engine)?);
-        Ok(s)
+    /// Keep (or stop keeping) a checkpoint.
+    pub fn set_checkpoint(&mut self, c: Option<Checkpoint>) {
+        self.checkpoint = c;
+    }
+
+    /// The sequence, for a batched forward; report its outcome with [`HeldSeq::fed`] or
+    /// [`HeldSeq::mark_stale`].
+    pub fn seq_mut(&mut self) -> &mut Seq {
+        &mut self.seq
     }
 
     /// The tokens the sequence holds.
@@ -240,6 +244,25 @@ impl Session {
     /// The tokens of the saved checkpoint (`None` without checkpoints; empty before any).
     pub fn checkpoint(&self) -> Option<&[u32]> {
         self.checkpoint.as_ref().map(Checkpoint::tokens)
+    }
+
+    /// `tokens` went through the sequence.
+    pub fn fed(&mut self, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
+        self.stale = false;
+    }
+
+    /// A forward over the sequence failed: what it holds is unknown until a reset.
+    pub fn mark_stale(&mut self) {
+        self.stale = true;
+    }
+
+    /// Saves the checkpoint (when one is kept) at what the sequence holds now.
+    pub fn save_checkpoint(&mut self, engine: &Engine) -> Result<()> {
+        match &mut self.checkpoint {
+            Some(c) => c.save(engine, &self.seq, &self.tokens),
+            None => Ok(()),
+        }
     }
 
     /// Forget everything, the checkpoint included.
@@ -258,27 +281,26 @@ impl Session {
         Ok(())
     }
 
+    fn reusable_live(&self, prompt: &[u32]) -> usize {
+        if self.stale {
+            0
+        } else {
+            reusable_prefix(&self.tokens, prompt)
+        }
+    }
+
     /// How many tokens of `prompt` need not be fed again: what the sequence holds when that
     /// is a proper prefix of `prompt`, or the checkpoint's tokens when those are (the
     /// longer of the two), else 0.
     pub fn reusable(&self, prompt: &[u32]) -> usize {
-        let live = if self.stale {
-            0
-        } else {
-            reusable_prefix(&self.tokens, prompt)
-        };
         let saved = self.checkpoint.as_ref().map_or(0, |c| c.reusable(prompt));
-        live.max(saved)
+        self.reusable_live(prompt).max(saved)
     }
 
-    /// Brings the sequence to the longest reusable prefix of `prompt` ([`Session::reusable`]):
+    /// Brings the sequence to the longest reusable prefix of `prompt` ([`HeldSeq::reusable`]):
     /// keeps it, restores the checkpoint, or resets. Returns the tokens kept.
-    fn resume(&mut self, engine: &Engine, prompt: &[u32]) -> Result<usize> {
-        let live = if self.stale {
-            0
-        } else {
-            reusable_prefix(&self.tokens, prompt)
-        };
+    pub fn resume(&mut self, engine: &Engine, prompt: &[u32]) -> Result<usize> {
+        let live = self.reusable_live(prompt);
         if let Some(c) = self
             .checkpoint
             .as_ref()
@@ -295,6 +317,61 @@ impl Session {
             self.reset_seq(engine)?;
         }
         Ok(live)
+    }
+
+    /// Feeds `tokens` (at least one) and returns what `want` asks of the last one's logits.
+    fn feed(&mut self, engine: &mut Engine, tokens: &[u32], want: Want) -> Result<Logits> {
+        self.stale = true;
+        let logits = engine
+            .forward_batch_with(&mut [(&mut self.seq, tokens, want)])?
+            .pop()
+            .ok_or_else(|| Error::Gpu("the forward returned nothing".into()))?;
+        self.fed(tokens);
+        Ok(logits)
+    }
+}
+
+/// One sequence for a conversation or a one-shot generation ([`HeldSeq`]), with the
+/// generation loop.
+pub struct Session {
+    held: HeldSeq,
+}
+
+impl Session {
+    /// A session without checkpoint: a prompt that does not extend what the sequence holds
+    /// is fed again from the start.
+    pub fn new(engine: &Engine) -> Result<Session> {
+        Ok(Session {
+            held: HeldSeq::new(engine)?,
+        })
+    }
+
+    /// A session that keeps a [`Checkpoint`] (a second sequence) of the state where each
+    /// prompt's conversation ends, for chats whose template rewrites earlier turns.
+    pub fn with_checkpoint(engine: &Engine) -> Result<Session> {
+        let mut s = Session::new(engine)?;
+        s.held.set_checkpoint(Some(Checkpoint::new(engine)?));
+        Ok(s)
+    }
+
+    /// The tokens the sequence holds.
+    pub fn tokens(&self) -> &[u32] {
+        self.held.tokens()
+    }
+
+    /// The tokens of the saved checkpoint (`None` without checkpoints; empty before any).
+    pub fn checkpoint(&self) -> Option<&[u32]> {
+        self.held.checkpoint()
+    }
+
+    /// Forget everything, the checkpoint included.
+    pub fn reset(&mut self, engine: &Engine) -> Result<()> {
+        self.held.reset(engine)
+    }
+
+    /// See [`HeldSeq::reusable`].
+    pub fn reusable(&self, prompt: &[u32]) -> usize {
+        self.held.reusable(prompt)
     }
 
     /// Generates a continuation of `prompt` (the whole context: earlier turns included),
@@ -367,7 +444,7 @@ impl Session {
                 .as_ref()
                 .is_some_and(|c| c.load(Ordering::Relaxed))
         };
-        let n_cached = self.resume(engine, prompt)?;
+        let n_cached = self.held.resume(engine, prompt)?;
         let mut timings = Timings {
             n_prompt: prompt.len(),
             n_cached,
@@ -442,7 +519,7 @@ impl Session {
                 }
                 break;
             }
-            logits = self.feed(engine, &[id], want)?;
+            logits = self.held.feed(engine, &[id], want)?;
         }
         timings.n_generated = out.tokens.len();
         timings.decode = t_first.map(|t| t.elapsed()).unwrap_or_default();
@@ -469,16 +546,14 @@ impl Session {
                 end = checkpoint_at;
             }
             let last = end == prompt.len();
-            let logits = self.feed(
+            let logits = self.held.feed(
                 engine,
                 &prompt[at..end],
                 if last { want } else { Want::None },
             )?;
             at = end;
             if at == checkpoint_at {
-                if let Some(c) = &mut self.checkpoint {
-                    c.save(engine, &self.seq, &self.tokens)?;
-                }
+                self.held.save_checkpoint(engine)?;
             }
             if last {
                 return Ok(Some(logits));
@@ -487,18 +562,6 @@ impl Session {
                 return Ok(None);
             }
         }
-    }
-
-    /// Feeds `tokens` (at least one) and returns what `want` asks of the last one's logits.
-    fn feed(&mut self, engine: &mut Engine, tokens: &[u32], want: Want) -> Result<Logits> {
-        self.stale = true;
-        let logits = engine
-            .forward_batch_with(&mut [(&mut self.seq, tokens, want)])?
-            .pop()
-            .ok_or_else(|| Error::Gpu("the forward returned nothing".into()))?;
-        self.tokens.extend_from_slice(tokens);
-        self.stale = false;
-        Ok(logits)
     }
 }
 

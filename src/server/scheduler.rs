@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::engine::{Engine, Logits, Seq, TopLogits, Want};
-use crate::generate::{reusable_prefix, Checkpoint};
+use crate::generate::{Checkpoint, HeldSeq};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
@@ -184,7 +184,7 @@ pub fn start(
                         .collect::<Result<Vec<_>>>()?;
                     // Every slot's sequence first: checkpoints only take what is left.
                     for s in &mut slots {
-                        s.checkpoint = Checkpoint::new(&engine).ok();
+                        s.held.set_checkpoint(Checkpoint::new(&engine).ok());
                     }
                     Ok((engine, Arc::new(tok), slots))
                 })
@@ -225,69 +225,20 @@ pub fn start(
 
 /// A sequence and the tokens it holds.
 struct Slot {
-    seq: Seq,
-    /// The tokens `seq` has consumed, in order.
-    history: Vec<u32>,
-    /// The sequence may hold more than `history` says (a forward failed half-way).
-    stale: bool,
+    /// The slot's sequence, the tokens it holds and its checkpoint.
+    held: HeldSeq,
     /// For picking the least recently used free slot.
     last_used: u64,
     active: Option<Active>,
-    /// The state where the conversation of the slot's last prompt ended.
-    checkpoint: Option<Checkpoint>,
 }
 
 impl Slot {
     fn new(engine: &Engine) -> Result<Slot> {
         Ok(Slot {
-            seq: engine.new_seq()?,
-            history: Vec::new(),
-            stale: false,
+            held: HeldSeq::new(engine)?,
             last_used: 0,
             active: None,
-            checkpoint: None,
         })
-    }
-
-    /// How many tokens of `prompt` the sequence holds and can keep.
-    fn reusable_live(&self, prompt: &[u32]) -> usize {
-        if self.stale {
-            0
-        } else {
-            reusable_prefix(&self.history, prompt)
-        }
-    }
-
-    /// How many tokens of `prompt` this slot need not feed again: from its sequence, or
-    /// from its checkpoint when that gives more.
-    fn reusable(&self, prompt: &[u32]) -> usize {
-        let saved = self.checkpoint.as_ref().map_or(0, |c| c.reusable(prompt));
-        self.reusable_live(prompt).max(saved)
-    }
-
-    /// Brings the sequence to the longest reusable prefix of `prompt`: keeps it, restores
-    /// the checkpoint, or resets. Returns the tokens kept.
-    fn resume(&mut self, engine: &Engine, prompt: &[u32]) -> Result<usize> {
-        let live = self.reusable_live(prompt);
-        if let Some(c) = self
-            .checkpoint
-            .as_ref()
-            .filter(|c| c.reusable(prompt) > live)
-        {
-            self.stale = true;
-            let held = c.restore(engine, &mut self.seq)?;
-            self.history.clear();
-            self.history.extend_from_slice(held);
-            self.stale = false;
-            return Ok(self.history.len());
-        }
-        if live == 0 && (self.stale || !self.history.is_empty()) {
-            self.stale = true;
-            engine.reset(&mut self.seq)?;
-            self.history.clear();
-            self.stale = false;
-        }
-        Ok(live)
     }
 }
 
@@ -384,13 +335,13 @@ impl Worker {
             .enumerate()
             .filter(|(_, s)| s.active.is_none());
         let best = free
-            .max_by_key(|(_, s)| (s.reusable(&job.prompt), std::cmp::Reverse(s.last_used)))
+            .max_by_key(|(_, s)| (s.held.reusable(&job.prompt), std::cmp::Reverse(s.last_used)))
             .map(|(i, _)| i);
         let Some(i) = best else { return };
         self.clock += 1;
         let slot = &mut self.slots[i];
         slot.last_used = self.clock;
-        let n_cached = match slot.resume(&self.engine, &job.prompt) {
+        let n_cached = match slot.held.resume(&self.engine, &job.prompt) {
             Ok(n) => n,
             Err(e) => {
                 let _ = job.events.send(Event::Error {
@@ -481,7 +432,7 @@ impl Worker {
             let feed = &a.feed;
             let mut n = feed.len().min(budget);
             // A piece ends at the checkpoint, which is saved between two steps.
-            let (held, ck) = (self.slots[i].history.len(), a.job.checkpoint);
+            let (held, ck) = (self.slots[i].held.tokens().len(), a.job.checkpoint);
             if held < ck && ck < held + n {
                 n = ck - held;
             }
@@ -510,14 +461,12 @@ impl Worker {
             };
             match r {
                 Ok(logits) => {
-                    slot.history.extend_from_slice(&w.tokens);
+                    slot.held.fed(&w.tokens);
                     a.feed.drain(..w.tokens.len());
-                    if a.prefilling && slot.history.len() == a.job.checkpoint {
-                        if let Some(c) = &mut slot.checkpoint {
-                            // A failed copy leaves no checkpoint; the request goes on.
-                            if let Err(e) = c.save(&self.engine, &slot.seq, &slot.history) {
-                                eprintln!("lathe serve: {}: checkpoint failed: {e}", a.job.id);
-                            }
+                    if a.prefilling && slot.held.tokens().len() == a.job.checkpoint {
+                        // A failed copy leaves no checkpoint; the request goes on.
+                        if let Err(e) = slot.held.save_checkpoint(&self.engine) {
+                            eprintln!("lathe serve: {}: checkpoint failed: {e}", a.job.id);
                         }
                     }
                     if a.feed.is_empty() {
@@ -527,7 +476,7 @@ impl Worker {
                 }
                 Err(e) => {
                     let a = slot.active.take().expect("active slot");
-                    slot.stale = true;
+                    slot.held.mark_stale();
                     self.shared.active.fetch_sub(1, Ordering::Relaxed);
                     eprintln!("lathe serve: {}: forward failed: {e}", a.job.id);
                     let _ = a.job.events.send(Event::Error {
@@ -551,7 +500,7 @@ impl Worker {
             .filter_map(|(i, (s, l))| {
                 let mut logits = l.take()?;
                 let a = s.active.as_mut()?;
-                let (id, lp) = sample_one(a, &s.history, &mut logits);
+                let (id, lp) = sample_one(a, s.held.tokens(), &mut logits);
                 Some((i, id, lp))
             })
             .collect();
@@ -579,7 +528,7 @@ impl Worker {
             _ => Finish::Stop,
         });
         // The next forward would pass the context length.
-        if finish.is_none() && slot.history.len() >= ctx {
+        if finish.is_none() && slot.held.tokens().len() >= ctx {
             text.push_str(&a.stop.finish());
             finish = Some(Finish::Length);
         }
@@ -704,7 +653,8 @@ pub fn logprob_of_top(top: &TopLogits, id: u32, k: usize) -> TokenLogprob {
 /// state: they are all marked stale.
 fn run_batch(engine: &mut Engine, slots: &mut [Slot], work: &[Work]) -> Vec<Result<Logits>> {
     let result = {
-        let mut seqs: Vec<Option<&mut Seq>> = slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
+        let mut seqs: Vec<Option<&mut Seq>> =
+            slots.iter_mut().map(|s| Some(s.held.seq_mut())).collect();
         let mut items: Vec<(&mut Seq, &[u32], Want)> = work
             .iter()
             .map(|w| {
@@ -718,7 +668,7 @@ fn run_batch(engine: &mut Engine, slots: &mut [Slot], work: &[Work]) -> Vec<Resu
         Ok(out) if out.len() == work.len() => out.into_iter().map(Ok).collect(),
         Ok(out) => {
             for w in work {
-                slots[w.slot].stale = true;
+                slots[w.slot].held.mark_stale();
             }
             let msg = format!(
                 "the batch returned {} results for {} sequences",
@@ -729,7 +679,7 @@ fn run_batch(engine: &mut Engine, slots: &mut [Slot], work: &[Work]) -> Vec<Resu
         }
         Err(e) => {
             for w in work {
-                slots[w.slot].stale = true;
+                slots[w.slot].held.mark_stale();
             }
             let msg = e.to_string();
             work.iter().map(|_| Err(Error::Gpu(msg.clone()))).collect()
