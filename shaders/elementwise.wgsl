@@ -23,7 +23,7 @@ struct Params {
     b_off: u32,
     b_stride: u32,
     alpha: f32,     // scale for `scale*`, clamp limit for `swiglu` (f32::MAX: none)
-    _pad0: u32,
+    k: u32,         // slots of `moe_combine`
     _pad1: u32,
     _pad2: u32,
 }
@@ -192,4 +192,21 @@ fn axpy_row(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (rc.x >= p.n_rows) { return; }
     let i = yi(rc);
     y[i] = y[i] + b_row(rc) * a[ai(rc)];
+}
+
+// y += sum over s < k of b[row, s] * a[row, slot s]: the MoE combine of all k expert slots in
+// one dispatch, summed in slot order as k `axpy_row` dispatches would. Slot s of row r starts
+// at a_off + r * a_stride + s * n_cols; its weight is b[b_off + r * b_stride + s].
+@compute @workgroup_size(WG)
+fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let rc = coord(wid, nwg, lid);
+    if (rc.x >= p.n_rows) { return; }
+    let i = yi(rc);
+    let wr = p.b_off + rc.x * p.b_stride;
+    var acc = y[i];
+    for (var s = 0u; s < p.k; s = s + 1u) {
+        acc = acc + b[wr + s] * a[ai(rc) + s * p.n_cols];
+    }
+    y[i] = acc;
 }

@@ -215,6 +215,18 @@ pub fn load_tokenizer(file: &ModelFile) -> Result<Option<crate::tokenizer::Token
     }
 }
 
+/// `p` that never steps back: the loaders count bytes uploaded (FP8 weights grow by 132/128,
+/// vectors go up as f32) and the expert arena continues from the file's non-expert bytes, so
+/// the two positions can disagree a little.
+fn monotone(p: &Progress) -> Progress {
+    let p = p.clone();
+    let furthest = std::sync::atomic::AtomicU64::new(0);
+    Arc::new(move |done, total| {
+        let prev = furthest.fetch_max(done, std::sync::atomic::Ordering::Relaxed);
+        p(prev.max(done), total)
+    })
+}
+
 impl Engine {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Engine> {
         let file = ModelFile::open(path)?;
@@ -223,6 +235,10 @@ impl Engine {
         let decode_bytes = crate::inspect::decode_bytes(&file);
         let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
         let gpu = Arc::new(Gpu::new(&opts.adapter)?);
+        let opts = &LoadOptions {
+            progress: opts.progress.as_ref().map(monotone),
+            ..opts.clone()
+        };
         let model = if is_qwen35(&arch) {
             Model::Qwen35(Box::new(crate::models::qwen35::gpu::GpuModel::load(
                 gpu.clone(),
@@ -241,6 +257,10 @@ impl Engine {
                 path.display()
             )));
         };
+        if let Some(p) = &opts.progress {
+            // Everything is on the device (the loaders' total is the file's tensor bytes).
+            p(model_bytes, model_bytes);
+        }
         Ok(Engine {
             gpu,
             model,

@@ -816,7 +816,8 @@ fn tie_heavy(rng: &mut Rng, n: usize) -> Vec<f32> {
 }
 
 /// Top-k and argmax: indices and values exact (bit for bit), ties to the lower index,
-/// one-chunk rows, two stages (vocab 248,320) and three stages (300,000).
+/// one-chunk rows (up to 4,096), two stages (vocab 248,320; 300,000) and three (1,100,000
+/// at k = 16: 269 chunks of 16 candidates).
 #[test]
 fn topk_matches_cpu() {
     let gpu = gpu();
@@ -832,9 +833,13 @@ fn topk_matches_cpu() {
         (2, 1000),
         (2, 2048),
         (2, 2049),
+        (2, 4095),
+        (2, 4096),
+        (3, 4097),
         (2, 50_000),
         (2, 248_320),
         (1, 300_000),
+        (1, 1_100_000),
     ];
     for &(rows, n) in sizes {
         let lx = Layout::new(rows, n, 3, n + 1);

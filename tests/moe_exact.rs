@@ -4,6 +4,9 @@
 //! the fixtures' reference bar still holds, and 64 greedy tokens are the same (except after a
 //! near-tie of the all-GPU run). The summation contract of `moe/mod.rs` makes a mixed
 //! placement differ only by the rounding of the cold experts' rows (CPU `quant::dot` vs GPU).
+//! DeepSeek's release layout is covered too: dsv4-tiny's `upstream/` (packed MXFP4 experts,
+//! one tensor per expert), and dsv4-dims rewritten with FP8 experts (`--ignored`, needs
+//! ../shared/fixtures).
 
 mod common;
 use common::*;
@@ -131,16 +134,6 @@ fn check(name: &str, file: &str, ty: &str) {
     let Some((path, refp, ids)) = fixture(name, file) else {
         return;
     };
-    let want = lathe::npy::read_f32(&refp).unwrap();
-    let t = ids.len();
-    // Prefill of all but 4 tokens (a batched pass, matmul path), then 4 decode steps.
-    let prefill = t - 4;
-    let (base, vocab) = logits(&path, &ids, prefill, &LoadOptions::default()).unwrap();
-    let base_rms = (base.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / base.len() as f64)
-        .sqrt()
-        .max(1e-12);
-    let prompt = &ids[..t.min(8)];
-    let (base_toks, base_rows) = greedy(&path, prompt, &LoadOptions::default());
     let mut vs = variants();
     vs.push(Variant {
         label: "partial --gpu-mem budget",
@@ -149,9 +142,34 @@ fn check(name: &str, file: &str, ty: &str) {
             ..Default::default()
         },
     });
+    let llama = llamacpp_rms(name, ty);
+    check_variants(&format!("{name}/{file}"), &path, &refp, &ids, llama, vs);
+}
+
+/// Every variant of `vs` against the all-GPU run of `path` (logits of a prefill + 4 decode
+/// steps, and greedy tokens) and against the reference `refp` (the fixture bar).
+fn check_variants(
+    what: &str,
+    path: &Path,
+    refp: &Path,
+    ids: &[u32],
+    llama: Option<f64>,
+    vs: Vec<Variant>,
+) {
+    let path = path.to_path_buf();
+    let want = lathe::npy::read_f32(refp).unwrap();
+    let t = ids.len();
+    // Prefill of all but 4 tokens (a batched pass, matmul path), then 4 decode steps.
+    let prefill = t - 4;
+    let (base, vocab) = logits(&path, ids, prefill, &LoadOptions::default()).unwrap();
+    let base_rms = (base.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / base.len() as f64)
+        .sqrt()
+        .max(1e-12);
+    let prompt = &ids[..t.min(8)];
+    let (base_toks, base_rows) = greedy(&path, prompt, &LoadOptions::default());
     for v in vs {
-        let label = format!("{name}/{file} {}", v.label);
-        let (got, _) = logits(&path, &ids, prefill, &v.opts).unwrap();
+        let label = format!("{what} {}", v.label);
+        let (got, _) = logits(&path, ids, prefill, &v.opts).unwrap();
         let s = score(&got, &base, vocab);
         let rel = s.rms / base_rms;
         eprintln!(
@@ -161,7 +179,7 @@ fn check(name: &str, file: &str, ty: &str) {
         assert!(rel <= 1e-3, "{label}: relative rms {rel:.3e} vs all-GPU");
         assert!(s.top1 >= 0.95, "{label}: argmax agreement {:.3}", s.top1);
         let r = score(&got, &want.data, vocab);
-        assert_bar(&label, &r, llamacpp_rms(name, ty));
+        assert_bar(&label, &r, llama);
 
         let (toks, _) = greedy(&path, prompt, &v.opts);
         for i in 0..STEPS {
@@ -400,6 +418,57 @@ fn dsv4_tiny_exact() {
     check("dsv4-tiny", "model-q8_0.gguf", "q8_0");
 }
 
+/// DeepSeek's release layout (`upstream/`: packed MXFP4 experts, one tensor per expert, read
+/// through their E8M0 scales and repacked per expert or per rows): offloaded placements match
+/// the all-GPU load of the same checkpoint, and the offload really runs cold pairs.
+#[test]
+fn dsv4_tiny_upstream_exact() {
+    let (dir, _) = model_files("dsv4-tiny");
+    let path = dir.join("upstream");
+    if !path.join("model.safetensors").exists() {
+        eprintln!("note: dsv4-tiny/upstream absent: skipped");
+        return;
+    }
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+    let frac = |f: f64| LoadOptions {
+        gpu_experts: Some(f),
+        ..Default::default()
+    };
+    let vs = vec![
+        Variant {
+            label: "gpu-experts 0",
+            opts: frac(0.0),
+        },
+        Variant {
+            label: "gpu-experts 0.5",
+            opts: frac(0.5),
+        },
+        Variant {
+            label: "gpu-experts 1",
+            opts: frac(1.0),
+        },
+        Variant {
+            label: "evict every miss",
+            opts: LoadOptions {
+                gpu_experts: Some(0.25),
+                expert_cache: Some(CacheConfig::global_lru()),
+                ..Default::default()
+            },
+        },
+    ];
+    let llama = llamacpp_rms("dsv4-tiny", "f32");
+    let refp = dir.join("logits.npy");
+    check_variants("dsv4-tiny/upstream", &path, &refp, &ids, llama, vs);
+    // The offload is there and runs experts on the CPU (not a silent all-GPU fallback).
+    let mut e = Engine::load(&path, &frac(0.5)).unwrap();
+    let mut seq = e.new_seq().unwrap();
+    e.forward(&mut seq, &ids[..8], false).unwrap();
+    let r = e.placement_report().unwrap();
+    assert!(r.hot_share > 0.0 && r.hot_share < 1.0, "{r:?}");
+    assert!(r.cold_pairs > 0, "{r:?}");
+}
+
 #[test]
 fn dsv4_tiny_placement() {
     check_placement("dsv4-tiny", "model-q8_0.gguf");
@@ -415,4 +484,161 @@ fn qwen35moe_dims_exact() {
 #[ignore = "slow on lavapipe; ../shared only"]
 fn dsv4_dims_exact() {
     check("dsv4-dims", "model-q8_0.gguf", "q8_0");
+}
+
+/// e4m3fn code nearest to `v` (round to nearest; positive codes 0..=0x7E increase with
+/// their value, 0x7F is NaN), saturating at ±448.
+fn to_e4m3(v: f32) -> u8 {
+    use lathe::safetensors::scaled::e4m3_to_f32;
+    let a = v.abs().min(448.0);
+    let hi = (0u8..=0x7e)
+        .collect::<Vec<_>>()
+        .partition_point(|&c| e4m3_to_f32(c) < a) as u8;
+    let c = if hi == 0 {
+        0
+    } else if hi > 0x7e || a - e4m3_to_f32(hi - 1) <= e4m3_to_f32(hi) - a {
+        hi - 1
+    } else {
+        hi
+    };
+    c | if v < 0.0 { 0x80 } else { 0 }
+}
+
+fn safetensors_dtype(d: lathe::DType) -> &'static str {
+    use lathe::DType as T;
+    match d {
+        T::F32 => "F32",
+        T::BF16 => "BF16",
+        T::F16 => "F16",
+        T::I64 => "I64",
+        T::I32 => "I32",
+        T::U8 => "U8",
+        T::I8 => "I8",
+        T::F8_E8M0 => "F8_E8M0",
+        T::F8_E4M3 => "F8_E4M3",
+        d => panic!("no safetensors name for {d}"),
+    }
+}
+
+/// A copy of the release checkpoint `src` whose routed experts are FP8 e4m3 with F32
+/// 128×128 block scales (amax/448 per block), as DeepSeek's FP8 releases store experts.
+fn write_fp8_experts(src: &Path, dst: &Path) {
+    use lathe::safetensors::{dequant_mxfp4_packed, find_block_scale};
+    let f = lathe::models::ModelFile::open(src).unwrap();
+    let lathe::models::ModelFile::Hf(h) = &f else {
+        panic!("{} is not a checkpoint directory", src.display())
+    };
+    let _ = std::fs::remove_dir_all(dst);
+    std::fs::create_dir_all(dst).unwrap();
+    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
+    let expert = |n: &str| n.contains(".ffn.experts.");
+    let mut out: Vec<(String, &str, Vec<u64>, Vec<u8>)> = Vec::new();
+    for t in f.tensors() {
+        if expert(t.name) && t.name.ends_with(".scale") {
+            continue;
+        }
+        if !(expert(t.name) && t.name.ends_with(".weight")) {
+            let dt = safetensors_dtype(t.dtype);
+            out.push((t.name.to_string(), dt, t.shape.to_vec(), t.data.to_vec()));
+            continue;
+        }
+        let (rows, cols) = (t.shape[0] as usize, t.shape[1] as usize * 2);
+        let mut w = vec![0f32; rows * cols];
+        let s = find_block_scale(h, t.name).unwrap();
+        dequant_mxfp4_packed(&t, &s, &mut w).unwrap();
+        let (br, bc) = (rows / 128, cols / 128);
+        let mut scales = vec![0f32; br * bc];
+        let mut codes = vec![0u8; rows * cols];
+        for (b, sc) in scales.iter_mut().enumerate() {
+            let (r0, c0) = (b / bc * 128, b % bc * 128);
+            let at = |r: usize, c: usize| (r0 + r) * cols + c0 + c;
+            let amax = (0..128 * 128).fold(0f32, |a, i| a.max(w[at(i / 128, i % 128)].abs()));
+            *sc = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            for i in 0..128 * 128 {
+                codes[at(i / 128, i % 128)] = to_e4m3(w[at(i / 128, i % 128)] / *sc);
+            }
+        }
+        // Random MXFP4 weights: most codes are non-zero after the rounding too.
+        let zeros = codes.iter().filter(|&&c| c & 0x7f == 0).count();
+        assert!(zeros < codes.len() / 2, "{}: {zeros} zero codes", t.name);
+        let base = t.name.strip_suffix(".weight").unwrap();
+        let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let shape = vec![rows as u64, cols as u64];
+        out.push((t.name.to_string(), "F8_E4M3", shape, codes));
+        out.push((
+            format!("{base}.scale"),
+            "F32",
+            vec![br as u64, bc as u64],
+            sb,
+        ));
+    }
+    let mut header = serde_json::Map::new();
+    let mut off = 0usize;
+    for (name, dt, shape, bytes) in &out {
+        let end = off + bytes.len();
+        let v = serde_json::json!({"dtype": dt, "shape": shape, "data_offsets": [off, end]});
+        header.insert(name.clone(), v);
+        off = end;
+    }
+    let mut hb = serde_json::Value::Object(header).to_string().into_bytes();
+    while !hb.len().is_multiple_of(8) {
+        hb.push(b' ');
+    }
+    let mut file = (hb.len() as u64).to_le_bytes().to_vec();
+    file.extend(hb);
+    for (_, _, _, bytes) in &out {
+        file.extend(bytes);
+    }
+    std::fs::write(dst.join("model.safetensors"), file).unwrap();
+}
+
+/// FP8 routed experts (a release's `F8_E4M3` + block scale, one tensor per expert) offloaded:
+/// dsv4-dims (every dimension a multiple of 128) rewritten with FP8 experts, under
+/// `--gpu-experts 0` and `0.5`, against its own all-GPU load (prefill of 296 tokens: the
+/// matmul path over the arena; 4 decode steps: the matvec path).
+#[test]
+#[ignore = "slow on lavapipe; ../shared only"]
+fn dsv4_dims_fp8_experts_offload() {
+    let Some(src) = shared().map(|s| s.join("dsv4-dims")) else {
+        eprintln!("note: ../shared/fixtures absent: skipped");
+        return;
+    };
+    if !src.join("upstream").is_dir() {
+        eprintln!("note: {} absent: skipped", src.display());
+        return;
+    }
+    let dst = std::env::temp_dir().join(format!("lathe-moe-fp8-experts-{}", std::process::id()));
+    write_fp8_experts(&src.join("upstream"), &dst);
+    let f = lathe::models::ModelFile::open(&dst).unwrap();
+    let info = lathe::moe::MoeInfo::from_file(&f).unwrap();
+    assert!(info
+        .layers
+        .iter()
+        .all(|m| m.gate.dtype == lathe::DType::F8_E4M3_B128));
+    drop(f);
+    let toks = lathe::npy::read_i64(src.join("tokens.npy")).unwrap();
+    let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+    let prefill = ids.len() - 4;
+    let (base, vocab) = logits(&dst, &ids, prefill, &LoadOptions::default()).unwrap();
+    let base_rms = (base.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / base.len() as f64)
+        .sqrt()
+        .max(1e-12);
+    for fr in [0.0, 0.5] {
+        let opts = LoadOptions {
+            gpu_experts: Some(fr),
+            ..Default::default()
+        };
+        let (got, _) = logits(&dst, &ids, prefill, &opts).unwrap();
+        let s = score(&got, &base, vocab);
+        let rel = s.rms / base_rms;
+        eprintln!(
+            "dsv4-dims FP8 experts, gpu-experts {fr}: rel rms {rel:.3e} argmax {:.3}",
+            s.top1
+        );
+        assert!(
+            rel <= 1e-3 && s.top1 >= 0.95,
+            "gpu-experts {fr}: rel rms {rel:.3e}"
+        );
+    }
+    std::fs::remove_dir_all(&dst).ok();
 }

@@ -345,6 +345,138 @@ fn dot_agrees_with_dot_ref() {
     }
 }
 
+/// The types with fused dot loops (the ones MoE experts ship in).
+const FUSED: [DType; 8] = [
+    DType::Q4_0,
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::MXFP4,
+    DType::F8_E4M3_B128,
+];
+
+/// A row of random bytes in `dtype`'s block layout (every level, scale and high-bit pattern,
+/// not only what the quantizers write), with the block scales set to finite values of ±2^±8
+/// and no FP8 NaN codes.
+fn random_bytes_row(rng: &mut Rng, dtype: DType, n: usize) -> Vec<u8> {
+    let mut b = rng.bytes(dtype.bytes_for(n as u64).unwrap() as usize);
+    let f16 = |rng: &mut Rng| {
+        let v = rng.normal() * 2f32.powi((rng.next_u64() % 17) as i32 - 8);
+        half::f16::from_f32(v).to_le_bytes()
+    };
+    let bb = dtype.block_bytes();
+    for blk in b.chunks_mut(bb) {
+        match dtype {
+            DType::Q4_0 | DType::Q8_0 | DType::IQ4_NL => blk[..2].copy_from_slice(&f16(rng)),
+            DType::Q4_K | DType::Q5_K => {
+                blk[..2].copy_from_slice(&f16(rng));
+                blk[2..4].copy_from_slice(&f16(rng));
+            }
+            DType::Q6_K => blk[bb - 2..].copy_from_slice(&f16(rng)),
+            DType::MXFP4 => blk[0] = 110 + blk[0] % 30,
+            DType::F8_E4M3_B128 => {
+                blk[..4].copy_from_slice(&(rng.normal() * 1e-2).to_le_bytes());
+                for v in &mut blk[4..] {
+                    if *v & 0x7f == 0x7f {
+                        *v &= 0xf0;
+                    }
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+    b
+}
+
+/// `|got − dot_ref| ≤ 1e-5 · Σ|wᵢxᵢ|` (f32 rounding of sums of up to 8192 terms in 8 lanes,
+/// with K-quant mins factored out as `d·Σq·x − m·Σx`).
+#[track_caller]
+fn assert_dot_close(what: &str, dtype: DType, row: &[u8], x: &[f32], got: f32) {
+    let want = dot_ref(dtype, row, x);
+    let w = quant::dequantize_to_vec(dtype, row, x.len()).unwrap();
+    let scale: f64 = w.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
+    let err = (got as f64 - want as f64).abs();
+    assert!(
+        err <= 1e-5 * scale + 1e-30,
+        "{what} {dtype} n={}: {got} vs dot_ref {want} (|err| {err:e}, Σ|wx| {scale:e})",
+        x.len()
+    );
+}
+
+#[test]
+fn fused_dots_agree_with_dot_ref_on_both_paths() {
+    let mut rng = Rng(23);
+    for dtype in FUSED {
+        for n in [256, 512, 1280, 2048, 4096, 8192] {
+            for random_bytes in [false, true] {
+                let row = if random_bytes {
+                    random_bytes_row(&mut rng, dtype, n)
+                } else {
+                    random_row(&mut rng, dtype, n)
+                };
+                let x: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+                assert_dot_close("dot", dtype, &row, &x, dot(dtype, &row, &x));
+                assert_dot_close(
+                    "dot_portable",
+                    dtype,
+                    &row,
+                    &x,
+                    quant::dot_portable(dtype, &row, &x),
+                );
+            }
+        }
+    }
+}
+
+/// `dot_many` equals `dot` per token bit for bit (so grouping pairs by expert never shows),
+/// over token counts around its 16-token passes and every fused type.
+#[test]
+fn dot_many_equals_dot_per_token_bitwise() {
+    let mut rng = Rng(29);
+    for dtype in FUSED.into_iter().chain([DType::F16, DType::Q2_K]) {
+        let n = if dtype.block_size() == 32 { 96 } else { 768 };
+        let row = random_bytes_or_quantized(&mut rng, dtype, n);
+        for n_tok in [0, 1, 2, 3, 15, 16, 17, 37] {
+            let xs: Vec<Vec<f32>> = (0..n_tok)
+                .map(|_| (0..n).map(|_| rng.normal()).collect())
+                .collect();
+            let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+            let mut out = vec![f32::NAN; n_tok];
+            let mut outp = vec![f32::NAN; n_tok];
+            quant::dot_many(dtype, &row, &xr, &mut out);
+            quant::dot_many_portable(dtype, &row, &xr, &mut outp);
+            for (t, x) in xs.iter().enumerate() {
+                let (one, onep) = (dot(dtype, &row, x), quant::dot_portable(dtype, &row, x));
+                assert_eq!(
+                    out[t].to_bits(),
+                    one.to_bits(),
+                    "{dtype} {n_tok} tokens, t {t}"
+                );
+                assert_eq!(outp[t].to_bits(), onep.to_bits(), "{dtype} portable, t {t}");
+                assert_dot_close("dot_many", dtype, &row, x, out[t]);
+            }
+        }
+    }
+}
+
+/// Random block bytes for the fused types, quantized test data for the others.
+fn random_bytes_or_quantized(rng: &mut Rng, dtype: DType, n: usize) -> Vec<u8> {
+    if FUSED.contains(&dtype) {
+        random_bytes_row(rng, dtype, n)
+    } else {
+        random_row(rng, dtype, n)
+    }
+}
+
+#[test]
+#[should_panic(expected = "quant::dot_many")]
+fn dot_many_panics_on_ragged_activations() {
+    let (a, b) = (vec![0f32; 32], vec![0f32; 64]);
+    quant::dot_many(DType::Q8_0, &[0u8; 34], &[&a, &b], &mut [0.0; 2]);
+}
+
 #[test]
 fn bad_lengths_and_inputs_are_errors() {
     let invalid = |r: lathe::Result<Vec<f32>>| matches!(r, Err(Error::Invalid(_)));

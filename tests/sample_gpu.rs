@@ -235,6 +235,102 @@ fn logits_top_rejects_bad_k() {
     assert!(err.to_string().contains("rows"), "{err}");
 }
 
+/// Runs `LogitsTop` over `rows` (each of `n`) at every k of `ks`, with the lse, in one
+/// record per k; checks ids, value bits and the lse against the CPU row by row.
+fn check_logits_top(gpu: &Gpu, what: &str, x: &[f32], n: usize, ks: &[u32]) {
+    let rows = x.len() / n;
+    let xbuf = gpu.upload_f32(x, "x").unwrap();
+    let top = LogitsTop::new(gpu, rows as u32, n as u32).unwrap();
+    for &k in ks {
+        let mut pass = gpu.pass();
+        top.record(&mut pass, View::new(&xbuf, 0), rows as u32, 0, k, true)
+            .unwrap();
+        pass.submit().unwrap();
+        let got = top.read(gpu, rows as u32, k, true).unwrap();
+        for (r, g) in got.iter().enumerate() {
+            let row = &x[r * n..(r + 1) * n];
+            let want = cpu_top(row, k as usize);
+            let what = format!("{what}: n {n} k {k} row {r}");
+            let ids = |t: &TopLogits| t.cands.iter().map(|c| c.0).collect::<Vec<_>>();
+            assert_eq!(ids(g), ids(&want), "{what}: candidate ids");
+            for c in &g.cands {
+                assert_eq!(c.1.to_bits(), row[c.0 as usize].to_bits(), "{what}");
+            }
+            // −inf for a row without a finite value, else 1e-5 relative.
+            let (gl, wl) = (g.lse.unwrap(), want.lse.unwrap());
+            assert!(
+                gl == wl || (gl - wl).abs() <= 1e-5 * wl.abs().max(1.0),
+                "{what}: lse {gl} vs {wl}"
+            );
+        }
+    }
+}
+
+/// The rows that stress the kernel's threshold (`topk.wgsl` `main`) on the Qwen3.5
+/// vocabulary at k = 64 and 40, several rows per call: one value everywhere (every element
+/// ties: ids 0..k); four levels (62k ties at the top); −inf everywhere but k finite values;
+/// −inf everywhere but 10 finite values and NaNs (the tail is −inf by lowest id, NaN never);
+/// every 4096-chunk's best values on the first 64 threads' strided slots (close to the most
+/// survivors the kernel allows, K·PER = 1024); all NaN (nothing selected).
+#[test]
+fn logits_top_ties_and_sparse_rows() {
+    let gpu = gpu();
+    let n = 248_320usize;
+    let mut rng = Rng(0x7135);
+    let mut x = Vec::with_capacity(6 * n);
+    x.extend(std::iter::repeat_n(0.25f32, n));
+    x.extend((0..n).map(|_| (rng.next() % 4) as f32));
+    let mut sparse = vec![f32::NEG_INFINITY; n];
+    for j in 0..MAX_TOP_K as usize {
+        sparse[(j * 3_877 + 11) % n] = (j % 5) as f32 - 2.0;
+    }
+    x.extend(&sparse);
+    let mut few = vec![f32::NEG_INFINITY; n];
+    for j in 0..10 {
+        few[j * 20_000 + 5] = j as f32;
+    }
+    for j in (0..n).step_by(7) {
+        few[j] = f32::NAN;
+    }
+    x.extend(&few);
+    // Thread t < 64 of a chunk holds 1000 − 4t + q/8 at its slot q: its best (q = 15) is
+    // worse than all 16 values of each thread before it, so T (thread 63's best) passes
+    // 63·16 + 1 elements; every chunk repeats the values (ties across chunks).
+    x.extend((0..n).map(|e| {
+        let (t, q) = (e % 256, e % 4096 / 256);
+        if t < 64 {
+            1000.0 - 4.0 * t as f32 + q as f32 * 0.125
+        } else {
+            rng.f32(5.0)
+        }
+    }));
+    x.extend(std::iter::repeat_n(f32::NAN, n));
+    check_logits_top(&gpu, "ties", &x, n, &[MAX_TOP_K, 40]);
+}
+
+/// Rows around the chunk sizes of the stages (4,096 elements; 4,096 / k candidates; three
+/// stages for 300,000 at k = 64), with random values and many ties, at k from 1 to
+/// MAX_TOP_K.
+#[test]
+fn logits_top_chunk_edges() {
+    let gpu = gpu();
+    let mut rng = Rng(0xed9e);
+    for n in [
+        63usize, 64, 65, 4095, 4096, 4097, 8191, 65_600, 262_144, 300_000,
+    ] {
+        let rows = if n < 100_000 { 3 } else { 1 };
+        let x: Vec<f32> = (0..rows * n)
+            .map(|_| match rng.next() % 16 {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                2..=5 => (rng.next() % 8) as f32,
+                _ => rng.f32(8.0),
+            })
+            .collect();
+        check_logits_top(&gpu, "edges", &x, n, &[1, 2, 33, 63, MAX_TOP_K]);
+    }
+}
+
 // ---------------------------------------------------------------- whole models
 
 fn load(model: &str) -> Engine {

@@ -10,9 +10,10 @@
 //! CPU experts reached with 16 threads on the H200's host: 20 Q4_K_M layers at 50.6 tok/s).
 //! Pass your own measurements for other machines.
 //!
-//! KV, recurrent state and activation bytes are `moe::needs`, the estimate the loaders
-//! budget with: Qwen3.5 family and DeepSeek-V4; other architectures count only weights and
-//! the margin.
+//! The budget is `moe::model_budget`, the call the loaders place experts with (KV, recurrent
+//! state and activation bytes from `moe::needs`: Qwen3.5 family and DeepSeek-V4; other
+//! architectures count only weights and the margin), so with the same `--gpu-mem`, `--ctx`,
+//! KV type and sequences a load gives the arena this report shows.
 
 use clap::Args;
 use lathe::engine::KvType;
@@ -20,7 +21,7 @@ use lathe::gpu::AdapterChoice;
 use lathe::inspect::human_bytes;
 use lathe::models::ModelFile;
 use lathe::moe::{
-    parse_size, AdapterMemory, Budget, BudgetInputs, ExpertStats, Fill, MoeInfo, Placement,
+    model_budget, parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, Placement, RunShape,
 };
 use lathe::{Error, Result};
 use std::fmt::Write;
@@ -48,9 +49,13 @@ pub struct PlanArgs {
     /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
     #[arg(long, value_name = "FILE")]
     pub stats: Option<PathBuf>,
-    /// Tokens per prefill pass the activations are sized for.
+    /// Tokens per prefill pass the activations are sized for (the loaders' pass size).
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub batch: u64,
+    /// Sequences live at once, each with its own KV cache and state (`lathe run`: 1, `lathe
+    /// chat`: 2, `lathe serve`: its `--max-seqs`).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seqs: u64,
     /// GPU adapter whose memory to plan for: `auto`, an index or a name substring.
     #[arg(long, value_name = "I", default_value = "auto")]
     pub device: AdapterChoice,
@@ -117,16 +122,14 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         }
         None => None,
     };
-    let nd = lathe::moe::needs(&file, a.kv_type, a.batch.max(1), 1);
-    let budget = Budget::new(&BudgetInputs {
-        memory: mem.bytes,
-        weights: info.other_bytes,
-        kv_bytes_per_token: nd.kv_per_token,
+    // The loaders' own budget (`moe::model_budget`), for this run shape.
+    let run = RunShape {
+        kv: a.kv_type,
         ctx: a.ctx,
-        state_bytes: nd.state,
-        activation_bytes: nd.activations,
-        margin: None,
-    });
+        batch: a.batch.max(1),
+        seqs: a.seqs.max(1),
+    };
+    let (budget, nd) = model_budget(&file, &info, mem.bytes, run);
     let fill = match a.gpu_experts {
         Some(f) => Fill::Fraction(f),
         None => Fill::Budget(budget.experts),
@@ -149,16 +152,30 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     if let Some(n) = &nd.note {
         writeln!(s, "note: {n}").ok();
     }
+    // The cache type the estimate used: `auto` resolves per architecture (f16 for
+    // Qwen3.5, f32 for DeepSeek-V4, `engine::KvType`).
+    let kv = match nd.kv_elem {
+        4 => "f32",
+        2 => "f16",
+        _ => "?",
+    };
     writeln!(
         s,
-        "budget (ctx {}, KV {:?}, batch {}):",
-        a.ctx, a.kv_type, a.batch
+        "budget (ctx {}, KV {kv}{}, batch {}, {} seq):",
+        a.ctx,
+        if a.kv_type == KvType::Auto {
+            " (auto)"
+        } else {
+            ""
+        },
+        a.batch,
+        run.seqs
     )
     .ok();
     for (what, b) in [
         ("non-expert weights", budget.weights),
         ("KV cache", budget.kv),
-        ("recurrent state", budget.state),
+        ("state, windows", budget.state),
         ("activations", budget.activations),
         ("safety margin", budget.margin),
         ("left for experts", budget.experts),
@@ -226,7 +243,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
             lp.group,
             m.expert_bytes(),
             m.expert_bytes() * lp.n_slots() as u64,
-            t.hot_picks
+            t.hot_picks + 0.0 // -0 prints as "-0.000"
         )
         .ok();
     }

@@ -248,6 +248,9 @@ fn warm_up(engine: &mut Engine) -> Result<()> {
     let mut seq = engine.new_seq()?;
     engine.forward(&mut seq, &[0, 0], false)?;
     engine.forward(&mut seq, &[0], false)?;
+    // The sampling paths on the GPU (greedy; top-k with log-sum-exp) have kernels of their own.
+    engine.forward_top(&mut seq, &[0], 1, false)?;
+    engine.forward_top(&mut seq, &[0], 40, true)?;
     Ok(())
 }
 

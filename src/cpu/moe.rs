@@ -1,15 +1,18 @@
 //! The cold path of MoE layers: routed experts without an arena slot, computed on the CPU
 //! with rayon straight from their stored bytes (`quant::dot` per row: no dequantised copy of
-//! any expert), while the GPU runs the hot experts.
+//! any expert; DeepSeek's block-scaled release experts are repacked a task's rows at a time,
+//! see `moe::layout`), while the GPU runs the hot experts.
 //!
 //! Each expert is a SwiGLU FFN `y = down(silu(g) ⊙ u)`, `g = gate·x`, `u = up·x`, with
 //! DeepSeek-V4's optional clamp (model.py `Expert.forward`): `g ← min(g, limit)`,
 //! `u ← clamp(u, −limit, limit)`. The activation runs in f32 as the GPU's `swiglu` does.
 //!
 //! Work is grouped by expert: all pairs of one expert (a prefill batch's tokens) go through
-//! each of its rows while the row is in cache, so every chosen cold expert is read from
-//! memory once per call. Parallel tasks are (expert, block of rows), over all experts at
-//! once, so a decode step with a few cold experts still spreads over every core.
+//! each of its rows at once (`quant::dot_many`: each block decoded once for up to 16 tokens,
+//! results equal to `quant::dot` per token bit for bit, so grouping never shows), and every
+//! chosen cold expert is read from memory once per call. Parallel tasks are (expert, block of
+//! rows) sized by multiply-adds ([`TASK_WORK`]), over all experts at once, so a decode step
+//! with a few cold experts still spreads over every core.
 //!
 //! Output rows are per PAIR, in the order of `pairs`; the caller puts row c at its (token,
 //! top-k slot) position and the fixed-order sum of `moe/mod.rs` ("Summation contract") adds
@@ -19,11 +22,29 @@ use crate::moe::{ColdPair, ExpertWeights};
 use crate::quant;
 use crate::{Error, Result};
 use rayon::prelude::*;
+use std::ops::Range;
 
-/// Rows of one matrix per rayon task: ~32 rows × 2048 weights ≈ 25-40 µs of `quant::dot`
-/// per task (0.3-0.5 ns per weight, `quant::dot`'s doc), well above rayon's overhead and
-/// small enough that a decode step's 8 cold experts × 512 rows make 128+ tasks.
-const ROWS_PER_TASK: usize = 32;
+/// Multiply-adds per rayon task: 64 K, e.g. 32 rows × 2048 for one token or 4 rows × 2048 ×
+/// 8 tokens in a prefill. About 10-30 µs with `quant::dot`'s AVX2 kernels (0.1-0.2 ns per
+/// weight and token on one core, `examples/cpu_moe_bench.rs`), well above rayon's ~1 µs per
+/// task, and small enough that a decode step's 8 cold experts make 128 gate/up tasks (512 rows
+/// of 2048) and 256 down tasks (2048 rows of 512): 8+ per core on 16 cores.
+const TASK_WORK: usize = 1 << 16;
+
+/// Rows per task for `cols`-wide rows shared by `n_pairs` tokens: [`TASK_WORK`]
+/// multiply-adds, 4 to 64 rows (block-scaled release experts repack per task).
+fn rows_per_task(cols: usize, n_pairs: usize) -> usize {
+    (TASK_WORK / (cols * n_pairs).max(1)).clamp(4, 64)
+}
+
+/// Tokens whose per-task up-projection results live on the stack.
+const STACK_PAIRS: usize = 16;
+
+thread_local! {
+    /// The caller's scratch (`act`, `act_t`, `y`), kept between calls: a prefill's 32 MB `y`
+    /// would otherwise be fresh zeroed pages, faulted in on every layer.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 #[inline]
 fn swiglu(g: f32, u: f32, limit: Option<f32>) -> f32 {
@@ -34,35 +55,39 @@ fn swiglu(g: f32, u: f32, limit: Option<f32>) -> f32 {
     g / (1.0 + (-g).exp()) * u
 }
 
-/// Pairs grouped by expert: (expert, pair indices).
-fn group_by_expert(pairs: &[ColdPair]) -> Vec<(usize, Vec<usize>)> {
+/// Pairs grouped by expert: pair indices ordered by (expert, token, index), and per group
+/// (expert, range of that order).
+fn group_by_expert(pairs: &[ColdPair]) -> (Vec<usize>, Vec<(usize, Range<usize>)>) {
     let mut order: Vec<usize> = (0..pairs.len()).collect();
     order.sort_by_key(|&q| (pairs[q].expert, pairs[q].token, q));
-    let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
-    for q in order {
+    let mut groups: Vec<(usize, Range<usize>)> = Vec::new();
+    for (i, &q) in order.iter().enumerate() {
         let e = pairs[q].expert as usize;
         match groups.last_mut() {
-            Some((ge, v)) if *ge == e => v.push(q),
-            _ => groups.push((e, vec![q])),
+            Some((ge, r)) if *ge == e => r.end = i + 1,
+            _ => groups.push((e, i..i + 1)),
         }
     }
-    groups
+    (order, groups)
 }
 
 /// Split `buf` into per-group regions of `rows · n_pairs(g)` and those into tasks of
-/// [`ROWS_PER_TASK`] rows: (group, first row, chunk laid out [row][pair]).
+/// [`rows_per_task`] rows: (group, first row, chunk laid out [row][pair]).
 fn tasks<'b>(
     buf: &'b mut [f32],
-    groups: &[(usize, Vec<usize>)],
+    groups: &[(usize, Range<usize>)],
     rows: usize,
+    cols: usize,
 ) -> Vec<(usize, usize, &'b mut [f32])> {
     let mut out = Vec::new();
     let mut rest = buf;
-    for (gi, (_, qs)) in groups.iter().enumerate() {
-        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(rows * qs.len());
+    for (gi, (_, r)) in groups.iter().enumerate() {
+        let np = r.len();
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(rows * np);
         rest = tail;
-        for (ci, chunk) in mine.chunks_mut(ROWS_PER_TASK * qs.len()).enumerate() {
-            out.push((gi, ci * ROWS_PER_TASK, chunk));
+        let rpt = rows_per_task(cols, np);
+        for (ci, chunk) in mine.chunks_mut(rpt * np).enumerate() {
+            out.push((gi, ci * rpt, chunk));
         }
     }
     out
@@ -72,8 +97,10 @@ fn tasks<'b>(
 /// `pairs[c].weight · FFN_{pairs[c].expert}(x[pairs[c].token])`, where `x` is
 /// `[n_tokens, n_embd]` f32 (the normed FFN input rows of the batch).
 ///
-/// Errors (nothing written) when `x` or `out` do not match `n_embd` and the pairs, or a pair
-/// names a token or expert out of range.
+/// Errors (nothing written) when `x` or `out` do not match `n_embd` and the pairs, a pair
+/// names a token or expert out of range, or a block-scaled expert's scales cannot be
+/// repacked. Any stored type `quant::dot` reads works (block-scaled release experts arrive as
+/// MXFP4 or `F8_E4M3_B128` rows, repacked per task of [`rows_per_task`] rows).
 pub fn expert_rows(
     w: &ExpertWeights<'_>,
     x: &[f32],
@@ -109,77 +136,103 @@ pub fn expert_rows(
     if pairs.is_empty() {
         return Ok(());
     }
-    let groups = group_by_expert(pairs);
-    let xrow = |t: u32| &x[t as usize * e_dim..(t as usize + 1) * e_dim];
-
-    // Phase 1: act[g] [ff, n_pairs(g)] = swiglu(gate·x, up·x), read row by row.
+    let (order, groups) = group_by_expert(pairs);
     let total_pairs = pairs.len();
-    let mut act = vec![0f32; ff * total_pairs];
+    // The pairs' x rows in group order: group g's tokens are `xs[range(g)]`.
+    let xs: Vec<&[f32]> = order
+        .iter()
+        .map(|&q| {
+            let t = pairs[q].token as usize;
+            &x[t * e_dim..(t + 1) * e_dim]
+        })
+        .collect();
+
+    let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let need = 2 * ff * total_pairs + e_dim * total_pairs;
+    if scratch.len() < need {
+        scratch.resize(need, 0.0);
+    }
+    // act [ff, n_pairs(g)] per group, act_t [n_pairs(g), ff] per group, y [n_embd, n_pairs(g)]
+    // per group: each fully written below before it is read.
+    let (act, rest) = scratch[..need].split_at_mut(ff * total_pairs);
+    let (act_t, y) = rest.split_at_mut(ff * total_pairs);
+
+    // Phase 1: act = swiglu(gate·x, up·x), each row read once for all of its group's tokens.
     let (gd, ud) = (w.gate.shape.dtype, w.up.shape.dtype);
-    tasks(&mut act, &groups, ff)
+    let (gb, ub) = (
+        w.gate.shape.row_bytes() as usize,
+        w.up.shape.row_bytes() as usize,
+    );
+    tasks(act, &groups, ff, e_dim)
         .into_par_iter()
-        .for_each(|(gi, r0, chunk)| {
-            let (e, qs) = &groups[gi];
-            for (i, row_out) in chunk.chunks_mut(qs.len()).enumerate() {
-                let r = r0 + i;
-                let (gr, ur) = (w.gate.row(*e, r), w.up.row(*e, r));
-                for (o, &q) in row_out.iter_mut().zip(qs) {
-                    let xt = xrow(pairs[q].token);
-                    *o = swiglu(quant::dot(gd, gr, xt), quant::dot(ud, ur, xt), limit);
+        .try_for_each(|(gi, r0, chunk)| -> Result<()> {
+            let (e, range) = &groups[gi];
+            let gx = &xs[range.clone()];
+            let np = gx.len();
+            let n = chunk.len() / np;
+            // The task's rows (repacked here for block-scaled release experts).
+            let (g, u) = (w.gate.rows(*e, r0, n)?, w.up.rows(*e, r0, n)?);
+            let (mut up_stack, mut up_heap) = ([0f32; STACK_PAIRS], Vec::new());
+            let up: &mut [f32] = if np <= STACK_PAIRS {
+                &mut up_stack[..np]
+            } else {
+                up_heap.resize(np, 0.0);
+                &mut up_heap
+            };
+            for (i, row_out) in chunk.chunks_mut(np).enumerate() {
+                let (gr, ur) = (&g[i * gb..(i + 1) * gb], &u[i * ub..(i + 1) * ub]);
+                quant::dot_many(gd, gr, gx, row_out);
+                quant::dot_many(ud, ur, gx, up);
+                for (o, &uv) in row_out.iter_mut().zip(up.iter()) {
+                    *o = swiglu(*o, uv, limit);
                 }
             }
-        });
+            Ok(())
+        })?;
 
     // Each pair's activation vector contiguous for the down rows: [n_pairs(g), ff] per group.
-    let mut act_t = vec![0f32; ff * total_pairs];
     let mut base = 0;
-    for (_, qs) in &groups {
-        let n = qs.len();
-        for r in 0..ff {
+    for (_, r) in &groups {
+        let n = r.len();
+        for rr in 0..ff {
             for j in 0..n {
-                act_t[base + j * ff + r] = act[base + r * n + j];
+                act_t[base + j * ff + rr] = act[base + rr * n + j];
             }
         }
         base += ff * n;
     }
+    // Per pair in group order: its activation vector.
+    let acts: Vec<&[f32]> = act_t.chunks(ff).collect();
 
-    // Phase 2: y[g] [n_embd, n_pairs(g)] = down · act.
-    let mut y = vec![0f32; e_dim * total_pairs];
+    // Phase 2: y [n_embd, n_pairs(g)] per group = down · act.
     let dd = w.down.shape.dtype;
-    let offsets: Vec<usize> = groups
-        .iter()
-        .scan(0, |o, (_, qs)| {
-            let cur = *o;
-            *o += ff * qs.len();
-            Some(cur)
-        })
-        .collect();
-    tasks(&mut y, &groups, e_dim)
+    let db = w.down.shape.row_bytes() as usize;
+    tasks(y, &groups, e_dim, ff)
         .into_par_iter()
-        .for_each(|(gi, r0, chunk)| {
-            let (e, qs) = &groups[gi];
-            let a = &act_t[offsets[gi]..offsets[gi] + ff * qs.len()];
-            for (i, row_out) in chunk.chunks_mut(qs.len()).enumerate() {
-                let dr = w.down.row(*e, r0 + i);
-                for (j, o) in row_out.iter_mut().enumerate() {
-                    *o = quant::dot(dd, dr, &a[j * ff..(j + 1) * ff]);
-                }
+        .try_for_each(|(gi, r0, chunk)| -> Result<()> {
+            let (e, range) = &groups[gi];
+            let ga = &acts[range.clone()];
+            let d = w.down.rows(*e, r0, chunk.len() / ga.len())?;
+            for (i, row_out) in chunk.chunks_mut(ga.len()).enumerate() {
+                quant::dot_many(dd, &d[i * db..(i + 1) * db], ga, row_out);
             }
-        });
+            Ok(())
+        })?;
 
     // Scatter to pair rows with their weights.
     let mut base = 0;
-    for (_, qs) in &groups {
-        let n = qs.len();
-        for (j, &q) in qs.iter().enumerate() {
+    for (_, r) in &groups {
+        let n = r.len();
+        for (j, &q) in order[r.clone()].iter().enumerate() {
             let wgt = pairs[q].weight;
             let o = &mut out[q * e_dim..(q + 1) * e_dim];
-            for (r, v) in o.iter_mut().enumerate() {
-                *v = wgt * y[base + r * n + j];
+            for (rr, v) in o.iter_mut().enumerate() {
+                *v = wgt * y[base + rr * n + j];
             }
         }
         base += e_dim * n;
     }
+    SCRATCH.with(|s| *s.borrow_mut() = scratch);
     Ok(())
 }
 

@@ -149,6 +149,138 @@ impl Gpu {
     }
 }
 
+impl Gpu {
+    /// Several 2-D weights of one type and width as one `[Σ rows, cols]` tensor, rows in the
+    /// order given: products that read the same input become one matvec over it, each
+    /// member's outputs a column range of the result. Bytes go from the mmap straight into
+    /// row ranges of the parts (split by whole rows, as [`Gpu::upload_tensor`]); no host
+    /// copy of the weights.
+    pub fn upload_concat(&self, ts: &[TensorRef<'_>], name: &str) -> Result<GpuTensor> {
+        self.upload_concat_parts(ts, name, self.max_binding())
+    }
+
+    /// [`Gpu::upload_concat`] with parts of at most `max_part_bytes` (tests split small
+    /// tensors with it; the adapter's binding limit still applies).
+    #[doc(hidden)]
+    pub fn upload_concat_parts(
+        &self,
+        ts: &[TensorRef<'_>],
+        name: &str,
+        max_part_bytes: u64,
+    ) -> Result<GpuTensor> {
+        let Some(first) = ts.first() else {
+            return Err(Error::Invalid(format!(
+                "{name}: concatenation of no tensors"
+            )));
+        };
+        for t in ts {
+            if t.shape.len() != 2 || t.dtype != first.dtype || t.row_len() != first.row_len() {
+                return Err(Error::tensor(
+                    t.path,
+                    t.name,
+                    format!(
+                        "{} {:?} cannot be concatenated by rows with {} {:?} ({})",
+                        t.dtype, t.shape, first.dtype, first.shape, first.name
+                    ),
+                ));
+            }
+        }
+        let row_bytes = first.row_bytes() as u64;
+        let n_rows: u64 = ts.iter().map(|t| t.n_rows()).sum();
+        let max = max_part_bytes.min(self.max_binding()) & !3;
+        if row_bytes > max {
+            return Err(Error::tensor(
+                first.path,
+                first.name,
+                format!("one row of {row_bytes} bytes exceeds the binding limit {max}"),
+            ));
+        }
+        let rows_per_part = (max / row_bytes.max(1)).max(1);
+        let mut parts = Vec::new();
+        let mut r0 = 0;
+        while r0 < n_rows {
+            let nr = rows_per_part.min(n_rows - r0);
+            let buffer = self.buffer(nr * row_bytes, name)?;
+            let mut w = AlignedWriter::new(self, &buffer);
+            // Member rows overlapping [r0, r0 + nr), in order.
+            let mut m0 = 0;
+            for t in ts {
+                let (lo, hi) = (r0.max(m0), (r0 + nr).min(m0 + t.n_rows()));
+                if lo < hi {
+                    let (a, b) = ((lo - m0) * row_bytes, (hi - m0) * row_bytes);
+                    w.push(&t.data[a as usize..b as usize]);
+                }
+                m0 += t.n_rows();
+            }
+            w.finish();
+            parts.push(TensorPart {
+                buffer,
+                row_start: r0,
+                n_rows: nr,
+            });
+            r0 += nr;
+        }
+        Ok(GpuTensor {
+            name: name.to_string(),
+            dtype: first.dtype,
+            shape: vec![n_rows, first.row_len()],
+            parts,
+        })
+    }
+}
+
+/// Sequential writes into a buffer at 4-byte aligned offsets and lengths (what
+/// `Queue::write_buffer` requires), whatever the lengths of the pieces: the up to 3 bytes
+/// of a piece that do not fill a word wait for the next piece's first bytes.
+struct AlignedWriter<'a> {
+    gpu: &'a Gpu,
+    buf: &'a wgpu::Buffer,
+    off: u64,
+    carry: [u8; 4],
+    n_carry: usize,
+}
+
+impl<'a> AlignedWriter<'a> {
+    fn new(gpu: &'a Gpu, buf: &'a wgpu::Buffer) -> Self {
+        AlignedWriter {
+            gpu,
+            buf,
+            off: 0,
+            carry: [0; 4],
+            n_carry: 0,
+        }
+    }
+
+    fn push(&mut self, mut data: &[u8]) {
+        if self.n_carry > 0 {
+            let take = (4 - self.n_carry).min(data.len());
+            self.carry[self.n_carry..self.n_carry + take].copy_from_slice(&data[..take]);
+            self.n_carry += take;
+            data = &data[take..];
+            if self.n_carry < 4 {
+                return;
+            }
+            self.gpu.write(self.buf, self.off, &self.carry);
+            self.off += 4;
+            self.n_carry = 0;
+        }
+        let body = data.len() & !3;
+        self.gpu.write(self.buf, self.off, &data[..body]);
+        self.off += body as u64;
+        let rest = &data[body..];
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.n_carry = rest.len();
+    }
+
+    /// Write the last partial word (zero-padded).
+    fn finish(mut self) {
+        if self.n_carry > 0 {
+            self.carry[self.n_carry..].fill(0);
+            self.gpu.write(self.buf, self.off, &self.carry);
+        }
+    }
+}
+
 /// A weight on the GPU, in its stored type. Shape outermost first; rows contiguous.
 #[derive(Clone, Debug)]
 pub struct GpuTensor {

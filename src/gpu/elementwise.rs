@@ -78,7 +78,9 @@ struct Params {
     b_stride: u32,
     /// Scale, or SwiGLU's clamp limit.
     alpha: f32,
-    _pad: [u32; 3],
+    /// Slots of `moe_combine`.
+    k: u32,
+    _pad: [u32; 2],
 }
 const _: () = assert!(std::mem::size_of::<Params>() == 48);
 
@@ -106,6 +108,21 @@ fn run(
     y: View<'_>,
     args: &[Arg<'_>],
     alpha: f32,
+) -> Result<()> {
+    run_k(pass, entry, n_rows, n_cols, y, args, alpha, 0)
+}
+
+/// [`run`] with the slot count of `moe_combine`.
+#[allow(clippy::too_many_arguments)]
+fn run_k(
+    pass: &mut Pass<'_>,
+    entry: &'static str,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    args: &[Arg<'_>],
+    alpha: f32,
+    k: u32,
 ) -> Result<()> {
     let n = n_rows as u64 * n_cols as u64;
     if n == 0 {
@@ -136,7 +153,8 @@ fn run(
         b_off: offs[1].0,
         b_stride: offs[1].1,
         alpha,
-        _pad: [0; 3],
+        k,
+        _pad: [0; 2],
     };
     let pl = pass.gpu().pipeline(&PipelineSpec::new(
         format!("elementwise_{entry}"),
@@ -409,5 +427,40 @@ pub fn axpy_row(
         y,
         &[Arg::Rows(x), Arg::Scalar(w)],
         0.0,
+    )
+}
+
+/// `y[r] += Σ_{s<k} w[r, s] · x[r, s]` in slot order: the MoE combine of all `k` expert slots in
+/// one dispatch (what `k` [`axpy_row`] calls compute, one slot each). `x` row r holds the k
+/// slots' rows of `n_cols` back to back (packed stride `k·n_cols`); `w` row r the k weights
+/// (packed stride `k`).
+pub fn moe_combine(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    k: u32,
+    y: View<'_>,
+    w: View<'_>,
+    x: View<'_>,
+) -> Result<()> {
+    if k == 0 {
+        return Ok(());
+    }
+    let slots = n_cols
+        .checked_mul(k)
+        .ok_or_else(|| Error::Invalid(format!("moe_combine: {k} slots of {n_cols} columns")))?;
+    let x = View::strided(x.buf, x.off, x.stride_for(slots));
+    let w = View::strided(w.buf, w.off, w.stride_for(k));
+    x.check("moe_combine", "x", n_rows, slots)?;
+    w.check("moe_combine", "w", n_rows, k)?;
+    run_k(
+        pass,
+        "moe_combine",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(x), Arg::Scalar(w)],
+        0.0,
+        k,
     )
 }

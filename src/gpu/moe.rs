@@ -11,8 +11,8 @@ use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
 use crate::engine::LoadOptions;
 use crate::models::ModelFile;
 use crate::moe::{
-    AdapterMemory, Budget, BudgetInputs, ColdPair, ExpertStats, ExpertWeights, Fill, Kind,
-    MemSource, MoeInfo, Placement, ResidencyCache, COLD,
+    AdapterMemory, Budget, ColdPair, ExpertStats, ExpertWeights, Fill, Kind, MemSource, MoeInfo,
+    Placement, ResidencyCache, RunShape, COLD,
 };
 use crate::{Error, Result};
 use std::sync::Mutex;
@@ -146,8 +146,8 @@ impl ExpertArena {
         self.groups.get(g).and_then(Option::as_ref)
     }
 
-    /// Copy expert `expert` of `w` (its three matrices, stored bytes from the mmap) into
-    /// slot `slot` of group `g`. Ordered before the next submission and after everything
+    /// Copy expert `expert` of `w` (its three matrices in the stored type: bytes from the
+    /// mmap, or repacked from a release's block-scaled tensors) into slot `slot` of group `g`. Ordered before the next submission and after everything
     /// submitted so far. Slots whose size is a multiple of 4 bytes take one
     /// `queue.write_buffer` per matrix; others go through a staging buffer and the
     /// `copy_bytes` kernel (one submission), which keeps the neighbouring slots' bytes.
@@ -195,11 +195,11 @@ impl ExpertArena {
                 .find(|p| (p.row_start..p.row_start + p.n_rows).contains(&row0))
                 .expect("arena parts cover every slot");
             let off = (row0 - part.row_start) / m.shape.rows * eb;
-            let bytes = m.expert(expert as usize);
+            let bytes = m.expert(expert as usize)?;
             if eb.is_multiple_of(4) {
-                gpu.write(&part.buffer, off, bytes);
+                gpu.write(&part.buffer, off, &bytes);
             } else {
-                let staging = gpu.upload(bytes, "moe.arena.staging")?;
+                let staging = gpu.upload(&bytes, "moe.arena.staging")?;
                 let first = off / 4;
                 let end = (off + eb).div_ceil(4);
                 let prm = Params {
@@ -237,6 +237,18 @@ impl ExpertArena {
         placement: &Placement,
         weights: &[ExpertWeights<'_>],
     ) -> Result<()> {
+        self.fill_reporting(gpu, placement, weights, &mut |_, _| {})
+    }
+
+    /// [`fill`](Self::fill), calling `report(bytes written, bytes to write)` after each
+    /// expert (for a load progress bar).
+    pub fn fill_reporting(
+        &self,
+        gpu: &Gpu,
+        placement: &Placement,
+        weights: &[ExpertWeights<'_>],
+        report: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
         if weights.len() != placement.layers.len() {
             return Err(Error::Invalid(format!(
                 "moe arena: {} layers of weights for {} MoE layers",
@@ -248,10 +260,18 @@ impl ExpertArena {
         // FLUSH bytes so a large arena never sits in host staging memory at once.
         const FLUSH: u64 = 1 << 30;
         let mut staged = 0u64;
+        let all: u64 = placement
+            .layers
+            .iter()
+            .map(|lp| placement.groups[lp.group].slot_bytes() * lp.hot().count() as u64)
+            .sum();
+        let mut written = 0u64;
         for (lp, w) in placement.layers.iter().zip(weights) {
             let eb = placement.groups[lp.group].slot_bytes();
             for (e, s) in lp.hot() {
                 self.write_expert(gpu, lp.group, s, w, e)?;
+                written += eb;
+                report(written, all);
                 staged += eb;
                 if staged >= FLUSH {
                     gpu.queue.submit(std::iter::empty());
@@ -495,16 +515,13 @@ impl Plan {
             Some(f) => (Fill::Fraction(f), None, None),
             None => {
                 let mem = AdapterMemory::detect(&gpu.info, opts.gpu_mem);
-                let nd = crate::moe::needs(file, opts.kv_type, batch as u64, opts.max_seqs as u64);
-                let b = Budget::new(&BudgetInputs {
-                    memory: mem.bytes,
-                    weights: info.other_bytes,
-                    kv_bytes_per_token: nd.kv_per_token,
+                let run = RunShape {
+                    kv: opts.kv_type,
                     ctx: opts.ctx as u64,
-                    state_bytes: nd.state,
-                    activation_bytes: nd.activations,
-                    margin: None,
-                });
+                    batch: batch as u64,
+                    seqs: opts.max_seqs as u64,
+                };
+                let (b, _) = crate::moe::model_budget(file, &info, mem.bytes, run);
                 if !b.fits() {
                     eprintln!(
                         "warning: {} needs {} beside its routed experts, {} more than the GPU \
@@ -531,8 +548,10 @@ impl Plan {
             return Ok(None);
         }
         // Fail before any upload when the experts cannot be read where they are stored
-        // (DeepSeek's packed release experts).
-        ExpertWeights::from_file(file, &plan.info.layers[0])?;
+        // (missing tensors or scales, types that cannot be repacked).
+        for m in &plan.info.layers {
+            ExpertWeights::from_file(file, m)?;
+        }
         if !plan.all_hot() {
             let hot: usize = plan.placement.layers.iter().map(|l| l.n_slots()).sum();
             let all: usize = plan.placement.layers.iter().map(|l| l.n_expert).sum();
@@ -666,7 +685,27 @@ impl Offload {
             .map(|m| ExpertWeights::from_file(&file, m))
             .collect::<Result<Vec<_>>>()?;
         let arena = ExpertArena::new(gpu, &placement)?;
-        arena.fill(gpu, &placement, &weights)?;
+        // The loaders count the bytes of every tensor of the file and upload all but the
+        // routed experts: the arena's uploads take the bar from there to the end (cold
+        // experts take no time; the hot ones count in proportion to their share).
+        let progress = opts.progress.as_ref().map(|p| {
+            let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
+            let experts: u64 = file
+                .tensors()
+                .filter(|t| crate::moe::is_expert_tensor(t.name))
+                .map(|t| t.data.len() as u64)
+                .sum();
+            (p, total, experts.min(total))
+        });
+        arena.fill_reporting(gpu, &placement, &weights, &mut |done, all| {
+            if let Some((p, total, experts)) = &progress {
+                let part = (*experts as u128 * done as u128 / all.max(1) as u128) as u64;
+                p(total - experts + part, *total);
+            }
+        })?;
+        if let Some((p, total, _)) = &progress {
+            p(*total, *total);
+        }
         drop(weights);
         let remaps = RemapTables::new(gpu, &placement)?;
         let k = info.n_used;
@@ -880,7 +919,10 @@ impl Offload {
             .ok_or_else(|| Error::Invalid(format!("moe: layer {} is not a MoE layer", c.layer)))?;
         if !c.pairs.is_empty() {
             self.submit(pass)?;
-            let w = ExpertWeights::from_file(&self.file, &self.info.layers[li])?;
+            let mut experts: Vec<u32> = c.pairs.iter().map(|p| p.expert).collect();
+            experts.sort_unstable();
+            experts.dedup();
+            let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], &experts)?;
             let e = self.n_embd as usize;
             let mut rows = vec![0f32; c.pairs.len() * e];
             crate::cpu::moe::expert_rows(&w, &c.h, &c.pairs, limit, &mut rows)?;
@@ -917,7 +959,7 @@ impl Offload {
                 .info
                 .layer(u.layer)
                 .expect("the cache uploads experts of MoE layers");
-            let w = ExpertWeights::from_file(&self.file, m)?;
+            let w = ExpertWeights::from_file_only(&self.file, m, &[u.expert])?;
             let g = self.placement.layer(u.layer).expect("placed layer").group;
             self.arena.write_expert(gpu, g, u.slot, &w, u.expert)?;
             let r = st.cache.remap(u.layer).expect("cached layer");

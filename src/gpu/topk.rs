@@ -6,8 +6,11 @@
 //!
 //! Results are best first, ties to the lower index, NaNs never selected; a row with fewer
 //! than k selectable elements pads with index `u32::MAX`, value −inf. Rows longer than
-//! [`CHUNK`] run in stages through a [`TopkScratch`] (vocab rows: 248,320 logits → 122
-//! chunks of 16 candidates → one final workgroup per row).
+//! [`CHUNK`] run in stages through a [`TopkScratch`] (vocab rows: 248,320 logits → 61
+//! chunks of k candidates → one final workgroup per row). A chunk's top k takes three
+//! workgroup barriers whatever k (a threshold from the threads' best elements, then ranks by
+//! counting among the few elements that pass it: `topk.wgsl`), so k = 64 costs about what
+//! k = 1 does.
 
 use super::elementwise::View;
 use super::{grid, Binding, Gpu, Pass, PipelineSpec};
@@ -15,8 +18,10 @@ use crate::{Error, Result};
 
 const SRC: &str = include_str!("../../shaders/topk.wgsl");
 
-/// Elements one workgroup ranks (`topk.wgsl`: 256 threads × 8 registers).
-pub const CHUNK: u32 = 2048;
+/// Elements one workgroup ranks (`topk.wgsl` `main`: 256 threads × 16 elements).
+pub const CHUNK: u32 = 4096;
+/// Most experts of [`router_softmax_topk`] (`topk.wgsl` `router`: 256 threads × 8).
+pub const ROUTER_MAX_EXPERTS: u32 = 2048;
 /// Largest k of [`topk`] (its [`TopkScratch`] is sized for it).
 pub const MAX_K: u32 = 16;
 /// Largest k of [`LogitsTop`]: covers llama.cpp's default sampler top-k of 40 and the
@@ -249,10 +254,10 @@ pub fn argmax(
     topk(pass, n_rows, n, 1, x, ids, vals, scratch)
 }
 
-/// Qwen's MoE router in one kernel: per row of `n_exp` ≤ [`CHUNK`] logits, softmax over all
-/// experts, top-`k` (on the logits; ties to the lower index), the winners' probabilities,
-/// renormalised to sum 1 when `renorm`. Writes `ids` (u32 rows of k) and `weights` (f32 rows
-/// of k), best first.
+/// Qwen's MoE router in one kernel: per row of `n_exp` ≤ [`ROUTER_MAX_EXPERTS`] logits,
+/// softmax over all experts, top-`k` (on the logits; ties to the lower index), the winners'
+/// probabilities, renormalised to sum 1 when `renorm`. Writes `ids` (u32 rows of k) and
+/// `weights` (f32 rows of k), best first.
 #[allow(clippy::too_many_arguments)]
 pub fn router_softmax_topk(
     pass: &mut Pass<'_>,
@@ -265,9 +270,9 @@ pub fn router_softmax_topk(
     weights: View<'_>,
 ) -> Result<()> {
     check_k("router_softmax_topk", k, MAX_K)?;
-    if n_exp == 0 || n_exp > CHUNK || k > n_exp {
+    if n_exp == 0 || n_exp > ROUTER_MAX_EXPERTS || k > n_exp {
         return Err(Error::Invalid(format!(
-            "router_softmax_topk: {n_exp} experts, k = {k} (need k ≤ experts ≤ {CHUNK})"
+            "router_softmax_topk: {n_exp} experts, k = {k} (need k ≤ experts ≤ {ROUTER_MAX_EXPERTS})"
         )));
     }
     if n_rows == 0 {

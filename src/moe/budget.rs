@@ -246,8 +246,45 @@ pub struct Needs {
     pub state: u64,
     /// Activation scratch of one pass of `batch` rows, logits included.
     pub activations: u64,
+    /// Bytes of one KV cache element the estimate used (the cache type resolved: `Auto` is
+    /// 2 for Qwen3.5, 4 for DeepSeek-V4); 0 when the architecture is unknown.
+    pub kv_elem: u64,
     /// Why the estimate is partial, if it is.
     pub note: Option<String>,
+}
+
+/// The run a budget is for (the loaders take it from `LoadOptions`, `lathe plan` from its
+/// flags).
+#[derive(Clone, Copy, Debug)]
+pub struct RunShape {
+    pub kv: crate::engine::KvType,
+    /// Context length the caches are sized for.
+    pub ctx: u64,
+    /// Rows of one pass (the loaders' `DEFAULT_BATCH`).
+    pub batch: u64,
+    /// Sequences live at once.
+    pub seqs: u64,
+}
+
+/// The budget of `f` (whose experts `info` describes) on `memory` bytes: the one the loaders
+/// place experts with (`gpu::moe::Plan::new`) and `lathe plan` prints, so the two agree.
+pub fn model_budget(
+    f: &crate::models::ModelFile,
+    info: &super::MoeInfo,
+    memory: u64,
+    run: RunShape,
+) -> (Budget, Needs) {
+    let nd = needs(f, run.kv, run.batch.max(1), run.seqs);
+    let b = Budget::new(&BudgetInputs {
+        memory,
+        weights: info.other_bytes,
+        kv_bytes_per_token: nd.kv_per_token,
+        ctx: run.ctx,
+        state_bytes: nd.state,
+        activation_bytes: nd.activations,
+        margin: None,
+    });
+    (b, nd)
 }
 
 /// [`Needs`] of `f` for `seqs` live sequences, passes of `batch` rows and KV cache type `kv`
@@ -293,6 +330,7 @@ pub fn needs(
             kv_per_token: kv_per_token * seqs,
             state: state * seqs,
             activations: batch * per_row as u64 * 4,
+            kv_elem,
             note: None,
         };
     }
@@ -324,6 +362,7 @@ pub fn needs(
             kv_per_token: kv_per_token * seqs,
             state: state * seqs,
             activations: batch * per_row as u64 * 4,
+            kv_elem,
             note: None,
         };
     }

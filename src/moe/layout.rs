@@ -3,16 +3,27 @@
 //!
 //! Expert tensors are read where the file keeps them: GGUF stacks `blk.N.ffn_{gate,up,down}
 //! _exps.weight` `[n_expert, rows, cols]` (llama.cpp's layout for both Qwen3.5-MoE and
-//! DeepSeek-V4), Hugging Face Qwen checkpoints one tensor per expert
-//! (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`). DeepSeek's release keeps
-//! experts as packed e2m1 pairs (`layers.N.ffn.experts.E.w{1,3,2}.weight`, I8 `[rows, cols/2]`)
-//! plus E8M0 scales `[rows, cols/32]`: [`MoeInfo`] describes them as the MXFP4 matrices the
-//! loader repacks them into (same byte count), but [`ExpertWeights::from_file`] cannot hand out
-//! their bytes: build [`ExpertWeights`] from the repacked bytes with [`ExpertMats::from_parts`].
+//! DeepSeek-V4), Hugging Face checkpoints one tensor per expert
+//! (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, or DeepSeek's release names
+//! `layers.N.ffn.experts.E.w{1,3,2}.weight`). Block-scaled release experts are described as
+//! the type the loaders repack them into, which is what the GPU stores:
+//! - packed e2m1 pairs (I8/U8 `[rows, cols/2]` + E8M0 `.scale` `[rows, cols/32]`): ggml MXFP4
+//!   (the same byte count);
+//! - FP8 e4m3 (`[rows, cols]` + a 128×128 block scale): `F8_E4M3_B128` (132/128 of the
+//!   FP8 bytes).
+//!
+//! [`ExpertMats`] reads those experts one at a time, repacking on demand (a few rows for the
+//! CPU's cold path, one expert for an arena upload): no second copy of the experts is held
+//! in memory, and the repack is the loaders' own (`safetensors::scaled`), so the bytes are
+//! the ones an all-GPU load uploads.
 
 use crate::models::ModelFile;
+use crate::safetensors::scaled::{
+    find_block_scale, repack_fp8_block_to_b128, repack_mxfp4_to_ggml, FP8_BLOCK, MXFP4_BLOCK,
+};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -149,16 +160,46 @@ fn parse_expert_name(name: &str) -> Option<(usize, Option<usize>, Kind, bool)> {
 }
 
 /// True for a routed expert tensor name (GGUF stack, HF per-expert matrix, DeepSeek packed
-/// weight or its scale): what a loader leaves to the expert arena.
+/// weight or the block scale of a per-expert matrix): what a loader leaves to the expert
+/// arena.
 pub fn is_expert_tensor(name: &str) -> bool {
-    parse_expert_name(name).is_some() || is_packed_scale(name)
+    parse_expert_name(name).is_some() || is_expert_scale(name)
 }
 
-/// The scale tensor of DeepSeek's packed experts (`…w1.scale` beside `…w1.weight`).
-fn is_packed_scale(name: &str) -> bool {
-    name.strip_suffix(".scale")
-        .and_then(|b| parse_expert_name(&format!("{b}.weight")))
-        .is_some_and(|p| p.3)
+/// The weight a block-scale tensor name belongs to (`X.scale` or `X.weight_scale_inv` →
+/// `X.weight`, the two namings `safetensors::find_block_scale` accepts).
+fn scaled_weight_name(name: &str) -> Option<String> {
+    let base = name
+        .strip_suffix(".scale")
+        .or_else(|| name.strip_suffix(".weight_scale_inv"))?;
+    Some(format!("{base}.weight"))
+}
+
+/// The scale tensor of a per-expert matrix (`…w1.scale` beside `…w1.weight`).
+fn is_expert_scale(name: &str) -> bool {
+    scaled_weight_name(name)
+        .and_then(|w| parse_expert_name(&w))
+        .is_some_and(|p| p.1.is_some())
+}
+
+/// Bytes of `t` as the loaders put it on the GPU: an FP8 e4m3 weight becomes `F8_E4M3_B128`
+/// (an f32 scale per 128 columns: 132/128 of its bytes) and its block scale is folded into
+/// those bytes (0 of its own); everything else as stored.
+fn uploaded_bytes(f: &ModelFile, t: &TensorRef<'_>) -> u64 {
+    let stored = t.data.len() as u64;
+    if t.dtype == DType::F8_E4M3 {
+        return DType::F8_E4M3_B128
+            .bytes_for(t.row_len())
+            .map_or(stored, |rb| rb * t.n_rows());
+    }
+    let is_fp8_scale = scaled_weight_name(t.name)
+        .and_then(|w| f.tensor(&w))
+        .is_some_and(|w| w.dtype == DType::F8_E4M3);
+    if is_fp8_scale {
+        0
+    } else {
+        stored
+    }
 }
 
 fn is_embedding(name: &str) -> bool {
@@ -216,11 +257,11 @@ impl MoeInfo {
         let bad = |t: &TensorRef<'_>, what: String| Error::tensor(t.path, t.name, what);
         for t in f.tensors() {
             let Some((l, e, kind, packed)) = parse_expert_name(t.name) else {
-                if is_packed_scale(t.name) {
-                    // Counted with its weight: packed pairs + scale = MXFP4 bytes.
+                if is_expert_scale(t.name) {
+                    // Counted with its weight (in the repacked type).
                     continue;
                 }
-                let b = t.data.len() as u64;
+                let b = uploaded_bytes(f, &t);
                 other_bytes += b;
                 other_decode += if is_embedding(t.name) && head {
                     b / t.shape.first().copied().unwrap_or(1).max(1)
@@ -246,19 +287,22 @@ impl MoeInfo {
                     if t.shape.len() != 2 {
                         return Err(bad(&t, format!("expert matrix of shape {:?}", t.shape)));
                     }
-                    let s = if packed {
-                        // Two e2m1 values per stored byte (DeepSeek's release layout).
-                        MatShape {
+                    let (rows, cols) = (t.shape[0], t.shape[1]);
+                    let s = match t.dtype {
+                        // Two e2m1 values per stored byte (DeepSeek's release layout),
+                        // repacked into ggml's MXFP4 blocks.
+                        DType::I8 | DType::U8 if packed => MatShape {
                             dtype: DType::MXFP4,
-                            rows: t.shape[0],
-                            cols: t.shape[1] * 2,
-                        }
-                    } else {
-                        MatShape {
-                            dtype: t.dtype,
-                            rows: t.shape[0],
-                            cols: t.shape[1],
-                        }
+                            rows,
+                            cols: cols * 2,
+                        },
+                        // FP8 with a 128×128 block scale, repacked into 128-column blocks.
+                        DType::F8_E4M3 => MatShape {
+                            dtype: DType::F8_E4M3_B128,
+                            rows,
+                            cols,
+                        },
+                        dtype => MatShape { dtype, rows, cols },
                     };
                     entry.each.entry(kind).or_default().insert(e, s);
                 }
@@ -395,14 +439,27 @@ fn layer_info(path: &Path, l: usize, fd: Found) -> Result<MoeLayerInfo> {
     })
 }
 
-/// One kind of matrix (gate, up or down) of every expert of a layer, as stored bytes.
+/// Where the bytes of an [`ExpertMats`] come from.
+#[derive(Clone, Debug)]
+enum Source<'a> {
+    /// `[n_expert]` slices of exactly `shape.bytes()` bytes each, in `shape.dtype` (`None`:
+    /// an expert not looked up, see [`ExpertWeights::from_file_only`]).
+    Stored(Vec<Option<&'a [u8]>>),
+    /// Per expert a block-scaled weight and its scale as a release stores them, repacked
+    /// into `shape.dtype` when read: packed e2m1 pairs (I8/U8 `[rows, cols/2]`, E8M0
+    /// `[rows, cols/32]`) into MXFP4, FP8 e4m3 (`[rows, cols]`, scale
+    /// `[ceil(rows/128), cols/128]`) into `F8_E4M3_B128`.
+    Scaled(Vec<Option<(TensorRef<'a>, TensorRef<'a>)>>),
+}
+
+/// One kind of matrix (gate, up or down) of every expert of a layer, in the type the GPU
+/// stores (`shape.dtype`).
 #[derive(Clone, Debug)]
 pub struct ExpertMats<'a> {
     pub shape: MatShape,
     /// For error messages.
     pub name: String,
-    /// `[n_expert]` slices of exactly `shape.bytes()` bytes each.
-    experts: Vec<&'a [u8]>,
+    src: Source<'a>,
 }
 
 impl<'a> ExpertMats<'a> {
@@ -438,12 +495,18 @@ impl<'a> ExpertMats<'a> {
         Ok(ExpertMats {
             shape,
             name: t.name.to_string(),
-            experts: t.data.chunks_exact(eb).collect(),
+            src: Source::Stored(t.data.chunks_exact(eb).map(Some).collect()),
         })
     }
 
-    /// One slice per expert (HF per-expert tensors, bytes repacked at load).
+    /// One slice per expert, in `shape.dtype` (HF per-expert tensors, or bytes repacked by
+    /// the caller).
     pub fn from_parts(shape: MatShape, name: &str, experts: Vec<&'a [u8]>) -> Result<Self> {
+        Self::stored(shape, name, experts.into_iter().map(Some).collect())
+    }
+
+    /// [`from_parts`](Self::from_parts) with some experts left out (`None`).
+    fn stored(shape: MatShape, name: &str, experts: Vec<Option<&'a [u8]>>) -> Result<Self> {
         if shape.bytes() == 0 {
             return Err(Error::Invalid(format!(
                 "{name}: {}x{} {} is not whole blocks",
@@ -453,6 +516,7 @@ impl<'a> ExpertMats<'a> {
         if let Some((e, b)) = experts
             .iter()
             .enumerate()
+            .filter_map(|(e, b)| Some((e, (*b)?)))
             .find(|(_, b)| b.len() as u64 != shape.bytes())
         {
             return Err(Error::Invalid(format!(
@@ -467,25 +531,176 @@ impl<'a> ExpertMats<'a> {
         Ok(ExpertMats {
             shape,
             name: name.to_string(),
-            experts,
+            src: Source::Stored(experts),
+        })
+    }
+
+    /// Block-scaled release experts, one `(weight, scale)` pair per expert, read as
+    /// `shape.dtype` (MXFP4 for packed e2m1 pairs, `F8_E4M3_B128` for FP8): each read
+    /// repacks only what it returns. Checks every pair's types and shapes.
+    pub fn from_scaled(
+        shape: MatShape,
+        name: &str,
+        experts: Vec<(TensorRef<'a>, TensorRef<'a>)>,
+    ) -> Result<Self> {
+        Self::scaled(shape, name, experts.into_iter().map(Some).collect())
+    }
+
+    /// [`from_scaled`](Self::from_scaled) with some experts left out (`None`).
+    fn scaled(
+        shape: MatShape,
+        name: &str,
+        experts: Vec<Option<(TensorRef<'a>, TensorRef<'a>)>>,
+    ) -> Result<Self> {
+        let (rows, cols) = (shape.rows, shape.cols);
+        let want = |w: &TensorRef<'_>, s: &TensorRef<'_>| -> Option<([u64; 2], [u64; 2])> {
+            match shape.dtype {
+                DType::MXFP4
+                    if matches!(w.dtype, DType::I8 | DType::U8)
+                        && matches!(s.dtype, DType::F8_E8M0 | DType::U8)
+                        && cols.is_multiple_of(MXFP4_BLOCK as u64) =>
+                {
+                    Some(([rows, cols / 2], [rows, cols / MXFP4_BLOCK as u64]))
+                }
+                DType::F8_E4M3_B128
+                    if w.dtype == DType::F8_E4M3
+                        && matches!(
+                            s.dtype,
+                            DType::F32 | DType::BF16 | DType::F16 | DType::F8_E8M0 | DType::U8
+                        )
+                        && cols.is_multiple_of(FP8_BLOCK as u64) =>
+                {
+                    let b = FP8_BLOCK as u64;
+                    Some(([rows, cols], [rows.div_ceil(b), cols / b]))
+                }
+                _ => None,
+            }
+        };
+        for (w, s) in experts.iter().flatten() {
+            let Some((ws, ss)) = want(w, s) else {
+                return Err(Error::tensor(
+                    w.path,
+                    w.name,
+                    format!(
+                        "{} with a {} scale cannot be read as {} {rows}x{cols} ({name})",
+                        w.dtype, s.dtype, shape.dtype
+                    ),
+                ));
+            };
+            if w.shape != ws || s.shape != ss {
+                return Err(Error::tensor(
+                    w.path,
+                    w.name,
+                    format!(
+                        "shape {:?} with scale `{}` {:?}: {} {rows}x{cols} wants {ws:?} and \
+                         {ss:?}",
+                        w.shape, s.name, s.shape, shape.dtype
+                    ),
+                ));
+            }
+        }
+        if shape.bytes() == 0 || experts.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{name}: {} experts of {rows}x{cols} {}",
+                experts.len(),
+                shape.dtype
+            )));
+        }
+        Ok(ExpertMats {
+            shape,
+            name: name.to_string(),
+            src: Source::Scaled(experts),
         })
     }
 
     pub fn n_expert(&self) -> usize {
-        self.experts.len()
+        match &self.src {
+            Source::Stored(v) => v.len(),
+            Source::Scaled(v) => v.len(),
+        }
     }
-    /// Expert `e`'s matrix bytes. Panics when `e` is out of range (callers check ids).
-    pub fn expert(&self, e: usize) -> &'a [u8] {
-        self.experts[e]
+
+    /// Expert `e`'s matrix in `shape.dtype` (`shape.bytes()` bytes): borrowed from the
+    /// mapped file when stored so, repacked otherwise.
+    pub fn expert(&self, e: usize) -> Result<Cow<'a, [u8]>> {
+        self.rows(e, 0, self.shape.rows as usize)
     }
-    /// Row `r` of expert `e`.
-    pub fn row(&self, e: usize, r: usize) -> &'a [u8] {
+
+    /// Rows `r0..r0 + n` of expert `e` in `shape.dtype` (`n · shape.row_bytes()` bytes):
+    /// borrowed when stored so, else repacked (those rows only). Errors on a range outside
+    /// the matrix and on scales the repack refuses (an E8M0 NaN).
+    pub fn rows(&self, e: usize, r0: usize, n: usize) -> Result<Cow<'a, [u8]>> {
         let rb = self.shape.row_bytes() as usize;
-        &self.experts[e][r * rb..(r + 1) * rb]
+        let (rows, cols) = (self.shape.rows as usize, self.shape.cols as usize);
+        if e >= self.n_expert() || r0 + n > rows {
+            return Err(Error::Invalid(format!(
+                "{}: rows {r0}..{} of expert {e} (of {}, {rows} rows)",
+                self.name,
+                r0 + n,
+                self.n_expert()
+            )));
+        }
+        let not_read = || Error::Invalid(format!("{}: expert {e} was not looked up", self.name));
+        let (w, s) = match &self.src {
+            Source::Stored(v) => {
+                let b = v[e].ok_or_else(not_read)?;
+                return Ok(Cow::Borrowed(&b[r0 * rb..(r0 + n) * rb]));
+            }
+            Source::Scaled(v) => v[e].as_ref().ok_or_else(not_read)?,
+        };
+        // The rows as tensors of their own, so the loaders' whole-tensor repacks serve.
+        match self.shape.dtype {
+            DType::MXFP4 => {
+                let (wb, sb) = (cols / 2, cols / MXFP4_BLOCK);
+                let ws = [n as u64, wb as u64];
+                let ss = [n as u64, sb as u64];
+                let wt = TensorRef {
+                    shape: &ws,
+                    data: &w.data[r0 * wb..(r0 + n) * wb],
+                    ..*w
+                };
+                let st = TensorRef {
+                    shape: &ss,
+                    data: &s.data[r0 * sb..(r0 + n) * sb],
+                    ..*s
+                };
+                Ok(Cow::Owned(repack_mxfp4_to_ggml(&wt, &st)?))
+            }
+            DType::F8_E4M3_B128 => {
+                // One repack per 128-row band (rows of one band share a scale row).
+                let nb = cols / FP8_BLOCK;
+                let sb = s.dtype.bytes_for(nb as u64).unwrap_or(0) as usize;
+                let mut out = Vec::with_capacity(n * rb);
+                let mut r = r0;
+                while r < r0 + n {
+                    let band = r / FP8_BLOCK;
+                    let end = ((band + 1) * FP8_BLOCK).min(r0 + n);
+                    let ws = [(end - r) as u64, cols as u64];
+                    let ss = [1, nb as u64];
+                    let wt = TensorRef {
+                        shape: &ws,
+                        data: &w.data[r * cols..end * cols],
+                        ..*w
+                    };
+                    let st = TensorRef {
+                        shape: &ss,
+                        data: &s.data[band * sb..(band + 1) * sb],
+                        ..*s
+                    };
+                    out.extend(repack_fp8_block_to_b128(&wt, &st)?);
+                    r = end;
+                }
+                Ok(Cow::Owned(out))
+            }
+            dt => Err(Error::Invalid(format!(
+                "{}: no repack of block-scaled experts into {dt}",
+                self.name
+            ))),
+        }
     }
 }
 
-/// A layer's experts as stored bytes: what the cold path and arena uploads read.
+/// A layer's experts in the GPU's stored types: what the cold path and arena uploads read.
 #[derive(Clone, Debug)]
 pub struct ExpertWeights<'a> {
     pub layer: usize,
@@ -525,40 +740,78 @@ impl<'a> ExpertWeights<'a> {
         })
     }
 
-    /// The experts of MoE layer `info` straight from the mapped file (no copy).
+    /// The experts of MoE layer `info` from the mapped file: stored bytes are borrowed (no
+    /// copy); block-scaled release experts are read through their scales
+    /// ([`ExpertMats::from_scaled`]: repacked a few rows or one expert at a time).
     pub fn from_file(f: &'a ModelFile, info: &MoeLayerInfo) -> Result<Self> {
+        Self::read(f, info, None)
+    }
+
+    /// [`from_file`](Self::from_file) looking up only `experts` (the others give errors when
+    /// read): a checkpoint with one tensor per expert costs a few name lookups per expert,
+    /// which the cold path, needing a handful of experts per call, should not pay for all.
+    pub fn from_file_only(f: &'a ModelFile, info: &MoeLayerInfo, experts: &[u32]) -> Result<Self> {
+        Self::read(f, info, Some(experts))
+    }
+
+    fn read(f: &'a ModelFile, info: &MoeLayerInfo, only: Option<&[u32]>) -> Result<Self> {
         let l = info.layer;
+        let want = |e: usize| only.is_none_or(|o| o.contains(&(e as u32)));
         let mats = |kind: Kind| -> Result<ExpertMats<'a>> {
-            let (kg, kh) = match kind {
-                Kind::Gate => ("gate", "gate_proj"),
-                Kind::Up => ("up", "up_proj"),
-                Kind::Down => ("down", "down_proj"),
+            let (kg, kh, kd) = match kind {
+                Kind::Gate => ("gate", "gate_proj", "w1"),
+                Kind::Up => ("up", "up_proj", "w3"),
+                Kind::Down => ("down", "down_proj", "w2"),
             };
             if let Some(t) = f.tensor(&format!("blk.{l}.ffn_{kg}_exps.weight")) {
                 return ExpertMats::from_stack(&t);
             }
-            let first = format!("model.layers.{l}.mlp.experts.0.{kh}.weight");
-            if f.tensor(&first).is_some() {
-                let mut parts = Vec::with_capacity(info.n_expert);
-                for e in 0..info.n_expert {
-                    let t = f.require(&format!("model.layers.{l}.mlp.experts.{e}.{kh}.weight"))?;
-                    parts.push(t.data);
-                }
-                return ExpertMats::from_parts(info.shape(kind), &first, parts);
+            // One tensor per expert: Hugging Face names, else DeepSeek's release names.
+            let hf = |e: usize| format!("model.layers.{l}.mlp.experts.{e}.{kh}.weight");
+            let ds = |e: usize| format!("layers.{l}.ffn.experts.{e}.{kd}.weight");
+            let (name, t0): (&dyn Fn(usize) -> String, _) =
+                match (f.tensor(&hf(0)), f.tensor(&ds(0))) {
+                    (Some(t), _) => (&hf, t),
+                    (None, Some(t)) => (&ds, t),
+                    (None, None) => {
+                        return Err(Error::MissingTensor {
+                            path: f.path(),
+                            name: format!("blk.{l}.ffn_{kg}_exps.weight"),
+                        })
+                    }
+                };
+            let first = name(0);
+            let ts = (0..info.n_expert)
+                .map(|e| want(e).then(|| f.require(&name(e))).transpose())
+                .collect::<Result<Vec<_>>>()?;
+            let shape = info.shape(kind);
+            if !matches!(t0.dtype, DType::I8 | DType::U8 | DType::F8_E4M3) {
+                let parts = ts.iter().map(|t| t.map(|t| t.data)).collect();
+                return ExpertMats::stored(shape, &first, parts);
             }
-            if f.tensor(&format!("layers.{l}.ffn.experts.0.w1.weight"))
-                .is_some()
-            {
-                return Err(Error::Unsupported(format!(
-                    "{}: layer {l}: DeepSeek's packed experts must be repacked to MXFP4 \
-                     (ExpertMats::from_parts over the loader's bytes)",
-                    f.path().display()
-                )));
+            let ModelFile::Hf(h) = f else {
+                return Err(Error::tensor(
+                    t0.path,
+                    t0.name,
+                    "block-scaled expert in a GGUF file",
+                ));
+            };
+            let mut pairs = Vec::with_capacity(ts.len());
+            for t in ts {
+                let Some(t) = t else {
+                    pairs.push(None);
+                    continue;
+                };
+                let scale = find_block_scale(h, t.name).ok_or_else(|| {
+                    Error::tensor(
+                        t.path,
+                        t.name,
+                        "block-scaled expert without a `.scale` / `.weight_scale_inv` tensor",
+                    )
+                })?;
+                pairs.push(Some((t, scale)));
             }
-            Err(Error::MissingTensor {
-                path: f.path(),
-                name: format!("blk.{l}.ffn_{kg}_exps.weight"),
-            })
+            ExpertMats::scaled(shape, &first, pairs)
         };
         let w = ExpertWeights::new(l, mats(Kind::Gate)?, mats(Kind::Up)?, mats(Kind::Down)?)?;
         if w.gate.shape != info.gate || w.up.shape != info.up || w.down.shape != info.down {

@@ -36,13 +36,14 @@
 //! # Integration recipe (one MoE layer of a forward)
 //! At load:
 //! 1. `info = MoeInfo::from_file(&file)`; `mem = AdapterMemory::detect(&gpu.info, gpu_mem)`;
-//!    `budget = Budget::new(&BudgetInputs { memory: mem.bytes, weights: info.other_bytes,
-//!    kv_bytes_per_token, ctx, state_bytes, activation_bytes, margin: None })`. Upload the
-//!    non-expert weights (the output head first, FACTS.md) before the arena claims memory.
+//!    `(budget, _) = model_budget(&file, &info, mem.bytes, RunShape { kv, ctx, batch, seqs })`
+//!    (the same call `lathe plan` makes). Upload the non-expert weights (the output head
+//!    first, FACTS.md) before the arena claims memory.
 //! 2. `placement = Placement::new(&info, Fill::Budget(budget.experts), stats.as_ref())`, or
 //!    `Fill::Fraction(f)` for `--gpu-experts f`.
-//! 3. `weights[i] = ExpertWeights::from_file(&file, &info.layers[i])` (borrows the mmap; HF
-//!    DeepSeek: build from the repacked bytes); `arena = ExpertArena::new(&gpu, &placement)`;
+//! 3. `weights[i] = ExpertWeights::from_file(&file, &info.layers[i])` (borrows the mmap;
+//!    DeepSeek's block-scaled release experts are repacked as they are read);
+//!    `arena = ExpertArena::new(&gpu, &placement)`;
 //!    `arena.fill(&gpu, &placement, &weights)`; `remaps = RemapTables::new(&gpu, &placement)`;
 //!    `cache = ResidencyCache::new(&placement, CacheConfig::default())`.
 //!
@@ -90,7 +91,10 @@ pub mod layout;
 pub mod plan;
 pub mod stats;
 
-pub use budget::{needs, parse_size, AdapterMemory, Budget, BudgetInputs, MemSource, Needs};
+pub use budget::{
+    model_budget, needs, parse_size, AdapterMemory, Budget, BudgetInputs, MemSource, Needs,
+    RunShape,
+};
 pub use cache::{CacheConfig, LayerHits, ResidencyCache, Upload};
 pub use layout::{
     is_expert_tensor, ExpertMats, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo,

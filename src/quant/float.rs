@@ -172,19 +172,6 @@ pub(super) fn sum8(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
 }
 
-/// Σ a·b over 32 elements in 8 lanes.
-#[inline(always)]
-pub(super) fn dot32(a: &[f32; 32], b: &[f32]) -> f32 {
-    let b: &[f32; 32] = b.try_into().expect("32 activations");
-    let mut s = [0f32; 8];
-    for c in 0..4 {
-        for i in 0..8 {
-            s[i] += a[8 * c + i] * b[8 * c + i];
-        }
-    }
-    sum8(s)
-}
-
 /// `row · x` for an F32 row.
 pub(super) fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];

@@ -7,7 +7,8 @@
 //! from a release; [`quant_f8_b128`] quantizes f32 per 128-element block (lathe's own: test
 //! weights and synthetic models, no reference quantizer to match).
 
-use super::float::dot32;
+use super::float::sum8;
+use super::simd::{axpy8, dot32_into};
 use bytemuck::{Pod, Zeroable};
 
 pub(super) const QK_F8: usize = 128;
@@ -102,19 +103,33 @@ pub(super) fn quant_f8_b128(x: &[f32; QK_F8], b: &mut BlockF8B128) {
     }
 }
 
-/// Per block: the e4m3 values dotted with x in f32, then times the scale (the scale leaves the
-/// inner sum, as the GPU kernel does).
+/// e4m3fn code → f32 with lane-friendly arithmetic instead of [`E4M3`]'s gather (equal to it
+/// for every code but the NaN pair 0x7F / 0xFF, which reads 480: never in valid weights).
+/// Normals: the 7 magnitude bits moved to f32's exponent/mantissa position, exponent rebiased
+/// by 120 (127 − 7); subnormals (exponent 0): `m · 2^-9`, exact in f32.
+#[inline(always)]
+fn e4m3_lane(b: u8) -> f32 {
+    let mag = (b & 0x7f) as u32;
+    let normal = f32::from_bits((mag << 20) + (120 << 23));
+    let sub = mag as f32 * (1.0 / 512.0);
+    let v = if mag < 8 { sub } else { normal };
+    f32::from_bits(v.to_bits() | (((b & 0x80) as u32) << 24))
+}
+
+/// Per block: the e4m3 values dotted with x in 8 lanes, then times the scale (the scale leaves
+/// the inner sum, as the GPU kernel does).
+#[inline]
 pub(super) fn dot_f8_b128(blocks: &[BlockF8B128], x: &[[f32; QK_F8]]) -> f32 {
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
     for (b, xs) in blocks.iter().zip(x) {
-        let mut s = 0f32;
+        let mut s = [0f32; 8];
         for (q, xc) in b.qs.as_chunks::<32>().0.iter().zip(xs.as_chunks::<32>().0) {
-            let w: [f32; 32] = std::array::from_fn(|i| E4M3[q[i] as usize]);
-            s += dot32(&w, xc);
+            let w: [f32; 32] = std::array::from_fn(|i| e4m3_lane(q[i]));
+            dot32_into(&mut s, &w, xc);
         }
-        acc += b.scale() * s;
+        axpy8(&mut acc, b.scale(), &s);
     }
-    acc
+    sum8(acc)
 }
 
 #[cfg(test)]
@@ -150,6 +165,14 @@ mod tests {
                 t.to_bits() == r.to_bits() || (t.is_nan() && r.is_nan()),
                 "{b:#04x}: {t} vs {r}"
             );
+        }
+    }
+
+    #[test]
+    fn lane_decoder_matches_the_table_except_nan() {
+        for b in (0..=255u8).filter(|b| b & 0x7f != 0x7f) {
+            let (t, l) = (E4M3[b as usize], e4m3_lane(b));
+            assert_eq!(t.to_bits(), l.to_bits(), "{b:#04x}: {t} vs {l}");
         }
     }
 }

@@ -10,6 +10,7 @@
 
 use super::float::{f16_to_f32, f32_to_f16, sum8};
 use super::search::{make_qkx2_x8, make_qx_x8, to_lanes, GROUP_MAX_EPS, LANES};
+use super::simd::{axpy8, h16, madd};
 use bytemuck::{Pod, Zeroable};
 
 pub(super) const QK_K: usize = 256;
@@ -229,13 +230,81 @@ pub(super) fn dequant_q6_k(b: &BlockQ6K, y: &mut [f32; QK_K]) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Dot product for Q6_K (the other K types measure as fast or faster through the
-// dequantize-into-a-stack-buffer path in mod.rs).
+// Fused dots against f32 activations (`quant::dot`): integer levels converted in 8-lane
+// groups, the sub-block scales and mins factored out of the inner sums as ggml's
+// `ggml_vec_dot_q*_K_q8_K` does (Σ(d·q − m)·x = d·Σq·x − m·Σx), lanes folded once per row.
 
-pub(super) fn dot_q6_k(blocks: &[BlockQ6K], x: &[[f32; QK_K]]) -> f32 {
-    let mut acc = 0f32;
+/// Q4_K: per 32-element sub-block `d·sc·Σq·x − dmin·m·Σx`.
+#[inline]
+pub(super) fn dot_q4_k(blocks: &[BlockQ4K], x: &[[f32; QK_K]]) -> f32 {
+    let mut acc = [0f32; 8];
     for (b, xs) in blocks.iter().zip(x) {
-        let mut sum = 0f32;
+        let (d, dmin) = (h16(b.d), h16(b.dmin));
+        for c in 0..4 {
+            let q: &[u8; 32] = b.qs[32 * c..32 * c + 32].try_into().unwrap();
+            let xl: &[f32; 32] = xs[64 * c..64 * c + 32].try_into().unwrap();
+            let xh: &[f32; 32] = xs[64 * c + 32..64 * c + 64].try_into().unwrap();
+            let (mut sl, mut sh, mut xsl, mut xsh) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+            for k in 0..4 {
+                for i in 0..8 {
+                    let l = 8 * k + i;
+                    sl[i] = madd((q[l] & 0x0f) as f32, xl[l], sl[i]);
+                    sh[i] = madd((q[l] >> 4) as f32, xh[l], sh[i]);
+                    xsl[i] += xl[l];
+                    xsh[i] += xh[l];
+                }
+            }
+            let (sc1, m1) = scale_min_k4(2 * c, &b.scales);
+            let (sc2, m2) = scale_min_k4(2 * c + 1, &b.scales);
+            axpy8(&mut acc, d * sc1 as f32, &sl);
+            axpy8(&mut acc, -(dmin * m1 as f32), &xsl);
+            axpy8(&mut acc, d * sc2 as f32, &sh);
+            axpy8(&mut acc, -(dmin * m2 as f32), &xsh);
+        }
+    }
+    sum8(acc)
+}
+
+/// Q5_K: Q4_K with the fifth bit of each level from `qh`.
+#[inline]
+pub(super) fn dot_q5_k(blocks: &[BlockQ5K], x: &[[f32; QK_K]]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (b, xs) in blocks.iter().zip(x) {
+        let (d, dmin) = (h16(b.d), h16(b.dmin));
+        for c in 0..4 {
+            let q: &[u8; 32] = b.qs[32 * c..32 * c + 32].try_into().unwrap();
+            let xl: &[f32; 32] = xs[64 * c..64 * c + 32].try_into().unwrap();
+            let xh: &[f32; 32] = xs[64 * c + 32..64 * c + 64].try_into().unwrap();
+            let (mut sl, mut sh, mut xsl, mut xsh) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+            for k in 0..4 {
+                for i in 0..8 {
+                    let l = 8 * k + i;
+                    let hb = b.qh[l] >> (2 * c);
+                    let lo = (q[l] & 0x0f) | ((hb & 1) << 4);
+                    let hi = (q[l] >> 4) | ((hb & 2) << 3);
+                    sl[i] = madd(lo as f32, xl[l], sl[i]);
+                    sh[i] = madd(hi as f32, xh[l], sh[i]);
+                    xsl[i] += xl[l];
+                    xsh[i] += xh[l];
+                }
+            }
+            let (sc1, m1) = scale_min_k4(2 * c, &b.scales);
+            let (sc2, m2) = scale_min_k4(2 * c + 1, &b.scales);
+            axpy8(&mut acc, d * sc1 as f32, &sl);
+            axpy8(&mut acc, -(dmin * m1 as f32), &xsl);
+            axpy8(&mut acc, d * sc2 as f32, &sh);
+            axpy8(&mut acc, -(dmin * m2 as f32), &xsh);
+        }
+    }
+    sum8(acc)
+}
+
+/// Q6_K: per 16-element sub-block `d·sc·Σq·x` with the signed levels.
+#[inline]
+pub(super) fn dot_q6_k(blocks: &[BlockQ6K], x: &[[f32; QK_K]]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (b, xs) in blocks.iter().zip(x) {
+        let d = h16(b.d);
         for n in 0..2 {
             let ql = &b.ql[64 * n..64 * n + 64];
             let qh = &b.qh[32 * n..32 * n + 32];
@@ -248,18 +317,17 @@ pub(super) fn dot_q6_k(blocks: &[BlockQ6K], x: &[[f32; QK_K]]) -> f32 {
                         let l = 16 * hl + 8 * c + i;
                         let q = q6_levels(ql, qh, l);
                         for k in 0..4 {
-                            s[k][i] += q[k] as f32 * xh[32 * k + l];
+                            s[k][i] = madd(q[k] as f32, xh[32 * k + l], s[k][i]);
                         }
                     }
                 }
                 for (k, sk) in s.iter().enumerate() {
-                    sum += (sc[hl + 2 * k] as i8) as f32 * sum8(*sk);
+                    axpy8(&mut acc, d * (sc[hl + 2 * k] as i8) as f32, sk);
                 }
             }
         }
-        acc += h(b.d) * sum;
     }
-    acc
+    sum8(acc)
 }
 
 // ---------------------------------------------------------------------------------------

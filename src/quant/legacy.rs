@@ -8,7 +8,8 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the reference's block layout arithmetic
 
-use super::float::{dot32, f16_to_f32, f32_to_f16};
+use super::float::{f16_to_f32, f32_to_f16, sum8};
+use super::simd::{axpy8, dot32_into, h16, madd};
 use bytemuck::{Pod, Zeroable};
 
 pub(super) const QK: usize = 32;
@@ -235,11 +236,33 @@ pub(super) fn quant_q8_0(x: &[f32; QK], b: &mut BlockQ8_0) {
 // ---------------------------------------------------------------------------------------
 // Dot products against f32 activations, one block at a time with 8 independent lanes.
 
+#[inline]
 pub(super) fn dot_q8_0(blocks: &[BlockQ8_0], x: &[[f32; QK]]) -> f32 {
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
     for (b, xs) in blocks.iter().zip(x) {
         let q = b.qs.map(|v| v as i8 as f32);
-        acc += h(b.d) * dot32(&q, xs);
+        let mut s = [0f32; 8];
+        dot32_into(&mut s, &q, xs);
+        axpy8(&mut acc, h16(b.d), &s);
     }
-    acc
+    sum8(acc)
+}
+
+/// Q4_0: levels `q − 8`, the scale factored out of each block's lane sums.
+#[inline]
+pub(super) fn dot_q4_0(blocks: &[BlockQ4_0], x: &[[f32; QK]]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (b, xs) in blocks.iter().zip(x) {
+        let mut s = [0f32; 8];
+        for c in 0..2 {
+            for i in 0..8 {
+                let j = 8 * c + i;
+                let (lo, hi) = ((b.qs[j] & 0x0f) as i32 - 8, (b.qs[j] >> 4) as i32 - 8);
+                s[i] = madd(lo as f32, xs[j], s[i]);
+                s[i] = madd(hi as f32, xs[j + QK / 2], s[i]);
+            }
+        }
+        axpy8(&mut acc, h16(b.d), &s);
+    }
+    sum8(acc)
 }

@@ -7,11 +7,14 @@
 //! quantizers (what `llama-quantize` writes without an importance matrix). One file per
 //! family: `float` (plain types), `legacy` (Q4_0..Q8_0), `k` (Q2_K..Q6_K), `iq` (IQ4_NL,
 //! IQ4_XS), `mxfp4`, `fp8` (lathe's `F8_E4M3_B128`, no ggml counterpart); `search` holds the
-//! quantizers' scale searches, 8 groups at a time.
+//! quantizers' scale searches, 8 groups at a time; `avx2` the x86_64 row dots of the MoE
+//! expert types (run-time detected), `simd` the portable dots' 8-lane helpers.
 //!
 //! Block structs hold their f16 fields as raw little-endian bytes, so they have alignment 1
 //! and a `&[u8]` from an mmap at any offset casts to `&[Block]` without copying.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod float;
 mod fp8;
 mod iq;
@@ -19,6 +22,7 @@ mod k;
 mod legacy;
 mod mxfp4;
 mod search;
+mod simd;
 
 pub use float::{bf16_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, fp8_e4m3_to_f32};
 pub use fp8::BlockF8B128;
@@ -103,41 +107,91 @@ pub fn dequantize_to_vec(dtype: DType, data: &[u8], n: usize) -> Result<Vec<f32>
 }
 
 /// `row · x` with f32 accumulation: one stored row of `x.len()` elements against f32
-/// activations, without allocating. F32, F16, BF16, Q8_0, Q6_K, IQ4_NL, MXFP4 and F8_E4M3_B128
-/// have fused loops; the other types (Q4_0 and Q4_K included: measured faster so) dequantize
-/// 256 elements at a time into a stack buffer and dot that, 8 lanes wide. About 0.3-0.5 ns per
-/// element on one core for the common weight types with the row in cache (measured with
-/// `tests/quant.rs`'s `quantize_throughput`).
+/// activations, without allocating. The types MoE experts ship in (Q4_0, Q8_0, Q4_K, Q5_K,
+/// Q6_K, IQ4_NL, MXFP4, F8_E4M3_B128) have fused per-block loops: integer levels widened to
+/// f32 in 8 lanes, block scales (and K-quant mins, as `d·Σq·x − m·Σx`) applied to the lane
+/// sums, not to every weight. On x86_64 with AVX2 and FMA (detected at run time) the same
+/// loops are compiled for 256-bit lanes with fused multiply-adds; elsewhere they are plain
+/// f32. F32, F16 and BF16 have their own loops; the other types dequantize 256 elements at a
+/// time into a stack buffer and dot that. Results differ from [`dot_ref`] by f32 rounding
+/// only (`tests/quant.rs`: within 1e-5 of Σ|wᵢxᵢ|). Throughput per core: `tests/quant.rs`'s
+/// `quantize_throughput` and `examples/cpu_moe_bench.rs`.
 ///
 /// Panics (our invariant, not user input) when `row` is not exactly the bytes of
 /// `x.len()` elements.
 #[track_caller]
 pub fn dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    check_dot_len("quant::dot", dtype, row, x.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2, FMA and F16C.
+        return unsafe { dot_avx2(dtype, row, x) };
+    }
+    dot_body::<false>(dtype, row, x)
+}
+
+/// [`dot`] without the AVX2 kernels (the path of CPUs without them), for tests.
+#[doc(hidden)]
+#[track_caller]
+pub fn dot_portable(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    check_dot_len("quant::dot", dtype, row, x.len());
+    dot_body::<false>(dtype, row, x)
+}
+
+#[track_caller]
+fn check_dot_len(what: &str, dtype: DType, row: &[u8], n: usize) {
     assert_eq!(
-        dtype.bytes_for(x.len() as u64),
+        dtype.bytes_for(n as u64),
         Some(row.len() as u64),
-        "quant::dot: a {dtype} row of {} bytes against {} activations",
+        "{what}: a {dtype} row of {} bytes against {n} activations",
         row.len(),
-        x.len()
     );
+}
+
+/// [`dot`] on AVX2 + FMA + F16C: the intrinsics kernels of `avx2.rs` for the expert types,
+/// the other types' loops compiled for these features.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    use DType as T;
+    match dtype {
+        T::Q4_0 => avx2::dot_q4_0(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::Q8_0 => avx2::dot_q8_0(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::Q4_K => avx2::dot_q4_k(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::Q5_K => avx2::dot_q5_k(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::Q6_K => avx2::dot_q6_k(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::IQ4_NL => avx2::dot_iq4_nl(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::MXFP4 => avx2::dot_mxfp4(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::F8_E4M3_B128 => avx2::dot_f8_b128(bytemuck::cast_slice(row), x.as_chunks().0),
+        _ => dot_body::<true>(dtype, row, x),
+    }
+}
+
+/// The dispatch of [`dot`]; `F`: inside the AVX2 + FMA function.
+#[inline(always)]
+fn dot_body<const F: bool>(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     use DType as T;
     match dtype {
         T::F32 => float::dot_f32(row, x),
         T::F16 => float::dot_f16(row, x),
         T::BF16 => float::dot_bf16(row, x),
+        T::Q4_0 => legacy::dot_q4_0(bytemuck::cast_slice(row), x.as_chunks().0),
         T::Q8_0 => legacy::dot_q8_0(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::Q4_K => k::dot_q4_k(bytemuck::cast_slice(row), x.as_chunks().0),
+        T::Q5_K => k::dot_q5_k(bytemuck::cast_slice(row), x.as_chunks().0),
         T::Q6_K => k::dot_q6_k(bytemuck::cast_slice(row), x.as_chunks().0),
         T::IQ4_NL => iq::dot_iq4_nl(bytemuck::cast_slice(row), x.as_chunks().0),
         T::MXFP4 => mxfp4::dot_mxfp4(bytemuck::cast_slice(row), x.as_chunks().0),
         T::F8_E4M3_B128 => fp8::dot_f8_b128(bytemuck::cast_slice(row), x.as_chunks().0),
-        _ => dot_chunked(dtype, row, x),
+        _ => dot_chunked::<F>(dtype, row, x),
     }
 }
 
 /// Elements dequantized per step by [`dot_chunked`]: a multiple of every block size.
 const DOT_CHUNK: usize = 256;
 
-fn dot_chunked(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+#[inline(always)]
+fn dot_chunked<const F: bool>(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     let chunk_bytes = DOT_CHUNK / dtype.block_size() * dtype.block_bytes();
     let mut buf = [0f32; DOT_CHUNK];
     let mut acc = [0f32; 8];
@@ -149,7 +203,7 @@ fn dot_chunked(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
         let (xc, xt) = xs.as_chunks::<8>();
         for (a, b) in wc.iter().zip(xc) {
             for i in 0..8 {
-                acc[i] += a[i] * b[i];
+                acc[i] = simd::fma_if::<F>(a[i], b[i], acc[i]);
             }
         }
         for (a, b) in wt.iter().zip(xt) {
@@ -157,6 +211,73 @@ fn dot_chunked(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
         }
     }
     float::sum8(acc) + tail
+}
+
+/// `out[t] = row · xs[t]` for every token t: one stored row against several activation
+/// vectors of `n` elements each (one expert's row for a prefill batch's tokens). Equal to
+/// [`dot`]`(dtype, row, xs[t])` bit for bit, so how pairs are grouped never shows in the
+/// results. With AVX2 the fused types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4,
+/// F8_E4M3_B128) are decoded once per block and 16 tokens (levels widened to f32 lanes, kept
+/// in L1) and every token then runs the same multiply-adds as [`dot`]; other types and CPUs
+/// loop [`dot`] over the tokens.
+///
+/// Panics (our invariant) when `out.len() != xs.len()`, the `xs` differ in length, or `row`
+/// is not exactly the bytes of one of them.
+#[track_caller]
+pub fn dot_many(dtype: DType, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    check_many(dtype, row, xs, out);
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2, FMA and F16C; `check_many` made every x exactly the
+        // row's elements.
+        unsafe {
+            match dtype {
+                DType::Q4_K => return avx2::dot_many_q4_k(bytemuck::cast_slice(row), xs, out),
+                DType::Q6_K => return avx2::dot_many_q6_k(bytemuck::cast_slice(row), xs, out),
+                DType::Q8_0 => return avx2::dot_many_q8_0(bytemuck::cast_slice(row), xs, out),
+                DType::Q4_0 => return avx2::dot_many_q4_0(bytemuck::cast_slice(row), xs, out),
+                DType::Q5_K => return avx2::dot_many_q5_k(bytemuck::cast_slice(row), xs, out),
+                DType::F8_E4M3_B128 => {
+                    return avx2::dot_many_f8_b128(bytemuck::cast_slice(row), xs, out)
+                }
+                DType::IQ4_NL => return avx2::dot_many_iq4_nl(bytemuck::cast_slice(row), xs, out),
+                DType::MXFP4 => return avx2::dot_many_mxfp4(bytemuck::cast_slice(row), xs, out),
+                _ => {}
+            }
+        }
+    }
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        *o = dot(dtype, row, x);
+    }
+}
+
+/// [`dot_many`] without the AVX2 kernels, for tests.
+#[doc(hidden)]
+#[track_caller]
+pub fn dot_many_portable(dtype: DType, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    check_many(dtype, row, xs, out);
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        *o = dot_body::<false>(dtype, row, x);
+    }
+}
+
+#[track_caller]
+fn check_many(dtype: DType, row: &[u8], xs: &[&[f32]], out: &[f32]) {
+    assert_eq!(
+        xs.len(),
+        out.len(),
+        "quant::dot_many: {} activation vectors, {} outputs",
+        xs.len(),
+        out.len()
+    );
+    let n = xs.first().map_or(0, |x| x.len());
+    assert!(
+        xs.iter().all(|x| x.len() == n),
+        "quant::dot_many: activation vectors of different lengths"
+    );
+    if !xs.is_empty() {
+        check_dot_len("quant::dot_many", dtype, row, n);
+    }
 }
 
 /// The unoptimised reference for [`dot`]: dequantize the row, then a f64 dot product.

@@ -252,7 +252,7 @@ impl GpuModel {
         let mut done = 0u64;
         // Placement first: experts without the stacks go to the arena after the rest.
         let plan = Plan::new(&gpu, file, opts, DEFAULT_BATCH)?;
-        let mut w = weights::load(file, &hp, |w| {
+        let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             if plan.is_some() && crate::moe::is_expert_tensor(w.name()) {
                 return Ok(GpuTensor {
                     name: w.name().to_string(),

@@ -356,17 +356,34 @@ impl<'a> Loader<'a> {
     /// MXFP4 blocks and FP8 (+ block scale) into `F8_E4M3_B128` (layout changes, no
     /// rounding), so the GPU's kernels serve both formats and the CPU reference dequantizes
     /// the same bytes.
+    ///
+    /// `elsewhere`: the expert arena reads them (`moe::ExpertWeights`); repack nothing and
+    /// give a placeholder of the repacked type and shape without bytes.
     fn experts_upstream(
         &self,
         h: &'a HfModel,
         one: fn(usize, usize) -> W,
         l: usize,
         shape: [u64; 3],
+        elsewhere: bool,
     ) -> Result<Weight<'a>> {
         let (ne, rows, cols) = (shape[0] as usize, shape[1], shape[2]);
         let ts = (0..ne)
             .map(|x| self.req(one(l, x)))
             .collect::<Result<Vec<_>>>()?;
+        let repacked = match ts[0].dtype {
+            DType::I8 | DType::U8 => Some(DType::MXFP4),
+            DType::F8_E4M3 => Some(DType::F8_E4M3_B128),
+            _ => None,
+        };
+        if let (true, Some(dtype)) = (elsewhere, repacked) {
+            return Ok(Weight::Owned {
+                name: ts[0].name.to_string(),
+                dtype,
+                shape: shape.to_vec(),
+                bytes: Vec::new(),
+            });
+        }
         match ts[0].dtype {
             DType::I8 | DType::U8 => {
                 let mut bytes = Vec::new();
@@ -419,10 +436,11 @@ impl<'a> Loader<'a> {
         one: fn(usize, usize) -> W,
         l: usize,
         shape: [u64; 3],
+        elsewhere: bool,
     ) -> Result<Weight<'a>> {
         match self.file {
             ModelFile::Gguf(_) => Ok(Weight::Stored(self.shaped(all, &shape)?)),
-            ModelFile::Hf(h) => self.experts_upstream(h, one, l, shape),
+            ModelFile::Hf(h) => self.experts_upstream(h, one, l, shape, elsewhere),
         }
     }
 
@@ -466,6 +484,18 @@ impl<'a> Loader<'a> {
 pub fn load<T>(
     file: &ModelFile,
     hp: &Hparams,
+    sink: impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Weights<T>> {
+    load_with(file, hp, false, sink)
+}
+
+/// [`load`]; with `experts_elsewhere` (the expert arena holds the routed experts,
+/// `gpu::moe::Offload`) the release's block-scaled experts reach `sink` as placeholders
+/// without bytes: nothing is repacked that the sink would drop.
+pub fn load_with<T>(
+    file: &ModelFile,
+    hp: &Hparams,
+    experts_elsewhere: bool,
     mut sink: impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Weights<T>> {
     let ld = Loader::new(file);
@@ -496,7 +526,7 @@ pub fn load<T>(
         )?;
         let hc_ffn = sink_hc(hc_ffn, &mut sink)?;
         let ffn_norm = sink(ld.mat(W::FfnNorm(l), &[e])?)?;
-        let moe = load_moe(&ld, hp, l, &mut sink)?;
+        let moe = load_moe(&ld, hp, l, experts_elsewhere, &mut sink)?;
         layers.push(Layer {
             hc_attn,
             attn_norm,
@@ -594,6 +624,7 @@ fn load_moe<T>(
     ld: &Loader<'_>,
     hp: &Hparams,
     l: usize,
+    elsewhere: bool,
     sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Moe<T>> {
     let e = hp.n_embd as u64;
@@ -608,9 +639,9 @@ fn load_moe<T>(
         router,
         bias,
         tid2eid,
-        gate_exps: sink(ld.experts(W::GateExps(l), W::GateExp, l, [ne, f, e])?)?,
-        up_exps: sink(ld.experts(W::UpExps(l), W::UpExp, l, [ne, f, e])?)?,
-        down_exps: sink(ld.experts(W::DownExps(l), W::DownExp, l, [ne, e, f])?)?,
+        gate_exps: sink(ld.experts(W::GateExps(l), W::GateExp, l, [ne, f, e], elsewhere)?)?,
+        up_exps: sink(ld.experts(W::UpExps(l), W::UpExp, l, [ne, f, e], elsewhere)?)?,
+        down_exps: sink(ld.experts(W::DownExps(l), W::DownExp, l, [ne, e, f], elsewhere)?)?,
         sh_gate: sink(ld.mat(W::ShGate(l), &[fs, e])?)?,
         sh_up: sink(ld.mat(W::ShUp(l), &[fs, e])?)?,
         sh_down: sink(ld.mat(W::ShDown(l), &[e, fs])?)?,

@@ -202,22 +202,71 @@ pub enum Ffn<T> {
     Moe(Moe<T>),
 }
 
-pub struct Layer<T> {
+/// `S`: what the sink made of the layer's product sets ([`Sink::set`]); the members' own
+/// fields then hold whatever the sink returned for them.
+pub struct Layer<T, S = ()> {
     /// [n_embd] each, already `1+w`.
     pub attn_norm: T,
     pub post_norm: T,
     pub mixer: Mixer<T>,
     pub ffn: Ffn<T>,
+    /// The mixer's products over the normed input, in this order: GDN `qkv, z, beta, alpha`;
+    /// attention `q, k, v`. `None` from sinks that take each weight alone.
+    pub mixer_set: Option<S>,
+    /// The FFN's products over the normed input: dense `gate, up`; MoE `router`, then
+    /// with a shared expert its `gate, up, gate_inp`.
+    pub ffn_set: Option<S>,
 }
 
-pub struct Weights<T> {
+pub struct Weights<T, S = ()> {
     /// [n_vocab, n_embd]
     pub tok_embd: T,
     /// [n_vocab, n_embd]; `None`: tied to `tok_embd`.
     pub output: Option<T>,
     /// [n_embd], already `1+w`.
     pub output_norm: T,
-    pub layers: Vec<Layer<T>>,
+    pub layers: Vec<Layer<T, S>>,
+}
+
+/// What a sink makes of a set: one `T` per member (in order), and the set's own form.
+pub type SetOut<T, S> = (Vec<T>, Option<S>);
+
+/// Where loaded weights go: the CPU reference takes each weight alone (a closure, through
+/// [`load`]); the GPU also takes the products that read one input as a set, to run them
+/// as one ([`load_sets`]).
+pub trait Sink {
+    type T;
+    type Set;
+    fn one(&mut self, w: Weight<'_>) -> Result<Self::T>;
+    /// The products of one layer that read the same input, in the order [`Layer`]'s sets
+    /// list: one `T` per member, and the set's own form.
+    fn set(&mut self, ws: Vec<Weight<'_>>) -> Result<SetOut<Self::T, Self::Set>> {
+        let ts = ws.into_iter().map(|w| self.one(w)).collect::<Result<_>>()?;
+        Ok((ts, None))
+    }
+}
+
+/// A sink lent to a loader (the caller keeps what it recorded).
+impl<S: Sink + ?Sized> Sink for &mut S {
+    type T = S::T;
+    type Set = S::Set;
+    fn one(&mut self, w: Weight<'_>) -> Result<S::T> {
+        (**self).one(w)
+    }
+    fn set(&mut self, ws: Vec<Weight<'_>>) -> Result<SetOut<S::T, S::Set>> {
+        (**self).set(ws)
+    }
+}
+
+/// A closure as a [`Sink`] of single weights.
+struct Each<F, T>(F, std::marker::PhantomData<T>);
+
+impl<T, F: FnMut(Weight<'_>) -> Result<T>> Sink for Each<F, T> {
+    type T = T;
+    type Set = ();
+    fn one(&mut self, w: Weight<'_>) -> Result<T> {
+        (self.0)(w)
+    }
 }
 
 /// The shared role-by-name loader (`models::Loader`) over this family's table.
@@ -248,40 +297,53 @@ impl<'a> Loader<'a> {
     }
 }
 
-/// Load every weight through `sink` (GPU upload or CPU dequantization).
+/// Load every weight through `sink`, one by one (CPU dequantization).
 pub fn load<T>(
     file: &ModelFile,
     hp: &Hparams,
-    mut sink: impl FnMut(Weight<'_>) -> Result<T>,
+    sink: impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Weights<T>> {
+    load_sets(file, hp, Each(sink, std::marker::PhantomData))
+}
+
+/// Load every weight through `sink`, the products sharing an input as sets (GPU upload).
+pub fn load_sets<S: Sink>(
+    file: &ModelFile,
+    hp: &Hparams,
+    mut sink: S,
+) -> Result<Weights<S::T, S::Set>> {
     let ld = Loader::new(file);
     debug_assert_eq!(ld.gguf, hp.gguf);
     let e = hp.n_embd as u64;
     let tok = ld.shaped(W::TokEmbd, &[hp.n_vocab as u64, e])?;
-    let tok_embd = sink(Weight::Stored(tok))?;
+    let tok_embd = sink.one(Weight::Stored(tok))?;
     let output = match ld.get(W::Output) {
         Some(t) => {
             crate::models::expect_shape(&t, &[hp.n_vocab as u64, e])?;
-            Some(sink(Weight::Stored(t))?)
+            Some(sink.one(Weight::Stored(t))?)
         }
         None => None,
     };
-    let output_norm = sink(ld.norm(W::OutputNorm, hp.n_embd)?)?;
+    let output_norm = sink.one(ld.norm(W::OutputNorm, hp.n_embd)?)?;
     let mut layers = Vec::with_capacity(hp.n_layer);
     for l in 0..hp.n_layer {
-        let attn_norm = sink(ld.norm(W::AttnNorm(l), hp.n_embd)?)?;
-        let post_norm = sink(ld.norm(W::PostNorm(l), hp.n_embd)?)?;
-        let mixer = if hp.recurrent[l] {
-            Mixer::Gdn(load_gdn(&ld, hp, l, &mut sink)?)
+        let attn_norm = sink.one(ld.norm(W::AttnNorm(l), hp.n_embd)?)?;
+        let post_norm = sink.one(ld.norm(W::PostNorm(l), hp.n_embd)?)?;
+        let (mixer, mixer_set) = if hp.recurrent[l] {
+            let (g, s) = load_gdn(&ld, hp, l, &mut sink)?;
+            (Mixer::Gdn(g), s)
         } else {
-            Mixer::Attn(load_attn(&ld, hp, l, &mut sink)?)
+            let (a, s) = load_attn(&ld, hp, l, &mut sink)?;
+            (Mixer::Attn(a), s)
         };
-        let ffn = load_ffn(&ld, hp, l, &mut sink)?;
+        let (ffn, ffn_set) = load_ffn(&ld, hp, l, &mut sink)?;
         layers.push(Layer {
             attn_norm,
             post_norm,
             mixer,
             ffn,
+            mixer_set,
+            ffn_set,
         });
     }
     Ok(Weights {
@@ -292,12 +354,24 @@ pub fn load<T>(
     })
 }
 
-fn load_gdn<T>(
+/// Products of a layer and what the sink made of their set.
+type WithSet<X, S> = (X, Option<<S as Sink>::Set>);
+
+/// Four members, in order, from a sink's answer to a set.
+fn take4<T>(ts: Vec<T>) -> (T, T, T, T) {
+    let mut it = ts.into_iter();
+    match (it.next(), it.next(), it.next(), it.next()) {
+        (Some(a), Some(b), Some(c), Some(d)) => (a, b, c, d),
+        _ => panic!("a sink answered a set with fewer weights than it was given"),
+    }
+}
+
+fn load_gdn<S: Sink>(
     ld: &Loader<'_>,
     hp: &Hparams,
     l: usize,
-    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
-) -> Result<Gdn<T>> {
+    sink: &mut S,
+) -> Result<WithSet<Gdn<S::T>, S>> {
     let e = hp.n_embd as u64;
     let (hk, hv, dk, dv) = (
         hp.n_k_heads as u64,
@@ -405,47 +479,60 @@ fn load_gdn<T>(
         data: crate::models::read_f32(&nt)?,
     };
     let out = Weight::Stored(ld.shaped(W::SsmOut(l), &[e, hv * dv])?);
-    Ok(Gdn {
-        qkv: sink(qkv)?,
-        z: sink(z)?,
-        beta: sink(beta)?,
-        alpha: sink(alpha)?,
-        conv: sink(conv)?,
-        a: sink(a)?,
-        dt_bias: sink(dt_bias)?,
-        norm: sink(norm)?,
-        out: sink(out)?,
-    })
+    let (ts, set) = sink.set(vec![qkv, z, beta, alpha])?;
+    let (qkv, z, beta, alpha) = take4(ts);
+    let g = Gdn {
+        qkv,
+        z,
+        beta,
+        alpha,
+        conv: sink.one(conv)?,
+        a: sink.one(a)?,
+        dt_bias: sink.one(dt_bias)?,
+        norm: sink.one(norm)?,
+        out: sink.one(out)?,
+    };
+    Ok((g, set))
 }
 
-fn load_attn<T>(
+fn load_attn<S: Sink>(
     ld: &Loader<'_>,
     hp: &Hparams,
     l: usize,
-    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
-) -> Result<Attn<T>> {
+    sink: &mut S,
+) -> Result<WithSet<Attn<S::T>, S>> {
     let e = hp.n_embd as u64;
     let hd = hp.head_dim as u64;
     let q = ld.shaped(W::Q(l), &[hp.n_head as u64 * 2 * hd, e])?;
     let k = ld.shaped(W::K(l), &[hp.n_head_kv as u64 * hd, e])?;
     let v = ld.shaped(W::V(l), &[hp.n_head_kv as u64 * hd, e])?;
     let o = ld.shaped(W::O(l), &[e, hp.n_head as u64 * hd])?;
-    Ok(Attn {
-        q: sink(Weight::Stored(q))?,
-        k: sink(Weight::Stored(k))?,
-        v: sink(Weight::Stored(v))?,
-        q_norm: sink(ld.norm(W::QNorm(l), hp.head_dim)?)?,
-        k_norm: sink(ld.norm(W::KNorm(l), hp.head_dim)?)?,
-        o: sink(Weight::Stored(o))?,
-    })
+    let (ts, set) = sink.set(vec![
+        Weight::Stored(q),
+        Weight::Stored(k),
+        Weight::Stored(v),
+    ])?;
+    let mut ts = ts.into_iter();
+    let (Some(q), Some(k), Some(v)) = (ts.next(), ts.next(), ts.next()) else {
+        panic!("a sink answered a set with fewer weights than it was given");
+    };
+    let a = Attn {
+        q,
+        k,
+        v,
+        q_norm: sink.one(ld.norm(W::QNorm(l), hp.head_dim)?)?,
+        k_norm: sink.one(ld.norm(W::KNorm(l), hp.head_dim)?)?,
+        o: sink.one(Weight::Stored(o))?,
+    };
+    Ok((a, set))
 }
 
-fn load_ffn<T>(
+fn load_ffn<S: Sink>(
     ld: &Loader<'_>,
     hp: &Hparams,
     l: usize,
-    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
-) -> Result<Ffn<T>> {
+    sink: &mut S,
+) -> Result<WithSet<Ffn<S::T>, S>> {
     let e = hp.n_embd as u64;
     let is_moe = hp.moe.is_some() && ld.get(W::Router(l)).is_some();
     let Some(m) = hp.moe.as_ref().filter(|_| is_moe) else {
@@ -453,11 +540,17 @@ fn load_ffn<T>(
         let gate = ld.shaped(W::Gate(l), &[f, e])?;
         let up = ld.shaped(W::Up(l), &[f, e])?;
         let down = ld.shaped(W::Down(l), &[e, f])?;
-        return Ok(Ffn::Dense {
-            gate: sink(Weight::Stored(gate))?,
-            up: sink(Weight::Stored(up))?,
-            down: sink(Weight::Stored(down))?,
-        });
+        let (ts, set) = sink.set(vec![Weight::Stored(gate), Weight::Stored(up)])?;
+        let mut ts = ts.into_iter();
+        let (Some(gate), Some(up)) = (ts.next(), ts.next()) else {
+            panic!("a sink answered a set with fewer weights than it was given");
+        };
+        let ffn = Ffn::Dense {
+            gate,
+            up,
+            down: sink.one(Weight::Stored(down))?,
+        };
+        return Ok((ffn, set));
     };
     let (ne, f) = (m.n_expert as u64, m.n_ff_exp as u64);
     let router = ld.shaped(W::Router(l), &[ne, e])?;
@@ -476,7 +569,7 @@ fn load_ffn<T>(
     let gate_exps = stack(W::GateExp, W::GateExps(l), [ne, f, e])?;
     let up_exps = stack(W::UpExp, W::UpExps(l), [ne, f, e])?;
     let down_exps = stack(W::DownExp, W::DownExps(l), [ne, e, f])?;
-    let shared = if m.n_ff_shexp > 0 {
+    let (router, shared, set) = if m.n_ff_shexp > 0 {
         let fs = m.n_ff_shexp as u64;
         let g = ld.shaped(W::ShGate(l), &[fs, e])?;
         let u = ld.shaped(W::ShUp(l), &[fs, e])?;
@@ -489,24 +582,34 @@ fn load_ffn<T>(
                 format!("shape {:?}, expected [1, {e}]", gi.shape),
             ));
         }
-        Some((
-            sink(Weight::Stored(g))?,
-            sink(Weight::Stored(u))?,
-            sink(Weight::Stored(d))?,
-            sink(Weight::F32 {
-                name: gi.name.to_string(),
-                shape: vec![1, e],
-                data: crate::models::read_f32(&gi)?,
-            })?,
-        ))
+        let gi = Weight::F32 {
+            name: gi.name.to_string(),
+            shape: vec![1, e],
+            data: crate::models::read_f32(&gi)?,
+        };
+        let (ts, set) = sink.set(vec![
+            Weight::Stored(router),
+            Weight::Stored(g),
+            Weight::Stored(u),
+            gi,
+        ])?;
+        let (router, g, u, gi) = take4(ts);
+        let d = sink.one(Weight::Stored(d))?;
+        (router, Some((g, u, d, gi)), set)
     } else {
-        None
+        let (ts, set) = sink.set(vec![Weight::Stored(router)])?;
+        let router = ts
+            .into_iter()
+            .next()
+            .expect("a sink answers a set with one weight per member");
+        (router, None, set)
     };
-    Ok(Ffn::Moe(Moe {
-        router: sink(Weight::Stored(router))?,
-        gate_exps: sink(gate_exps)?,
-        up_exps: sink(up_exps)?,
-        down_exps: sink(down_exps)?,
+    let moe = Moe {
+        router,
+        gate_exps: sink.one(gate_exps)?,
+        up_exps: sink.one(up_exps)?,
+        down_exps: sink.one(down_exps)?,
         shared,
-    }))
+    };
+    Ok((Ffn::Moe(moe), set))
 }

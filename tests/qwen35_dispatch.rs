@@ -1,0 +1,128 @@
+//! Dispatches of a Qwen3.5 decode step (`Engine::profile_step` lists every one): each set of
+//! products over one input (`weights::Layer`'s sets) runs as one product per stored type.
+//!
+//! `LATHE_DISPATCH_FILE=model.gguf cargo test --test qwen35_dispatch -- --ignored --nocapture`
+//! prints the count for any file (e.g. `lathe synth --preset qwen3.5-9b --layers 4`), with
+//! what the same step took when every product was its own dispatch.
+
+mod common;
+use common::*;
+use lathe::engine::{Engine, LoadOptions};
+use lathe::models::qwen35::weights::{self, Sink};
+use lathe::models::qwen35::Hparams;
+use lathe::models::{ModelFile, Weight};
+use lathe::Result;
+use std::path::Path;
+
+/// Records each set's members (name, stored type); single weights are ignored.
+#[derive(Default)]
+struct Sets(Vec<Vec<(String, lathe::DType)>>);
+
+impl Sink for Sets {
+    type T = ();
+    type Set = ();
+    fn one(&mut self, _: Weight<'_>) -> Result<()> {
+        Ok(())
+    }
+    fn set(&mut self, ws: Vec<Weight<'_>>) -> Result<(Vec<()>, Option<()>)> {
+        self.0.push(
+            ws.iter()
+                .map(|w| (w.name().to_string(), w.dtype()))
+                .collect(),
+        );
+        Ok((vec![(); ws.len()], None))
+    }
+}
+
+fn sets(path: &Path) -> Vec<Vec<(String, lathe::DType)>> {
+    let f = ModelFile::open(path).unwrap();
+    let hp = Hparams::from_file(&f).unwrap();
+    let mut s = Sets::default();
+    weights::load_sets(&f, &hp, &mut s).unwrap();
+    s.0
+}
+
+fn step_labels(path: &Path) -> Vec<String> {
+    let mut e = Engine::load(path, &LoadOptions::default()).unwrap();
+    let mut s = e.new_seq().unwrap();
+    e.forward(&mut s, &[1, 2, 3], false).unwrap();
+    let prof = e.profile_step(&mut s, 4).unwrap();
+    prof.into_iter().map(|(l, _)| l).collect()
+}
+
+/// Checks that every set ran as one dispatch per stored type, each member in exactly one;
+/// returns the dispatches the sets saved (members minus groups).
+fn check_sets(what: &str, labels: &[String], sets: &[Vec<(String, lathe::DType)>]) -> usize {
+    let mut saved = 0;
+    for set in sets {
+        // Dispatches whose label starts with a member's name; a group's label is its first
+        // member's name followed by "+member" for each other one.
+        let runs: Vec<&String> = labels
+            .iter()
+            .filter(|l| {
+                let head = l.split('+').next().unwrap_or("");
+                set.iter().any(|(n, _)| n == head)
+            })
+            .collect();
+        let mut types: Vec<_> = set.iter().map(|m| m.1).collect();
+        types.sort_by_key(|t| t.name());
+        types.dedup();
+        let members: usize = runs.iter().map(|l| l.split('+').count()).sum();
+        assert_eq!(
+            (runs.len(), members),
+            (types.len(), set.len()),
+            "{what}: set {:?} ran as {runs:?}",
+            set.iter().map(|m| &m.0).collect::<Vec<_>>()
+        );
+        saved += set.len() - runs.len();
+    }
+    saved
+}
+
+#[test]
+fn sets_run_as_one_product_per_type() {
+    for name in [
+        "qwen35-tiny",
+        "qwen35moe-tiny",
+        "qwen3next-tiny",
+        "qwen35-dims",
+        "qwen35moe-dims",
+    ] {
+        let (dir, files) = model_files(name);
+        for f in files {
+            let path = if f.is_empty() {
+                dir.clone()
+            } else {
+                dir.join(&f)
+            };
+            let what = format!("{name}/{}", if f.is_empty() { "hf" } else { &f });
+            let labels = step_labels(&path);
+            let saved = check_sets(&what, &labels, &sets(&path));
+            assert!(saved > 0, "{what}: no set saved a dispatch");
+            eprintln!(
+                "{what}: {} dispatches per decode step ({} with one per product)",
+                labels.len(),
+                labels.len() + saved
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs LATHE_DISPATCH_FILE"]
+fn report_file() {
+    let path = std::env::var("LATHE_DISPATCH_FILE").expect("LATHE_DISPATCH_FILE");
+    let path = Path::new(&path);
+    let labels = step_labels(path);
+    let sets = sets(path);
+    let saved = check_sets(&path.display().to_string(), &labels, &sets);
+    for l in &labels {
+        eprintln!("  {l}");
+    }
+    eprintln!(
+        "{}: {} dispatches per decode step ({} with one per product)",
+        path.display(),
+        labels.len(),
+        labels.len() + saved
+    );
+}
