@@ -146,6 +146,25 @@ fn repack_refuses_partial_column_blocks_naming_the_tensor() {
     assert!(err.contains("scale shape"), "{err}");
 }
 
+#[test]
+fn repack_refuses_non_finite_scales_naming_the_block() {
+    // rows 0..200 (two 128-row bands) x 256 columns (two blocks); block (1, 1) is E8M0 0xFF
+    let w = vec![0x38u8; 200 * 256];
+    let s = [127u8, 127, 127, 0xff];
+    let wt = tref("layers.0.ffn.w1.weight", DType::F8_E4M3, &[200, 256], &w);
+    let st = tref("layers.0.ffn.w1.scale", DType::F8_E8M0, &[2, 2], &s);
+    let err = repack_fp8_block_to_b128(&wt, &st).unwrap_err().to_string();
+    assert!(
+        err.contains("layers.0.ffn.w1.scale")
+            && err.contains("rows 128")
+            && err.contains("columns 128"),
+        "{err}"
+    );
+    let ok = [127u8, 127, 127, 126];
+    let st = tref("layers.0.ffn.w1.scale", DType::F8_E8M0, &[2, 2], &ok);
+    assert!(repack_fp8_block_to_b128(&wt, &st).is_ok());
+}
+
 /// The committed release-layout fixture (tests/fixtures/safetensors/fp8_block: 129×130 and
 /// 40×200, neither a multiple of 128 columns) is refused by the repack, tensor named.
 #[test]

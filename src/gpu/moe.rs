@@ -775,10 +775,15 @@ impl Offload {
         self.profile_lock().take().unwrap_or_default()
     }
 
-    /// Submit what `pass` holds and continue in a fresh pass.
+    /// Submit what `pass` holds and continue in a fresh pass (held as one submission too
+    /// while profiling, so its dispatches are timed).
     fn submit(&self, pass: &mut Pass<'_>) -> Result<()> {
         let gpu = pass.gpu();
-        let done = std::mem::replace(pass, gpu.pass());
+        let mut next = gpu.pass();
+        if self.profile_lock().is_some() {
+            next.hold();
+        }
+        let done = std::mem::replace(pass, next);
         let mut prof = self.profile_lock();
         match prof.as_mut() {
             Some(v) => v.extend(done.submit_profiled()?),

@@ -6,7 +6,7 @@
 //! one buffer made at submit time, so recording does no GPU work.
 //!
 //! A pass may be flushed part-way ([`Pass::flush`]): what is recorded so far is submitted
-//! and recording goes on. A decode step encodes ~500 dispatches on the host; flushing
+//! and recording goes on. A decode step encodes ~400 dispatches on the host; flushing
 //! every few layers lets the GPU run the first layers while the host encodes the rest,
 //! instead of idling through the whole encode.
 

@@ -196,6 +196,19 @@ pub fn repack_fp8_block_to_b128(w: &TensorRef, scale: &TensorRef) -> Result<Vec<
         return Ok(out);
     }
     let (wd, sd) = (w.data, scale.data);
+    // A NaN or infinite block scale (E8M0 0xFF, a broken F32) would only show as NaN logits
+    // much later: refuse it here, as the MXFP4 repack does.
+    if let Some(i) = (0..rows.div_ceil(FP8_BLOCK) * nb).find(|&i| !read(sd, i).is_finite()) {
+        return Err(tensor_err(
+            scale,
+            format!(
+                "block scale {} (rows {}.., columns {}..) is not finite",
+                read(sd, i),
+                (i / nb) * FP8_BLOCK,
+                (i % nb) * FP8_BLOCK
+            ),
+        ));
+    }
     out.par_chunks_mut(nb * bb)
         .enumerate()
         .for_each(|(r, row)| {

@@ -5,7 +5,7 @@
 //! prefilling slot feeds the next piece of its prompt. Prompt tokens per step are capped
 //! (`prefill_chunk`, shared by all prefilling slots), so a long prompt delays the others'
 //! next token by at most one chunk's work. The step's work, a list of (slot, tokens), goes
-//! to the GPU as one batched forward ([`Engine::forward_batch`]) in [`run_batch`].
+//! to the GPU as one batched forward ([`Engine::forward_batch_with`]) in [`run_batch`].
 //!
 //! A slot keeps its tokens after a request ends: a later request whose prompt starts with all
 //! of them feeds only the rest (the cache of a multi-turn chat). Recurrent layers cannot be
@@ -184,7 +184,12 @@ pub fn start(
                         .collect::<Result<Vec<_>>>()?;
                     // Every slot's sequence first: checkpoints only take what is left.
                     for s in &mut slots {
-                        s.held.set_checkpoint(Checkpoint::new(&engine).ok());
+                        match Checkpoint::new(&engine) {
+                            Ok(c) => s.held.set_checkpoint(Some(c)),
+                            Err(e) => eprintln!(
+                                "lathe serve: a slot runs without prompt-cache checkpoint: {e}"
+                            ),
+                        }
                     }
                     Ok((engine, Arc::new(tok), slots))
                 })
