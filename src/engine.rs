@@ -324,6 +324,16 @@ impl Engine {
         }
     }
 
+    /// Longest context (positions per sequence) the KV caches can grow to with
+    /// `LoadOptions::max_seqs` sequences, where a binding limit bounds it; `None`: no such
+    /// bound below what memory allows.
+    pub fn max_context(&self) -> Option<usize> {
+        match &self.model {
+            Model::Qwen35(m) => Some(m.max_positions()),
+            Model::DeepSeek4(_) => None,
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         match &self.model {
             Model::Qwen35(m) => m.hp.n_vocab,

@@ -330,3 +330,24 @@ fn chat_command_reports_reused_tokens() {
     assert_eq!(stats[0].1, 0, "{err}");
     assert!(stats[1].1 > 0 && stats[1].1 < stats[0].0, "{err}");
 }
+
+/// The KV pools of all sequences share one buffer per layer under the adapter's binding limit:
+/// the positions each sequence can reach shrink in proportion to the sequences held, and a
+/// model reports the bound (the server caps its context with it).
+#[test]
+fn kv_capacity_divides_among_sequences() {
+    let load = |seqs: usize| {
+        let opts = LoadOptions {
+            max_seqs: seqs,
+            ..Default::default()
+        };
+        Engine::load(&model("qwen35-tiny/model-f32.gguf"), &opts).unwrap()
+    };
+    let one = load(1).max_context().expect("Qwen3.5 KV pools are bounded");
+    let eight = load(8).max_context().unwrap();
+    assert!(one >= 8 * 256, "one sequence fits {one} positions");
+    assert!(
+        eight <= one / 8 && eight + 256 > one / 8,
+        "8 sequences fit {eight} positions each, one fits {one}"
+    );
+}

@@ -208,6 +208,18 @@ pub fn start(
                 vocab: engine.vocab_size(),
             });
             on_loaded(Ok(()));
+            let mut cfg = cfg;
+            // Every slot's state shares one KV pool per layer, bounded by the adapter's
+            // binding limit: a reply stops there ("length") instead of failing the forward.
+            if let Some(m) = engine.max_context().filter(|&m| m < cfg.ctx) {
+                eprintln!(
+                    "lathe serve: warning: {} slots (with their checkpoints) fit {m} positions \
+                     each on this adapter, less than --ctx {}: replies stop there; use fewer \
+                     --parallel slots for longer contexts",
+                    cfg.n_slots, cfg.ctx
+                );
+                cfg.ctx = m;
+            }
             let mut w = Worker {
                 cfg,
                 engine,

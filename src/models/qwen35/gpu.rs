@@ -482,19 +482,23 @@ impl GpuModel {
 
     /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
     fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        let p = &mut self.pools;
-        if need <= p.cap {
+        if need <= self.pools.cap {
             return Ok(());
         }
-        let new_cap = need.max(p.cap * 2).next_multiple_of(256);
+        // Doubling amortizes the copies; near the binding limit take what still fits.
+        let max_cap = self.max_positions();
+        let p = &mut self.pools;
         let s = kv_shape(&self.hp, self.kv_type);
-        let rows = (p.slots * new_cap) as u64;
-        if s.bytes(rows) > self.gpu.max_binding() {
+        if need > max_cap {
             return Err(Error::Invalid(format!(
-                "a KV cache of {new_cap} positions x {} sequences exceeds the adapter's binding limit",
+                "a KV cache of {need} positions x {} sequences exceeds the adapter's binding \
+                 limit ({max_cap} positions fit): use fewer sequences (`--parallel`) or a \
+                 shorter context",
                 p.slots
             )));
         }
+        let new_cap = need.max(p.cap * 2).next_multiple_of(256).min(max_cap);
+        let rows = (p.slots * new_cap) as u64;
         for kv in p.kv.iter_mut().flatten() {
             let k = self.gpu.buffer(s.bytes(rows), "kv.k")?;
             let v = self.gpu.buffer(s.bytes(rows), "kv.v")?;
@@ -511,6 +515,18 @@ impl GpuModel {
         }
         p.cap = new_cap;
         Ok(())
+    }
+
+    /// Positions per sequence the KV pools can grow to: each attention layer's K (and V)
+    /// pool is one buffer of `slots x positions` rows, bounded by the adapter's binding limit.
+    pub fn max_positions(&self) -> usize {
+        let row = kv_shape(&self.hp, self.kv_type).bytes(1).max(1);
+        let per_seq = (self.gpu.max_binding() / row / self.pools.slots.max(1) as u64) as usize;
+        if per_seq >= 256 {
+            per_seq / 256 * 256
+        } else {
+            per_seq
+        }
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
