@@ -455,7 +455,18 @@ pub fn read_back(
         enc.copy_buffer_to_buffer(xb, xo as u64 * 4, &staging, ilen, xlen);
     }
     gpu.queue.submit([enc.finish()]);
-    let slice = staging.slice(..);
+    map_read(gpu, &staging, ilen, xlen)
+}
+
+/// Waits for the queue, maps `staging` (MAP_READ) and splits its first `ilen + xlen` bytes into
+/// u32 ids and f32 rows; unmapped again before returning, so the buffer can be reused.
+fn map_read(
+    gpu: &Gpu,
+    staging: &wgpu::Buffer,
+    ilen: u64,
+    xlen: u64,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let slice = staging.slice(..(ilen + xlen).max(4));
     let (tx, rx) = std::sync::mpsc::channel();
     slice.map_async(wgpu::MapMode::Read, move |r| {
         let _ = tx.send(r);
@@ -647,6 +658,9 @@ pub struct Offload {
     /// f32 `[rows·n_used, n_embd]` and u32 `[rows·n_used]`: the CPU's rows and their pair.
     cold_rows: wgpu::Buffer,
     cold_index: wgpu::Buffer,
+    /// MAP_READ, u32 `[rows·n_used]` then f32 `[rows, n_embd]`: each layer's readback, copied
+    /// at the end of the layer's own pass (no buffer made or extra submission per layer).
+    staging: wgpu::Buffer,
     n_used: u32,
     n_embd: u32,
     rows: u32,
@@ -738,6 +752,12 @@ impl Offload {
             slot_ids: gpu.buffer(pairs as u64 * 4, "moe.slot_ids")?,
             cold_rows: gpu.buffer((pairs * n_embd) as u64 * 4, "moe.cold_rows")?,
             cold_index: gpu.buffer(pairs as u64 * 4, "moe.cold_index")?,
+            staging: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("moe.readback"),
+                size: ((pairs + rows * n_embd) as u64 * 4).max(4),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
             n_used: k as u32,
             n_embd: n_embd as u32,
             rows: rows as u32,
@@ -827,8 +847,13 @@ impl Offload {
             return Ok(None);
         }
         let gpu = pass.gpu();
+        let (ilen, xlen) = (nk as u64 * 4, (n * self.n_embd) as u64 * 4);
+        words_check("readback ids", ids, nk as u64)?;
+        words_check("readback rows", h, (n * self.n_embd) as u64)?;
+        pass.copy(ids, 0, &self.staging, 0, ilen);
+        pass.copy(h, 0, &self.staging, ilen, xlen);
         self.submit(pass)?;
-        let (ids_v, h_v) = read_back(gpu, (ids, 0, nk), (h, 0, n * self.n_embd))?;
+        let (ids_v, h_v) = map_read(gpu, &self.staging, ilen, xlen)?;
         let pairs = {
             let st = self.state();
             let table = st.cache.remap(layer).unwrap_or(&[]);
