@@ -85,18 +85,22 @@ fn top_path_streams_what_full_logits_stream() {
         let (top, full) = (collect(ra), collect(rb));
         assert_eq!(top.len(), 10);
         assert_eq!(full.len(), 10);
+        // Log-probabilities are logit - lse: the GPU sums exp over the vocabulary in f32, the
+        // host in f64, and the two requests may share a pass or not (batched attention over
+        // ranges vs alone): they agree to ~1e-5 of values near -5, not bit for bit.
+        const LP_TOL: f32 = 1e-4;
         for (i, (t, f)) in top.iter().zip(&full).enumerate() {
             let what = format!("{sampler:?} token {i}");
             assert_eq!(t.id, f.id, "{what}: sampled ids");
             assert!(
-                (t.logprob - f.logprob).abs() < 1e-5,
+                (t.logprob - f.logprob).abs() < LP_TOL,
                 "{what}: {t:?} vs {f:?}"
             );
             assert!(t.logprob.is_finite() && t.logprob <= 0.0, "{what}: {t:?}");
             assert_eq!(t.top.len(), 3, "{what}");
             for (x, y) in t.top.iter().zip(&f.top) {
                 assert_eq!(x.0, y.0, "{what}: top ids");
-                assert!((x.1 - y.1).abs() < 1e-5, "{what}: {t:?} vs {f:?}");
+                assert!((x.1 - y.1).abs() < LP_TOL, "{what}: {t:?} vs {f:?}");
             }
         }
     }
