@@ -804,14 +804,7 @@ impl Offload {
             next.hold();
         }
         let done = std::mem::replace(pass, next);
-        let mut prof = self.profile_lock();
-        match prof.as_mut() {
-            Some(v) => v.extend(done.submit_profiled()?),
-            None => {
-                done.submit()?;
-            }
-        }
-        Ok(())
+        done.submit_or_profile(self.profile_lock().as_mut())
     }
 
     /// True for a model layer whose experts are managed here.

@@ -341,6 +341,18 @@ impl<'g> Pass<'g> {
             .collect())
     }
 
+    /// [`submit`](Self::submit), or with `profile` [`submit_profiled`](Self::submit_profiled)
+    /// appending the dispatches' `(label, ns)` to it: the one switch every forward shares.
+    pub fn submit_or_profile(self, profile: Option<&mut Vec<(String, f64)>>) -> Result<()> {
+        match profile {
+            Some(v) => v.extend(self.submit_profiled()?),
+            None => {
+                self.submit()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Encode and submit as one command buffer. Does not wait.
     pub fn submit(self) -> Result<wgpu::SubmissionIndex> {
         let gpu = self.gpu;

@@ -587,15 +587,8 @@ impl GpuModel {
             trace_point!("layer_out", l, &sc.x, width);
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
-        fn submit(p: Pass<'_>, prof: &mut Option<Vec<(String, f64)>>) -> Result<()> {
-            match prof {
-                Some(v) => v.extend(p.submit_profiled()?),
-                None => {
-                    p.submit()?;
-                }
-            }
-            Ok(())
-        }
+        let submit =
+            |p: Pass<'_>, prof: &mut Option<Vec<(String, f64)>>| p.submit_or_profile(prof.as_mut());
         let mut prof = self.profile.as_ref().map(|_| Vec::new());
         let mut logits = Vec::new();
         let mut top_out = None;

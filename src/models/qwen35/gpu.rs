@@ -772,14 +772,9 @@ impl GpuModel {
         profiling: bool,
         prof: &mut Vec<(String, f64)>,
     ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
-        fn submit(p: Pass<'_>, profiling: bool, prof: &mut Vec<(String, f64)>) -> Result<()> {
-            if profiling {
-                prof.extend(p.submit_profiled()?);
-            } else {
-                p.submit()?;
-            }
-            Ok(())
-        }
+        let submit = |p: Pass<'_>, profiling: bool, prof: &mut Vec<(String, f64)>| {
+            p.submit_or_profile(profiling.then_some(prof))
+        };
         let gpu = self.gpu.clone();
         let sc = &self.scratch;
         let hp = &self.hp;
