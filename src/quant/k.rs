@@ -234,33 +234,50 @@ pub(super) fn dequant_q6_k(b: &BlockQ6K, y: &mut [f32; QK_K]) {
 // groups, the sub-block scales and mins factored out of the inner sums as ggml's
 // `ggml_vec_dot_q*_K_q8_K` does (Σ(d·q − m)·x = d·Σq·x − m·Σx), lanes folded once per row.
 
+/// The Q4_K / Q5_K dot: per 32-element sub-block `d·sc·Σq·x − dmin·m·Σx`, with
+/// `levels(c, l)` the (low, high) sub-block levels of byte `l` of quarter `c`.
+#[inline(always)]
+fn dot_k4_levels(
+    d: f32,
+    dmin: f32,
+    scales: &[u8; 12],
+    xs: &[f32; QK_K],
+    acc: &mut [f32; 8],
+    levels: impl Fn(usize, usize) -> (u8, u8),
+) {
+    for c in 0..4 {
+        let xl: &[f32; 32] = xs[64 * c..64 * c + 32].try_into().unwrap();
+        let xh: &[f32; 32] = xs[64 * c + 32..64 * c + 64].try_into().unwrap();
+        let (mut sl, mut sh, mut xsl, mut xsh) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+        for k in 0..4 {
+            for i in 0..8 {
+                let l = 8 * k + i;
+                let (lo, hi) = levels(c, l);
+                sl[i] = madd(lo as f32, xl[l], sl[i]);
+                sh[i] = madd(hi as f32, xh[l], sh[i]);
+                xsl[i] += xl[l];
+                xsh[i] += xh[l];
+            }
+        }
+        let (sc1, m1) = scale_min_k4(2 * c, scales);
+        let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
+        axpy8(acc, d * sc1 as f32, &sl);
+        axpy8(acc, -(dmin * m1 as f32), &xsl);
+        axpy8(acc, d * sc2 as f32, &sh);
+        axpy8(acc, -(dmin * m2 as f32), &xsh);
+    }
+}
+
 /// Q4_K: per 32-element sub-block `d·sc·Σq·x − dmin·m·Σx`.
 #[inline]
 pub(super) fn dot_q4_k(blocks: &[BlockQ4K], x: &[[f32; QK_K]]) -> f32 {
     let mut acc = [0f32; 8];
     for (b, xs) in blocks.iter().zip(x) {
         let (d, dmin) = (h16(b.d), h16(b.dmin));
-        for c in 0..4 {
-            let q: &[u8; 32] = b.qs[32 * c..32 * c + 32].try_into().unwrap();
-            let xl: &[f32; 32] = xs[64 * c..64 * c + 32].try_into().unwrap();
-            let xh: &[f32; 32] = xs[64 * c + 32..64 * c + 64].try_into().unwrap();
-            let (mut sl, mut sh, mut xsl, mut xsh) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
-            for k in 0..4 {
-                for i in 0..8 {
-                    let l = 8 * k + i;
-                    sl[i] = madd((q[l] & 0x0f) as f32, xl[l], sl[i]);
-                    sh[i] = madd((q[l] >> 4) as f32, xh[l], sh[i]);
-                    xsl[i] += xl[l];
-                    xsh[i] += xh[l];
-                }
-            }
-            let (sc1, m1) = scale_min_k4(2 * c, &b.scales);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &b.scales);
-            axpy8(&mut acc, d * sc1 as f32, &sl);
-            axpy8(&mut acc, -(dmin * m1 as f32), &xsl);
-            axpy8(&mut acc, d * sc2 as f32, &sh);
-            axpy8(&mut acc, -(dmin * m2 as f32), &xsh);
-        }
+        dot_k4_levels(d, dmin, &b.scales, xs, &mut acc, |c, l| {
+            let q = b.qs[32 * c + l];
+            (q & 0x0f, q >> 4)
+        });
     }
     sum8(acc)
 }
@@ -271,30 +288,11 @@ pub(super) fn dot_q5_k(blocks: &[BlockQ5K], x: &[[f32; QK_K]]) -> f32 {
     let mut acc = [0f32; 8];
     for (b, xs) in blocks.iter().zip(x) {
         let (d, dmin) = (h16(b.d), h16(b.dmin));
-        for c in 0..4 {
-            let q: &[u8; 32] = b.qs[32 * c..32 * c + 32].try_into().unwrap();
-            let xl: &[f32; 32] = xs[64 * c..64 * c + 32].try_into().unwrap();
-            let xh: &[f32; 32] = xs[64 * c + 32..64 * c + 64].try_into().unwrap();
-            let (mut sl, mut sh, mut xsl, mut xsh) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
-            for k in 0..4 {
-                for i in 0..8 {
-                    let l = 8 * k + i;
-                    let hb = b.qh[l] >> (2 * c);
-                    let lo = (q[l] & 0x0f) | ((hb & 1) << 4);
-                    let hi = (q[l] >> 4) | ((hb & 2) << 3);
-                    sl[i] = madd(lo as f32, xl[l], sl[i]);
-                    sh[i] = madd(hi as f32, xh[l], sh[i]);
-                    xsl[i] += xl[l];
-                    xsh[i] += xh[l];
-                }
-            }
-            let (sc1, m1) = scale_min_k4(2 * c, &b.scales);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &b.scales);
-            axpy8(&mut acc, d * sc1 as f32, &sl);
-            axpy8(&mut acc, -(dmin * m1 as f32), &xsl);
-            axpy8(&mut acc, d * sc2 as f32, &sh);
-            axpy8(&mut acc, -(dmin * m2 as f32), &xsh);
-        }
+        dot_k4_levels(d, dmin, &b.scales, xs, &mut acc, |c, l| {
+            let q = b.qs[32 * c + l];
+            let hb = b.qh[l] >> (2 * c);
+            ((q & 0x0f) | ((hb & 1) << 4), (q >> 4) | ((hb & 2) << 3))
+        });
     }
     sum8(acc)
 }
