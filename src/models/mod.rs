@@ -108,6 +108,17 @@ pub enum Weight<'a> {
 }
 
 impl Weight<'_> {
+    /// The weight's name, type and shape without GPU buffers: what a forward keeps for a
+    /// weight uploaded elsewhere (into a concatenation, or the expert arena).
+    pub fn stand_in(&self) -> crate::gpu::GpuTensor {
+        crate::gpu::GpuTensor {
+            name: self.name().to_string(),
+            dtype: self.dtype(),
+            shape: self.shape().to_vec(),
+            parts: Vec::new(),
+        }
+    }
+
     pub fn name(&self) -> &str {
         match self {
             Weight::Stored(t) | Weight::Rows { src: t, .. } => t.name,

@@ -254,12 +254,7 @@ impl GpuModel {
         let plan = Plan::new(&gpu, file, opts, DEFAULT_BATCH)?;
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             if plan.is_some() && crate::moe::is_expert_tensor(w.name()) {
-                return Ok(GpuTensor {
-                    name: w.name().to_string(),
-                    dtype: w.dtype(),
-                    shape: w.shape().to_vec(),
-                    parts: Vec::new(),
-                });
+                return Ok(w.stand_in());
             }
             let f32_table = w.shape().len() == 1 || tables.contains(w.name());
             let t = upload(&gpu, &w, f32_table)?;

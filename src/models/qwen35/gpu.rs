@@ -294,23 +294,13 @@ impl GpuSink<'_> {
     }
 }
 
-/// A weight's name, type and shape without buffers.
-fn stand_in(w: &Weight<'_>) -> GpuTensor {
-    GpuTensor {
-        name: w.name().to_string(),
-        dtype: w.dtype(),
-        shape: w.shape().to_vec(),
-        parts: Vec::new(),
-    }
-}
-
 impl Sink for GpuSink<'_> {
     type T = GpuTensor;
     type Set = ProjSet;
 
     fn one(&mut self, w: Weight<'_>) -> Result<GpuTensor> {
         if self.experts_elsewhere && crate::moe::is_expert_tensor(w.name()) {
-            return Ok(stand_in(&w));
+            return Ok(w.stand_in());
         }
         let t = w.with_tensor(|t| self.gpu.upload_tensor(t))?;
         self.progress(t.bytes());
@@ -326,7 +316,7 @@ impl Sink for GpuSink<'_> {
             Ok(t)
         })?;
         self.progress(bytes);
-        Ok((ws.iter().map(stand_in).collect(), Some(set)))
+        Ok((ws.iter().map(Weight::stand_in).collect(), Some(set)))
     }
 }
 
