@@ -43,15 +43,6 @@ fn put_x(k0: u32, n: u32, v: vec4<f32>) {
     Xs[(k0 + 3u) * 16u + i][c] = v.w;
 }
 
-// Float rows not 16-byte aligned (FSLOW) or the partial last block: element by element.
-fn slow_chunk(blk: u32) -> bool {
-#if FSLOW
-    return true;
-#else
-    return blk >= p.nb_full;
-#endif
-}
-
 // chunk s of block blk of the row at byte rb into tile row m
 fn decode_chunk(rb: u32, blk: u32, s: u32, m: u32) {
 #if FLOAT
@@ -78,23 +69,6 @@ fn decode_chunk(rb: u32, blk: u32, s: u32, m: u32) {
     put_w(20u, m, w[5]);
     put_w(24u, m, w[6]);
     put_w(28u, m, w[7]);
-}
-
-// x values of quarter-octet j of chunk s of block blk for the token whose x row is at xrow
-fn gather_x(xrow: u32, blk: u32, s: u32, j: u32) -> vec4<f32> {
-    let e0 = blk * BS + xmap(s, j);
-#if FLOAT
-    if (slow_chunk(blk)) {
-        var v = vec4<f32>(0.0);
-        for (var i = 0u; i < 4u; i++) {
-            if (e0 + i < p.cols) {
-                v[i] = x1(xrow + e0 + i);
-            }
-        }
-        return v;
-    }
-#endif
-    return x4(xrow + e0);
 }
 
 fn mm_store(n: u32, row: u32, v: vec4<f32>) {

@@ -42,6 +42,8 @@ pub struct BenchOptions {
     pub expert_stats: Option<std::path::PathBuf>,
     /// Write the routing statistics counted during the run here.
     pub save_expert_stats: Option<std::path::PathBuf>,
+    /// Kernels of many-token products (`--matmul`).
+    pub matmul: crate::gpu::MatmulChoice,
 }
 
 impl Default for BenchOptions {
@@ -58,6 +60,7 @@ impl Default for BenchOptions {
             gpu_experts: None,
             expert_stats: None,
             save_expert_stats: None,
+            matmul: Default::default(),
         }
     }
 }
@@ -130,8 +133,13 @@ pub struct BenchReport {
     /// GPU time of one decode step by kernel (summed over its dispatches, longest first),
     /// when the adapter has timestamp queries.
     pub kernels: Option<Vec<KernelTime>>,
+    /// GPU time of one prefill of `n_prompt` tokens by kernel, as `kernels`.
+    pub prefill_kernels: Option<Vec<KernelTime>>,
     /// Where a MoE model's routed experts were at the end (`None` for a dense model).
     pub placement: Option<crate::gpu::moe::PlacementReport>,
+    /// The product path the last prefill ran (`tiled`, `coop`; `none` without prefill or
+    /// when every product took matvec).
+    pub matmul: &'static str,
 }
 
 /// One kernel's share of a decode step.
@@ -175,7 +183,13 @@ impl BenchReport {
                     .map(|k| json!({"label": k.label, "calls": k.calls, "ns": k.ns}))
                     .collect::<Vec<_>>()
             }),
+            "prefill_kernels": self.prefill_kernels.as_ref().map(|k| {
+                k.iter()
+                    .map(|k| json!({"label": k.label, "calls": k.calls, "ns": k.ns}))
+                    .collect::<Vec<_>>()
+            }),
             "placement": self.placement.as_ref().and_then(|p| serde_json::to_value(p).ok()),
+            "matmul": self.matmul,
         })
     }
 
@@ -316,6 +330,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         gpu_experts: opts.gpu_experts,
         expert_stats: opts.expert_stats.clone(),
         save_expert_stats: opts.save_expert_stats.clone(),
+        matmul: opts.matmul,
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -357,6 +372,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     } else {
         None
     };
+    let matmul = e.gpu.last_matmul().name();
     let decode = if opts.n_gen > 0 {
         let mut secs = Vec::with_capacity(opts.reps);
         for _ in 0..opts.reps {
@@ -387,6 +403,21 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     } else {
         None
     };
+    // One more prefill, each dispatch timed.
+    let prefill_kernels =
+        if opts.n_prompt > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
+            fill(&mut e, &mut seq, &mut ids)?;
+            let t = ids.take(opts.n_prompt, vocab);
+            match e.profile_prefill(&mut seq, &t) {
+                Ok(k) => Some(aggregate(&k)),
+                Err(err) => {
+                    eprintln!("note: no per-kernel prefill breakdown: {err}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
     drop(seq);
     e.finish_expert_stats()?;
     let placement = e.placement_report();
@@ -407,7 +438,9 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         decode,
         bandwidth,
         kernels,
+        prefill_kernels,
         placement,
+        matmul,
     })
 }
 

@@ -63,6 +63,8 @@ pub struct LoadOptions {
     pub save_expert_stats: Option<std::path::PathBuf>,
     /// Residency policy while decoding; `None`: `moe::CacheConfig::default()`.
     pub expert_cache: Option<crate::moe::CacheConfig>,
+    /// Kernels of many-token products (`--matmul`).
+    pub matmul: crate::gpu::MatmulChoice,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -96,6 +98,7 @@ impl Default for LoadOptions {
             collect_expert_stats: false,
             save_expert_stats: None,
             expert_cache: None,
+            matmul: Default::default(),
         }
     }
 }
@@ -234,7 +237,7 @@ impl Engine {
         let tokenizer = load_tokenizer(&file)?;
         let decode_bytes = crate::inspect::decode_bytes(&file);
         let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
-        let gpu = Arc::new(Gpu::new(&opts.adapter)?);
+        let gpu = Arc::new(Gpu::with_matmul(&opts.adapter, opts.matmul)?);
         let opts = &LoadOptions {
             progress: opts.progress.as_ref().map(monotone),
             ..opts.clone()
@@ -448,25 +451,37 @@ impl Engine {
         if let Some(o) = self.offload() {
             o.start_profile();
         }
-        let mut prof = self.profile_pass(seq, token)?;
+        let mut prof = self.profile_pass(seq, &[token])?;
         if let Some(o) = self.offload() {
             prof.extend(o.take_profile());
         }
         Ok(prof)
     }
 
-    fn profile_pass(&mut self, seq: &mut Seq, token: u32) -> Result<Vec<(String, f64)>> {
+    /// GPU time of every dispatch of one prefill of `tokens` (as [`Engine::profile_step`]).
+    pub fn profile_prefill(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+        if let Some(o) = self.offload() {
+            o.start_profile();
+        }
+        let mut prof = self.profile_pass(seq, tokens)?;
+        if let Some(o) = self.offload() {
+            prof.extend(o.take_profile());
+        }
+        Ok(prof)
+    }
+
+    fn profile_pass(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
         match (&mut self.model, seq) {
             // The step a greedy generation takes: argmax on the GPU, a few bytes back.
             (Model::Qwen35(m), Seq::Qwen35(s)) => {
                 m.profile = Some(Vec::new());
-                let r = m.forward_batch(&mut [(s, &[token], GREEDY)]);
+                let r = m.forward_batch(&mut [(s, tokens, GREEDY)]);
                 let prof = m.profile.take().unwrap_or_default();
                 r.map(|_| prof)
             }
             (Model::DeepSeek4(m), Seq::DeepSeek4(s)) => {
                 m.profile = Some(Vec::new());
-                let r = m.forward_want(s, &[token], GREEDY);
+                let r = m.forward_want(s, tokens, GREEDY);
                 let prof = m.profile.take().unwrap_or_default();
                 r.map(|_| prof)
             }

@@ -21,6 +21,7 @@ pub mod npy;
 pub mod quant;
 pub mod safetensors;
 pub mod sample;
+pub mod selftest;
 pub mod server;
 pub mod synth;
 pub mod tensor;

@@ -40,8 +40,25 @@ enum Cmd {
     Synth(cli::synth::SynthArgs),
     /// Measure prefill and decode speed (llama-bench style) against the adapter's bandwidth.
     Bench(cli::bench::BenchArgs),
-    /// List the GPU adapters wgpu can use (index, name, backend, type).
+    /// List the GPU adapters wgpu can use (index, name, backend, type, product paths).
     Devices,
+    /// Check the product kernels against their CPU reference on this adapter: every path it
+    /// runs (matvec, tiled, cooperative matrices) and every stored type. One line per check,
+    /// then `N passed, M failed`; exit 1 on any failure.
+    Selftest {
+        /// Add the real sizes of released models (4096 x 12288 ... at 512 tokens).
+        #[arg(long)]
+        full: bool,
+        /// One JSON object on stdout instead of the lines.
+        #[arg(long)]
+        json: bool,
+        /// Adapter index or name substring (see `lathe devices`).
+        #[arg(long, default_value = "auto")]
+        device: AdapterChoice,
+        /// Product paths to enable: auto (every path the adapter has), coop or tiled.
+        #[arg(long, default_value = "auto")]
+        matmul: lathe::gpu::MatmulChoice,
+    },
     /// Describe a model file: architecture, hyper-parameters, tensors, bytes per decode step.
     Inspect {
         /// A GGUF file or a Hugging Face checkpoint directory.
@@ -84,10 +101,67 @@ fn run(cli: Cli) -> lathe::Result<()> {
         Cmd::Bench(a) => cli::bench::run(a),
         Cmd::Devices => {
             for (i, a) in lathe::gpu::list_adapters().iter().enumerate() {
+                // the --matmul paths this adapter runs, and why the others are missing
+                let paths: Vec<String> = lathe::gpu::matmul_paths(i)
+                    .into_iter()
+                    .map(|(p, ok)| match ok {
+                        Ok(()) => p.name().to_string(),
+                        Err(why) => format!("no {} ({why})", p.name()),
+                    })
+                    .collect();
                 println!(
-                    "{i}\t{}\t{:?}\t{:?}\t{} {}",
-                    a.name, a.backend, a.device_type, a.driver, a.driver_info
+                    "{i}\t{}\t{:?}\t{:?}\t{} {}\tmatmul: {}",
+                    a.name,
+                    a.backend,
+                    a.device_type,
+                    a.driver,
+                    a.driver_info,
+                    paths.join(", ")
                 );
+            }
+            Ok(())
+        }
+        Cmd::Selftest {
+            full,
+            json,
+            device,
+            matmul,
+        } => {
+            let gpu = lathe::gpu::Gpu::with_matmul(&device, matmul)?;
+            eprintln!("{}", gpu.report());
+            let checks = lathe::selftest::run(&gpu, full, |c| {
+                if !json {
+                    let mark = if c.passed { "ok  " } else { "FAIL" };
+                    let why = if c.passed {
+                        String::new()
+                    } else {
+                        format!(": {}", c.detail)
+                    };
+                    println!(
+                        "{mark} {} (worst err/bound {:.3}, rel rms {:.2e}){why}",
+                        c.name, c.worst, c.rel_rms
+                    );
+                }
+            });
+            let failed = checks.iter().filter(|c| !c.passed).count();
+            let passed = checks.len() - failed;
+            if json {
+                let v = serde_json::json!({
+                    "adapter": gpu.info.name,
+                    "matmul": gpu.matmul_path().name(),
+                    "checks": checks,
+                    "passed": passed,
+                    "failed": failed,
+                });
+                println!("{v}");
+            } else {
+                println!("{passed} passed, {failed} failed");
+            }
+            if failed > 0 {
+                return Err(lathe::Error::Invalid(format!(
+                    "selftest: {failed} of {} checks failed",
+                    checks.len()
+                )));
             }
             Ok(())
         }

@@ -1,6 +1,7 @@
 //! Kernel lab for the weight × activation kernels: weight bytes streamed per second by matvec
 //! (decode) for each type, against a plain f32 stream kernel measured in the same process, and
-//! the tiled prefill matmul in TFLOP/s.
+//! the prefill matmuls (tiled, and cooperative matrices where the adapter has them) in
+//! TFLOP/s.
 //!
 //! `cargo run --release --bin bench_kernels -- [--types q4_k,q6_k] [--rows N --cols N]
 //!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--int8-x] [--adapter NAME]`
@@ -11,8 +12,8 @@
 //! long untimed pass queued first so the GPU never waits for the CPU; else wall time.
 
 use clap::Parser;
-use lathe::gpu::matmul;
 use lathe::gpu::matvec::{self, MatvecOpts, Tune};
+use lathe::gpu::{coopmat, matmul};
 use lathe::gpu::{AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineSpec};
 use lathe::tensor::TensorRef;
 use lathe::{quant, DType, Result};
@@ -366,30 +367,37 @@ fn main() -> Result<()> {
             let xp = gpu.upload_f32(&vec![0.01; (cols * np as u64) as usize], "xp")?;
             let yp = gpu.buffer(rows * 4 * np as u64, "yp")?;
             let per_pass = if cpu { 1 } else { 8 };
-            let mut rec = |pass: &mut Pass<'_>| {
-                for i in 0..per_pass {
-                    matmul::matmul_tiled(
-                        pass,
-                        &ws[i % ws.len()],
-                        &xp,
-                        0,
-                        &yp,
-                        0,
-                        np,
-                        &MatvecOpts::default(),
-                    )?;
-                }
-                Ok(())
-            };
-            let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
-            let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
-            println!(
-                "{:<6} {rows}x{cols} prefill {np} tokens: {:8.1} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
-                dt.name(),
-                s * 1e3,
-                gflops,
-                np as f64 / s
-            );
+            let mut kinds = vec![("tiled", parse_variant("-"))];
+            if coopmat::usable(&gpu, dt) {
+                kinds.extend(variants.iter().map(|v| ("coop", *v)));
+            }
+            for (kind, defines) in kinds {
+                let o = MatvecOpts {
+                    defines,
+                    ..Default::default()
+                };
+                let mut rec = |pass: &mut Pass<'_>| {
+                    for i in 0..per_pass {
+                        let w = &ws[i % ws.len()];
+                        match kind {
+                            "coop" => coopmat::matmul_coop(pass, w, &xp, 0, &yp, 0, np, &o)?,
+                            _ => matmul::matmul_tiled(pass, w, &xp, 0, &yp, 0, np, &o)?,
+                        }
+                    }
+                    Ok(())
+                };
+                let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
+                let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
+                let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
+                println!(
+                    "{:<6} {rows}x{cols} prefill {np} tokens {kind:>5} {}: {:8.3} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
+                    dt.name(),
+                    dl.join(","),
+                    s * 1e3,
+                    gflops,
+                    np as f64 / s
+                );
+            }
         }
 
         for nb in args
@@ -402,12 +410,17 @@ fn main() -> Result<()> {
             let per_pass = if cpu { 1 } else { 16 };
             let o = MatvecOpts::default();
             let mut line = format!("{:<6} {rows}x{cols} batch {nb:>3}:", dt.name());
-            for kind in ["matvec", "tiled"] {
+            let mut kinds = vec!["matvec", "tiled"];
+            if coopmat::usable(&gpu, dt) {
+                kinds.push("coop");
+            }
+            for kind in kinds {
                 let mut rec = |pass: &mut Pass<'_>| {
                     for i in 0..per_pass {
                         let w = &ws[i % ws.len()];
                         match kind {
                             "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, &o)?,
+                            "coop" => coopmat::matmul_coop(pass, w, &xb, 0, &yb, 0, nb, &o)?,
                             _ => matmul::matmul_tiled(pass, w, &xb, 0, &yb, 0, nb, &o)?,
                         }
                     }

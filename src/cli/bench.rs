@@ -66,6 +66,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         gpu_experts: a.moe.gpu_experts,
         expert_stats: a.moe.expert_stats.clone(),
         save_expert_stats: a.moe.save_expert_stats.clone(),
+        matmul: a.moe.matmul,
     };
     let r = bench::run(&a.model, &opts)?;
     eprintln!(

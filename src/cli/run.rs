@@ -35,10 +35,15 @@ pub struct ModelArgs {
     pub moe: MoeArgs,
 }
 
-/// Where a MoE model's routed experts go (GPU arena slots or the CPU); shared by every
-/// command that runs a model.
+/// Where a MoE model's routed experts go (GPU arena slots or the CPU) and which kernels run
+/// the products; shared by every command that runs a model.
 #[derive(Args, Debug, Clone, Default)]
 pub struct MoeArgs {
+    /// Kernels of products over many tokens (prefill, batches): auto (the GPU's matrix
+    /// units where it has them), coop (cooperative matrices; an error where absent) or tiled
+    /// (the portable f32 kernel, exact f32 activations).
+    #[arg(long, value_name = "PATH", default_value = "auto")]
+    pub matmul: lathe::gpu::MatmulChoice,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
     /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
     /// Default: detected from the adapter.
@@ -75,6 +80,7 @@ impl MoeArgs {
         opts.gpu_experts = self.gpu_experts;
         opts.expert_stats = self.expert_stats.clone();
         opts.save_expert_stats = self.save_expert_stats.clone();
+        opts.matmul = self.matmul;
     }
 
     /// Write the statistics `engine` counted, when --save-expert-stats asked for them (a

@@ -79,10 +79,123 @@ pub struct Gpu {
     /// handler would panic, lathe turns it into an `Error::Gpu` at the next sync point.
     errors: Arc<Mutex<Option<String>>>,
     pub(crate) pipelines: super::pipeline::PipelineCache,
+    matmul: MatmulPath,
+    last_matmul: std::sync::atomic::AtomicU8,
+    scratch: Mutex<std::collections::HashMap<&'static str, wgpu::Buffer>>,
+}
+
+/// Which kernels run products of many tokens (`--matmul`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulChoice {
+    /// The matrix units where the adapter has them, else the tiled kernel.
+    #[default]
+    Auto,
+    /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
+    Coop,
+    /// The portable tiled f32 kernel.
+    Tiled,
+}
+
+impl std::str::FromStr for MatmulChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(MatmulChoice::Auto),
+            "coop" => Ok(MatmulChoice::Coop),
+            "tiled" | "f32" => Ok(MatmulChoice::Tiled),
+            _ => Err(format!("--matmul {s}: expected auto, coop or tiled")),
+        }
+    }
+}
+
+/// The product path a device runs (see [`MatmulChoice`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    /// No many-token product has run yet.
+    None = 0,
+    Tiled = 1,
+    Coop = 2,
+}
+
+impl MatmulPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulPath::None => "none",
+            MatmulPath::Tiled => "tiled",
+            MatmulPath::Coop => "coop",
+        }
+    }
+}
+
+/// Workgroup memory the cooperative-matrix kernels declare (matmul_coop.wgsl).
+const COOP_WG_MEMORY: u32 = 46 * 1024;
+
+/// Whether the adapter can run lathe's cooperative-matrix kernels: they need f16 16x16x16
+/// with f32 accumulation at subgroup scope (wgpu-hal's Vulkan adapter lists what
+/// VK_KHR_cooperative_matrix reports), subgroups of exactly 32 lanes (the kernels lay 8
+/// subgroups over a 256-thread workgroup), f16 shaders and 46 KiB of workgroup memory.
+pub fn coop_supported(
+    adapter: &wgpu::Adapter,
+    limits: &wgpu::Limits,
+) -> std::result::Result<(), String> {
+    let f = adapter.features();
+    for (feature, name) in [
+        (
+            wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            "cooperative matrices",
+        ),
+        (wgpu::Features::SUBGROUP, "subgroups"),
+        (wgpu::Features::SHADER_F16, "f16 shaders"),
+    ] {
+        if !f.contains(feature) {
+            return Err(format!("the adapter offers no {name}"));
+        }
+    }
+    let has_16 = adapter.cooperative_matrix_properties().iter().any(|p| {
+        p.m_size == 16
+            && p.n_size == 16
+            && p.k_size == 16
+            && p.ab_type == wgpu::CooperativeScalarType::F16
+            && p.cr_type == wgpu::CooperativeScalarType::F32
+    });
+    if !has_16 {
+        return Err("no 16x16x16 f16 -> f32 configuration".into());
+    }
+    let info = adapter.get_info();
+    if info.subgroup_min_size != 32 || info.subgroup_max_size != 32 {
+        return Err(format!(
+            "subgroups of {}..{} lanes (the kernels need exactly 32)",
+            info.subgroup_min_size, info.subgroup_max_size
+        ));
+    }
+    if limits.max_compute_workgroup_storage_size < COOP_WG_MEMORY
+        || limits.max_compute_invocations_per_workgroup < 256
+    {
+        return Err("workgroup limits too small".into());
+    }
+    Ok(())
+}
+
+/// The product paths an adapter offers, for `lathe devices`.
+pub fn matmul_paths(index: usize) -> Vec<(MatmulPath, std::result::Result<(), String>)> {
+    let Some(a) = all_adapters().into_iter().nth(index) else {
+        return Vec::new();
+    };
+    let limits = a.limits();
+    vec![
+        (MatmulPath::Tiled, Ok(())),
+        (MatmulPath::Coop, coop_supported(&a, &limits)),
+    ]
 }
 
 impl Gpu {
+    /// The device of `choice` with the automatic product path.
     pub fn new(choice: &AdapterChoice) -> Result<Gpu> {
+        Gpu::with_matmul(choice, MatmulChoice::Auto)
+    }
+
+    /// The device of `choice`, running many-token products on `matmul`.
+    pub fn with_matmul(choice: &AdapterChoice, matmul: MatmulChoice) -> Result<Gpu> {
         let adapters = all_adapters();
         if adapters.is_empty() {
             return Err(Error::Gpu(
@@ -109,18 +222,40 @@ impl Gpu {
         let info = adapter.get_info();
         let offered = adapter.features();
         // Optional features used when present; kernels keep a portable path without them.
-        let wanted = wgpu::Features::TIMESTAMP_QUERY
+        let mut wanted = wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
             | wgpu::Features::SUBGROUP
             | wgpu::Features::SHADER_F16;
-        let features = offered & wanted;
         // Ask for everything the adapter allows: weights need the largest bindings it has.
         let limits = adapter.limits();
+        let coop_ok = coop_supported(&adapter, &limits);
+        let matmul = match (matmul, coop_ok) {
+            (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
+            (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
+            (MatmulChoice::Auto, Err(_)) => MatmulPath::Tiled,
+            (MatmulChoice::Coop, Err(why)) => {
+                return Err(Error::Gpu(format!(
+                    "{}: --matmul coop: no cooperative-matrix path ({why})",
+                    info.name
+                )))
+            }
+        };
+        if matmul == MatmulPath::Coop {
+            wanted |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        let features = offered & wanted;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("lathe"),
             required_features: features,
             required_limits: limits.clone(),
-            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            // SAFETY: the only experimental feature lathe requests is cooperative matrices,
+            // and only for the f16 16x16x16 configuration the adapter lists
+            // (`coop_supported`); its kernels are checked against the CPU by `lathe selftest`.
+            experimental_features: if matmul == MatmulPath::Coop {
+                unsafe { wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                wgpu::ExperimentalFeatures::disabled()
+            },
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
@@ -148,14 +283,56 @@ impl Gpu {
             features,
             errors,
             pipelines: Default::default(),
+            matmul,
+            last_matmul: std::sync::atomic::AtomicU8::new(MatmulPath::None as u8),
+            scratch: Default::default(),
         })
+    }
+
+    /// A buffer of at least `bytes` kept by the device under `name` and reused by every call
+    /// (grown when too small). For kernel-private staging whose contents live within one
+    /// recorded sequence of dispatches: wgpu orders the dispatches of a submission that share
+    /// it, and passes recorded earlier keep the old buffer alive when it is replaced.
+    pub fn scratch(&self, name: &'static str, bytes: u64) -> Result<wgpu::Buffer> {
+        let mut map = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = map.get(name) {
+            if b.size() >= bytes {
+                return Ok(b.clone());
+            }
+        }
+        // grow by half again so a growing prompt does not reallocate per chunk
+        let size = (bytes + bytes / 2)
+            .next_multiple_of(256)
+            .min(self.max_binding());
+        let b = self.buffer(size.max(bytes), name)?;
+        map.insert(name, b.clone());
+        Ok(b)
+    }
+
+    /// The product path prefill uses on this device (`--matmul`).
+    pub fn matmul_path(&self) -> MatmulPath {
+        self.matmul
+    }
+
+    /// The path the last many-token product ran on (`lathe bench --json` `"matmul"`).
+    pub fn last_matmul(&self) -> MatmulPath {
+        match self.last_matmul.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => MatmulPath::Tiled,
+            2 => MatmulPath::Coop,
+            _ => MatmulPath::None,
+        }
+    }
+
+    pub(crate) fn note_matmul(&self, path: MatmulPath) {
+        self.last_matmul
+            .store(path as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// One line for stderr: adapter, backend, the limits that shape buffer splitting and the
     /// choice of kernel variants.
     pub fn report(&self) -> String {
         format!(
-            "adapter: {} ({:?}, {:?}, driver {} {}); max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB; subgroups {}, f16 {}, timestamps {}",
+            "adapter: {} ({:?}, {:?}, driver {} {}); max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB; subgroups {}, f16 {}, timestamps {}; matmul {}",
             self.info.name,
             self.info.backend,
             self.info.device_type,
@@ -167,6 +344,7 @@ impl Gpu {
             self.features.contains(wgpu::Features::SUBGROUP),
             self.features.contains(wgpu::Features::SHADER_F16),
             self.features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            self.matmul.name(),
         )
     }
 

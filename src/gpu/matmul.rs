@@ -9,7 +9,7 @@
 //! parts take one dispatch per part.
 
 use super::matvec::{self, check_span, x_vec, Geometry, MatvecOpts};
-use super::{Binding, Gpu, GpuTensor, Pass, PipelineSpec, MAX_GROUPS};
+use super::{coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{Error, Result};
 
 pub(crate) const SRC: &str = concat!(
@@ -52,7 +52,8 @@ pub fn matmul(
     )
 }
 
-/// [`matmul`] with options (accumulate, strides; `portable` / `tune` apply to the matvec path).
+/// [`matmul`] with options (accumulate, strides, `exact`; `portable` / `tune` apply to the
+/// matvec path).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_opts(
     pass: &mut Pass<'_>,
@@ -66,6 +67,8 @@ pub fn matmul_opts(
 ) -> Result<()> {
     if n_tokens <= DENSE_MATVEC_TOKENS {
         matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
+    } else if !opts.exact && coopmat::usable(pass.gpu(), w.dtype) {
+        coopmat::matmul_coop(pass, w, x, x_off, y, y_off, n_tokens, opts)
     } else {
         matmul_tiled(pass, w, x, x_off, y, y_off, n_tokens, opts)
     }
@@ -146,6 +149,7 @@ pub fn matmul_tiled(
             [rows.div_ceil(BM), n_tokens.div_ceil(BN), 1],
         );
     }
+    gpu.note_matmul(MatmulPath::Tiled);
     Ok(())
 }
 
@@ -183,8 +187,18 @@ impl MoeRoute {
     }
 
     /// Upper bound on the tile count for `n_pairs` pairs (the matmul_id grid height).
-    fn max_tiles(&self, n_pairs: u32) -> u32 {
+    pub(crate) fn max_tiles(&self, n_pairs: u32) -> u32 {
         n_pairs.div_ceil(BN) + self.n_expert
+    }
+
+    /// Word of the tile list in the route buffer.
+    pub(crate) fn tiles_off(&self) -> u32 {
+        self.tiles_off
+    }
+
+    /// Word of the grouped pair list in the route buffer.
+    pub(crate) fn pairs_off(&self) -> u32 {
+        self.pairs_off
     }
 }
 
@@ -251,6 +265,32 @@ pub fn route(
 /// the row at `x_off + (x_per_pair ? q : t) * x_stride`. `w` is [n_expert, rows, cols].
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_indexed(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_per_pair: bool,
+    r: &MoeRoute,
+    n_tokens: u32,
+    n_used: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    if coopmat::usable(pass.gpu(), w.dtype) {
+        coopmat::matmul_coop_indexed(
+            pass, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
+        )
+    } else {
+        matmul_indexed_tiled(
+            pass, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
+        )
+    }
+}
+
+/// [`matmul_indexed`] on the tiled f32 kernel whatever the device offers.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_indexed_tiled(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     x: &wgpu::Buffer,
@@ -341,5 +381,6 @@ pub fn matmul_indexed(
             [row_tiles, slots, 1],
         );
     }
+    gpu.note_matmul(MatmulPath::Tiled);
     Ok(())
 }

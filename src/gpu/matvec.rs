@@ -86,6 +86,10 @@ pub struct MatvecOpts {
     /// [`matvec_indexed_q8x`]) for the weight types that have one ([`int8_x_supported`]); other
     /// types and the tiled matmuls ignore it. Off by default: it adds x's int8 rounding error.
     pub int8_x: bool,
+    /// Many-token products stay in f32 (the tiled kernel, never the f16 matrix path): for
+    /// products that feed a discrete choice (router top-k, DeepSeek's indexer and
+    /// hyper-connection mixes), where f16 rounding flips near-ties and with them the output.
+    pub exact: bool,
 }
 
 /// Decode-kernel choices a model passes down to its products; the default is the f32-x path.

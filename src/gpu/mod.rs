@@ -9,6 +9,7 @@ mod pipeline;
 pub mod attention;
 pub mod compress;
 pub mod conv;
+pub mod coopmat;
 pub mod elementwise;
 pub mod embed;
 pub mod gdn;
@@ -23,7 +24,9 @@ pub mod softmax;
 pub mod topk;
 
 pub use buffer::{GpuTensor, TensorPart};
-pub use device::{list_adapters, AdapterChoice, Gpu};
+pub use device::{
+    coop_supported, list_adapters, matmul_paths, AdapterChoice, Gpu, MatmulChoice, MatmulPath,
+};
 pub use pass::{grid, Binding, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec};
 
@@ -46,5 +49,6 @@ pub const SHADERS: &[(&str, &str)] = &[
     ("softmax", include_str!("../../shaders/softmax.wgsl")),
     ("topk", include_str!("../../shaders/topk.wgsl")),
     ("matmul", matmul::SRC),
+    ("matmul_coop", coopmat::SRC),
     ("matvec", matvec::SRC),
 ];

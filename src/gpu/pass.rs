@@ -39,7 +39,8 @@ enum Op {
         pipeline: Arc<wgpu::ComputePipeline>,
         label: String,
         uniform: (u64, u64),
-        bindings: Vec<Binding>,
+        /// (binding number, buffer range)
+        bindings: Vec<(u32, Binding)>,
         groups: [u32; 3],
     },
     Copy {
@@ -106,6 +107,21 @@ impl<'g> Pass<'g> {
         bindings: &[Binding],
         groups: [u32; 3],
     ) {
+        let slots: Vec<(u32, Binding)> = (1..).zip(bindings.iter().cloned()).collect();
+        self.dispatch_slots(pipeline, label, params, slots, groups);
+    }
+
+    /// [`Pass::dispatch`] with explicit binding numbers, for kernels compiled from a family
+    /// file whose entry points each read a different subset of its bindings (wgpu derives
+    /// each pipeline's layout from what its entry point uses).
+    pub fn dispatch_slots<P: bytemuck::Pod>(
+        &mut self,
+        pipeline: &Arc<wgpu::ComputePipeline>,
+        label: &str,
+        params: &P,
+        bindings: Vec<(u32, Binding)>,
+        groups: [u32; 3],
+    ) {
         let bytes = bytemuck::bytes_of(params);
         let off = (self.uniforms.len() as u64).next_multiple_of(self.align);
         self.uniforms.resize(off as usize, 0);
@@ -117,7 +133,7 @@ impl<'g> Pass<'g> {
             pipeline: pipeline.clone(),
             label: label.to_string(),
             uniform: (off, len),
-            bindings: bindings.to_vec(),
+            bindings,
             groups,
         });
     }
@@ -232,9 +248,9 @@ impl<'g> Pass<'g> {
                             size: std::num::NonZeroU64::new(uniform.1),
                         }),
                     });
-                    for (i, b) in bindings.iter().enumerate() {
+                    for (slot, b) in bindings.iter() {
                         entries.push(wgpu::BindGroupEntry {
-                            binding: i as u32 + 1,
+                            binding: *slot,
                             resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                                 buffer: &b.buffer,
                                 offset: b.offset,

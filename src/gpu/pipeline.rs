@@ -48,9 +48,17 @@ fn truthy(defs: &[(String, String)], name: &str) -> bool {
         .is_some_and(|(_, v)| v != "0" && v != "false")
 }
 
-/// Expand `#if/#ifdef/#ifndef/#else/#endif` and prepend the defines as WGSL consts.
+/// Expand `#if/#ifdef/#ifndef/#else/#endif` and prepend the defines as WGSL consts. `enable`
+/// directives go first wherever a file appended to another declares them (WGSL wants them
+/// before any declaration).
 pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<String, String> {
     let mut out = String::with_capacity(src.len() + 256);
+    for line in src.lines() {
+        if line.starts_with("enable ") {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
     for (n, v) in defs {
         // Booleans are flags for `#if`, not consts (they would be unused and shadow nothing).
         if v != "true" && v != "false" {
@@ -95,7 +103,7 @@ pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<S
             out.push('\n');
             continue;
         }
-        if active(&stack) {
+        if active(&stack) && !line.starts_with("enable ") {
             out.push_str(line);
         }
         out.push('\n');

@@ -556,7 +556,7 @@ impl GpuModel {
         let width = hp.hc * hp.n_embd;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let st = &seq.layers[l];
-            self.linear(&mut pass, &lw.hc_attn.fn_, &sc.x, &sc.mixes, nt)?;
+            self.linear_exact(&mut pass, &lw.hc_attn.fn_, &sc.x, &sc.mixes, nt)?;
             let hw = HcWeights {
                 base: &lw.hc_attn.base,
                 scale: &lw.hc_attn.scale,
@@ -568,7 +568,7 @@ impl GpuModel {
             trace_point!("attn_out", l, &sc.blk, hp.n_embd);
             hc::post(&mut pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
 
-            self.linear(&mut pass, &lw.hc_ffn.fn_, &sc.x, &sc.mixes, nt)?;
+            self.linear_exact(&mut pass, &lw.hc_ffn.fn_, &sc.x, &sc.mixes, nt)?;
             let hw = HcWeights {
                 base: &lw.hc_ffn.base,
                 scale: &lw.hc_ffn.scale,
@@ -591,7 +591,7 @@ impl GpuModel {
             // Head fold (sigmoid gate only) and the final norm, then the head for the
             // wanted rows, in chunks the logits buffer holds.
             let hh = &self.w.hc_head;
-            self.linear(&mut pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
+            self.linear_exact(&mut pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
             let hw = HcWeights {
                 base: &hh.base,
                 scale: &hh.scale,
@@ -662,6 +662,24 @@ impl GpuModel {
         matmul::matmul(pass, w, x, 0, y, 0, n)
     }
 
+    /// [`Self::linear`] in f32 whatever the device's product path: for the products that feed
+    /// a discrete choice (router, indexer top-k) or the Sinkhorn-normalised hyper-connection
+    /// mixes (see [`MatvecOpts::exact`]).
+    fn linear_exact(
+        &self,
+        pass: &mut Pass<'_>,
+        w: &GpuTensor,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+    ) -> Result<()> {
+        let opts = MatvecOpts {
+            exact: true,
+            ..Default::default()
+        };
+        matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
+    }
+
     /// Append the chunk's rows to a compressor and pool the windows it completes into
     /// `out` rows of d at `out_off` (relative to the chunk's first completed window).
     /// Returns (first window, windows).
@@ -680,8 +698,10 @@ impl GpuModel {
         let sc = &self.scratch;
         let s = cs.shape;
         let w = s.width();
+        // f32 products: the indexer's compressed keys decide its top-k (see MatvecOpts::exact)
         let opts = MatvecOpts {
             y_stride: 2 * w,
+            exact: true,
             ..Default::default()
         };
         matmul::matmul_opts(pass, &c.wkv, &sc.h, 0, &sc.cmp, 0, n, &opts)?;
@@ -820,7 +840,7 @@ impl GpuModel {
             let off = (pos0 / ratio) as u32 * d;
             self.compress(pass, &ix.cmp, is, table, n, pos0, &is.cache, off)?;
             let nih = hp.n_ix_head as u32;
-            self.linear(pass, &ix.wq_b, &sc.qr, &sc.ixq, n)?;
+            self.linear_exact(pass, &ix.wq_b, &sc.qr, &sc.ixq, n)?;
             rope::rope_interleaved(
                 pass,
                 &RopeView::packed(&sc.ixq, 0, n, nih, d),
@@ -828,7 +848,7 @@ impl GpuModel {
                 Positions::From(p0),
                 false,
             )?;
-            self.linear(pass, &ix.proj, &sc.h, &sc.ixw, n)?;
+            self.linear_exact(pass, &ix.proj, &sc.h, &sc.ixw, n)?;
             let ish = IndexerShape {
                 n_head: nih,
                 d,
@@ -954,7 +974,7 @@ impl GpuModel {
         let sc = &self.scratch;
         let e = hp.n_embd as u32;
         let (ne, k, ff) = (hp.n_expert as u32, hp.n_used as u32, hp.n_ff_exp as u32);
-        self.linear(pass, &m.router, &sc.h, &sc.router, n)?;
+        self.linear_exact(pass, &m.router, &sc.h, &sc.router, n)?;
         let select = match &m.tid2eid {
             Some(table) => Select::Hash {
                 table,

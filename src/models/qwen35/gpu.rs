@@ -27,8 +27,10 @@ use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
 use std::sync::{Arc, Mutex};
 
-/// Tokens per prefill pass: activations are sized for this many rows.
-pub const DEFAULT_BATCH: usize = 256;
+/// Tokens per prefill pass: activations are sized for this many rows. 512 as llama.cpp's
+/// micro-batch: the matrix kernels fill an H200 only from ~512 tokens (4096x12288 Q4_K on the
+/// cooperative-matrix path: 49 TFLOP/s at 256 tokens, 71 at 512).
+pub const DEFAULT_BATCH: usize = 512;
 
 /// Activation buffers, sized once for `rows` tokens per pass (f32 unless said).
 struct Scratch {
@@ -174,8 +176,22 @@ pub struct ProjSet {
 impl ProjSet {
     /// `proj[t, :] = [W_g x_t for each group g]` for the `n` rows of `x` ([n, cols] packed).
     fn run(&self, pass: &mut Pass<'_>, x: &wgpu::Buffer, y: &wgpu::Buffer, n: u32) -> Result<()> {
+        self.run_opts(pass, x, y, n, false)
+    }
+
+    /// [`ProjSet::run`]; `exact`: f32 products (a set holding the MoE router, whose top-k
+    /// f16 rounding would flip; see [`MatvecOpts::exact`]).
+    fn run_opts(
+        &self,
+        pass: &mut Pass<'_>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+        exact: bool,
+    ) -> Result<()> {
         let opts = MatvecOpts {
             y_stride: self.width,
+            exact,
             ..Default::default()
         };
         for (w, col) in &self.groups {
@@ -1172,7 +1188,7 @@ impl GpuModel {
         // Router logits and the shared expert's gate, up and gate input: one product per
         // stored type, into columns of `proj` (see `ProjSet`).
         let set = self.set(&self.w.layers[l].ffn_set);
-        set.run(pass, &sc.h, &sc.proj, n)?;
+        set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
         topk::router_softmax_topk(
             pass,
             n,
@@ -1253,7 +1269,7 @@ impl GpuModel {
                 // Router logits and the shared expert's gate, up and gate input: one product
                 // per stored type, into columns of `proj` (see `ProjSet`).
                 let set = self.set(&self.w.layers[l].ffn_set);
-                set.run(pass, &sc.h, &sc.proj, n)?;
+                set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
                 topk::router_softmax_topk(
                     pass,
                     n,

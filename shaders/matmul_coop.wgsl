@@ -1,0 +1,459 @@
+// Prefill products on the matrix units: Y[t][row] = sum_c W[row][c] X[t][c] with cooperative
+// matrices (16x16x16, f16 inputs, f32 accumulators; VK_KHR_cooperative_matrix through wgpu's
+// `wgpu_cooperative_matrix` extension). Compiled appended to matvec.wgsl (bindings, Params, the
+// chunk decoders `chunk_w` / `xmap`, `gather_x`); the `enable` lines below are hoisted to the top
+// by the preprocessor (src/gpu/pipeline.rs).
+//
+// Two kernels per product:
+// - `coop_x` stages X as f16 in the chunk order of the weights (chunk c occupies halves
+//   32c..32c+32, the 4 values of chunk_w's vec4 j at 4j: the same permutation the tiled kernel
+//   gathers with `xmap`), one row per token (or, for MoE, per (token, slot) pair in the route's
+//   grouped order). Each row is scaled by a power of two that puts its largest magnitude in
+//   [2^14, 2^15): f16's range (65504) cannot overflow and small rows keep f16's full precision;
+//   the product is scaled back exactly in the epilogue. With SPLIT the rounding remainder goes
+//   to a second f16 row (x = hi + lo to ~22 bits), used for float weights, which f16 holds
+//   exactly (F16, BF16 up to its range), so those products keep f32-level accuracy.
+// - `matmul_coop` / `matmul_coop_id`: a workgroup of NSG subgroups of 32 computes CBM rows x CBN
+//   tokens, each subgroup 64 rows x 16 * TT tokens (4 x 2 fragments; 4 x 4 measured slower on
+//   the H200: one workgroup per multiprocessor for its registers). Per step of 64 weights (two chunks) every thread decodes one chunk of one row into
+//   workgroup memory as f16 (Wh, [row][k], rows padded to CKP halves against bank conflicts;
+//   two buffers, so the next step is staged while this one multiplies);
+//   each subgroup then multiplies its 64 rows x 16*TT tokens with A fragments loaded straight
+//   from the staged X (L2-resident) and B fragments from Wh. Results leave through a per-
+//   subgroup 16x16 f32 tile in workgroup memory, so the epilogue (scale, accumulate, MoE
+//   scatter, bounds) is the tiled kernel's.
+//
+// Kernel-lab variants (`bench_kernels --variant`, never compiled otherwise): LAB_NODECODE skips
+// the weight staging, LAB_NOMMA the products, so the two parts of a step can be timed apart.
+//
+// Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB + 1 KiB of token tables.
+enable f16;
+enable wgpu_cooperative_matrix;
+
+#ifndef CBN
+const CBN = 128u;    // tokens per workgroup: 128 (dense), 64 (MoE, the route's tile)
+const TT = 2u;       // token fragments per subgroup (CBN / 64; flag TT2: 2)
+#endif
+#ifndef NSG
+const NSG = 8u;      // subgroups of 32 lanes per workgroup: 8, or 4 for products too small
+                     // to fill the GPU with 128-row tiles
+#endif
+const CWG = 32u * NSG;
+const CBM = 16u * NSG; // rows per workgroup: NSG / 4 subgroups x 4 fragments of 16
+const CK = 64u;      // weights per step (two chunks)
+const CKP = 72u;     // halves per staged weight row (64 + 8 of padding)
+const CNONE = 0xffffffffu;
+
+// coop_x: X (binding 3) -> XO (f16 pairs), XLO (SPLIT), SO (the inverse row scales)
+@group(0) @binding(9) var<storage, read_write> XO: array<vec2<u32>>;
+@group(0) @binding(10) var<storage, read_write> SO: array<f32>;
+#if SPLIT
+@group(0) @binding(11) var<storage, read_write> XLO: array<vec2<u32>>;
+#endif
+
+// matmul_coop: the staged rows as f16, row stride p.cols_pad halves; their scales
+@group(0) @binding(7) var<storage, read> XH: array<f16>;
+@group(0) @binding(8) var<storage, read> SC: array<f32>;
+#if SPLIT
+@group(0) @binding(12) var<storage, read> XL: array<f16>;
+#endif
+
+var<workgroup> xmax: array<f32, 64>;
+
+// halves per staged row: chunks rounded up to whole steps
+fn staged_halves() -> u32 {
+    return ((p.n_chunks + 1u) / 2u) * CK;
+}
+
+fn pack4h(v: vec4<f32>) -> vec2<u32> {
+    return vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
+}
+
+// grid: one workgroup of 64 per staged row g (wid.x + wid.y * nwg.x); p.n_tokens rows. The x row
+// of g: token g (dense) or, with ID, the pair at position g of the route's grouped list.
+@compute @workgroup_size(64)
+fn coop_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    if (g >= p.n_tokens) {
+        return;
+    }
+#if ID
+    let q = IDX[p.pairs_off + g];
+    let xq = select(q / p.n_used, q, p.x_per_pair != 0u);
+#else
+    let xq = g;
+#endif
+    let xrow = p.x_off + xq * p.x_stride;
+    var m = 0.0;
+    for (var e = lid; e < p.cols; e += 64u) {
+        m = max(m, abs(x1(xrow + e)));
+    }
+    xmax[lid] = m;
+    workgroupBarrier();
+    for (var h = 32u; h > 0u; h >>= 1u) {
+        if (lid < h) {
+            xmax[lid] = max(xmax[lid], xmax[lid + h]);
+        }
+        workgroupBarrier();
+    }
+    let amax = xmax[0];
+    // amax = f * 2^ex with f in [0.5, 1): scale by 2^(15 - ex); 0, inf and NaN rows stay as
+    // they are (an f32 product would give inf / NaN too)
+    var ex = 15;
+    if (amax > 0.0 && amax <= 3.4e38) {
+        ex = frexp(amax).exp;
+    }
+    let s = ldexp(1.0, 15 - ex);
+    let halves = staged_halves();
+    let ob = g * (halves / 4u);
+    for (var u = lid; u < halves / 4u; u += 64u) {
+        let c = u / 8u;
+        let j = u % 8u;
+        var v = vec4<f32>(0.0);
+        if (c < p.n_chunks) {
+            v = gather_x(xrow, c / CPB, c % CPB, j) * s;
+        }
+#if SPLIT
+        // hi keeps the top 11 significant bits by truncation (exact in f16 for the scaled
+        // range), so v - hi is exact and needs ~13 bits: bit operations, which no compiler
+        // folds away as it may fold an f32 -> f16 -> f32 round trip
+        let hv = bitcast<vec4<f32>>(bitcast<vec4<u32>>(v) & vec4<u32>(0xffffe000u));
+        XO[ob + u] = pack4h(hv);
+        XLO[ob + u] = pack4h(v - hv);
+#else
+        XO[ob + u] = pack4h(v);
+#endif
+    }
+    if (lid == 0u) {
+        SO[g] = ldexp(1.0, ex - 15);
+    }
+}
+
+var<workgroup> Wh: array<f16, 2u * CBM * CKP>;  // two buffers of [CBM rows][CKP]
+var<workgroup> Cs: array<f32, 256u * NSG>;      // [subgroup][16 tokens][16 rows]
+var<workgroup> cty: array<u32, CBN>;   // y element of tile token n's row 0, CNONE if absent
+var<workgroup> cts: array<f32, CBN>;   // its inverse x scale
+
+// chunk c of the row at byte rb (clamped into the part) into row m of Wh buffer wb, halves 32h..
+fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
+    let base = wb + m * CKP + 32u * h;
+#if LAB_NODECODE
+    return;
+#endif
+    if (c >= p.n_chunks) {
+        for (var i = 0u; i < 32u; i++) {
+            Wh[base + i] = f16(0.0);
+        }
+        return;
+    }
+    let blk = c / CPB;
+    let s = c % CPB;
+#if FLOAT
+    if (slow_chunk(blk)) {
+        for (var j = 0u; j < 8u; j++) {
+            for (var i = 0u; i < 4u; i++) {
+                let e = blk * BS + xmap(s, j) + i;
+                var v = 0.0;
+                if (e < p.cols) {
+                    v = welem(rb, e);
+                }
+                Wh[base + 4u * j + i] = f16(v);
+            }
+        }
+        return;
+    }
+#endif
+    let w = chunk_w(rb + blk * BB, s);
+    for (var j = 0u; j < 8u; j++) {
+        let v = vec4<f16>(w[j]);
+        Wh[base + 4u * j] = v.x;
+        Wh[base + 4u * j + 1u] = v.y;
+        Wh[base + 4u * j + 2u] = v.z;
+        Wh[base + 4u * j + 3u] = v.w;
+    }
+}
+
+// Tile token n of this subgroup's fragment tf, rows of fragment rf: scale, bounds, store.
+fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
+    coopStoreT(c, &Cs[sg * 256u], 16u);
+    workgroupBarrier();
+    for (var u = 0u; u < 8u; u++) {
+        let i = lane + 32u * u;
+        let n = n0 + i / 16u;
+        let row = r0 + i % 16u;
+        let yb = cty[n];
+        if (yb != CNONE && row < p.rows) {
+            let v = Cs[sg * 256u + i] * cts[n];
+            if (p.accumulate != 0u) {
+                Y[yb + row] += v;
+            } else {
+                Y[yb + row] = v;
+            }
+        }
+    }
+    workgroupBarrier();
+}
+
+// The tile: rows row_base.. of the expert at byte wbase, staged X rows g0.. Fragments of
+// tokens past the valid ones are computed all the same (naga requires cooperative operations in
+// uniform control flow, and a per-subgroup skip is not uniform); the epilogue drops them.
+// Per step, a subgroup stages the next step's weights, then multiplies: four k sub-steps written
+// out (loading all of a step's A fragments first measured no faster on the H200, and spilled
+// registers with the split activations).
+fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
+    // subgroup sg: rows 64 * (sg % (NSG / 4)).., tokens 16 * TT * (sg / (NSG / 4))..
+    let sr = 64u * (sg % (NSG / 4u));
+    let st = 16u * TT * (sg / (NSG / 4u));
+    let halves = staged_halves();
+    let xa = (g0 + st) * halves;
+    var c00: coop_mat16x16<f32, C>;
+    var c01: coop_mat16x16<f32, C>;
+    var c02: coop_mat16x16<f32, C>;
+    var c03: coop_mat16x16<f32, C>;
+#if TT2
+    var c10: coop_mat16x16<f32, C>;
+    var c11: coop_mat16x16<f32, C>;
+    var c12: coop_mat16x16<f32, C>;
+    var c13: coop_mat16x16<f32, C>;
+#endif
+    // staging role: chunk half lid / CBM of row lid % CBM
+    let m = lid % CBM;
+    let h = lid / CBM;
+    let rb = wbase + min(row_base + m, p.rows - 1u) * p.row_bytes;
+    let n_steps = halves / CK;
+    // double buffering: step s multiplies buffer s % 2 while step s + 1 is staged into the
+    // other, one barrier per step
+    stage_chunk(rb, h, m, h, 0u);
+    workgroupBarrier();
+    for (var step = 0u; step < n_steps; step++) {
+        let cur = (step % 2u) * CBM * CKP;
+        let kx = xa + step * CK;
+        if (step + 1u < n_steps) {
+            stage_chunk(rb, 2u * step + 2u + h, m, h, CBM * CKP - cur);
+        }
+#ifndef LAB_NOMMA
+        {
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 0u], CKP);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 0u], CKP);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 0u], CKP);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 0u], CKP);
+            let a00 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 0u], halves);
+#if SPLIT
+            let l00 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 0u], halves);
+#endif
+#if TT2
+            let a10 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 0u + 16u * halves], halves);
+#if SPLIT
+            let l10 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 0u + 16u * halves], halves);
+#endif
+#endif
+            c00 = coopMultiplyAdd(a00, b0, c00);
+            c01 = coopMultiplyAdd(a00, b1, c01);
+            c02 = coopMultiplyAdd(a00, b2, c02);
+            c03 = coopMultiplyAdd(a00, b3, c03);
+#if SPLIT
+            c00 = coopMultiplyAdd(l00, b0, c00);
+            c01 = coopMultiplyAdd(l00, b1, c01);
+            c02 = coopMultiplyAdd(l00, b2, c02);
+            c03 = coopMultiplyAdd(l00, b3, c03);
+#endif
+#if TT2
+            c10 = coopMultiplyAdd(a10, b0, c10);
+            c11 = coopMultiplyAdd(a10, b1, c11);
+            c12 = coopMultiplyAdd(a10, b2, c12);
+            c13 = coopMultiplyAdd(a10, b3, c13);
+#if SPLIT
+            c10 = coopMultiplyAdd(l10, b0, c10);
+            c11 = coopMultiplyAdd(l10, b1, c11);
+            c12 = coopMultiplyAdd(l10, b2, c12);
+            c13 = coopMultiplyAdd(l10, b3, c13);
+#endif
+#endif
+        }
+        {
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 16u], CKP);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 16u], CKP);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 16u], CKP);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 16u], CKP);
+            let a01 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 16u], halves);
+#if SPLIT
+            let l01 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 16u], halves);
+#endif
+#if TT2
+            let a11 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 16u + 16u * halves], halves);
+#if SPLIT
+            let l11 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 16u + 16u * halves], halves);
+#endif
+#endif
+            c00 = coopMultiplyAdd(a01, b0, c00);
+            c01 = coopMultiplyAdd(a01, b1, c01);
+            c02 = coopMultiplyAdd(a01, b2, c02);
+            c03 = coopMultiplyAdd(a01, b3, c03);
+#if SPLIT
+            c00 = coopMultiplyAdd(l01, b0, c00);
+            c01 = coopMultiplyAdd(l01, b1, c01);
+            c02 = coopMultiplyAdd(l01, b2, c02);
+            c03 = coopMultiplyAdd(l01, b3, c03);
+#endif
+#if TT2
+            c10 = coopMultiplyAdd(a11, b0, c10);
+            c11 = coopMultiplyAdd(a11, b1, c11);
+            c12 = coopMultiplyAdd(a11, b2, c12);
+            c13 = coopMultiplyAdd(a11, b3, c13);
+#if SPLIT
+            c10 = coopMultiplyAdd(l11, b0, c10);
+            c11 = coopMultiplyAdd(l11, b1, c11);
+            c12 = coopMultiplyAdd(l11, b2, c12);
+            c13 = coopMultiplyAdd(l11, b3, c13);
+#endif
+#endif
+        }
+        {
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 32u], CKP);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 32u], CKP);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 32u], CKP);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 32u], CKP);
+            let a02 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 32u], halves);
+#if SPLIT
+            let l02 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 32u], halves);
+#endif
+#if TT2
+            let a12 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 32u + 16u * halves], halves);
+#if SPLIT
+            let l12 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 32u + 16u * halves], halves);
+#endif
+#endif
+            c00 = coopMultiplyAdd(a02, b0, c00);
+            c01 = coopMultiplyAdd(a02, b1, c01);
+            c02 = coopMultiplyAdd(a02, b2, c02);
+            c03 = coopMultiplyAdd(a02, b3, c03);
+#if SPLIT
+            c00 = coopMultiplyAdd(l02, b0, c00);
+            c01 = coopMultiplyAdd(l02, b1, c01);
+            c02 = coopMultiplyAdd(l02, b2, c02);
+            c03 = coopMultiplyAdd(l02, b3, c03);
+#endif
+#if TT2
+            c10 = coopMultiplyAdd(a12, b0, c10);
+            c11 = coopMultiplyAdd(a12, b1, c11);
+            c12 = coopMultiplyAdd(a12, b2, c12);
+            c13 = coopMultiplyAdd(a12, b3, c13);
+#if SPLIT
+            c10 = coopMultiplyAdd(l12, b0, c10);
+            c11 = coopMultiplyAdd(l12, b1, c11);
+            c12 = coopMultiplyAdd(l12, b2, c12);
+            c13 = coopMultiplyAdd(l12, b3, c13);
+#endif
+#endif
+        }
+        {
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 48u], CKP);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 48u], CKP);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 48u], CKP);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 48u], CKP);
+            let a03 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 48u], halves);
+#if SPLIT
+            let l03 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 48u], halves);
+#endif
+#if TT2
+            let a13 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 48u + 16u * halves], halves);
+#if SPLIT
+            let l13 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 48u + 16u * halves], halves);
+#endif
+#endif
+            c00 = coopMultiplyAdd(a03, b0, c00);
+            c01 = coopMultiplyAdd(a03, b1, c01);
+            c02 = coopMultiplyAdd(a03, b2, c02);
+            c03 = coopMultiplyAdd(a03, b3, c03);
+#if SPLIT
+            c00 = coopMultiplyAdd(l03, b0, c00);
+            c01 = coopMultiplyAdd(l03, b1, c01);
+            c02 = coopMultiplyAdd(l03, b2, c02);
+            c03 = coopMultiplyAdd(l03, b3, c03);
+#endif
+#if TT2
+            c10 = coopMultiplyAdd(a13, b0, c10);
+            c11 = coopMultiplyAdd(a13, b1, c11);
+            c12 = coopMultiplyAdd(a13, b2, c12);
+            c13 = coopMultiplyAdd(a13, b3, c13);
+#if SPLIT
+            c10 = coopMultiplyAdd(l13, b0, c10);
+            c11 = coopMultiplyAdd(l13, b1, c11);
+            c12 = coopMultiplyAdd(l13, b2, c12);
+            c13 = coopMultiplyAdd(l13, b3, c13);
+#endif
+#endif
+        }
+#endif
+        workgroupBarrier();
+    }
+    let r = row_base + sr;
+    coop_out(c00, sg, lane, st, r);
+    coop_out(c01, sg, lane, st, r + 16u);
+    coop_out(c02, sg, lane, st, r + 32u);
+    coop_out(c03, sg, lane, st, r + 48u);
+#if TT2
+    coop_out(c10, sg, lane, st + 16u, r);
+    coop_out(c11, sg, lane, st + 16u, r + 16u);
+    coop_out(c12, sg, lane, st + 16u, r + 32u);
+    coop_out(c13, sg, lane, st + 16u, r + 48u);
+#endif
+}
+
+#if ID
+// MoE over the route of matmul.wgsl (tiles of CBN = 64 pairs): tile slot wid.y = (expert e,
+// tile j), staged rows start[e] + 64j.. (coop_x staged the pairs in the route's grouped order).
+@compute @workgroup_size(CWG)
+fn matmul_coop_id(@builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32,
+                  @builtin(subgroup_id) sg: u32,
+                  @builtin(subgroup_invocation_id) lane: u32) {
+    let ne = p.n_expert;
+    if (wid.y >= IDX[0] || no_rows()) {
+        return;
+    }
+    let tv = IDX[p.tiles_off + wid.y];
+    let e = tv >> 16u;
+    let j = tv & 0xffffu;
+    if (e < p.e_lo || e - p.e_lo >= p.e_n) {
+        return;
+    }
+    let cnt = IDX[1u + e];
+    let g0 = IDX[1u + ne + e] + j * CBN;
+    if (lid < CBN) {
+        let idx = j * CBN + lid;
+        var yb = CNONE;
+        var sc = 0.0;
+        if (idx < cnt) {
+            let q = IDX[p.pairs_off + g0 + lid];
+            yb = p.y_off + q * p.y_stride;
+            sc = SC[g0 + lid];
+        }
+        cty[lid] = yb;
+        cts[lid] = sc;
+    }
+    workgroupBarrier();
+    coop_tile(lid, sg, lane, wid.x * CBM, (e - p.e_lo) * p.expert_bytes, g0);
+}
+#else
+// Dense: grid x = row tile, y = token tile.
+@compute @workgroup_size(CWG)
+fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32,
+               @builtin(subgroup_id) sg: u32,
+               @builtin(subgroup_invocation_id) lane: u32) {
+    if (no_rows()) {
+        return;
+    }
+    let g0 = wid.y * CBN;
+    if (lid < CBN) {
+        let t = g0 + lid;
+        let ok = t < p.n_tokens;
+        cty[lid] = select(CNONE, p.y_off + t * p.y_stride, ok);
+        cts[lid] = select(0.0, SC[min(t, p.n_tokens - 1u)], ok);
+    }
+    workgroupBarrier();
+    coop_tile(lid, sg, lane, wid.x * CBM, 0u, g0);
+}
+#endif

@@ -1,0 +1,408 @@
+//! Products of many tokens on the matrix units (`shaders/matmul_coop.wgsl`, compiled after
+//! `matvec.wgsl`): cooperative matrices of 16x16x16 with f16 inputs and f32 accumulation, for
+//! every stored type but F32. Same contract as the tiled kernels of [`super::matmul`]: dense
+//! `Y[t, r] (=|+=) Σ_c W[r, c] X[t, c]` and the MoE form over a [`MoeRoute`].
+//!
+//! Each product is two dispatches: `coop_x` stages X as f16 rows (a power-of-two scale per row,
+//! so no value overflows f16 and the scale leaves the result exactly), then the matrix kernel.
+//! Numerics: weights round to f16 once (quantized blocks, FP8 blocks: relative 2^-11 at most;
+//! F16 and BF16 weights are exact in f16), activations round to f16, or, for F16/BF16 weights,
+//! split into two f16 parts whose sum holds ~22 bits, so float weights keep f32-level products.
+//! F32 weights stay on the tiled f32 kernel: f16 would round every weight.
+//!
+//! Staging lives in device scratch buffers (`Gpu::scratch`): X as f16,
+//! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,
+//! halves]`: a tile reads 128 rows from its first); one f32 scale per row.
+
+use super::matmul::MoeRoute;
+use super::matvec::{check_span, x_vec, Geometry, MatvecOpts};
+use super::{grid, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
+use crate::dtype::DType;
+use crate::{Error, Result};
+use std::sync::Arc;
+
+pub(crate) const SRC: &str = concat!(
+    include_str!("../../shaders/matvec.wgsl"),
+    include_str!("../../shaders/matmul_coop.wgsl")
+);
+
+/// Subgroups per workgroup (`NSG`): 8 (128 rows per workgroup), or 4 (64 rows) when 128-row
+/// tiles would leave the GPU short of workgroups.
+const NSG_BIG: u32 = 8;
+const NSG_SMALL: u32 = 4;
+/// Workgroups of 128-row tiles below which a dense product takes 64-row tiles: two per
+/// multiprocessor of an H200 (132), so 4096-row products at 256 tokens (64 big tiles) run on
+/// every multiprocessor.
+const FILL: u32 = 256;
+
+/// Rows per workgroup of `nsg` subgroups (`CBM`).
+fn cbm(nsg: u32) -> u32 {
+    16 * nsg
+}
+/// Tokens per workgroup of the dense kernel (`CBN`); the MoE kernel takes the route's tiles of
+/// [`super::matmul`]'s 64 pairs.
+const CBN_DENSE: u32 = 128;
+const CBN_ID: u32 = 64;
+/// Staged rows read past the last valid one: a tile reads CBN rows from its first.
+const ROW_PAD: u32 = CBN_DENSE;
+
+/// Whether products of `dtype` weights run on the matrix units of `gpu`.
+pub fn usable(gpu: &Gpu, dtype: DType) -> bool {
+    gpu.matmul_path() == MatmulPath::Coop && dtype != DType::F32
+}
+
+/// F16 and BF16 weights are exact in f16: their products take the split (hi + lo) activations.
+fn split(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+}
+
+/// Staged activations of one product.
+struct Staged {
+    xh: wgpu::Buffer,
+    xl: Option<wgpu::Buffer>,
+    sc: wgpu::Buffer,
+}
+
+/// A kernel variant: the MoE form or not, tokens per workgroup (`CBN`), subgroups (`NSG`).
+#[derive(Clone, Copy)]
+struct Tile {
+    id: bool,
+    cbn: u32,
+    nsg: u32,
+}
+
+const MOE: Tile = Tile {
+    id: true,
+    cbn: CBN_ID,
+    nsg: NSG_BIG,
+};
+
+/// The dense tile (and the staging kernel's, which ignores the tile).
+const STAGE: Tile = Tile {
+    id: false,
+    cbn: CBN_DENSE,
+    nsg: NSG_BIG,
+};
+
+/// The pipeline variant of `entry` for weights of `geo`.
+fn spec(
+    geo: &Geometry,
+    entry: &'static str,
+    xvec: bool,
+    t: Tile,
+    extra: &[(&str, &str)],
+) -> PipelineSpec {
+    let slow = geo.misaligned();
+    let sp = split(geo.dtype);
+    let mut label = format!(
+        "{entry}_{}{}{}_n{}_g{}",
+        geo.label(xvec, slow),
+        if t.id { "_id" } else { "" },
+        if sp { "_split" } else { "" },
+        t.cbn,
+        t.nsg
+    );
+    for (n, v) in extra {
+        label += &format!("_{n}={v}");
+    }
+    let mut s = geo
+        .defines(PipelineSpec::new(label, SRC, entry), xvec, slow)
+        .define("CBN", format!("{}u", t.cbn))
+        .define("NSG", format!("{}u", t.nsg))
+        .define("TT", format!("{}u", t.cbn / 64))
+        .define("TT2", t.cbn == 128)
+        .define("SPLIT", sp)
+        .define("ID", t.id);
+    for (n, v) in extra {
+        s = s.define(n, v);
+    }
+    s
+}
+
+fn pipeline(
+    gpu: &Gpu,
+    geo: &Geometry,
+    entry: &'static str,
+    xvec: bool,
+    t: Tile,
+    extra: &[(&str, &str)],
+) -> Result<Arc<wgpu::ComputePipeline>> {
+    gpu.pipeline(&spec(geo, entry, xvec, t, extra))
+}
+
+/// Every variant a weight of `dtype` with rows of `cols` compiles (staging and product, dense
+/// and MoE, vector and scalar x), without a device: for the naga validation and translation
+/// test, since adapters without cooperative matrices (lavapipe in CI) never compile them.
+pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
+    let mut v = Vec::new();
+    for id in [false, true] {
+        let w = GpuTensor {
+            name: format!("{dtype} x {cols}"),
+            dtype,
+            shape: if id {
+                vec![4, 16, cols]
+            } else {
+                vec![16, cols]
+            },
+            parts: Vec::new(),
+        };
+        let geo = Geometry::of(&w, id)?;
+        for xvec in [false, true] {
+            v.push(spec(&geo, "coop_x", xvec, Tile { id, ..STAGE }, &[]));
+            if id {
+                v.push(spec(&geo, "matmul_coop_id", xvec, MOE, &[]));
+            } else {
+                for nsg in [NSG_BIG, NSG_SMALL] {
+                    v.push(spec(&geo, "matmul_coop", xvec, Tile { nsg, ..STAGE }, &[]));
+                }
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// Halves per staged row: the row's chunks rounded up to the kernel's steps of two.
+fn staged_halves(geo: &Geometry) -> u32 {
+    geo.n_items(false).div_ceil(2) * 64
+}
+
+/// Stage `n_rows` x rows as f16 (`coop_x`): rows `x_off + i * x_stride`, or with a route the
+/// pairs in its grouped order.
+#[allow(clippy::too_many_arguments)]
+fn stage(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    geo: &Geometry,
+    x: &wgpu::Buffer,
+    base: super::matvec::Params,
+    xvec: bool,
+    n_rows: u32,
+    route: Option<&MoeRoute>,
+) -> Result<Staged> {
+    let gpu = pass.gpu();
+    let halves = staged_halves(geo) as u64;
+    let rows = n_rows as u64 + ROW_PAD as u64;
+    let xh_bytes = rows * halves * 2;
+    if xh_bytes > gpu.max_binding() {
+        return Err(Error::Invalid(format!(
+            "{}: {n_rows} staged rows of {halves} halves exceed the binding limit",
+            w.name
+        )));
+    }
+    let xh = gpu.scratch("coop_xh", xh_bytes)?;
+    let xl = if split(geo.dtype) {
+        Some(gpu.scratch("coop_xl", xh_bytes)?)
+    } else {
+        None
+    };
+    let sc = gpu.scratch("coop_sc", rows * 4)?;
+    let t = Tile {
+        id: route.is_some(),
+        ..STAGE
+    };
+    let pipe = pipeline(gpu, geo, "coop_x", xvec, t, &[])?;
+    let mut prm = base;
+    prm.n_tokens = n_rows;
+    let mut slots = vec![
+        (3, Binding::from(x)),
+        (9, Binding::from(&xh)),
+        (10, Binding::from(&sc)),
+    ];
+    if let Some(xl) = &xl {
+        slots.push((11, Binding::from(xl)));
+    }
+    if let Some(r) = route {
+        slots.push((5, Binding::from(&r.buffer)));
+    }
+    pass.dispatch_slots(&pipe, &w.name, &prm, slots, grid(n_rows));
+    Ok(Staged { xh, xl, sc })
+}
+
+fn product_slots(part: &wgpu::Buffer, y: &wgpu::Buffer, st: &Staged) -> Vec<(u32, Binding)> {
+    let mut slots = vec![
+        (1, Binding::from(part)),
+        (2, Binding::from(part)),
+        (4, Binding::from(y)),
+        (7, Binding::from(&st.xh)),
+        (8, Binding::from(&st.sc)),
+    ];
+    if let Some(xl) = &st.xl {
+        slots.push((12, Binding::from(xl)));
+    }
+    slots
+}
+
+/// Dense `Y = X Wᵀ` for `n_tokens` tokens on the matrix units (see [`super::matmul::matmul`]
+/// for the layout; `opts`: accumulate and strides).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_coop(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, false)?;
+    if w.dtype == DType::F32 {
+        return Err(Error::Unsupported(format!(
+            "{}: F32 weights stay on the tiled kernel",
+            w.name
+        )));
+    }
+    if n_tokens == 0 || n_tokens.div_ceil(CBN_DENSE) > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: matmul of {n_tokens} tokens",
+            w.name
+        )));
+    }
+    let x_stride = if opts.x_stride == 0 {
+        geo.cols
+    } else {
+        opts.x_stride
+    };
+    let y_stride = if opts.y_stride == 0 {
+        geo.rows
+    } else {
+        opts.y_stride
+    };
+    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    let mut base = geo.params(geo.rows, false);
+    base.x_off = x_off;
+    base.x_stride = x_stride;
+    let st = stage(pass, w, &geo, x, base, xvec, n_tokens, None)?;
+    let token_tiles = n_tokens.div_ceil(CBN_DENSE);
+    let nsg = if geo.rows.div_ceil(cbm(NSG_BIG)) * token_tiles < FILL {
+        NSG_SMALL
+    } else {
+        NSG_BIG
+    };
+    let t = Tile { nsg, ..STAGE };
+    let pipe = pipeline(gpu, &geo, "matmul_coop", xvec, t, opts.defines)?;
+    for part in &w.parts {
+        let rows = part.n_rows as u32;
+        if rows.div_ceil(cbm(nsg)) > MAX_GROUPS {
+            return Err(Error::Invalid(format!(
+                "{}: {rows} rows in one part",
+                w.name
+            )));
+        }
+        let mut prm = geo.params(rows, false);
+        prm.y_off = y_off + part.row_start as u32;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.n_tokens = n_tokens;
+        pass.dispatch_slots(
+            &pipe,
+            &w.name,
+            &prm,
+            product_slots(&part.buffer, y, &st),
+            [rows.div_ceil(cbm(nsg)), token_tiles, 1],
+        );
+    }
+    gpu.note_matmul(MatmulPath::Coop);
+    Ok(())
+}
+
+/// MoE prefill on the matrix units over a route filled by [`super::matmul::route`]: the
+/// contract of [`super::matmul::matmul_indexed`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_coop_indexed(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_per_pair: bool,
+    r: &MoeRoute,
+    n_tokens: u32,
+    n_used: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, true)?;
+    if w.dtype == DType::F32 {
+        return Err(Error::Unsupported(format!(
+            "{}: F32 weights stay on the tiled kernel",
+            w.name
+        )));
+    }
+    if w.shape[0] != r.n_expert as u64 {
+        return Err(Error::Invalid(format!(
+            "{}: {} experts, route made for {}",
+            w.name, w.shape[0], r.n_expert
+        )));
+    }
+    let n_pairs = n_tokens as u64 * n_used as u64;
+    if n_pairs == 0 || n_pairs > r.max_pairs as u64 {
+        return Err(Error::Invalid(format!(
+            "{}: {n_tokens} tokens x {n_used} slots, route made for {} pairs",
+            w.name, r.max_pairs
+        )));
+    }
+    let n_pairs = n_pairs as u32;
+    let x_stride = if opts.x_stride == 0 {
+        geo.cols
+    } else {
+        opts.x_stride
+    };
+    let y_stride = if opts.y_stride == 0 {
+        geo.rows
+    } else {
+        opts.y_stride
+    };
+    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
+    let slots_n = r.max_tiles(n_pairs);
+    let row_tiles = geo.rows.div_ceil(cbm(NSG_BIG));
+    if slots_n > MAX_GROUPS || row_tiles > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: grid of {row_tiles} x {slots_n} tiles",
+            w.name
+        )));
+    }
+    let xvec = x_vec(x, x_off, x_stride, x_rows);
+    let mut base = geo.params(geo.rows, false);
+    base.x_off = x_off;
+    base.x_stride = x_stride;
+    base.n_used = n_used;
+    base.x_per_pair = x_per_pair as u32;
+    base.pairs_off = r.pairs_off();
+    let st = stage(pass, w, &geo, x, base, xvec, n_pairs, Some(r))?;
+    let pipe = pipeline(gpu, &geo, "matmul_coop_id", xvec, MOE, opts.defines)?;
+    let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
+    for part in &w.parts {
+        let e_lo = part.row_start / geo.rows as u64;
+        let e_n = part.n_rows / geo.rows as u64;
+        if e_lo + e_n > r.n_expert as u64 || expert_bytes * e_n > part.buffer.size() {
+            return Err(Error::Invalid(format!(
+                "{}: part does not hold whole experts",
+                w.name
+            )));
+        }
+        let mut prm = geo.params(geo.rows, false);
+        prm.y_off = y_off;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.n_used = n_used;
+        prm.e_lo = e_lo as u32;
+        prm.e_n = e_n as u32;
+        prm.expert_bytes = expert_bytes as u32;
+        prm.n_tokens = n_pairs;
+        prm.n_expert = r.n_expert;
+        prm.tiles_off = r.tiles_off();
+        prm.pairs_off = r.pairs_off();
+        let mut slots = product_slots(&part.buffer, y, &st);
+        slots.push((5, Binding::from(&r.buffer)));
+        pass.dispatch_slots(&pipe, &w.name, &prm, slots, [row_tiles, slots_n, 1]);
+    }
+    gpu.note_matmul(MatmulPath::Coop);
+    Ok(())
+}

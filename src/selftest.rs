@@ -1,0 +1,500 @@
+//! `lathe selftest`: the product kernels against their CPU reference on whatever adapter lathe
+//! finds, for users with an unusual GPU or driver and for kernels that CI's lavapipe cannot run
+//! (the cooperative-matrix path).
+//!
+//! Each check makes a weight by quantizing random normals (`quant::quantize`), uploads it, runs
+//! one kernel path and compares every output (a sample of them for the real sizes of `--full`)
+//! with `Σ_c deq(w)_rc x_c` in f64 from the dequantized weights (`quant::dequantize_to_vec`).
+//! Outputs land between guard elements that must keep their sentinel.
+//!
+//! Bounds, per output with `a = Σ_c |w_rc x_c|`:
+//! - f32 paths (matvec, tiled, and the matrix path for F16/BF16 weights with split
+//!   activations): `1e-4 · (1 + a)`, f32 rounding of products and partial sums;
+//! - the matrix path otherwise: `1e-4 · (1 + a) + 2^-10 · a` (each weight and each activation
+//!   rounds to f16 once: at most 2^-11 relative each), and a relative RMS error over all
+//!   outputs ≤ 1e-3, which random rounding meets with a wide margin while a layout error
+//!   cannot.
+
+use crate::dtype::DType;
+use crate::gpu::matmul::{self, MoeRoute};
+use crate::gpu::matvec::{self, MatvecOpts};
+use crate::gpu::{coopmat, Gpu, GpuTensor, MatmulPath};
+use crate::tensor::TensorRef;
+use crate::{quant, Result};
+use std::path::Path;
+
+/// Every stored type the product kernels read.
+pub const TYPES: [DType; 17] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+    DType::MXFP4,
+    DType::F8_E4M3_B128,
+];
+
+const SENTINEL: f32 = -12345.0;
+const GUARD: usize = 5;
+/// Outputs compared per check at real sizes (all of them below this count).
+const SAMPLE: usize = 4096;
+
+/// The kernel path one check runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelPath {
+    /// One-token (and few-token) matvec.
+    Matvec,
+    /// The tiled f32 matmul.
+    Tiled,
+    /// Cooperative matrices.
+    Coop,
+}
+
+impl KernelPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Matvec => "matvec",
+            KernelPath::Tiled => "tiled",
+            KernelPath::Coop => "coop",
+        }
+    }
+}
+
+/// One check's outcome.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Check {
+    pub name: String,
+    pub passed: bool,
+    /// Largest error over its bound (≤ 1 passes).
+    pub worst: f64,
+    /// Relative RMS error over all compared outputs.
+    pub rel_rms: f64,
+    /// What failed, if anything.
+    pub detail: String,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Box-Muller normals times `scale`.
+    fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let u = self.uniform().max(1e-300);
+                let v = self.uniform();
+                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32 * scale
+            })
+            .collect()
+    }
+}
+
+/// A quantized random weight with its dequantized values.
+struct Weight {
+    dtype: DType,
+    shape: Vec<u64>,
+    bytes: Vec<u8>,
+    deq: Vec<f32>,
+}
+
+impl Weight {
+    fn random(dtype: DType, shape: &[u64], seed: u64) -> Result<Weight> {
+        let n: u64 = shape.iter().product();
+        let cols = *shape.last().unwrap_or(&1) as usize;
+        let mut x = Rng(seed).normals(n as usize, 1.0);
+        // rows of different ranges, some with an offset the min-carrying types must keep
+        for (r, row) in x.chunks_mut(cols).enumerate() {
+            let s = 0.02 * (1.0 + (r % 5) as f32);
+            let off = if r % 3 == 1 { 0.5 * s } else { 0.0 };
+            row.iter_mut().for_each(|v| *v = *v * s + off);
+        }
+        let bytes = quant::quantize(dtype, &x)?;
+        let deq = quant::dequantize_to_vec(dtype, &bytes, n as usize)?;
+        Ok(Weight {
+            dtype,
+            shape: shape.to_vec(),
+            bytes,
+            deq,
+        })
+    }
+
+    fn cols(&self) -> usize {
+        *self.shape.last().unwrap_or(&1) as usize
+    }
+
+    fn upload(&self, gpu: &Gpu) -> Result<GpuTensor> {
+        gpu.upload_tensor(&TensorRef {
+            name: "selftest.w",
+            dtype: self.dtype,
+            shape: &self.shape,
+            data: &self.bytes,
+            path: Path::new("selftest"),
+        })
+    }
+
+    /// (Σ w x, Σ |w x|) of flattened row `r`, in f64.
+    fn dot(&self, r: usize, x: &[f32]) -> (f64, f64) {
+        let c = self.cols();
+        self.deq[r * c..(r + 1) * c]
+            .iter()
+            .zip(x)
+            .fold((0.0, 0.0), |(s, a), (&w, &x)| {
+                let p = w as f64 * x as f64;
+                (s + p, a + p.abs())
+            })
+    }
+}
+
+/// Columns per type: odd for the float types (unaligned rows, partial virtual blocks), whole
+/// blocks otherwise, not a multiple of 64 where the block allows.
+fn odd_cols(dt: DType) -> u64 {
+    match dt {
+        DType::F32 | DType::F16 | DType::BF16 => 161,
+        _ if dt.block_size() == 256 => 768,
+        DType::F8_E4M3_B128 => 384,
+        _ => 160,
+    }
+}
+
+/// Compares `got` (guards included) with `want` (`None`: must stay the sentinel) at `idx`.
+fn compare(
+    name: String,
+    got: &[f32],
+    want: &[(usize, Option<(f64, f64)>)],
+    n_out: usize,
+    f16_inputs: bool,
+) -> Check {
+    let mut worst = 0f64;
+    let mut detail = String::new();
+    let (mut e2, mut v2) = (0f64, 0f64);
+    for i in (0..GUARD).chain(GUARD + n_out..2 * GUARD + n_out) {
+        if got[i] != SENTINEL {
+            detail = format!("guard element {i} was written");
+        }
+    }
+    for &(i, w) in want {
+        let g = got[GUARD + i] as f64;
+        match w {
+            None => {
+                if g != SENTINEL as f64 && detail.is_empty() {
+                    detail = format!("output {i} should be untouched, is {g}");
+                }
+            }
+            Some((v, a)) => {
+                let err = (g - v).abs();
+                let bound = 1e-4 * (1.0 + a) + if f16_inputs { a / 1024.0 } else { 0.0 };
+                e2 += err * err;
+                v2 += v * v;
+                let ratio = if err.is_nan() {
+                    f64::INFINITY
+                } else {
+                    err / bound
+                };
+                if ratio > worst {
+                    worst = ratio;
+                    if ratio > 1.0 {
+                        detail =
+                            format!("output {i} = {g}, want {v} (error {err:.3e} > {bound:.3e})");
+                    }
+                }
+            }
+        }
+    }
+    let rel_rms = (e2 / v2.max(1e-300)).sqrt();
+    if f16_inputs && rel_rms > 1e-3 && detail.is_empty() {
+        detail = format!("relative RMS error {rel_rms:.3e} > 1e-3");
+    }
+    Check {
+        name,
+        passed: detail.is_empty(),
+        worst,
+        rel_rms,
+        detail,
+    }
+}
+
+/// Which outputs of `n` to compare: all, or an even sample at real sizes.
+fn picks(n: usize) -> Vec<usize> {
+    if n <= SAMPLE {
+        (0..n).collect()
+    } else {
+        (0..SAMPLE)
+            .map(|k| k * n / SAMPLE + (k % 7))
+            .filter(|&i| i < n)
+            .collect()
+    }
+}
+
+fn out_buffer(gpu: &Gpu, n: usize) -> Result<wgpu::Buffer> {
+    gpu.upload_f32(&vec![SENTINEL; n + 2 * GUARD], "selftest.y")
+}
+
+/// A dense product `Y = X Wᵀ` on `path` (accumulating into Y = 0.5 when `acc`).
+fn dense(
+    gpu: &Gpu,
+    path: KernelPath,
+    dt: DType,
+    (rows, cols, nt): (u64, u64, usize),
+    acc: bool,
+    seed: u64,
+) -> Result<Check> {
+    let w = Weight::random(dt, &[rows, cols], seed)?;
+    let (r, c) = (rows as usize, cols as usize);
+    let x = Rng(seed ^ 0x5eed).normals(nt * c, 1.0);
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let n_out = nt * r;
+    let init = if acc { 0.5 } else { SENTINEL };
+    let mut y0 = vec![SENTINEL; n_out + 2 * GUARD];
+    y0[GUARD..GUARD + n_out].fill(init);
+    let yb = if acc {
+        gpu.upload_f32(&y0, "selftest.y")?
+    } else {
+        out_buffer(gpu, n_out)?
+    };
+    let opts = MatvecOpts {
+        accumulate: acc,
+        ..Default::default()
+    };
+    let mut pass = gpu.pass();
+    let (y_off, n) = (GUARD as u32, nt as u32);
+    match path {
+        KernelPath::Matvec => matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
+        KernelPath::Tiled => matmul::matmul_tiled(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
+        KernelPath::Coop => coopmat::matmul_coop(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
+    }
+    pass.submit()?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let base = if acc { 0.5 } else { 0.0 };
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| {
+            let (v, a) = w.dot(i % r, &x[(i / r) * c..][..c]);
+            (i, Some((v + base, a)))
+        })
+        .collect();
+    let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
+    Ok(compare(
+        format!(
+            "{} {dt} {rows}x{cols} tokens {nt}{}",
+            path.name(),
+            if acc { " accumulate" } else { "" }
+        ),
+        &got,
+        &want,
+        n_out,
+        f16,
+    ))
+}
+
+/// A MoE product over a route: 6 experts of 45 rows, 3 slots per token, one invalid id.
+fn indexed(
+    gpu: &Gpu,
+    path: KernelPath,
+    dt: DType,
+    nt: usize,
+    per_pair: bool,
+    seed: u64,
+) -> Result<Check> {
+    let (ne, rows, n_used) = (6usize, 45usize, 3usize);
+    let cols = odd_cols(dt) as usize;
+    let w = Weight::random(dt, &[ne as u64, rows as u64, cols as u64], seed)?;
+    let mut rng = Rng(seed ^ 3);
+    let np = nt * n_used;
+    let mut ids = Vec::with_capacity(np);
+    for t in 0..nt {
+        let first = (rng.uniform() * ne as f64) as usize;
+        for s in 0..n_used {
+            ids.push(((first + 2 * s) % ne) as u32);
+        }
+        if t == 1 {
+            ids[t * n_used + 1] = 99;
+        }
+    }
+    let wt = w.upload(gpu)?;
+    let idb = gpu.upload(bytemuck::cast_slice(&ids), "selftest.ids")?;
+    let xr = if per_pair { np } else { nt };
+    let x = rng.normals(xr * cols, 1.0);
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let n_out = np * rows;
+    let yb = out_buffer(gpu, n_out)?;
+    let opts = MatvecOpts::default();
+    let mut pass = gpu.pass();
+    let (y_off, n, k) = (GUARD as u32, nt as u32, n_used as u32);
+    match path {
+        KernelPath::Matvec => matvec::matvec_indexed(
+            &mut pass, &wt, &xb, 0, per_pair, &idb, 0, k, &yb, y_off, n, &opts,
+        )?,
+        KernelPath::Tiled | KernelPath::Coop => {
+            let route = MoeRoute::new(gpu, ne as u32, np as u32)?;
+            matmul::route(&mut pass, &route, &idb, 0, n, k)?;
+            if path == KernelPath::Coop {
+                coopmat::matmul_coop_indexed(
+                    &mut pass, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                )?;
+            } else {
+                matmul::matmul_indexed_tiled(
+                    &mut pass, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                )?;
+            }
+        }
+    }
+    pass.submit()?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let want: Vec<_> = (0..n_out)
+        .map(|i| {
+            let (q, r) = (i / rows, i % rows);
+            let e = ids[q] as usize;
+            if e >= ne {
+                return (i, None);
+            }
+            let xq = if per_pair { q } else { q / n_used };
+            (i, Some(w.dot(e * rows + r, &x[xq * cols..][..cols])))
+        })
+        .collect();
+    let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
+    Ok(compare(
+        format!(
+            "{} indexed {dt} {ne}x{rows}x{cols} tokens {nt} x per {}",
+            path.name(),
+            if per_pair { "pair" } else { "token" }
+        ),
+        &got,
+        &want,
+        n_out,
+        f16,
+    ))
+}
+
+/// Real decode and prefill shapes of the released models (rows, cols).
+const REAL: [(u64, u64); 3] = [(12288, 4096), (4096, 12288), (2048, 7168)];
+const REAL_TYPES: [DType; 8] = [
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::Q8_0,
+    DType::MXFP4,
+    DType::F8_E4M3_B128,
+    DType::BF16,
+    DType::F16,
+];
+
+/// Every check for `gpu` in order: paths the device runs × stored types × shapes (`full`: the
+/// real sizes too). `each` sees every check as it finishes.
+pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
+    let coop = gpu.matmul_path() == MatmulPath::Coop;
+    let mut paths = vec![KernelPath::Tiled];
+    if coop {
+        paths.push(KernelPath::Coop);
+    }
+    let mut out = Vec::new();
+    let mut push = |name: &str, r: Result<Check>| {
+        let c = r.unwrap_or_else(|e| Check {
+            name: name.to_string(),
+            passed: false,
+            worst: f64::INFINITY,
+            rel_rms: f64::INFINITY,
+            detail: format!("error: {e}"),
+        });
+        each(&c);
+        out.push(c);
+    };
+    for (i, dt) in TYPES.into_iter().enumerate() {
+        let cols = odd_cols(dt);
+        let seed = 100 + i as u64;
+        push(
+            &format!("matvec {dt}"),
+            dense(gpu, KernelPath::Matvec, dt, (33, cols, 3), false, seed),
+        );
+        for &p in &paths {
+            if p == KernelPath::Coop && dt == DType::F32 {
+                continue;
+            }
+            push(
+                &format!("{} {dt}", p.name()),
+                dense(gpu, p, dt, (150, cols, 67), false, seed),
+            );
+        }
+    }
+    for (i, dt) in [
+        DType::Q4_K,
+        DType::MXFP4,
+        DType::Q8_0,
+        DType::BF16,
+        DType::Q5_0,
+        DType::F8_E4M3_B128,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 200 + i as u64;
+        push(
+            &format!("matvec indexed {dt}"),
+            indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, seed),
+        );
+        for &p in &paths {
+            push(
+                &format!("{} indexed {dt}", p.name()),
+                indexed(gpu, p, dt, 70, i % 2 == 1, seed),
+            );
+        }
+    }
+    // many row and token tiles (the last ones partial)
+    for &p in &paths {
+        for dt in [DType::Q4_K, DType::F16, DType::Q8_0] {
+            push(
+                &format!("{} {dt} many tiles", p.name()),
+                dense(gpu, p, dt, (12288, odd_cols(dt), 300), false, 310),
+            );
+        }
+    }
+    for &p in &paths {
+        for dt in [DType::Q6_K, DType::F16] {
+            push(
+                &format!("{} {dt} accumulate", p.name()),
+                dense(gpu, p, dt, (129, odd_cols(dt), 300), true, 300),
+            );
+        }
+    }
+    if full {
+        for (i, dt) in REAL_TYPES.into_iter().enumerate() {
+            for (k, &(rows, cols)) in REAL.iter().enumerate() {
+                if dt.block_size() > 0 && cols % dt.block_size() as u64 != 0 {
+                    continue;
+                }
+                let seed = 400 + (i * 10 + k) as u64;
+                push(
+                    &format!("matvec {dt} {rows}x{cols}"),
+                    dense(gpu, KernelPath::Matvec, dt, (rows, cols, 1), false, seed),
+                );
+                for &p in &paths {
+                    push(
+                        &format!("{} {dt} {rows}x{cols}", p.name()),
+                        dense(gpu, p, dt, (rows, cols, 512), false, seed),
+                    );
+                }
+            }
+        }
+    }
+    out
+}
