@@ -37,6 +37,10 @@ pub enum Error {
     /// GPU setup or execution failed (no adapter, out of memory, device lost).
     #[error("gpu: {0}")]
     Gpu(String),
+    /// A model named on the Hugging Face Hub that cannot be fetched: `repo` is
+    /// `owner/repo[:QUANT]`, `what` names the file when one is involved.
+    #[error("{repo}: {what}")]
+    Hub { repo: String, what: String },
     /// A bad argument or request from the caller.
     #[error("{0}")]
     Invalid(String),

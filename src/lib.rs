@@ -14,6 +14,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod gpu;
+pub mod hub;
 pub mod inspect;
 pub mod models;
 pub mod moe;

@@ -40,6 +40,13 @@ enum Cmd {
     Synth(cli::synth::SynthArgs),
     /// Measure prefill and decode speed (llama-bench style) against the adapter's bandwidth.
     Bench(cli::bench::BenchArgs),
+    /// Download a model from the Hugging Face Hub into the shared cache (resumable, sha256
+    /// checked) and print its local path. `-m owner/repo[:QUANT]` on any command does the same.
+    Pull(cli::hub::PullArgs),
+    /// List the models in the Hugging Face cache: repo, file, size, quant type.
+    Ls,
+    /// Remove a model (`owner/repo`) or one quant of it (`owner/repo:QUANT`) from the cache.
+    Rm(cli::hub::RmArgs),
     /// List the GPU adapters wgpu can use (index, name, backend, type, product paths).
     Devices,
     /// Check the product kernels against their CPU reference on this adapter: every path it
@@ -61,12 +68,14 @@ enum Cmd {
     },
     /// Describe a model file: architecture, hyper-parameters, tensors, bytes per decode step.
     Inspect {
-        /// A GGUF file or a Hugging Face checkpoint directory.
+        /// A GGUF file, a Hugging Face checkpoint directory, or a Hub model
+        /// (`owner/repo[:QUANT]`, fetched into the cache).
         path: PathBuf,
     },
     /// Compute logits for a token sequence and write them as .npy (f32 [T, vocab]).
     Logits {
-        /// A GGUF file or a Hugging Face checkpoint directory.
+        /// A GGUF file, a Hugging Face checkpoint directory, or a Hub model
+        /// (`owner/repo[:QUANT]`, fetched into the cache).
         #[arg(short, long)]
         model: PathBuf,
         /// int32 token ids [T] (.npy).
@@ -90,15 +99,37 @@ enum Cmd {
 }
 
 fn run(cli: Cli) -> lathe::Result<()> {
+    use cli::hub::resolve_model;
     match cli.cmd {
-        Cmd::Run(a) => cli::run::run(a),
-        Cmd::Chat(a) => cli::chat::run(a),
-        Cmd::Serve(a) => cli::serve::run(a),
-        Cmd::Tokenize(a) => cli::text::tokenize(a),
+        Cmd::Run(mut a) => {
+            a.model.model = resolve_model(a.model.model)?;
+            cli::run::run(a)
+        }
+        Cmd::Chat(mut a) => {
+            a.model.model = resolve_model(a.model.model)?;
+            cli::chat::run(a)
+        }
+        Cmd::Serve(mut a) => {
+            a.model = resolve_model(a.model)?;
+            cli::serve::run(a)
+        }
+        Cmd::Tokenize(mut a) => {
+            a.model = resolve_model(a.model)?;
+            cli::text::tokenize(a)
+        }
         Cmd::Template(a) => cli::text::template(a),
-        Cmd::Plan(a) => cli::plan::run(a),
+        Cmd::Plan(mut a) => {
+            a.model = resolve_model(a.model)?;
+            cli::plan::run(a)
+        }
         Cmd::Synth(a) => cli::synth::run(a),
-        Cmd::Bench(a) => cli::bench::run(a),
+        Cmd::Bench(mut a) => {
+            a.model = resolve_model(a.model)?;
+            cli::bench::run(a)
+        }
+        Cmd::Pull(a) => cli::hub::pull(a),
+        Cmd::Ls => cli::hub::ls(),
+        Cmd::Rm(a) => cli::hub::rm(a),
         Cmd::Devices => {
             for (i, a) in lathe::gpu::list_adapters().iter().enumerate() {
                 // the --matmul paths this adapter runs, and why the others are missing
@@ -166,6 +197,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
             Ok(())
         }
         Cmd::Inspect { path } => {
+            let path = resolve_model(path)?;
             let f = lathe::models::ModelFile::open(&path)?;
             print!("{}", lathe::inspect::report(&f)?);
             Ok(())
@@ -179,6 +211,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
             kv_type,
             moe,
         } => {
+            let model = resolve_model(model)?;
             let toks = lathe::npy::read_i64(&tokens)?;
             let ids: Vec<u32> = toks
                 .data

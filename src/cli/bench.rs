@@ -11,7 +11,8 @@ use lathe::Result;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Model: a GGUF file or a Hugging Face checkpoint directory.
+    /// Model: a GGUF file, a Hugging Face checkpoint directory, or a Hub model
+    /// `owner/repo[:QUANT]` (downloaded into the Hugging Face cache).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// Prompt tokens of the prefill test (0: skip it).

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod chat;
+pub mod hub;
 pub mod plan;
 pub mod run;
 pub mod serve;

@@ -29,7 +29,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// Model: a GGUF file or a Hugging Face checkpoint directory.
+    /// Model: a GGUF file, a Hugging Face checkpoint directory, or a Hub model
+    /// `owner/repo[:QUANT]` (downloaded into the Hugging Face cache).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// Adapter memory to plan for (24GiB, 512MiB, 1.5GB, ...); default: what lathe can tell

@@ -17,8 +17,10 @@ use lathe::{Error, Result};
 /// Which model and where to run it.
 #[derive(Args, Debug)]
 pub struct ModelArgs {
-    /// Model: a GGUF file (the first part of a split one) or a Hugging Face checkpoint
-    /// directory (config.json + *.safetensors + tokenizer.json).
+    /// Model: a GGUF file (the first part of a split one), a Hugging Face checkpoint
+    /// directory (config.json + *.safetensors + tokenizer.json), or a Hub model
+    /// `owner/repo[:QUANT]` or `hf://owner/repo/file.gguf` (downloaded into the Hugging Face
+    /// cache; an existing path wins).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).

@@ -12,8 +12,8 @@ use lathe::Result;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// Model: a GGUF file (the first part of a split one) or a Hugging Face checkpoint
-    /// directory.
+    /// Model: a GGUF file (the first part of a split one), a Hugging Face checkpoint
+    /// directory, or a Hub model `owner/repo[:QUANT]` (downloaded into the Hugging Face cache).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).

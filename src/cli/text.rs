@@ -13,7 +13,8 @@ use serde_json::{Map, Value};
 pub struct TokenizeArgs {
     /// Where the vocabulary is: a GGUF file (a vocab-only GGUF of any architecture works; no
     /// weights are loaded), a Hugging Face directory with tokenizer.json, or a tokenizer.json
-    /// (.json.gz too).
+    /// (.json.gz too), or a Hub model `owner/repo[:QUANT]` (downloaded into the Hugging Face
+    /// cache).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// The text to tokenize; prints one JSON array of ids.

@@ -1,0 +1,359 @@
+//! The few Hub requests lathe makes, on ureq (blocking, rustls):
+//! - `GET {endpoint}/api/models/{repo}/revision/main?blobs=true`: the commit `main` points at
+//!   and every file with its size, git blob id and, for LFS files, sha256 (huggingface_hub's
+//!   `model_info(files_metadata=True)`);
+//! - `GET {endpoint}/{repo}/resolve/{commit}/{file}`, following the redirect to the CDN, with
+//!   `Range: bytes=N-` to resume a partial download.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use ureq::config::RedirectAuthHeaders;
+
+use super::cache::RepoCache;
+use super::{HubConfig, Progress};
+use crate::Error;
+
+/// Why a request failed: the network (the Hub unreachable or the transfer cut), the Hub's
+/// refusal, a corrupted transfer, or a local error (already naming its file).
+pub enum Fail {
+    Network(String),
+    Status {
+        code: u16,
+        /// huggingface_hub's `X-Error-Code` (RepoNotFound, GatedRepo, EntryNotFound, ...).
+        error_code: Option<String>,
+        message: Option<String>,
+    },
+    /// The bytes are not the file the listing describes (the partial is deleted).
+    Corrupt(String),
+    Other(Error),
+}
+
+/// One file of the repo at a commit.
+#[derive(Debug, Clone)]
+pub struct RemoteFile {
+    pub path: String,
+    pub size: u64,
+    /// The sha256 of an LFS file (its `X-Linked-Etag`).
+    pub sha256: Option<String>,
+    /// The git blob id (the `ETag` of a file stored in git itself).
+    pub blob_id: Option<String>,
+}
+
+impl RemoteFile {
+    /// The blob name huggingface_hub gives the file: its etag, which is the sha256 for an LFS
+    /// file and the git blob id otherwise.
+    pub fn etag(&self) -> String {
+        self.sha256
+            .clone()
+            .or_else(|| self.blob_id.clone())
+            .unwrap_or_default()
+    }
+}
+
+pub struct RepoInfo {
+    pub commit: String,
+    pub files: Vec<RemoteFile>,
+}
+
+pub struct Client {
+    agent: ureq::Agent,
+    endpoint: String,
+    token: Option<String>,
+}
+
+/// Bytes read from the network per write (and per progress update).
+const CHUNK: usize = 1 << 20;
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Percent-encodes a repo path for a URL, keeping `/` (RFC 3986 unreserved bytes stay).
+fn encode_path(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for b in path.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+impl Client {
+    pub fn new(cfg: &HubConfig) -> Self {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            // Keep the token on a same-host redirect (a renamed repo), never send it to the CDN.
+            .redirect_auth_headers(RedirectAuthHeaders::SameHost)
+            .timeout_connect(Some(Duration::from_secs(10)))
+            // A stalled transfer fails (and resumes on the next run) instead of hanging.
+            .timeout_recv_response(Some(Duration::from_secs(60)))
+            .timeout_per_read(Some(Duration::from_secs(60)))
+            .user_agent(concat!("lathe/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .new_agent();
+        Client {
+            agent,
+            endpoint: cfg.endpoint.clone(),
+            token: cfg.token.clone(),
+        }
+    }
+
+    fn get(&self, url: &str, range_from: u64) -> Result<ureq::http::Response<ureq::Body>, Fail> {
+        let mut req = self.agent.get(url);
+        if let Some(t) = &self.token {
+            req = req.header("Authorization", format!("Bearer {t}"));
+        }
+        if range_from > 0 {
+            req = req.header("Range", format!("bytes={range_from}-"));
+        }
+        let resp = req.call().map_err(|e| Fail::Network(e.to_string()))?;
+        let code = resp.status().as_u16();
+        if code >= 400 {
+            let header = |k: &str| {
+                resp.headers()
+                    .get(k)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string)
+            };
+            return Err(Fail::Status {
+                code,
+                error_code: header("X-Error-Code"),
+                message: header("X-Error-Message"),
+            });
+        }
+        Ok(resp)
+    }
+
+    pub fn repo_info(&self, repo: &str) -> Result<RepoInfo, Fail> {
+        let url = format!(
+            "{}/api/models/{}/revision/main?blobs=true",
+            self.endpoint,
+            encode_path(repo)
+        );
+        let mut resp = self.get(&url, 0)?;
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(64 << 20)
+            .read_to_string()
+            .map_err(|e| Fail::Network(format!("{url}: {e}")))?;
+        let bad = |what: &str| Fail::Other(Error::Invalid(format!("{url}: {what}")));
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(&format!("not JSON: {e}")))?;
+        let commit = json["sha"]
+            .as_str()
+            .filter(|s| is_hex(s, 40))
+            .ok_or_else(|| bad("no commit `sha` in the answer"))?
+            .to_string();
+        let siblings = json["siblings"]
+            .as_array()
+            .ok_or_else(|| bad("no `siblings` list in the answer"))?;
+        let mut files = Vec::with_capacity(siblings.len());
+        for s in siblings {
+            let path = s["rfilename"]
+                .as_str()
+                .filter(|p| !p.is_empty() && !p.split('/').any(|c| c.is_empty() || c == ".."))
+                .ok_or_else(|| bad(&format!("sibling {s} has no valid `rfilename`")))?;
+            let sha256 = s["lfs"]["sha256"]
+                .as_str()
+                .filter(|h| is_hex(h, 64))
+                .map(str::to_ascii_lowercase);
+            let blob_id = s["blobId"]
+                .as_str()
+                .filter(|h| is_hex(h, 40))
+                .map(str::to_ascii_lowercase);
+            if sha256.is_none() && blob_id.is_none() {
+                return Err(bad(&format!("{path}: neither an LFS sha256 nor a blobId")));
+            }
+            let size = s["lfs"]["size"]
+                .as_u64()
+                .or(s["size"].as_u64())
+                .unwrap_or(0);
+            files.push(RemoteFile {
+                path: path.to_string(),
+                size,
+                sha256,
+                blob_id,
+            });
+        }
+        Ok(RepoInfo { commit, files })
+    }
+
+    /// Downloads `file` into `blobs/<etag>`: appends to `<etag>.incomplete` (resuming what
+    /// is there), checks size and sha256, then renames. Interrupted (network, Ctrl-C), the
+    /// partial file stays for the next run; corrupted, it is deleted.
+    pub fn download(
+        &self,
+        repo: &str,
+        commit: &str,
+        file: &RemoteFile,
+        cache: &RepoCache,
+        progress: &mut dyn Progress,
+    ) -> Result<(), Fail> {
+        let etag = file.etag();
+        let partial = cache.partial(&etag);
+        let io = |e: std::io::Error| Fail::Other(Error::io(&partial, e));
+        std::fs::create_dir_all(cache.blobs_dir()).map_err(io)?;
+        let mut out = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&partial)
+            .map_err(io)?;
+        // Two processes appending to one partial file would corrupt it.
+        out.try_lock().map_err(|_| {
+            Fail::Other(Error::Invalid(format!(
+                "{}: another process is downloading {} into this file; wait for it to finish",
+                partial.display(),
+                file.path
+            )))
+        })?;
+        let mut have = out.metadata().map_err(io)?.len();
+        if have > file.size {
+            out.set_len(0).map_err(io)?;
+            have = 0;
+        }
+        let mut hasher = Sha256::new();
+        if have > 0 {
+            hash_prefix(&mut out, have, &mut hasher).map_err(io)?;
+        }
+        progress.start(&file.path, file.size, have);
+        let result = self.transfer(
+            repo,
+            commit,
+            file,
+            &mut out,
+            &mut have,
+            &mut hasher,
+            progress,
+        );
+        let result = result.and_then(|()| {
+            if have != file.size {
+                return Err(Fail::Network(format!(
+                    "{}: the transfer ended at {have} of {} bytes",
+                    file.path, file.size
+                )));
+            }
+            let got = format!("{:x}", hasher.finalize());
+            match &file.sha256 {
+                Some(want) if &got != want => Err(Fail::Corrupt(format!(
+                    "{}: sha256 {got} does not match the Hub's {want}: the download was corrupted and is deleted; run again",
+                    file.path
+                ))),
+                _ => out.sync_all().map_err(io),
+            }
+        });
+        drop(out);
+        progress.finish(result.is_ok());
+        match result {
+            Ok(()) => {
+                let blob = cache.blob(&etag);
+                std::fs::rename(&partial, &blob).map_err(|e| Fail::Other(Error::io(&blob, e)))
+            }
+            Err(fail) => {
+                // A corrupted file must not be resumed, and a refusal before the first byte
+                // leaves no empty partial; an interrupted transfer keeps its bytes.
+                if matches!(fail, Fail::Corrupt(_)) || have == 0 {
+                    let _ = std::fs::remove_file(&partial);
+                }
+                Err(fail)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        repo: &str,
+        commit: &str,
+        file: &RemoteFile,
+        out: &mut File,
+        have: &mut u64,
+        hasher: &mut Sha256,
+        progress: &mut dyn Progress,
+    ) -> Result<(), Fail> {
+        if *have == file.size {
+            return Ok(());
+        }
+        let url = format!(
+            "{}/{}/resolve/{commit}/{}",
+            self.endpoint,
+            encode_path(repo),
+            encode_path(&file.path)
+        );
+        let resp = self.get(&url, *have)?;
+        let io = |e: std::io::Error| Fail::Other(Error::io(&file.path, e));
+        let resumed = resp.status().as_u16() == 206
+            && resp
+                .headers()
+                .get("Content-Range")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with(&format!("bytes {have}-")));
+        if !resumed && *have > 0 {
+            // The server sent the whole file: start over.
+            out.set_len(0).map_err(io)?;
+            *have = 0;
+            *hasher = Sha256::new();
+            progress.start(&file.path, file.size, 0);
+        }
+        out.seek(SeekFrom::Start(*have)).map_err(io)?;
+        let mut body = resp.into_body().into_reader();
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = match body.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Fail::Network(format!("{}: {e}", file.path))),
+            };
+            if *have + n as u64 > file.size {
+                return Err(Fail::Corrupt(format!(
+                    "{}: the Hub sent more than the {} bytes it listed",
+                    file.path, file.size
+                )));
+            }
+            out.write_all(&buf[..n]).map_err(io)?;
+            hasher.update(&buf[..n]);
+            *have += n as u64;
+            progress.advance(*have);
+        }
+        Ok(())
+    }
+}
+
+/// Feeds the first `len` bytes of `f` (a resumed partial download) to `hasher`.
+fn hash_prefix(f: &mut File, len: u64, hasher: &mut Sha256) -> std::io::Result<()> {
+    f.seek(SeekFrom::Start(0))?;
+    let mut buf = vec![0u8; CHUNK];
+    let mut left = len;
+    while left > 0 {
+        let n = f.read(&mut buf[..(left.min(CHUNK as u64) as usize)])?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        hasher.update(&buf[..n]);
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_percent_encoded_except_slashes() {
+        assert_eq!(encode_path("a b/c+d.gguf"), "a%20b/c%2Bd.gguf");
+        assert_eq!(
+            encode_path("Q4_K_M/x-00001-of-00002.gguf"),
+            "Q4_K_M/x-00001-of-00002.gguf"
+        );
+    }
+}
