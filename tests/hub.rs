@@ -79,6 +79,9 @@ struct State {
     repos: HashMap<String, Repo>,
     /// Files whose next download stops half-way (headers promise the whole file).
     cut: Mutex<HashSet<String>>,
+    /// Files whose next download stalls half-way, the connection held open (the client is
+    /// interrupted meanwhile).
+    stall: Mutex<HashSet<String>>,
     /// Files served with one byte flipped (the listing keeps the true sha256).
     corrupt: HashSet<String>,
     seen: Mutex<Vec<Seen>>,
@@ -243,7 +246,8 @@ fn serve_bytes(
         "200 OK"
     };
     let body = &data[from..];
-    if st.cut.lock().unwrap().remove(&f.path) {
+    let stall = st.stall.lock().unwrap().remove(&f.path);
+    if stall || st.cut.lock().unwrap().remove(&f.path) {
         // Promise the whole body, send half, hang up: a dropped connection mid-download.
         let mut head = format!("HTTP/1.1 {status}\r\nConnection: close\r\n");
         for (k, v) in &h {
@@ -253,6 +257,9 @@ fn serve_bytes(
         let _ = s.write_all(head.as_bytes());
         let _ = s.write_all(&body[..body.len() / 2]);
         let _ = s.flush();
+        if stall {
+            std::thread::sleep(std::time::Duration::from_secs(30));
+        }
         let _ = s.shutdown(std::net::Shutdown::Both);
         return;
     }
@@ -274,6 +281,12 @@ fn cache(home: &Path) -> PathBuf {
 /// Runs the built `lathe` with only the Hub settings given here: HF_HOME, HF_ENDPOINT and
 /// `extra` (no token, offline flag or proxy inherited from the machine).
 fn lathe(home: &Path, endpoint: &str, extra: &[(&str, &str)], args: &[&str]) -> Output {
+    lathe_cmd(home, endpoint, extra, args)
+        .output()
+        .expect("run lathe")
+}
+
+fn lathe_cmd(home: &Path, endpoint: &str, extra: &[(&str, &str)], args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_lathe"));
     for k in [
         "HF_TOKEN",
@@ -296,8 +309,9 @@ fn lathe(home: &Path, endpoint: &str, extra: &[(&str, &str)], args: &[&str]) -> 
     }
     cmd.args(args)
         .stdin(Stdio::null())
-        .output()
-        .expect("run lathe")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
 }
 
 fn stdout(o: &Output) -> String {
@@ -468,6 +482,40 @@ fn an_interrupted_download_resumes_with_a_range_request() {
         "{:?}",
         hub.seen()
     );
+}
+
+/// Ctrl-C (SIGINT) in the middle of a download leaves the partial blob, which the next run
+/// resumes.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_leaves_a_resumable_partial() {
+    let st = state(vec![("test/tiny-GGUF", tiny_repo())]);
+    st.stall.lock().unwrap().insert("model-q8_0.gguf".into());
+    let hub = Hub::start(st);
+    let h = home("ctrlc");
+    let q8 = std::fs::read(tiny("model-q8_0.gguf")).unwrap();
+    let partial = blobs(&h, "test/tiny-GGUF").join(format!("{}.incomplete", sha256_hex(&q8)));
+    let mut child = lathe_cmd(&h, &hub.url, &[], &["pull", "test/tiny-GGUF:Q8_0"])
+        .spawn()
+        .unwrap();
+    let half = (q8.len() / 2) as u64;
+    let t = std::time::Instant::now();
+    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < half {
+        assert!(
+            t.elapsed().as_secs() < 20,
+            "the download never reached half-way"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on our own child's pid, which has not been waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    assert_eq!(std::fs::metadata(&partial).unwrap().len(), half);
+    let path = ok(&lathe(&h, &hub.url, &[], &["pull", "test/tiny-GGUF:Q8_0"]));
+    assert_eq!(std::fs::read(path.trim()).unwrap(), q8);
+    let last = hub.downloads().last().cloned().unwrap();
+    assert_eq!(last.range, Some(format!("bytes={half}-")), "{last:?}");
 }
 
 #[test]
@@ -715,6 +763,10 @@ fn errors_name_the_repo_and_the_file() {
         &["test/gated-GGUF", "model-q4_0.gguf", "gated", "HF_TOKEN"],
     );
     ok(&pull(&[("HF_TOKEN", "hf_test")], "test/gated-GGUF"));
+    // The token file `hf auth login` writes serves as well.
+    let h2 = home("errors-token-file");
+    std::fs::write(h2.join("token"), "hf_test\n").unwrap();
+    ok(&lathe(&h2, &hub.url, &[], &["pull", "test/gated-GGUF"]));
     // An exabyte does not fit: refused before any byte is fetched.
     let before = hub.downloads().len();
     fails_with(&pull(&[], "test/huge-GGUF"), &["test/huge-GGUF", "free"]);

@@ -232,7 +232,7 @@ pub fn resolve(cfg: &HubConfig, model: &ModelRef, progress: &mut dyn Progress) -
                 Err(_) => Err(hub_error(
                     model,
                     format!(
-                        "cannot reach {} ({why}) and the model is not in the cache ({}); check the network (or HF_ENDPOINT), or set HF_HUB_OFFLINE=1 to use only cached models",
+                        "cannot reach {} ({why}) and the model is not in the cache ({}); check the network or HF_ENDPOINT (HF_HUB_OFFLINE=1 runs from the cache only)",
                         cfg.endpoint,
                         cfg.cache_dir.display()
                     ),
