@@ -4,7 +4,8 @@
 //! (dequantize, dot, quantize) per stored type; `gpu` owns the device, buffers, pipeline cache
 //! and one wrapper per kernel family (`shaders/*.wgsl`); `cpu` holds rayon kernels and the
 //! plain references of every GPU op; `models` has one file per architecture; `moe` the expert
-//! planner; `tokenizer`, `sample`, `server` the text front end.
+//! planner; `tokenizer`, `sample`, `server` the text front end; `hub` fetches models by name
+//! from the Hugging Face Hub into its shared cache.
 
 pub mod bench;
 pub mod cpu;

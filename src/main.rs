@@ -40,8 +40,14 @@ enum Cmd {
     Synth(cli::synth::SynthArgs),
     /// Measure prefill and decode speed (llama-bench style) against the adapter's bandwidth.
     Bench(cli::bench::BenchArgs),
-    /// Download a model from the Hugging Face Hub into the shared cache (resumable, sha256
-    /// checked) and print its local path. `-m owner/repo[:QUANT]` on any command does the same.
+    /// Download a model from the Hugging Face Hub into the shared cache and print its path.
+    ///
+    /// The cache is huggingface_hub's (`$HF_HOME/hub`, default ~/.cache/huggingface/hub, or
+    /// HF_HUB_CACHE), shared with Python tools. A download resumes where an interrupted one
+    /// stopped, and a file enters the cache only after its sha256 matched the Hub's. `-m
+    /// owner/repo[:QUANT]` on any command that takes a model does the same first. Environment:
+    /// HF_ENDPOINT (another Hub or a mirror), HF_TOKEN or the token file of `hf auth login`
+    /// (gated and private repos), HF_HUB_OFFLINE=1 (the cache only, no request).
     Pull(cli::hub::PullArgs),
     /// List the models in the Hugging Face cache: repo, file, size, quant type.
     Ls,
