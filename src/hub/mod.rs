@@ -249,11 +249,15 @@ pub fn resolve(cfg: &HubConfig, model: &ModelRef, progress: &mut dyn Progress) -
         .collect();
     let choice = select::choose(&listing, model).map_err(|what| hub_error(model, what))?;
     let by_path = |p: &str| info.files.iter().find(|f| f.path == p);
-    let mut wanted: Vec<&RemoteFile> = choice.files().iter().filter_map(|p| by_path(p)).collect();
-    check_space(cfg, &cache, model, &wanted)?;
-    for f in &wanted {
-        fetch(&client, cfg, &cache, model, &info.commit, f, progress)?;
-    }
+    let fetcher = Fetcher {
+        client: &client,
+        cfg,
+        cache: &cache,
+        model,
+        commit: &info.commit,
+    };
+    let wanted: Vec<&RemoteFile> = choice.files().iter().filter_map(|p| by_path(p)).collect();
+    fetcher.fetch_all(&wanted, progress)?;
     // Shards named by a safetensors index are known only once the index is here.
     if let Choice::Safetensors {
         index: Some(index), ..
@@ -261,20 +265,18 @@ pub fn resolve(cfg: &HubConfig, model: &ModelRef, progress: &mut dyn Progress) -
     {
         let snap = cache.snapshot(&info.commit);
         let shards = select::index_shards(&snap.join(index)).map_err(|w| hub_error(model, w))?;
-        wanted.clear();
-        for s in &shards {
-            let f = by_path(s).ok_or_else(|| {
-                hub_error(
-                    model,
-                    format!("{index} names shard `{s}`, which the repo does not have"),
-                )
-            })?;
-            wanted.push(f);
-        }
-        check_space(cfg, &cache, model, &wanted)?;
-        for f in &wanted {
-            fetch(&client, cfg, &cache, model, &info.commit, f, progress)?;
-        }
+        let wanted = shards
+            .iter()
+            .map(|s| {
+                by_path(s).ok_or_else(|| {
+                    hub_error(
+                        model,
+                        format!("{index} names shard `{s}`, which the repo does not have"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        fetcher.fetch_all(&wanted, progress)?;
     }
     cache
         .write_ref(&info.commit)
@@ -365,59 +367,61 @@ fn status_error(cfg: &HubConfig, model: &ModelRef, file: Option<&str>, fail: Fai
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Refuses before downloading when the disk holding the cache lacks room for what is left.
-fn check_space(
-    cfg: &HubConfig,
-    cache: &RepoCache,
-    model: &ModelRef,
-    files: &[&RemoteFile],
-) -> Result<()> {
-    let left: u64 = files
-        .iter()
-        .filter(|f| !cache.blob(&f.etag()).exists())
-        .map(|f| f.size.saturating_sub(cache.partial_len(&f.etag())))
-        .sum();
-    if left == 0 {
-        return Ok(());
+/// What the downloads of one resolution share.
+struct Fetcher<'a> {
+    client: &'a Client,
+    cfg: &'a HubConfig,
+    cache: &'a RepoCache,
+    model: &'a ModelRef,
+    commit: &'a str,
+}
+
+impl Fetcher<'_> {
+    /// Makes `snapshots/<commit>/<file>` point at a verified blob for each file, downloading
+    /// the missing ones after checking the disk has room for all of them.
+    fn fetch_all(&self, files: &[&RemoteFile], progress: &mut dyn Progress) -> Result<()> {
+        self.check_space(files)?;
+        for file in files {
+            let etag = file.etag();
+            if !self.cache.blob(&etag).exists() {
+                self.client
+                    .download(&self.model.repo, self.commit, file, self.cache, progress)
+                    .map_err(|fail| status_error(self.cfg, self.model, Some(&file.path), fail))?;
+            }
+            self.cache
+                .link(self.commit, &file.path, &etag)
+                .map_err(|e| hub_error(self.model, format!("{}: {e}", file.path)))?;
+        }
+        Ok(())
     }
-    let dir = cache.blobs_dir();
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-    if let Some(free) = cache::free_space(&dir) {
-        if free < left {
-            return Err(hub_error(
-                model,
+
+    /// Refuses before downloading when the disk holding the cache lacks room for what is left.
+    fn check_space(&self, files: &[&RemoteFile]) -> Result<()> {
+        let cache = self.cache;
+        let left: u64 = files
+            .iter()
+            .filter(|f| !cache.blob(&f.etag()).exists())
+            .map(|f| f.size.saturating_sub(cache.partial_len(&f.etag())))
+            .sum();
+        if left == 0 {
+            return Ok(());
+        }
+        let dir = cache.blobs_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        match cache::free_space(&dir) {
+            Some(free) if free < left => Err(hub_error(
+                self.model,
                 format!(
                     "needs {:.2} GiB more in {} but only {:.2} GiB are free (HF_HUB_CACHE moves the cache, now {})",
                     left as f64 / GIB,
                     dir.display(),
                     free as f64 / GIB,
-                    cfg.cache_dir.display()
+                    self.cfg.cache_dir.display()
                 ),
-            ));
+            )),
+            _ => Ok(()),
         }
     }
-    Ok(())
-}
-
-/// Makes `snapshots/<commit>/<file>` point at a verified blob, downloading it when missing.
-fn fetch(
-    client: &Client,
-    cfg: &HubConfig,
-    cache: &RepoCache,
-    model: &ModelRef,
-    commit: &str,
-    file: &RemoteFile,
-    progress: &mut dyn Progress,
-) -> Result<()> {
-    let blob = cache.blob(&file.etag());
-    if !blob.exists() {
-        client
-            .download(&model.repo, commit, file, cache, progress)
-            .map_err(|fail| status_error(cfg, model, Some(&file.path), fail))?;
-    }
-    cache
-        .link(commit, &file.path, &file.etag())
-        .map_err(|e| hub_error(model, format!("{}: {e}", file.path)))
 }
 
 #[cfg(test)]
