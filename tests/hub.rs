@@ -55,9 +55,12 @@ impl MockFile {
     fn sha256(&self) -> String {
         sha256_hex(&self.data)
     }
-    /// Stands in for the git blob id (40 hex digits; lathe only names the blob after it).
+    /// The git blob id: sha1 of `blob <size>\0` + content (`git hash-object`).
     fn blob_id(&self) -> String {
-        self.sha256()[..40].to_string()
+        let mut h = sha1::Sha1::new();
+        h.update(format!("blob {}\0", self.data.len()));
+        h.update(&self.data);
+        format!("{:x}", h.finalize())
     }
 }
 
@@ -536,6 +539,24 @@ fn a_corrupted_download_is_rejected_and_deleted() {
     assert!(!snapshot(&h, "test/tiny-GGUF")
         .join("model-q4_0.gguf")
         .exists());
+
+    // A small file kept in git is checked against its git blob id.
+    let src = root().join("tests/fixtures/hf/qwen35-tiny");
+    let mut st = state(vec![(
+        "test/st",
+        Repo {
+            files: vec![
+                MockFile::from_disk("config.json", &src.join("config.json")),
+                MockFile::from_disk("model.safetensors", &src.join("model.safetensors")),
+            ],
+            gated: false,
+        },
+    )]);
+    st.corrupt.insert("config.json".into());
+    let hub = Hub::start(st);
+    let o = lathe(&h, &hub.url, &[], &["pull", "test/st"]);
+    fails_with(&o, &["test/st", "config.json", "git blob id"]);
+    assert!(!snapshot(&h, "test/st").join("config.json").exists());
 }
 
 #[test]

@@ -9,6 +9,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::time::Duration;
 
+use sha1::Sha1;
 use sha2::{Digest, Sha256};
 use ureq::config::RedirectAuthHeaders;
 
@@ -220,7 +221,7 @@ impl Client {
             out.set_len(0).map_err(io)?;
             have = 0;
         }
-        let mut hasher = Sha256::new();
+        let mut hasher = Check::new(file);
         if have > 0 {
             hash_prefix(&mut out, have, &mut hasher).map_err(io)?;
         }
@@ -241,14 +242,8 @@ impl Client {
                     file.path, file.size
                 )));
             }
-            let got = format!("{:x}", hasher.finalize());
-            match &file.sha256 {
-                Some(want) if &got != want => Err(Fail::Corrupt(format!(
-                    "{}: sha256 {got} does not match the Hub's {want}: the download was corrupted and is deleted; run again",
-                    file.path
-                ))),
-                _ => out.sync_all().map_err(io),
-            }
+            hasher.verify(file)?;
+            out.sync_all().map_err(io)
         });
         drop(out);
         progress.finish(result.is_ok());
@@ -276,7 +271,7 @@ impl Client {
         file: &RemoteFile,
         out: &mut File,
         have: &mut u64,
-        hasher: &mut Sha256,
+        hasher: &mut Check,
         progress: &mut dyn Progress,
     ) -> Result<(), Fail> {
         if *have == file.size {
@@ -300,7 +295,7 @@ impl Client {
             // The server sent the whole file: start over.
             out.set_len(0).map_err(io)?;
             *have = 0;
-            *hasher = Sha256::new();
+            *hasher = Check::new(file);
             progress.start(&file.path, file.size, 0);
         }
         out.seek(SeekFrom::Start(*have)).map_err(io)?;
@@ -328,8 +323,49 @@ impl Client {
     }
 }
 
+/// The hash a download is checked against: the LFS sha256 (`X-Linked-Etag`), or for a file
+/// kept in git itself its blob id, the sha1 of `blob <size>\0` and the content (as
+/// `git hash-object` computes it).
+enum Check {
+    Lfs(Sha256),
+    Git(Sha1),
+}
+
+impl Check {
+    fn new(file: &RemoteFile) -> Self {
+        if file.sha256.is_some() {
+            Check::Lfs(Sha256::new())
+        } else {
+            let mut h = Sha1::new();
+            h.update(format!("blob {}\0", file.size));
+            Check::Git(h)
+        }
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            Check::Lfs(h) => h.update(bytes),
+            Check::Git(h) => h.update(bytes),
+        }
+    }
+
+    fn verify(self, file: &RemoteFile) -> Result<(), Fail> {
+        let (kind, got, want) = match self {
+            Check::Lfs(h) => ("sha256", format!("{:x}", h.finalize()), &file.sha256),
+            Check::Git(h) => ("git blob id", format!("{:x}", h.finalize()), &file.blob_id),
+        };
+        match want {
+            Some(want) if &got != want => Err(Fail::Corrupt(format!(
+                "{}: {kind} {got} does not match the Hub's {want}: the download was corrupted and is deleted; run again",
+                file.path
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Feeds the first `len` bytes of `f` (a resumed partial download) to `hasher`.
-fn hash_prefix(f: &mut File, len: u64, hasher: &mut Sha256) -> std::io::Result<()> {
+fn hash_prefix(f: &mut File, len: u64, hasher: &mut Check) -> std::io::Result<()> {
     f.seek(SeekFrom::Start(0))?;
     let mut buf = vec![0u8; CHUNK];
     let mut left = len;
@@ -347,6 +383,23 @@ fn hash_prefix(f: &mut File, len: u64, hasher: &mut Sha256) -> std::io::Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn git_files_are_checked_against_their_blob_id() {
+        // `printf 'hello\n' | git hash-object --stdin`
+        let file = RemoteFile {
+            path: "hello.txt".into(),
+            size: 6,
+            sha256: None,
+            blob_id: Some("ce013625030ba8dba906f756967f9e9ca394464a".into()),
+        };
+        let mut c = Check::new(&file);
+        c.update(b"hello\n");
+        assert!(c.verify(&file).is_ok());
+        let mut c = Check::new(&file);
+        c.update(b"hellO\n");
+        assert!(matches!(c.verify(&file), Err(Fail::Corrupt(_))));
+    }
 
     #[test]
     fn paths_are_percent_encoded_except_slashes() {

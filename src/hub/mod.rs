@@ -6,8 +6,8 @@
 //! its sha256, of a small git file its git blob id), `snapshots/<commit>/<path>` is a relative
 //! symlink to the blob, `refs/main` holds the commit `main` pointed at when last fetched.
 //! A blob is written as `blobs/<etag>.incomplete`, resumed with `Range: bytes=N-`, and renamed
-//! into place only after its sha256 matched the Hub's LFS hash, so a blob path never holds a
-//! partial or corrupted file.
+//! into place only after its hash matched the Hub's (the LFS sha256; for a small file kept in
+//! git, its git blob id), so a blob path never holds a partial or corrupted file.
 //!
 //! This module is a front-end helper at the level of the file formats: it knows file names,
 //! not models; the CLI resolves `-m` through it before anything is loaded.
