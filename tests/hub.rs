@@ -33,6 +33,9 @@ struct MockFile {
     path: String,
     data: Vec<u8>,
     lfs: bool,
+    sha256: String,
+    /// The git blob id: sha1 of `blob <size>\0` + content (`git hash-object`).
+    blob_id: String,
     /// The size the listing claims, when it is not the data's (a file too big for the disk).
     listed_size: Option<u64>,
 }
@@ -42,8 +45,13 @@ impl MockFile {
         // Git keeps small text files; LFS the weights (the Hub's .gitattributes does the same
         // by extension).
         let lfs = path.ends_with(".gguf") || path.ends_with(".safetensors");
+        let mut git = sha1::Sha1::new();
+        git.update(format!("blob {}\0", data.len()));
+        git.update(&data);
         MockFile {
             path: path.into(),
+            sha256: sha256_hex(&data),
+            blob_id: format!("{:x}", git.finalize()),
             data,
             lfs,
             listed_size: None,
@@ -51,16 +59,6 @@ impl MockFile {
     }
     fn from_disk(path: &str, src: &Path) -> Self {
         Self::new(path, std::fs::read(src).unwrap())
-    }
-    fn sha256(&self) -> String {
-        sha256_hex(&self.data)
-    }
-    /// The git blob id: sha1 of `blob <size>\0` + content (`git hash-object`).
-    fn blob_id(&self) -> String {
-        let mut h = sha1::Sha1::new();
-        h.update(format!("blob {}\0", self.data.len()));
-        h.update(&self.data);
-        format!("{:x}", h.finalize())
     }
 }
 
@@ -179,11 +177,11 @@ fn handle(mut s: TcpStream, st: &State) {
                 .map(|f| {
                     let size = f.listed_size.unwrap_or(f.data.len() as u64);
                     let mut v = serde_json::json!({
-                        "rfilename": f.path, "blobId": f.blob_id(), "size": size,
+                        "rfilename": f.path, "blobId": f.blob_id, "size": size,
                     });
                     if f.lfs {
                         v["lfs"] = serde_json::json!({
-                            "sha256": f.sha256(), "size": size, "pointerSize": 134,
+                            "sha256": f.sha256, "size": size, "pointerSize": 134,
                         });
                     }
                     v
@@ -207,13 +205,13 @@ fn handle(mut s: TcpStream, st: &State) {
             };
             let mut h = vec![("X-Repo-Commit".to_string(), COMMIT.to_string())];
             if f.lfs {
-                h.push(("X-Linked-Etag".into(), format!("\"{}\"", f.sha256())));
+                h.push(("X-Linked-Etag".into(), format!("\"{}\"", f.sha256)));
                 h.push(("X-Linked-Size".into(), f.data.len().to_string()));
-                h.push(("ETag".into(), format!("\"{}\"", f.blob_id())));
+                h.push(("ETag".into(), format!("\"{}\"", f.blob_id)));
                 h.push(("Location".into(), format!("/cdn/{owner}/{name}/{file}")));
                 respond(&mut s, "302 Found", &h, b"");
             } else {
-                h.push(("ETag".into(), format!("\"{}\"", f.blob_id())));
+                h.push(("ETag".into(), format!("\"{}\"", f.blob_id)));
                 serve_bytes(&mut s, st, f, &headers, h);
             }
         }
@@ -228,10 +226,10 @@ fn serve_bytes(
     headers: &HashMap<String, String>,
     mut h: Vec<(String, String)>,
 ) {
-    let mut data = f.data.clone();
+    let mut data = std::borrow::Cow::Borrowed(&f.data[..]);
     if st.corrupt.contains(&f.path) {
         let mid = data.len() / 2;
-        data[mid] ^= 0x55;
+        data.to_mut()[mid] ^= 0x55;
     }
     let from: usize = headers
         .get("range")
