@@ -348,13 +348,16 @@ fn status_error(cfg: &HubConfig, model: &ModelRef, file: Option<&str>, fail: Fai
                 (Some("EntryNotFound"), _) => format!("{at}no such file in the repo{msg}"),
                 (Some("RevisionNotFound"), _) => format!("{at}no revision `main`{msg}"),
                 (_, 401 | 403) if no_token => format!(
-                    "{at}repository not found, or private or gated (HTTP {code}): check the name, or set HF_TOKEN{msg}"
+                    "{at}repository not found, or private or gated (HTTP {code}), and no local path of that name: check the name, or set HF_TOKEN{msg}"
                 ),
                 (_, 401 | 403) => format!(
                     "{at}access refused with the token in HF_TOKEN (HTTP {code}){msg}"
                 ),
                 (Some("RepoNotFound"), _) | (_, 404) if file.is_none() => {
-                    format!("repository not found on {} (HTTP {code}){msg}", cfg.endpoint)
+                    format!(
+                        "repository not found on {} (HTTP {code}), and no local path of that name{msg}",
+                        cfg.endpoint
+                    )
                 }
                 _ => format!("{at}HTTP {code} from {}{msg}", cfg.endpoint),
             }
