@@ -158,7 +158,6 @@ pub struct CachedFile {
     pub size: u64,
     /// The quant type in a GGUF file's name; `None` for other files.
     pub quant: Option<String>,
-    pub commit: String,
 }
 
 /// Every model file in the cache: each repo's snapshots, the one `refs/main` names first,
@@ -194,7 +193,6 @@ pub fn list(cache_dir: &Path) -> Result<Vec<CachedFile>> {
                         quant: select::gguf_quant(&file),
                         file,
                         size,
-                        commit: commit.clone(),
                     });
                 }
             }

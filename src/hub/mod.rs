@@ -197,10 +197,6 @@ pub trait Progress {
     fn note(&mut self, _msg: &str) {}
 }
 
-/// Reports nothing.
-pub struct Quiet;
-impl Progress for Quiet {}
-
 /// The local path of `model`: downloaded into the cache when missing (not in offline mode),
 /// else taken from the cache. A GGUF model resolves to its file (the first part of a split
 /// one, the others beside it), a safetensors model to its snapshot directory.
