@@ -116,7 +116,12 @@ fn run(cli: Cli) -> lathe::Result<()> {
             cli::chat::run(a)
         }
         Cmd::Serve(mut a) => {
+            let named = a.model.to_string_lossy().into_owned();
             a.model = resolve_model(a.model)?;
+            // A Hub model is served under its name, not its cache file's (or commit's).
+            if a.alias.is_none() && a.model.as_os_str() != named.as_str() {
+                a.alias = Some(named);
+            }
             cli::serve::run(a)
         }
         Cmd::Tokenize(mut a) => {

@@ -54,7 +54,8 @@ pub struct ServeArgs {
     /// A Jinja chat template file to use instead of the model's.
     #[arg(long, value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
-    /// The model's name in /v1/models and in responses (default: the file name).
+    /// The model's name in /v1/models and in responses (default: the file name, or the Hub
+    /// name a model was fetched by).
     #[arg(long, value_name = "NAME")]
     pub alias: Option<String>,
     /// `auto`: `<think>` blocks go to `reasoning_content`; `none`: they stay in `content`.
