@@ -137,8 +137,8 @@ pub struct BenchReport {
     pub prefill_kernels: Option<Vec<KernelTime>>,
     /// Where a MoE model's routed experts were at the end (`None` for a dense model).
     pub placement: Option<crate::gpu::moe::PlacementReport>,
-    /// The product path the last prefill ran (`tiled`, `coop`; `none` without prefill or
-    /// when every product took matvec).
+    /// The product path the timed prefills ran (`coop` when the matrix units took products,
+    /// `tiled`, `none` without prefill or when every product took matvec).
     pub matmul: &'static str,
 }
 
@@ -359,6 +359,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         }
         Ok(())
     };
+    e.gpu.take_matmul();
     let prefill = if opts.n_prompt > 0 {
         let mut secs = Vec::with_capacity(opts.reps);
         for _ in 0..opts.reps {
@@ -372,7 +373,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     } else {
         None
     };
-    let matmul = e.gpu.last_matmul().name();
+    let matmul = e.gpu.take_matmul().name();
     let decode = if opts.n_gen > 0 {
         let mut secs = Vec::with_capacity(opts.reps);
         for _ in 0..opts.reps {

@@ -80,6 +80,7 @@ pub struct Gpu {
     errors: Arc<Mutex<Option<String>>>,
     pub(crate) pipelines: super::pipeline::PipelineCache,
     matmul: MatmulPath,
+    /// Bit `1 << path` for each path a many-token product took since `take_matmul`.
     last_matmul: std::sync::atomic::AtomicU8,
     scratch: Mutex<std::collections::HashMap<&'static str, wgpu::Buffer>>,
 }
@@ -284,7 +285,7 @@ impl Gpu {
             errors,
             pipelines: Default::default(),
             matmul,
-            last_matmul: std::sync::atomic::AtomicU8::new(MatmulPath::None as u8),
+            last_matmul: std::sync::atomic::AtomicU8::new(0),
             scratch: Default::default(),
         })
     }
@@ -314,18 +315,25 @@ impl Gpu {
         self.matmul
     }
 
-    /// The path the last many-token product ran on (`lathe bench --json` `"matmul"`).
-    pub fn last_matmul(&self) -> MatmulPath {
-        match self.last_matmul.load(std::sync::atomic::Ordering::Relaxed) {
-            1 => MatmulPath::Tiled,
-            2 => MatmulPath::Coop,
-            _ => MatmulPath::None,
+    /// The paths many-token products ran on since the last call (`lathe bench --json`
+    /// `"matmul"`): `Coop` when any product took the matrix units (products kept in f32 on
+    /// purpose, `MatvecOpts::exact`, run tiled beside them), else `Tiled`, else `None`.
+    pub fn take_matmul(&self) -> MatmulPath {
+        let used = self
+            .last_matmul
+            .swap(0, std::sync::atomic::Ordering::Relaxed);
+        if used & (1 << MatmulPath::Coop as u8) != 0 {
+            MatmulPath::Coop
+        } else if used & (1 << MatmulPath::Tiled as u8) != 0 {
+            MatmulPath::Tiled
+        } else {
+            MatmulPath::None
         }
     }
 
     pub(crate) fn note_matmul(&self, path: MatmulPath) {
         self.last_matmul
-            .store(path as u8, std::sync::atomic::Ordering::Relaxed);
+            .fetch_or(1 << path as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// One line for stderr: adapter, backend, the limits that shape buffer splitting and the
