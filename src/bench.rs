@@ -136,7 +136,7 @@ pub struct BenchReport {
     /// GPU time of one prefill of `n_prompt` tokens by kernel, as `kernels`.
     pub prefill_kernels: Option<Vec<KernelTime>>,
     /// Where a MoE model's routed experts were at the end (`None` for a dense model).
-    pub placement: Option<crate::gpu::moe::PlacementReport>,
+    pub placement: Option<crate::moe::PlacementReport>,
     /// The product path the timed prefills ran (`coop` when the matrix units took products,
     /// `tiled`, `none` without prefill or when every product took matvec).
     pub matmul: &'static str,
@@ -319,7 +319,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             "nothing to measure: -p and -n are both 0".into(),
         ));
     }
-    let file = crate::models::ModelFile::open(path)?;
+    let file = crate::model_file::ModelFile::open(path)?;
     let arch = file.architecture()?;
     drop(file);
     let load_opts = LoadOptions {

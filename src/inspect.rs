@@ -1,6 +1,6 @@
 //! `lathe inspect`: what a model file holds, and what a decode step reads.
 
-use crate::models::ModelFile;
+use crate::model_file::ModelFile;
 use crate::{DType, Result};
 use std::collections::BTreeMap;
 use std::fmt::Write;

@@ -209,7 +209,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
         }
         Cmd::Inspect { path } => {
             let path = resolve_model(path)?;
-            let f = lathe::models::ModelFile::open(&path)?;
+            let f = lathe::model_file::ModelFile::open(&path)?;
             print!("{}", lathe::inspect::report(&f)?);
             Ok(())
         }

@@ -35,3 +35,22 @@ impl<'a> TensorRef<'a> {
         (self.row_len() as usize / self.dtype.block_size()) * self.dtype.block_bytes()
     }
 }
+
+/// One matrix of a stack (e.g. one routed expert's gate): `rows × cols` elements of `dtype` (rows contiguous, ggml blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MatShape {
+    pub dtype: DType,
+    pub rows: u64,
+    pub cols: u64,
+}
+
+impl MatShape {
+    /// Bytes of one stored row (0 when `cols` is not a whole number of blocks).
+    pub fn row_bytes(&self) -> u64 {
+        self.dtype.bytes_for(self.cols).unwrap_or(0)
+    }
+    /// Bytes of one expert's matrix.
+    pub fn bytes(&self) -> u64 {
+        self.row_bytes() * self.rows
+    }
+}

@@ -39,44 +39,6 @@ const LAYERS: &[&[&str]] = &[
     &["cli", "main", "bin", "lib"],
 ];
 
-/// Imports from a lower layer to a higher one that are known and not yet removed, as
-/// (importing file, imported file). The test fails on any other upward import, and on an
-/// entry here that no longer happens (remove it then).
-const KNOWN_UPWARD: &[(&str, &str)] = &[
-    ("src/cpu/moe.rs", "src/moe/layout.rs"),
-    ("src/cpu/moe.rs", "src/moe/mod.rs"),
-    ("src/gpu/moe.rs", "src/engine.rs"),
-    ("src/gpu/moe.rs", "src/models/mod.rs"),
-    ("src/gpu/moe.rs", "src/moe/budget.rs"),
-    ("src/gpu/moe.rs", "src/moe/cache.rs"),
-    ("src/gpu/moe.rs", "src/moe/layout.rs"),
-    ("src/gpu/moe.rs", "src/moe/mod.rs"),
-    ("src/gpu/moe.rs", "src/moe/plan.rs"),
-    ("src/gpu/moe.rs", "src/moe/stats.rs"),
-    ("src/gpu/topk.rs", "src/sample/mod.rs"),
-    ("src/inspect.rs", "src/models/mod.rs"),
-    ("src/models/deepseek4/gpu.rs", "src/engine.rs"),
-    ("src/models/qwen35/gpu.rs", "src/engine.rs"),
-    ("src/moe/budget.rs", "src/engine.rs"),
-    ("src/moe/budget.rs", "src/models/deepseek4/mod.rs"),
-    ("src/moe/budget.rs", "src/models/mod.rs"),
-    ("src/moe/budget.rs", "src/models/qwen35/mod.rs"),
-    ("src/moe/layout.rs", "src/models/mod.rs"),
-    ("src/sample/mod.rs", "src/engine.rs"),
-];
-
-/// Circles of files known and not yet broken (sorted file lists); the test fails on any
-/// other circle, and on an entry here that no longer happens.
-const KNOWN_CIRCLES: &[&[&str]] = &[&[
-    "src/engine.rs",
-    "src/gpu/moe.rs",
-    "src/gpu/topk.rs",
-    "src/models/deepseek4/gpu.rs",
-    "src/models/qwen35/gpu.rs",
-    "src/moe/budget.rs",
-    "src/sample/mod.rs",
-]];
-
 /// Folders whose files may import each other in a circle (the quant block types share
 /// tables and helpers both ways).
 const CIRCLES_ALLOWED_UNDER: &[&str] = &["src/quant/"];
@@ -572,19 +534,9 @@ fn layers_point_one_way() {
         println!("  {n:5} {f}");
     }
 
-    let known: BTreeSet<(String, String)> = KNOWN_UPWARD
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    let new: Vec<_> = up.iter().filter(|e| !known.contains(*e)).collect();
     assert!(
-        new.is_empty(),
-        "files that import a higher layer (see LAYERS in tests/layers.rs): {new:#?}"
-    );
-    let gone: Vec<_> = known.iter().filter(|e| !up.contains(e)).collect();
-    assert!(
-        gone.is_empty(),
-        "KNOWN_UPWARD entries that no longer happen (remove them): {gone:#?}"
+        up.is_empty(),
+        "files that import a higher layer (see LAYERS in tests/layers.rs): {up:#?}"
     );
     let bad: Vec<_> = circ
         .iter()
@@ -592,19 +544,10 @@ fn layers_point_one_way() {
             !c.iter()
                 .all(|f| CIRCLES_ALLOWED_UNDER.iter().any(|d| f.starts_with(d)))
         })
-        .filter(|c| !KNOWN_CIRCLES.iter().any(|k| k == c))
         .collect();
     assert!(
         bad.is_empty(),
         "files that import each other in a circle: {bad:#?}"
-    );
-    let gone: Vec<_> = KNOWN_CIRCLES
-        .iter()
-        .filter(|k| !circ.iter().any(|c| c == *k))
-        .collect();
-    assert!(
-        gone.is_empty(),
-        "KNOWN_CIRCLES entries that no longer happen (remove them): {gone:#?}"
     );
 }
 

@@ -8,7 +8,7 @@
 use lathe::cpu::moe::{combine_slots, expert_rows};
 use lathe::gpu::elementwise::{self as ew, View};
 use lathe::gpu::matvec::{self, MatvecOpts};
-use lathe::gpu::moe::{read_back, remap, scatter_rows, ExpertArena, RemapTables};
+use lathe::gpu::moe::{read_back, remap, scatter_rows};
 use lathe::gpu::{AdapterChoice, Gpu};
 use lathe::models::ModelFile;
 use lathe::moe::budget::{default_margin, ASSUMED_MEMORY};
@@ -17,6 +17,7 @@ use lathe::moe::{
     ExpertMats, ExpertStats, ExpertWeights, Fill, MatShape, MemSource, MoeInfo, MoeLayerInfo,
     Placement, ResidencyCache, COLD,
 };
+use lathe::moe::{fill_arena, new_arena, remap_tables, write_expert};
 use lathe::DType;
 use std::path::{Path, PathBuf};
 
@@ -1064,7 +1065,7 @@ fn remap_and_scatter_kernels_match_the_cpu() {
     let Some(gpu) = gpu() else { return };
     let info = uniform_info(3, 37, 4);
     let p = Placement::new(&info, Fill::Fraction(0.4), None).unwrap();
-    let tables = RemapTables::new(&gpu, &p).unwrap();
+    let tables = remap_tables(&gpu, &p).unwrap();
     let mut rng = Rng(3);
     // 1000 ids at offset 5, some out of range (padding); slots written at offset 9.
     let n = 1000usize;
@@ -1131,14 +1132,14 @@ fn arena_slots_hold_the_mapped_bytes() {
         .iter()
         .map(|m| ExpertWeights::from_file(&f, m).unwrap())
         .collect();
-    let arena = ExpertArena::new(&gpu, &p).unwrap();
-    arena.fill(&gpu, &p, &weights).unwrap();
+    let arena = new_arena(&gpu, &p).unwrap();
+    fill_arena(&arena, &gpu, &p, &weights, &mut |_, _| {}).unwrap();
     let g = arena.group(0).unwrap();
     assert_eq!(g.n_slots, 16);
     for (lp, w) in p.layers.iter().zip(&weights) {
         for (e, s) in lp.hot() {
             for kind in lathe::moe::Kind::ALL {
-                let t = g.get(kind);
+                let t = g.get(kind as usize);
                 let eb = w.mats(kind).shape.bytes();
                 let got = gpu
                     .read_bytes(&t.parts[0].buffer, s as u64 * eb, eb)
@@ -1197,14 +1198,14 @@ fn arena_slots_hold_the_mapped_bytes() {
         other_decode_bytes: 0,
     };
     let p = Placement::new(&info, Fill::Fraction(1.0), None).unwrap();
-    let arena = ExpertArena::new(&gpu, &p).unwrap();
-    arena.fill(&gpu, &p, std::slice::from_ref(&w)).unwrap();
-    arena.write_expert(&gpu, 0, 1, &w, 3).unwrap(); // slot 1 now holds expert 3
+    let arena = new_arena(&gpu, &p).unwrap();
+    fill_arena(&arena, &gpu, &p, std::slice::from_ref(&w), &mut |_, _| {}).unwrap();
+    write_expert(&arena, &gpu, 0, 1, &w, 3).unwrap(); // slot 1 now holds expert 3
     let g = arena.group(0).unwrap();
     for kind in lathe::moe::Kind::ALL {
         let eb = w.mats(kind).shape.bytes();
         let all = gpu
-            .read_bytes(&g.get(kind).parts[0].buffer, 0, eb * 4)
+            .read_bytes(&g.get(kind as usize).parts[0].buffer, 0, eb * 4)
             .unwrap();
         for (s, e) in [(0usize, 0usize), (1, 3), (2, 2), (3, 3)] {
             assert_eq!(
@@ -1214,8 +1215,8 @@ fn arena_slots_hold_the_mapped_bytes() {
             );
         }
     }
-    assert!(arena.write_expert(&gpu, 0, 4, &w, 0).is_err());
-    assert!(arena.write_expert(&gpu, 0, 0, &w, 4).is_err());
+    assert!(write_expert(&arena, &gpu, 0, 4, &w, 0).is_err());
+    assert!(write_expert(&arena, &gpu, 0, 0, &w, 4).is_err());
 }
 
 /// The recipe of `moe/mod.rs` end to end on the q4_0 fixture: the routed sum with all
@@ -1264,9 +1265,9 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
             ..info.clone()
         };
         let p = Placement::new(&sub, Fill::Fraction(fraction), None).unwrap();
-        let arena = ExpertArena::new(gpu, &p).unwrap();
-        arena.fill(gpu, &p, std::slice::from_ref(&w)).unwrap();
-        let tables = RemapTables::new(gpu, &p).unwrap();
+        let arena = new_arena(gpu, &p).unwrap();
+        fill_arena(&arena, gpu, &p, std::slice::from_ref(&w), &mut |_, _| {}).unwrap();
+        let tables = remap_tables(gpu, &p).unwrap();
         let g = arena.group(0).unwrap();
         let buf = |n: usize, l: &str| gpu.buffer(n as u64 * 4, l).unwrap();
         let (slots, fg, fu, o) = (
@@ -1484,7 +1485,7 @@ fn plan_command_prints_a_sane_table() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("size `lots`"));
 }
 
-/// `lathe plan` and a load budget alike (`moe::model_budget`), and a DeepSeek-V4 file's KV is
+/// `lathe plan` and a load budget alike (`models::model_budget`), and a DeepSeek-V4 file's KV is
 /// estimated at f32, the cache type its `auto` resolves to.
 #[test]
 fn plan_command_agrees_with_the_loader() {

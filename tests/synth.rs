@@ -303,7 +303,7 @@ fn release_presets_have_the_released_sizes() {
             .data_bytes() as f64
             / 1e9
     };
-    // llama.cpp's Q4_K_M files: 9B 5.7 GB, 35B-A3B 21 GB; FACTS.md: DeepSeek-V4-Flash cut to
+    // llama.cpp's Q4_K_M files: 9B 5.7 GB, 35B-A3B 21 GB; llama.cpp's quantize: DeepSeek-V4-Flash cut to
     // 8 layers (Q8_0 + MXFP4 experts) 27.7 GiB.
     let nine = gb("qwen3.5-9b", None);
     assert!((5.0..6.5).contains(&nine), "9B: {nine} GB");

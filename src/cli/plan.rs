@@ -10,8 +10,8 @@
 //! CPU experts reached with 16 threads on the H200's host: 20 Q4_K_M layers at 50.6 tok/s).
 //! Pass your own measurements for other machines.
 //!
-//! The budget is `moe::model_budget`, the call the loaders place experts with (KV, recurrent
-//! state and activation bytes from `moe::needs`: Qwen3.5 family and DeepSeek-V4; other
+//! The budget is `models::model_budget`, the one the loaders place experts with (KV, recurrent
+//! state and activation bytes from `models::needs`: Qwen3.5 family and DeepSeek-V4; other
 //! architectures count only weights and the margin), so with the same `--gpu-mem`, `--ctx`,
 //! KV type and sequences a load gives the arena this report shows.
 
@@ -19,10 +19,9 @@ use clap::Args;
 use lathe::engine::KvType;
 use lathe::gpu::AdapterChoice;
 use lathe::inspect::human_bytes;
-use lathe::models::ModelFile;
-use lathe::moe::{
-    model_budget, parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, Placement, RunShape,
-};
+use lathe::model_file::ModelFile;
+use lathe::models::model_budget;
+use lathe::moe::{parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, Placement, RunShape};
 use lathe::{Error, Result};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -123,7 +122,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         }
         None => None,
     };
-    // The loaders' own budget (`moe::model_budget`), for this run shape.
+    // The loaders' own budget (`models::model_budget`), for this run shape.
     let run = RunShape {
         kv: a.kv_type,
         ctx: a.ctx,

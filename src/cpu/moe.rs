@@ -18,11 +18,57 @@
 //! top-k slot) position and the fixed-order sum of `moe/mod.rs` ("Summation contract") adds
 //! them. [`combine_slots`] is that sum on the CPU.
 
-use crate::moe::{ColdPair, ExpertWeights};
 use crate::quant;
+use crate::tensor::MatShape;
 use crate::{Error, Result};
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::ops::Range;
+
+/// The three matrices of a SwiGLU expert: `down(silu(gate·x) ⊙ up·x)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Gate,
+    Up,
+    Down,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Gate, Kind::Up, Kind::Down];
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Gate => "gate",
+            Kind::Up => "up",
+            Kind::Down => "down",
+        }
+    }
+}
+
+/// One routed (token, expert) pair computed on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ColdPair {
+    /// Row of the batch.
+    pub token: u32,
+    /// Top-k position (0..n_used): where the output goes in the fixed-order sum.
+    pub slot: u32,
+    pub expert: u32,
+    /// Scale of the output row: 1 when the GPU applies the router weight in its combine
+    /// (the summation contract of `moe/mod.rs`); the router weight for a CPU-only sum.
+    pub weight: f32,
+}
+
+/// One MoE layer's routed experts as [`expert_rows`] reads them; `moe::ExpertWeights`
+/// (rows borrowed from the mapped file, or repacked from a release's block-scaled tensors)
+/// is the one the offload passes.
+pub trait Experts: Sync {
+    /// Model layer (for error messages).
+    fn layer(&self) -> usize;
+    fn n_expert(&self) -> usize;
+    /// Shape of every expert's `kind` matrix.
+    fn shape(&self, kind: Kind) -> MatShape;
+    /// Rows `r0..r0 + n` of expert `e`'s `kind` matrix in `shape(kind).dtype`.
+    fn rows(&self, kind: Kind, e: usize, r0: usize, n: usize) -> Result<Cow<'_, [u8]>>;
+}
 
 /// Multiply-adds per rayon task: 64 K, e.g. 32 rows × 2048 for one token or 4 rows × 2048 ×
 /// 8 tokens in a prefill. About 10-30 µs with `quant::dot`'s AVX2 kernels (0.1-0.2 ns per
@@ -102,14 +148,15 @@ fn tasks<'b>(
 /// repacked. Any stored type `quant::dot` reads works (block-scaled release experts arrive as
 /// MXFP4 or `F8_E4M3_B128` rows, repacked per task of [`rows_per_task`] rows).
 pub fn expert_rows(
-    w: &ExpertWeights<'_>,
+    w: &(impl Experts + ?Sized),
     x: &[f32],
     pairs: &[ColdPair],
     limit: Option<f32>,
     out: &mut [f32],
 ) -> Result<()> {
-    let (e_dim, ff) = (w.n_embd(), w.n_ff());
-    let layer = w.layer;
+    let (gs, us, ds) = (w.shape(Kind::Gate), w.shape(Kind::Up), w.shape(Kind::Down));
+    let (e_dim, ff) = (gs.cols as usize, gs.rows as usize);
+    let layer = w.layer();
     if e_dim == 0 || !x.len().is_multiple_of(e_dim) {
         return Err(Error::Invalid(format!(
             "moe layer {layer}: {} activations are not rows of {e_dim}",
@@ -158,11 +205,8 @@ pub fn expert_rows(
     let (act_t, y) = rest.split_at_mut(ff * total_pairs);
 
     // Phase 1: act = swiglu(gate·x, up·x), each row read once for all of its group's tokens.
-    let (gd, ud) = (w.gate.shape.dtype, w.up.shape.dtype);
-    let (gb, ub) = (
-        w.gate.shape.row_bytes() as usize,
-        w.up.shape.row_bytes() as usize,
-    );
+    let (gd, ud) = (gs.dtype, us.dtype);
+    let (gb, ub) = (gs.row_bytes() as usize, us.row_bytes() as usize);
     tasks(act, &groups, ff, e_dim)
         .into_par_iter()
         .try_for_each(|(gi, r0, chunk)| -> Result<()> {
@@ -171,7 +215,7 @@ pub fn expert_rows(
             let np = gx.len();
             let n = chunk.len() / np;
             // The task's rows (repacked here for block-scaled release experts).
-            let (g, u) = (w.gate.rows(*e, r0, n)?, w.up.rows(*e, r0, n)?);
+            let (g, u) = (w.rows(Kind::Gate, *e, r0, n)?, w.rows(Kind::Up, *e, r0, n)?);
             let (mut up_stack, mut up_heap) = ([0f32; STACK_PAIRS], Vec::new());
             let up: &mut [f32] = if np <= STACK_PAIRS {
                 &mut up_stack[..np]
@@ -205,14 +249,14 @@ pub fn expert_rows(
     let acts: Vec<&[f32]> = act_t.chunks(ff).collect();
 
     // Phase 2: y [n_embd, n_pairs(g)] per group = down · act.
-    let dd = w.down.shape.dtype;
-    let db = w.down.shape.row_bytes() as usize;
+    let dd = ds.dtype;
+    let db = ds.row_bytes() as usize;
     tasks(y, &groups, e_dim, ff)
         .into_par_iter()
         .try_for_each(|(gi, r0, chunk)| -> Result<()> {
             let (e, range) = &groups[gi];
             let ga = &acts[range.clone()];
-            let d = w.down.rows(*e, r0, chunk.len() / ga.len())?;
+            let d = w.rows(Kind::Down, *e, r0, chunk.len() / ga.len())?;
             for (i, row_out) in chunk.chunks_mut(ga.len()).enumerate() {
                 quant::dot_many(dd, &d[i * db..(i + 1) * db], ga, row_out);
             }
@@ -237,7 +281,7 @@ pub fn expert_rows(
 }
 
 /// The fixed-order routed sum on the CPU: `out[t] += Σ_s w[t,s] · y[t,s]`, s ascending, one
-/// multiply-add per slot as the GPU's per-slot `axpy_row` does. `y` is `[n_tokens, n_used,
+/// multiply-add per slot as the GPU's combine (`moe_combine`) does. `y` is `[n_tokens, n_used,
 /// n_embd]` unweighted expert outputs, `w` `[n_tokens, n_used]`, `out` `[n_tokens, n_embd]`.
 #[track_caller]
 pub fn combine_slots(out: &mut [f32], y: &[f32], w: &[f32], n_used: usize) {

@@ -149,7 +149,7 @@ fn pos_freq(theta: f32, i: usize, n_rot: usize) -> f32 {
 }
 
 /// YaRN frequency correction parameters (no magnitude scaling: DeepSeek-V4's compressed
-/// layers use the frequencies only; see FACTS.md).
+/// layers use the frequencies only, as DeepSeek's `inference/model.py` `precompute_freqs_cis`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Yarn {
     /// Context extension factor (`rope_factor`, DeepSeek-V4: 16).

@@ -3,28 +3,7 @@
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
-/// Which adapter to use. `Default` picks the first discrete GPU, then any GPU, then a CPU
-/// adapter (lavapipe), so `lathe run` works unchanged on a laptop, a server and in CI.
-#[derive(Clone, Debug, Default)]
-pub enum AdapterChoice {
-    #[default]
-    Auto,
-    /// Index into [`list_adapters`].
-    Index(usize),
-    /// Case-insensitive substring of the adapter name.
-    Name(String),
-}
-
-impl std::str::FromStr for AdapterChoice {
-    type Err = std::convert::Infallible;
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(match s.parse::<usize>() {
-            Ok(i) => AdapterChoice::Index(i),
-            Err(_) if s.eq_ignore_ascii_case("auto") => AdapterChoice::Auto,
-            Err(_) => AdapterChoice::Name(s.to_string()),
-        })
-    }
-}
+pub use crate::forward::{AdapterChoice, MatmulChoice};
 
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     // No display handle: lathe is headless compute.
@@ -83,30 +62,6 @@ pub struct Gpu {
     /// Bit `1 << path` for each path a many-token product took since `take_matmul`.
     last_matmul: std::sync::atomic::AtomicU8,
     scratch: Mutex<std::collections::HashMap<&'static str, wgpu::Buffer>>,
-}
-
-/// Which kernels run products of many tokens (`--matmul`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum MatmulChoice {
-    /// The matrix units where the adapter has them, else the tiled kernel.
-    #[default]
-    Auto,
-    /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
-    Coop,
-    /// The portable tiled f32 kernel.
-    Tiled,
-}
-
-impl std::str::FromStr for MatmulChoice {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(MatmulChoice::Auto),
-            "coop" => Ok(MatmulChoice::Coop),
-            "tiled" | "f32" => Ok(MatmulChoice::Tiled),
-            _ => Err(format!("--matmul {s}: expected auto, coop or tiled")),
-        }
-    }
 }
 
 /// The product path a device runs (see [`MatmulChoice`]).

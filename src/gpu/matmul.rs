@@ -172,11 +172,8 @@ impl MoeRoute {
                 "moe route: {n_expert} experts (1..=65536), {max_pairs} pairs"
             )));
         }
-        let tiles_off = 2 + 2 * n_expert;
-        let max_tiles = max_pairs.div_ceil(BN) + n_expert;
-        let pairs_off = tiles_off + max_tiles;
-        let words = pairs_off as u64 + max_pairs as u64;
-        let buffer = gpu.buffer(words * 4, "moe_route")?;
+        let (tiles_off, pairs_off) = Self::offsets(n_expert, max_pairs);
+        let buffer = gpu.buffer(Self::bytes(n_expert, max_pairs), "moe_route")?;
         Ok(MoeRoute {
             buffer,
             n_expert,
@@ -184,6 +181,18 @@ impl MoeRoute {
             tiles_off,
             pairs_off,
         })
+    }
+
+    /// Word offsets of the tile list and the pair list in the buffer.
+    fn offsets(n_expert: u32, max_pairs: u32) -> (u32, u32) {
+        let tiles_off = 2 + 2 * n_expert;
+        let max_tiles = max_pairs.div_ceil(BN) + n_expert;
+        (tiles_off, tiles_off + max_tiles)
+    }
+
+    /// Bytes of the buffer [`MoeRoute::new`] makes (for memory budgets).
+    pub fn bytes(n_expert: u32, max_pairs: u32) -> u64 {
+        (Self::offsets(n_expert, max_pairs).1 as u64 + max_pairs as u64) * 4
     }
 
     /// Upper bound on the tile count for `n_pairs` pairs (the matmul_id grid height).

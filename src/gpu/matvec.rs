@@ -18,7 +18,7 @@
 //! bound by instruction issue (decode, int->float converts), not memory: see the bench.
 //!
 //! int8 activations ([`matvec_q8x`], [`matvec_indexed_q8x`], opt-in through
-//! [`MatvecOpts::int8_x`] or [`DecodeKernels`]): x is quantized once per product (or once for
+//! [`MatvecOpts::int8_x`]): x is quantized once per product (or once for
 //! several products sharing it, [`quantize_x`]) to blocks of 32 int8 codes with an f32 scale,
 //! ggml's `block_q8_1` numerics (CPU reference `cpu::q8x::quantize_x`); the Q4_0, Q8_0, Q4_K,
 //! Q5_K and Q6_K kernels then multiply integer codes four at a time (`dot4I8Packed`) and convert
@@ -90,23 +90,6 @@ pub struct MatvecOpts {
     /// products that feed a discrete choice (router top-k, DeepSeek's indexer and
     /// hyper-connection mixes), where f16 rounding flips near-ties and with them the output.
     pub exact: bool,
-}
-
-/// Decode-kernel choices a model passes down to its products; the default is the f32-x path.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DecodeKernels {
-    /// Dense matvecs quantize x to int8 (see [`MatvecOpts::int8_x`]).
-    pub int8_x: bool,
-}
-
-impl DecodeKernels {
-    /// Base options carrying these choices: `MatvecOpts { accumulate, ..k.opts() }`.
-    pub fn opts(&self) -> MatvecOpts {
-        MatvecOpts {
-            int8_x: self.int8_x,
-            ..Default::default()
-        }
-    }
 }
 
 /// How matvec splits a row group over a workgroup.

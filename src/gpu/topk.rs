@@ -24,9 +24,7 @@ pub const CHUNK: u32 = 4096;
 pub const ROUTER_MAX_EXPERTS: u32 = 2048;
 /// Largest k of [`topk`] (its [`TopkScratch`] is sized for it).
 pub const MAX_K: u32 = 16;
-/// Largest k of [`LogitsTop`]: covers llama.cpp's default sampler top-k of 40 and the
-/// OpenAI API's 20 `top_logprobs`.
-pub const MAX_TOP_K: u32 = 64;
+pub use crate::forward::MAX_TOP_K;
 
 /// Uniforms of `topk.wgsl` (same fields, same order).
 #[repr(C)]
@@ -70,7 +68,8 @@ impl TopkScratch {
     }
 
     /// Enough for `n_rows` rows of `n` elements at any k ≤ `max_k`.
-    fn for_k(gpu: &Gpu, n_rows: u32, n: u32, max_k: u32) -> Result<TopkScratch> {
+    /// u32 words of the two ping-pong buffers.
+    fn words(n_rows: u32, n: u32, max_k: u32) -> [u64; 2] {
         // Stage sizes grow with k, so the largest k bounds every smaller one.
         let st = stages(n, max_k);
         let mut words = [1u64, 1u64];
@@ -78,6 +77,11 @@ impl TopkScratch {
             let c = m.div_ceil(CHUNK) as u64 * max_k as u64 * 2 * n_rows as u64;
             words[s % 2] = words[s % 2].max(c);
         }
+        words
+    }
+
+    fn for_k(gpu: &Gpu, n_rows: u32, n: u32, max_k: u32) -> Result<TopkScratch> {
+        let words = Self::words(n_rows, n, max_k);
         Ok(TopkScratch {
             bufs: [
                 gpu.buffer(words[0] * 4, "topk.scratch0")?,
@@ -384,6 +388,17 @@ impl LogitsTop {
         })
     }
 
+    /// Bytes [`LogitsTop::new`] allocates for `rows` rows of `n` (for memory budgets).
+    pub fn bytes(rows: u32, n: u32) -> u64 {
+        let rows = rows.max(1);
+        let scratch = if needs_scratch(n) {
+            TopkScratch::words(rows, n, MAX_TOP_K).iter().sum::<u64>() * 4
+        } else {
+            0
+        };
+        scratch + rows as u64 * top_row(MAX_TOP_K) as u64 * 4
+    }
+
     /// Result rows it holds.
     pub fn rows(&self) -> u32 {
         self.rows
@@ -441,7 +456,7 @@ impl LogitsTop {
         n_rows: u32,
         k: u32,
         lse: bool,
-    ) -> Result<Vec<crate::sample::TopLogits>> {
+    ) -> Result<Vec<crate::forward::TopLogits>> {
         if n_rows == 0 {
             return Ok(Vec::new());
         }
@@ -455,7 +470,7 @@ impl LogitsTop {
                     .map(|j| (w[j], f32::from_bits(w[k + j])))
                     .filter(|c| c.0 != u32::MAX)
                     .collect();
-                crate::sample::TopLogits {
+                crate::forward::TopLogits {
                     cands,
                     lse: lse.then(|| f32::from_bits(w[2 * k])),
                 }

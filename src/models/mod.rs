@@ -2,77 +2,136 @@
 //! (from GGUF metadata or `config.json`), tensor loading (one name table per format, with
 //! the value transforms that make both formats one layout), and the forward pass.
 //!
-//! This file holds what every family shares: the opened model file and the description of
-//! a weight as the loaders hand it to a backend (GPU upload or CPU reference).
+//! This file holds what every family shares: the description of a weight as the loaders hand
+//! it to a backend (GPU upload or CPU reference); the opened file is `crate::model_file`.
 
 pub mod deepseek4;
 pub mod qwen35;
 
-use crate::gguf::GgufFile;
-use crate::safetensors::HfModel;
+use crate::forward::{LoadOptions, Logits, Want};
+use crate::gpu::Gpu;
+pub use crate::model_file::ModelFile;
+use crate::moe::{budget_for, Budget, MoeInfo, Needs, Offload, RunShape};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
-use std::path::{Path, PathBuf};
+use std::any::Any;
+use std::path::Path;
+use std::sync::Arc;
 
-/// A model file: a GGUF (possibly split) or a Hugging Face checkpoint directory.
-pub enum ModelFile {
-    Gguf(GgufFile),
-    Hf(HfModel),
+/// Architecture names of the Qwen3.5 family: GGUF `general.architecture`, HF `architectures`.
+const QWEN35_ARCHS: &[&str] = &[
+    "qwen35",
+    "qwen35moe",
+    "qwen3next",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+];
+
+/// Architecture names of DeepSeek-V4.
+const DEEPSEEK4_ARCHS: &[&str] = &["deepseek4", "DeepseekV4ForCausalLM"];
+
+/// Load the model in `file` onto `gpu` with its family's forward.
+pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<Box<dyn Forward>> {
+    let arch = file.architecture()?;
+    if QWEN35_ARCHS.contains(&arch.as_str()) {
+        Ok(Box::new(qwen35::gpu::GpuModel::load(gpu, file, opts)?))
+    } else if DEEPSEEK4_ARCHS.contains(&arch.as_str()) {
+        Ok(Box::new(deepseek4::gpu::GpuModel::load(gpu, file, opts)?))
+    } else {
+        Err(Error::Unsupported(format!(
+            "{}: architecture {arch}",
+            file.path().display()
+        )))
+    }
 }
 
-impl ModelFile {
-    /// Open `path`: a directory is a HF checkpoint, anything else a GGUF file.
-    pub fn open(path: impl AsRef<Path>) -> Result<ModelFile> {
-        let path = path.as_ref();
-        if !path.exists() {
-            return Err(Error::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
-            ));
-        }
-        if path.is_dir() {
-            Ok(ModelFile::Hf(HfModel::open(path)?))
-        } else {
-            Ok(ModelFile::Gguf(GgufFile::open(path)?))
-        }
+/// What the engine asks of a loaded model, whatever its family: one implementation per
+/// family (`qwen35::gpu::GpuModel`, `deepseek4::gpu::GpuModel`), so the engine holds one
+/// `Box<dyn Forward>` and never matches on the family.
+pub trait Forward: Send {
+    fn vocab_size(&self) -> usize;
+    /// A new sequence (at most `LoadOptions::max_seqs` live at once where the family pools
+    /// its state).
+    fn new_seq(&self) -> Result<Seq>;
+    /// Forget the sequence's history.
+    fn reset(&self, seq: &mut Seq) -> Result<()>;
+    /// Make `dst` hold exactly what `src` holds, by copies on the GPU.
+    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()>;
+    /// Feed several sequences (their `Want`s checked by the caller); per item its logits.
+    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>>;
+    /// Feed `tokens`; logits of every token (`all`) or of the last one, `[n, vocab]`.
+    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>>;
+    /// One greedy pass over `tokens` (a decode step or a prefill), timed per dispatch:
+    /// `(label, ns)` in order.
+    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>>;
+    /// The expert offload, when the model has one.
+    fn offload(&self) -> Option<&Offload>;
+    /// Routed experts over all MoE layers (0 for a dense model).
+    fn routed_experts(&self) -> usize;
+    /// Longest context the KV caches can grow to where a binding limit bounds it.
+    fn max_context(&self) -> Option<usize>;
+}
+
+/// One sequence's state (KV cache, recurrent state, position) for a model of any family:
+/// the family's own type, which the model checks when it gets the sequence back.
+pub struct Seq(Box<dyn SeqState>);
+
+/// A family's per-sequence state.
+pub trait SeqState: Any + Send {
+    /// Tokens consumed so far.
+    fn pos(&self) -> usize;
+}
+
+fn other_model() -> Error {
+    Error::Invalid("sequence from another model".into())
+}
+
+impl Seq {
+    pub fn new(state: impl SeqState) -> Seq {
+        Seq(Box::new(state))
     }
 
-    pub fn path(&self) -> PathBuf {
-        match self {
-            ModelFile::Gguf(g) => g.path().to_path_buf(),
-            ModelFile::Hf(h) => h.dir().to_path_buf(),
-        }
+    /// Tokens this sequence has consumed.
+    pub fn pos(&self) -> usize {
+        self.0.pos()
     }
 
-    /// The architecture name: GGUF `general.architecture` (`qwen35`, `deepseek4`, ...) or
-    /// the first of HF `architectures` (`Qwen3_5ForCausalLM`, ...).
-    pub fn architecture(&self) -> Result<String> {
-        match self {
-            ModelFile::Gguf(g) => Ok(g.architecture()?.to_string()),
-            ModelFile::Hf(h) => h.architecture(),
-        }
+    /// The family's state; an error for a sequence of another model.
+    pub fn get<T: SeqState>(&self) -> Result<&T> {
+        let any: &dyn Any = &*self.0;
+        any.downcast_ref().ok_or_else(other_model)
     }
 
-    pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
-        match self {
-            ModelFile::Gguf(g) => g.tensor(name),
-            ModelFile::Hf(h) => h.tensor(name),
-        }
+    /// [`Seq::get`], mutable.
+    pub fn get_mut<T: SeqState>(&mut self) -> Result<&mut T> {
+        let any: &mut dyn Any = &mut *self.0;
+        any.downcast_mut().ok_or_else(other_model)
     }
+}
 
-    pub fn require(&self, name: &str) -> Result<TensorRef<'_>> {
-        match self {
-            ModelFile::Gguf(g) => g.require(name),
-            ModelFile::Hf(h) => h.require(name),
-        }
+/// What the model in `f` needs beside its weights for `run`: its family's `needs` (the one
+/// its loader budgets with). Architectures without one count nothing (see `Needs::note`).
+pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
+    if let Ok(hp) = qwen35::Hparams::from_file(f) {
+        return qwen35::gpu::needs(&hp, run);
     }
+    if let Ok(hp) = deepseek4::Hparams::from_file(f) {
+        return deepseek4::gpu::needs(&hp, run);
+    }
+    Needs {
+        note: Some("unknown architecture: KV, state and activations not counted".into()),
+        ..Default::default()
+    }
+}
 
-    pub fn tensors(&self) -> Box<dyn Iterator<Item = TensorRef<'_>> + '_> {
-        match self {
-            ModelFile::Gguf(g) => Box::new(g.tensors()),
-            ModelFile::Hf(h) => Box::new(h.tensors()),
-        }
-    }
+/// The budget of `f` (whose experts `info` describes) on `memory` bytes for `run`: [`needs`]
+/// into `moe::budget_for`, as the loaders place experts with, so `lathe plan` agrees.
+pub fn model_budget(f: &ModelFile, info: &MoeInfo, memory: u64, run: RunShape) -> (Budget, Needs) {
+    let nd = needs(f, run);
+    (budget_for(info, memory, run.ctx, &nd), nd)
 }
 
 /// A weight as a loader hands it to a backend: stored bytes straight from the mmap, a

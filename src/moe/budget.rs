@@ -253,11 +253,11 @@ pub struct Needs {
     pub note: Option<String>,
 }
 
-/// The run a budget is for (the loaders take it from `LoadOptions`, `lathe plan` from its
-/// flags).
+/// The run a budget is for (the loaders take it from `LoadOptions` by [`RunShape::new`],
+/// `lathe plan` from its flags).
 #[derive(Clone, Copy, Debug)]
 pub struct RunShape {
-    pub kv: crate::engine::KvType,
+    pub kv: crate::forward::KvType,
     /// Context length the caches are sized for.
     pub ctx: u64,
     /// Rows of one pass (the loaders' `DEFAULT_BATCH`).
@@ -266,108 +266,30 @@ pub struct RunShape {
     pub seqs: u64,
 }
 
-/// The budget of `f` (whose experts `info` describes) on `memory` bytes: the one the loaders
-/// place experts with (`gpu::moe::Plan::new`) and `lathe plan` prints, so the two agree.
-pub fn model_budget(
-    f: &crate::models::ModelFile,
-    info: &super::MoeInfo,
-    memory: u64,
-    run: RunShape,
-) -> (Budget, Needs) {
-    let nd = needs(f, run.kv, run.batch.max(1), run.seqs);
-    let b = Budget::new(&BudgetInputs {
+impl RunShape {
+    /// The run `opts` loads for, with passes of `batch` rows.
+    pub fn new(opts: &crate::forward::LoadOptions, batch: usize) -> RunShape {
+        RunShape {
+            kv: opts.kv_type,
+            ctx: opts.ctx as u64,
+            batch: batch as u64,
+            seqs: opts.max_seqs as u64,
+        }
+    }
+}
+
+/// The budget of a model whose experts `info` describes, on `memory` bytes, for caches of
+/// `ctx` positions and the needs `nd` its family reports for the run (`needs` of
+/// `models::qwen35::gpu` / `models::deepseek4::gpu`): the one the loaders place experts with
+/// (`moe::Plan::new`) and `lathe plan` prints (`models::model_budget`), so the two agree.
+pub fn budget_for(info: &super::MoeInfo, memory: u64, ctx: u64, nd: &Needs) -> Budget {
+    Budget::new(&BudgetInputs {
         memory,
         weights: info.other_bytes,
         kv_bytes_per_token: nd.kv_per_token,
-        ctx: run.ctx,
+        ctx,
         state_bytes: nd.state,
         activation_bytes: nd.activations,
         margin: None,
-    });
-    (b, nd)
-}
-
-/// [`Needs`] of `f` for `seqs` live sequences, passes of `batch` rows and KV cache type `kv`
-/// (`Auto`: f16 for Qwen3.5, f32 for DeepSeek-V4, as `engine::KvType` says). Qwen3.5 family
-/// and DeepSeek-V4; other architectures count nothing (see `note`).
-pub fn needs(
-    f: &crate::models::ModelFile,
-    kv: crate::engine::KvType,
-    batch: u64,
-    seqs: u64,
-) -> Needs {
-    use crate::engine::KvType;
-    let seqs = seqs.max(1);
-    if let Ok(hp) = crate::models::qwen35::Hparams::from_file(f) {
-        let kv_elem: u64 = if kv == KvType::F32 { 4 } else { 2 };
-        let n_attn = hp.recurrent.iter().filter(|r| !**r).count() as u64;
-        let n_gdn = hp.recurrent.len() as u64 - n_attn;
-        let kv_per_token = n_attn * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem;
-        // f32 recurrent state [Hv, dk, dv] and the conv's last K-1 inputs per GDN layer.
-        let state = n_gdn
-            * 4
-            * ((hp.n_v_heads * hp.d_k * hp.d_v) as u64
-                + (hp.conv_kernel.saturating_sub(1) * hp.conv_dim()) as u64);
-        let (k, ff, ne) = match &hp.moe {
-            Some(m) => (m.n_used, m.n_ff_exp.max(m.n_ff_shexp), m.n_expert),
-            None => (1, hp.n_ff, 0),
-        };
-        let att = hp.n_head * hp.head_dim;
-        // The forward's scratch rows (models/qwen35/gpu.rs `Scratch`), f32, plus logits.
-        let per_row = 3 * hp.n_embd
-            + 2 * hp.conv_dim()
-            + 2 * hp.v_dim()
-            + hp.v_dim().max(ff * k).max(att)
-            + 2 * hp.n_v_heads
-            + 4 * att
-            + 2 * hp.n_head_kv * hp.head_dim
-            + 2 * ff * k
-            + k * hp.n_embd
-            + ne
-            + 2 * k
-            + hp.n_vocab;
-        return Needs {
-            kv_per_token: kv_per_token * seqs,
-            state: state * seqs,
-            activations: batch * per_row as u64 * 4,
-            kv_elem,
-            note: None,
-        };
-    }
-    if let Ok(hp) = crate::models::deepseek4::Hparams::from_file(f) {
-        let kv_elem: u64 = if kv == KvType::F16 { 2 } else { 4 };
-        let hd = hp.head_dim as u64;
-        let mut kv_per_token = 0u64;
-        let mut state = 0u64;
-        for &r in &hp.compress_ratio {
-            // Every layer keeps a ring of K=V rows (the window plus a pass's rows);
-            // compressed layers add one entry per `r` positions (and the indexer's keys on
-            // ratio-4 layers).
-            state += (hp.window as u64 + batch) * hd * kv_elem;
-            if r > 0 {
-                let r = r as u64;
-                kv_per_token += hd * kv_elem / r;
-                if r == 4 {
-                    kv_per_token += hp.ix_head_dim as u64 * kv_elem / r;
-                }
-            }
-        }
-        let per_row = 4 * hp.hc * hp.n_embd
-            + 2 * hp.n_head * hp.head_dim
-            + 2 * hp.n_used * hp.n_ff_exp.max(hp.n_ff_shexp)
-            + hp.n_used * hp.n_embd
-            + hp.n_expert
-            + hp.n_vocab;
-        return Needs {
-            kv_per_token: kv_per_token * seqs,
-            state: state * seqs,
-            activations: batch * per_row as u64 * 4,
-            kv_elem,
-            note: None,
-        };
-    }
-    Needs {
-        note: Some("unknown architecture: KV, state and activations not counted".into()),
-        ..Default::default()
-    }
+    })
 }

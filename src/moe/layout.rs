@@ -17,53 +17,17 @@
 //! in memory, and the repack is the loaders' own (`safetensors::scaled`), so the bytes are
 //! the ones an all-GPU load uploads.
 
-use crate::models::ModelFile;
+pub use crate::cpu::moe::Kind;
+use crate::model_file::ModelFile;
 use crate::safetensors::scaled::{
     find_block_scale, repack_fp8_block_to_b128, repack_mxfp4_to_ggml, FP8_BLOCK, MXFP4_BLOCK,
 };
+pub use crate::tensor::MatShape;
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-/// The three matrices of a SwiGLU expert: `down(silu(gate·x) ⊙ up·x)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Kind {
-    Gate,
-    Up,
-    Down,
-}
-
-impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::Gate, Kind::Up, Kind::Down];
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::Gate => "gate",
-            Kind::Up => "up",
-            Kind::Down => "down",
-        }
-    }
-}
-
-/// One expert's matrix: `rows × cols` elements of `dtype` (rows contiguous, ggml blocks).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct MatShape {
-    pub dtype: DType,
-    pub rows: u64,
-    pub cols: u64,
-}
-
-impl MatShape {
-    /// Bytes of one stored row (0 when `cols` is not a whole number of blocks).
-    pub fn row_bytes(&self) -> u64 {
-        self.dtype.bytes_for(self.cols).unwrap_or(0)
-    }
-    /// Bytes of one expert's matrix.
-    pub fn bytes(&self) -> u64 {
-        self.row_bytes() * self.rows
-    }
-}
 
 /// One MoE layer's routed experts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -840,5 +804,20 @@ impl<'a> ExpertWeights<'a> {
     /// Expert FFN width.
     pub fn n_ff(&self) -> usize {
         self.gate.shape.rows as usize
+    }
+}
+
+impl crate::cpu::moe::Experts for ExpertWeights<'_> {
+    fn layer(&self) -> usize {
+        self.layer
+    }
+    fn n_expert(&self) -> usize {
+        ExpertWeights::n_expert(self)
+    }
+    fn shape(&self, kind: Kind) -> MatShape {
+        self.mats(kind).shape
+    }
+    fn rows(&self, kind: Kind, e: usize, r0: usize, n: usize) -> Result<Cow<'_, [u8]>> {
+        self.mats(kind).rows(e, r0, n)
     }
 }

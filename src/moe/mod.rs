@@ -12,8 +12,8 @@
 //! - [`cache`]: adaptive residency while decoding ([`ResidencyCache`]).
 //! - GPU side: `gpu::moe` ([`crate::gpu::moe::ExpertArena`], [`crate::gpu::moe::RemapTables`],
 //!   the remap / scatter kernels, the one readback); CPU side: `cpu::moe` (cold experts).
-//! - In the forwards: [`crate::gpu::moe::Plan`] decides at load (before any upload) whether
-//!   the model needs the arena at all; [`crate::gpu::moe::Offload`] is the recipe below as
+//! - [`offload`], in the forwards: [`Plan`] decides at load (before any upload) whether
+//!   the model needs the arena at all; [`Offload`] is the recipe below as
 //!   four calls per MoE layer (`route`, `hot_ffn`, the model's shared expert, `cold_ffn`,
 //!   the model's combine), used by `models::qwen35::gpu` and `models::deepseek4::gpu`.
 //!   When every expert has a slot and no statistics are counted, there is no offload: the
@@ -28,23 +28,24 @@
 //! `[n_tokens · n_used, n_embd]` (row `t·n_used + s`): hot pairs are written there by the
 //! indexed matvec on the arena, cold pairs by [`crate::gpu::moe::scatter_rows`] from the
 //! CPU's rows (computed with weight 1). The weighted sum then runs on the GPU exactly as for
-//! an all-GPU model (one `axpy_row` per slot s, in order). So a mixed placement differs from
-//! an all-GPU one only by the rounding of the individual `y[t,s]` computed on the CPU
+//! an all-GPU model (one combine dispatch adding slot s = 0, 1, ... in order per row). So a
+//! mixed placement differs from an all-GPU one only by the rounding of the individual `y[t,s]` computed on the CPU
 //! (`quant::dot`, f32 accumulation) instead of the GPU; the order and the arithmetic of the
 //! sum are the same. `cpu::moe::combine_slots` is the CPU statement of the same sum.
 //!
 //! # Integration recipe (one MoE layer of a forward)
 //! At load:
 //! 1. `info = MoeInfo::from_file(&file)`; `mem = AdapterMemory::detect(&gpu.info, gpu_mem)`;
-//!    `(budget, _) = model_budget(&file, &info, mem.bytes, RunShape { kv, ctx, batch, seqs })`
-//!    (the same call `lathe plan` makes). Upload the non-expert weights (the output head
-//!    first, FACTS.md) before the arena claims memory.
+//!    `budget = budget_for(&info, mem.bytes, ctx, &needs)` with the family's `needs` for
+//!    the run (`lathe plan` gets the same numbers through `models::model_budget`). Upload
+//!    the non-expert weights (the output head first: every token reads it) before the arena
+//!    claims memory.
 //! 2. `placement = Placement::new(&info, Fill::Budget(budget.experts), stats.as_ref())`, or
 //!    `Fill::Fraction(f)` for `--gpu-experts f`.
 //! 3. `weights[i] = ExpertWeights::from_file(&file, &info.layers[i])` (borrows the mmap;
 //!    DeepSeek's block-scaled release experts are repacked as they are read);
-//!    `arena = ExpertArena::new(&gpu, &placement)`;
-//!    `arena.fill(&gpu, &placement, &weights)`; `remaps = RemapTables::new(&gpu, &placement)`;
+//!    `arena = new_arena(&gpu, &placement)`; `fill_arena(&arena, &gpu, &placement, &weights,
+//!    report)`; `remaps = remap_tables(&gpu, &placement)`;
 //!    `cache = ResidencyCache::new(&placement, CacheConfig::default())`.
 //!
 //! Scratch beyond the usual: `slot_ids` u32 `[rows · n_used]`, `cold_rows` f32
@@ -59,7 +60,7 @@
 //!    n·n_embd))`: the ONE readback of this layer (chosen ids and FFN input rows, one
 //!    staging buffer, one wait); `pairs = cold_pairs(cache.remap(L), &ids, k)`. Continue
 //!    recording into a new pass.
-//! 6. `matvec_indexed` (n ≤ 8) or `matmul::route` + `matmul_indexed` (with a `MoeRoute` made
+//! 6. `gpu::moe::routed_ffn` (the block the stacked path uses too; with a `MoeRoute` made
 //!    for `n_expert = placement.groups[g].n_slots`, one per group) on `arena.group(g)`'s
 //!    gate / up / down, reading `slot_ids` instead of `moe_ids`: cold pairs write nothing.
 //!    The shared expert into its own buffer as today. With cold pairs, submit this pass now
@@ -69,8 +70,9 @@
 //!    `cold_rows` and `token·k + slot` of each pair to `cold_index` (ordered before the next
 //!    submission); in the next pass `scatter_rows(pass, &cold_rows, 0, &cold_index, 0,
 //!    pairs.len(), n_embd, &moe_out, 0, n_embd, n·k)`. Then the unchanged combine: one
-//!    `axpy_row` per top-k slot in order, the shared expert added after.
-//! 8. `for u in cache.observe(L, &ids)`: `arena.write_expert(&gpu, g, u.slot,
+//!    dispatch that adds the top-k slots in order per row (`ew::moe_combine`,
+//!    `router::combine`), the shared expert added after.
+//! 8. `for u in cache.observe(L, &ids)`: `write_expert(&arena, &gpu, g, u.slot,
 //!    &weights[index of u.layer], u.expert)`; then `remaps.write(&gpu, L', cache.remap(L'))`
 //!    for `u.layer` and for `u.evicted`'s layer. These writes land before the next
 //!    submission and after the work already submitted (queue order): kernels in flight see
@@ -82,22 +84,26 @@
 //! A model whose experts all have slots never takes step 5, 7 or 8 and stays one pass per
 //! token; the remap is then a fixed permutation.
 //!
-//! Decide placement before any state advances: a layer that declines half-way must not
-//! advance caches twice (FACTS.md).
+//! Decide placement before any state advances: a layer that declines half-way and falls
+//! back must not advance caches twice.
 
 pub mod budget;
 pub mod cache;
 pub mod layout;
+pub mod offload;
 pub mod plan;
 pub mod stats;
 
+pub use crate::cpu::moe::ColdPair;
 pub use budget::{
-    model_budget, needs, parse_size, AdapterMemory, Budget, BudgetInputs, MemSource, Needs,
-    RunShape,
+    budget_for, parse_size, AdapterMemory, Budget, BudgetInputs, MemSource, Needs, RunShape,
 };
 pub use cache::{CacheConfig, LayerHits, ResidencyCache, Upload};
 pub use layout::{
     is_expert_tensor, ExpertMats, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo,
+};
+pub use offload::{
+    fill_arena, new_arena, remap_tables, write_expert, Offload, PlacementReport, Plan,
 };
 pub use plan::{remap_ids, ArenaGroup, Fill, LayerPlacement, LayerTraffic, Placement};
 pub use stats::{ExpertStats, LayerStats};
@@ -105,19 +111,6 @@ pub use stats::{ExpertStats, LayerStats};
 /// Remap-table entry and slot id of an expert without a slot. The indexed matvec writes
 /// nothing for ids at or above the arena's slot count, so a cold pair is skipped on the GPU.
 pub const COLD: u32 = u32::MAX;
-
-/// One routed (token, expert) pair computed on the CPU.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ColdPair {
-    /// Row of the batch.
-    pub token: u32,
-    /// Top-k position (0..n_used): where the output goes in the fixed-order sum.
-    pub slot: u32,
-    pub expert: u32,
-    /// Scale of the output row: 1 when the GPU applies the router weight in its combine
-    /// (the contract above); the router weight for a CPU-only sum.
-    pub weight: f32,
-}
 
 /// The pairs of `ids` (`[n_tokens, n_used]`, as the router wrote them) whose expert is cold
 /// in `remap`, in pair order, with weight 1. Ids outside the table (padding) are skipped:

@@ -15,20 +15,11 @@ mod stop;
 
 use std::collections::HashMap;
 
-use crate::engine::{Logits, Want};
-use crate::gpu::topk::MAX_TOP_K;
+use crate::forward::{Logits, Want, MAX_TOP_K};
 
 pub use stop::{FinishReason, StopCondition, StopStep};
 
-/// The best logits of one row as the GPU found them ([`crate::gpu::topk::LogitsTop`]).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct TopLogits {
-    /// (id, logit), best first: larger logit, then lower id; NaNs never. Shorter than asked
-    /// when the row has fewer selectable logits.
-    pub cands: Vec<(u32, f32)>,
-    /// ln Σ exp(logit) over the whole row (NaNs skipped), when asked for.
-    pub lse: Option<f32>,
-}
+pub use crate::forward::TopLogits;
 
 /// Sampling settings. The defaults are llama.cpp's (`temp 0.8, top_k 40, top_p 0.95, min_p
 /// 0.05`, no penalties, a 64-token penalty window) with a fixed seed.

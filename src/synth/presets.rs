@@ -1,7 +1,7 @@
 //! Shapes of the released models synth imitates, plus a small demo.
 //!
 //! Numbers from the models' own `config.json` files (Qwen3.5: `text_config`; DeepSeek-V4:
-//! the release's flat config), as collected in `../shared/design/FACTS.md`. The tokenizer
+//! the release's flat config, `inference/config_flash.json` of DeepSeek's repository). The tokenizer
 //! and vision tower are not part of the shape: synth writes the text model only, as
 //! `convert_hf_to_gguf.py --no-mtp` does (no MTP layers).
 

@@ -19,19 +19,20 @@
 
 use super::weights::{self, Attn, Compressor, Moe, Weights, W};
 use super::{Hparams, ScoreFunc};
-use crate::engine::{KvType, LoadOptions, Logits, TopLogits, Want};
+use crate::forward::{KvType, LoadOptions, Logits, TopLogits, Want, GREEDY};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::hc::{self, HcShape, HcWeights};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
-use crate::gpu::moe::{FfnBufs, Offload, Plan};
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
-use crate::models::{ModelFile, Weight};
+use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
+use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
 use std::collections::HashSet;
@@ -251,7 +252,12 @@ impl GpuModel {
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
         // Placement first: experts without the stacks go to the arena after the rest.
-        let plan = Plan::new(&gpu, file, opts, DEFAULT_BATCH)?;
+        let plan = Plan::new(
+            &gpu,
+            file,
+            opts,
+            &needs(&hp, RunShape::new(opts, DEFAULT_BATCH)),
+        )?;
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             if plan.is_some() && crate::moe::is_expert_tensor(w.name()) {
                 return Ok(w.stand_in());
@@ -441,7 +447,7 @@ impl GpuModel {
     /// Feed `tokens`; returns what `want` asks for: every token's logits, the last one's,
     /// none, or the last one's best logits found on the GPU ([`Want::Top`]).
     pub fn forward_want(&mut self, seq: &mut GpuSeq, tokens: &[u32], want: Want) -> Result<Logits> {
-        crate::engine::check_want(want)?;
+        crate::forward::check_want(want)?;
         let all = want == Want::All;
         let top = match want {
             Want::Top { k, lse } => Some((k, lse)),
@@ -973,7 +979,7 @@ impl GpuModel {
         let hp = &self.hp;
         let sc = &self.scratch;
         let e = hp.n_embd as u32;
-        let (ne, k, ff) = (hp.n_expert as u32, hp.n_used as u32, hp.n_ff_exp as u32);
+        let (ne, k) = (hp.n_expert as u32, hp.n_used as u32);
         self.linear_exact(pass, &m.router, &sc.h, &sc.router, n)?;
         let select = match &m.tid2eid {
             Some(table) => Select::Hash {
@@ -1004,85 +1010,39 @@ impl GpuModel {
             View::new(&sc.moe_w, 0),
         )?;
         let limit = |v: f32| (v > 0.0).then_some(v);
+        let bufs = FfnBufs {
+            gate: &sc.f_gate,
+            up: &sc.f_up,
+            act: &sc.f_act,
+            out: &sc.moe_out,
+        };
         if let Some(off) = self.offload.as_ref().filter(|o| o.has_layer(l)) {
             // Experts in the arena (recipe in `moe/mod.rs`): hot pairs on the GPU, cold ones
             // on the CPU between passes; the shared expert and the slot-order combine as
             // below.
             let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
-            let bufs = FfnBufs {
-                gate: &sc.f_gate,
-                up: &sc.f_up,
-                act: &sc.f_act,
-                out: &sc.moe_out,
-            };
             off.hot_ffn(pass, l, &sc.h, n, &bufs, limit(hp.swiglu_limit[l]))?;
             self.shared_expert(pass, l, m, n)?;
             off.cold_ffn(pass, cold, &sc.moe_out, n, limit(hp.swiglu_limit[l]))?;
             return router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out);
         }
-        let opts = MatvecOpts::default();
-        if n <= matvec::MAX_TOKENS {
-            for (w, y) in [(&m.gate_exps, &sc.f_gate), (&m.up_exps, &sc.f_up)] {
-                matvec::matvec_indexed(
-                    pass,
-                    w,
-                    &sc.h,
-                    0,
-                    false,
-                    &sc.moe_ids,
-                    0,
-                    k,
-                    y,
-                    0,
-                    n,
-                    &opts,
-                )?;
-            }
-        } else {
-            matmul::route(pass, &sc.route, &sc.moe_ids, 0, n, k)?;
-            for (w, y) in [(&m.gate_exps, &sc.f_gate), (&m.up_exps, &sc.f_up)] {
-                matmul::matmul_indexed(pass, w, &sc.h, 0, false, &sc.route, n, k, y, 0, &opts)?;
-            }
-        }
-        ew::swiglu(
+        let stacks = ExpertStacks {
+            gate: &m.gate_exps,
+            up: &m.up_exps,
+            down: &m.down_exps,
+        };
+        let lim = limit(hp.swiglu_limit[l]);
+        routed_ffn(
             pass,
-            n * k,
-            ff,
-            View::new(&sc.f_act, 0),
-            View::new(&sc.f_gate, 0),
-            View::new(&sc.f_up, 0),
-            limit(hp.swiglu_limit[l]),
+            &stacks,
+            &sc.h,
+            &sc.moe_ids,
+            &sc.route,
+            n,
+            k,
+            &bufs,
+            lim,
         )?;
-        if n <= matvec::MAX_TOKENS {
-            matvec::matvec_indexed(
-                pass,
-                &m.down_exps,
-                &sc.f_act,
-                0,
-                true,
-                &sc.moe_ids,
-                0,
-                k,
-                &sc.moe_out,
-                0,
-                n,
-                &opts,
-            )?;
-        } else {
-            matmul::matmul_indexed(
-                pass,
-                &m.down_exps,
-                &sc.f_act,
-                0,
-                true,
-                &sc.route,
-                n,
-                k,
-                &sc.moe_out,
-                0,
-                &opts,
-            )?;
-        }
         // Shared expert first (it writes blk), then the routed slots in slot order.
         self.shared_expert(pass, l, m, n)?;
         router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out)
@@ -1116,9 +1076,42 @@ impl GpuModel {
     }
 }
 
-impl Scratch {
-    fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
-        let f = |n: usize, label: &str| gpu.buffer((n.max(1) * 4) as u64, label);
+/// Elements (4 bytes each: f32 values or u32 ids) of the plain scratch buffers for passes of
+/// `rows` rows (`scores` and `idx` at their first size; they grow with the context): the one
+/// list that [`Scratch::new`] allocates and [`Scratch::bytes`] counts.
+struct Dims {
+    ids: usize,
+    x: usize,
+    h: usize,
+    blk: usize,
+    mixes: usize,
+    pc: usize,
+    qr: usize,
+    q: usize,
+    att: usize,
+    kv: usize,
+    mid: usize,
+    cmp: usize,
+    ent: usize,
+    ixq: usize,
+    ixw: usize,
+    scores: usize,
+    idx: usize,
+    router: usize,
+    moe_ids: usize,
+    moe_w: usize,
+    f_gate: usize,
+    f_up: usize,
+    f_act: usize,
+    moe_out: usize,
+    wo_ids: usize,
+    logits: usize,
+}
+
+impl Dims {
+    /// `logit_rows`: rows of logits a pass holds (the binding limit may allow fewer than
+    /// `rows`).
+    fn new(hp: &Hparams, rows: usize, logit_rows: usize) -> Dims {
         let r = rows;
         let (k, og) = (hp.n_used, hp.o_groups);
         let ff = (hp.n_ff_exp * k).max(hp.n_ff_shexp);
@@ -1137,47 +1130,222 @@ impl Scratch {
             }
             max_win = max_win.max(r / ratio + 1);
         }
-        let max_split = attention::MAX_SPLIT;
-        let attn_split = gpu.buffer(
-            attention::scratch_elems(1, hp.n_head as u32, hp.head_dim as u32, max_split) * 4,
-            "attn.split",
-        )?;
-        let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, r);
-        let wo_ids: Vec<u32> = (0..r * og).map(|q| (q % og) as u32).collect();
         let ix = hp.n_ix_head * hp.ix_head_dim;
+        Dims {
+            ids: r,
+            x: r * hp.hc * hp.n_embd,
+            h: r * hp.n_embd,
+            blk: r * hp.n_embd,
+            mixes: r * hp.hc_mix(),
+            pc: r * (hp.hc + hp.hc * hp.hc),
+            qr: r * hp.q_lora,
+            q: r * att,
+            att: r * att,
+            kv: r * hp.head_dim,
+            mid: r * og * hp.o_lora,
+            cmp: r * 2 * width,
+            ent: max_win * hp.head_dim,
+            ixq: r * ix,
+            ixw: r * hp.n_ix_head,
+            scores: r * 64,
+            idx: r * (hp.window + 64),
+            router: r * hp.n_expert,
+            moe_ids: r * k,
+            moe_w: r * k,
+            f_gate: r * ff,
+            f_up: r * ff,
+            f_act: r * ff,
+            moe_out: r * k * hp.n_embd,
+            wo_ids: r * og,
+            logits: logit_rows * hp.n_vocab,
+        }
+    }
+
+    /// Bytes of all of them (each at least one element, as allocated).
+    fn bytes(&self) -> u64 {
+        let Dims {
+            ids,
+            x,
+            h,
+            blk,
+            mixes,
+            pc,
+            qr,
+            q,
+            att,
+            kv,
+            mid,
+            cmp,
+            ent,
+            ixq,
+            ixw,
+            scores,
+            idx,
+            router,
+            moe_ids,
+            moe_w,
+            f_gate,
+            f_up,
+            f_act,
+            moe_out,
+            wo_ids,
+            logits,
+        } = *self;
+        [
+            ids, x, h, blk, mixes, pc, qr, q, att, kv, mid, cmp, ent, ixq, ixw, scores, idx,
+            router, moe_ids, moe_w, f_gate, f_up, f_act, moe_out, wo_ids, logits,
+        ]
+        .iter()
+        .map(|&n| n.max(1) as u64 * 4)
+        .sum()
+    }
+}
+
+/// Split-K attention partials for decode (one sequence): elements.
+fn attn_split_elems(hp: &Hparams) -> u64 {
+    attention::scratch_elems(
+        1,
+        hp.n_head as u32,
+        hp.head_dim as u32,
+        attention::MAX_SPLIT,
+    )
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
+        let f = |n: usize, label: &str| gpu.buffer((n.max(1) * 4) as u64, label);
+        let r = rows;
+        let (k, og) = (hp.n_used, hp.o_groups);
+        let attn_split = gpu.buffer(attn_split_elems(hp) * 4, "attn.split")?;
+        let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, r);
+        let d = Dims::new(hp, r, logit_rows);
+        let wo_ids: Vec<u32> = (0..d.wo_ids).map(|q| (q % og) as u32).collect();
         Ok(Scratch {
             rows: r,
-            ids: f(r, "ids")?,
-            x: f(r * hp.hc * hp.n_embd, "x")?,
-            h: f(r * hp.n_embd, "h")?,
-            blk: f(r * hp.n_embd, "blk")?,
-            mixes: f(r * hp.hc_mix(), "mixes")?,
-            pc: f(r * (hp.hc + hp.hc * hp.hc), "pc")?,
-            qr: f(r * hp.q_lora, "qr")?,
-            q: f(r * att, "q")?,
-            att: f(r * att, "att")?,
-            kv: f(r * hp.head_dim, "kv")?,
-            mid: f(r * og * hp.o_lora, "mid")?,
-            cmp: f(r * 2 * width, "cmp")?,
-            ent: f(max_win * hp.head_dim, "ent")?,
-            ixq: f(r * ix, "ixq")?,
-            ixw: f(r * hp.n_ix_head, "ixw")?,
-            scores: Grown::new(gpu, r * 64, "ix_scores")?,
-            idx: Grown::new(gpu, r * (hp.window + 64), "attn_idx")?,
-            router: f(r * hp.n_expert, "router")?,
-            moe_ids: f(r * k, "moe_ids")?,
-            moe_w: f(r * k, "moe_w")?,
-            f_gate: f(r * ff, "f_gate")?,
-            f_up: f(r * ff, "f_up")?,
-            f_act: f(r * ff, "f_act")?,
-            moe_out: f(r * k * hp.n_embd, "moe_out")?,
+            ids: f(d.ids, "ids")?,
+            x: f(d.x, "x")?,
+            h: f(d.h, "h")?,
+            blk: f(d.blk, "blk")?,
+            mixes: f(d.mixes, "mixes")?,
+            pc: f(d.pc, "pc")?,
+            qr: f(d.qr, "qr")?,
+            q: f(d.q, "q")?,
+            att: f(d.att, "att")?,
+            kv: f(d.kv, "kv")?,
+            mid: f(d.mid, "mid")?,
+            cmp: f(d.cmp, "cmp")?,
+            ent: f(d.ent, "ent")?,
+            ixq: f(d.ixq, "ixq")?,
+            ixw: f(d.ixw, "ixw")?,
+            scores: Grown::new(gpu, d.scores, "ix_scores")?,
+            idx: Grown::new(gpu, d.idx, "attn_idx")?,
+            router: f(d.router, "router")?,
+            moe_ids: f(d.moe_ids, "moe_ids")?,
+            moe_w: f(d.moe_w, "moe_w")?,
+            f_gate: f(d.f_gate, "f_gate")?,
+            f_up: f(d.f_up, "f_up")?,
+            f_act: f(d.f_act, "f_act")?,
+            moe_out: f(d.moe_out, "moe_out")?,
             route: MoeRoute::new(gpu, hp.n_expert as u32, (r * k) as u32)?,
             wo_ids: gpu.upload(bytemuck::cast_slice(&wo_ids), "wo_ids")?,
             wo_route: MoeRoute::new(gpu, og as u32, (r * og) as u32)?,
             attn_split,
-            logits: f(logit_rows * hp.n_vocab, "logits")?,
+            logits: f(d.logits, "logits")?,
             logit_rows,
             top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
         })
+    }
+
+    /// Bytes [`Scratch::new`] allocates for `rows` rows, counting logits for every row (the
+    /// binding limit may hold fewer): the activation part of [`needs`].
+    fn bytes(hp: &Hparams, rows: usize) -> u64 {
+        let (k, og) = (hp.n_used, hp.o_groups);
+        Dims::new(hp, rows, rows).bytes()
+            + attn_split_elems(hp) * 4
+            + MoeRoute::bytes(hp.n_expert as u32, (rows * k) as u32)
+            + MoeRoute::bytes(og as u32, (rows * og) as u32)
+            + topk::LogitsTop::bytes(1, hp.n_vocab as u32)
+    }
+}
+
+/// What a DeepSeek-V4 model needs beside its weights for `run` (the planner's budget input,
+/// `lathe plan` and the loader alike): per sequence the compressed layers' KV entries, every
+/// layer's ring of K=V rows, and [`Scratch::bytes`]. `KvType::Auto` is f32 here, as the
+/// loader picks.
+pub fn needs(hp: &Hparams, run: RunShape) -> Needs {
+    let seqs = run.seqs.max(1);
+    let batch = run.batch.max(1);
+    let kv_elem: u64 = if run.kv == KvType::F16 { 2 } else { 4 };
+    let hd = hp.head_dim as u64;
+    let mut kv_per_token = 0u64;
+    let mut state = 0u64;
+    for &r in &hp.compress_ratio {
+        // Every layer keeps a ring of K=V rows (the window plus a pass's rows);
+        // compressed layers add one entry per `r` positions (and the indexer's keys on
+        // ratio-4 layers).
+        state += (hp.window as u64 + batch) * hd * kv_elem;
+        if r > 0 {
+            let r = r as u64;
+            kv_per_token += hd * kv_elem / r;
+            if r == 4 {
+                kv_per_token += hp.ix_head_dim as u64 * kv_elem / r;
+            }
+        }
+    }
+    Needs {
+        kv_per_token: kv_per_token * seqs,
+        state: state * seqs,
+        activations: Scratch::bytes(hp, batch as usize),
+        kv_elem,
+        note: None,
+    }
+}
+
+impl SeqState for GpuSeq {
+    fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl Forward for GpuModel {
+    fn vocab_size(&self) -> usize {
+        self.hp.n_vocab
+    }
+    fn new_seq(&self) -> Result<Seq> {
+        Ok(Seq::new(GpuModel::new_seq(self)?))
+    }
+    fn reset(&self, seq: &mut Seq) -> Result<()> {
+        GpuModel::reset(self, seq.get_mut()?)
+    }
+    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
+        GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    /// One sequence after another (no shared passes yet).
+    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        items
+            .iter_mut()
+            .map(|(s, t, w)| GpuModel::forward_want(self, s.get_mut()?, *t, *w))
+            .collect()
+    }
+    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        GpuModel::forward(self, seq.get_mut()?, tokens, all)
+    }
+    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+        // The step a greedy generation takes: argmax on the GPU, a few bytes back.
+        let s = seq.get_mut()?;
+        self.profile = Some(Vec::new());
+        let r = GpuModel::forward_want(self, s, tokens, GREEDY);
+        let prof = self.profile.take().unwrap_or_default();
+        r.map(|_| prof)
+    }
+    fn offload(&self) -> Option<&Offload> {
+        self.offload.as_ref()
+    }
+    fn routed_experts(&self) -> usize {
+        self.hp.n_layer * self.hp.n_expert
+    }
+    /// No binding limit bounds the compressed caches below what memory allows.
+    fn max_context(&self) -> Option<usize> {
+        None
     }
 }

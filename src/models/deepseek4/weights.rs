@@ -490,7 +490,7 @@ pub fn load<T>(
 }
 
 /// [`load`]; with `experts_elsewhere` (the expert arena holds the routed experts,
-/// `gpu::moe::Offload`) the release's block-scaled experts reach `sink` as placeholders
+/// `moe::Offload`) the release's block-scaled experts reach `sink` as placeholders
 /// without bytes: nothing is repacked that the sink would drop.
 pub fn load_with<T>(
     file: &ModelFile,

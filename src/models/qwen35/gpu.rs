@@ -11,18 +11,19 @@
 
 use super::weights::{self, Ffn, Mixer, SetOut, Sink, Weights};
 use super::{HeadMap, Hparams};
-use crate::engine::{KvType, LoadOptions, Logits, TopLogits, Want};
+use crate::forward::{KvType, LoadOptions, Logits, TopLogits, Want, GREEDY};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::conv::{self, ConvIo};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::gdn::{self, GdnIo, GdnShape, KeyHeadMap, SeqBatch, SeqSpan};
 use crate::gpu::matmul::{self, MoeRoute};
-use crate::gpu::matvec::{self, MatvecOpts};
-use crate::gpu::moe::{FfnBufs, Offload, Plan};
+use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
-use crate::models::{ModelFile, Weight};
+use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
+use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
 use std::sync::{Arc, Mutex};
@@ -348,7 +349,12 @@ impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
         let hp = Hparams::from_file(file)?;
         // Placement first: experts without the stacks go to the arena after the rest.
-        let plan = Plan::new(&gpu, file, opts, DEFAULT_BATCH)?;
+        let plan = Plan::new(
+            &gpu,
+            file,
+            opts,
+            &needs(&hp, RunShape::new(opts, DEFAULT_BATCH)),
+        )?;
         let sink = GpuSink {
             gpu: &gpu,
             experts_elsewhere: plan.is_some(),
@@ -563,7 +569,7 @@ impl GpuModel {
     ) -> Result<Vec<Logits>> {
         for (_, t, w) in items.iter() {
             self.check_tokens(t)?;
-            crate::engine::check_want(*w)?;
+            crate::forward::check_want(*w)?;
         }
         let v = self.hp.n_vocab;
         // One k for every Top item (the largest); each item keeps its own k of it.
@@ -1265,7 +1271,7 @@ impl GpuModel {
             }
             Ffn::Moe(m) => {
                 let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
-                let (ne, k, ff) = (mp.n_expert as u32, mp.n_used as u32, mp.n_ff_exp as u32);
+                let (ne, k) = (mp.n_expert as u32, mp.n_used as u32);
                 // Router logits and the shared expert's gate, up and gate input: one product
                 // per stored type, into columns of `proj` (see `ProjSet`).
                 let set = self.set(&self.w.layers[l].ffn_set);
@@ -1280,96 +1286,19 @@ impl GpuModel {
                     View::new(&sc.moe_ids, 0),
                     View::new(&sc.moe_w, 0),
                 )?;
-                let opts = MatvecOpts::default();
-                if n <= matvec::MAX_TOKENS {
-                    matvec::matvec_indexed(
-                        pass,
-                        &m.gate_exps,
-                        &sc.h,
-                        0,
-                        false,
-                        &sc.moe_ids,
-                        0,
-                        k,
-                        &sc.f_gate,
-                        0,
-                        n,
-                        &opts,
-                    )?;
-                    matvec::matvec_indexed(
-                        pass,
-                        &m.up_exps,
-                        &sc.h,
-                        0,
-                        false,
-                        &sc.moe_ids,
-                        0,
-                        k,
-                        &sc.f_up,
-                        0,
-                        n,
-                        &opts,
-                    )?;
-                } else {
-                    let r = sc.route.as_ref().expect("route made for MoE models");
-                    matmul::route(pass, r, &sc.moe_ids, 0, n, k)?;
-                    matmul::matmul_indexed(
-                        pass,
-                        &m.gate_exps,
-                        &sc.h,
-                        0,
-                        false,
-                        r,
-                        n,
-                        k,
-                        &sc.f_gate,
-                        0,
-                        &opts,
-                    )?;
-                    matmul::matmul_indexed(
-                        pass, &m.up_exps, &sc.h, 0, false, r, n, k, &sc.f_up, 0, &opts,
-                    )?;
-                }
-                ew::swiglu(
-                    pass,
-                    n * k,
-                    ff,
-                    View::new(&sc.o, 0),
-                    View::new(&sc.f_gate, 0),
-                    View::new(&sc.f_up, 0),
-                    None,
-                )?;
-                if n <= matvec::MAX_TOKENS {
-                    matvec::matvec_indexed(
-                        pass,
-                        &m.down_exps,
-                        &sc.o,
-                        0,
-                        true,
-                        &sc.moe_ids,
-                        0,
-                        k,
-                        &sc.moe_out,
-                        0,
-                        n,
-                        &opts,
-                    )?;
-                } else {
-                    let r = sc.route.as_ref().expect("route made for MoE models");
-                    matmul::matmul_indexed(
-                        pass,
-                        &m.down_exps,
-                        &sc.o,
-                        0,
-                        true,
-                        r,
-                        n,
-                        k,
-                        &sc.moe_out,
-                        0,
-                        &opts,
-                    )?;
-                }
+                let r = sc.route.as_ref().expect("route made for MoE models");
+                let stacks = ExpertStacks {
+                    gate: &m.gate_exps,
+                    up: &m.up_exps,
+                    down: &m.down_exps,
+                };
+                let bufs = FfnBufs {
+                    gate: &sc.f_gate,
+                    up: &sc.f_up,
+                    act: &sc.o,
+                    out: &sc.moe_out,
+                };
+                routed_ffn(pass, &stacks, &sc.h, &sc.moe_ids, r, n, k, &bufs, None)?;
                 // Combine in slot order (fixed order: placement never changes the sum).
                 ew::moe_combine(
                     pass,
@@ -1450,9 +1379,36 @@ impl Pools {
     }
 }
 
-impl Scratch {
-    fn new(gpu: &Gpu, hp: &Hparams, rows: usize, max_seqs: usize) -> Result<Scratch> {
-        let f = |n: usize, label: &str| gpu.buffer((n.max(1) * 4) as u64, label);
+/// Elements (4 bytes each: f32 values or u32 ids) of the plain scratch buffers for passes of
+/// `rows` rows: the one list that [`Scratch::new`] allocates and [`Scratch::bytes`] counts.
+struct Dims {
+    ids: usize,
+    pos: usize,
+    kv_rows: usize,
+    ranges: usize,
+    x: usize,
+    h: usize,
+    proj: usize,
+    qkv: usize,
+    z: usize,
+    o: usize,
+    qg: usize,
+    k: usize,
+    att: usize,
+    att_g: usize,
+    f_gate: usize,
+    f_up: usize,
+    moe_out: usize,
+    moe_ids: usize,
+    moe_w: usize,
+    sh_out: usize,
+    logits: usize,
+}
+
+impl Dims {
+    /// `logit_rows`: rows of logits a pass holds (the binding limit may allow fewer than
+    /// `rows`).
+    fn new(hp: &Hparams, rows: usize, logit_rows: usize) -> Dims {
         let r = rows;
         let (k, ffw) = match &hp.moe {
             Some(m) => (m.n_used, m.n_ff_exp.max(m.n_ff_shexp)),
@@ -1470,13 +1426,102 @@ impl Scratch {
                     .as_ref()
                     .map_or(0, |m| m.n_expert + 2 * m.n_ff_shexp + 1),
             );
-        let shape = GdnShape {
-            n_head_k: hp.n_k_heads,
-            n_head_v: hp.n_v_heads,
-            d_k: hp.d_k,
-            d_v: hp.d_v,
-            map: KeyHeadMap::Repeat,
-        };
+        // `o` doubles as the SwiGLU output, so it holds the widest of the three uses.
+        let o_w = hp.v_dim().max(ff * k).max(att);
+        Dims {
+            ids: r,
+            pos: r,
+            kv_rows: r,
+            ranges: 2 * r,
+            x: r * hp.n_embd,
+            h: r * hp.n_embd,
+            proj: r * proj_w,
+            qkv: r * hp.conv_dim(),
+            z: r * hp.v_dim(),
+            o: r * o_w,
+            qg: r * 2 * att,
+            k: r * hp.n_head_kv * hp.head_dim,
+            att: r * att,
+            att_g: r * att,
+            // routed experts only: dense and shared-expert gate/up land in `proj`
+            f_gate: r * ffw * k,
+            f_up: r * ffw * k,
+            moe_out: r * k * hp.n_embd,
+            moe_ids: r * k,
+            moe_w: r * k,
+            sh_out: if hp.moe.is_some() { r * hp.n_embd } else { 1 },
+            logits: logit_rows * hp.n_vocab,
+        }
+    }
+
+    /// Bytes of all of them (each at least one element, as allocated).
+    fn bytes(&self) -> u64 {
+        let Dims {
+            ids,
+            pos,
+            kv_rows,
+            ranges,
+            x,
+            h,
+            proj,
+            qkv,
+            z,
+            o,
+            qg,
+            k,
+            att,
+            att_g,
+            f_gate,
+            f_up,
+            moe_out,
+            moe_ids,
+            moe_w,
+            sh_out,
+            logits,
+        } = *self;
+        [
+            ids, pos, kv_rows, ranges, x, h, proj, qkv, z, o, qg, k, att, att_g, f_gate, f_up,
+            moe_out, moe_ids, moe_w, sh_out, logits,
+        ]
+        .iter()
+        .map(|&n| n.max(1) as u64 * 4)
+        .sum()
+    }
+}
+
+/// The GDN layers' shape (for the chunk scratch).
+fn gdn_shape(hp: &Hparams) -> GdnShape {
+    GdnShape {
+        n_head_k: hp.n_k_heads,
+        n_head_v: hp.n_v_heads,
+        d_k: hp.d_k,
+        d_v: hp.d_v,
+        map: KeyHeadMap::Repeat,
+    }
+}
+
+/// Chunk slots of the GDN scratch for a pass of `rows` rows: Σ ceil(n_i / CHUNK) ≤
+/// ceil(rows / CHUNK) + one partial chunk per sequence sharing the pass.
+fn gdn_chunks(rows: usize, max_seqs: usize) -> u32 {
+    (rows as u32).div_ceil(gdn::CHUNK as u32) + max_seqs as u32
+}
+
+/// Split-K partials for a decode step of every sequence at MAX_SPLIT splits, capped at 64 MiB
+/// (fewer splits are used beyond it): elements.
+fn attn_split_elems(hp: &Hparams, max_seqs: usize) -> u64 {
+    attention::scratch_elems(
+        max_seqs as u32,
+        hp.n_head as u32,
+        hp.head_dim as u32,
+        attention::MAX_SPLIT,
+    )
+    .min(16 << 20)
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, hp: &Hparams, rows: usize, max_seqs: usize) -> Result<Scratch> {
+        let f = |n: usize, label: &str| gpu.buffer((n.max(1) * 4) as u64, label);
+        let r = rows;
         let batch = SeqBatch::new(
             gpu,
             &[SeqSpan {
@@ -1485,47 +1530,35 @@ impl Scratch {
                 slot: 0,
             }],
         )?;
-        // Chunk slots of a pass: Σ ceil(n_i / CHUNK) ≤ rows / CHUNK + one partial chunk per
-        // sequence sharing the pass.
-        let max_chunks = batch.total_chunks + max_seqs as u32;
-        let gdn_scratch =
-            gpu.buffer(gdn::scratch_bytes(&shape, max_chunks).max(4), "gdn.scratch")?;
-        // Split-K partials for a decode step of every sequence at MAX_SPLIT splits, capped at
-        // 64 MiB (fewer splits are used beyond it).
-        let split_elems = attention::scratch_elems(
-            max_seqs as u32,
-            hp.n_head as u32,
-            hp.head_dim as u32,
-            attention::MAX_SPLIT,
-        )
-        .min(16 << 20);
-        let attn_split = gpu.buffer(split_elems * 4, "attn.split")?;
+        let gdn_scratch = gpu.buffer(
+            gdn::scratch_bytes(&gdn_shape(hp), gdn_chunks(r, max_seqs)).max(4),
+            "gdn.scratch",
+        )?;
+        let attn_split = gpu.buffer(attn_split_elems(hp, max_seqs) * 4, "attn.split")?;
         let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, r);
-        // `o` doubles as the SwiGLU output, so it holds the widest of the three uses.
-        let o_w = hp.v_dim().max(ff * k).max(att);
+        let d = Dims::new(hp, r, logit_rows);
         Ok(Scratch {
             rows: r,
-            ids: f(r, "ids")?,
-            pos: f(r, "pos")?,
-            kv_rows: f(r, "kv_rows")?,
-            ranges: f(2 * r, "ranges")?,
-            x: f(r * hp.n_embd, "x")?,
-            h: f(r * hp.n_embd, "h")?,
-            proj: f(r * proj_w, "proj")?,
-            qkv: f(r * hp.conv_dim(), "qkv")?,
-            z: f(r * hp.v_dim(), "z")?,
-            o: f(r * o_w, "o")?,
-            qg: f(r * 2 * att, "qg")?,
-            k: f(r * hp.n_head_kv * hp.head_dim, "k")?,
-            att: f(r * att, "att")?,
-            att_g: f(r * att, "att_g")?,
-            // routed experts only: dense and shared-expert gate/up land in `proj`
-            f_gate: f(r * ffw * k, "f_gate")?,
-            f_up: f(r * ffw * k, "f_up")?,
-            moe_out: f(r * k * hp.n_embd, "moe_out")?,
-            moe_ids: f(r * k, "moe_ids")?,
-            moe_w: f(r * k, "moe_w")?,
-            sh_out: f(if hp.moe.is_some() { r * hp.n_embd } else { 1 }, "sh_out")?,
+            ids: f(d.ids, "ids")?,
+            pos: f(d.pos, "pos")?,
+            kv_rows: f(d.kv_rows, "kv_rows")?,
+            ranges: f(d.ranges, "ranges")?,
+            x: f(d.x, "x")?,
+            h: f(d.h, "h")?,
+            proj: f(d.proj, "proj")?,
+            qkv: f(d.qkv, "qkv")?,
+            z: f(d.z, "z")?,
+            o: f(d.o, "o")?,
+            qg: f(d.qg, "qg")?,
+            k: f(d.k, "k")?,
+            att: f(d.att, "att")?,
+            att_g: f(d.att_g, "att_g")?,
+            f_gate: f(d.f_gate, "f_gate")?,
+            f_up: f(d.f_up, "f_up")?,
+            moe_out: f(d.moe_out, "moe_out")?,
+            moe_ids: f(d.moe_ids, "moe_ids")?,
+            moe_w: f(d.moe_w, "moe_w")?,
+            sh_out: f(d.sh_out, "sh_out")?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -1537,9 +1570,98 @@ impl Scratch {
             gdn_scratch,
             batch,
             attn_split,
-            logits: f(logit_rows * hp.n_vocab, "logits")?,
+            logits: f(d.logits, "logits")?,
             logit_rows,
             top: topk::LogitsTop::new(gpu, r as u32, hp.n_vocab as u32)?,
         })
+    }
+
+    /// Bytes [`Scratch::new`] allocates for `rows` rows and `max_seqs` sequences, counting
+    /// logits for every row (the binding limit may hold fewer): the activation part of
+    /// [`needs`]. The one-sequence GDN batch table (16 bytes) is left out.
+    fn bytes(hp: &Hparams, rows: usize, max_seqs: usize) -> u64 {
+        let route = hp.moe.as_ref().map_or(0, |m| {
+            MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
+        });
+        Dims::new(hp, rows, rows).bytes()
+            + gdn::scratch_bytes(&gdn_shape(hp), gdn_chunks(rows, max_seqs)).max(4)
+            + attn_split_elems(hp, max_seqs) * 4
+            + route
+            + topk::LogitsTop::bytes(rows as u32, hp.n_vocab as u32)
+    }
+}
+
+/// What a Qwen3.5-family model needs beside its weights for `run` (the planner's budget
+/// input, `lathe plan` and the loader alike): KV rows of the attention layers, the GDN
+/// layers' recurrent and conv state (as [`Pools`] allocates them), and [`Scratch::bytes`].
+/// `KvType::Auto` is f16 here, as the loader picks.
+pub fn needs(hp: &Hparams, run: RunShape) -> Needs {
+    let seqs = run.seqs.max(1);
+    let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
+    let n_attn = hp.recurrent.iter().filter(|r| !**r).count() as u64;
+    let n_gdn = hp.recurrent.len() as u64 - n_attn;
+    let kv_per_token = n_attn * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem;
+    // f32 recurrent state [Hv, dk, dv] and the conv's last K-1 inputs per GDN layer.
+    let state = n_gdn
+        * 4
+        * ((hp.n_v_heads * hp.d_k * hp.d_v) as u64
+            + (hp.conv_kernel.saturating_sub(1) * hp.conv_dim()) as u64);
+    Needs {
+        kv_per_token: kv_per_token * seqs,
+        state: state * seqs,
+        activations: Scratch::bytes(hp, run.batch.max(1) as usize, seqs as usize),
+        kv_elem,
+        note: None,
+    }
+}
+
+impl SeqState for GpuSeq {
+    fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl Forward for GpuModel {
+    fn vocab_size(&self) -> usize {
+        self.hp.n_vocab
+    }
+    fn new_seq(&self) -> Result<Seq> {
+        Ok(Seq::new(GpuModel::new_seq(self)?))
+    }
+    fn reset(&self, seq: &mut Seq) -> Result<()> {
+        GpuModel::reset(self, seq.get_mut()?)
+    }
+    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
+        GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (s, t, w) in items.iter_mut() {
+            v.push((s.get_mut()?, *t, *w));
+        }
+        GpuModel::forward_batch(self, &mut v)
+    }
+    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        GpuModel::forward(self, seq.get_mut()?, tokens, all)
+    }
+    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+        // The step a greedy generation takes: argmax on the GPU, a few bytes back.
+        let s = seq.get_mut()?;
+        self.profile = Some(Vec::new());
+        let r = GpuModel::forward_batch(self, &mut [(s, tokens, GREEDY)]);
+        let prof = self.profile.take().unwrap_or_default();
+        r.map(|_| prof)
+    }
+    fn offload(&self) -> Option<&Offload> {
+        self.offload.as_ref()
+    }
+    fn routed_experts(&self) -> usize {
+        self.hp
+            .moe
+            .as_ref()
+            .map_or(0, |p| self.n_moe_layers() * p.n_expert)
+    }
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_positions())
     }
 }

@@ -14,7 +14,8 @@ use crate::{Error, Result};
 
 /// Which value heads share a key head. HF `repeat_interleave`s key heads: value head `h`
 /// reads key head `h / (Hv/Hk)`. llama.cpp's qwen35/qwen35moe converter reorders value heads
-/// so that the runtime uses `h % Hk` (FACTS.md); qwen3next GGUFs are not reordered.
+/// so that the runtime uses `h % Hk` (`convert_hf_to_gguf.py`, `Qwen3_5TextModel`); qwen3next
+/// GGUFs are not reordered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadMap {
     Div,

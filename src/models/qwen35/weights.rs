@@ -455,7 +455,7 @@ fn load_gdn<S: Sink>(
     };
     let a_t = ld.shaped(W::SsmA(l), &[hv])?;
     let a_v = crate::models::read_f32(&a_t)?;
-    // `-exp(A_log)` in f32, as the GGUF converter stores it (FACTS.md).
+    // `-exp(A_log)` in f32, as llama.cpp's `convert_hf_to_gguf.py` stores `ssm_a`.
     let a_data = if ld.gguf {
         a_v
     } else {

@@ -1,0 +1,258 @@
+//! The contract between a forward and its callers, below every layer that implements or
+//! calls it: how to load a model ([`LoadOptions`] and the choices it carries), which logits a
+//! forward returns ([`Want`], [`Logits`], [`TopLogits`]). `engine` re-exports it as the
+//! library's API; the kernels (`gpu::topk`), the planner (`moe`) and the model families
+//! use it without importing the engine.
+
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// Which adapter to use. `Default` picks the first discrete GPU, then any GPU, then a CPU
+/// adapter (lavapipe), so `lathe run` works unchanged on a laptop, a server and in CI.
+#[derive(Clone, Debug, Default)]
+pub enum AdapterChoice {
+    #[default]
+    Auto,
+    /// Index into [`crate::gpu::list_adapters`].
+    Index(usize),
+    /// Case-insensitive substring of the adapter name.
+    Name(String),
+}
+
+impl std::str::FromStr for AdapterChoice {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Ok(match s.parse::<usize>() {
+            Ok(i) => AdapterChoice::Index(i),
+            Err(_) if s.eq_ignore_ascii_case("auto") => AdapterChoice::Auto,
+            Err(_) => AdapterChoice::Name(s.to_string()),
+        })
+    }
+}
+
+/// Which kernels run products of many tokens (`--matmul`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulChoice {
+    /// The matrix units where the adapter has them, else the tiled kernel.
+    #[default]
+    Auto,
+    /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
+    Coop,
+    /// The portable tiled f32 kernel.
+    Tiled,
+}
+
+impl std::str::FromStr for MatmulChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(MatmulChoice::Auto),
+            "coop" => Ok(MatmulChoice::Coop),
+            "tiled" | "f32" => Ok(MatmulChoice::Tiled),
+            _ => Err(format!("--matmul {s}: expected auto, coop or tiled")),
+        }
+    }
+}
+
+/// Knobs of the policy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// Share of each layer's initial slots it keeps whatever other layers ask (0..=1).
+    pub floor_share: f64,
+    /// A cold expert is uploaded only if picked within this many earlier steps; `None`
+    /// uploads on every miss (the plain LRU behaviour).
+    pub reuse_window: Option<u64>,
+    pub max_uploads_per_step: usize,
+    /// Admission test (TinyLFU-like): an upload that evicts happens only when the
+    /// candidate's pick count, decayed with this half-life in steps, exceeds the victim's.
+    /// `None`: no test.
+    pub half_life: Option<f64>,
+}
+
+impl Default for CacheConfig {
+    /// Half of each layer's placement as a floor; re-picks within 8 tokens; 4 uploads per
+    /// token (a Qwen3.5-35B Q4_K expert is ~1.7 MB: 4 take ~0.3 ms over PCIe 4, small next
+    /// to a decode step); pick counts with a 32-token half-life. Chosen on the synthetic
+    /// sweeps of `tests/moe.rs` (a 32-token reuse window or no admission test churned the
+    /// bounded uploads every step and lost to the plain LRU).
+    fn default() -> Self {
+        CacheConfig {
+            floor_share: 0.5,
+            reuse_window: Some(8),
+            max_uploads_per_step: 4,
+            half_life: Some(32.0),
+        }
+    }
+}
+
+impl CacheConfig {
+    /// A plain global LRU over (layer, expert): no floor, upload on every miss, no bound.
+    /// The baseline the policy is measured against.
+    pub fn global_lru() -> Self {
+        CacheConfig {
+            floor_share: 0.0,
+            reuse_window: None,
+            max_uploads_per_step: usize::MAX,
+            half_life: None,
+        }
+    }
+}
+
+/// Element type of the attention KV cache. `Auto` is the architecture's default: f16 for
+/// Qwen3.5 (its fixtures meet the bar with it, at half the bytes), f32 for DeepSeek-V4, whose
+/// one shared K=V head is small but whose indexer top-k flips on f16-rounded keys (measured:
+/// dsv4-dims RMS 0.02-0.033 against the reference with f16, 4e-6 with f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvType {
+    #[default]
+    Auto,
+    F16,
+    F32,
+}
+
+impl std::str::FromStr for KvType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(KvType::Auto),
+            "f16" => Ok(KvType::F16),
+            "f32" => Ok(KvType::F32),
+            _ => Err(Error::Invalid(format!(
+                "--kv-type {s}: expected auto, f16 or f32"
+            ))),
+        }
+    }
+}
+
+/// Called while weights upload: `(bytes done, bytes total)`.
+pub type Progress = Arc<dyn Fn(u64, u64) + Send + Sync>;
+
+/// How to load and run a model. Defaults are what most users want.
+#[derive(Clone)]
+pub struct LoadOptions {
+    pub adapter: AdapterChoice,
+    pub kv_type: KvType,
+    /// Context length the caches are sized for (they grow beyond it when needed).
+    pub ctx: usize,
+    /// Sequences that can be live at once (each holds a slot of KV and recurrent state).
+    pub max_seqs: usize,
+    pub progress: Option<Progress>,
+    /// Adapter memory the budget divides (`--gpu-mem`); `None`: detected
+    /// (`moe::AdapterMemory::detect`). What the model needs beside its routed experts is
+    /// taken first; the rest holds expert slots, so a model that fits runs all on the GPU.
+    pub gpu_mem: Option<u64>,
+    /// Share of each MoE layer's experts given arena slots (`--gpu-experts`, 0..=1);
+    /// overrides the budget.
+    pub gpu_experts: Option<f64>,
+    /// Routing statistics (`--expert-stats`, written by `--save-expert-stats`) that choose
+    /// the hot experts; without them the slots are spread evenly.
+    pub expert_stats: Option<std::path::PathBuf>,
+    /// Count every MoE layer's router picks ([`crate::engine::Engine::save_expert_stats`]), adding to the
+    /// counts of `expert_stats` when given; costs one readback per MoE layer and token.
+    pub collect_expert_stats: bool,
+    /// Count them (as `collect_expert_stats`) and write them here by
+    /// [`crate::engine::Engine::finish_expert_stats`], or when the model is dropped (`--save-expert-stats`).
+    pub save_expert_stats: Option<std::path::PathBuf>,
+    /// Residency policy while decoding; `None`: `moe::CacheConfig::default()`.
+    pub expert_cache: Option<CacheConfig>,
+    /// Kernels of many-token products (`--matmul`).
+    pub matmul: MatmulChoice,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("adapter", &self.adapter)
+            .field("kv_type", &self.kv_type)
+            .field("ctx", &self.ctx)
+            .field("max_seqs", &self.max_seqs)
+            .field("gpu_mem", &self.gpu_mem)
+            .field("gpu_experts", &self.gpu_experts)
+            .field("expert_stats", &self.expert_stats)
+            .field("collect_expert_stats", &self.collect_expert_stats)
+            .field("save_expert_stats", &self.save_expert_stats)
+            .field("expert_cache", &self.expert_cache)
+            .finish()
+    }
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            adapter: AdapterChoice::Auto,
+            kv_type: KvType::Auto,
+            ctx: 4096,
+            max_seqs: 4,
+            progress: None,
+            gpu_mem: None,
+            gpu_experts: None,
+            expert_stats: None,
+            collect_expert_stats: false,
+            save_expert_stats: None,
+            expert_cache: None,
+            matmul: Default::default(),
+        }
+    }
+}
+
+/// Which logits a batched forward returns for one sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    None,
+    Last,
+    All,
+    /// The `k` (≤ `MAX_TOP_K`) best logits of the last token, found on the GPU in
+    /// the forward's pass, and with `lse` their row's log-sum-exp: only those come back
+    /// ([`Logits::Top`]). What a sampler needs is [`crate::sample::SamplerConfig::gpu_want`].
+    Top {
+        k: u32,
+        lse: bool,
+    },
+}
+
+/// What a forward returned for one sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Logits {
+    /// `[n, vocab]` row-major (empty for [`Want::None`]).
+    Full(Vec<f32>),
+    /// For [`Want::Top`].
+    Top(TopLogits),
+}
+
+impl Logits {
+    /// The full logits; a [`Logits::Top`] gives an empty vector.
+    pub fn into_full(self) -> Vec<f32> {
+        match self {
+            Logits::Full(v) => v,
+            Logits::Top(_) => Vec::new(),
+        }
+    }
+}
+
+/// What greedy decoding asks for: the argmax, found on the GPU.
+pub const GREEDY: Want = Want::Top { k: 1, lse: false };
+
+/// Checks the `k` of a [`Want::Top`].
+pub(crate) fn check_want(w: Want) -> Result<()> {
+    let max = MAX_TOP_K;
+    match w {
+        Want::Top { k, .. } if k == 0 || k > max => Err(Error::Invalid(format!(
+            "top-{k} logits requested: supported 1..={max}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Largest k of `gpu::topk::LogitsTop`: covers llama.cpp's default sampler top-k of 40 and the
+/// OpenAI API's 20 `top_logprobs`.
+pub const MAX_TOP_K: u32 = 64;
+
+/// The best logits of one row as the GPU found them ([`crate::gpu::topk::LogitsTop`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopLogits {
+    /// (id, logit), best first: larger logit, then lower id; NaNs never. Shorter than asked
+    /// when the row has fewer selectable logits.
+    pub cands: Vec<(u32, f32)>,
+    /// ln Σ exp(logit) over the whole row (NaNs skipped), when asked for.
+    pub lse: Option<f32>,
+}
