@@ -9,6 +9,7 @@
 
 use super::weights::{self, Attn, Compressor, Hc, Moe, Weights};
 use super::{Hparams, ModelFile, ScoreFunc};
+use crate::cpu::ops;
 use crate::{Error, Result};
 use rayon::prelude::*;
 
@@ -56,15 +57,6 @@ impl Mat {
         let c = self.cols();
         &self.data[r * c..(r + 1) * c]
     }
-}
-
-/// `x̂ · w`, x̂ = x / sqrt(mean(x²) + eps) (model.py `RMSNorm`: a plain weight).
-fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let s = rms_scale(x, eps);
-    x.iter()
-        .zip(w)
-        .map(|(v, w)| (*v as f64 * s) as f32 * w)
-        .collect()
 }
 
 fn rms_scale(x: &[f32], eps: f32) -> f64 {
@@ -251,13 +243,18 @@ impl CpuModel {
         let pos = seq.pos;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let (y, post, comb) = self.hc_pre(&x, &lw.hc_attn);
-            let h = rms_norm(&y, &lw.attn_norm.data, hp.eps);
+            let h = ops::rms_norm(
+                &y,
+                lw.attn_norm.data.len(),
+                Some(&lw.attn_norm.data),
+                hp.eps,
+            );
             trace("attn_in", l, &h);
             let a = self.attn(l, &lw.attn, &h, &mut seq.layers[l], pos);
             trace("attn_out", l, &a);
             x = hc_post(&a, &x, &post, &comb, hc);
             let (y, post, comb) = self.hc_pre(&x, &lw.hc_ffn);
-            let h = rms_norm(&y, &lw.ffn_norm.data, hp.eps);
+            let h = ops::rms_norm(&y, lw.ffn_norm.data.len(), Some(&lw.ffn_norm.data), hp.eps);
             trace("ffn_in", l, &h);
             let f = self.moe(l, &lw.moe, &h, t);
             trace("moe_out", l, &f);
@@ -277,7 +274,12 @@ impl CpuModel {
                 *o += pre * v;
             }
         }
-        let h = rms_norm(&y, &self.w.output_norm.data, hp.eps);
+        let h = ops::rms_norm(
+            &y,
+            self.w.output_norm.data.len(),
+            Some(&self.w.output_norm.data),
+            hp.eps,
+        );
         trace("head_in", usize::MAX, &h);
         let logits = self.w.output.mv(&h);
         trace("logits", usize::MAX, &logits);
@@ -325,7 +327,12 @@ impl CpuModel {
         let (nh, hd) = (hp.n_head, hp.head_dim);
         let freqs = &self.freqs[l];
         // q: low rank, weighted norm, up-projection, then an unweighted RMSNorm per head.
-        let qr = rms_norm(&a.wq_a.mv(x), &a.q_norm.data, hp.eps);
+        let qr = ops::rms_norm(
+            &a.wq_a.mv(x),
+            a.q_norm.data.len(),
+            Some(&a.q_norm.data),
+            hp.eps,
+        );
         let mut q = a.wq_b.mv(&qr);
         for qh in q.chunks_mut(hd) {
             let s = rms_scale(qh, hp.eps);
@@ -333,7 +340,12 @@ impl CpuModel {
             rope_tail(qh, freqs, pos, false);
         }
         // The one K=V head.
-        let mut kv = rms_norm(&a.wkv.mv(x), &a.kv_norm.data, hp.eps);
+        let mut kv = ops::rms_norm(
+            &a.wkv.mv(x),
+            a.kv_norm.data.len(),
+            Some(&a.kv_norm.data),
+            hp.eps,
+        );
         rope_tail(&mut kv, freqs, pos, false);
         st.window[pos % hp.window] = kv;
 
@@ -607,7 +619,7 @@ fn compress_step(
         }
         *out = (num / den) as f32;
     }
-    let mut entry = rms_norm(&entry, &c.norm.data, eps);
+    let mut entry = ops::rms_norm(&entry, c.norm.data.len(), Some(&c.norm.data), eps);
     rope_tail(&mut entry, freqs, pos + 1 - ratio, false);
     s.entries.push(entry);
     if overlap {

@@ -4,6 +4,7 @@
 
 use super::weights::{self, Ffn, Mixer, Weights};
 use super::{Hparams, ModelFile};
+use crate::cpu::ops;
 use crate::Result;
 
 /// A dequantized weight: `data` row-major with `shape` outermost first.
@@ -34,15 +35,6 @@ impl Mat {
     fn mv(&self, x: &[f32]) -> Vec<f32> {
         self.mv_at(0, x)
     }
-}
-
-fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let ms = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / x.len() as f64;
-    let s = 1.0 / (ms + eps as f64).sqrt();
-    x.iter()
-        .zip(w)
-        .map(|(v, w)| ((*v as f64) * s) as f32 * w)
-        .collect()
 }
 
 fn silu(x: f32) -> f32 {
@@ -134,7 +126,12 @@ impl CpuModel {
         let t = token as usize;
         let mut x = self.w.tok_embd.data[t * e..(t + 1) * e].to_vec();
         for (l, lw) in self.w.layers.iter().enumerate() {
-            let h = rms_norm(&x, &lw.attn_norm.data, hp.eps);
+            let h = ops::rms_norm(
+                &x,
+                lw.attn_norm.data.len(),
+                Some(&lw.attn_norm.data),
+                hp.eps,
+            );
             let mix = match (&lw.mixer, &mut seq.layers[l]) {
                 (Mixer::Gdn(g), LayerState::Gdn { conv, s }) => self.gdn(g, &h, conv, s),
                 (Mixer::Attn(a), LayerState::Attn { k, v }) => self.attn(a, &h, k, v, seq.pos),
@@ -143,7 +140,12 @@ impl CpuModel {
             for i in 0..e {
                 x[i] += mix[i];
             }
-            let h = rms_norm(&x, &lw.post_norm.data, hp.eps);
+            let h = ops::rms_norm(
+                &x,
+                lw.post_norm.data.len(),
+                Some(&lw.post_norm.data),
+                hp.eps,
+            );
             let f = self.ffn(&lw.ffn, &h);
             for i in 0..e {
                 x[i] += f[i];
@@ -151,7 +153,12 @@ impl CpuModel {
             trace(l, &x);
         }
         seq.pos += 1;
-        let h = rms_norm(&x, &self.w.output_norm.data, hp.eps);
+        let h = ops::rms_norm(
+            &x,
+            self.w.output_norm.data.len(),
+            Some(&self.w.output_norm.data),
+            hp.eps,
+        );
         self.w.output.as_ref().unwrap_or(&self.w.tok_embd).mv(&h)
     }
 
@@ -223,7 +230,12 @@ impl CpuModel {
         }
         // Gated RMSNorm per value head: w ⊙ rmsnorm(o_h) ⊙ silu(z_h).
         for h in 0..hv {
-            let n = rms_norm(&o[h * dv..(h + 1) * dv], &g.norm.data, hp.eps);
+            let n = ops::rms_norm(
+                &o[h * dv..(h + 1) * dv],
+                g.norm.data.len(),
+                Some(&g.norm.data),
+                hp.eps,
+            );
             for j in 0..dv {
                 o[h * dv + j] = n[j] * silu(z[h * dv + j]);
             }
@@ -263,12 +275,22 @@ impl CpuModel {
             }
         };
         for h in 0..nh {
-            let n = rms_norm(&q[h * hd..(h + 1) * hd], &a.q_norm.data, hp.eps);
+            let n = ops::rms_norm(
+                &q[h * hd..(h + 1) * hd],
+                a.q_norm.data.len(),
+                Some(&a.q_norm.data),
+                hp.eps,
+            );
             q[h * hd..(h + 1) * hd].copy_from_slice(&n);
             rope(&mut q[h * hd..(h + 1) * hd]);
         }
         for h in 0..nkv {
-            let n = rms_norm(&k[h * hd..(h + 1) * hd], &a.k_norm.data, hp.eps);
+            let n = ops::rms_norm(
+                &k[h * hd..(h + 1) * hd],
+                a.k_norm.data.len(),
+                Some(&a.k_norm.data),
+                hp.eps,
+            );
             k[h * hd..(h + 1) * hd].copy_from_slice(&n);
             rope(&mut k[h * hd..(h + 1) * hd]);
         }

@@ -1,0 +1,807 @@
+//! The forward: batched rounds over the layers (GDN, attention, dense or routed FFN) and
+//! the logits each item wants.
+
+use super::state::kv_shape;
+use super::*;
+
+impl GpuModel {
+    pub(super) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let v = self.hp.n_vocab;
+        match tokens.iter().find(|&&t| t as usize >= v) {
+            Some(&bad) => Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {v}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Feed `tokens`; returns logits for every token (`all`) or only the last one.
+    pub fn forward(&mut self, seq: &mut GpuSeq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        let want = if all { Want::All } else { Want::Last };
+        let mut out = self.forward_batch(&mut [(seq, tokens, want)])?;
+        Ok(out.pop().map(Logits::into_full).unwrap_or_default())
+    }
+
+    /// Feed several sequences at once: each item's tokens are appended to its sequence, in
+    /// passes of at most `DEFAULT_BATCH` rows shared by all items (a long prefill is split
+    /// into chunks, so decode steps of other items never wait longer than a chunk).
+    /// Returns, per item, the logits it wants (`[n, vocab]` row-major), or for
+    /// [`Want::Top`] the best logits of its last token, found in the round's pass.
+    pub fn forward_batch(
+        &mut self,
+        items: &mut [(&mut GpuSeq, &[u32], Want)],
+    ) -> Result<Vec<Logits>> {
+        for (_, t, w) in items.iter() {
+            self.check_tokens(t)?;
+            crate::forward::check_want(*w)?;
+        }
+        let v = self.hp.n_vocab;
+        // One k for every Top item (the largest); each item keeps its own k of it.
+        let mut top = TopReq::default();
+        for (_, _, w) in items.iter() {
+            if let Want::Top { k, lse } = *w {
+                top.k = top.k.max(k);
+                top.lse |= lse;
+            }
+        }
+        let mut out: Vec<Logits> = items.iter().map(|_| Logits::Full(Vec::new())).collect();
+        let mut done: Vec<usize> = vec![0; items.len()];
+        loop {
+            // One round: multi-token parts first, single tokens after (one batched decode
+            // attention call covers those).
+            let mut parts = Vec::new();
+            let mut rows = 0;
+            for pass_single in [false, true] {
+                for (i, (seq, toks, _)) in items.iter().enumerate() {
+                    let left = toks.len() - done[i];
+                    if left == 0 || (left == 1) != pass_single || rows == self.scratch.rows {
+                        continue;
+                    }
+                    let n = left.min(self.scratch.rows - rows);
+                    parts.push(Part {
+                        item: i,
+                        start: done[i],
+                        n,
+                        row: rows,
+                        slot: seq.slot,
+                        pos0: seq.pos + done[i],
+                    });
+                    rows += n;
+                }
+            }
+            if parts.is_empty() {
+                break;
+            }
+            let wants: Vec<(usize, usize)> = parts
+                .iter()
+                .filter_map(|p| {
+                    let toks_len = items[p.item].1.len();
+                    match items[p.item].2 {
+                        Want::All => Some((p.row, p.n)),
+                        Want::Last if p.start + p.n == toks_len => Some((p.row + p.n - 1, 1)),
+                        _ => None,
+                    }
+                })
+                .collect();
+            top.rows = parts
+                .iter()
+                .filter(|p| {
+                    matches!(items[p.item].2, Want::Top { .. })
+                        && p.start + p.n == items[p.item].1.len()
+                })
+                .map(|p| p.row + p.n - 1)
+                .collect();
+            let toks: Vec<u32> = parts
+                .iter()
+                .flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied())
+                .collect();
+            let (logits, tops) = self.run_round(&parts, &toks, &wants, &top)?;
+            if self.trace_layer.is_some() {
+                // Debug pass: the residual stream came back instead of logits; the
+                // sequences' positions are left as they were.
+                return Ok(vec![Logits::Full(logits)]);
+            }
+            let mut off = 0;
+            let mut tops = tops.into_iter();
+            for p in &parts {
+                let got = wants
+                    .iter()
+                    .find(|w| w.0 >= p.row && w.0 < p.row + p.n)
+                    .map(|w| w.1);
+                if let (Some(nw), Logits::Full(o)) = (got, &mut out[p.item]) {
+                    o.extend_from_slice(&logits[off * v..(off + nw) * v]);
+                    off += nw;
+                }
+                if top.rows.contains(&(p.row + p.n - 1)) {
+                    let Want::Top { k, lse } = items[p.item].2 else {
+                        unreachable!("top rows come from Top items")
+                    };
+                    let mut t = tops.next().ok_or_else(|| {
+                        Error::Gpu("the round returned too few top-logits rows".into())
+                    })?;
+                    t.cands.truncate(k as usize);
+                    if !lse {
+                        t.lse = None;
+                    }
+                    out[p.item] = Logits::Top(t);
+                }
+                done[p.item] += p.n;
+            }
+        }
+        for (i, (seq, toks, _)) in items.iter_mut().enumerate() {
+            debug_assert_eq!(done[i], toks.len());
+            seq.pos += toks.len();
+        }
+        Ok(out)
+    }
+
+    /// One pass over the rows of `parts`; returns the logits of the `wants` row runs and the
+    /// top logits of the `top` rows (in order).
+    pub(super) fn run_round(
+        &mut self,
+        parts: &[Part],
+        toks: &[u32],
+        wants: &[(usize, usize)],
+        top: &TopReq,
+    ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
+        let gpu = self.gpu.clone();
+        let n = toks.len() as u32;
+        let e = self.hp.n_embd as u32;
+        let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        let mut pass = gpu.pass();
+        if self.profile.is_some() {
+            pass.hold();
+        }
+        self.reserve(&mut pass, need)?;
+        let cap = self.pools.cap as u32;
+        // Per-row positions and KV destination rows; per decode row its visible key range.
+        let mut pos = Vec::with_capacity(toks.len());
+        let mut kv_rows = Vec::with_capacity(toks.len());
+        let mut ranges = Vec::new();
+        for p in parts {
+            for j in 0..p.n {
+                let q = (p.pos0 + j) as u32;
+                pos.push(q);
+                kv_rows.push(p.slot * cap + q);
+                if p.n == 1 {
+                    ranges.extend_from_slice(&[p.slot * cap, q + 1]);
+                }
+            }
+        }
+        let sc = &mut self.scratch;
+        gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
+        gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
+        gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+        if !ranges.is_empty() {
+            gpu.write(&sc.ranges, 0, bytemuck::cast_slice(&ranges));
+        }
+        let spans: Vec<SeqSpan> = parts
+            .iter()
+            .map(|p| SeqSpan {
+                row: p.row as u32,
+                n_tokens: p.n as u32,
+                slot: p.slot,
+            })
+            .collect();
+        sc.batch.update(&gpu, &spans)?;
+        let sc = &self.scratch;
+        let hp = &self.hp;
+        embed::embed(
+            &mut pass,
+            &self.w.tok_embd,
+            &sc.ids,
+            0,
+            n,
+            View::new(&sc.x, 0),
+        )?;
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            norm::rms_norm(
+                &mut pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                Some(View::new(&sc.h, 0)),
+                Some(&lw.attn_norm),
+                hp.eps,
+            )?;
+            match &lw.mixer {
+                Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n)?,
+                Mixer::Attn(a) => self.attn_block(&mut pass, parts, l, a, n)?,
+            }
+            norm::rms_norm(
+                &mut pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                Some(View::new(&sc.h, 0)),
+                Some(&lw.post_norm),
+                hp.eps,
+            )?;
+            self.ffn_block(&mut pass, l, &lw.ffn, n)?;
+            if self.trace_layer == Some(l) {
+                pass.submit()?;
+                let x = gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd)?;
+                return Ok((x, Vec::new()));
+            }
+            pass.flush_every(crate::gpu::FLUSH_OPS)?;
+        }
+        let total: usize = wants.iter().map(|w| w.1).sum();
+        let profiling = self.profile.is_some();
+        let mut prof = Vec::new();
+        let result = self.finish_round(pass, n, wants, top, total, profiling, &mut prof);
+        if profiling {
+            self.profile = Some(prof);
+        }
+        result
+    }
+
+    /// The head over the wanted rows of a round, then submit (and read back the logits, or
+    /// only the top logits of the `top` rows).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn finish_round(
+        &self,
+        mut pass: Pass<'_>,
+        n: u32,
+        wants: &[(usize, usize)],
+        top: &TopReq,
+        total: usize,
+        profiling: bool,
+        prof: &mut Vec<(String, f64)>,
+    ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
+        let submit = |p: Pass<'_>, profiling: bool, prof: &mut Vec<(String, f64)>| {
+            p.submit_or_profile(profiling.then_some(prof))
+        };
+        let gpu = self.gpu.clone();
+        let sc = &self.scratch;
+        let hp = &self.hp;
+        let e = hp.n_embd as u32;
+        if total == 0 && top.rows.is_empty() {
+            submit(pass, profiling, prof)?;
+            return Ok((Vec::new(), Vec::new()));
+        }
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(&self.w.output_norm),
+            hp.eps,
+        )?;
+        let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
+        let v = hp.n_vocab;
+        // Top rows first, in this pass: each row's head (one row per call, as for full
+        // logits, so the values are bit-identical) into the logits buffer, then their top-k
+        // into `sc.top`; the full-logits runs below reuse the buffer after them.
+        let mut r0 = 0;
+        for chunk in top.rows.chunks(sc.logit_rows) {
+            for (j, &r) in chunk.iter().enumerate() {
+                matmul::matmul(
+                    &mut pass,
+                    head,
+                    &sc.h,
+                    (r * hp.n_embd) as u32,
+                    &sc.logits,
+                    (j * v) as u32,
+                    1,
+                )?;
+            }
+            let rows = chunk.len() as u32;
+            sc.top.record(
+                &mut pass,
+                View::new(&sc.logits, 0),
+                rows,
+                r0,
+                top.k,
+                top.lse,
+            )?;
+            r0 += rows;
+        }
+        // The head over the wanted rows, packed into the logits buffer; more passes (each
+        // read back) only when they outgrow it.
+        let mut logits = Vec::with_capacity(total * v);
+        let mut pending = Some(pass);
+        let mut used = 0usize;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &(r0, nr) in wants {
+            let mut r = r0;
+            while r < r0 + nr {
+                let take = (r0 + nr - r).min(sc.logit_rows);
+                runs.push((r, take));
+                r += take;
+            }
+        }
+        for (i, &(r, take)) in runs.iter().enumerate() {
+            if used + take > sc.logit_rows {
+                let p = pending.take().unwrap_or_else(|| gpu.pass());
+                submit(p, profiling, prof)?;
+                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
+                used = 0;
+            }
+            let p = pending.get_or_insert_with(|| gpu.pass());
+            matmul::matmul(
+                p,
+                head,
+                &sc.h,
+                (r * hp.n_embd) as u32,
+                &sc.logits,
+                (used * v) as u32,
+                take as u32,
+            )?;
+            used += take;
+            if i + 1 == runs.len() {
+                let p = pending.take().expect("a pass holds the head");
+                submit(p, profiling, prof)?;
+                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
+            }
+        }
+        if let Some(p) = pending {
+            submit(p, profiling, prof)?;
+        }
+        let tops = sc.top.read(&gpu, r0, top.k, top.lse)?;
+        Ok((logits, tops))
+    }
+
+    /// The layer's product set (the GPU sink makes one for every set).
+    pub(super) fn set<'s>(&self, s: &'s Option<ProjSet>) -> &'s ProjSet {
+        s.as_ref().expect("the GPU loader makes every product set")
+    }
+
+    /// Member `i` of `set` in `proj`: one row of its outputs per token.
+    pub(super) fn col(&self, set: &ProjSet, i: usize) -> View<'_> {
+        View::strided(&self.scratch.proj, set.off[i], set.width)
+    }
+
+    /// `src` (one row of `len` per token) as packed rows: itself for one token, else
+    /// copied into `dst`. Returns the buffer and the element offset of the rows.
+    pub(super) fn packed_rows<'s>(
+        &'s self,
+        pass: &mut Pass<'_>,
+        src: View<'s>,
+        len: u32,
+        n: u32,
+        dst: &'s wgpu::Buffer,
+    ) -> Result<(&'s wgpu::Buffer, u32)> {
+        if n == 1 {
+            return Ok((src.buf, src.off));
+        }
+        ew::copy(pass, n, len, View::new(dst, 0), src)?;
+        Ok((dst, 0))
+    }
+
+    pub(super) fn linear(
+        &self,
+        pass: &mut Pass<'_>,
+        w: &GpuTensor,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+        accumulate: bool,
+    ) -> Result<()> {
+        // A member of a product set has no buffers of its own: it runs through `ProjSet::run`.
+        debug_assert!(!w.parts.is_empty(), "{}: no GPU buffers", w.name);
+        let opts = MatvecOpts {
+            accumulate,
+            ..Default::default()
+        };
+        matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
+    }
+
+    pub(super) fn gdn_block(
+        &self,
+        pass: &mut Pass<'_>,
+        parts: &[Part],
+        l: usize,
+        g: &weights::Gdn<GpuTensor>,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let cd = hp.conv_dim() as u32;
+        let hv = hp.n_v_heads as u32;
+        let vd = hp.v_dim() as u32;
+        // qkv, z, beta, alpha: one product per stored type, into columns of `proj`.
+        let set = self.set(&self.w.layers[l].mixer_set);
+        set.run(pass, &sc.h, &sc.proj, n)?;
+        let (off_qkv, off_b, off_a, width) = (set.off[0], set.off[2], set.off[3], set.width);
+        let conv_state = self.pools.conv[l]
+            .as_ref()
+            .expect("GDN layer has conv state");
+        let ssm_state = self.pools.ssm[l]
+            .as_ref()
+            .expect("GDN layer has recurrent state");
+        conv::conv1d_silu(
+            pass,
+            cd,
+            hp.conv_kernel as u32,
+            &sc.batch,
+            &ConvIo {
+                x: &sc.proj,
+                x_off: off_qkv,
+                x_stride: width,
+                w: &g.conv.parts[0].buffer,
+                state: conv_state,
+                state_off: 0,
+                y: &sc.qkv,
+                y_off: 0,
+                y_stride: cd,
+            },
+        )?;
+        let shape = GdnShape {
+            n_head_k: hp.n_k_heads,
+            n_head_v: hp.n_v_heads,
+            d_k: hp.d_k,
+            d_v: hp.d_v,
+            map: match hp.head_map {
+                HeadMap::Div => KeyHeadMap::Repeat,
+                HeadMap::Mod => KeyHeadMap::Tile,
+            },
+        };
+        let io = GdnIo {
+            qkv: &sc.qkv,
+            qkv_off: 0,
+            qkv_stride: cd,
+            a: &sc.proj,
+            a_off: off_a,
+            a_stride: width,
+            b: &sc.proj,
+            b_off: off_b,
+            b_stride: width,
+            a_neg: &g.a.parts[0].buffer,
+            dt_bias: &g.dt_bias.parts[0].buffer,
+            state: ssm_state,
+            state_off: 0,
+            o: &sc.o,
+            o_off: 0,
+            o_stride: vd,
+        };
+        if parts.iter().all(|p| p.n == 1) {
+            gdn::recurrent(pass, &shape, &sc.batch, &io)?;
+        } else {
+            gdn::chunked(pass, &shape, &sc.batch, &io, &sc.gdn_scratch)?;
+        }
+        // The norm takes z as packed [n·Hv, dv] rows: one token's are (in `proj`), several
+        // tokens' are not (a row of `proj` per token), so those are packed first.
+        let (z, z_off) = self.packed_rows(pass, self.col(set, 1), vd, n, &sc.z)?;
+        norm::gated_rms_norm(
+            pass,
+            n * hv,
+            hp.d_v as u32,
+            View::new(&sc.o, 0),
+            View::new(z, z_off),
+            None,
+            Some(&g.norm),
+            hp.eps,
+        )?;
+        self.linear(pass, &g.out, &sc.o, &sc.x, n, true)
+    }
+
+    pub(super) fn attn_block(
+        &self,
+        pass: &mut Pass<'_>,
+        parts: &[Part],
+        l: usize,
+        a: &weights::Attn<GpuTensor>,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
+        // q (with its gates), k, v: one product per stored type, into columns of `proj`;
+        // q and k are normed per head in place, so several tokens' are packed first.
+        let set = self.set(&self.w.layers[l].mixer_set);
+        set.run(pass, &sc.h, &sc.proj, n)?;
+        let (qg, qg_off) = self.packed_rows(pass, self.col(set, 0), 2 * nh * hd, n, &sc.qg)?;
+        let (kb, k_off) = self.packed_rows(pass, self.col(set, 1), nkv * hd, n, &sc.k)?;
+        // Per-head q/k RMSNorm; q heads sit every 2·head_dim (interleaved with their gates).
+        norm::rms_norm(
+            pass,
+            n * nh,
+            hd,
+            View::strided(qg, qg_off, 2 * hd),
+            None,
+            Some(&a.q_norm),
+            hp.eps,
+        )?;
+        norm::rms_norm(
+            pass,
+            n * nkv,
+            hd,
+            View::new(kb, k_off),
+            None,
+            Some(&a.k_norm),
+            hp.eps,
+        )?;
+        let positions = Positions::Buffer {
+            buf: &sc.pos,
+            off: 0,
+        };
+        let qv = RopeView {
+            buf: qg,
+            off: qg_off,
+            n_tokens: n,
+            n_heads: nh,
+            head_dim: hd,
+            token_stride: nh * 2 * hd,
+            head_stride: 2 * hd,
+        };
+        rope::rope(pass, &qv, RopeStyle::Neox, 0, &self.rope, positions, false)?;
+        rope::rope(
+            pass,
+            &RopeView::packed(kb, k_off, n, nkv, hd),
+            RopeStyle::Neox,
+            0,
+            &self.rope,
+            positions,
+            false,
+        )?;
+        let (kc, vc) = self.pools.kv[l]
+            .as_ref()
+            .expect("attention layer has a KV cache");
+        let shape = kv_shape(hp, self.kv_type);
+        let dst = attention::DstRows::List {
+            rows: &sc.kv_rows,
+            off: 0,
+        };
+        attention::write_kv(pass, shape, kb, k_off, nkv * hd, n, kc, dst)?;
+        // v straight from `proj` (write_kv takes a row stride).
+        attention::write_kv(pass, shape, &sc.proj, set.off[2], set.width, n, vc, dst)?;
+        let cap = self.pools.cap as u32;
+        let q_stride = nh * 2 * hd;
+        let o_stride = nh * hd;
+        let call = |pass: &mut Pass<'_>,
+                    row: u32,
+                    n_q: u32,
+                    keys: Keys<'_>,
+                    max_keys: u32,
+                    per_query: bool|
+         -> Result<()> {
+            // Split-K only when a few query rows face many keys (decode); the scratch is
+            // sized for `SPLIT_ROWS` query rows.
+            let mut n_split = attention::pick_n_split(n_q, nh, shape, max_keys, per_query);
+            while n_split > 1
+                && attention::scratch_elems(n_q, nh, hd, n_split) * 4 > sc.attn_split.size()
+            {
+                n_split /= 2;
+            }
+            attention::attention(
+                pass,
+                &Attention {
+                    n_q,
+                    n_head: nh,
+                    kv: shape,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    q: QView {
+                        buf: qg,
+                        off: qg_off + row * q_stride,
+                        tok_stride: q_stride,
+                        head_stride: 2 * hd,
+                    },
+                    out: OutView {
+                        buf: &sc.att,
+                        off: row * o_stride,
+                        tok_stride: o_stride,
+                    },
+                    a: KvSource { k: kc, v: Some(vc) },
+                    b: None,
+                    keys,
+                    sinks: None,
+                    split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+                },
+            )
+        };
+        // Prefill parts: causal over their own slot's rows (flash tiles shared by queries).
+        for p in parts.iter().filter(|p| p.n > 1) {
+            let (pos0, np) = (p.pos0 as u32, p.n as u32);
+            let keys = Keys::Causal {
+                row0: p.slot * cap,
+                pos0,
+                n_kv: pos0 + np,
+                window: 0,
+            };
+            call(pass, p.row as u32, np, keys, pos0 + np, false)?;
+        }
+        // Decode rows (contiguous at the end of the pass): one call for all of them.
+        let singles: Vec<&Part> = parts.iter().filter(|p| p.n == 1).collect();
+        if let [p] = singles[..] {
+            let keys = Keys::Causal {
+                row0: p.slot * cap,
+                pos0: p.pos0 as u32,
+                n_kv: p.pos0 as u32 + 1,
+                window: 0,
+            };
+            call(pass, p.row as u32, 1, keys, p.pos0 as u32 + 1, false)?;
+        } else if let Some(first) = singles.first() {
+            let max_keys = singles.iter().map(|p| p.pos0 as u32 + 1).max().unwrap_or(1);
+            let keys = Keys::Ranges {
+                desc: &sc.ranges,
+                off: 0,
+                max_keys,
+            };
+            call(
+                pass,
+                first.row as u32,
+                singles.len() as u32,
+                keys,
+                max_keys,
+                true,
+            )?;
+        }
+        // Output gate: attn ⊙ sigmoid(gate), the gate being the second half of each head's q row.
+        ew::sigmoid_mul(
+            pass,
+            n * nh,
+            hd,
+            View::new(&sc.att_g, 0),
+            View::strided(qg, qg_off + hd, 2 * hd),
+            View::new(&sc.att, 0),
+        )?;
+        self.linear(pass, &a.o, &sc.att_g, &sc.x, n, true)
+    }
+
+    /// A MoE layer whose experts live in the offload's arena (recipe in `moe/mod.rs`): the
+    /// same router, per-pair outputs, slot-order combine and shared expert as the stacked
+    /// path below, with cold pairs computed on the CPU between passes.
+    pub(super) fn moe_offload_block(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        m: &weights::Moe<GpuTensor>,
+        n: u32,
+    ) -> Result<()> {
+        let off = self.offload.as_ref().expect("offload layer");
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let e = hp.n_embd as u32;
+        let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
+        let (ne, k) = (mp.n_expert as u32, mp.n_used as u32);
+        // Router logits and the shared expert's gate, up and gate input: one product per
+        // stored type, into columns of `proj` (see `ProjSet`).
+        let set = self.set(&self.w.layers[l].ffn_set);
+        set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
+        topk::router_softmax_topk(
+            pass,
+            n,
+            ne,
+            k,
+            mp.norm_topk,
+            self.col(set, 0),
+            View::new(&sc.moe_ids, 0),
+            View::new(&sc.moe_w, 0),
+        )?;
+        let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
+        let bufs = FfnBufs {
+            gate: &sc.f_gate,
+            up: &sc.f_up,
+            act: &sc.o,
+            out: &sc.moe_out,
+        };
+        off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
+        // The shared expert while the CPU runs the cold pairs; added after the routed sum
+        // as in the stacked path.
+        if let Some((g, _, d, _)) = &m.shared {
+            let fs = g.shape[0] as u32;
+            ew::swiglu(
+                pass,
+                n,
+                fs,
+                View::new(&sc.o, 0),
+                self.col(set, 1),
+                self.col(set, 2),
+                None,
+            )?;
+            self.linear(pass, d, &sc.o, &sc.sh_out, n, false)?;
+            ew::sigmoid_mul_row_inplace(pass, n, e, View::new(&sc.sh_out, 0), self.col(set, 3))?;
+        }
+        off.cold_ffn(pass, cold, &sc.moe_out, n, None)?;
+        ew::moe_combine(
+            pass,
+            n,
+            e,
+            k,
+            View::new(&sc.x, 0),
+            View::new(&sc.moe_w, 0),
+            View::new(&sc.moe_out, 0),
+        )?;
+        if m.shared.is_some() {
+            ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.sh_out, 0))?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn ffn_block(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        f: &Ffn<GpuTensor>,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let e = hp.n_embd as u32;
+        match f {
+            Ffn::Dense { gate, down, .. } => {
+                let ff = gate.shape[0] as u32;
+                // gate and up: one product when they share a stored type, into `proj`.
+                let set = self.set(&self.w.layers[l].ffn_set);
+                set.run(pass, &sc.h, &sc.proj, n)?;
+                ew::swiglu(
+                    pass,
+                    n,
+                    ff,
+                    View::new(&sc.o, 0),
+                    self.col(set, 0),
+                    self.col(set, 1),
+                    None,
+                )?;
+                self.linear(pass, down, &sc.o, &sc.x, n, true)
+            }
+            Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
+                self.moe_offload_block(pass, l, m, n)
+            }
+            Ffn::Moe(m) => {
+                let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
+                let (ne, k) = (mp.n_expert as u32, mp.n_used as u32);
+                // Router logits and the shared expert's gate, up and gate input: one product
+                // per stored type, into columns of `proj` (see `ProjSet`).
+                let set = self.set(&self.w.layers[l].ffn_set);
+                set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
+                topk::router_softmax_topk(
+                    pass,
+                    n,
+                    ne,
+                    k,
+                    mp.norm_topk,
+                    self.col(set, 0),
+                    View::new(&sc.moe_ids, 0),
+                    View::new(&sc.moe_w, 0),
+                )?;
+                let r = sc.route.as_ref().expect("route made for MoE models");
+                let stacks = ExpertStacks {
+                    gate: &m.gate_exps,
+                    up: &m.up_exps,
+                    down: &m.down_exps,
+                };
+                let bufs = FfnBufs {
+                    gate: &sc.f_gate,
+                    up: &sc.f_up,
+                    act: &sc.o,
+                    out: &sc.moe_out,
+                };
+                routed_ffn(pass, &stacks, &sc.h, &sc.moe_ids, r, n, k, &bufs, None)?;
+                // Combine in slot order (fixed order: placement never changes the sum).
+                ew::moe_combine(
+                    pass,
+                    n,
+                    e,
+                    k,
+                    View::new(&sc.x, 0),
+                    View::new(&sc.moe_w, 0),
+                    View::new(&sc.moe_out, 0),
+                )?;
+                if let Some((g, _, d, _)) = &m.shared {
+                    let fs = g.shape[0] as u32;
+                    ew::swiglu(
+                        pass,
+                        n,
+                        fs,
+                        View::new(&sc.o, 0),
+                        self.col(set, 1),
+                        self.col(set, 2),
+                        None,
+                    )?;
+                    self.linear(pass, d, &sc.o, &sc.moe_out, n, false)?;
+                    ew::sigmoid_mul_row_inplace(
+                        pass,
+                        n,
+                        e,
+                        View::new(&sc.moe_out, 0),
+                        self.col(set, 3),
+                    )?;
+                    ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.moe_out, 0))?;
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Loading a Qwen3.5-family model onto the GPU: the weights (products over one input
+//! grouped into [`ProjSet`]s), the RoPE table, the state pools, the scratch and the expert
+//! offload when the budget asks for one.
+
+use super::*;
+
+impl ProjSet {
+    /// `proj[t, :] = [W_g x_t for each group g]` for the `n` rows of `x` ([n, cols] packed).
+    pub(super) fn run(
+        &self,
+        pass: &mut Pass<'_>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+    ) -> Result<()> {
+        self.run_opts(pass, x, y, n, false)
+    }
+
+    /// [`ProjSet::run`]; `exact`: f32 products (a set holding the MoE router, whose top-k
+    /// f16 rounding would flip; see [`MatvecOpts::exact`]).
+    pub(super) fn run_opts(
+        &self,
+        pass: &mut Pass<'_>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+        exact: bool,
+    ) -> Result<()> {
+        let opts = MatvecOpts {
+            y_stride: self.width,
+            exact,
+            ..Default::default()
+        };
+        for (w, col) in &self.groups {
+            matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?;
+        }
+        Ok(())
+    }
+
+    /// Group the members of a set by (stored type, width), first appearance first, and
+    /// upload each group with `upload` (given the group's weights and a label).
+    pub(super) fn build(
+        ws: &[Weight<'_>],
+        mut upload: impl FnMut(&[&Weight<'_>], &str) -> Result<GpuTensor>,
+    ) -> Result<ProjSet> {
+        let key = |w: &Weight<'_>| (w.dtype(), w.shape().last().copied().unwrap_or(1));
+        let mut keys: Vec<(DType, u64)> = Vec::new();
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        for (i, w) in ws.iter().enumerate() {
+            match keys.iter().position(|k| *k == key(w)) {
+                Some(g) => members[g].push(i),
+                None => {
+                    keys.push(key(w));
+                    members.push(vec![i]);
+                }
+            }
+        }
+        let rows = |w: &Weight<'_>| {
+            let s = w.shape();
+            s.iter().product::<u64>() / s.last().copied().unwrap_or(1).max(1)
+        };
+        let mut off = vec![0u32; ws.len()];
+        let mut groups = Vec::with_capacity(members.len());
+        let mut col = 0u64;
+        for m in &members {
+            let refs: Vec<&Weight<'_>> = m.iter().map(|&i| &ws[i]).collect();
+            let t = upload(&refs, &group_label(&refs))?;
+            groups.push((t, col as u32));
+            for &i in m {
+                off[i] = col as u32;
+                col += rows(&ws[i]);
+            }
+        }
+        if col > u32::MAX as u64 / 4 {
+            return Err(Error::Invalid(format!(
+                "{}: {col} output columns",
+                group_label(&ws.iter().collect::<Vec<_>>())
+            )));
+        }
+        Ok(ProjSet {
+            groups,
+            off,
+            width: col as u32,
+        })
+    }
+}
+
+/// A group's label: its first member's name, then the others' without the prefix they share
+/// with it up to a dot (`blk.0.attn_qkv.weight+attn_gate.weight`).
+pub(super) fn group_label(ws: &[&Weight<'_>]) -> String {
+    let first = ws.first().map_or("", |w| w.name());
+    let mut label = first.to_string();
+    for w in ws.iter().skip(1) {
+        let name = w.name();
+        let common = first
+            .bytes()
+            .zip(name.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        let cut = name[..common].rfind('.').map_or(0, |i| i + 1);
+        label.push('+');
+        label.push_str(&name[cut..]);
+    }
+    label
+}
+
+/// `f` over the stored-type bytes of all `ws` at once (`Weight::with_tensor`, nested: only
+/// row selections and computed vectors are copies).
+pub(super) fn with_tensors<R>(
+    ws: &[&Weight<'_>],
+    f: &mut dyn FnMut(&[TensorRef<'_>]) -> Result<R>,
+) -> Result<R> {
+    fn go<R>(
+        ws: &[&Weight<'_>],
+        acc: &[TensorRef<'_>],
+        f: &mut dyn FnMut(&[TensorRef<'_>]) -> Result<R>,
+    ) -> Result<R> {
+        match ws.split_first() {
+            None => f(acc),
+            Some((w, rest)) => w.with_tensor(|t| {
+                let mut next: Vec<TensorRef<'_>> = acc.to_vec();
+                next.push(*t);
+                go(rest, &next, f)
+            }),
+        }
+    }
+    go(ws, &[], f)
+}
+
+impl GpuSink<'_> {
+    pub(super) fn progress(&mut self, bytes: u64) {
+        self.done += bytes;
+        if let Some(p) = &self.opts.progress {
+            p(self.done.min(self.total), self.total);
+        }
+    }
+}
+
+impl Sink for GpuSink<'_> {
+    type T = GpuTensor;
+    type Set = ProjSet;
+
+    fn one(&mut self, w: Weight<'_>) -> Result<GpuTensor> {
+        if self.experts_elsewhere && crate::moe::is_expert_tensor(w.name()) {
+            return Ok(w.stand_in());
+        }
+        let t = w.with_tensor(|t| self.gpu.upload_tensor(t))?;
+        self.progress(t.bytes());
+        Ok(t)
+    }
+
+    fn set(&mut self, ws: Vec<Weight<'_>>) -> Result<SetOut<GpuTensor, ProjSet>> {
+        let gpu = self.gpu;
+        let mut bytes = 0;
+        let set = ProjSet::build(&ws, |group, label| {
+            let t = with_tensors(group, &mut |ts| gpu.upload_concat(ts, label))?;
+            bytes += t.bytes();
+            Ok(t)
+        })?;
+        self.progress(bytes);
+        Ok((ws.iter().map(Weight::stand_in).collect(), Some(set)))
+    }
+}
+
+impl GpuModel {
+    pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
+        let hp = Hparams::from_file(file)?;
+        // Placement first: experts without the stacks go to the arena after the rest.
+        let plan = Plan::new(
+            &gpu,
+            file,
+            opts,
+            &needs(&hp, RunShape::new(opts, DEFAULT_BATCH)),
+        )?;
+        let sink = GpuSink {
+            gpu: &gpu,
+            experts_elsewhere: plan.is_some(),
+            opts,
+            done: 0,
+            total: file.tensors().map(|t| t.data.len() as u64).sum(),
+        };
+        let w = weights::load_sets(file, &hp, sink)?;
+        let inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, hp.n_rot.max(2));
+        let rope = RopeTable::new(&gpu, &inv, "qwen35.rope")?;
+        let kv_type = match opts.kv_type {
+            KvType::Auto | KvType::F16 => attention::KvType::F16,
+            KvType::F32 => attention::KvType::F32,
+        };
+        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH, opts.max_seqs.max(1))?;
+        let pools = Pools::new(
+            &gpu,
+            &hp,
+            kv_type,
+            opts.max_seqs.max(1),
+            opts.ctx.clamp(16, 4096),
+        )?;
+        let offload = match plan {
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
+            None => None,
+        };
+        Ok(GpuModel {
+            gpu,
+            hp,
+            w,
+            rope,
+            kv_type,
+            pools,
+            scratch,
+            trace_layer: None,
+            profile: None,
+            offload,
+        })
+    }
+}

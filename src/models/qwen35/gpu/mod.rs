@@ -1,0 +1,280 @@
+//! The Qwen3.5-family forward on the GPU. One pass (one submission) per chunk of tokens:
+//! prefill chunks use the tiled matmul, the chunked GDN scan and flash attention; a decode
+//! step (one token) uses matvec, the recurrent GDN step and split-K attention. Nothing is
+//! read back inside the layer loop; only the requested logits come back.
+//!
+//! Every dispatch has a fixed cost at decode (a barrier drains the GPU between dependent
+//! ones), so products over one input run as one per stored type ([`ProjSet`]: GDN
+//! qkv|z|beta|alpha, attention q|k|v, FFN gate|up, MoE router|shared expert) and the MoE
+//! combine sums all slots in one dispatch: a Qwen3.5-9B Q4_K_M step takes 405 dispatches
+//! instead of 509.
+
+mod forward;
+mod load;
+mod state;
+
+pub use state::needs;
+
+use super::weights::{self, Ffn, Mixer, SetOut, Sink, Weights};
+use super::{HeadMap, Hparams};
+use crate::forward::{KvType, LoadOptions, Logits, TopLogits, Want, GREEDY};
+use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::conv::{self, ConvIo};
+use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::gdn::{self, GdnIo, GdnShape, KeyHeadMap, SeqBatch, SeqSpan};
+use crate::gpu::matmul::{self, MoeRoute};
+use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs};
+use crate::gpu::norm;
+use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
+use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
+use crate::moe::{Needs, Offload, Plan, RunShape};
+use crate::tensor::TensorRef;
+use crate::{DType, Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// Tokens per prefill pass: activations are sized for this many rows. 512 as llama.cpp's
+/// micro-batch: the matrix kernels fill an H200 only from ~512 tokens (4096x12288 Q4_K on the
+/// cooperative-matrix path: 49 TFLOP/s at 256 tokens, 71 at 512).
+pub const DEFAULT_BATCH: usize = 512;
+
+/// Activation buffers, sized once for `rows` tokens per pass (f32 unless said).
+struct Scratch {
+    rows: usize,
+    /// [rows] u32 token ids, positions, KV cache destination rows; [rows, 2] u32 visible
+    /// key ranges of decode rows.
+    ids: wgpu::Buffer,
+    pos: wgpu::Buffer,
+    kv_rows: wgpu::Buffer,
+    ranges: wgpu::Buffer,
+    /// [rows, n_embd]: the residual stream, and its normed copy.
+    x: wgpu::Buffer,
+    h: wgpu::Buffer,
+    /// [rows, width of the widest ProjSet]: a product set's outputs, one row per token
+    /// (`ProjSet::off` gives each member's columns).
+    proj: wgpu::Buffer,
+    /// [rows, conv_dim]: fused q|k|v after the conv.
+    qkv: wgpu::Buffer,
+    /// [rows, Hv·dv] each: z packed from `proj` (passes of several rows), the GDN output.
+    z: wgpu::Buffer,
+    o: wgpu::Buffer,
+    /// [rows, n_head·2·head_dim]: q and gate interleaved per head (packed from `proj`).
+    qg: wgpu::Buffer,
+    /// [rows, n_head_kv·head_dim]: k packed from `proj` (v is read from `proj`).
+    k: wgpu::Buffer,
+    /// [rows, n_head·head_dim]: attention output, and after the gate.
+    att: wgpu::Buffer,
+    att_g: wgpu::Buffer,
+    /// [rows·n_used, routed expert width]: the experts' gate / up.
+    f_gate: wgpu::Buffer,
+    f_up: wgpu::Buffer,
+    /// [rows·n_used, n_embd]: routed expert outputs; [rows, n_used] ids (u32) and weights;
+    /// [rows, n_embd] the shared expert's output kept across the cold path's passes
+    /// (offload only). Router logits and the shared-expert gate are columns of `proj`.
+    moe_out: wgpu::Buffer,
+    moe_ids: wgpu::Buffer,
+    moe_w: wgpu::Buffer,
+    sh_out: wgpu::Buffer,
+    route: Option<MoeRoute>,
+    /// GDN chunk scratch and the one-sequence batch table.
+    gdn_scratch: wgpu::Buffer,
+    batch: SeqBatch,
+    /// Split-K attention partials for decode.
+    attn_split: wgpu::Buffer,
+    /// [logit_rows, n_vocab]
+    logits: wgpu::Buffer,
+    logit_rows: usize,
+    /// Top-k (+ log-sum-exp) of up to `rows` logits rows, for [`Want::Top`] items.
+    top: topk::LogitsTop,
+}
+
+/// State pools shared by all sequences, one per layer kind; sequence slot `s` owns KV rows
+/// `s·cap ..` and conv / recurrent slot `s`. One pool per layer lets a batched pass serve
+/// many sequences with one dispatch per kernel.
+struct Pools {
+    slots: usize,
+    /// KV rows per slot; grows by doubling (copied on the GPU).
+    cap: usize,
+    /// Per layer: (K, V) [slots·cap, n_head_kv, head_dim] (f16 or f32).
+    kv: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
+    /// Per layer: conv state [slots, K-1, conv_dim] and GDN state [slots, Hv, dk, dv].
+    conv: Vec<Option<wgpu::Buffer>>,
+    ssm: Vec<Option<wgpu::Buffer>>,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+/// One sequence: a slot in the model's state pools and the number of tokens it has seen.
+/// Dropping it returns the slot.
+pub struct GpuSeq {
+    slot: u32,
+    pos: usize,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+impl GpuSeq {
+    /// Tokens consumed so far.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl Drop for GpuSeq {
+    fn drop(&mut self) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.slot);
+    }
+}
+
+/// The [`Want::Top`] rows of a round: their rows in the pass, one k (the largest asked) and
+/// whether any item wants the log-sum-exp.
+#[derive(Default)]
+struct TopReq {
+    rows: Vec<usize>,
+    k: u32,
+    lse: bool,
+}
+
+/// One round's share of a batch item: rows `row .. row + n` of the pass.
+struct Part {
+    item: usize,
+    start: usize,
+    n: usize,
+    row: usize,
+    slot: u32,
+    pos0: usize,
+}
+
+pub struct GpuModel {
+    pub gpu: Arc<Gpu>,
+    pub hp: Hparams,
+    w: Weights<GpuTensor, ProjSet>,
+    rope: RopeTable,
+    kv_type: attention::KvType,
+    pools: Pools,
+    scratch: Scratch,
+    /// Debugging: stop the next pass after this layer and return the residual stream
+    /// `[n_tokens, n_embd]` instead of logits.
+    pub trace_layer: Option<usize>,
+    /// Profiling: when `Some`, passes are timed per dispatch (GPU timestamps) and the last
+    /// round's `(kernel label, ns)` list is stored here.
+    pub profile: Option<Vec<(String, f64)>>,
+    /// The expert arena and cold path when not every routed expert has a slot (or routing
+    /// is counted); `None`: the per-layer expert stacks of `w`.
+    pub offload: Option<Offload>,
+}
+
+impl GpuModel {
+    /// Layers with routed experts.
+    pub fn n_moe_layers(&self) -> usize {
+        self.w
+            .layers
+            .iter()
+            .filter(|l| matches!(l.ffn, Ffn::Moe(_)))
+            .count()
+    }
+}
+
+/// Products of one layer that read the same input, run as few matvecs as their stored types
+/// allow: members of equal type and width are concatenated by rows at load
+/// ([`Gpu::upload_concat`]), one product per group. Per token the outputs form one row of
+/// `width` values in `Scratch::proj`, member `i` at columns `off[i]..` (a group's members
+/// adjacent, in set order). A product's rows are independent, so each member's values are
+/// what its own product would give.
+pub struct ProjSet {
+    /// Each group's concatenated weight and its first column.
+    groups: Vec<(GpuTensor, u32)>,
+    /// Per member (in the set's order, `weights::Layer`): its first column.
+    off: Vec<u32>,
+    width: u32,
+}
+
+/// The GPU loader: weights go from the mmap to the GPU as they are stored; product sets as
+/// [`ProjSet`]s (their members' own tensors are then empty stand-ins carrying name, type and
+/// shape); routed experts of an offloaded model are left to the expert arena.
+struct GpuSink<'a> {
+    gpu: &'a Gpu,
+    experts_elsewhere: bool,
+    opts: &'a LoadOptions,
+    done: u64,
+    total: u64,
+}
+
+/// Elements (4 bytes each: f32 values or u32 ids) of the plain scratch buffers for passes of
+/// `rows` rows: the one list that [`Scratch::new`] allocates and [`Scratch::bytes`] counts.
+struct Dims {
+    ids: usize,
+    pos: usize,
+    kv_rows: usize,
+    ranges: usize,
+    x: usize,
+    h: usize,
+    proj: usize,
+    qkv: usize,
+    z: usize,
+    o: usize,
+    qg: usize,
+    k: usize,
+    att: usize,
+    att_g: usize,
+    f_gate: usize,
+    f_up: usize,
+    moe_out: usize,
+    moe_ids: usize,
+    moe_w: usize,
+    sh_out: usize,
+    logits: usize,
+}
+
+impl SeqState for GpuSeq {
+    fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl Forward for GpuModel {
+    fn vocab_size(&self) -> usize {
+        self.hp.n_vocab
+    }
+    fn new_seq(&self) -> Result<Seq> {
+        Ok(Seq::new(GpuModel::new_seq(self)?))
+    }
+    fn reset(&self, seq: &mut Seq) -> Result<()> {
+        GpuModel::reset(self, seq.get_mut()?)
+    }
+    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
+        GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (s, t, w) in items.iter_mut() {
+            v.push((s.get_mut()?, *t, *w));
+        }
+        GpuModel::forward_batch(self, &mut v)
+    }
+    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        GpuModel::forward(self, seq.get_mut()?, tokens, all)
+    }
+    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+        // The step a greedy generation takes: argmax on the GPU, a few bytes back.
+        let s = seq.get_mut()?;
+        self.profile = Some(Vec::new());
+        let r = GpuModel::forward_batch(self, &mut [(s, tokens, GREEDY)]);
+        let prof = self.profile.take().unwrap_or_default();
+        r.map(|_| prof)
+    }
+    fn offload(&self) -> Option<&Offload> {
+        self.offload.as_ref()
+    }
+    fn routed_experts(&self) -> usize {
+        self.hp
+            .moe
+            .as_ref()
+            .map_or(0, |p| self.n_moe_layers() * p.n_expert)
+    }
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_positions())
+    }
+}
