@@ -5,6 +5,51 @@ use super::Gpu;
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
 
+/// Errors unless rows `off + i·stride + [0, len)`, i < n, of 4-byte elements (f32 or u32)
+/// lie in `buf` and their end fits a u32 element offset; `op` and `what` name the kernel and
+/// the operand. The one bounds check of the kernel wrappers.
+pub fn check_span(
+    op: &str,
+    what: &str,
+    buf: &wgpu::Buffer,
+    off: impl Into<u64>,
+    stride: impl Into<u64>,
+    n: impl Into<u64>,
+    len: impl Into<u64>,
+) -> Result<()> {
+    let (off, stride, n, len) = (off.into(), stride.into(), n.into(), len.into());
+    let end = off + n.max(1).saturating_sub(1) * stride + len;
+    if end * 4 <= buf.size() && end <= u32::MAX as u64 {
+        return Ok(());
+    }
+    let held = buf.size() / 4;
+    Err(Error::Invalid(if n <= 1 && off == 0 {
+        format!("{op}: {what} needs {end} elements, its buffer holds {held}")
+    } else {
+        format!(
+            "{op}: {what} needs {end} elements (offset {off}, stride {stride}, {n} rows of \
+             {len}), its buffer holds {held}"
+        )
+    }))
+}
+
+/// [`check_span`] of `end` elements from the buffer's start.
+pub fn check_len(op: &str, what: &str, buf: &wgpu::Buffer, end: u64) -> Result<()> {
+    check_span(op, what, buf, 0u64, 0u64, 1u64, end)
+}
+
+/// Errors unless `w` is one F32 buffer of `len` elements (a small weight vector a kernel
+/// reads whole).
+pub fn check_f32(op: &str, w: &GpuTensor, len: u64) -> Result<()> {
+    if w.dtype != DType::F32 || w.n_rows() * w.row_len() != len || w.parts.len() != 1 {
+        return Err(Error::Invalid(format!(
+            "{op}: `{}` is {} {:?}, expected F32 with {len} elements in one buffer",
+            w.name, w.dtype, w.shape
+        )));
+    }
+    Ok(())
+}
+
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_DST)
     .union(wgpu::BufferUsages::COPY_SRC);

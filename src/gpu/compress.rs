@@ -17,8 +17,8 @@
 
 use super::attention::{INVALID, SRC_B};
 use super::rope::RopeTable;
-use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
-use crate::{DType, Error, Result};
+use super::{check_f32, check_len, grid, Binding, GpuTensor, Pass, PipelineSpec};
+use crate::{Error, Result};
 
 const SRC: &str = include_str!("../../shaders/compress.wgsl");
 
@@ -141,26 +141,6 @@ impl CmpShape {
     }
 }
 
-fn check_buf(op: &str, what: &str, b: &wgpu::Buffer, elems: u64) -> Result<()> {
-    if elems * 4 > b.size() {
-        return Err(Error::Invalid(format!(
-            "{op}: {what} needs {elems} elements, its buffer holds {}",
-            b.size() / 4
-        )));
-    }
-    Ok(())
-}
-
-fn check_f32(op: &str, w: &GpuTensor, len: u64) -> Result<()> {
-    if w.dtype != DType::F32 || w.n_rows() * w.row_len() != len || w.parts.len() != 1 {
-        return Err(Error::Invalid(format!(
-            "{op}: `{}` is {} {:?}, expected F32 with {len} elements in one buffer",
-            w.name, w.dtype, w.shape
-        )));
-    }
-    Ok(())
-}
-
 /// Append `n_tok` tokens at positions `pos0..` to the store: `src` rows of kv | score
 /// (`width` each) at `src_off + t·src_stride`; the score half gets `ape` (F32 [m, width])
 /// row `pos % m` added.
@@ -188,13 +168,13 @@ pub fn store(
             s.cap
         )));
     }
-    check_buf(
+    check_len(
         "compress_store",
         "src",
         src,
         src_off as u64 + (n_tok as u64 - 1) * src_stride as u64 + 2 * w as u64,
     )?;
-    check_buf(
+    check_len(
         "compress_store",
         "store",
         store,
@@ -259,13 +239,13 @@ pub fn pool(
     if n_win == 0 {
         return Ok(());
     }
-    check_buf(
+    check_len(
         "compress_pool",
         "store",
         store,
         s.cap as u64 * 2 * s.width() as u64,
     )?;
-    check_buf(
+    check_len(
         "compress_pool",
         "out",
         out,
@@ -337,10 +317,10 @@ pub fn index_scores(
         return Ok(());
     }
     let n = n_tok as u64;
-    check_buf("index_scores", "q", q, n * (s.n_head * s.d) as u64)?;
-    check_buf("index_scores", "w", w, n * s.n_head as u64)?;
-    check_buf("index_scores", "keys", keys, n_ent as u64 * s.d as u64)?;
-    check_buf("index_scores", "scores", scores, n * n_ent as u64)?;
+    check_len("index_scores", "q", q, n * (s.n_head * s.d) as u64)?;
+    check_len("index_scores", "w", w, n * s.n_head as u64)?;
+    check_len("index_scores", "keys", keys, n_ent as u64 * s.d as u64)?;
+    check_len("index_scores", "scores", scores, n * n_ent as u64)?;
     let tiles = n_ent.div_ceil(64) as u64 * n;
     if tiles > u32::MAX as u64 / 2 {
         return Err(Error::Invalid("index_scores: too many workgroups".into()));
@@ -399,8 +379,8 @@ pub fn select_topk(
         )));
     }
     let n = n_tok as u64;
-    check_buf("select_topk", "scores", scores, n * n_ent.max(1) as u64)?;
-    check_buf("select_topk", "idx", idx, n * idx_stride as u64)?;
+    check_len("select_topk", "scores", scores, n * n_ent.max(1) as u64)?;
+    check_len("select_topk", "idx", idx, n * idx_stride as u64)?;
     let pl = pass.gpu().pipeline(
         &PipelineSpec::new("compress_select", SRC, "select_topk").define("SELECT", true),
     )?;
@@ -456,7 +436,7 @@ pub fn index_list(
     if threads > (u32::MAX - 256) as u64 {
         return Err(Error::Invalid("index_list: too many slots".into()));
     }
-    check_buf("index_list", "idx", idx, threads)?;
+    check_len("index_list", "idx", idx, threads)?;
     let pl = pass
         .gpu()
         .pipeline(&PipelineSpec::new("compress_index", SRC, "index_list").define("INDEX", true))?;

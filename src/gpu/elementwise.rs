@@ -52,14 +52,7 @@ impl<'a> View<'a> {
     }
     /// Errors when the rows run past the end of the buffer (`what` names the operand).
     pub(crate) fn check(&self, op: &str, what: &str, n_rows: u32, row_len: u32) -> Result<()> {
-        let end = self.end(n_rows, row_len);
-        if end * 4 > self.buf.size() {
-            return Err(Error::Invalid(format!(
-                "{op}: {what} needs elements up to {end}, its buffer holds {}",
-                self.buf.size() / 4
-            )));
-        }
-        Ok(())
+        super::check_len(op, what, self.buf, self.end(n_rows, row_len))
     }
 }
 

@@ -7,8 +7,8 @@
 //! copies in place. [`head`] is the final fold (sigmoid gate only) with the output norm.
 //! Small weights (`base`, `scale`, norms) are F32 tensors in one buffer.
 
-use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
-use crate::{DType, Error, Result};
+use super::{check_f32, check_len, grid, Binding, GpuTensor, Pass, PipelineSpec};
+use crate::{Error, Result};
 
 const SRC: &str = include_str!("../../shaders/hc.wgsl");
 const WG: u32 = 256;
@@ -63,26 +63,6 @@ impl HcShape {
     }
 }
 
-fn check_f32(op: &str, w: &GpuTensor, len: u64) -> Result<()> {
-    if w.dtype != DType::F32 || w.n_rows() * w.row_len() != len || w.parts.len() != 1 {
-        return Err(Error::Invalid(format!(
-            "{op}: `{}` is {} {:?}, expected F32 [{len}] in one buffer",
-            w.name, w.dtype, w.shape
-        )));
-    }
-    Ok(())
-}
-
-fn check_buf(op: &str, what: &str, b: &wgpu::Buffer, elems: u64) -> Result<()> {
-    if elems * 4 > b.size() {
-        return Err(Error::Invalid(format!(
-            "{op}: {what} needs {elems} f32, its buffer holds {}",
-            b.size() / 4
-        )));
-    }
-    Ok(())
-}
-
 /// Weights of one site: `base` [n_mix], `scale` [3] (block) or [1] (head), `norm` [n_embd].
 #[derive(Clone, Copy)]
 pub struct HcWeights<'a> {
@@ -113,9 +93,9 @@ fn fold(
         return Ok(());
     }
     let n = n_tok as u64;
-    check_buf(op, "x", x, n * (s.hc * s.n_embd) as u64)?;
-    check_buf(op, "mixes", mixes, n * n_mix as u64)?;
-    check_buf(op, "h", h, n * s.n_embd as u64)?;
+    check_len(op, "x", x, n * (s.hc * s.n_embd) as u64)?;
+    check_len(op, "mixes", mixes, n * n_mix as u64)?;
+    check_len(op, "h", h, n * s.n_embd as u64)?;
     let flag = if head { "HEAD" } else { "PRE" };
     let pl = pass.gpu().pipeline(
         &PipelineSpec::new(
@@ -144,7 +124,7 @@ fn fold(
         h.into(),
     ];
     if let Some(pc) = pc {
-        check_buf(op, "pc", pc, n * s.pc_width() as u64)?;
+        check_len(op, "pc", pc, n * s.pc_width() as u64)?;
         b.push(pc.into());
     }
     pass.dispatch(&pl, op, &params, &b, grid(n_tok));
@@ -198,9 +178,9 @@ pub fn post(
         return Ok(());
     }
     let n = n_tok as u64;
-    check_buf("hc_post", "x", x, n * (s.hc * s.n_embd) as u64)?;
-    check_buf("hc_post", "blk", blk, n * s.n_embd as u64)?;
-    check_buf("hc_post", "pc", pc, n * s.pc_width() as u64)?;
+    check_len("hc_post", "x", x, n * (s.hc * s.n_embd) as u64)?;
+    check_len("hc_post", "blk", blk, n * s.n_embd as u64)?;
+    check_len("hc_post", "pc", pc, n * s.pc_width() as u64)?;
     let threads = n * s.n_embd as u64;
     if threads > (u32::MAX - WG) as u64 {
         return Err(Error::Invalid(format!(

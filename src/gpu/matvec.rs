@@ -307,25 +307,7 @@ pub(crate) fn x_vec(x: &wgpu::Buffer, x_off: u32, x_stride: u32, n_rows: u32) ->
     x_off.is_multiple_of(4) && (x_stride.is_multiple_of(4) || n_rows <= 1) && x.size() >= 16
 }
 
-/// Checks that rows `off + i * stride + [0, len)`, i < n, lie in `buf` (f32 elements).
-pub(crate) fn check_span(
-    name: &str,
-    what: &str,
-    buf: &wgpu::Buffer,
-    off: u32,
-    stride: u32,
-    n: u32,
-    len: u32,
-) -> Result<()> {
-    let end = off as u64 + (n.max(1) as u64 - 1) * stride as u64 + len as u64;
-    if end * 4 > buf.size() || end > u32::MAX as u64 {
-        return Err(Error::Invalid(format!(
-            "{name}: {what} needs {end} f32 elements (offset {off}, stride {stride}, {n} rows of {len}), buffer holds {}",
-            buf.size() / 4
-        )));
-    }
-    Ok(())
-}
+pub(crate) use super::check_span;
 
 fn use_subgroups(gpu: &Gpu, opts: &MatvecOpts) -> bool {
     !opts.portable

@@ -23,7 +23,7 @@ pub mod router;
 pub mod softmax;
 pub mod topk;
 
-pub use buffer::{GpuTensor, TensorPart};
+pub use buffer::{check_f32, check_len, check_span, GpuTensor, TensorPart};
 pub use device::{
     coop_supported, list_adapters, matmul_paths, AdapterChoice, Gpu, MatmulChoice, MatmulPath,
 };

@@ -8,7 +8,7 @@
 use super::elementwise::{self as ew, View};
 use super::matmul::{self, MoeRoute};
 use super::matvec::{self, MatvecOpts};
-use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
+use super::{check_len, grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
 use crate::tensor::MatShape;
 use crate::{Error, Result};
 
@@ -35,17 +35,6 @@ const _: () = assert!(std::mem::size_of::<Params>() == 48);
 
 fn pipe(gpu: &Gpu, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
     gpu.pipeline(&PipelineSpec::new(format!("moe_{entry}"), SRC, entry))
-}
-
-/// Errors unless `buf` holds `end_words` u32/f32 words (and they fit a u32 offset).
-pub fn words_check(what: &str, buf: &wgpu::Buffer, end_words: u64) -> Result<()> {
-    if end_words * 4 > buf.size() || end_words > u32::MAX as u64 {
-        return Err(Error::Invalid(format!(
-            "moe: {what} needs {end_words} words, its buffer holds {}",
-            buf.size() / 4
-        )));
-    }
-    Ok(())
 }
 
 /// One arena group on the GPU: gate, up, down as `[n_slots, rows, cols]` tensors in the
@@ -285,8 +274,8 @@ pub fn remap(
     let (tab_off, n_expert) = tables
         .table(layer)
         .ok_or_else(|| Error::Invalid(format!("moe remap: layer {layer} is not a MoE layer")))?;
-    words_check("remap ids", ids, ids_off as u64 + n as u64)?;
-    words_check("remap slots", slots, slots_off as u64 + n as u64)?;
+    check_len("moe", "remap ids", ids, ids_off as u64 + n as u64)?;
+    check_len("moe", "remap slots", slots, slots_off as u64 + n as u64)?;
     if n == 0 {
         return Ok(());
     }
@@ -340,9 +329,15 @@ pub fn scatter_rows(
             "moe scatter: {n_rows} rows of {width}"
         )));
     }
-    words_check("scatter rows", rows, rows_off as u64 + total)?;
-    words_check("scatter index", index, index_off as u64 + n_rows as u64)?;
-    words_check(
+    check_len("moe", "scatter rows", rows, rows_off as u64 + total)?;
+    check_len(
+        "moe",
+        "scatter index",
+        index,
+        index_off as u64 + n_rows as u64,
+    )?;
+    check_len(
+        "moe",
         "scatter output",
         out,
         out_off as u64 + (n_out.max(1) as u64 - 1) * out_stride as u64 + width as u64,
@@ -377,8 +372,8 @@ pub fn read_back(
 ) -> Result<(Vec<u32>, Vec<f32>)> {
     let (ib, io, ni) = ids;
     let (xb, xo, nx) = x;
-    words_check("readback ids", ib, io as u64 + ni as u64)?;
-    words_check("readback rows", xb, xo as u64 + nx as u64)?;
+    check_len("moe", "readback ids", ib, io as u64 + ni as u64)?;
+    check_len("moe", "readback rows", xb, xo as u64 + nx as u64)?;
     let (ilen, xlen) = (ni as u64 * 4, nx as u64 * 4);
     let staging = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("moe.readback"),

@@ -11,10 +11,9 @@ use crate::cpu::moe::ColdPair;
 use crate::forward::LoadOptions;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{
-    map_read, remap, routed_ffn, scatter_rows, words_check, ExpertArena, ExpertStacks, FfnBufs,
-    RemapTables,
+    map_read, remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, RemapTables,
 };
-use crate::gpu::{Gpu, Pass};
+use crate::gpu::{check_len, Gpu, Pass};
 use crate::model_file::ModelFile;
 use crate::{Error, Result};
 use std::sync::Mutex;
@@ -450,8 +449,8 @@ impl Offload {
         }
         let gpu = pass.gpu();
         let (ilen, xlen) = (nk as u64 * 4, (n * self.n_embd) as u64 * 4);
-        words_check("readback ids", ids, nk as u64)?;
-        words_check("readback rows", h, (n * self.n_embd) as u64)?;
+        check_len("moe", "readback ids", ids, nk as u64)?;
+        check_len("moe", "readback rows", h, (n * self.n_embd) as u64)?;
         pass.copy(ids, 0, &self.staging, 0, ilen);
         pass.copy(h, 0, &self.staging, ilen, xlen);
         self.submit(pass)?;
