@@ -2,6 +2,10 @@
 //! the Metal and DX12 backends cannot silently break on a machine that only runs Vulkan.
 //! The variants are the ones a real run compiles: fixture models run prefill and decode on
 //! lavapipe, then every compiled pipeline's final WGSL goes through naga's back ends.
+//!
+//! The same variants check the uniforms: each `var<uniform>` struct, as naga lays it out,
+//! has the size the wrapper asserts for its Rust twin (`size_of::<Params>() == N` in
+//! `src/gpu/<family>.rs`), so a field added on one side only fails here.
 
 use lathe::engine::{Engine, LoadOptions};
 use std::path::Path;
@@ -35,11 +39,92 @@ fn translate(label: &str, wgsl: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `(name, N)` of every `size_of::<name>() == N` assert in `src/gpu/<family>.rs`.
+fn rust_sizes(family: &str) -> Vec<(String, u64)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/gpu")
+        .join(format!("{family}.rs"));
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.match_indices("size_of::<")
+        .filter_map(|(i, m)| {
+            let rest = &text[i + m.len()..];
+            let (name, after) = rest.split_once('>')?;
+            let n: String = after
+                .strip_prefix("() == ")?
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            Some((name.to_string(), n.parse().ok()?))
+        })
+        .collect()
+}
+
+/// `SHADER_FLAG` → `ShaderFlag`.
+fn camel(flag: &str) -> String {
+    flag.split('_')
+        .map(|w| {
+            let w = w.to_ascii_lowercase();
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// Each uniform struct of `spec`'s module against its Rust twin: the struct of the same name,
+/// or for a variant chosen by a flag (`#if STORE`) `StoreParams` / `Store<name>`, in the
+/// wrapper files of the families whose source `spec` contains (matmul's holds matvec's).
+fn check_uniforms(spec: &lathe::gpu::PipelineSpec, wgsl: &str) -> Result<usize, String> {
+    let label = &spec.label;
+    let module = naga::front::wgsl::parse_str(wgsl)
+        .map_err(|e| format!("{label}: parse: {}", e.emit_to_string(wgsl)))?;
+    let mut sizes = Vec::new();
+    for (family, src) in lathe::gpu::SHADERS {
+        if spec.source.contains(src) {
+            sizes.extend(rust_sizes(family));
+        }
+    }
+    let flags: Vec<String> = spec
+        .defines
+        .iter()
+        .filter(|(_, v)| v == "true")
+        .map(|(n, _)| camel(n))
+        .collect();
+    let mut checked = 0;
+    for (_, g) in module.global_variables.iter() {
+        if g.space != naga::AddressSpace::Uniform {
+            continue;
+        }
+        let ty = &module.types[g.ty];
+        let name = ty.name.clone().unwrap_or_default();
+        let wgsl_size = ty.inner.size(module.to_ctx()) as u64;
+        let mut candidates: Vec<String> = flags
+            .iter()
+            .flat_map(|f| [format!("{f}{name}"), format!("{f}Params")])
+            .collect();
+        candidates.push(name.clone());
+        let twin = candidates
+            .iter()
+            .find_map(|c| sizes.iter().find(|(n, _)| n == c))
+            .ok_or_else(|| format!("{label}: no Rust size assert for uniform struct {name}"))?;
+        if twin.1 != wgsl_size {
+            return Err(format!(
+                "{label}: WGSL {name} is {wgsl_size} bytes, Rust {} is {}",
+                twin.0, twin.1
+            ));
+        }
+        checked += 1;
+    }
+    Ok(checked)
+}
+
 #[test]
 fn compiled_variants_translate_to_every_backend() {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
     let mut failures = Vec::new();
     let mut n = 0;
+    let mut uniforms = 0;
     for model in [
         "qwen35-tiny/model-q4_0.gguf",
         "qwen35moe-tiny/model-q8_0.gguf",
@@ -53,17 +138,26 @@ fn compiled_variants_translate_to_every_backend() {
         e.forward(&mut seq, &[3], false).unwrap();
         for spec in e.gpu.compiled_specs() {
             n += 1;
-            if let Err(m) = translate(&spec.label, &spec.wgsl().unwrap()) {
+            let wgsl = spec.wgsl().unwrap();
+            if let Err(m) = translate(&spec.label, &wgsl) {
                 failures.push(m);
+            }
+            match check_uniforms(&spec, &wgsl) {
+                Ok(k) => uniforms += k,
+                Err(m) => failures.push(m),
             }
         }
     }
-    eprintln!("{n} compiled variants checked");
+    eprintln!("{n} compiled variants checked, {uniforms} uniform structs against Rust");
     assert!(
         n > 10,
         "expected the forward passes to compile many variants"
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        uniforms >= n,
+        "every variant binds at least one uniform struct"
+    );
 }
 
 /// The cooperative-matrix kernels never compile on lavapipe (no cooperative matrices), so their
