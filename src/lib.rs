@@ -1,11 +1,15 @@
 //! lathe: a portable LLM inference engine on wgpu.
 //!
-//! Layout: `gguf` and `safetensors` read model files by mmap; `quant` holds a CPU reference
-//! (dequantize, dot, quantize) per stored type; `gpu` owns the device, buffers, pipeline cache
-//! and one wrapper per kernel family (`shaders/*.wgsl`); `cpu` holds rayon kernels and the
-//! plain references of every GPU op; `models` has one file per architecture; `moe` the expert
-//! planner; `tokenizer`, `sample`, `server` the text front end; `hub` fetches models by name
-//! from the Hugging Face Hub into its shared cache.
+//! Layout, lowest layer first (`tests/layers.rs` declares the order and keeps imports
+//! pointing down): `forward` is the contract between a forward and its callers (`Want`,
+//! `Logits`, `LoadOptions`); `quant` holds a CPU reference (dequantize, dot, quantize) per
+//! stored type; `gguf` and `safetensors` read model files by mmap, `model_file` opens either,
+//! `hub` fetches them by name from the Hugging Face Hub into its shared cache; `cpu` holds
+//! rayon kernels and the plain references of every GPU op; `gpu` owns the device, buffers,
+//! pipeline cache and one wrapper per kernel family (`shaders/*.wgsl`); `moe` the expert
+//! planner and offload; `models` has one folder per architecture, each implementing
+//! `models::Forward`; `engine` is the front door; `tokenizer`, `sample`, `server` the text
+//! front end.
 
 pub mod bench;
 pub mod cpu;
