@@ -145,9 +145,7 @@ fn strip(s: &str) -> String {
             };
             match len {
                 Some(n) => {
-                    for _ in 0..n + 2 {
-                        out.push(b' ');
-                    }
+                    out.extend(std::iter::repeat_n(b' ', n + 2));
                     i += n + 2;
                 }
                 None => {

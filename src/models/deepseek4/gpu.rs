@@ -1324,7 +1324,7 @@ impl Forward for GpuModel {
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         items
             .iter_mut()
-            .map(|(s, t, w)| GpuModel::forward_want(self, s.get_mut()?, *t, *w))
+            .map(|(s, t, w)| GpuModel::forward_want(self, s.get_mut()?, t, *w))
             .collect()
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
