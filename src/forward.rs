@@ -147,11 +147,13 @@ pub struct LoadOptions {
     /// Routing statistics (`--expert-stats`, written by `--save-expert-stats`) that choose
     /// the hot experts; without them the slots are spread evenly.
     pub expert_stats: Option<std::path::PathBuf>,
-    /// Count every MoE layer's router picks ([`crate::engine::Engine::save_expert_stats`]), adding to the
-    /// counts of `expert_stats` when given; costs one readback per MoE layer and token.
+    /// Count every MoE layer's router picks ([`crate::engine::Engine::save_expert_stats`]),
+    /// adding to the counts of `expert_stats` when given; costs one readback per MoE layer
+    /// and token.
     pub collect_expert_stats: bool,
     /// Count them (as `collect_expert_stats`) and write them here by
-    /// [`crate::engine::Engine::finish_expert_stats`], or when the model is dropped (`--save-expert-stats`).
+    /// [`crate::engine::Engine::finish_expert_stats`], or when the model is dropped
+    /// (`--save-expert-stats`).
     pub save_expert_stats: Option<std::path::PathBuf>,
     /// Residency policy while decoding; `None`: `moe::CacheConfig::default()`.
     pub expert_cache: Option<CacheConfig>,

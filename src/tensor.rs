@@ -36,7 +36,8 @@ impl<'a> TensorRef<'a> {
     }
 }
 
-/// One matrix of a stack (e.g. one routed expert's gate): `rows × cols` elements of `dtype` (rows contiguous, ggml blocks).
+/// One matrix of a stack (e.g. one routed expert's gate): `rows × cols` elements of `dtype`
+/// (rows contiguous, ggml blocks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MatShape {
     pub dtype: DType,

@@ -3,8 +3,8 @@
 //! answers with the uploads to make. The caller copies the bytes and rewrites the remap
 //! tables (see the recipe in `moe/mod.rs`).
 //!
-//! Policy (measured on this project's earlier prototypes: a plain global LRU over (layer, expert) under
-//! a layer-by-layer sweep hit 4.7%, equal per-layer LRUs ~70%):
+//! Policy (measured on this project's earlier prototypes: a plain global LRU over (layer,
+//! expert) under a layer-by-layer sweep hit 4.7%, equal per-layer LRUs ~70%):
 //! - LRU with a per-layer floor: a layer never drops below `floor_share` of the slots the
 //!   initial placement gave it; slots above floors are borrowed across the layers of one
 //!   arena group, the least recently used slot of the layer itself or of a layer above its

@@ -29,9 +29,9 @@
 //! indexed matvec on the arena, cold pairs by [`crate::gpu::moe::scatter_rows`] from the
 //! CPU's rows (computed with weight 1). The weighted sum then runs on the GPU exactly as for
 //! an all-GPU model (one combine dispatch adding slot s = 0, 1, ... in order per row). So a
-//! mixed placement differs from an all-GPU one only by the rounding of the individual `y[t,s]` computed on the CPU
-//! (`quant::dot`, f32 accumulation) instead of the GPU; the order and the arithmetic of the
-//! sum are the same. `cpu::moe::combine_slots` is the CPU statement of the same sum.
+//! mixed placement differs from an all-GPU one only by the rounding of the individual
+//! `y[t,s]` computed on the CPU (`quant::dot`, f32 accumulation) instead of the GPU; the
+//! order and the arithmetic of the sum are the same. `cpu::moe::combine_slots` is the CPU statement of the same sum.
 //!
 //! # Integration recipe (one MoE layer of a forward)
 //! At load:
