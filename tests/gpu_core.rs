@@ -32,3 +32,21 @@ fn shader_errors_are_errors_not_panics() {
     let err = gpu.pipeline(&spec).unwrap_err().to_string();
     assert!(err.contains("broken"), "{err}");
 }
+
+/// Pipelines are cached by source, entry point and defines; the label only names them.
+#[test]
+fn pipelines_are_keyed_by_variant_not_label() {
+    const SRC: &str = "@group(0) @binding(0) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(1) fn main() { y[0] = f32(X); }";
+    let gpu = Gpu::new(&AdapterChoice::Auto).unwrap();
+    let spec =
+        |label: &str, x: u32| lathe::gpu::PipelineSpec::new(label, SRC, "main").define("X", x);
+    let a = gpu.pipeline(&spec("same_label", 1)).unwrap();
+    let b = gpu.pipeline(&spec("same_label", 2)).unwrap();
+    let c = gpu.pipeline(&spec("another_label", 1)).unwrap();
+    assert!(
+        !std::sync::Arc::ptr_eq(&a, &b),
+        "two variants shared a pipeline by label"
+    );
+    assert!(std::sync::Arc::ptr_eq(&a, &c), "one variant compiled twice");
+}

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 /// Everything that makes one pipeline. Built by a kernel wrapper from its typed key.
 #[derive(Clone, Debug)]
 pub struct PipelineSpec {
-    /// Unique per variant, e.g. `matvec_Q4_K_wg256_r2`.
+    /// The variant's name in errors, captures and profiles, e.g. `matvec_Q4_K_wg256_r2`
+    /// (the cache keys on source, entry and defines, not on it).
     pub label: String,
     /// The family's WGSL source (`include_str!`).
     pub source: &'static str,
@@ -114,17 +115,42 @@ pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<S
     Ok(out)
 }
 
+/// Compiled pipelines by what makes them: the family's source, the entry point and the
+/// defines ([`PipelineSpec::same_variant`]); the label only names a variant in errors and
+/// captures, so two variants can never share a pipeline through a label.
 #[derive(Default)]
 pub(crate) struct PipelineCache {
-    map: Mutex<HashMap<String, (Arc<wgpu::ComputePipeline>, PipelineSpec)>>,
+    /// By [`PipelineSpec::key`]; a bucket holds the variants whose keys collide.
+    map: Mutex<HashMap<u64, Vec<(Arc<wgpu::ComputePipeline>, PipelineSpec)>>>,
+}
+
+impl PipelineSpec {
+    /// True when `self` and `o` make the same pipeline: the same source (one `include_str!`
+    /// per family, compared by address), entry point and defines.
+    pub fn same_variant(&self, o: &PipelineSpec) -> bool {
+        std::ptr::eq(self.source, o.source) && self.entry == o.entry && self.defines == o.defines
+    }
+
+    /// Hash of what [`same_variant`](Self::same_variant) compares.
+    fn key(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.source.as_ptr() as usize, self.source.len()).hash(&mut h);
+        self.entry.hash(&mut h);
+        self.defines.hash(&mut h);
+        h.finish()
+    }
 }
 
 impl Gpu {
     /// The pipeline for `spec`, compiled on first use. Shader errors become `Error::Gpu`
     /// naming the variant (never a panic).
     pub fn pipeline(&self, spec: &PipelineSpec) -> Result<Arc<wgpu::ComputePipeline>> {
-        if let Some((p, _)) = self.pipelines.map.lock().unwrap().get(&spec.label) {
-            return Ok(p.clone());
+        let key = spec.key();
+        if let Some(bucket) = self.pipelines.map.lock().unwrap().get(&key) {
+            if let Some((p, _)) = bucket.iter().find(|(_, s)| s.same_variant(spec)) {
+                return Ok(p.clone());
+            }
         }
         let wgsl = spec.wgsl()?;
         // Validate with naga first: wgpu would report a bad shader through the uncaptured
@@ -183,7 +209,9 @@ impl Gpu {
             .map
             .lock()
             .unwrap()
-            .insert(spec.label.clone(), (p.clone(), spec.clone()));
+            .entry(key)
+            .or_default()
+            .push((p.clone(), spec.clone()));
         Ok(p)
     }
 
@@ -195,6 +223,7 @@ impl Gpu {
             .lock()
             .unwrap()
             .values()
+            .flatten()
             .map(|(_, s)| s.clone())
             .collect();
         v.sort_by(|a, b| a.label.cmp(&b.label));
