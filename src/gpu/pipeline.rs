@@ -121,8 +121,11 @@ pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<S
 #[derive(Default)]
 pub(crate) struct PipelineCache {
     /// By [`PipelineSpec::key`]; a bucket holds the variants whose keys collide.
-    map: Mutex<HashMap<u64, Vec<(Arc<wgpu::ComputePipeline>, PipelineSpec)>>>,
+    map: Mutex<HashMap<u64, Vec<Compiled>>>,
 }
+
+/// A compiled pipeline and the spec it came from.
+type Compiled = (Arc<wgpu::ComputePipeline>, PipelineSpec);
 
 impl PipelineSpec {
     /// True when `self` and `o` make the same pipeline: the same source (one `include_str!`
