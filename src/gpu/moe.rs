@@ -439,24 +439,30 @@ pub struct ExpertStacks<'a> {
     pub down: &'a GpuTensor,
 }
 
-/// The routed SwiGLU experts of `n` rows of `x` (`[n, n_embd]`), `k` per row: row `t·k + s`
-/// of `b.out` gets expert `ids[t·k + s]`'s unweighted output (ids at or above the stacks'
-/// count write nothing, so an arena's cold pairs are skipped). Up to `matvec::MAX_TOKENS`
-/// rows run the indexed matvec; more are grouped by expert into `route` for the tiled
-/// matmul. `limit` is DeepSeek's SwiGLU clamp. The one block both families' MoE layers and
-/// the offload's hot experts use.
-#[allow(clippy::too_many_arguments)]
+/// Which experts the rows of a routed FFN pick: `ids` u32 `[n, k]` (router ids, or arena
+/// slots), and `route`, the scratch that groups the pairs by expert for the tiled matmul.
+pub struct Picks<'a> {
+    pub ids: &'a wgpu::Buffer,
+    pub route: &'a MoeRoute,
+    pub n: u32,
+    pub k: u32,
+}
+
+/// The routed SwiGLU experts of `p.n` rows of `x` (`[n, n_embd]`), `p.k` per row: row
+/// `t·k + s` of `b.out` gets expert `ids[t·k + s]`'s unweighted output (ids at or above the
+/// stacks' count write nothing, so an arena's cold pairs are skipped). Up to
+/// `matvec::MAX_TOKENS` rows run the indexed matvec; more are grouped by expert into
+/// `p.route` for the tiled matmul. `limit` is DeepSeek's SwiGLU clamp. The one block both
+/// families' MoE layers and the offload's hot experts use.
 pub fn routed_ffn(
     pass: &mut Pass<'_>,
     w: &ExpertStacks<'_>,
     x: &wgpu::Buffer,
-    ids: &wgpu::Buffer,
-    route: &MoeRoute,
-    n: u32,
-    k: u32,
+    p: &Picks<'_>,
     b: &FfnBufs<'_>,
     limit: Option<f32>,
 ) -> Result<()> {
+    let (ids, route, n, k) = (p.ids, p.route, p.n, p.k);
     let ff = w.gate.shape[1] as u32;
     let opts = MatvecOpts::default();
     let small = n <= matvec::MAX_TOKENS;

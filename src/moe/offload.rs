@@ -11,7 +11,8 @@ use crate::cpu::moe::ColdPair;
 use crate::forward::LoadOptions;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{
-    map_read, remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, RemapTables,
+    map_read, remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Picks,
+    RemapTables,
 };
 use crate::gpu::{check_len, Gpu, Pass};
 use crate::model_file::ModelFile;
@@ -497,17 +498,13 @@ impl Offload {
             up: &at.up,
             down: &at.down,
         };
-        routed_ffn(
-            pass,
-            &stacks,
-            x,
-            &self.slot_ids,
+        let picks = Picks {
+            ids: &self.slot_ids,
             route,
             n,
-            self.n_used,
-            b,
-            limit,
-        )
+            k: self.n_used,
+        };
+        routed_ffn(pass, &stacks, x, &picks, b, limit)
     }
 
     /// Steps 7-8: with cold pairs, submit `pass` (the GPU runs the hot experts meanwhile),

@@ -26,7 +26,7 @@ use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::hc::{self, HcShape, HcWeights};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
-use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs};
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
@@ -1032,17 +1032,13 @@ impl GpuModel {
             down: &m.down_exps,
         };
         let lim = limit(hp.swiglu_limit[l]);
-        routed_ffn(
-            pass,
-            &stacks,
-            &sc.h,
-            &sc.moe_ids,
-            &sc.route,
+        let picks = Picks {
+            ids: &sc.moe_ids,
+            route: &sc.route,
             n,
             k,
-            &bufs,
-            lim,
-        )?;
+        };
+        routed_ffn(pass, &stacks, &sc.h, &picks, &bufs, lim)?;
         // Shared expert first (it writes blk), then the routed slots in slot order.
         self.shared_expert(pass, l, m, n)?;
         router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out)

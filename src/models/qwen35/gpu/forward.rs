@@ -768,7 +768,13 @@ impl GpuModel {
                     act: &sc.o,
                     out: &sc.moe_out,
                 };
-                routed_ffn(pass, &stacks, &sc.h, &sc.moe_ids, r, n, k, &bufs, None)?;
+                let picks = Picks {
+                    ids: &sc.moe_ids,
+                    route: r,
+                    n,
+                    k,
+                };
+                routed_ffn(pass, &stacks, &sc.h, &picks, &bufs, None)?;
                 // Combine in slot order (fixed order: placement never changes the sum).
                 ew::moe_combine(
                     pass,

@@ -24,7 +24,7 @@ use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::gdn::{self, GdnIo, GdnShape, KeyHeadMap, SeqBatch, SeqSpan};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::MatvecOpts;
-use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs};
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
