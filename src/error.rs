@@ -17,16 +17,16 @@ pub enum Error {
     /// A malformed or truncated file: `what` says which header field, key or tensor.
     #[error("{}: {what}", path.display())]
     Format { path: PathBuf, what: String },
-    #[error("{}: missing tensor `{name}`", path.display())]
+    #[error("{}: missing tensor `{}`", path.display(), shown(name))]
     MissingTensor { path: PathBuf, name: String },
-    #[error("{}: tensor `{name}`: {what}", path.display())]
+    #[error("{}: tensor `{}`: {what}", path.display(), shown(name))]
     Tensor {
         path: PathBuf,
         name: String,
         what: String,
     },
     /// A missing or bad configuration / metadata key.
-    #[error("{}: key `{key}`: {what}", path.display())]
+    #[error("{}: key `{}`: {what}", path.display(), shown(key))]
     Config {
         path: PathBuf,
         key: String,
@@ -44,6 +44,44 @@ pub enum Error {
     /// A bad argument or request from the caller.
     #[error("{0}")]
     Invalid(String),
+}
+
+/// Longest name (key, tensor) an error message shows, in characters.
+const MAX_SHOWN: usize = 96;
+
+/// A name from a file as an error message shows it: control characters escaped (a name
+/// may hold newlines or terminal escapes) and cut after [`MAX_SHOWN`] characters with its
+/// length in bytes, so a 64 KiB key does not become a 188 KB line.
+pub fn shown(name: &str) -> String {
+    shown_of(name, name.len())
+}
+
+/// [`shown`] for bytes that may not be UTF-8 (invalid sequences become U+FFFD).
+pub fn shown_bytes(bytes: &[u8]) -> String {
+    // Four bytes per character at most: enough for what is shown.
+    let cut = &bytes[..bytes.len().min(4 * MAX_SHOWN)];
+    let s = shown_of(&String::from_utf8_lossy(cut), bytes.len());
+    if cut.len() < bytes.len() && !s.ends_with("bytes)") {
+        return format!("{s}… ({} bytes)", bytes.len());
+    }
+    s
+}
+
+/// `name` escaped and cut; `len` is the length in bytes of the whole name.
+fn shown_of(name: &str, len: usize) -> String {
+    let mut out = String::new();
+    for (n, c) in name.chars().enumerate() {
+        if n == MAX_SHOWN {
+            out.push_str(&format!("… ({len} bytes)"));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 impl Error {

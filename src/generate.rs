@@ -468,6 +468,7 @@ impl Session {
             out.timings = timings;
             return Ok(out);
         };
+        check_finite(engine, &logits, 0)?;
 
         let eog = match (opts.ignore_eog, tokenizer) {
             (false, Some(t)) => t.eog_ids(),
@@ -520,6 +521,7 @@ impl Session {
                 break;
             }
             logits = self.held.feed(engine, &[id], want)?;
+            check_finite(engine, &logits, out.tokens.len())?;
         }
         timings.n_generated = out.tokens.len();
         timings.decode = t_first.map(|t| t.elapsed()).unwrap_or_default();
@@ -563,6 +565,18 @@ impl Session {
             }
         }
     }
+}
+
+/// The error for logits that cannot be sampled ([`crate::sample::logits_are_finite`]) at
+/// generation step `step` (0: the prompt's last token).
+pub fn check_finite(engine: &Engine, logits: &Logits, step: usize) -> Result<()> {
+    if crate::sample::logits_are_finite(logits) {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "{}: the logits at generation step {step} are not finite (NaN or infinity): the model's weights or hyper-parameters (such as a norm epsilon <= 0) give non-finite numbers",
+        engine.path.display()
+    )))
 }
 
 /// One-shot generation on a fresh sequence.

@@ -110,7 +110,7 @@ impl<'a> Cursor<'a> {
 }
 
 fn fmt_key(key: &str) -> impl Fn() -> String + '_ {
-    move || format!("value of key `{key}`")
+    move || format!("value of key `{}`", crate::error::shown(key))
 }
 
 /// Reads one value of type `ty` for metadata key `key`.
@@ -266,8 +266,8 @@ pub(crate) fn parse(path: &Path, buf: &[u8]) -> Result<Parsed> {
                 Error::format(
                     path,
                     format!(
-                        "metadata key #{i} ({:?}) is not valid UTF-8 ({e})",
-                        String::from_utf8_lossy(key_bytes)
+                        "metadata key #{i} (`{}`) is not valid UTF-8 ({e})",
+                        crate::error::shown_bytes(key_bytes)
                     ),
                 )
             })?
@@ -275,7 +275,7 @@ pub(crate) fn parse(path: &Path, buf: &[u8]) -> Result<Parsed> {
         if key_index.contains_key(&key) {
             return Err(Error::config(path, key, "duplicate key"));
         }
-        let ty = c.u32(&|| format!("type of key `{key}`"))?;
+        let ty = c.u32(&|| format!("type of key `{}`", crate::error::shown(&key)))?;
         let value = read_value(&mut c, ty, &key, 0)?;
         key_index.insert(key.clone(), metadata.len());
         metadata.push((key, value));
@@ -310,13 +310,13 @@ pub(crate) fn parse(path: &Path, buf: &[u8]) -> Result<Parsed> {
                 Error::format(
                     path,
                     format!(
-                        "tensor #{i} name ({:?}) is not valid UTF-8 ({e})",
-                        String::from_utf8_lossy(name_bytes)
+                        "tensor #{i} name (`{}`) is not valid UTF-8 ({e})",
+                        crate::error::shown_bytes(name_bytes)
                     ),
                 )
             })?
             .to_string();
-        let what = || format!("tensor info of `{name}`");
+        let what = || format!("tensor info of `{}`", crate::error::shown(&name));
         if seen.contains_key(&name) {
             return Err(Error::tensor(path, name, "duplicate tensor name"));
         }

@@ -21,6 +21,19 @@ pub use stop::{FinishReason, StopCondition, StopStep};
 
 pub use crate::forward::TopLogits;
 
+/// Whether a forward's logits can be sampled from: every logit of a full row finite, or
+/// the best the GPU found finite (its top-k pass skips NaNs, so a row of NaNs comes back
+/// with no candidates). Weights holding NaN or infinity, or a norm epsilon <= 0, make
+/// non-finite logits, from which every sampler would pick token 0 forever without a word.
+pub fn logits_are_finite(logits: &Logits) -> bool {
+    match logits {
+        Logits::Full(l) => l.iter().all(|x| x.is_finite()),
+        Logits::Top(t) => {
+            t.cands.first().is_some_and(|c| c.1.is_finite()) && t.lse.is_none_or(|l| l.is_finite())
+        }
+    }
+}
+
 /// Sampling settings. The defaults are llama.cpp's (`temp 0.8, top_k 40, top_p 0.95, min_p
 /// 0.05`, no penalties, a 64-token penalty window) with a fixed seed.
 #[derive(Clone, Debug, PartialEq)]
@@ -61,7 +74,78 @@ impl Default for SamplerConfig {
     }
 }
 
+/// A sampling setting outside the values it can take, as both front ends report it (the
+/// server names the request field, the CLI its flag).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutOfRange {
+    /// The setting's name in the OpenAI API (`temperature`, `top_p`, ...).
+    pub field: &'static str,
+    pub value: f32,
+    /// What it may be, in words.
+    pub allowed: &'static str,
+}
+
+impl std::fmt::Display for OutOfRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "is {}; it must be {}", self.value, self.allowed)
+    }
+}
+
 impl SamplerConfig {
+    /// Checks every setting against the values it can take: a NaN, a negative temperature,
+    /// a probability above 1, or a repeat penalty of 0 (which divides by zero: an infinite
+    /// boost) would otherwise sample something other than what was asked, without a word.
+    /// The ranges are those the OpenAI API documents, and llama.cpp's for its extensions.
+    pub fn check(&self) -> std::result::Result<(), OutOfRange> {
+        let checks: [(&'static str, f32, bool, &'static str); 6] = [
+            (
+                "temperature",
+                self.temperature,
+                (0.0..=100.0).contains(&self.temperature),
+                "between 0 and 100 (0 = greedy)",
+            ),
+            (
+                "top_p",
+                self.top_p,
+                (0.0..=1.0).contains(&self.top_p),
+                "between 0 and 1 (1 = off)",
+            ),
+            (
+                "min_p",
+                self.min_p,
+                (0.0..=1.0).contains(&self.min_p),
+                "between 0 and 1 (0 = off)",
+            ),
+            (
+                "repeat_penalty",
+                self.repeat_penalty,
+                self.repeat_penalty > 0.0 && self.repeat_penalty <= 100.0,
+                "greater than 0 and at most 100 (1 = off)",
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                (-2.0..=2.0).contains(&self.presence_penalty),
+                "between -2 and 2 (0 = off)",
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                (-2.0..=2.0).contains(&self.frequency_penalty),
+                "between -2 and 2 (0 = off)",
+            ),
+        ];
+        // `contains` and `>` are false for NaN, so NaN fails every check.
+        match checks.into_iter().find(|c| !c.2) {
+            Some((field, value, _, allowed)) => Err(OutOfRange {
+                field,
+                value,
+                allowed,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Argmax, no penalties.
     pub fn greedy() -> SamplerConfig {
         SamplerConfig {

@@ -357,6 +357,12 @@ impl Hparams {
         if self.window == 0 || self.hc == 0 || self.hc_iters == 0 {
             return bad("zero window, hyper-connection copies or Sinkhorn iterations".into());
         }
+        if self.hc_iters > MAX_SINKHORN_ITERS {
+            return bad(format!(
+                "{} Sinkhorn iterations (`hyper_connection.sinkhorn_iterations` / `hc_sinkhorn_iters`): at most {MAX_SINKHORN_ITERS} (the released models use 20)",
+                self.hc_iters
+            ));
+        }
         if self.n_used == 0 || self.n_used > self.n_expert {
             return bad(format!("{} experts used of {}", self.n_used, self.n_expert));
         }
@@ -385,6 +391,10 @@ impl Hparams {
         Ok(self)
     }
 }
+
+/// Most Sinkhorn iterations of the hyper-connection mix accepted. The normalisation has
+/// converged long before; more would only burn time per token.
+const MAX_SINKHORN_ITERS: usize = 1000;
 
 /// The first `n_layer` ratios (releases append ratios of their MTP / draft stages).
 fn per_layer_ratios(ratios: Vec<u64>, n_layer: usize) -> std::result::Result<Vec<usize>, String> {

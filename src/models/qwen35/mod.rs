@@ -121,8 +121,10 @@ impl Hparams {
                 let recurrent = match g.get(&k("attention.recurrent_layers")) {
                     Some(_) => g.get_bool_array(&k("attention.recurrent_layers"))?,
                     None => {
-                        let every = g.opt_usize(&k("full_attention_interval"))?.unwrap_or(4);
-                        (0..n_layer).map(|i| (i + 1) % every != 0).collect()
+                        let key = k("full_attention_interval");
+                        let every = g.opt_usize(&key)?.unwrap_or(4);
+                        layer_pattern(n_layer, every)
+                            .map_err(|w| Error::config(g.path(), key, w))?
                     }
                 };
                 if recurrent.len() != n_layer {
@@ -217,9 +219,9 @@ impl Hparams {
                         .collect(),
                     None => {
                         let every = h.cfg_opt_u64("full_attention_interval")?.unwrap_or(4) as usize;
-                        (0..n_layer)
-                            .map(|i| (i + 1) % every != 0)
-                            .collect::<Vec<_>>()
+                        layer_pattern(n_layer, every).map_err(|w| {
+                            Error::config(h.config_path(), "full_attention_interval", w)
+                        })?
                     }
                 };
                 let moe = match h.cfg_opt_u64("num_experts")? {
@@ -286,7 +288,8 @@ impl Hparams {
                 self.n_v_heads, self.n_k_heads
             ));
         }
-        if self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
+        // The full-attention layers always rotate: 0 would silently run them without RoPE.
+        if self.n_rot == 0 || self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return bad(format!(
                 "rotary dims {} invalid for head size {}",
                 self.n_rot, self.head_dim
@@ -299,4 +302,19 @@ impl Hparams {
         }
         Ok(self)
     }
+}
+
+/// Most layers a file may declare before a per-layer table is built from the number alone
+/// (released models have at most a few hundred).
+const MAX_LAYERS: usize = 1 << 16;
+
+/// Which of `n_layer` layers are recurrent (GDN) when every `every`-th is full attention.
+fn layer_pattern(n_layer: usize, every: usize) -> std::result::Result<Vec<bool>, String> {
+    if every == 0 {
+        return Err("0: every how many layers one is full attention must be at least 1".into());
+    }
+    if n_layer > MAX_LAYERS {
+        return Err(format!("{n_layer} layers: at most {MAX_LAYERS}"));
+    }
+    Ok((0..n_layer).map(|i| (i + 1) % every != 0).collect())
 }

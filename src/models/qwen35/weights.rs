@@ -597,6 +597,20 @@ fn load_ffn<S: Sink>(
         let d = sink.one(Weight::Stored(d))?;
         (router, Some((g, u, d, gi)), set)
     } else {
+        // A file whose shared-expert width is missing or 0 but which has the expert's
+        // tensors would otherwise run without it and answer differently.
+        if let Some(t) = ld.get(W::ShGate(l)) {
+            let key = if ld.gguf {
+                "expert_shared_feed_forward_length"
+            } else {
+                "shared_expert_intermediate_size"
+            };
+            return Err(Error::tensor(
+                t.path,
+                t.name,
+                format!("a shared-expert tensor, but the hyper-parameter `{key}` is missing or 0"),
+            ));
+        }
         let (ts, set) = sink.set(vec![Weight::Stored(router)])?;
         let router = ts
             .into_iter()
