@@ -222,8 +222,16 @@ fn run(cli: Cli) -> lathe::Result<()> {
             kv_type,
             moe,
         } => {
+            moe.check()?;
             let model = resolve_model(model)?;
             let toks = lathe::npy::read_i64(&tokens)?;
+            if toks.shape.len() != 1 || toks.data.is_empty() {
+                return Err(lathe::Error::Invalid(format!(
+                    "{}: token ids must be a non-empty 1-D array, got shape {:?}",
+                    tokens.display(),
+                    toks.shape
+                )));
+            }
             let ids: Vec<u32> = toks
                 .data
                 .iter()

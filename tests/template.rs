@@ -1,14 +1,23 @@
 //! Chat templates rendered as transformers renders them. The models' templates come from
-//! llama.cpp's repository and stay in ../shared (never copied): those tests skip with a note
-//! when it is absent. The expected renderings are copied here.
+//! llama.cpp's repository and stay in ../shared (never copied): those tests fail, saying
+//! so, when it is absent (CI has it). The expected renderings are copied here.
 
 use std::path::{Path, PathBuf};
 
-use lathe::tokenizer::{ChatTemplate, CHATML};
+use lathe::tokenizer::{ChatTemplate, TemplateLimits, CHATML};
 use serde_json::{json, Map, Value};
 
 fn shared_chat() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/tokenizer/chat")
+}
+
+/// A template from ../shared: the test fails, saying why, when this checkout lacks it.
+fn require(jinja: &Path) {
+    assert!(
+        jinja.is_file(),
+        "{} is absent: this test needs ../shared/fixtures (templates stay there, never copied; CI has it)",
+        jinja.display()
+    );
 }
 
 fn local_chat() -> PathBuf {
@@ -37,13 +46,7 @@ fn model_templates_render_exactly() {
             continue;
         };
         let jinja = shared_chat().join(format!("{model}.jinja"));
-        if !jinja.is_file() {
-            eprintln!(
-                "SKIPPED {model}: {} is absent (templates stay in ../shared)",
-                jinja.display()
-            );
-            continue;
-        }
+        require(&jinja);
         let tmpl = ChatTemplate::new(&std::fs::read_to_string(&jinja).unwrap()).unwrap();
         let cases: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         for case in cases.as_array().unwrap() {
@@ -57,9 +60,7 @@ fn model_templates_render_exactly() {
             checked += 1;
         }
     }
-    if shared_chat().is_dir() {
-        assert!(checked >= 8, "only {checked} renderings checked");
-    }
+    assert!(checked >= 8, "only {checked} renderings checked");
 }
 
 /// Features the model templates use beyond the fixture cases: thinking switch, tools, tool
@@ -67,13 +68,7 @@ fn model_templates_render_exactly() {
 #[test]
 fn qwen35_template_features() {
     let jinja = shared_chat().join("qwen35.jinja");
-    if !jinja.is_file() {
-        eprintln!(
-            "SKIPPED qwen35_template_features: {} is absent",
-            jinja.display()
-        );
-        return;
-    }
+    require(&jinja);
     let src = std::fs::read_to_string(jinja).unwrap();
     let user = json!([{"role": "user", "content": "Hi"}]);
     let off = render(&src, user.clone(), true, json!({"enable_thinking": false}));
@@ -108,13 +103,7 @@ fn qwen35_template_features() {
 #[test]
 fn deepseek_v4_template_features() {
     let jinja = shared_chat().join("deepseek-v4.jinja");
-    if !jinja.is_file() {
-        eprintln!(
-            "SKIPPED deepseek_v4_template_features: {} is absent",
-            jinja.display()
-        );
-        return;
-    }
+    require(&jinja);
     let src = std::fs::read_to_string(jinja).unwrap();
     let user = json!([{"role": "user", "content": "Hi"}]);
     let out = render(
@@ -231,4 +220,54 @@ fn hf_semantics() {
     // A syntax error names its line.
     let err = ChatTemplate::new("line1\n{% if %}").expect_err("syntax error");
     assert!(err.to_string().contains("line 2"), "{err}");
+}
+
+/// Templates whose loops run away, or whose output grows without end, stop with an error
+/// that says which limit they hit, quickly, instead of holding a CPU or memory for good.
+#[test]
+fn runaway_templates_stop_at_their_limits() {
+    let run = |src: &str, limits: TemplateLimits| {
+        let t0 = std::time::Instant::now();
+        let e = ChatTemplate::with_limits(src, limits)
+            .unwrap()
+            .render(
+                &json!([{"role": "user", "content": "hi"}]),
+                true,
+                &Map::new(),
+            )
+            .expect_err(src)
+            .to_string();
+        (e, t0.elapsed())
+    };
+    // 10^10 iterations without the limit.
+    let (e, dt) = run(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        TemplateLimits::default(),
+    );
+    assert!(e.contains("fuel limit"), "{e}");
+    assert!(dt.as_secs() < 30, "{dt:?}");
+    // 100 MB of output.
+    let (e, _) = run(
+        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+        TemplateLimits::default(),
+    );
+    assert!(e.contains("output limit"), "{e}");
+    // The limits are the caller's: a small fuel stops ChatML over many messages.
+    let msgs: Vec<Value> = (0..100)
+        .map(|i| json!({"role": "user", "content": format!("m{i}")}))
+        .collect();
+    let small = TemplateLimits {
+        fuel: 100,
+        ..TemplateLimits::default()
+    };
+    let e = ChatTemplate::with_limits(CHATML, small)
+        .unwrap()
+        .render(&Value::Array(msgs.clone()), true, &Map::new())
+        .unwrap_err();
+    assert!(e.to_string().contains("more than 100 steps"), "{e}");
+    // ... and the default lets it through.
+    ChatTemplate::new(CHATML)
+        .unwrap()
+        .render(&Value::Array(msgs), true, &Map::new())
+        .unwrap();
 }

@@ -170,14 +170,12 @@ fn llamacpp_qwen35_vocab_vectors() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../shared/fixtures/tokenizer/qwen35-llamacpp-vocab");
     let gguf = dir.join("ggml-vocab-qwen35.gguf");
-    if !gguf.is_file() {
-        eprintln!(
-            "SKIPPED llamacpp_qwen35_vocab_vectors: {} is absent (llama.cpp's files stay in \
-             ../shared, never copied)",
-            gguf.display()
-        );
-        return;
-    }
+    assert!(
+        gguf.is_file(),
+        "{} is absent: this test needs ../shared/fixtures (llama.cpp's files stay there, never \
+         copied; CI has it)",
+        gguf.display()
+    );
     let file = lathe::gguf::GgufFile::open(&gguf).unwrap();
     let tok = Tokenizer::from_gguf(&file).unwrap();
     let inp = std::fs::read_to_string(dir.join("ggml-vocab-qwen35.gguf.inp")).unwrap();
@@ -312,4 +310,45 @@ fn shareable_across_threads() {
     send_sync::<Tokenizer>();
     send_sync::<lathe::tokenizer::ChatTemplate>();
     send_sync::<StreamDecoder>();
+}
+
+/// `exceeds`, the server's check before it encodes a prompt: megabytes over the limit are
+/// refused after reading a few pieces, and a text that fits is never refused (its exact
+/// count is what the server then compares).
+#[test]
+fn exceeds_refuses_long_texts_early_and_never_what_fits() {
+    let tok = Tokenizer::from_file(fixtures().join("qwen36/tokenizer.json.gz")).unwrap();
+    // Short texts are left to `encode`.
+    assert_eq!(tok.exceeds("hello world", true, 1).unwrap(), None);
+    let big = "word ".repeat(8 << 20 >> 2);
+    let t0 = std::time::Instant::now();
+    let n = tok
+        .exceeds(&big, true, 8191)
+        .unwrap()
+        .expect("8 MB over 8191 tokens");
+    assert!(n > 8191, "{n}");
+    // A full encode of 8 MB takes seconds and ~1 GB; the probe stops after ~64 KB.
+    assert!(t0.elapsed().as_secs_f64() < 2.0, "{:?}", t0.elapsed());
+    let all = cases(&fixtures().join("qwen36/expected.json"));
+    let mut text = String::new();
+    let mut i = 0;
+    while text.len() < 100 << 10 {
+        text.push_str(&all[i % all.len()].0);
+        text.push_str(if i % 5 == 0 { "\n\n" } else { " " });
+        i += 1;
+    }
+    for kb in [20, 45, 100] {
+        let mut end = (kb << 10).min(text.len());
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let t = &text[..end];
+        let exact = tok.encode(t, true).unwrap().len();
+        assert_eq!(tok.exceeds(t, true, exact).unwrap(), None, "{kb} KB");
+        let m = tok.exceeds(t, true, exact / 2).unwrap();
+        assert!(
+            m.is_some_and(|m| m > exact / 2),
+            "{kb} KB, {exact} tokens: {m:?}"
+        );
+    }
 }

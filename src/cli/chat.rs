@@ -53,6 +53,7 @@ Commands: /reset forgets the conversation, /exit or Ctrl-D quits. Ctrl-C stops a
 or the reading of a long message (which is then dropped); it quits when nothing runs.";
 
 pub fn run(args: ChatArgs) -> Result<()> {
+    let sampler = args.sampling.config()?;
     let hint = "it cannot chat; try `lathe run --prompt-tokens 1,2,3`";
     if !has_vocabulary(&args.model.model)? {
         return Err(no_vocabulary(&args.model.model, hint));
@@ -69,7 +70,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let interrupt = interrupt_flag()?;
     let opts = GenerateOptions {
         max_tokens: Some(args.max_tokens),
-        sampler: args.sampling.config(),
+        sampler,
         stop: args.stop.clone(),
         ignore_eog: false,
         cancel: Some(interrupt.clone()),
@@ -162,9 +163,9 @@ fn read_message(input: &mut impl BufRead, interactive: bool) -> Result<Option<St
             print!("{prompt}");
             let _ = std::io::stdout().flush();
         }
-        let mut line = String::new();
+        let mut raw = Vec::new();
         let n = input
-            .read_line(&mut line)
+            .read_until(b'\n', &mut raw)
             .map_err(|e| Error::Invalid(format!("reading stdin: {e}")))?;
         if n == 0 {
             if interactive {
@@ -172,6 +173,12 @@ fn read_message(input: &mut impl BufRead, interactive: bool) -> Result<Option<St
             }
             return Ok((!msg.is_empty()).then_some(msg));
         }
+        // One bad line (a stray byte from a paste or a file in another encoding) should not
+        // end the conversation: say so and read the next.
+        let Ok(line) = String::from_utf8(raw) else {
+            eprintln!("that line is not valid UTF-8: ignored");
+            continue;
+        };
         let line = line.strip_suffix('\n').unwrap_or(&line);
         let line = line.strip_suffix('\r').unwrap_or(line);
         match line.strip_suffix('\\') {

@@ -53,7 +53,7 @@ pub struct PlanArgs {
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub batch: u64,
     /// Sequences live at once, each with its own KV cache and state (`lathe run`: 1, `lathe
-    /// chat`: 2, `lathe serve`: its `--max-seqs`).
+    /// chat`: 2, `lathe serve`: 2 per `--parallel` slot, its sequence and its checkpoint).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub seqs: u64,
     /// GPU adapter whose memory to plan for: `auto`, an index or a name substring.

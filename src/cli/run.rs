@@ -76,6 +76,15 @@ fn fraction_arg(s: &str) -> std::result::Result<f64, String> {
 }
 
 impl MoeArgs {
+    /// Fails when the --save-expert-stats file cannot be written: before the model loads
+    /// and runs, not after.
+    pub fn check(&self) -> Result<()> {
+        match &self.save_expert_stats {
+            Some(p) => check_writable(p),
+            None => Ok(()),
+        }
+    }
+
     /// Put the flags into `opts`.
     pub fn apply(&self, opts: &mut LoadOptions) {
         opts.gpu_mem = self.gpu_mem;
@@ -96,6 +105,21 @@ impl MoeArgs {
         }
         Ok(())
     }
+}
+
+/// Fails when `path` cannot be opened for writing; leaves no file behind that was not
+/// there.
+fn check_writable(path: &Path) -> Result<()> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
 }
 
 /// How the next token is chosen. Defaults are llama.cpp's; `--temp 0` is greedy.
@@ -131,8 +155,9 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    pub fn config(&self) -> SamplerConfig {
-        SamplerConfig {
+    /// The settings, checked as the server checks a request's ([`SamplerConfig::check`]).
+    pub fn config(&self) -> Result<SamplerConfig> {
+        let c = SamplerConfig {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -142,7 +167,15 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             penalty_window: self.penalty_window,
             seed: self.seed,
-        }
+        };
+        c.check().map_err(|e| {
+            let flag = match e.field {
+                "temperature" => "temp".to_string(),
+                f => f.replace('_', "-"),
+            };
+            Error::Invalid(format!("--{flag} {}: must be {}", e.value, e.allowed))
+        })?;
+        Ok(c)
     }
 }
 
@@ -200,6 +233,7 @@ pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
 /// its checkpoint).
 pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     check_model_path(&args.model)?;
+    args.moe.check()?;
     // A spinner from the start (opening the file, the vocabulary and the device take a
     // while), then a bar of the weight bytes uploaded.
     let spinner = indicatif::ProgressStyle::with_template("{spinner} {msg}")
@@ -338,6 +372,12 @@ pub fn print_stats(out: &Output) {
 pub fn has_vocabulary(path: &Path) -> Result<bool> {
     check_model_path(path)?;
     if path.is_dir() {
+        if !path.join("config.json").is_file() {
+            return Err(Error::Invalid(format!(
+                "{}: not a model directory (no config.json); pass -m/--model a GGUF file or a Hugging Face checkpoint directory",
+                path.display()
+            )));
+        }
         return Ok(path.join("tokenizer.json").is_file());
     }
     if !starts_with_gguf_magic(path) {
@@ -360,6 +400,7 @@ pub fn no_vocabulary(path: &Path, hint: &str) -> Error {
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
+    let sampler = args.sampling.config()?;
     if args.prompt_tokens.is_none() && !has_vocabulary(&args.model.model)? {
         return Err(no_vocabulary(
             &args.model.model,
@@ -400,12 +441,13 @@ pub fn run(args: RunArgs) -> Result<()> {
         ));
     }
     let ids_only = args.prompt_tokens.is_some();
+    let cancel = interrupt_flag()?;
     let opts = GenerateOptions {
         max_tokens: Some(args.max_tokens),
-        sampler: args.sampling.config(),
+        sampler,
         stop: args.stop.clone(),
         ignore_eog: false,
-        cancel: Some(interrupt_flag()?),
+        cancel: Some(cancel.clone()),
     };
     let stdout = std::io::stdout();
     let mut w = stdout.lock();
@@ -421,9 +463,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             ends_with_newline = p.text.ends_with('\n');
             w.write_all(p.text.as_bytes())
         };
-        // A closed pipe (`| head`) is not worth a panic: remember it and go on quietly.
+        // A closed pipe (`| head`) is not worth a panic, nor more tokens nobody reads:
+        // remember it and stop after this one, as `tokenize` does.
         if let Err(e) = r.and_then(|_| w.flush()) {
             write_err.get_or_insert(e);
+            cancel.store(true, Ordering::SeqCst);
         }
     })?;
     if ids_only {

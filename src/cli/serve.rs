@@ -8,6 +8,7 @@ use clap::Args;
 use lathe::engine::{KvType, LoadOptions};
 use lathe::gpu::AdapterChoice;
 use lathe::server::ServerConfig;
+use lathe::tokenizer::TemplateLimits;
 use lathe::Result;
 
 #[derive(Args, Debug)]
@@ -38,12 +39,26 @@ pub struct ServeArgs {
     /// Longest prompt accepted, in tokens (default: the context length - 1).
     #[arg(long, value_name = "N")]
     pub max_prompt_tokens: Option<usize>,
-    /// Largest request body accepted, in bytes.
+    /// Largest request body accepted, in bytes (a larger Content-Length gets 413 at once).
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 20)]
     pub max_body: usize,
     /// Wall-clock limit of one request in seconds, queueing included.
     #[arg(long, value_name = "S", default_value_t = 600.0)]
     pub timeout: f64,
+    /// Seconds a client has to send a request's headers (also how long an idle kept-alive
+    /// connection stays open).
+    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    pub header_timeout: f64,
+    /// Seconds a client has to send a request's body once its headers are in (408 after).
+    #[arg(long, value_name = "S", default_value_t = 60.0)]
+    pub body_timeout: f64,
+    /// Connections held open at once; further clients wait until one closes.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub max_connections: usize,
+    /// Steps (template instructions) one chat template rendering may take before the
+    /// request fails with 400: a template whose loops run away cannot hold a CPU.
+    #[arg(long, value_name = "N", default_value_t = TemplateLimits::default().fuel)]
+    pub template_fuel: u64,
     /// Require `Authorization: Bearer KEY` on every route but /health (also read from
     /// LATHE_API_KEY).
     #[arg(long, value_name = "KEY")]
@@ -99,11 +114,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         kv_type: a.kv_type,
         ctx: a.ctx,
         // One live sequence per slot.
-        max_seqs: a.parallel.max(1),
+        max_seqs: a.parallel,
         progress: Some(progress),
         ..Default::default()
     };
     // --save-expert-stats: written when the engine thread drops the model at shutdown.
+    a.moe.check()?;
     a.moe.apply(&mut cfg.load);
     cfg.host = a.host;
     cfg.port = a.port;
@@ -114,6 +130,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.max_prompt_tokens = a.max_prompt_tokens.unwrap_or(usize::MAX);
     cfg.max_body_bytes = a.max_body;
     cfg.timeout = seconds("timeout", a.timeout)?;
+    cfg.header_timeout = seconds("header-timeout", a.header_timeout)?;
+    cfg.body_timeout = seconds("body-timeout", a.body_timeout)?;
+    cfg.max_connections = a.max_connections;
+    cfg.template_limits.fuel = a.template_fuel;
     cfg.api_key = a
         .api_key
         .or_else(|| std::env::var("LATHE_API_KEY").ok())

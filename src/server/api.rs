@@ -221,35 +221,25 @@ pub fn gen_params(f: &Fields, api: Api, vocab: usize, default_seed: u64) -> R<Ge
             _ => return Err(ApiError::invalid("seed", "`seed` must be an integer")),
         },
     };
+    // Any number is read here; `SamplerConfig::check` says which are allowed, for the CLI too.
+    let any = |k: &str| f.number(k, f64::MIN, f64::MAX);
     let sampler = SamplerConfig {
-        temperature: f
-            .number("temperature", 0.0, 100.0)?
-            .unwrap_or(d.temperature),
+        temperature: any("temperature")?.unwrap_or(d.temperature),
         top_k: f
             .uint("top_k")?
             .map(|k| k.min(u32::MAX as u64) as usize)
             .unwrap_or(d.top_k),
-        top_p: f.number("top_p", 0.0, 1.0)?.unwrap_or(d.top_p),
-        min_p: f.number("min_p", 0.0, 1.0)?.unwrap_or(d.min_p),
-        repeat_penalty: match f.number("repeat_penalty", 0.0, 100.0)? {
-            Some(r) if r <= 0.0 => {
-                return Err(ApiError::invalid(
-                    "repeat_penalty",
-                    "`repeat_penalty` must be greater than 0 (1 = off)",
-                ))
-            }
-            Some(r) => r,
-            None => d.repeat_penalty,
-        },
-        presence_penalty: f
-            .number("presence_penalty", -2.0, 2.0)?
-            .unwrap_or(d.presence_penalty),
-        frequency_penalty: f
-            .number("frequency_penalty", -2.0, 2.0)?
-            .unwrap_or(d.frequency_penalty),
+        top_p: any("top_p")?.unwrap_or(d.top_p),
+        min_p: any("min_p")?.unwrap_or(d.min_p),
+        repeat_penalty: any("repeat_penalty")?.unwrap_or(d.repeat_penalty),
+        presence_penalty: any("presence_penalty")?.unwrap_or(d.presence_penalty),
+        frequency_penalty: any("frequency_penalty")?.unwrap_or(d.frequency_penalty),
         penalty_window: d.penalty_window,
         seed,
     };
+    sampler
+        .check()
+        .map_err(|e| ApiError::invalid(e.field, format!("`{}` {e}", e.field)))?;
     let stop = match f.get("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -399,19 +389,29 @@ pub fn chat_request(body: &Value, vocab: usize, default_seed: u64) -> R<ChatRequ
         }
         Some(_) => return Err(ApiError::invalid("tools", "`tools` must be a list")),
     };
+    // Forcing a tool call ("required", or a named function) needs constrained decoding,
+    // which this server does not do: refused rather than ignored, so a client never takes
+    // free text for the forced call it asked for.
+    let forced = |what: &str| {
+        ApiError::invalid(
+            "tool_choice",
+            format!("`tool_choice` {what} is not supported (no constrained decoding yet): use \"auto\" or \"none\""),
+        )
+    };
     let tool_choice_none = match f.get("tool_choice") {
         None => false,
         Some(Value::String(s)) => match s.as_str() {
             "none" => true,
-            "auto" | "required" => false,
+            "auto" => false,
+            "required" => return Err(forced("\"required\"")),
             other => {
                 return Err(ApiError::invalid(
                     "tool_choice",
-                    format!("`tool_choice` `{other}`: expected none, auto, required or a function"),
+                    format!("`tool_choice` `{other}`: expected none or auto"),
                 ))
             }
         },
-        Some(Value::Object(_)) => false,
+        Some(Value::Object(_)) => return Err(forced("naming a function")),
         Some(_) => {
             return Err(ApiError::invalid(
                 "tool_choice",
@@ -638,6 +638,57 @@ mod tests {
             json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         ] {
             assert!(chat_request(&bad, 100, 1).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn forced_tool_choice_is_refused_not_ignored() {
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        for (choice, ok) in [
+            (json!("auto"), true),
+            (json!("none"), true),
+            (json!("required"), false),
+            (
+                json!({"type": "function", "function": {"name": "f"}}),
+                false,
+            ),
+        ] {
+            let r = chat_request(
+                &json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}),
+                10,
+                1,
+            );
+            match r {
+                Ok(_) => assert!(ok, "{choice} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{choice}: {}", e.message);
+                    assert_eq!(e.status, StatusCode::BAD_REQUEST);
+                    assert_eq!(e.param.as_deref(), Some("tool_choice"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sampling_values_are_checked_once_for_every_front_end() {
+        let msg = json!([{"role": "user", "content": "x"}]);
+        for (field, v) in [
+            ("temperature", json!(-1)),
+            ("top_p", json!(2)),
+            ("min_p", json!(2)),
+            ("repeat_penalty", json!(0)),
+            ("presence_penalty", json!(3)),
+            ("frequency_penalty", json!(-3)),
+        ] {
+            let mut body = json!({"messages": msg});
+            body[field] = v.clone();
+            let e = chat_request(&body, 10, 1).unwrap_err();
+            assert_eq!(
+                e.param.as_deref(),
+                Some(field),
+                "{field}={v}: {}",
+                e.message
+            );
         }
     }
 

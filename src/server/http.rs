@@ -4,20 +4,21 @@
 //! OpenAI's chunk format ending with `data: [DONE]`.
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::watch;
 
 use super::api::{self, json_response, ApiError, GenParams, Prompt};
 use super::output::{OutputParser, Piece, ToolCall};
@@ -32,6 +33,8 @@ pub struct HttpConfig {
     pub ctx: usize,
     pub max_prompt_tokens: usize,
     pub max_body_bytes: usize,
+    /// Time a client has to send the body once its headers are in.
+    pub body_timeout: Duration,
     pub timeout: Duration,
     /// Split `<think>` blocks into `reasoning_content`.
     pub reasoning: bool,
@@ -45,12 +48,16 @@ pub struct AppState {
     /// Compiled by the loader once the tokenizer is known.
     pub template: Arc<OnceLock<Arc<ChatTemplate>>>,
     pub started: u64,
+    /// Turns true when the server quits before requests in flight are done: each ends at
+    /// once (a stream with an error event and `[DONE]`, a whole answer with 503).
+    pub hard_stop: watch::Receiver<bool>,
+    /// Requests ended by `hard_stop`.
+    pub cut: Arc<AtomicUsize>,
 }
 
 type R<T> = std::result::Result<T, ApiError>;
 
 pub fn router(state: AppState) -> Router {
-    let limit = state.cfg.max_body_bytes;
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
@@ -59,7 +66,6 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state)
 }
@@ -84,7 +90,11 @@ fn bearer_matches(h: &HeaderMap, key: &str) -> bool {
     let Some(got) = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| {
+            // The scheme is case-insensitive (RFC 9110, section 11.1).
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(rest)
+        })
     else {
         return false;
     };
@@ -159,20 +169,54 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// The body as JSON, or the 400 / 413 that says why not.
-fn read_json(body: std::result::Result<Bytes, BytesRejection>, limit: usize) -> R<Value> {
-    let bytes = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                format!("the request body is larger than {limit} bytes (--max-body)"),
-            )
-            .with_code("request_too_large")
-        } else {
-            ApiError::new(e.status(), "invalid_request_error", e.body_text())
+/// The body as JSON, or the error that says why not: 413 at once for a `Content-Length`
+/// over `--max-body` (before any of it is read) or a body that grows past it, 408 for a
+/// body that takes longer than `--body-timeout` to arrive, 400 for one that is not JSON.
+async fn read_json(cfg: &HttpConfig, req: Request) -> R<Value> {
+    let limit = cfg.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body is larger than {limit} bytes (--max-body)"),
+        )
+        .with_code("request_too_large")
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let read = async {
+        let mut body = req.into_body().into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad_request(format!("reading the request body failed: {e}"))
+            })?;
+            if bytes.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
         }
-    })?;
+        Ok(bytes)
+    };
+    let bytes = tokio::time::timeout(cfg.body_timeout, read)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {} s (--body-timeout)",
+                    cfg.body_timeout.as_secs_f64()
+                ),
+            )
+            .with_code("request_timeout")
+        })??;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))
 }
@@ -198,17 +242,14 @@ fn fresh_seed() -> u64 {
     u64::from_str_radix(&id, 16).unwrap_or(0x1a7e_5eed)
 }
 
-async fn chat(
-    State(st): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    chat_inner(st, body)
+async fn chat(State(st): State<AppState>, req: Request) -> Response {
+    chat_inner(st, req)
         .await
         .unwrap_or_else(|e| e.into_response())
 }
 
-async fn chat_inner(st: AppState, body: std::result::Result<Bytes, BytesRejection>) -> R<Response> {
-    let body = read_json(body, st.cfg.max_body_bytes)?;
+async fn chat_inner(st: AppState, req: Request) -> R<Response> {
+    let body = read_json(&st.cfg, req).await?;
     let loaded = ready(&st)?;
     let req = api::chat_request(&body, loaded.vocab, fresh_seed())?;
     let template = st
@@ -220,13 +261,12 @@ async fn chat_inner(st: AppState, body: std::result::Result<Bytes, BytesRejectio
     let mut vars = tokenizer.template_tokens();
     vars.extend(req.template_vars);
     let messages = req.messages;
+    let limits = (prompt_limit(&st.cfg), st.cfg.ctx);
     let (text, ids, conversation) = tokio::task::spawn_blocking(move || -> R<_> {
         let text = template
             .render(&messages, true, &vars)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        let ids = tokenizer
-            .encode_with_bos(&text, true)
-            .map_err(|e| ApiError::server(e.to_string()))?;
+        let ids = encode_bounded(&tokenizer, &text, limits, "messages")?;
         // Where the slot's checkpoint goes (see `Job::checkpoint`).
         let conversation =
             crate::generate::conversation_len(&template, &vars, &messages, &tokenizer, &ids);
@@ -241,35 +281,65 @@ async fn chat_inner(st: AppState, body: std::result::Result<Bytes, BytesRejectio
     start(&st, Kind::Chat(parser), model, ids, req.params, "messages").await
 }
 
-async fn completions(
-    State(st): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    completions_inner(st, body)
+async fn completions(State(st): State<AppState>, req: Request) -> Response {
+    completions_inner(st, req)
         .await
         .unwrap_or_else(|e| e.into_response())
 }
 
-async fn completions_inner(
-    st: AppState,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> R<Response> {
-    let body = read_json(body, st.cfg.max_body_bytes)?;
+async fn completions_inner(st: AppState, req: Request) -> R<Response> {
+    let body = read_json(&st.cfg, req).await?;
     let loaded = ready(&st)?;
     let req = api::completion_request(&body, loaded.vocab, fresh_seed())?;
     let ids = match req.prompt {
         Prompt::Tokens(t) => t,
         Prompt::Text(s) => {
             let tokenizer = loaded.tokenizer.clone();
-            tokio::task::spawn_blocking(move || tokenizer.encode_with_bos(&s, true))
+            let limits = (prompt_limit(&st.cfg), st.cfg.ctx);
+            tokio::task::spawn_blocking(move || encode_bounded(&tokenizer, &s, limits, "prompt"))
                 .await
-                .map_err(|e| ApiError::server(format!("tokenizing failed: {e}")))?
-                .map_err(|e| ApiError::server(e.to_string()))?
+                .map_err(|e| ApiError::server(format!("tokenizing failed: {e}")))??
         }
     };
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, None);
     start(&st, Kind::Completion, model, ids, req.params, "prompt").await
+}
+
+/// Longest prompt accepted, in tokens.
+fn prompt_limit(cfg: &HttpConfig) -> usize {
+    cfg.max_prompt_tokens.min(cfg.ctx - 1)
+}
+
+/// The 400 for a prompt of `n` tokens over `limit`.
+fn too_long(n: &str, (limit, ctx): (usize, usize), param: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!(
+            "the prompt has {n} tokens; this server takes at most {limit} (context length {ctx})"
+        ),
+    )
+    .with_code("context_length_exceeded")
+}
+
+/// `text`'s ids (BOS as the vocabulary wants it), or the 400 for a prompt over `limit`
+/// tokens, found before encoding a long text whole ([`Tokenizer::exceeds`]): a body of
+/// megabytes over the limit costs little more memory than its own size.
+fn encode_bounded(
+    tokenizer: &Tokenizer,
+    text: &str,
+    (limit, ctx): (usize, usize),
+    param: &str,
+) -> R<Vec<u32>> {
+    let over = tokenizer
+        .exceeds(text, true, limit)
+        .map_err(|e| ApiError::server(e.to_string()))?;
+    if let Some(n) = over {
+        return Err(too_long(&format!("at least {n}"), (limit, ctx), param));
+    }
+    tokenizer
+        .encode_with_bos(text, true)
+        .map_err(|e| ApiError::server(e.to_string()))
 }
 
 /// Which endpoint a response is for.
@@ -285,6 +355,26 @@ struct Meta {
     model: String,
     tokenizer: Arc<Tokenizer>,
     params: GenParams,
+    /// [`AppState::hard_stop`].
+    hard_stop: watch::Receiver<bool>,
+    cut: Arc<AtomicUsize>,
+}
+
+impl Meta {
+    /// Resolves when the server quits before this request is done, counting it as cut.
+    async fn cut_short(&mut self) -> ApiError {
+        if self.hard_stop.wait_for(|s| *s).await.is_err() {
+            // The server is gone without a hard stop: nothing to wait for.
+            std::future::pending::<()>().await;
+        }
+        self.cut.fetch_add(1, Ordering::SeqCst);
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the server is shutting down: the request was cut short",
+        )
+        .with_code("shutdown")
+    }
 }
 
 /// Checks the prompt's length, queues the job and answers (streamed or whole). `ids`: the
@@ -299,19 +389,13 @@ async fn start(
 ) -> R<Response> {
     let loaded = ready(st)?;
     let ctx = st.cfg.ctx;
-    let limit = st.cfg.max_prompt_tokens.min(ctx - 1);
+    let limit = prompt_limit(&st.cfg);
     if ids.is_empty() {
         return Err(ApiError::invalid(prompt_param, "the prompt has no tokens"));
     }
     if ids.len() > limit {
-        return Err(ApiError::invalid(
-            prompt_param,
-            format!(
-                "the prompt has {} tokens; this server takes at most {limit} (context length {ctx})",
-                ids.len()
-            ),
-        )
-        .with_code("context_length_exceeded"));
+        let n = ids.len().to_string();
+        return Err(too_long(&n, (limit, ctx), prompt_param));
     }
     let room = ctx - ids.len();
     let max_tokens = params.max_tokens.unwrap_or(room).min(room);
@@ -352,6 +436,8 @@ async fn start(
         model,
         tokenizer: loaded.tokenizer.clone(),
         params,
+        hard_stop: st.hard_stop.clone(),
+        cut: st.cut.clone(),
     };
     if meta.params.stream {
         Ok(stream_response(Stream::new(meta, kind, rx)))
@@ -450,7 +536,7 @@ fn completion_logprobs(t: &Tokenizer, lps: &[TokenLogprob], mut offset: usize) -
 
 /// A whole (non-streamed) answer. If the client goes away, this future is dropped with the
 /// receiver, and the engine frees the slot at its next step.
-async fn collect(meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event>) -> R<Response> {
+async fn collect(mut meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event>) -> R<Response> {
     let (mut content, mut reasoning) = (String::new(), String::new());
     let mut lps = Vec::new();
     let mut take = |ps: Vec<Piece>, content: &mut String| {
@@ -461,7 +547,15 @@ async fn collect(meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event>) -
             }
         }
     };
-    while let Some(ev) = rx.recv().await {
+    loop {
+        let ev = tokio::select! {
+            biased;
+            e = meta.cut_short() => return Err(e),
+            ev = rx.recv() => match ev {
+                Some(ev) => ev,
+                None => break,
+            },
+        };
         match ev {
             Event::Started { .. } => {}
             Event::Delta { text, logprob } => {
@@ -620,7 +714,17 @@ impl Stream {
         }
         let mut out = Vec::new();
         while out.is_empty() {
-            let Some(ev) = self.rx.recv().await else {
+            let ev = tokio::select! {
+                biased;
+                e = self.meta.cut_short() => {
+                    Self::event(&mut out, &e.body());
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    self.done = true;
+                    break;
+                }
+                ev = self.rx.recv() => ev,
+            };
+            let Some(ev) = ev else {
                 let e = ApiError::server("the engine stopped before the request finished");
                 Self::event(&mut out, &e.body());
                 out.extend_from_slice(b"data: [DONE]\n\n");

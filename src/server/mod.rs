@@ -15,12 +15,12 @@ pub mod output;
 pub mod scheduler;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::engine::{Engine, LoadOptions};
-use crate::tokenizer::{ChatTemplate, Tokenizer, CHATML};
+use crate::tokenizer::{ChatTemplate, TemplateLimits, Tokenizer, CHATML};
 use crate::{Error, Result};
 
 /// Everything `lathe serve` is told.
@@ -45,6 +45,15 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Wall-clock limit of one request, queueing included.
     pub timeout: Duration,
+    /// Time a client has to send a request's headers (and, on a kept-alive connection, to
+    /// start the next request) before the connection is closed.
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's body once its headers are in (408 after).
+    pub body_timeout: Duration,
+    /// Connections held open at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// Work and output one chat template rendering may take.
+    pub template_limits: TemplateLimits,
     pub api_key: Option<String>,
     /// A tokenizer.json to use instead of the model's own vocabulary.
     pub tokenizer: Option<PathBuf>,
@@ -75,6 +84,10 @@ impl ServerConfig {
             max_prompt_tokens: usize::MAX,
             max_body_bytes: 8 << 20,
             timeout: Duration::from_secs(600),
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(60),
+            max_connections: 256,
+            template_limits: TemplateLimits::default(),
             api_key: None,
             tokenizer: None,
             chat_template: None,
@@ -83,6 +96,36 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(30),
             load_delay: Duration::ZERO,
         }
+    }
+
+    /// Refuses settings after which every request would fail (a zero body size, timeout
+    /// or prompt length) or that would silently mean something else (`--parallel 0`).
+    pub fn check(&self) -> Result<()> {
+        let positive: [(&str, bool); 11] = [
+            ("--parallel", self.parallel > 0),
+            ("--queue", self.queue > 0),
+            ("--prefill-chunk", self.prefill_chunk > 0),
+            ("--max-prompt-tokens", self.max_prompt_tokens > 0),
+            ("--max-body", self.max_body_bytes > 0),
+            ("--timeout", !self.timeout.is_zero()),
+            ("--header-timeout", !self.header_timeout.is_zero()),
+            ("--body-timeout", !self.body_timeout.is_zero()),
+            ("--max-connections", self.max_connections > 0),
+            ("--template-fuel", self.template_limits.fuel > 0),
+            ("template output limit", self.template_limits.max_output > 0),
+        ];
+        if let Some((flag, _)) = positive.iter().find(|p| !p.1) {
+            return Err(Error::Invalid(format!(
+                "{flag} 0: must be greater than 0 (every request would fail)"
+            )));
+        }
+        if self.ctx < 2 {
+            return Err(Error::Invalid(format!(
+                "--ctx {}: must be at least 2",
+                self.ctx
+            )));
+        }
+        Ok(())
     }
 
     fn model_name(&self) -> String {
@@ -127,40 +170,82 @@ pub fn random_id(prefix: &str, n: usize) -> String {
 }
 
 /// Runs the server until SIGINT or SIGTERM (then requests in flight finish, within the grace
-/// period; a second signal quits at once). Fails when the address cannot be bound or the
-/// model cannot be loaded.
+/// period; a second signal quits at once, and so does the end of the grace period: open
+/// streams get an error event and `[DONE]`, other requests 503, and the call fails). Fails
+/// when a setting is refused, the address cannot be bound, the tokenizer or template file
+/// cannot be read (checked before the weights load), or the model cannot be loaded.
 pub fn run(mut cfg: ServerConfig) -> Result<()> {
+    cfg.check()?;
     // Per slot its live sequence and its checkpoint.
     cfg.load.max_seqs = cfg
         .load
         .max_seqs
-        .max(scheduler::SEQS_PER_SLOT * cfg.parallel.max(1));
-    if cfg.ctx < 2 {
-        return Err(Error::Invalid(format!(
-            "--ctx {}: must be at least 2",
-            cfg.ctx
-        )));
-    }
+        .max(scheduler::SEQS_PER_SLOT * cfg.parallel);
+    let given = Given::read(&cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("lathe-http")
         .build()
         .map_err(|e| Error::Invalid(format!("starting the async runtime: {e}")))?;
-    let r = rt.block_on(serve(cfg));
+    let r = rt.block_on(serve(cfg, given));
     rt.shutdown_timeout(Duration::from_secs(1));
     r
 }
 
-/// Loads the engine and tokenizer and compiles the chat template (on the engine thread).
-fn load(cfg: &ServerConfig, template: &OnceLock<Arc<ChatTemplate>>) -> Result<(Engine, Tokenizer)> {
+/// What the flags name besides the model, read before the model loads so that a wrong
+/// path fails at once rather than after minutes of loading weights.
+struct Given {
+    tokenizer: Option<Tokenizer>,
+    /// The `--chat-template` file, compiled.
+    template: Option<ChatTemplate>,
+}
+
+impl Given {
+    fn read(cfg: &ServerConfig) -> Result<Given> {
+        let tokenizer = cfg
+            .tokenizer
+            .as_ref()
+            .map(|p| {
+                if !p.is_file() {
+                    return Err(Error::Invalid(format!(
+                        "--tokenizer {}: no such file",
+                        p.display()
+                    )));
+                }
+                Tokenizer::from_file(p)
+            })
+            .transpose()?;
+        let template = cfg
+            .chat_template
+            .as_ref()
+            .map(|p| {
+                let source = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+                ChatTemplate::with_limits(&source, cfg.template_limits)
+                    .map_err(|e| Error::Invalid(format!("{}: {e}", p.display())))
+            })
+            .transpose()?;
+        Ok(Given {
+            tokenizer,
+            template,
+        })
+    }
+}
+
+/// Loads the engine (and the tokenizer and chat template when no flag gave them), on the
+/// engine thread.
+fn load(
+    cfg: &ServerConfig,
+    given: Given,
+    template: &OnceLock<Arc<ChatTemplate>>,
+) -> Result<(Engine, Tokenizer)> {
     if !cfg.load_delay.is_zero() {
         std::thread::sleep(cfg.load_delay);
     }
     let t0 = std::time::Instant::now();
     let mut engine = Engine::load(&cfg.model, &cfg.load)?;
     eprintln!("{}", engine.gpu.report());
-    let tokenizer = match &cfg.tokenizer {
-        Some(p) => Tokenizer::from_file(p)?,
+    let tokenizer = match given.tokenizer {
+        Some(t) => t,
         None => engine.tokenizer.take().ok_or_else(|| {
             Error::Invalid(format!(
                 "{}: the model carries no tokenizer; pass --tokenizer tokenizer.json",
@@ -175,20 +260,19 @@ fn load(cfg: &ServerConfig, template: &OnceLock<Arc<ChatTemplate>>) -> Result<(E
             engine.vocab_size()
         )));
     }
-    let source = match &cfg.chat_template {
-        Some(p) => std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
-        None => match tokenizer.chat_template() {
-            Some(s) => s.to_string(),
-            None => {
-                eprintln!("lathe serve: the model has no chat template: using ChatML");
-                CHATML.to_string()
-            }
-        },
+    let compiled = match given.template {
+        Some(t) => t,
+        None => {
+            let source = match tokenizer.chat_template() {
+                Some(s) => s,
+                None => {
+                    eprintln!("lathe serve: the model has no chat template: using ChatML");
+                    CHATML
+                }
+            };
+            ChatTemplate::with_limits(source, cfg.template_limits)?
+        }
     };
-    let compiled = ChatTemplate::new(&source).map_err(|e| match &cfg.chat_template {
-        Some(p) => Error::Invalid(format!("{}: {e}", p.display())),
-        None => e,
-    })?;
     let _ = template.set(Arc::new(compiled));
     eprintln!(
         "lathe serve: loaded {} in {:.1} s",
@@ -198,7 +282,7 @@ fn load(cfg: &ServerConfig, template: &OnceLock<Arc<ChatTemplate>>) -> Result<(E
     Ok((engine, tokenizer))
 }
 
-async fn serve(cfg: ServerConfig) -> Result<()> {
+async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
         .await
         .map_err(|e| Error::Invalid(format!("cannot listen on {}:{}: {e}", cfg.host, cfg.port)))?;
@@ -210,19 +294,21 @@ async fn serve(cfg: ServerConfig) -> Result<()> {
     let template = Arc::new(OnceLock::new());
     let (load_tx, load_rx) = tokio::sync::oneshot::channel();
     let sched_cfg = scheduler::SchedulerConfig {
-        n_slots: cfg.parallel.max(1),
-        queue: cfg.queue.max(1),
-        prefill_chunk: cfg.prefill_chunk.max(1),
+        n_slots: cfg.parallel,
+        queue: cfg.queue,
+        prefill_chunk: cfg.prefill_chunk,
         ctx: cfg.ctx,
     };
     let (lc, lt) = (cfg.clone(), template.clone());
     let (sched, engine_thread) = scheduler::start(
         sched_cfg,
-        move || load(&lc, &lt),
+        move || load(&lc, given, &lt),
         move |r| {
             let _ = load_tx.send(r);
         },
     );
+    let (hard_tx, hard_rx) = tokio::sync::watch::channel(false);
+    let cut = Arc::new(AtomicUsize::new(0));
     let state = http::AppState {
         sched,
         cfg: Arc::new(http::HttpConfig {
@@ -231,43 +317,35 @@ async fn serve(cfg: ServerConfig) -> Result<()> {
             ctx: cfg.ctx,
             max_prompt_tokens: cfg.max_prompt_tokens,
             max_body_bytes: cfg.max_body_bytes,
+            body_timeout: cfg.body_timeout,
             timeout: cfg.timeout,
             reasoning: cfg.reasoning,
-            n_slots: cfg.parallel.max(1),
+            n_slots: cfg.parallel,
         }),
         template,
         started: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        hard_stop: hard_rx,
+        cut: cut.clone(),
     };
-    let (hard_tx, hard_rx) = tokio::sync::oneshot::channel::<()>();
-    let grace = cfg.shutdown_grace;
-    let server = axum::serve(listener, http::router(state)).with_graceful_shutdown(async move {
-        shutdown_signal().await;
-        eprintln!(
-            "lathe serve: shutting down: finishing requests in flight (up to {} s; signal again to quit now)",
-            grace.as_secs()
-        );
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = shutdown_signal() => {}
-                _ = tokio::time::sleep(grace) => {}
-            }
-            let _ = hard_tx.send(());
-        });
-    });
+    let conns = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
+    let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
+    let mut accept = Box::pin(accept_loop(
+        listener,
+        http::router(state),
+        conns.clone(),
+        cfg.header_timeout,
+        drain_rx,
+    ));
+    let signal = shutdown_signal();
+    tokio::pin!(signal);
     let mut load_rx = load_rx;
     let mut loaded = false;
-    let mut hard_rx = hard_rx;
-    let server = std::future::IntoFuture::into_future(server);
-    tokio::pin!(server);
     loop {
         tokio::select! {
-            r = &mut server => {
-                r.map_err(|e| Error::Invalid(format!("server: {e}")))?;
-                break;
-            }
+            _ = &mut accept => unreachable!("the accept loop never ends"),
             r = &mut load_rx, if !loaded => {
                 loaded = true;
                 match r {
@@ -276,25 +354,98 @@ async fn serve(cfg: ServerConfig) -> Result<()> {
                     Err(_) => return Err(Error::Invalid("the engine thread ended while loading".into())),
                 }
             }
-            _ = &mut hard_rx => {
-                eprintln!("lathe serve: quitting with requests still in flight");
-                return Ok(());
-            }
+            _ = &mut signal => break,
         }
     }
-    if !loaded {
-        // Stopped while loading: no request ever ran.
+    // Dropping the accept loop closes the listener and its handle on the router (and so on
+    // the scheduler); the connections' tasks hold the rest.
+    drop(accept);
+    let grace = cfg.shutdown_grace;
+    eprintln!(
+        "lathe serve: shutting down: finishing requests in flight (up to {} s; signal again to quit now)",
+        grace.as_secs()
+    );
+    let _ = drain_tx.send(true);
+    let all = u32::try_from(cfg.max_connections).unwrap_or(u32::MAX);
+    // Every connection closed, then every job done: the engine thread ends once the last
+    // handle on the scheduler is gone (it went with the connections).
+    let finished = async {
+        let _ = conns.acquire_many(all).await;
+        if loaded {
+            let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;
+        }
+    };
+    tokio::select! {
+        _ = finished => {
+            eprintln!("lathe serve: stopped");
+            return Ok(());
+        }
+        _ = shutdown_signal() => {}
+        _ = tokio::time::sleep(grace) => {}
+    }
+    // Past the grace period: every open request ends now, streams with an error event and
+    // `[DONE]`, the others with 503; give them a moment to be written.
+    let _ = hard_tx.send(true);
+    let _ = tokio::time::timeout(HARD_STOP_FLUSH, conns.acquire_many(all)).await;
+    let n = cut.load(Ordering::SeqCst);
+    if n == 0 {
         eprintln!("lathe serve: stopped");
         return Ok(());
     }
-    // Every handle on the scheduler went with the server: the engine thread ends once its
-    // last request is done (or the grace period ends first).
-    let join = tokio::task::spawn_blocking(move || engine_thread.join());
-    tokio::select! {
-        _ = join => eprintln!("lathe serve: stopped"),
-        _ = &mut hard_rx => eprintln!("lathe serve: quitting with requests still in flight"),
+    Err(Error::Invalid(format!(
+        "the server quit with {n} request(s) cut short (past --shutdown-grace, or a second signal)"
+    )))
+}
+
+/// How long requests cut by a hard stop get to write their last bytes.
+const HARD_STOP_FLUSH: Duration = Duration::from_secs(2);
+
+/// Accepts connections while fewer than `conns`' permits are out, serving each on its own
+/// task (HTTP/1.1, with `header_timeout` for every request's head); when `drain` turns
+/// true, each connection finishes its request in flight and closes.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    conns: Arc<tokio::sync::Semaphore>,
+    header_timeout: Duration,
+    drain: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let Ok(permit) = conns.clone().acquire_owned().await else {
+            return;
+        };
+        let io = match listener.accept().await {
+            Ok((io, _)) => io,
+            Err(e) => {
+                // Out of file descriptors and the like: wait for connections to close.
+                eprintln!("lathe serve: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let app = app.clone();
+        let mut drain = drain.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let service = hyper_util::service::TowerToHyperService::new(app);
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            tokio::pin!(conn);
+            let mut draining = false;
+            loop {
+                tokio::select! {
+                    _ = conn.as_mut() => break,
+                    _ = drain.wait_for(|d| *d), if !draining => {
+                        draining = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+        });
     }
-    Ok(())
 }
 
 /// SIGINT (Ctrl-C) or SIGTERM.

@@ -487,6 +487,18 @@ impl Worker {
                         }
                     }
                     if a.feed.is_empty() {
+                        if let Err(e) =
+                            crate::generate::check_finite(&self.engine, &logits, a.n_generated)
+                        {
+                            let a = slot.active.take().expect("active slot");
+                            self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                            eprintln!("lathe serve: {}: {e}", a.job.id);
+                            let _ = a.job.events.send(Event::Error {
+                                message: e.to_string(),
+                                code: "internal",
+                            });
+                            continue;
+                        }
                         a.prefilling = false;
                         to_sample.push((w.slot, logits));
                     }

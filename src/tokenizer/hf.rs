@@ -18,8 +18,12 @@ pub(super) fn load(path: &Path) -> Result<Parts> {
             .map_err(|e| Error::format(path, format!("bad gzip data: {e}")))?;
         bytes = out;
     }
-    let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-        .map_err(|e| Error::format(path, format!("not a tokenizer.json: {e}")))?;
+    check_merges(&bytes).map_err(|w| Error::format(path, w))?;
+    // `tokenizers` panics on some malformed files rather than failing: a bad file is the
+    // user's error, not a bug of ours.
+    let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes))
+        .map_err(|p| Error::format(path, format!("not a tokenizer.json: {}", panic_text(&p))))?;
+    let inner = parsed.map_err(|e| Error::format(path, format!("not a tokenizer.json: {e}")))?;
     let byte_level = match inner.get_decoder() {
         Some(DecoderWrapper::ByteLevel(_)) => true,
         Some(DecoderWrapper::Sequence(seq)) => seq
@@ -136,4 +140,48 @@ fn template_from_config(t: &Value, path: &Path) -> Result<Option<String>> {
             "expected a string or a list",
         )),
     }
+}
+
+/// The message of a caught panic.
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "the tokenizers library panicked".into())
+}
+
+/// A BPE model with a `continuing_subword_prefix` must start the second part of every merge
+/// with it: `tokenizers` cuts the prefix off by byte count and panics when it is not there.
+fn check_merges(bytes: &[u8]) -> std::result::Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        model: Option<Model>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        continuing_subword_prefix: Option<String>,
+        merges: Option<Value>,
+    }
+    // Not JSON or another shape: `tokenizers` says what is wrong.
+    let Ok(File { model: Some(m) }) = serde_json::from_slice::<File>(bytes) else {
+        return Ok(());
+    };
+    let (Some(prefix), Some(Value::Array(merges))) = (m.continuing_subword_prefix, m.merges) else {
+        return Ok(());
+    };
+    for (i, merge) in merges.iter().enumerate() {
+        let second = match merge {
+            Value::String(s) => s.split_once(' ').map(|(_, b)| b),
+            Value::Array(pair) => pair.get(1).and_then(Value::as_str),
+            _ => None,
+        };
+        if let Some(b) = second.filter(|b| !b.starts_with(prefix.as_str())) {
+            return Err(format!(
+                "merge #{i}: `{}` does not start with the continuing_subword_prefix `{}`",
+                crate::error::shown(b),
+                crate::error::shown(&prefix)
+            ));
+        }
+    }
+    Ok(())
 }

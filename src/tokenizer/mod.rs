@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 
 pub use gguf_vocab::GgufVocab;
 pub use stream::StreamDecoder;
-pub use template::{ChatTemplate, CHATML};
+pub use template::{ChatTemplate, TemplateLimits, CHATML};
 
 /// Texts of special tokens that end a turn or a document in the model families we know. A
 /// token with one of these texts counts as end-of-generation only when the vocabulary marks
@@ -189,6 +189,35 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Whether `text` encodes to more than `limit` tokens, decided with work and memory
+    /// bounded by `limit` rather than by the text's length: `Some(n)` when it takes at least
+    /// `n > limit` tokens, `None` when [`Tokenizer::encode`] should run on it.
+    ///
+    /// `encode` holds per-byte offsets and copies of the whole text (~100 bytes of memory
+    /// per byte of input), so a server must not run it on megabytes it will refuse anyway.
+    /// Long texts are counted in pieces of [`PROBE_CHUNK`] bytes cut after whitespace, and
+    /// the count stops once past the limit. A cut can change the tokens around it by a
+    /// few, so each cut is granted [`PROBE_SLACK`] tokens before the text is refused.
+    pub fn exceeds(&self, text: &str, parse_special: bool, limit: usize) -> Result<Option<usize>> {
+        // A short text costs little to encode whole; and a text of at most `limit` bytes
+        // can hardly take more than `limit` tokens (a token stands for one byte or more).
+        if text.len() <= PROBE_CHUNK.max(limit) {
+            return Ok(None);
+        }
+        let (mut n, mut cuts, mut rest) = (0usize, 0usize, text);
+        while !rest.is_empty() {
+            let end = probe_cut(rest, PROBE_CHUNK);
+            n += self.encode(&rest[..end], parse_special)?.len();
+            rest = &rest[end..];
+            let at_least = n.saturating_sub(cuts * PROBE_SLACK);
+            if at_least > limit {
+                return Ok(Some(at_least));
+            }
+            cuts += 1;
+        }
+        Ok(None)
+    }
+
     /// [`Tokenizer::encode`] with BOS in front when the vocabulary asks for it (`add_bos`),
     /// unless the text already starts with BOS (a chat template often writes it).
     pub fn encode_with_bos(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
@@ -311,6 +340,34 @@ impl std::fmt::Debug for Tokenizer {
             .field("add_bos", &self.add_bos)
             .field("eog_ids", &self.eog_ids())
             .finish_non_exhaustive()
+    }
+}
+
+/// Bytes of text counted at once by [`Tokenizer::exceeds`]: ~2 MB of encoder memory.
+const PROBE_CHUNK: usize = 16 << 10;
+/// Tokens a cut between two probe pieces may add to the count (a word or a run of spaces
+/// split in two: one or two more; a special token split: its length in bytes at worst, but
+/// cuts fall after whitespace, which special tokens rarely hold).
+const PROBE_SLACK: usize = 4;
+
+/// Where to end a probe piece of at most about `max` bytes of `text`: after the last
+/// whitespace before `max` when there is one in its second half, else at the character
+/// boundary at `max` (the whole text when it is shorter).
+fn probe_cut(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return text.len();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let bytes = text.as_bytes();
+    match bytes[max / 2..end]
+        .iter()
+        .rposition(|b| b.is_ascii_whitespace())
+    {
+        Some(i) => max / 2 + i + 1,
+        None => end,
     }
 }
 

@@ -36,15 +36,45 @@ pub const CHATML: &str = r#"{%- macro text_of(content) -%}
 
 const NAME: &str = "chat_template";
 
+/// How much work one rendering may do, so that a template (from a model file or
+/// `--chat-template`) whose loops never end, or whose slow path the message text triggers,
+/// stops with an error instead of holding a CPU and memory without bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TemplateLimits {
+    /// minijinja "fuel": instructions one rendering may execute. Qwen3.5's and
+    /// DeepSeek-V4's templates over a 150-message conversation with tools take under
+    /// 30,000; the default allows ~700 times that (a runaway loop stops after ~1 s of CPU).
+    pub fuel: u64,
+    /// Bytes one rendering may write.
+    pub max_output: usize,
+}
+
+impl Default for TemplateLimits {
+    fn default() -> TemplateLimits {
+        TemplateLimits {
+            fuel: 20_000_000,
+            max_output: 64 << 20,
+        }
+    }
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    limits: TemplateLimits,
 }
 
 impl ChatTemplate {
-    /// Compiles a template; a syntax error comes back with its line.
+    /// Compiles a template with the default [`TemplateLimits`]; a syntax error comes back
+    /// with its line.
     pub fn new(source: &str) -> Result<ChatTemplate> {
+        ChatTemplate::with_limits(source, TemplateLimits::default())
+    }
+
+    /// Compiles a template whose renderings stop at `limits`.
+    pub fn with_limits(source: &str, limits: TemplateLimits) -> Result<ChatTemplate> {
         let mut env = Environment::new();
+        env.set_fuel(Some(limits.fuel));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
@@ -57,7 +87,7 @@ impl ChatTemplate {
         env.add_filter("from_json", from_json);
         env.add_template_owned(NAME, generation_tags_as_ifs(source))
             .map_err(|e| Error::Invalid(format!("chat template: {}", describe(&e))))?;
-        Ok(ChatTemplate { env })
+        Ok(ChatTemplate { env, limits })
     }
 
     /// Renders the prompt for `messages` (a JSON list of `{role, content, ...}`). `extra`
@@ -80,14 +110,56 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| Error::Invalid(format!("chat template: {}", describe(&e))))?;
-        tmpl.render(Value::from_serialize(&ctx))
-            .map_err(|e| Error::Invalid(format!("chat template: {}", describe(&e))))
+        let mut out = CappedWriter {
+            buf: Vec::new(),
+            cap: self.limits.max_output,
+            over: false,
+        };
+        let rendered = tmpl.render_captured_to(Value::from_serialize(&ctx), &mut out);
+        if out.over {
+            return Err(Error::Invalid(format!(
+                "chat template: the rendering is longer than {} bytes (the template's output limit)",
+                self.limits.max_output
+            )));
+        }
+        match rendered {
+            Ok(_) => String::from_utf8(out.buf)
+                .map_err(|e| Error::Invalid(format!("chat template: output is not UTF-8: {e}"))),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(Error::Invalid(format!(
+                "chat template: the rendering took more than {} steps (the template's fuel limit): a loop that does not end, or too much work for these messages",
+                self.limits.fuel
+            ))),
+            Err(e) => Err(Error::Invalid(format!("chat template: {}", describe(&e)))),
+        }
     }
 }
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate").finish_non_exhaustive()
+    }
+}
+
+/// The rendering's bytes, refusing to grow past `cap` (minijinja then stops with a write
+/// error, which [`ChatTemplate::render`] reports as the output limit).
+struct CappedWriter {
+    buf: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("template output limit"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
