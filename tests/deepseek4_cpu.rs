@@ -4,7 +4,7 @@
 //! store them: tests/deepseek4_fp8.rs.
 //!
 //! dsv4-tiny lives in tests/fixtures/models (copied from ../shared/fixtures/models); the
-//! dsv4-dims tests are `#[ignore]` (slow on the CPU) and read ../shared, skipping with a
+//! dsv4-dims tests are `#[ignore]` (slow on the CPU) and read ../shared, failing with a
 //! note when it is absent: `cargo test --release --test deepseek4_cpu -- --ignored`.
 
 mod common;
@@ -18,17 +18,9 @@ fn tiny() -> PathBuf {
     fixtures().join("dsv4-tiny")
 }
 
-/// ../shared/fixtures/models/<name>, when this checkout has it.
-fn shared(name: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/fixtures/models")
-        .join(name);
-    if p.is_dir() {
-        Some(p)
-    } else {
-        eprintln!("note: {} absent, skipping", p.display());
-        None
-    }
+/// ../shared/fixtures/models/<name>; the test fails when this checkout lacks it.
+fn shared(name: &str) -> PathBuf {
+    require_shared(name)
 }
 
 fn tokens(dir: &Path) -> Vec<u32> {
@@ -157,53 +149,49 @@ fn bad_input_is_an_error() {
 #[test]
 #[ignore = "slow: real head sizes, 300 tokens"]
 fn dims_bf16_gguf() {
-    if let Some(d) = shared("dsv4-dims") {
-        check(
-            &d,
-            "model-bf16.gguf",
-            "logits.npy",
-            llamacpp_rms("dsv4-dims", "bf16"),
-        );
-    }
+    let d = shared("dsv4-dims");
+    check(
+        &d,
+        "model-bf16.gguf",
+        "logits.npy",
+        llamacpp_rms("dsv4-dims", "bf16"),
+    );
 }
 
 #[test]
 #[ignore = "slow: real head sizes, 300 tokens"]
 fn dims_upstream() {
-    if let Some(d) = shared("dsv4-dims") {
-        check(
-            &d,
-            "upstream",
-            "logits.npy",
-            llamacpp_rms("dsv4-dims", "bf16"),
-        );
-    }
+    let d = shared("dsv4-dims");
+    check(
+        &d,
+        "upstream",
+        "logits.npy",
+        llamacpp_rms("dsv4-dims", "bf16"),
+    );
 }
 
 #[test]
 #[ignore = "slow: real head sizes, 300 tokens"]
 fn dims_q8_0() {
-    if let Some(d) = shared("dsv4-dims") {
-        check(
-            &d,
-            "model-q8_0.gguf",
-            "ref-q8_0.npy",
-            llamacpp_rms("dsv4-dims", "q8_0"),
-        );
-    }
+    let d = shared("dsv4-dims");
+    check(
+        &d,
+        "model-q8_0.gguf",
+        "ref-q8_0.npy",
+        llamacpp_rms("dsv4-dims", "q8_0"),
+    );
 }
 
 #[test]
 #[ignore = "slow: real head sizes, 300 tokens"]
 fn dims_q4_k_m() {
-    if let Some(d) = shared("dsv4-dims") {
-        check(
-            &d,
-            "model-q4_k_m.gguf",
-            "ref-q4_k_m.npy",
-            llamacpp_rms("dsv4-dims", "q4_k_m"),
-        );
-    }
+    let d = shared("dsv4-dims");
+    check(
+        &d,
+        "model-q4_k_m.gguf",
+        "ref-q4_k_m.npy",
+        llamacpp_rms("dsv4-dims", "q4_k_m"),
+    );
 }
 
 /// Debug runner: per-position RMS error of a model file against its reference, with the

@@ -12,8 +12,8 @@
 //!
 //! dsv4-tiny's dimensions (64, 32, 16) are not multiples of 128, which lathe's FP8 block needs
 //! (DeepSeek's releases are): its FP8 copy must be refused with the tensor named. dsv4-dims
-//! (real head sizes, every dimension a multiple of 128) comes from ../shared/fixtures and is
-//! skipped when absent; its CPU forward is slow (`#[ignore]`):
+//! (real head sizes, every dimension a multiple of 128) comes from ../shared/fixtures (its
+//! tests fail, saying so, when that is absent; CI has it); its CPU forward is slow (`#[ignore]`):
 //! `cargo test --release --test deepseek4_fp8 -- --ignored`.
 
 mod common;
@@ -30,14 +30,8 @@ fn tiny() -> PathBuf {
     fixtures().join("dsv4-tiny")
 }
 
-fn dims() -> Option<PathBuf> {
-    let d = shared()?.join("dsv4-dims");
-    if d.is_dir() {
-        Some(d)
-    } else {
-        eprintln!("note: {} absent, skipping", d.display());
-        None
-    }
+fn dims() -> PathBuf {
+    require_shared("dsv4-dims")
 }
 
 fn tokens(dir: &Path) -> Vec<u32> {
@@ -296,7 +290,7 @@ fn tiny_fp8_partial_column_blocks_are_refused() {
 /// every release-layout expert for packed MXFP4.
 #[test]
 fn dims_fp8_gpu() {
-    let Some(d) = dims() else { return };
+    let d = dims();
     let dir = scratch("dims", "gpu");
     let n = write_fp8_pair(&d.join("upstream"), &dir, false);
     check_loaded_types(&dir.join("fp8"), n, false);
@@ -333,7 +327,7 @@ fn dims_fp8_gpu() {
 /// The loader makes FP8 routed experts `F8_E4M3_B128` stacks too.
 #[test]
 fn dims_fp8_experts_load_as_fp8_blocks() {
-    let Some(d) = dims() else { return };
+    let d = dims();
     let dir = scratch("dims", "experts-types");
     let n = write_fp8_pair(&d.join("upstream"), &dir, true);
     check_loaded_types(&dir.join("fp8"), n, true);
@@ -344,7 +338,7 @@ fn dims_fp8_experts_load_as_fp8_blocks() {
 #[test]
 #[ignore = "slow: real head sizes on the CPU reference"]
 fn dims_fp8_cpu() {
-    let Some(d) = dims() else { return };
+    let d = dims();
     let dir = scratch("dims", "cpu");
     let n = write_fp8_pair(&d.join("upstream"), &dir, true);
     let toks = tokens(&d);

@@ -3,15 +3,15 @@
 //! prefill, and prefill of all but 4 tokens then decode, for every model file.
 //!
 //! dsv4-tiny lives in tests/fixtures/models; dsv4-dims (real head sizes: 512-wide heads,
-//! 16 indexer heads × 128, window 128, YaRN) is read from ../shared/fixtures when present
-//! and skipped otherwise. Its q8_0 GGUF runs in CI; the other dims files are `#[ignore]`
-//! (about 30 s each on lavapipe): `cargo test --test deepseek4_gpu -- --ignored`.
+//! 16 indexer heads × 128, window 128, YaRN) is read from ../shared/fixtures, and its tests
+//! fail, saying so, when that is absent (CI has it). Every dims file runs in CI (about 30 s
+//! each on lavapipe).
 //!
 //! KV cache type: the bar is met with room to spare by f32 math (RMS ~1e-5 against the
-//! references); the f16 cache (the engine's default) rounds K = V to 11 bits, which these
-//! random-weight models amplify: dsv4-tiny stays at RMS 3e-4 (checked below with the default
-//! options), but dsv4-dims drifts to 0.02–0.033 (indexer top-k choices flip downstream of
-//! the rounding), so the dims checks run with an f32 cache.
+//! references), which is DeepSeek-V4's default (`KvType::Auto`). An f16 cache rounds K = V
+//! to 11 bits, which these random-weight models amplify: dsv4-tiny stays at RMS 3e-4
+//! (checked below), but dsv4-dims drifts to 0.02–0.033 (indexer top-k choices flip
+//! downstream of the rounding), so the dims checks run with the default f32 cache.
 
 mod common;
 use common::*;
@@ -22,14 +22,8 @@ fn tiny() -> PathBuf {
     fixtures().join("dsv4-tiny")
 }
 
-fn dims() -> Option<PathBuf> {
-    let d = shared()?.join("dsv4-dims");
-    if d.is_dir() {
-        Some(d)
-    } else {
-        eprintln!("note: {} absent, skipping", d.display());
-        None
-    }
+fn dims() -> PathBuf {
+    require_shared("dsv4-dims")
 }
 
 fn tokens(dir: &Path) -> Vec<u32> {
@@ -80,6 +74,11 @@ fn tiny_f32() {
 #[test]
 fn tiny_q8_0() {
     check(&tiny(), "model-q8_0.gguf", "q8_0", KvType::F32);
+}
+
+#[test]
+fn tiny_q4_0() {
+    check(&tiny(), "model-q4_0.gguf", "q4_0", KvType::F32);
 }
 
 #[test]
@@ -138,34 +137,30 @@ fn tiny_bad_token_is_an_error() {
 
 #[test]
 fn dims_q8_0() {
-    if let Some(d) = dims() {
-        // The default options users get (KvType::Auto: f32 for DeepSeek-V4).
-        check(
-            &d,
-            "model-q8_0.gguf",
-            "q8_0",
-            LoadOptions::default().kv_type,
-        );
-    }
+    let d = dims();
+    // The default options users get (KvType::Auto: f32 for DeepSeek-V4).
+    check(
+        &d,
+        "model-q8_0.gguf",
+        "q8_0",
+        LoadOptions::default().kv_type,
+    );
 }
 
 #[test]
 fn dims_bf16() {
-    if let Some(d) = dims() {
-        check(&d, "model-bf16.gguf", "bf16", KvType::Auto);
-    }
+    let d = dims();
+    check(&d, "model-bf16.gguf", "bf16", KvType::Auto);
 }
 
 #[test]
 fn dims_q4_k_m() {
-    if let Some(d) = dims() {
-        check(&d, "model-q4_k_m.gguf", "q4_k_m", KvType::Auto);
-    }
+    let d = dims();
+    check(&d, "model-q4_k_m.gguf", "q4_k_m", KvType::Auto);
 }
 
 #[test]
 fn dims_upstream() {
-    if let Some(d) = dims() {
-        check(&d, "", "bf16", KvType::Auto);
-    }
+    let d = dims();
+    check(&d, "", "bf16", KvType::Auto);
 }

@@ -10,14 +10,15 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf")
 }
 
-fn shared_models() -> Option<PathBuf> {
+/// ../shared/fixtures/models; the test fails when this checkout lacks it.
+fn shared_models() -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/models");
-    if p.is_dir() {
-        Some(p)
-    } else {
-        eprintln!("SKIP: {} is absent", p.display());
-        None
-    }
+    assert!(
+        p.is_dir(),
+        "{} is absent: this test needs ../shared/fixtures (CI has it)",
+        p.display()
+    );
+    p
 }
 
 /// A fresh scratch directory per test (tests run in parallel).
@@ -632,7 +633,7 @@ fn value_matches(v: &Value, j: &serde_json::Value) -> bool {
 
 #[test]
 fn shared_fixture_models_match_gguf_py() {
-    let Some(root) = shared_models() else { return };
+    let root = shared_models();
     let text = std::fs::read_to_string(fixtures().join("models_expected.json")).unwrap();
     let expected: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     let mut on_disk: Vec<String> = std::fs::read_dir(&root)
@@ -737,10 +738,11 @@ fn shared_vocab_gguf_without_tensors() {
     // past the end of the file.
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../shared/fixtures/tokenizer/qwen35-llamacpp-vocab/ggml-vocab-qwen35.gguf");
-    if !p.exists() {
-        eprintln!("SKIP: {} is absent", p.display());
-        return;
-    }
+    assert!(
+        p.exists(),
+        "{} is absent: this test needs ../shared/fixtures (CI has it)",
+        p.display()
+    );
     let g = GgufFile::open(&p).unwrap();
     assert_eq!((g.n_tensors(), g.data_bytes()), (0, 0));
     let tokens = g.get_str_array(keys::TOKENIZER_TOKENS).unwrap();

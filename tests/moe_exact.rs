@@ -85,15 +85,16 @@ fn partial_budget(path: &Path) -> u64 {
     panic!("{}: no --gpu-mem gives a partial placement", path.display());
 }
 
-fn fixture(name: &str, file: &str) -> Option<(PathBuf, PathBuf, Vec<u32>)> {
+fn fixture(name: &str, file: &str) -> (PathBuf, PathBuf, Vec<u32>) {
     let (dir, files) = model_files(name);
-    if !files.iter().any(|f| f == file) {
-        eprintln!("note: {name}/{file} absent: skipped");
-        return None;
-    }
+    assert!(
+        files.iter().any(|f| f == file),
+        "{name}/{file} is absent from {}: this test needs ../shared/fixtures (CI has it)",
+        dir.display()
+    );
     let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
     let ids = toks.data.iter().map(|&t| t as u32).collect();
-    Some((dir.join(file), reference_for(&dir, file), ids))
+    (dir.join(file), reference_for(&dir, file), ids)
 }
 
 fn argmax(x: &[f32]) -> usize {
@@ -131,9 +132,7 @@ fn greedy(path: &Path, prompt: &[u32], opts: &LoadOptions) -> (Vec<u32>, Vec<Vec
 }
 
 fn check(name: &str, file: &str, ty: &str) {
-    let Some((path, refp, ids)) = fixture(name, file) else {
-        return;
-    };
+    let (path, refp, ids) = fixture(name, file);
     let mut vs = variants();
     vs.push(Variant {
         label: "partial --gpu-mem budget",
@@ -201,9 +200,7 @@ fn check_variants(
 /// The offload really runs: cold pairs go through the CPU, the eviction policy uploads, and
 /// `--gpu-experts 1` needs no offload at all.
 fn check_placement(name: &str, file: &str) {
-    let Some((path, _, ids)) = fixture(name, file) else {
-        return;
-    };
+    let (path, _, ids) = fixture(name, file);
     let run = |opts: &LoadOptions| {
         let mut e = Engine::load(&path, opts).unwrap();
         let mut seq = e.new_seq().unwrap();
@@ -259,9 +256,7 @@ fn check_placement(name: &str, file: &str) {
 /// `collect_expert_stats` counts every routed pair; the saved file loads back as
 /// `--expert-stats` and the run stays exact under it.
 fn check_stats(name: &str, file: &str) {
-    let Some((path, _, ids)) = fixture(name, file) else {
-        return;
-    };
+    let (path, _, ids) = fixture(name, file);
     let mut e = Engine::load(
         &path,
         &LoadOptions {
@@ -311,9 +306,7 @@ fn check_stats(name: &str, file: &str) {
 /// Several sequences in shared passes (a prefill chunk beside decode rows, then decode rows of
 /// both): the offload's per-row cold work matches the all-GPU run.
 fn check_batched(name: &str, file: &str) {
-    let Some((path, _, ids)) = fixture(name, file) else {
-        return;
-    };
+    let (path, _, ids) = fixture(name, file);
     let run = |opts: &LoadOptions| -> Vec<f32> {
         let mut e = Engine::load(&path, opts).unwrap();
         let (mut a, mut b) = (e.new_seq().unwrap(), e.new_seq().unwrap());
@@ -358,9 +351,7 @@ fn check_batched(name: &str, file: &str) {
 /// A prefill longer than one pass (chunks of 256 rows, the matmul path over the arena, each
 /// cold expert run once per chunk for all its rows).
 fn check_long_prefill(name: &str, file: &str) {
-    let Some((path, _, ids)) = fixture(name, file) else {
-        return;
-    };
+    let (path, _, ids) = fixture(name, file);
     let long: Vec<u32> = ids.iter().cycle().take(300).copied().collect();
     let run = |opts: &LoadOptions| {
         let mut e = Engine::load(&path, opts).unwrap();
@@ -425,10 +416,11 @@ fn dsv4_tiny_exact() {
 fn dsv4_tiny_upstream_exact() {
     let (dir, _) = model_files("dsv4-tiny");
     let path = dir.join("upstream");
-    if !path.join("model.safetensors").exists() {
-        eprintln!("note: dsv4-tiny/upstream absent: skipped");
-        return;
-    }
+    assert!(
+        path.join("model.safetensors").exists(),
+        "{} is absent",
+        path.display()
+    );
     let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
     let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
     let frac = |f: f64| LoadOptions {
@@ -599,14 +591,12 @@ fn write_fp8_experts(src: &Path, dst: &Path) {
 #[test]
 #[ignore = "slow on lavapipe; ../shared only"]
 fn dsv4_dims_fp8_experts_offload() {
-    let Some(src) = shared().map(|s| s.join("dsv4-dims")) else {
-        eprintln!("note: ../shared/fixtures absent: skipped");
-        return;
-    };
-    if !src.join("upstream").is_dir() {
-        eprintln!("note: {} absent: skipped", src.display());
-        return;
-    }
+    let src = require_shared("dsv4-dims");
+    assert!(
+        src.join("upstream").is_dir(),
+        "{} is absent",
+        src.join("upstream").display()
+    );
     let dst = std::env::temp_dir().join(format!("lathe-moe-fp8-experts-{}", std::process::id()));
     write_fp8_experts(&src.join("upstream"), &dst);
     let f = lathe::models::ModelFile::open(&dst).unwrap();

@@ -3,7 +3,7 @@
 //! Fixtures in tests/fixtures/safetensors/ and tests/fixtures/hf/ were written by Hugging
 //! Face's `safetensors` (numpy API) with ml_dtypes' float types, by
 //! tests/fixtures/safetensors/make_fixtures.py; re-run it to regenerate them. Tests that use
-//! ../shared/fixtures skip with a note when it is absent.
+//! ../shared/fixtures fail, saying so, when it is absent (CI has it).
 
 use lathe::safetensors::scaled::{e4m3_to_f32, e8m0_to_f32};
 use lathe::safetensors::{
@@ -23,18 +23,15 @@ fn fixtures() -> PathBuf {
     root().join("tests/fixtures/safetensors")
 }
 
-/// ../shared/fixtures/models, when this checkout has it.
-fn shared_models() -> Option<PathBuf> {
+/// ../shared/fixtures/models; the test fails when this checkout lacks it.
+fn shared_models() -> PathBuf {
     let p = root().join("../shared/fixtures/models");
-    if p.is_dir() {
-        Some(p)
-    } else {
-        eprintln!(
-            "note: {} absent, skipping the shared-fixture part",
-            p.display()
-        );
-        None
-    }
+    assert!(
+        p.is_dir(),
+        "{} is absent: this test needs ../shared/fixtures (CI has it)",
+        p.display()
+    );
+    p
 }
 
 /// A scratch directory unique to this process and test.
@@ -921,31 +918,25 @@ fn check_dsv4_upstream(dir: &Path) -> usize {
 
 #[test]
 fn shared_dsv4_upstream_experts_dequant() {
-    let Some(models) = shared_models() else {
-        return;
-    };
+    let models = shared_models();
     for name in ["dsv4-tiny", "dsv4-dims"] {
         let dir = models.join(name).join("upstream");
-        if dir.is_dir() {
-            let n = check_dsv4_upstream(&dir);
-            eprintln!("{name}: {n} expert matrices");
-        } else {
-            eprintln!("note: {} absent, skipped", dir.display());
-        }
+        assert!(dir.is_dir(), "{} is absent", dir.display());
+        let n = check_dsv4_upstream(&dir);
+        eprintln!("{name}: {n} expert matrices");
     }
 }
 
 #[test]
 fn shared_hf_checkpoints_open() {
-    let Some(models) = shared_models() else {
-        return;
-    };
+    let models = shared_models();
     for name in ["qwen35-tiny", "qwen35moe-tiny", "qwen3next-tiny"] {
         let dir = models.join(name);
-        if !dir.join("model.safetensors").is_file() {
-            eprintln!("note: {} has no model.safetensors, skipped", dir.display());
-            continue;
-        }
+        assert!(
+            dir.join("model.safetensors").is_file(),
+            "{} has no model.safetensors",
+            dir.display()
+        );
         let m = HfModel::open(&dir).unwrap();
         assert!(m.architecture().unwrap().ends_with("ForCausalLM"), "{name}");
         assert!(m.cfg_u64("hidden_size").unwrap() > 0);

@@ -21,18 +21,18 @@ fn fixture(name: &str, file: &str) -> PathBuf {
     root().join("tests/fixtures/models").join(name).join(file)
 }
 
-/// `../shared/fixtures/models/<name>/<file>` when this machine has it.
-fn shared(name: &str, file: &str) -> Option<PathBuf> {
+/// `../shared/fixtures/models/<name>/<file>`; the test fails when this machine lacks it.
+fn shared(name: &str, file: &str) -> PathBuf {
     let p = root()
         .join("../shared/fixtures/models")
         .join(name)
         .join(file);
-    if p.is_file() {
-        Some(p)
-    } else {
-        eprintln!("note: {} absent: skipped", p.display());
-        None
-    }
+    assert!(
+        p.is_file(),
+        "{} is absent: this test needs ../shared/fixtures (CI has it)",
+        p.display()
+    );
+    p
 }
 
 fn tmp_dir(tag: &str) -> PathBuf {
@@ -261,9 +261,7 @@ fn qwen35_plans_match_llama_cpps_files() {
             (FileType::BF16, "model-bf16.gguf"),
             (FileType::Q8_0, "model-q8_0.gguf"),
         ] {
-            if let Some(f) = shared(name, file) {
-                assert_same_layout(&plan_of(&p, ft, DType::BF16), &f);
-            }
+            assert_same_layout(&plan_of(&p, ft, DType::BF16), &shared(name, file));
         }
     }
 }
@@ -285,9 +283,7 @@ fn deepseek4_plans_match_llama_cpps_files() {
         (FileType::Q8_0, "model-q8_0.gguf"),
         (FileType::Q4_K_M, "model-q4_k_m.gguf"),
     ] {
-        if let Some(f) = shared("dsv4-dims", file) {
-            assert_same_layout(&plan_of(&p, ft, DType::BF16), &f);
-        }
+        assert_same_layout(&plan_of(&p, ft, DType::BF16), &shared("dsv4-dims", file));
     }
 }
 

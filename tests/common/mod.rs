@@ -13,6 +13,20 @@ pub fn shared() -> Option<PathBuf> {
     p.is_dir().then_some(p)
 }
 
+/// `../shared/fixtures/models/<name>`, for tests that need a fixture kept only there: a
+/// missing one fails the test with a message that says so, rather than passing unchecked.
+pub fn require_shared(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/fixtures/models")
+        .join(name);
+    assert!(
+        p.is_dir(),
+        "{} is absent: this test needs ../shared/fixtures (CI has it; see ../shared/fixtures/README.md)",
+        p.display()
+    );
+    p
+}
+
 /// The model files of fixture `name` to check: every file in `../shared` when present, else
 /// the subset committed under tests/fixtures (big bf16/q8 files of the `*-dims` models stay
 /// in ../shared only, to keep the repository small). Returns (directory, file names; "" for
@@ -34,6 +48,7 @@ pub fn model_files(name: &str) -> (PathBuf, Vec<String>) {
     if dir.join("model.safetensors").exists() {
         files.push(String::new());
     }
+    assert!(!files.is_empty(), "{}: no model files", dir.display());
     (dir, files)
 }
 
