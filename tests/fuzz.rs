@@ -1,0 +1,584 @@
+//! Deterministic mutation fuzzing of every parser that reads what a user or a file gives:
+//! the GGUF reader, safetensors + config.json, tokenizer.json and the tokenizer on any
+//! text, chat templates, and the server's request fields. Fixed seeds and a few hundred
+//! cases each, so CI runs them (well under two minutes in all); each case must end in
+//! success or a clean error, without a panic, within a time bound, and the process's peak
+//! memory stays bounded. Each test prints its totals by outcome
+//! (`cargo test --test fuzz -- --nocapture`). The raw HTTP parser is fuzzed against a
+//! running server in tests/server.rs; cargo-fuzz targets for long runs live in fuzz/.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use lathe::models::ModelFile;
+use lathe::tokenizer::{ChatTemplate, TemplateLimits, Tokenizer, CHATML};
+use serde_json::{json, Map, Value};
+
+/// splitmix64: a fixed seed gives the same cases on every machine.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len())]
+    }
+}
+
+/// Values that break size arithmetic.
+const INTERESTING: [u64; 12] = [
+    0,
+    1,
+    2,
+    0x7f,
+    0xff,
+    0xffff,
+    0x7fff_ffff,
+    0xffff_ffff,
+    1 << 32,
+    1 << 40,
+    i64::MAX as u64,
+    u64::MAX,
+];
+
+/// One to four byte-level mutations, most of them in the first `hot` bytes (headers and
+/// metadata, where the lengths and counts are).
+fn mutate_bytes(rng: &mut Rng, data: &mut Vec<u8>, hot: usize) {
+    for _ in 0..1 + rng.below(4) {
+        if data.is_empty() {
+            data.push(rng.next() as u8);
+        }
+        let span = if rng.below(5) < 4 {
+            hot.min(data.len())
+        } else {
+            data.len()
+        };
+        let at = rng.below(span);
+        match rng.below(7) {
+            0 => data[at] ^= 1 << rng.below(8),
+            1 => data[at] = rng.next() as u8,
+            2 | 3 => {
+                let v = rng.pick(&INTERESTING).to_le_bytes();
+                let n = if rng.below(2) == 0 { 8 } else { 4 };
+                for (i, b) in v[..n].iter().enumerate() {
+                    if let Some(d) = data.get_mut(at + i) {
+                        *d = *b;
+                    }
+                }
+            }
+            4 => data.truncate(at),
+            5 => {
+                let n = 1 + rng.below(16);
+                let fill: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                data.splice(at..at, fill);
+            }
+            _ => {
+                let end = (at + 1 + rng.below(64)).min(data.len());
+                data.drain(at..end);
+            }
+        }
+    }
+}
+
+/// A JSON value to put where another was: extreme numbers, wrong types, deep nesting.
+fn wild_value(rng: &mut Rng, depth: usize) -> Value {
+    match rng.below(if depth > 3 { 9 } else { 12 }) {
+        0 => Value::Null,
+        1 => json!(rng.below(2) == 0),
+        2 => json!(*rng.pick(&INTERESTING)),
+        3 => json!(-(rng.next() as i64 >> rng.below(63))),
+        4 => json!(*rng.pick(&[0.0, -1.0, 1e-300, 1e300, 0.5, -0.0, 3.5])),
+        5 => json!(rng.below(10)),
+        6 => json!(""),
+        7 => json!("x".repeat(rng.below(1000))),
+        8 => json!(*rng.pick(&["user", "assistant", "system", "tool", "<|im_end|>", "\u{0}"])),
+        9 => Value::Array(
+            (0..rng.below(4))
+                .map(|_| wild_value(rng, depth + 1))
+                .collect(),
+        ),
+        10 => {
+            let mut m = Map::new();
+            for _ in 0..rng.below(4) {
+                let k = rng.pick(&["role", "content", "type", "text", "name", "x"]);
+                m.insert(k.to_string(), wild_value(rng, depth + 1));
+            }
+            Value::Object(m)
+        }
+        _ => {
+            let mut v = json!(1);
+            for _ in 0..rng.below(200) {
+                v = json!([v]);
+            }
+            v
+        }
+    }
+}
+
+/// One to three JSON mutations of `v`: a value replaced, a key removed or added.
+fn mutate_json(rng: &mut Rng, v: &mut Value) {
+    for _ in 0..1 + rng.below(3) {
+        // A random path down containers, as a JSON pointer.
+        let mut pointer = String::new();
+        let mut at = &*v;
+        for _ in 0..rng.below(4) {
+            let (step, next) = match at {
+                Value::Object(m) if !m.is_empty() => {
+                    let (k, n) = m.iter().nth(rng.below(m.len())).unwrap();
+                    (k.replace('~', "~0").replace('/', "~1"), n)
+                }
+                Value::Array(a) if !a.is_empty() => {
+                    let i = rng.below(a.len());
+                    (i.to_string(), &a[i])
+                }
+                _ => break,
+            };
+            if !matches!(next, Value::Object(_) | Value::Array(_)) {
+                break;
+            }
+            pointer.push('/');
+            pointer.push_str(&step);
+            at = next;
+        }
+        let Some(at) = v.pointer_mut(&pointer) else {
+            continue;
+        };
+        match at {
+            Value::Object(m) if !m.is_empty() => {
+                let k = m
+                    .keys()
+                    .nth(rng.below(m.len()))
+                    .cloned()
+                    .unwrap_or_default();
+                if rng.below(4) == 0 {
+                    m.remove(&k);
+                } else {
+                    m.insert(k, wild_value(rng, 0));
+                }
+            }
+            Value::Array(a) if !a.is_empty() => {
+                let i = rng.below(a.len());
+                a[i] = wild_value(rng, 0);
+            }
+            other => *other = wild_value(rng, 0),
+        }
+    }
+}
+
+#[derive(Default, Debug)]
+struct Tally {
+    ok: usize,
+    error: usize,
+    panic: usize,
+    timeout: usize,
+    /// The first few panics and timeouts: (case, what).
+    bad: Vec<(usize, String)>,
+}
+
+impl Tally {
+    /// Runs case `i`: `Ok(())` / `Err(message)` from `f`, a panic caught, or `limit` passed.
+    fn run(&mut self, i: usize, limit: Duration, f: impl FnOnce() -> Result<(), String>) {
+        let t0 = Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(f));
+        let dt = t0.elapsed();
+        match r {
+            Err(p) => {
+                self.panic += 1;
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                self.bad.push((i, format!("panic: {msg}")));
+            }
+            Ok(_) if dt > limit => {
+                self.timeout += 1;
+                self.bad.push((i, format!("took {dt:?}")));
+            }
+            Ok(Ok(())) => self.ok += 1,
+            Ok(Err(_)) => self.error += 1,
+        }
+    }
+
+    /// Prints the totals and fails on any panic or timeout, or when the cases never
+    /// succeeded or (for mutated files: `mutated`) never reached an error: mutations that
+    /// change nothing, or break everything, test little.
+    fn check(&self, what: &str, mutated: bool) {
+        eprintln!(
+            "fuzz {what}: {} cases: ok {}, clean error {}, panic {}, timeout {}",
+            self.ok + self.error + self.panic + self.timeout,
+            self.ok,
+            self.error,
+            self.panic,
+            self.timeout
+        );
+        assert!(
+            self.panic == 0 && self.timeout == 0,
+            "{what}: {:?}",
+            &self.bad[..self.bad.len().min(5)]
+        );
+        assert!(
+            !mutated || self.error > 0,
+            "{what}: no case failed: the mutations do nothing"
+        );
+        assert!(self.ok > 0, "{what}: no case succeeded");
+        let peak = peak_rss();
+        assert!(peak < 6 << 30, "{what}: peak RSS {} MB", peak >> 20);
+    }
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`; 0 elsewhere).
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb << 10)
+}
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("fuzz-{name}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const CASE_LIMIT: Duration = Duration::from_secs(5);
+
+/// What lathe does with a model file before running it: open, describe, read the
+/// hyper-parameters, and (for the small Qwen3.5 files) load the weights on the CPU.
+fn open_model(path: &Path) -> Result<(), String> {
+    let f = ModelFile::open(path).map_err(|e| e.to_string())?;
+    if let ModelFile::Gguf(g) = &f {
+        if !matches!(g.opt_str("tokenizer.ggml.model"), Ok(None | Some("none"))) {
+            lathe::tokenizer::Tokenizer::from_gguf(g).map_err(|e| e.to_string())?;
+        }
+        if g.get("general.architecture").is_none() {
+            // A GGUF of values only (the type-coverage fixture): read, nothing to run.
+            return Ok(());
+        }
+    }
+    lathe::inspect::report(&f).map_err(|e| e.to_string())?;
+    match f.architecture().map_err(|e| e.to_string())?.as_str() {
+        "qwen35" | "qwen35moe" | "qwen3next" => {
+            lathe::models::qwen35::Hparams::from_file(&f).map_err(|e| e.to_string())?;
+            lathe::models::qwen35::cpu::CpuModel::load(&f).map_err(|e| e.to_string())?;
+        }
+        "deepseek4" => {
+            lathe::models::deepseek4::Hparams::from_file(&f).map_err(|e| e.to_string())?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+#[test]
+fn gguf_reader() {
+    let sources = [
+        root().join("tests/fixtures/gguf/all_types.gguf"),
+        root().join("tests/fixtures/models/qwen35-tiny/model-q4_0.gguf"),
+        root().join("tests/fixtures/models/qwen35moe-tiny/model-q4_0.gguf"),
+        root().join("tests/fixtures/models/dsv4-tiny/model-q8_0.gguf"),
+    ];
+    let originals: Vec<Vec<u8>> = sources.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    let dir = scratch("gguf");
+    let mut rng = Rng(0x6775_6675);
+    let mut t = Tally::default();
+    for i in 0..400 {
+        let k = rng.below(originals.len());
+        let mut data = originals[k].clone();
+        mutate_bytes(&mut rng, &mut data, 16 << 10);
+        let p = dir.join("case.gguf");
+        std::fs::write(&p, &data).unwrap();
+        t.run(i, CASE_LIMIT, || open_model(&p));
+    }
+    t.check("GGUF reader", true);
+}
+
+#[test]
+fn safetensors_and_config() {
+    let src = root().join("tests/fixtures/hf/qwen35-tiny");
+    let weights = std::fs::read(src.join("model.safetensors")).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let header = 8 + u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let dir = scratch("safetensors");
+    let mut rng = Rng(0x7361_6665);
+    let mut t = Tally::default();
+    for i in 0..300 {
+        let mut w = weights.clone();
+        let mut c = config.clone();
+        match rng.below(3) {
+            0 => mutate_bytes(&mut rng, &mut w, header),
+            1 => mutate_json(&mut rng, &mut c),
+            _ => {
+                mutate_bytes(&mut rng, &mut w, header);
+                mutate_json(&mut rng, &mut c);
+            }
+        }
+        std::fs::write(dir.join("model.safetensors"), &w).unwrap();
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        t.run(i, CASE_LIMIT, || open_model(&dir));
+    }
+    t.check("safetensors + config.json", true);
+}
+
+/// A small byte-level BPE tokenizer.json: the 256 bytes, a few merges, two specials.
+fn small_tokenizer_json() -> Value {
+    let printable = |c: u32| (0x21..=0x7e).contains(&c) || (0xa1..=0xac).contains(&c) || c >= 0xae;
+    let mut n = 0;
+    let mut chars = Vec::new();
+    for b in 0u32..256 {
+        if printable(b) {
+            chars.push(char::from_u32(b).unwrap());
+        } else {
+            chars.push(char::from_u32(256 + n).unwrap());
+            n += 1;
+        }
+    }
+    let mut vocab = Map::new();
+    for (i, c) in chars.iter().enumerate() {
+        vocab.insert(c.to_string(), json!(i));
+    }
+    let merges = ["t h", "th e", "Ġ t", "h e", "Ġt he", "a n", "i n"];
+    for (i, m) in merges.iter().enumerate() {
+        vocab.insert(m.replace(' ', ""), json!(256 + i));
+    }
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
+                            "trim_offsets": true, "use_regex": true});
+    let special = |id: usize, s: &str| {
+        json!({"id": id, "content": s, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false, "special": true})
+    };
+    json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(263, "<|im_start|>"), special(264, "<|im_end|>")],
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": merges}
+    })
+}
+
+const SPECIAL_BITS: &[&str] = &["<|im_start|>", "<|im_end|>", "<|im_", "|>"];
+const ODD_BITS: &[&str] = &["the", "Ġ", "中文", "é", "😀", "\u{0}", "\r\n", "\u{fffd}"];
+
+fn pick_str(rng: &mut Rng, xs: &[&'static str]) -> &'static str {
+    xs[rng.below(xs.len())]
+}
+
+/// Random text: bytes, multi-byte characters, specials, long runs.
+fn wild_text(rng: &mut Rng) -> String {
+    let mut s = String::new();
+    for _ in 0..rng.below(40) {
+        match rng.below(6) {
+            0 => s.push_str(&String::from_utf8_lossy(
+                &(0..rng.below(20))
+                    .map(|_| rng.next() as u8)
+                    .collect::<Vec<u8>>(),
+            )),
+            1 => s.push_str(pick_str(rng, SPECIAL_BITS)),
+            2 => s.push_str(&" ".repeat(rng.below(3000))),
+            3 => s.push_str(pick_str(rng, ODD_BITS)),
+            4 => s.push_str(&"ab".repeat(rng.below(20_000))),
+            _ => s.push(char::from_u32(rng.below(0x11_0000) as u32).unwrap_or('x')),
+        }
+    }
+    s
+}
+
+#[test]
+fn tokenizer_files_and_texts() {
+    let dir = scratch("tokenizer");
+    let base = small_tokenizer_json();
+    std::fs::write(dir.join("tokenizer.json"), base.to_string()).unwrap();
+    let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    assert_eq!(
+        tok.decode(&tok.encode("the thin", true).unwrap()),
+        "the thin"
+    );
+    let mut rng = Rng(0x746f_6b65);
+    let mut t = Tally::default();
+    for i in 0..200 {
+        let mut j = base.clone();
+        mutate_json(&mut rng, &mut j);
+        let mut bytes = j.to_string().into_bytes();
+        if rng.below(4) == 0 {
+            mutate_bytes(&mut rng, &mut bytes, 4096);
+        }
+        let p = dir.join("tokenizer.json");
+        std::fs::write(&p, &bytes).unwrap();
+        let text = wild_text(&mut rng);
+        t.run(i, CASE_LIMIT, || {
+            let tok = Tokenizer::from_file(&p).map_err(|e| e.to_string())?;
+            let ids = tok.encode(&text, true).map_err(|e| e.to_string())?;
+            tok.decode(&ids);
+            Ok(())
+        });
+    }
+    t.check("tokenizer.json", true);
+
+    // The real Qwen3.6 vocabulary on wild texts: encode, the server's bound, decode and the
+    // stream decoder all take anything.
+    let tok =
+        Tokenizer::from_file(root().join("tests/fixtures/tokenizer/qwen36/tokenizer.json.gz"))
+            .unwrap();
+    let mut t = Tally::default();
+    for i in 0..300 {
+        let text = wild_text(&mut rng);
+        let limit = rng.below(5000);
+        t.run(i, CASE_LIMIT, || {
+            let ids = tok
+                .encode(&text, rng.below(2) == 0)
+                .map_err(|e| e.to_string())?;
+            if let Some(n) = tok.exceeds(&text, true, limit).map_err(|e| e.to_string())? {
+                assert!(n > limit, "exceeds said {n} for a limit of {limit}");
+            }
+            let mut d = lathe::tokenizer::StreamDecoder::new();
+            let mut streamed = String::new();
+            for &id in &ids {
+                streamed.push_str(&d.push(&tok, id));
+            }
+            streamed.push_str(&d.flush());
+            assert_eq!(
+                streamed,
+                tok.decode(&ids),
+                "stream and whole decodes differ"
+            );
+            Ok(())
+        });
+    }
+    t.check("tokenizer on texts", false);
+}
+
+/// Pieces of Jinja that templates are made of, including the expensive ones.
+const FRAGMENTS: &[&str] = &[
+    "{% for m in messages %}",
+    "{% endfor %}",
+    "{% for i in range(100000) %}",
+    "{% for i in range(50) %}",
+    "{% if messages %}",
+    "{% else %}",
+    "{% endif %}",
+    "{{ m.content }}",
+    "{{ m.role|upper }}",
+    "{{ messages|tojson }}",
+    "{{ messages[0].content.split(' ') }}",
+    "{{ 'ab' * 100000 }}",
+    "{{ 'x' * 1000000 }}",
+    "{% set ns = namespace(s='ab') %}",
+    "{% set ns.s = ns.s ~ ns.s %}",
+    "{{ ns.s|length }}",
+    "{% macro f(x) %}{{ x }}{{ f(x) }}{% endmacro %}{{ f(1) }}",
+    "{{ raise_exception('no') }}",
+    "{{ strftime_now('%Y-%m-%d') }}",
+    "{{ bos_token }}",
+    "{% generation %}",
+    "{% endgeneration %}",
+    "{{ tools|tojson(indent=2) }}",
+    "{{ 1 / 0 }}",
+    "{{ (messages|length) * 99999999999 }}",
+    "{%- ",
+    " -%}",
+    "{{",
+    "}}",
+    "text\n",
+];
+
+#[test]
+fn chat_templates() {
+    let mut rng = Rng(0x746d_706c);
+    let limits = TemplateLimits {
+        fuel: 500_000,
+        max_output: 4 << 20,
+    };
+    let mut t = Tally::default();
+    for i in 0..400 {
+        let src = if rng.below(4) == 0 {
+            let mut b = CHATML.as_bytes().to_vec();
+            let n = b.len();
+            mutate_bytes(&mut rng, &mut b, n);
+            String::from_utf8_lossy(&b).into_owned()
+        } else {
+            (0..1 + rng.below(10))
+                .map(|_| *rng.pick(FRAGMENTS))
+                .collect::<String>()
+        };
+        let mut messages = json!([{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo"}]);
+        if rng.below(2) == 0 {
+            mutate_json(&mut rng, &mut messages);
+        }
+        t.run(i, CASE_LIMIT, || {
+            let tmpl = ChatTemplate::with_limits(&src, limits).map_err(|e| e.to_string())?;
+            tmpl.render(&messages, rng.below(2) == 0, &Map::new())
+                .map(drop)
+                .map_err(|e| e.to_string())
+        });
+    }
+    t.check("chat templates", true);
+}
+
+#[test]
+fn server_request_fields() {
+    let mut rng = Rng(0x6874_7470);
+    let chat = json!({
+        "model": "m", "messages": [{"role": "system", "content": "s"},
+                                   {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "stop": ["x"], "stream": true,
+        "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 2,
+        "logit_bias": {"5": 1}, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto", "seed": 3, "chat_template_kwargs": {"enable_thinking": false}
+    });
+    let completion = json!({"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2, "echo": false});
+    let template = ChatTemplate::new(CHATML).unwrap();
+    let mut t = Tally::default();
+    for i in 0..600 {
+        let is_chat = rng.below(2) == 0;
+        let mut body = if is_chat {
+            chat.clone()
+        } else {
+            completion.clone()
+        };
+        mutate_json(&mut rng, &mut body);
+        t.run(i, CASE_LIMIT, || {
+            if is_chat {
+                let r = lathe::server::api::chat_request(&body, 100, 1).map_err(|e| {
+                    assert_eq!(e.status.as_u16(), 400, "{}", e.message);
+                    e.message
+                })?;
+                template
+                    .render(&r.messages, true, &r.template_vars)
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            } else {
+                lathe::server::api::completion_request(&body, 100, 1)
+                    .map(drop)
+                    .map_err(|e| {
+                        assert_eq!(e.status.as_u16(), 400, "{}", e.message);
+                        e.message
+                    })
+            }
+        });
+    }
+    t.check("server request fields", true);
+}
