@@ -114,10 +114,14 @@ impl Server {
     }
 
     fn start_with(args: &[&str], wait_ready: bool) -> Server {
+        Server::launch(model(), args, wait_ready)
+    }
+
+    fn launch(model: &Path, args: &[&str], wait_ready: bool) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lathe"))
             .arg("serve")
             .arg("--model")
-            .arg(model())
+            .arg(model)
             .args(["--host", "127.0.0.1", "--port", "0"])
             .args(args)
             .stdin(Stdio::null())
@@ -1222,4 +1226,43 @@ fn raw_http_fuzz() {
     assert_eq!(s.get("/health").0, 200);
     let (st, r) = s.post("/v1/completions", &completion("Still here", 2));
     assert_eq!(st, 200, "{r}");
+}
+
+/// A model whose weights make NaN logits: the request ends with an error naming the file,
+/// whole (500) and streamed (an error event, then `[DONE]`), instead of token 0 repeated.
+#[test]
+fn non_finite_logits_end_the_request() {
+    let src = GgufFile::open(model()).unwrap();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-nan.gguf");
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata() {
+        w.set(k.clone(), v.clone()).unwrap();
+    }
+    let tensors: Vec<_> = src.tensors().collect();
+    for t in &tensors {
+        w.add_tensor_info(t.name, t.dtype, t.shape).unwrap();
+    }
+    w.write(&out, |i, o| {
+        let t = &tensors[i];
+        if t.name == "output_norm.weight" {
+            o.write_all(&f32::NAN.to_le_bytes().repeat(t.data.len() / 4))
+        } else {
+            o.write_all(t.data)
+        }
+    })
+    .unwrap();
+    let s = Server::launch(&out, &[], true);
+    let (st, e) = s.post("/v1/completions", &completion("NaN", 4));
+    assert_eq!(st, 500, "{e}");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("server-test-nan.gguf") && msg.contains("not finite"),
+        "{e}"
+    );
+    let mut body = completion("NaN", 4);
+    body["stream"] = true.into();
+    let (st, ev) = s.stream("/v1/completions", &body);
+    assert_eq!(st, 200);
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
+    assert!(ev[ev.len() - 2].contains("not finite"), "{ev:?}");
 }
