@@ -225,3 +225,34 @@ fn split_gguf_runs_like_the_whole_file() {
     assert_eq!(split, whole_inc, "split shards vs the one file");
     assert_eq!(split.len(), whole.len());
 }
+
+/// A config.json without `layer_types` builds the layer pattern from
+/// `full_attention_interval` and the layer count: 0 and an absurd count are errors naming
+/// the key, not a division by zero or an allocation of terabytes.
+#[test]
+fn absurd_layer_patterns_are_refused() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen35-tiny");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-layer-pattern");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for (key, value, says) in [
+        (
+            "full_attention_interval",
+            serde_json::json!(0),
+            "full_attention_interval",
+        ),
+        ("num_hidden_layers", serde_json::json!(1u64 << 40), "layers"),
+    ] {
+        let mut c = base.clone();
+        c.as_object_mut().unwrap().remove("layer_types");
+        c[key] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        let e = lathe::models::qwen35::Hparams::from_file(&ModelFile::open(&dir).unwrap())
+            .expect_err(key)
+            .to_string();
+        assert!(e.contains(says), "{key}: {e}");
+    }
+}

@@ -36,7 +36,8 @@ pub struct ServeArgs {
     /// Context length of each slot: prompt + reply tokens.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     pub ctx: usize,
-    /// Longest prompt accepted, in tokens (default: the context length - 1).
+    /// Longest prompt accepted, in tokens (default: the context length - 1). A text far over
+    /// it is refused after counting a few pieces of it, never tokenized whole.
     #[arg(long, value_name = "N")]
     pub max_prompt_tokens: Option<usize>,
     /// Largest request body accepted, in bytes (a larger Content-Length gets 413 at once).
@@ -76,7 +77,9 @@ pub struct ServeArgs {
     /// `auto`: `<think>` blocks go to `reasoning_content`; `none`: they stay in `content`.
     #[arg(long, value_name = "FORMAT", default_value = "auto", value_parser = ["auto", "none"])]
     pub reasoning_format: String,
-    /// After SIGINT/SIGTERM, seconds that requests in flight get to finish.
+    /// After SIGINT/SIGTERM, seconds that requests in flight get to finish; past it (or at a
+    /// second signal) they are cut: streams get an error event and `[DONE]`, the others 503,
+    /// and the exit status is 1.
     #[arg(long, value_name = "S", default_value_t = 30.0)]
     pub shutdown_grace: f64,
     /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
