@@ -38,7 +38,10 @@ const NAME: &str = "chat_template";
 
 /// How much work one rendering may do, so that a template (from a model file or
 /// `--chat-template`) whose loops never end, or whose slow path the message text triggers,
-/// stops with an error instead of holding a CPU and memory without bound.
+/// stops with an error instead of holding a CPU and memory without bound. One gap remains:
+/// fuel counts steps, not bytes, and minijinja has no memory limit, so a template that
+/// doubles a string in a loop (`{% set ns.s = ns.s ~ ns.s %}`) can allocate gigabytes in
+/// a few dozen steps before its output reaches `max_output`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TemplateLimits {
     /// minijinja "fuel": instructions one rendering may execute. Qwen3.5's and
