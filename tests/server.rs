@@ -1266,3 +1266,39 @@ fn non_finite_logits_end_the_request() {
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
     assert!(ev[ev.len() - 2].contains("not finite"), "{ev:?}");
 }
+
+/// A chat template whose slow path the message text triggers stops at --template-fuel with
+/// a 400 naming the limit, and the server goes on serving.
+#[test]
+fn runaway_chat_template_is_a_400() {
+    let t = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-runaway.jinja");
+    std::fs::write(
+        &t,
+        "{% for m in messages %}{% if 'slow' in m.content %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    let s = Server::start(&[
+        "--chat-template",
+        t.to_str().unwrap(),
+        "--template-fuel",
+        "200000",
+    ]);
+    let ask = |text: &str| {
+        let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2,
+                          "temperature": 0});
+        s.post("/v1/chat/completions", &body)
+    };
+    let t0 = Instant::now();
+    let (st, e) = ask("be slow");
+    assert_eq!(st, 400, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("fuel limit"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let (st, r) = ask("be quick");
+    assert_eq!(st, 200, "{r}");
+}
