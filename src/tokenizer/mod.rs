@@ -199,8 +199,9 @@ impl Tokenizer {
     /// the count stops once past the limit. A cut can change the tokens around it by a
     /// few, so each cut is granted [`PROBE_SLACK`] tokens before the text is refused.
     pub fn exceeds(&self, text: &str, parse_special: bool, limit: usize) -> Result<Option<usize>> {
-        // A short text costs little to encode whole; and a text of at most `limit` bytes
-        // can hardly take more than `limit` tokens (a token stands for one byte or more).
+        // A short text costs little to encode whole, and a text of at most `limit` bytes is
+        // at most `limit` tokens but for a normalizer that expands it (a token stands for
+        // one byte or more); the caller compares the exact count after encoding anyway.
         if text.len() <= PROBE_CHUNK.max(limit) {
             return Ok(None);
         }
