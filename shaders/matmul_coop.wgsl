@@ -198,9 +198,9 @@ fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
 // The tile: rows row_base.. of the expert at byte wbase, staged X rows g0.. Fragments of
 // tokens past the valid ones are computed all the same (naga requires cooperative operations in
 // uniform control flow, and a per-subgroup skip is not uniform); the epilogue drops them.
-// Per step, a subgroup stages the next step's weights, then multiplies: four k sub-steps written
-// out (loading all of a step's A fragments first measured no faster on the H200, and spilled
-// registers with the split activations).
+// Per step, a subgroup stages the next step's weights, then multiplies its fragments over the
+// step's four k sub-steps (loading all of a step's A fragments before the staging measured no
+// faster on the H200, and spilled registers with the split activations).
 fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
     // subgroup sg: rows 64 * (sg % (NSG / 4)).., tokens 16 * TT * (sg / (NSG / 4))..
     let sr = 64u * (sg % (NSG / 4u));
@@ -233,155 +233,36 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
             stage_chunk(rb, 2u * step + 2u + h, m, h, CBM * CKP - cur);
         }
 #ifndef LAB_NOMMA
-        {
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 0u], CKP);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 0u], CKP);
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 0u], CKP);
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 0u], CKP);
-            let a00 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 0u], halves);
+        for (var kk = 0u; kk < CK; kk += 16u) {
+            let wk = cur + sr * CKP + kk;
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk], CKP);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 16u * CKP], CKP);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 32u * CKP], CKP);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 48u * CKP], CKP);
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + kk], halves);
+            c00 = coopMultiplyAdd(a0, b0, c00);
+            c01 = coopMultiplyAdd(a0, b1, c01);
+            c02 = coopMultiplyAdd(a0, b2, c02);
+            c03 = coopMultiplyAdd(a0, b3, c03);
 #if SPLIT
-            let l00 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 0u], halves);
+            let l0 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + kk], halves);
+            c00 = coopMultiplyAdd(l0, b0, c00);
+            c01 = coopMultiplyAdd(l0, b1, c01);
+            c02 = coopMultiplyAdd(l0, b2, c02);
+            c03 = coopMultiplyAdd(l0, b3, c03);
 #endif
 #if TT2
-            let a10 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 0u + 16u * halves], halves);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + kk + 16u * halves], halves);
+            c10 = coopMultiplyAdd(a1, b0, c10);
+            c11 = coopMultiplyAdd(a1, b1, c11);
+            c12 = coopMultiplyAdd(a1, b2, c12);
+            c13 = coopMultiplyAdd(a1, b3, c13);
 #if SPLIT
-            let l10 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 0u + 16u * halves], halves);
-#endif
-#endif
-            c00 = coopMultiplyAdd(a00, b0, c00);
-            c01 = coopMultiplyAdd(a00, b1, c01);
-            c02 = coopMultiplyAdd(a00, b2, c02);
-            c03 = coopMultiplyAdd(a00, b3, c03);
-#if SPLIT
-            c00 = coopMultiplyAdd(l00, b0, c00);
-            c01 = coopMultiplyAdd(l00, b1, c01);
-            c02 = coopMultiplyAdd(l00, b2, c02);
-            c03 = coopMultiplyAdd(l00, b3, c03);
-#endif
-#if TT2
-            c10 = coopMultiplyAdd(a10, b0, c10);
-            c11 = coopMultiplyAdd(a10, b1, c11);
-            c12 = coopMultiplyAdd(a10, b2, c12);
-            c13 = coopMultiplyAdd(a10, b3, c13);
-#if SPLIT
-            c10 = coopMultiplyAdd(l10, b0, c10);
-            c11 = coopMultiplyAdd(l10, b1, c11);
-            c12 = coopMultiplyAdd(l10, b2, c12);
-            c13 = coopMultiplyAdd(l10, b3, c13);
-#endif
-#endif
-        }
-        {
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 16u], CKP);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 16u], CKP);
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 16u], CKP);
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 16u], CKP);
-            let a01 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 16u], halves);
-#if SPLIT
-            let l01 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 16u], halves);
-#endif
-#if TT2
-            let a11 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 16u + 16u * halves], halves);
-#if SPLIT
-            let l11 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 16u + 16u * halves], halves);
-#endif
-#endif
-            c00 = coopMultiplyAdd(a01, b0, c00);
-            c01 = coopMultiplyAdd(a01, b1, c01);
-            c02 = coopMultiplyAdd(a01, b2, c02);
-            c03 = coopMultiplyAdd(a01, b3, c03);
-#if SPLIT
-            c00 = coopMultiplyAdd(l01, b0, c00);
-            c01 = coopMultiplyAdd(l01, b1, c01);
-            c02 = coopMultiplyAdd(l01, b2, c02);
-            c03 = coopMultiplyAdd(l01, b3, c03);
-#endif
-#if TT2
-            c10 = coopMultiplyAdd(a11, b0, c10);
-            c11 = coopMultiplyAdd(a11, b1, c11);
-            c12 = coopMultiplyAdd(a11, b2, c12);
-            c13 = coopMultiplyAdd(a11, b3, c13);
-#if SPLIT
-            c10 = coopMultiplyAdd(l11, b0, c10);
-            c11 = coopMultiplyAdd(l11, b1, c11);
-            c12 = coopMultiplyAdd(l11, b2, c12);
-            c13 = coopMultiplyAdd(l11, b3, c13);
-#endif
-#endif
-        }
-        {
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 32u], CKP);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 32u], CKP);
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 32u], CKP);
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 32u], CKP);
-            let a02 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 32u], halves);
-#if SPLIT
-            let l02 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 32u], halves);
-#endif
-#if TT2
-            let a12 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 32u + 16u * halves], halves);
-#if SPLIT
-            let l12 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 32u + 16u * halves], halves);
-#endif
-#endif
-            c00 = coopMultiplyAdd(a02, b0, c00);
-            c01 = coopMultiplyAdd(a02, b1, c01);
-            c02 = coopMultiplyAdd(a02, b2, c02);
-            c03 = coopMultiplyAdd(a02, b3, c03);
-#if SPLIT
-            c00 = coopMultiplyAdd(l02, b0, c00);
-            c01 = coopMultiplyAdd(l02, b1, c01);
-            c02 = coopMultiplyAdd(l02, b2, c02);
-            c03 = coopMultiplyAdd(l02, b3, c03);
-#endif
-#if TT2
-            c10 = coopMultiplyAdd(a12, b0, c10);
-            c11 = coopMultiplyAdd(a12, b1, c11);
-            c12 = coopMultiplyAdd(a12, b2, c12);
-            c13 = coopMultiplyAdd(a12, b3, c13);
-#if SPLIT
-            c10 = coopMultiplyAdd(l12, b0, c10);
-            c11 = coopMultiplyAdd(l12, b1, c11);
-            c12 = coopMultiplyAdd(l12, b2, c12);
-            c13 = coopMultiplyAdd(l12, b3, c13);
-#endif
-#endif
-        }
-        {
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 0u) * CKP + 48u], CKP);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 16u) * CKP + 48u], CKP);
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 32u) * CKP + 48u], CKP);
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[cur + (sr + 48u) * CKP + 48u], CKP);
-            let a03 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 48u], halves);
-#if SPLIT
-            let l03 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 48u], halves);
-#endif
-#if TT2
-            let a13 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + 48u + 16u * halves], halves);
-#if SPLIT
-            let l13 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + 48u + 16u * halves], halves);
-#endif
-#endif
-            c00 = coopMultiplyAdd(a03, b0, c00);
-            c01 = coopMultiplyAdd(a03, b1, c01);
-            c02 = coopMultiplyAdd(a03, b2, c02);
-            c03 = coopMultiplyAdd(a03, b3, c03);
-#if SPLIT
-            c00 = coopMultiplyAdd(l03, b0, c00);
-            c01 = coopMultiplyAdd(l03, b1, c01);
-            c02 = coopMultiplyAdd(l03, b2, c02);
-            c03 = coopMultiplyAdd(l03, b3, c03);
-#endif
-#if TT2
-            c10 = coopMultiplyAdd(a13, b0, c10);
-            c11 = coopMultiplyAdd(a13, b1, c11);
-            c12 = coopMultiplyAdd(a13, b2, c12);
-            c13 = coopMultiplyAdd(a13, b3, c13);
-#if SPLIT
-            c10 = coopMultiplyAdd(l13, b0, c10);
-            c11 = coopMultiplyAdd(l13, b1, c11);
-            c12 = coopMultiplyAdd(l13, b2, c12);
-            c13 = coopMultiplyAdd(l13, b3, c13);
+            let l1 = coopLoadT<coop_mat16x16<f16, A>>(&XL[kx + kk + 16u * halves], halves);
+            c10 = coopMultiplyAdd(l1, b0, c10);
+            c11 = coopMultiplyAdd(l1, b1, c11);
+            c12 = coopMultiplyAdd(l1, b2, c12);
+            c13 = coopMultiplyAdd(l1, b3, c13);
 #endif
 #endif
         }

@@ -167,7 +167,7 @@ impl Weight {
 
 /// Columns per type: odd for the float types (unaligned rows, partial virtual blocks), whole
 /// blocks otherwise, not a multiple of 64 where the block allows.
-fn odd_cols(dt: DType) -> u64 {
+pub fn odd_cols(dt: DType) -> u64 {
     match dt {
         DType::F32 | DType::F16 | DType::BF16 => 161,
         _ if dt.block_size() == 256 => 768,

@@ -33,25 +33,8 @@ fn serial() -> MutexGuard<'static, ()> {
     L.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-const ALL: [DType; 17] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_NL,
-    DType::IQ4_XS,
-    DType::MXFP4,
-    DType::F8_E4M3_B128,
-];
+/// Every stored type the product kernels read.
+const ALL: [DType; 17] = lathe::selftest::TYPES;
 
 const SENTINEL: f32 = -12345.0;
 const GUARD: usize = 5;

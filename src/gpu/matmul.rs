@@ -107,16 +107,7 @@ pub fn matmul_tiled(
             w.name
         )));
     }
-    let x_stride = if opts.x_stride == 0 {
-        geo.cols
-    } else {
-        opts.x_stride
-    };
-    let y_stride = if opts.y_stride == 0 {
-        geo.rows
-    } else {
-        opts.y_stride
-    };
+    let (x_stride, y_stride) = geo.strides(opts);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
@@ -193,6 +184,25 @@ impl MoeRoute {
     /// Bytes of the buffer [`MoeRoute::new`] makes (for memory budgets).
     pub fn bytes(n_expert: u32, max_pairs: u32) -> u64 {
         (Self::offsets(n_expert, max_pairs).1 as u64 + max_pairs as u64) * 4
+    }
+
+    /// The pairs of `n_tokens` x `n_used` for the stacked weight `w`, checked against what
+    /// this route was made for.
+    pub(crate) fn check(&self, w: &GpuTensor, n_tokens: u32, n_used: u32) -> Result<u32> {
+        if w.shape[0] != self.n_expert as u64 {
+            return Err(Error::Invalid(format!(
+                "{}: {} experts, route made for {}",
+                w.name, w.shape[0], self.n_expert
+            )));
+        }
+        let n_pairs = n_tokens as u64 * n_used as u64;
+        if n_pairs == 0 || n_pairs > self.max_pairs as u64 {
+            return Err(Error::Invalid(format!(
+                "{}: {n_tokens} tokens x {n_used} slots, route made for {} pairs",
+                w.name, self.max_pairs
+            )));
+        }
+        Ok(n_pairs as u32)
     }
 
     /// Upper bound on the tile count for `n_pairs` pairs (the matmul_id grid height).
@@ -314,30 +324,8 @@ pub fn matmul_indexed_tiled(
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, true)?;
-    if w.shape[0] != r.n_expert as u64 {
-        return Err(Error::Invalid(format!(
-            "{}: {} experts, route made for {}",
-            w.name, w.shape[0], r.n_expert
-        )));
-    }
-    let n_pairs = n_tokens as u64 * n_used as u64;
-    if n_pairs == 0 || n_pairs > r.max_pairs as u64 {
-        return Err(Error::Invalid(format!(
-            "{}: {n_tokens} tokens x {n_used} slots, route made for {} pairs",
-            w.name, r.max_pairs
-        )));
-    }
-    let n_pairs = n_pairs as u32;
-    let x_stride = if opts.x_stride == 0 {
-        geo.cols
-    } else {
-        opts.x_stride
-    };
-    let y_stride = if opts.y_stride == 0 {
-        geo.rows
-    } else {
-        opts.y_stride
-    };
+    let n_pairs = r.check(w, n_tokens, n_used)?;
+    let (x_stride, y_stride) = geo.strides(opts);
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
@@ -353,14 +341,7 @@ pub fn matmul_indexed_tiled(
     let pipe = pipeline(gpu, &geo, "matmul_id", xvec)?;
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {
-        let e_lo = part.row_start / geo.rows as u64;
-        let e_n = part.n_rows / geo.rows as u64;
-        if e_lo + e_n > r.n_expert as u64 || expert_bytes * e_n > part.buffer.size() {
-            return Err(Error::Invalid(format!(
-                "{}: part does not hold whole experts",
-                w.name
-            )));
-        }
+        let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
         let mut prm = geo.params(geo.rows, false);
         prm.x_off = x_off;
         prm.x_stride = x_stride;

@@ -26,7 +26,7 @@
 //! d = max|x|/127 of its block. (MXFP4 has none: its e2m1 codes need a table to become
 //! integers, which costs about what the f32 path's conversion does.)
 
-use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, MAX_GROUPS};
+use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = include_str!("../../shaders/matvec.wgsl");
@@ -182,6 +182,33 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// Elements between consecutive tokens' x rows and y rows: `opts`' strides, 0 meaning
+    /// packed rows (cols, rows).
+    pub fn strides(&self, opts: &MatvecOpts) -> (u32, u32) {
+        let or = |s: u32, packed: u32| if s == 0 { packed } else { s };
+        (or(opts.x_stride, self.cols), or(opts.y_stride, self.rows))
+    }
+
+    /// The experts (first, count) that `part` of a stacked `[n_expert, rows, cols]` weight
+    /// holds; an error when it does not hold whole ones.
+    pub fn part_experts(
+        &self,
+        w: &GpuTensor,
+        part: &TensorPart,
+        n_expert: u64,
+    ) -> Result<(u64, u64)> {
+        let e_lo = part.row_start / self.rows as u64;
+        let e_n = part.n_rows / self.rows as u64;
+        let expert_bytes = self.rows as u64 * self.row_bytes as u64;
+        if e_lo + e_n > n_expert || expert_bytes * e_n > part.buffer.size() {
+            return Err(Error::Invalid(format!(
+                "{}: part does not hold whole experts",
+                w.name
+            )));
+        }
+        Ok((e_lo, e_n))
+    }
+
     /// Checks `w` (2-D, or 3-D when `stacked`) and derives the kernel geometry.
     pub fn of(w: &GpuTensor, stacked: bool) -> Result<Geometry> {
         let bad = |what: String| Error::Invalid(format!("{}: {what}", w.name));
@@ -437,16 +464,7 @@ pub fn matvec_opts(
             w.name
         )));
     }
-    let x_stride = if opts.x_stride == 0 {
-        geo.cols
-    } else {
-        opts.x_stride
-    };
-    let y_stride = if opts.y_stride == 0 {
-        geo.rows
-    } else {
-        opts.y_stride
-    };
+    let (x_stride, y_stride) = geo.strides(opts);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
     if opts.int8_x && int8_x_supported(geo.dtype) {
@@ -703,11 +721,7 @@ pub fn matvec_indexed(
 ) -> Result<()> {
     let geo = Geometry::of(w, true)?;
     let n_pairs = check_pairs(w, n_tokens, n_used)?;
-    let x_stride = if opts.x_stride == 0 {
-        geo.cols
-    } else {
-        opts.x_stride
-    };
+    let (x_stride, _) = geo.strides(opts);
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
     if opts.int8_x && int8_x_supported(geo.dtype) {
@@ -857,14 +871,7 @@ fn dispatch_indexed(
     let (gy, gz) = pl.groups(geo.rows);
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {
-        let e_lo = part.row_start / geo.rows as u64;
-        let e_n = part.n_rows / geo.rows as u64;
-        if e_lo + e_n > n_expert || expert_bytes * e_n > part.buffer.size() {
-            return Err(Error::Invalid(format!(
-                "{}: part does not hold whole experts",
-                w.name
-            )));
-        }
+        let (e_lo, e_n) = geo.part_experts(w, part, n_expert)?;
         let mut prm = geo.params(geo.rows, true);
         prm.x_off = ind.x_off;
         prm.x_stride = ind.x_stride;

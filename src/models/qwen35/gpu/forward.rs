@@ -348,6 +348,27 @@ impl GpuModel {
     }
 
     /// Member `i` of `set` in `proj`: one row of its outputs per token.
+    /// MoE layer `l`'s router logits with the shared expert's gate, up and gate input (one
+    /// product per stored type into columns of `proj`, in f32: see `MatvecOpts::exact`), then
+    /// the softmax top-k into `moe_ids` / `moe_w`. Returns the layer's product set.
+    pub(super) fn moe_router(&self, pass: &mut Pass<'_>, l: usize, n: u32) -> Result<&ProjSet> {
+        let sc = &self.scratch;
+        let mp = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
+        let set = self.set(&self.w.layers[l].ffn_set);
+        set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
+        topk::router_softmax_topk(
+            pass,
+            n,
+            mp.n_expert as u32,
+            mp.n_used as u32,
+            mp.norm_topk,
+            self.col(set, 0),
+            View::new(&sc.moe_ids, 0),
+            View::new(&sc.moe_w, 0),
+        )?;
+        Ok(set)
+    }
+
     pub(super) fn col(&self, set: &ProjSet, i: usize) -> View<'_> {
         View::strided(&self.scratch.proj, set.off[i], set.width)
     }
@@ -653,22 +674,8 @@ impl GpuModel {
         let hp = &self.hp;
         let sc = &self.scratch;
         let e = hp.n_embd as u32;
-        let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
-        let (ne, k) = (mp.n_expert as u32, mp.n_used as u32);
-        // Router logits and the shared expert's gate, up and gate input: one product per
-        // stored type, into columns of `proj` (see `ProjSet`).
-        let set = self.set(&self.w.layers[l].ffn_set);
-        set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
-        topk::router_softmax_topk(
-            pass,
-            n,
-            ne,
-            k,
-            mp.norm_topk,
-            self.col(set, 0),
-            View::new(&sc.moe_ids, 0),
-            View::new(&sc.moe_w, 0),
-        )?;
+        let set = self.moe_router(pass, l, n)?;
+        let k = hp.moe.as_ref().expect("MoE layer in a MoE model").n_used as u32;
         let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
         let bufs = FfnBufs {
             gate: &sc.f_gate,
@@ -740,22 +747,8 @@ impl GpuModel {
                 self.moe_offload_block(pass, l, m, n)
             }
             Ffn::Moe(m) => {
-                let mp = hp.moe.as_ref().expect("MoE layer in a MoE model");
-                let (ne, k) = (mp.n_expert as u32, mp.n_used as u32);
-                // Router logits and the shared expert's gate, up and gate input: one product
-                // per stored type, into columns of `proj` (see `ProjSet`).
-                let set = self.set(&self.w.layers[l].ffn_set);
-                set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
-                topk::router_softmax_topk(
-                    pass,
-                    n,
-                    ne,
-                    k,
-                    mp.norm_topk,
-                    self.col(set, 0),
-                    View::new(&sc.moe_ids, 0),
-                    View::new(&sc.moe_w, 0),
-                )?;
+                let set = self.moe_router(pass, l, n)?;
+                let k = hp.moe.as_ref().expect("MoE layer in a MoE model").n_used as u32;
                 let r = sc.route.as_ref().expect("route made for MoE models");
                 let stacks = ExpertStacks {
                     gate: &m.gate_exps,
