@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The fixture bars on one product path, for paths CI's lavapipe cannot run (the matrix path).
 
-usage: scripts/fixture-bars.py LATHE FIXTURES [--matmul auto|coop|tiled] [--activations ...]
+usage: scripts/fixture-bars.py LATHE FIXTURES [--matmul auto|coop|coop-split|tiled] [--activations ...]
 
 For every model file under FIXTURES (a copy of ../shared/fixtures/models or tests/fixtures/models:
 `<model>/model-<type>.gguf` with `tokens.npy`, `logits.npy`, `ref-<type>.npy` and the

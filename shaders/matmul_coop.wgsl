@@ -22,11 +22,21 @@
 //   from the staged X (L2-resident) and B fragments from Wh. Results leave through a per-
 //   subgroup 16x16 f32 tile in workgroup memory, so the epilogue (scale, accumulate, MoE
 //   scatter, bounds) is the tiled kernel's.
+// - WSPLIT (quantized and FP8 weights on the `coop-split` path): the decoded weight w keeps its
+//   top 11 significant bits as hi (truncation, as coop_x splits x), and the remainder goes to a
+//   second staged tile as lo = f16((w - hi) * 2^11)
+//   (the scale keeps lo out of f16's subnormals for |w| down to ~1e-5). With the split
+//   activations every product is hi*hi + lo_x*hi into one accumulator and hi_x*lo into a second
+//   one scaled back by 2^-11 in the epilogue: ~22 bits of each operand, f32-level products for
+//   models whose routing (top-k of values) flips on f16 rounding upstream. Three times the
+//   multiply-adds of the plain kernel, on 4 subgroups x 64 rows x 16 tokens (both tiles and
+//   their double buffers fill the workgroup memory of 8 subgroups).
 //
 // Kernel-lab variants (`bench_kernels --variant`, never compiled otherwise): LAB_NODECODE skips
 // the weight staging, LAB_NOMMA the products, so the two parts of a step can be timed apart.
 //
-// Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB + 1 KiB of token tables.
+// Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB + 1 KiB of token tables;
+// WSPLIT (NSG 4): Wh and Wl 2 x 64 x 72 x 2 B = 18 KiB each + Cs 4 KiB + 0.5 KiB.
 enable f16;
 enable wgpu_cooperative_matrix;
 
@@ -39,7 +49,15 @@ const NSG = 8u;      // subgroups of 32 lanes per workgroup: 8, or 4 for product
                      // to fill the GPU with 128-row tiles
 #endif
 const CWG = 32u * NSG;
+#if THIN
+const CBM = 64u * NSG; // rows per workgroup: every subgroup 4 fragments of 16 rows
+const WBUF = 1u;       // staged steps in workgroup memory
+#else
 const CBM = 16u * NSG; // rows per workgroup: NSG / 4 subgroups x 4 fragments of 16
+const WBUF = 2u;
+#endif
+const RBN = 64u;       // pairs per tile of the MoE route (matmul.wgsl's BN)
+const SUBS = RBN / min(CBN, RBN); // MoE workgroups per route tile
 const CK = 64u;      // weights per step (two chunks)
 const CKP = 72u;     // halves per staged weight row (64 + 8 of padding)
 const CNONE = 0xffffffffu;
@@ -130,7 +148,11 @@ fn coop_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     }
 }
 
-var<workgroup> Wh: array<f16, 2u * CBM * CKP>;  // two buffers of [CBM rows][CKP]
+var<workgroup> Wh: array<f16, WBUF * CBM * CKP>;  // WBUF buffers of [CBM rows][CKP]
+#if WSPLIT
+var<workgroup> Wl: array<f16, WBUF * CBM * CKP>;  // the remainders (x 2^11), same layout
+const LO_SCALE = 2048.0;
+#endif
 var<workgroup> Cs: array<f32, 256u * NSG>;      // [subgroup][16 tokens][16 rows]
 var<workgroup> cty: array<u32, CBN>;   // y element of tile token n's row 0, CNONE if absent
 var<workgroup> cts: array<f32, CBN>;   // its inverse x scale
@@ -144,6 +166,9 @@ fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
     if (c >= p.n_chunks) {
         for (var i = 0u; i < 32u; i++) {
             Wh[base + i] = f16(0.0);
+#if WSPLIT
+            Wl[base + i] = f16(0.0);
+#endif
         }
         return;
     }
@@ -166,16 +191,42 @@ fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
 #endif
     let w = chunk_w(rb + blk * BB, s);
     for (var j = 0u; j < 8u; j++) {
+#if WSPLIT
+        // hi by truncation to f16's 11 significant bits, as coop_x splits x
+        let t = bitcast<vec4<f32>>(bitcast<vec4<u32>>(w[j]) & vec4<u32>(0xffffe000u));
+        let v = vec4<f16>(t);
+#else
         let v = vec4<f16>(w[j]);
+#endif
         Wh[base + 4u * j] = v.x;
         Wh[base + 4u * j + 1u] = v.y;
         Wh[base + 4u * j + 2u] = v.z;
         Wh[base + 4u * j + 3u] = v.w;
+#if WSPLIT
+        let l = vec4<f16>((w[j] - t) * LO_SCALE);
+        Wl[base + 4u * j] = l.x;
+        Wl[base + 4u * j + 1u] = l.y;
+        Wl[base + 4u * j + 2u] = l.z;
+        Wl[base + 4u * j + 3u] = l.w;
+#endif
     }
 }
 
 // Tile token n of this subgroup's fragment tf, rows of fragment rf: scale, bounds, store.
+// With WSPLIT, `d` holds the products with the weights' remainders (x 2^11).
+#if WSPLIT
+fn coop_out(c: coop_mat16x16<f32, C>, d: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32,
+            r0: u32) {
+    coopStoreT(d, &Cs[sg * 256u], 16u);
+    workgroupBarrier();
+    var lo: array<f32, 8>;
+    for (var u = 0u; u < 8u; u++) {
+        lo[u] = Cs[sg * 256u + lane + 32u * u] * (1.0 / LO_SCALE);
+    }
+    workgroupBarrier();
+#else
 fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
+#endif
     coopStoreT(c, &Cs[sg * 256u], 16u);
     workgroupBarrier();
     for (var u = 0u; u < 8u; u++) {
@@ -184,7 +235,11 @@ fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
         let row = r0 + i % 16u;
         let yb = cty[n];
         if (yb != CNONE && row < p.rows) {
+#if WSPLIT
+            let v = (Cs[sg * 256u + i] + lo[u]) * cts[n];
+#else
             let v = Cs[sg * 256u + i] * cts[n];
+#endif
             if (p.accumulate != 0u) {
                 Y[yb + row] += v;
             } else {
@@ -202,36 +257,61 @@ fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
 // step's four k sub-steps (loading all of a step's A fragments before the staging measured no
 // faster on the H200, and spilled registers with the split activations).
 fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
+#if THIN
+    // THIN: one group of 16 tokens, subgroup sg rows 64 sg..
+    let sr = 64u * sg;
+    let st = 0u;
+#else
     // subgroup sg: rows 64 * (sg % (NSG / 4)).., tokens 16 * TT * (sg / (NSG / 4))..
     let sr = 64u * (sg % (NSG / 4u));
     let st = 16u * TT * (sg / (NSG / 4u));
+#endif
     let halves = staged_halves();
     let xa = (g0 + st) * halves;
     var c00: coop_mat16x16<f32, C>;
     var c01: coop_mat16x16<f32, C>;
     var c02: coop_mat16x16<f32, C>;
     var c03: coop_mat16x16<f32, C>;
+#if WSPLIT
+    var d00: coop_mat16x16<f32, C>;
+    var d01: coop_mat16x16<f32, C>;
+    var d02: coop_mat16x16<f32, C>;
+    var d03: coop_mat16x16<f32, C>;
+#endif
 #if TT2
     var c10: coop_mat16x16<f32, C>;
     var c11: coop_mat16x16<f32, C>;
     var c12: coop_mat16x16<f32, C>;
     var c13: coop_mat16x16<f32, C>;
 #endif
+    let n_steps = halves / CK;
+#if THIN
+    // one buffer: each step stages (2 CBM chunks over CWG threads), then multiplies
+    for (var step = 0u; step < n_steps; step++) {
+        let cur = 0u;
+        for (var q = lid; q < 2u * CBM; q += CWG) {
+            let m = q % CBM;
+            let h = q / CBM;
+            let rb = wbase + min(row_base + m, p.rows - 1u) * p.row_bytes;
+            stage_chunk(rb, 2u * step + h, m, h, 0u);
+        }
+        workgroupBarrier();
+#else
     // staging role: chunk half lid / CBM of row lid % CBM
     let m = lid % CBM;
     let h = lid / CBM;
     let rb = wbase + min(row_base + m, p.rows - 1u) * p.row_bytes;
-    let n_steps = halves / CK;
     // double buffering: step s multiplies buffer s % 2 while step s + 1 is staged into the
     // other, one barrier per step
     stage_chunk(rb, h, m, h, 0u);
     workgroupBarrier();
     for (var step = 0u; step < n_steps; step++) {
         let cur = (step % 2u) * CBM * CKP;
-        let kx = xa + step * CK;
         if (step + 1u < n_steps) {
             stage_chunk(rb, 2u * step + 2u + h, m, h, CBM * CKP - cur);
         }
+#endif
+        let kx = xa + step * CK;
 #ifndef LAB_NOMMA
         for (var kk = 0u; kk < CK; kk += 16u) {
             let wk = cur + sr * CKP + kk;
@@ -250,6 +330,16 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
             c01 = coopMultiplyAdd(l0, b1, c01);
             c02 = coopMultiplyAdd(l0, b2, c02);
             c03 = coopMultiplyAdd(l0, b3, c03);
+#endif
+#if WSPLIT
+            let e0 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk], CKP);
+            let e1 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 16u * CKP], CKP);
+            let e2 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 32u * CKP], CKP);
+            let e3 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 48u * CKP], CKP);
+            d00 = coopMultiplyAdd(a0, e0, d00);
+            d01 = coopMultiplyAdd(a0, e1, d01);
+            d02 = coopMultiplyAdd(a0, e2, d02);
+            d03 = coopMultiplyAdd(a0, e3, d03);
 #endif
 #if TT2
             let a1 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + kk + 16u * halves], halves);
@@ -270,10 +360,17 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
         workgroupBarrier();
     }
     let r = row_base + sr;
+#if WSPLIT
+    coop_out(c00, d00, sg, lane, st, r);
+    coop_out(c01, d01, sg, lane, st, r + 16u);
+    coop_out(c02, d02, sg, lane, st, r + 32u);
+    coop_out(c03, d03, sg, lane, st, r + 48u);
+#else
     coop_out(c00, sg, lane, st, r);
     coop_out(c01, sg, lane, st, r + 16u);
     coop_out(c02, sg, lane, st, r + 32u);
     coop_out(c03, sg, lane, st, r + 48u);
+#endif
 #if TT2
     coop_out(c10, sg, lane, st + 16u, r);
     coop_out(c11, sg, lane, st + 16u, r + 16u);
@@ -283,27 +380,30 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
 }
 
 #if ID
-// MoE over the route of matmul.wgsl (tiles of CBN = 64 pairs): tile slot wid.y = (expert e,
+// MoE over the route of matmul.wgsl (tiles of RBN = 64 pairs): tile slot wid.y = (expert e,
 // tile j), staged rows start[e] + 64j.. (coop_x staged the pairs in the route's grouped order).
+// THIN (few pairs per expert): four workgroups per slot, of 16 pairs each; those past the
+// expert's pairs return at once, so a mostly empty route tile costs no multiply-adds.
 @compute @workgroup_size(CWG)
 fn matmul_coop_id(@builtin(workgroup_id) wid: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32,
                   @builtin(subgroup_id) sg: u32,
                   @builtin(subgroup_invocation_id) lane: u32) {
     let ne = p.n_expert;
-    if (wid.y >= IDX[0] || no_rows()) {
+    let slot = wid.y / SUBS;
+    if (slot >= IDX[0] || no_rows()) {
         return;
     }
-    let tv = IDX[p.tiles_off + wid.y];
+    let tv = IDX[p.tiles_off + slot];
     let e = tv >> 16u;
-    let j = tv & 0xffffu;
-    if (e < p.e_lo || e - p.e_lo >= p.e_n) {
+    let j0 = (tv & 0xffffu) * RBN + (wid.y % SUBS) * CBN;  // first pair of the tile
+    let cnt = IDX[1u + e];
+    if (e < p.e_lo || e - p.e_lo >= p.e_n || j0 >= cnt) {
         return;
     }
-    let cnt = IDX[1u + e];
-    let g0 = IDX[1u + ne + e] + j * CBN;
+    let g0 = IDX[1u + ne + e] + j0;
     if (lid < CBN) {
-        let idx = j * CBN + lid;
+        let idx = j0 + lid;
         var yb = CNONE;
         var sc = 0.0;
         if (idx < cnt) {

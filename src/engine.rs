@@ -56,7 +56,8 @@ impl Engine {
         let tokenizer = load_tokenizer(&file)?;
         let decode_bytes = crate::inspect::decode_bytes(&file);
         let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
-        let gpu = Arc::new(Gpu::with_matmul(&opts.adapter, opts.matmul)?);
+        let exact = crate::models::routes_on_values(&file);
+        let gpu = Arc::new(Gpu::with_matmul(&opts.adapter, opts.matmul, exact)?);
         let opts = &LoadOptions {
             progress: opts.progress.as_ref().map(monotone),
             ..opts.clone()

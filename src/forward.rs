@@ -33,11 +33,15 @@ impl std::str::FromStr for AdapterChoice {
 /// Which kernels run products of many tokens (`--matmul`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulChoice {
-    /// The matrix units where the adapter has them, else the tiled kernel.
+    /// The matrix units where the adapter has them, else the tiled kernel; models that route
+    /// on values (MoE routers, DeepSeek-V4's indexer) keep f32-level products (tiled).
     #[default]
     Auto,
     /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
     Coop,
+    /// Cooperative matrices with weights and activations each split into two f16 parts
+    /// (f32-level products at three times the multiply-adds); an error where absent.
+    CoopSplit,
     /// The portable tiled f32 kernel.
     Tiled,
 }
@@ -48,8 +52,11 @@ impl std::str::FromStr for MatmulChoice {
         match s.to_ascii_lowercase().as_str() {
             "auto" => Ok(MatmulChoice::Auto),
             "coop" => Ok(MatmulChoice::Coop),
+            "coop-split" => Ok(MatmulChoice::CoopSplit),
             "tiled" | "f32" => Ok(MatmulChoice::Tiled),
-            _ => Err(format!("--matmul {s}: expected auto, coop or tiled")),
+            _ => Err(format!(
+                "--matmul {s}: expected auto, coop, coop-split or tiled"
+            )),
         }
     }
 }

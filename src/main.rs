@@ -169,7 +169,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
             device,
             matmul,
         } => {
-            let gpu = lathe::gpu::Gpu::with_matmul(&device, matmul)?;
+            let gpu = lathe::gpu::Gpu::with_matmul(&device, matmul, false)?;
             eprintln!("{}", gpu.report());
             let checks = lathe::selftest::run(&gpu, full, |c| {
                 if !json {

@@ -18,7 +18,7 @@
 use crate::dtype::DType;
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
-use crate::gpu::{coopmat, Gpu, GpuTensor, MatmulPath};
+use crate::gpu::{coopmat, Gpu, GpuTensor};
 use crate::tensor::TensorRef;
 use crate::{quant, Result};
 use std::path::Path;
@@ -58,6 +58,8 @@ pub enum KernelPath {
     Tiled,
     /// Cooperative matrices.
     Coop,
+    /// Cooperative matrices with split operands (f32-level: checked at the f32 bound).
+    CoopSplit,
 }
 
 impl KernelPath {
@@ -66,6 +68,15 @@ impl KernelPath {
             KernelPath::Matvec => "matvec",
             KernelPath::Tiled => "tiled",
             KernelPath::Coop => "coop",
+            KernelPath::CoopSplit => "coop-split",
+        }
+    }
+
+    fn precision(self) -> Option<coopmat::Precision> {
+        match self {
+            KernelPath::Coop => Some(coopmat::Precision::F16),
+            KernelPath::CoopSplit => Some(coopmat::Precision::Split),
+            _ => None,
         }
     }
 }
@@ -281,7 +292,10 @@ fn dense(
     match path {
         KernelPath::Matvec => matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
         KernelPath::Tiled => matmul::matmul_tiled(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
-        KernelPath::Coop => coopmat::matmul_coop(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
+        KernelPath::Coop | KernelPath::CoopSplit => {
+            let prec = path.precision().expect("coop path");
+            coopmat::matmul_coop(&mut pass, prec, &wt, &xb, 0, &yb, y_off, n, &opts)?
+        }
     }
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
@@ -345,12 +359,12 @@ fn indexed(
         KernelPath::Matvec => matvec::matvec_indexed(
             &mut pass, &wt, &xb, 0, per_pair, &idb, 0, k, &yb, y_off, n, &opts,
         )?,
-        KernelPath::Tiled | KernelPath::Coop => {
+        KernelPath::Tiled | KernelPath::Coop | KernelPath::CoopSplit => {
             let route = MoeRoute::new(gpu, ne as u32, np as u32)?;
             matmul::route(&mut pass, &route, &idb, 0, n, k)?;
-            if path == KernelPath::Coop {
+            if let Some(prec) = path.precision() {
                 coopmat::matmul_coop_indexed(
-                    &mut pass, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                    &mut pass, prec, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
                 )?;
             } else {
                 matmul::matmul_indexed_tiled(
@@ -402,10 +416,10 @@ const REAL_TYPES: [DType; 8] = [
 /// Every check for `gpu` in order: paths the device runs × stored types × shapes (`full`: the
 /// real sizes too). `each` sees every check as it finishes.
 pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
-    let coop = gpu.matmul_path() == MatmulPath::Coop;
     let mut paths = vec![KernelPath::Tiled];
-    if coop {
+    if gpu.matmul_path().is_coop() {
         paths.push(KernelPath::Coop);
+        paths.push(KernelPath::CoopSplit);
     }
     let mut out = Vec::new();
     let mut push = |name: &str, r: Result<Check>| {
@@ -427,7 +441,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             dense(gpu, KernelPath::Matvec, dt, (33, cols, 3), false, seed),
         );
         for &p in &paths {
-            if p == KernelPath::Coop && dt == DType::F32 {
+            if p.precision().is_some() && dt == DType::F32 {
                 continue;
             }
             push(
@@ -457,6 +471,13 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
                 &format!("{} indexed {dt}", p.name()),
                 indexed(gpu, p, dt, 70, i % 2 == 1, seed),
             );
+            // few pairs per expert: the matrix path's thin tiles
+            if p.precision().is_some() {
+                push(
+                    &format!("{} indexed {dt} few pairs", p.name()),
+                    indexed(gpu, p, dt, 40, i % 2 == 0, seed + 50),
+                );
+            }
         }
     }
     // many row and token tiles (the last ones partial)

@@ -65,7 +65,7 @@ fn selftest_json_counts_match() {
 fn matmul_flag_is_checked_and_reported() {
     let out = lathe(&["selftest", "--matmul", "fast"]);
     assert_eq!(out.status.code(), Some(2), "clap rejects an unknown path");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("auto, coop or tiled"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("auto, coop, coop-split or tiled"));
 
     let model = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/models/qwen35-tiny/model-q8_0.gguf");
@@ -79,6 +79,21 @@ fn matmul_flag_is_checked_and_reported() {
         ]);
         assert_eq!(out.status.code(), Some(1));
         assert!(String::from_utf8_lossy(&out.stderr).contains("no cooperative-matrix path"));
+        let out = lathe(&[
+            "bench",
+            "-m",
+            model,
+            "-p",
+            "40",
+            "-n",
+            "0",
+            "-r",
+            "1",
+            "--matmul",
+            "coop-split",
+        ]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--matmul coop-split"));
     }
     // bench names the path its prefill ran (40 tokens: past the matvec batch size)
     let out = lathe(&[
@@ -91,4 +106,21 @@ fn matmul_flag_is_checked_and_reported() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
     assert_eq!(v["matmul"], "tiled");
+}
+
+/// `--matmul auto` keeps f32-level products for the models that pick a top-k from computed
+/// values (MoE routers, DeepSeek-V4's indexer) and no others.
+#[test]
+fn models_that_route_on_values_are_known() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
+    for (model, routes) in [
+        ("qwen35-tiny/model-q8_0.gguf", false),
+        ("qwen35-dims/model-q4_k_m.gguf", false),
+        ("qwen35moe-tiny/model-q8_0.gguf", true),
+        ("qwen3next-tiny/model-q8_0.gguf", true),
+        ("dsv4-tiny/model-q4_0.gguf", true),
+    ] {
+        let f = lathe::model_file::ModelFile::open(&dir.join(model)).expect(model);
+        assert_eq!(lathe::models::routes_on_values(&f), routes, "{model}");
+    }
 }

@@ -12,6 +12,7 @@
 //! long untimed pass queued first so the GPU never waits for the CPU; else wall time.
 
 use clap::Parser;
+use lathe::gpu::coopmat::Precision::{Split as SPLIT, F16};
 use lathe::gpu::matvec::{self, MatvecOpts, Tune};
 use lathe::gpu::{coopmat, matmul};
 use lathe::gpu::{AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineSpec};
@@ -368,8 +369,9 @@ fn main() -> Result<()> {
             let yp = gpu.buffer(rows * 4 * np as u64, "yp")?;
             let per_pass = if cpu { 1 } else { 8 };
             let mut kinds = vec![("tiled", parse_variant("-"))];
-            if coopmat::usable(&gpu, dt) {
+            if coopmat::usable(&gpu, dt).is_some() {
                 kinds.extend(variants.iter().map(|v| ("coop", *v)));
+                kinds.push(("split", parse_variant("-")));
             }
             for (kind, defines) in kinds {
                 let o = MatvecOpts {
@@ -380,7 +382,10 @@ fn main() -> Result<()> {
                     for i in 0..per_pass {
                         let w = &ws[i % ws.len()];
                         match kind {
-                            "coop" => coopmat::matmul_coop(pass, w, &xp, 0, &yp, 0, np, &o)?,
+                            "coop" => coopmat::matmul_coop(pass, F16, w, &xp, 0, &yp, 0, np, &o)?,
+                            "split" => {
+                                coopmat::matmul_coop(pass, SPLIT, w, &xp, 0, &yp, 0, np, &o)?
+                            }
                             _ => matmul::matmul_tiled(pass, w, &xp, 0, &yp, 0, np, &o)?,
                         }
                     }
@@ -411,8 +416,9 @@ fn main() -> Result<()> {
             let o = MatvecOpts::default();
             let mut line = format!("{:<6} {rows}x{cols} batch {nb:>3}:", dt.name());
             let mut kinds = vec!["matvec", "tiled"];
-            if coopmat::usable(&gpu, dt) {
+            if coopmat::usable(&gpu, dt).is_some() {
                 kinds.push("coop");
+                kinds.push("split");
             }
             for kind in kinds {
                 let mut rec = |pass: &mut Pass<'_>| {
@@ -420,7 +426,10 @@ fn main() -> Result<()> {
                         let w = &ws[i % ws.len()];
                         match kind {
                             "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, &o)?,
-                            "coop" => coopmat::matmul_coop(pass, w, &xb, 0, &yb, 0, nb, &o)?,
+                            "coop" => coopmat::matmul_coop(pass, F16, w, &xb, 0, &yb, 0, nb, &o)?,
+                            "split" => {
+                                coopmat::matmul_coop(pass, SPLIT, w, &xb, 0, &yb, 0, nb, &o)?
+                            }
                             _ => matmul::matmul_tiled(pass, w, &xb, 0, &yb, 0, nb, &o)?,
                         }
                     }

@@ -10,6 +10,13 @@
 //! split into two f16 parts whose sum holds ~22 bits, so float weights keep f32-level products.
 //! F32 weights stay on the tiled f32 kernel: f16 would round every weight.
 //!
+//! [`Precision::Split`] (`--matmul coop-split`) splits every operand into two f16 parts (~22
+//! bits each; three products into two accumulators), so quantized weights too get f32-level
+//! products: a MoE router or DeepSeek's indexer picks its top-k from values that f16 rounding
+//! upstream moves across near-ties (the fixture bars of the MoE and DeepSeek-V4 files hold on
+//! it, not on [`Precision::F16`]). On the H200 it runs at the tiled kernel's speed, so `auto`
+//! takes the tiled kernel for such models.
+//!
 //! Staging lives in device scratch buffers (`Gpu::scratch`): X as f16,
 //! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,
 //! halves]`: a tile reads 128 rows from its first); one f32 scale per row.
@@ -35,10 +42,10 @@ const NSG_SMALL: u32 = 4;
 /// every multiprocessor.
 const FILL: u32 = 256;
 
-/// Rows per workgroup of `nsg` subgroups (`CBM`).
-fn cbm(nsg: u32) -> u32 {
-    16 * nsg
-}
+/// MoE products with fewer pairs per expert than this on average take [`THIN`] tiles
+/// (measured on the H200: DeepSeek-V4's 6 pairs per expert ran 2.5x faster on them, the
+/// 35B-A3B's 16 per expert 1.3x slower: two thin workgroups decode the same weights).
+const THIN_PAIRS: u32 = 12;
 /// Tokens per workgroup of the dense kernel (`CBN`); the MoE kernel takes the route's tiles of
 /// [`super::matmul`]'s 64 pairs.
 const CBN_DENSE: u32 = 128;
@@ -46,14 +53,41 @@ const CBN_ID: u32 = 64;
 /// Staged rows read past the last valid one: a tile reads CBN rows from its first.
 const ROW_PAD: u32 = CBN_DENSE;
 
-/// Whether products of `dtype` weights run on the matrix units of `gpu`.
-pub fn usable(gpu: &Gpu, dtype: DType) -> bool {
-    gpu.matmul_path() == MatmulPath::Coop && dtype != DType::F32
+/// The precision products of `dtype` weights take on the matrix units of `gpu`; `None` where
+/// they run elsewhere.
+pub fn usable(gpu: &Gpu, dtype: DType) -> Option<Precision> {
+    Precision::of(gpu).filter(|_| dtype != DType::F32)
 }
 
-/// F16 and BF16 weights are exact in f16: their products take the split (hi + lo) activations.
-fn split(dtype: DType) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16)
+/// How the operands of a product reach the f16 matrix units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Weights round to f16 (F16 / BF16 weights are exact; their activations split in two).
+    F16,
+    /// Weights and activations each split into two f16 parts (f32-level products).
+    Split,
+}
+
+impl Precision {
+    /// The precision of `gpu`'s matrix path; `None` where it has none.
+    pub fn of(gpu: &Gpu) -> Option<Precision> {
+        match gpu.matmul_path() {
+            MatmulPath::Coop => Some(Precision::F16),
+            MatmulPath::CoopSplit => Some(Precision::Split),
+            _ => None,
+        }
+    }
+}
+
+/// F16 and BF16 weights are exact in f16: their products, and every product at
+/// [`Precision::Split`], take the split (hi + lo) activations.
+fn split_x(dtype: DType, prec: Precision) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16) || prec == Precision::Split
+}
+
+/// Weights that f16 does not hold exactly split too at [`Precision::Split`] (`WSPLIT`).
+fn split_w(dtype: DType, prec: Precision) -> bool {
+    prec == Precision::Split && !matches!(dtype, DType::F16 | DType::BF16 | DType::F32)
 }
 
 /// Staged activations of one product.
@@ -63,26 +97,77 @@ struct Staged {
     sc: wgpu::Buffer,
 }
 
-/// A kernel variant: the MoE form or not, tokens per workgroup (`CBN`), subgroups (`NSG`).
+/// A kernel variant: the MoE form or not, tokens per workgroup (`CBN`), subgroups (`NSG`),
+/// and the operands' precision.
 #[derive(Clone, Copy)]
 struct Tile {
     id: bool,
     cbn: u32,
     nsg: u32,
+    prec: Precision,
 }
 
 const MOE: Tile = Tile {
     id: true,
     cbn: CBN_ID,
     nsg: NSG_BIG,
+    prec: Precision::F16,
 };
 
-/// The dense tile (and the staging kernel's, which ignores the tile).
+/// The dense tile (and the staging kernel's, which ignores the tile but for precision).
 const STAGE: Tile = Tile {
     id: false,
     cbn: CBN_DENSE,
     nsg: NSG_BIG,
+    prec: Precision::F16,
 };
+
+/// Split weights take two staged tiles: 4 subgroups of 64 rows x 16 tokens fit the
+/// workgroup memory with both double-buffered (see the shader's budget).
+const SPLIT_W: Tile = Tile {
+    id: false,
+    cbn: 64,
+    nsg: NSG_SMALL,
+    prec: Precision::Split,
+};
+
+/// Few pairs per expert (MoE prefill of a few hundred tokens over hundreds of experts): 16
+/// pairs per workgroup, 2 subgroups of 64 rows, so the route's mostly empty 64-pair tiles
+/// cost no multiply-adds for their empty part (one staged buffer: the split weights' two
+/// tiles of 128 rows fill the workgroup memory).
+const THIN: Tile = Tile {
+    id: true,
+    cbn: 16,
+    nsg: 2,
+    prec: Precision::F16,
+};
+
+impl Tile {
+    fn thin(&self) -> bool {
+        self.cbn == THIN.cbn
+    }
+
+    /// Rows per workgroup (`CBM`): NSG / 4 subgroups of 64 rows, or NSG of them when thin.
+    fn rows(&self) -> u32 {
+        if self.thin() {
+            64 * self.nsg
+        } else {
+            16 * self.nsg
+        }
+    }
+}
+
+/// The product tile for weights of `dtype`: `t` unless they split.
+fn product_tile(t: Tile, dtype: DType) -> Tile {
+    if split_w(dtype, t.prec) && !t.thin() {
+        Tile {
+            id: t.id,
+            ..SPLIT_W
+        }
+    } else {
+        t
+    }
+}
 
 /// The pipeline variant of `entry` for weights of `geo`.
 fn spec(
@@ -93,12 +178,14 @@ fn spec(
     extra: &[(&str, &str)],
 ) -> PipelineSpec {
     let slow = geo.misaligned();
-    let sp = split(geo.dtype);
+    let sp = split_x(geo.dtype, t.prec);
+    let sw = split_w(geo.dtype, t.prec) && entry != "coop_x";
     let mut label = format!(
-        "{entry}_{}{}{}_n{}_g{}",
+        "{entry}_{}{}{}{}_n{}_g{}",
         geo.label(xvec, slow),
         if t.id { "_id" } else { "" },
         if sp { "_split" } else { "" },
+        if sw { "_wsplit" } else { "" },
         t.cbn,
         t.nsg
     );
@@ -109,9 +196,11 @@ fn spec(
         .defines(PipelineSpec::new(label, SRC, entry), xvec, slow)
         .define("CBN", format!("{}u", t.cbn))
         .define("NSG", format!("{}u", t.nsg))
-        .define("TT", format!("{}u", t.cbn / 64))
+        .define("TT", format!("{}u", (t.cbn / 64).max(1)))
         .define("TT2", t.cbn == 128)
+        .define("THIN", t.thin())
         .define("SPLIT", sp)
+        .define("WSPLIT", sw)
         .define("ID", t.id);
     for (n, v) in extra {
         s = s.define(n, v);
@@ -148,12 +237,18 @@ pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
         };
         let geo = Geometry::of(&w, id)?;
         for xvec in [false, true] {
-            v.push(spec(&geo, "coop_x", xvec, Tile { id, ..STAGE }, &[]));
-            if id {
-                v.push(spec(&geo, "matmul_coop_id", xvec, MOE, &[]));
-            } else {
-                for nsg in [NSG_BIG, NSG_SMALL] {
-                    v.push(spec(&geo, "matmul_coop", xvec, Tile { nsg, ..STAGE }, &[]));
+            for prec in [Precision::F16, Precision::Split] {
+                v.push(spec(&geo, "coop_x", xvec, Tile { id, prec, ..STAGE }, &[]));
+                if id {
+                    for t in [MOE, THIN] {
+                        let t = product_tile(Tile { prec, ..t }, dtype);
+                        v.push(spec(&geo, "matmul_coop_id", xvec, t, &[]));
+                    }
+                } else {
+                    for nsg in [NSG_BIG, NSG_SMALL] {
+                        let t = product_tile(Tile { nsg, prec, ..STAGE }, dtype);
+                        v.push(spec(&geo, "matmul_coop", xvec, t, &[]));
+                    }
                 }
             }
         }
@@ -178,6 +273,7 @@ fn stage(
     xvec: bool,
     n_rows: u32,
     route: Option<&MoeRoute>,
+    prec: Precision,
 ) -> Result<Staged> {
     let gpu = pass.gpu();
     let halves = staged_halves(geo) as u64;
@@ -190,7 +286,7 @@ fn stage(
         )));
     }
     let xh = gpu.scratch("coop_xh", xh_bytes)?;
-    let xl = if split(geo.dtype) {
+    let xl = if split_x(geo.dtype, prec) {
         Some(gpu.scratch("coop_xl", xh_bytes)?)
     } else {
         None
@@ -198,6 +294,7 @@ fn stage(
     let sc = gpu.scratch("coop_sc", rows * 4)?;
     let t = Tile {
         id: route.is_some(),
+        prec,
         ..STAGE
     };
     let pipe = pipeline(gpu, geo, "coop_x", xvec, t, &[])?;
@@ -232,11 +329,12 @@ fn product_slots(part: &wgpu::Buffer, y: &wgpu::Buffer, st: &Staged) -> Vec<(u32
     slots
 }
 
-/// Dense `Y = X Wᵀ` for `n_tokens` tokens on the matrix units (see [`super::matmul::matmul`]
-/// for the layout; `opts`: accumulate and strides).
+/// Dense `Y = X Wᵀ` for `n_tokens` tokens on the matrix units at `prec` (see
+/// [`super::matmul::matmul`] for the layout; `opts`: accumulate and strides).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_coop(
     pass: &mut Pass<'_>,
+    prec: Precision,
     w: &GpuTensor,
     x: &wgpu::Buffer,
     x_off: u32,
@@ -266,18 +364,19 @@ pub fn matmul_coop(
     let mut base = geo.params(geo.rows, false);
     base.x_off = x_off;
     base.x_stride = x_stride;
-    let st = stage(pass, w, &geo, x, base, xvec, n_tokens, None)?;
-    let token_tiles = n_tokens.div_ceil(CBN_DENSE);
-    let nsg = if geo.rows.div_ceil(cbm(NSG_BIG)) * token_tiles < FILL {
+    let st = stage(pass, w, &geo, x, base, xvec, n_tokens, None, prec)?;
+    let big_tiles = n_tokens.div_ceil(CBN_DENSE);
+    let nsg = if geo.rows.div_ceil(STAGE.rows()) * big_tiles < FILL {
         NSG_SMALL
     } else {
         NSG_BIG
     };
-    let t = Tile { nsg, ..STAGE };
+    let t = product_tile(Tile { nsg, prec, ..STAGE }, w.dtype);
+    let token_tiles = n_tokens.div_ceil(t.cbn);
     let pipe = pipeline(gpu, &geo, "matmul_coop", xvec, t, opts.defines)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
-        if rows.div_ceil(cbm(nsg)) > MAX_GROUPS {
+        if rows.div_ceil(t.rows()) > MAX_GROUPS || token_tiles > MAX_GROUPS {
             return Err(Error::Invalid(format!(
                 "{}: {rows} rows in one part",
                 w.name
@@ -293,18 +392,19 @@ pub fn matmul_coop(
             &w.name,
             &prm,
             product_slots(&part.buffer, y, &st),
-            [rows.div_ceil(cbm(nsg)), token_tiles, 1],
+            [rows.div_ceil(t.rows()), token_tiles, 1],
         );
     }
-    gpu.note_matmul(MatmulPath::Coop);
+    gpu.note_matmul(path(prec));
     Ok(())
 }
 
-/// MoE prefill on the matrix units over a route filled by [`super::matmul::route`]: the
-/// contract of [`super::matmul::matmul_indexed`].
+/// MoE prefill on the matrix units at `prec` over a route filled by [`super::matmul::route`]:
+/// the contract of [`super::matmul::matmul_indexed`].
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_coop_indexed(
     pass: &mut Pass<'_>,
+    prec: Precision,
     w: &GpuTensor,
     x: &wgpu::Buffer,
     x_off: u32,
@@ -329,8 +429,16 @@ pub fn matmul_coop_indexed(
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
-    let slots_n = r.max_tiles(n_pairs);
-    let row_tiles = geo.rows.div_ceil(cbm(NSG_BIG));
+    let thin = n_pairs < THIN_PAIRS * r.n_expert;
+    let t = product_tile(
+        Tile {
+            prec,
+            ..if thin { THIN } else { MOE }
+        },
+        w.dtype,
+    );
+    let slots_n = r.max_tiles(n_pairs) * (CBN_ID / t.cbn);
+    let row_tiles = geo.rows.div_ceil(t.rows());
     if slots_n > MAX_GROUPS || row_tiles > MAX_GROUPS {
         return Err(Error::Invalid(format!(
             "{}: grid of {row_tiles} x {slots_n} tiles",
@@ -344,8 +452,8 @@ pub fn matmul_coop_indexed(
     base.n_used = n_used;
     base.x_per_pair = x_per_pair as u32;
     base.pairs_off = r.pairs_off();
-    let st = stage(pass, w, &geo, x, base, xvec, n_pairs, Some(r))?;
-    let pipe = pipeline(gpu, &geo, "matmul_coop_id", xvec, MOE, opts.defines)?;
+    let st = stage(pass, w, &geo, x, base, xvec, n_pairs, Some(r), prec)?;
+    let pipe = pipeline(gpu, &geo, "matmul_coop_id", xvec, t, opts.defines)?;
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {
         let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
@@ -365,6 +473,13 @@ pub fn matmul_coop_indexed(
         slots.push((5, Binding::from(&r.buffer)));
         pass.dispatch_slots(&pipe, &w.name, &prm, slots, [row_tiles, slots_n, 1]);
     }
-    gpu.note_matmul(MatmulPath::Coop);
+    gpu.note_matmul(path(prec));
     Ok(())
+}
+
+fn path(prec: Precision) -> MatmulPath {
+    match prec {
+        Precision::F16 => MatmulPath::Coop,
+        Precision::Split => MatmulPath::CoopSplit,
+    }
 }

@@ -71,6 +71,8 @@ pub enum MatmulPath {
     None = 0,
     Tiled = 1,
     Coop = 2,
+    /// Cooperative matrices with every operand split into two f16 parts.
+    CoopSplit = 3,
 }
 
 impl MatmulPath {
@@ -79,7 +81,13 @@ impl MatmulPath {
             MatmulPath::None => "none",
             MatmulPath::Tiled => "tiled",
             MatmulPath::Coop => "coop",
+            MatmulPath::CoopSplit => "coop-split",
         }
+    }
+
+    /// Whether products run on the matrix units.
+    pub fn is_coop(self) -> bool {
+        matches!(self, MatmulPath::Coop | MatmulPath::CoopSplit)
     }
 }
 
@@ -141,17 +149,26 @@ pub fn matmul_paths(index: usize) -> Vec<(MatmulPath, std::result::Result<(), St
     vec![
         (MatmulPath::Tiled, Ok(())),
         (MatmulPath::Coop, coop_supported(&a, &limits)),
+        (MatmulPath::CoopSplit, coop_supported(&a, &limits)),
     ]
 }
 
 impl Gpu {
     /// The device of `choice` with the automatic product path.
     pub fn new(choice: &AdapterChoice) -> Result<Gpu> {
-        Gpu::with_matmul(choice, MatmulChoice::Auto)
+        Gpu::with_matmul(choice, MatmulChoice::Auto, false)
     }
 
-    /// The device of `choice`, running many-token products on `matmul`.
-    pub fn with_matmul(choice: &AdapterChoice, matmul: MatmulChoice) -> Result<Gpu> {
+    /// The device of `choice`, running many-token products on `matmul`; `auto_exact`: `auto`
+    /// keeps f32-level products (for models that route on values, whose top-k choices f16
+    /// rounding upstream would flip) on the fastest such path: the tiled kernel, which
+    /// measured as fast as the split-operand matrix path on the H200 (2.22 against 2.24 ms
+    /// for a Q4_K 12288x4096 product of 512 tokens).
+    pub fn with_matmul(
+        choice: &AdapterChoice,
+        matmul: MatmulChoice,
+        auto_exact: bool,
+    ) -> Result<Gpu> {
         let adapters = all_adapters();
         if adapters.is_empty() {
             return Err(Error::Gpu(
@@ -187,16 +204,23 @@ impl Gpu {
         let coop_ok = coop_supported(&adapter, &limits);
         let matmul = match (matmul, coop_ok) {
             (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
+            (MatmulChoice::Auto, _) if auto_exact => MatmulPath::Tiled,
             (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
+            (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
             (MatmulChoice::Auto, Err(_)) => MatmulPath::Tiled,
-            (MatmulChoice::Coop, Err(why)) => {
+            (MatmulChoice::Coop | MatmulChoice::CoopSplit, Err(why)) => {
                 return Err(Error::Gpu(format!(
-                    "{}: --matmul coop: no cooperative-matrix path ({why})",
-                    info.name
+                    "{}: --matmul {}: no cooperative-matrix path ({why})",
+                    info.name,
+                    if matmul == MatmulChoice::Coop {
+                        "coop"
+                    } else {
+                        "coop-split"
+                    }
                 )))
             }
         };
-        if matmul == MatmulPath::Coop {
+        if matmul.is_coop() {
             wanted |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
         }
         let features = offered & wanted;
@@ -207,7 +231,7 @@ impl Gpu {
             // SAFETY: the only experimental feature lathe requests is cooperative matrices,
             // and only for the f16 16x16x16 configuration the adapter lists
             // (`coop_supported`); its kernels are checked against the CPU by `lathe selftest`.
-            experimental_features: if matmul == MatmulPath::Coop {
+            experimental_features: if matmul.is_coop() {
                 unsafe { wgpu::ExperimentalFeatures::enabled() }
             } else {
                 wgpu::ExperimentalFeatures::disabled()
@@ -279,6 +303,8 @@ impl Gpu {
             .swap(0, std::sync::atomic::Ordering::Relaxed);
         if used & (1 << MatmulPath::Coop as u8) != 0 {
             MatmulPath::Coop
+        } else if used & (1 << MatmulPath::CoopSplit as u8) != 0 {
+            MatmulPath::CoopSplit
         } else if used & (1 << MatmulPath::Tiled as u8) != 0 {
             MatmulPath::Tiled
         } else {

@@ -67,8 +67,8 @@ pub fn matmul_opts(
 ) -> Result<()> {
     if n_tokens <= DENSE_MATVEC_TOKENS {
         matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
-    } else if !opts.exact && coopmat::usable(pass.gpu(), w.dtype) {
-        coopmat::matmul_coop(pass, w, x, x_off, y, y_off, n_tokens, opts)
+    } else if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype).filter(|_| !opts.exact) {
+        coopmat::matmul_coop(pass, prec, w, x, x_off, y, y_off, n_tokens, opts)
     } else {
         matmul_tiled(pass, w, x, x_off, y, y_off, n_tokens, opts)
     }
@@ -296,9 +296,9 @@ pub fn matmul_indexed(
     y_off: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    if coopmat::usable(pass.gpu(), w.dtype) {
+    if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype) {
         coopmat::matmul_coop_indexed(
-            pass, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
+            pass, prec, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
         )
     } else {
         matmul_indexed_tiled(

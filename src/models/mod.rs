@@ -112,6 +112,16 @@ impl Seq {
     }
 }
 
+/// Whether the model in `f` makes top-k choices on computed values (MoE routers, DeepSeek-V4's
+/// indexer): f16 rounding anywhere upstream can move such a value across a near-tie and change
+/// the output, so its many-token products stay at f32 level by default (`--matmul auto`).
+pub fn routes_on_values(f: &ModelFile) -> bool {
+    if let Ok(hp) = qwen35::Hparams::from_file(f) {
+        return hp.moe.is_some();
+    }
+    deepseek4::Hparams::from_file(f).is_ok()
+}
+
 /// What the model in `f` needs beside its weights for `run`: its family's `needs` (the one
 /// its loader budgets with). Architectures without one count nothing (see `Needs::note`).
 pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
