@@ -8,19 +8,30 @@
 // `xmap`, so the product is the same sum). Per step the first BM threads decode one chunk of one
 // row each, all threads gather x, then each thread accumulates a 4 x 4 block of (rows, tokens).
 // Workgroup memory: 2 x 32 x 64 f32 = 16 KiB, WebGPU's default limit.
+// THIN (MoE products with few pairs per expert): 64 rows x 16 tokens per workgroup of 64
+// threads, four workgroups per route tile of 64 pairs; those past the expert's pairs return at
+// once, so a mostly empty route tile costs neither multiply-adds nor weight decoding four times
+// over. Each output is the same sum in the same order as in the wide tile.
 //
 // matmul grid: wid.x = row tile, wid.y = token tile.
 // matmul_id grid: wid.x = row tile, wid.y = tile slot of the route (see route below).
 
 #ifndef ROUTE
 
+#if THIN
+const MM_WG = 64u;
+const BN = 16u;
+#else
 const MM_WG = 256u;
-const BM = 64u;
 const BN = 64u;
+#endif
+const BM = 64u;
+const RBN = 64u;         // pairs per tile of the route
+const XQ = BN / 4u;      // quads of tokens
 const NONE = 0xffffffffu;
 
-var<workgroup> Ws: array<vec4<f32>, 512>;  // [32 k][16 quads of rows]
-var<workgroup> Xs: array<vec4<f32>, 512>;  // [32 k][16 quads of tokens]
+var<workgroup> Ws: array<vec4<f32>, 512>;      // [32 k][16 quads of rows]
+var<workgroup> Xs: array<vec4<f32>, 32u * XQ>; // [32 k][XQ quads of tokens]
 var<workgroup> tokx: array<u32, BN>;       // element of x row of tile token n, NONE if absent
 var<workgroup> toky: array<u32, BN>;       // element of y[token][0], NONE if absent
 
@@ -37,10 +48,10 @@ fn put_w(k0: u32, m: u32, v: vec4<f32>) {
 fn put_x(k0: u32, n: u32, v: vec4<f32>) {
     let i = n / 4u;
     let c = n % 4u;
-    Xs[k0 * 16u + i][c] = v.x;
-    Xs[(k0 + 1u) * 16u + i][c] = v.y;
-    Xs[(k0 + 2u) * 16u + i][c] = v.z;
-    Xs[(k0 + 3u) * 16u + i][c] = v.w;
+    Xs[k0 * XQ + i][c] = v.x;
+    Xs[(k0 + 1u) * XQ + i][c] = v.y;
+    Xs[(k0 + 2u) * XQ + i][c] = v.z;
+    Xs[(k0 + 3u) * XQ + i][c] = v.w;
 }
 
 // chunk s of block blk of the row at byte rb into tile row m
@@ -118,7 +129,7 @@ fn mm_tile(lid: u32, row_base: u32, wbase: u32) {
         workgroupBarrier();
         for (var k = 0u; k < 32u; k++) {
             let a = Ws[k * 16u + tm];
-            let b = Xs[k * 16u + tn];
+            let b = Xs[k * XQ + tn];
             acc0 += a * b.x;
             acc1 += a * b.y;
             acc2 += a * b.z;
@@ -151,22 +162,23 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 }
 
 // MoE prefill over the route built by `route` (IDX, u32, layout below; E = n_expert):
-// tile slot wid.y holds (expert e, tile j) = BN consecutive pairs
-// j*BN.. of e's list; Y[q][row] (=|+=) sum_c W[e][row][c] X[q or q / n_used][c].
+// tile slot wid.y / (RBN / BN) holds (expert e, tile j) = RBN consecutive pairs j*RBN.. of
+// e's list, of which this workgroup takes BN; Y[q][row] (=|+=) sum_c W[e][row][c] X[q or q / n_used][c].
 @compute @workgroup_size(MM_WG)
 fn matmul_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let ne = p.n_expert;
-    if (wid.y >= IDX[0] || no_rows()) {
+    let slot = wid.y / (RBN / BN);
+    if (slot >= IDX[0] || no_rows()) {
         return;
     }
-    let tv = IDX[p.tiles_off + wid.y];
+    let tv = IDX[p.tiles_off + slot];
     let e = tv >> 16u;
-    let j = tv & 0xffffu;
-    if (e < p.e_lo || e - p.e_lo >= p.e_n) {
+    let j0 = (tv & 0xffffu) * RBN + (wid.y % (RBN / BN)) * BN;  // first pair of the tile
+    if (e < p.e_lo || e - p.e_lo >= p.e_n || j0 >= IDX[1u + e]) {
         return;
     }
     if (lid < BN) {
-        let idx = j * BN + lid;
+        let idx = j0 + lid;
         var xb = NONE;
         var yb = NONE;
         if (idx < IDX[1u + e]) {

@@ -471,13 +471,11 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
                 &format!("{} indexed {dt}", p.name()),
                 indexed(gpu, p, dt, 70, i % 2 == 1, seed),
             );
-            // few pairs per expert: the matrix path's thin tiles
-            if p.precision().is_some() {
-                push(
-                    &format!("{} indexed {dt} few pairs", p.name()),
-                    indexed(gpu, p, dt, 40, i % 2 == 0, seed + 50),
-                );
-            }
+            // few pairs per expert: thin tiles
+            push(
+                &format!("{} indexed {dt} few pairs", p.name()),
+                indexed(gpu, p, dt, 40, i % 2 == 0, seed + 50),
+            );
         }
     }
     // many row and token tiles (the last ones partial)

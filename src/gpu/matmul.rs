@@ -17,9 +17,16 @@ pub(crate) const SRC: &str = concat!(
     include_str!("../../shaders/matmul.wgsl")
 );
 
-/// Rows × tokens of one workgroup's tile (`BM`, `BN` in matmul.wgsl).
+/// Rows × tokens of one workgroup's tile (`BM`, `BN` in matmul.wgsl; `BN` is also the pairs
+/// per tile of a [`MoeRoute`]).
 const BM: u32 = 64;
 const BN: u32 = 64;
+/// Tokens of a thin MoE tile (`THIN` in matmul.wgsl): four workgroups per route tile.
+const BN_THIN: u32 = 16;
+
+// MoE products with fewer pairs per expert than THIN_PAIRS on average take thin tiles, as on
+// the matrix path (DeepSeek-V4-Flash: ~6 pairs per expert in a 256-token round).
+use super::coopmat::THIN_PAIRS;
 
 /// Up to this many tokens a dense product goes through matvec (one grid column per token,
 /// the tokens' workgroups sharing the weight reads in L2): on the H200 matvec's cost grows
@@ -79,11 +86,14 @@ fn pipeline(
     geo: &Geometry,
     entry: &'static str,
     xvec: bool,
+    thin: bool,
 ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
     // a partial last float block is handled chunk by chunk: only misaligned rows go slow
     let slow = geo.misaligned();
-    let label = format!("{entry}_{}_bm{BM}_bn{BN}", geo.label(xvec, slow));
-    gpu.pipeline(&geo.defines(PipelineSpec::new(label, SRC, entry), xvec, slow))
+    let bn = if thin { BN_THIN } else { BN };
+    let label = format!("{entry}_{}_bm{BM}_bn{bn}", geo.label(xvec, slow));
+    let spec = PipelineSpec::new(label, SRC, entry).define("THIN", thin);
+    gpu.pipeline(&geo.defines(spec, xvec, slow))
 }
 
 /// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above
@@ -111,7 +121,7 @@ pub fn matmul_tiled(
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
-    let pipe = pipeline(gpu, &geo, "matmul", xvec)?;
+    let pipe = pipeline(gpu, &geo, "matmul", xvec, false)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
         if rows.div_ceil(BM) > MAX_GROUPS {
@@ -329,7 +339,8 @@ pub fn matmul_indexed_tiled(
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
-    let slots = r.max_tiles(n_pairs);
+    let thin = n_pairs < THIN_PAIRS * r.n_expert;
+    let slots = r.max_tiles(n_pairs) * if thin { BN / BN_THIN } else { 1 };
     let row_tiles = geo.rows.div_ceil(BM);
     if slots > MAX_GROUPS || row_tiles > MAX_GROUPS {
         return Err(Error::Invalid(format!(
@@ -338,7 +349,7 @@ pub fn matmul_indexed_tiled(
         )));
     }
     let xvec = x_vec(x, x_off, x_stride, x_rows);
-    let pipe = pipeline(gpu, &geo, "matmul_id", xvec)?;
+    let pipe = pipeline(gpu, &geo, "matmul_id", xvec, thin)?;
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {
         let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
