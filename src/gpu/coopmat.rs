@@ -45,7 +45,7 @@ const FILL: u32 = 256;
 /// MoE products with fewer pairs per expert than this on average take [`THIN`] tiles
 /// (measured on the H200: DeepSeek-V4's 6 pairs per expert ran 2.5x faster on them, the
 /// 35B-A3B's 16 per expert 1.3x slower: two thin workgroups decode the same weights).
-pub(crate) const THIN_PAIRS: u32 = 12;
+const THIN_PAIRS: u32 = 12;
 /// Tokens per workgroup of the dense kernel (`CBN`); the MoE kernel takes the route's tiles of
 /// [`super::matmul`]'s 64 pairs.
 const CBN_DENSE: u32 = 128;
