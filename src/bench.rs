@@ -44,6 +44,8 @@ pub struct BenchOptions {
     pub save_expert_stats: Option<std::path::PathBuf>,
     /// Kernels of many-token products (`--matmul`).
     pub matmul: crate::gpu::MatmulChoice,
+    /// Decode with speculation (`--spec`): greedy from the model's own picks.
+    pub spec: Option<crate::spec::SpecOptions>,
 }
 
 impl Default for BenchOptions {
@@ -61,6 +63,7 @@ impl Default for BenchOptions {
             expert_stats: None,
             save_expert_stats: None,
             matmul: Default::default(),
+            spec: None,
         }
     }
 }
@@ -140,6 +143,8 @@ pub struct BenchReport {
     /// The product path the timed prefills ran (`coop` when the matrix units took products,
     /// `tiled`, `none` without prefill or when every product took matvec).
     pub matmul: &'static str,
+    /// What speculation did in the decode test, and what its pieces cost.
+    pub spec: Option<(crate::spec::SpecStats, crate::spec::StepCosts)>,
 }
 
 /// One kernel's share of a decode step.
@@ -190,6 +195,16 @@ impl BenchReport {
             }),
             "placement": self.placement.as_ref().and_then(|p| serde_json::to_value(p).ok()),
             "matmul": self.matmul,
+            "spec": self.spec.as_ref().map(|(s, c)| json!({
+                "acceptance": s.acceptance(),
+                "tokens_per_forward": s.tokens_per_forward(),
+                "drafted": s.drafted,
+                "accepted": s.accepted,
+                "verify_passes": s.verify_passes,
+                "decode_step_ms": c.decode * 1e3,
+                "mtp_draft_ms": c.mtp_draft.map(|t| t * 1e3),
+                "verify_ms": c.verify.iter().map(|(k, t)| json!({"k": k, "ms": t * 1e3})).collect::<Vec<_>>(),
+            })),
         })
     }
 
@@ -278,6 +293,30 @@ impl BenchReport {
                 writeln!(
                     s,
                     "per-kernel breakdown: the adapter has no timestamp queries"
+                )
+                .ok();
+            }
+        }
+        if let Some((st, c)) = &self.spec {
+            writeln!(
+                s,
+                "\nspeculation: {:.1}% of {} drafts accepted, {:.2} tokens per verify pass; \
+                 decode step {:.3} ms, MTP draft {}",
+                100.0 * st.acceptance(),
+                st.drafted,
+                st.tokens_per_forward(),
+                c.decode * 1e3,
+                c.mtp_draft
+                    .map_or("-".to_string(), |t| format!("{:.3} ms", t * 1e3))
+            )
+            .ok();
+            for (k, t) in &c.verify {
+                writeln!(
+                    s,
+                    "  verify {} tokens: {:.3} ms ({:.2}x a decode step)",
+                    k + 1,
+                    t * 1e3,
+                    t / c.decode
                 )
                 .ok();
             }
@@ -374,7 +413,25 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         None
     };
     let matmul = e.gpu.take_matmul().name();
-    let decode = if opts.n_gen > 0 {
+    let mut spec = None;
+    let decode = if let (true, Some(so)) = (opts.n_gen > 0, &opts.spec) {
+        let mut secs = Vec::with_capacity(opts.reps);
+        let mut total = crate::spec::SpecStats::default();
+        for _ in 0..opts.reps {
+            fill(&mut e, &mut seq, &mut ids)?;
+            let first = ids.take(1, vocab)[0];
+            let s = Instant::now();
+            let st = crate::spec::greedy_run(&mut e, &mut seq, first, opts.n_gen, so)?;
+            secs.push(s.elapsed().as_secs_f64());
+            total.drafted += st.drafted;
+            total.accepted += st.accepted;
+            total.verify_passes += st.verify_passes;
+            total.tokens += st.tokens;
+        }
+        let tok = ids.take(1, vocab)[0];
+        spec = Some((total, crate::spec::step_costs(&mut e, &mut seq, tok, opts.reps * 4)?));
+        Some(Stat::new(opts.n_gen, &secs))
+    } else if opts.n_gen > 0 {
         let mut secs = Vec::with_capacity(opts.reps);
         for _ in 0..opts.reps {
             fill(&mut e, &mut seq, &mut ids)?;
@@ -442,6 +499,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         prefill_kernels,
         placement,
         matmul,
+        spec,
     })
 }
 

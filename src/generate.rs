@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::engine::{Engine, Logits, Seq, Want};
+use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer, CHATML};
 use crate::{Error, Result};
@@ -35,6 +36,8 @@ pub struct GenerateOptions {
     pub ignore_eog: bool,
     /// Set it (Ctrl-C, a closed connection) to end the generation before the next step.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Speculative decoding (`--spec`, `--draft`).
+    pub spec: SpecOptions,
 }
 
 impl Default for GenerateOptions {
@@ -45,6 +48,7 @@ impl Default for GenerateOptions {
             stop: Vec::new(),
             ignore_eog: false,
             cancel: None,
+            spec: SpecOptions::default(),
         }
     }
 }
@@ -128,6 +132,8 @@ pub struct Output {
     /// Why it ended; `None` when cancelled.
     pub finish: Option<FinishReason>,
     pub timings: Timings,
+    /// What speculation did; `None` without it.
+    pub spec: Option<SpecStats>,
 }
 
 /// Tokens per prefill piece: the models' pass size (`DEFAULT_BATCH` of both GPU forwards),
@@ -319,6 +325,32 @@ impl HeldSeq {
         Ok(live)
     }
 
+    /// `id` was sampled: the next logits through `spec` (see [`Speculator::next`]). While
+    /// a verify pass is in flight the sequence holds more than `tokens`: stale until settled.
+    fn speculate(
+        &mut self,
+        engine: &mut Engine,
+        spec: &mut Speculator,
+        id: u32,
+        want: Want,
+    ) -> Result<Logits> {
+        self.stale = true;
+        let tokens = &mut self.tokens;
+        let (logits, _) = spec.next(engine, &mut self.seq, id, want, &mut |t| {
+            tokens.extend_from_slice(t)
+        })?;
+        Ok(logits)
+    }
+
+    /// Ends `spec`'s verify pass in flight (the state past the accepted tokens rolled back).
+    fn settle(&mut self, engine: &mut Engine, spec: &mut Speculator) -> Result<()> {
+        self.stale = true;
+        let tokens = &mut self.tokens;
+        spec.settle(engine, &mut self.seq, &mut |t| tokens.extend_from_slice(t))?;
+        self.stale = false;
+        Ok(())
+    }
+
     /// Feeds `tokens` (at least one) and returns what `want` asks of the last one's logits.
     fn feed(&mut self, engine: &mut Engine, tokens: &[u32], want: Want) -> Result<Logits> {
         self.stale = true;
@@ -455,6 +487,7 @@ impl Session {
             text: String::new(),
             finish: None,
             timings: Timings::default(),
+            spec: None,
         };
         if cancelled() {
             out.timings = timings;
@@ -462,7 +495,16 @@ impl Session {
         }
         // Greedy and top-k sampling read back only the best logits, found on the GPU.
         let want = opts.sampler.gpu_want(None);
-        let prefilled = self.prefill(engine, prompt, n_cached, checkpoint_at, want, &cancelled)?;
+        let mut spec = Speculator::new(engine, &opts.spec)?;
+        let prefilled = self.prefill(
+            engine,
+            prompt,
+            n_cached,
+            checkpoint_at,
+            want,
+            &cancelled,
+            spec.as_mut(),
+        )?;
         timings.prefill = t0.elapsed();
         let Some(mut logits) = prefilled else {
             out.timings = timings;
@@ -520,8 +562,15 @@ impl Session {
                 }
                 break;
             }
-            logits = self.held.feed(engine, &[id], want)?;
+            logits = match spec.as_mut() {
+                None => self.held.feed(engine, &[id], want)?,
+                Some(s) => self.held.speculate(engine, s, id, want)?,
+            };
             check_finite(engine, &logits, out.tokens.len())?;
+        }
+        if let Some(mut s) = spec {
+            self.held.settle(engine, &mut s)?;
+            out.spec = Some(s.stats);
         }
         timings.n_generated = out.tokens.len();
         timings.decode = t_first.map(|t| t.elapsed()).unwrap_or_default();
@@ -540,6 +589,7 @@ impl Session {
         checkpoint_at: usize,
         want: Want,
         cancelled: &dyn Fn() -> bool,
+        mut spec: Option<&mut Speculator>,
     ) -> Result<Option<Logits>> {
         let mut at = from;
         loop {
@@ -548,11 +598,23 @@ impl Session {
                 end = checkpoint_at;
             }
             let last = end == prompt.len();
-            let logits = self.held.feed(
-                engine,
-                &prompt[at..end],
-                if last { want } else { Want::None },
-            )?;
+            let piece_want = if last { want } else { Want::None };
+            let logits = match spec.as_deref_mut() {
+                None => self.held.feed(engine, &prompt[at..end], piece_want)?,
+                Some(s) => {
+                    let after = prompt.get(end).copied();
+                    self.held.stale = true;
+                    let l = s.feed_prompt(
+                        engine,
+                        &mut self.held.seq,
+                        &prompt[at..end],
+                        after,
+                        piece_want,
+                    )?;
+                    self.held.fed(&prompt[at..end]);
+                    l
+                }
+            };
             at = end;
             if at == checkpoint_at {
                 self.held.save_checkpoint(engine)?;

@@ -31,6 +31,7 @@ pub mod safetensors;
 pub mod sample;
 pub mod selftest;
 pub mod server;
+pub mod spec;
 pub mod synth;
 pub mod tensor;
 pub mod tokenizer;

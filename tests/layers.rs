@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 /// - `moe`: the expert planner and the offload that runs it on both devices;
 /// - `models` (one folder per architecture), with the text pieces that load beside a model
 ///   (`tokenizer`, `sample`) and `synth` (writes model files with a family's names);
-/// - `engine`, the library's front door; `generate`/`bench` drive an engine and `selftest`
-///   the kernels; front ends last.
+/// - `engine`, the library's front door; `generate`/`bench` drive an engine (`spec`: the
+///   speculative decoding loop they share) and `selftest` the kernels; front ends last.
 const LAYERS: &[&[&str]] = &[
     &["error", "dtype", "tensor", "npy", "forward"],
     &["quant"],
@@ -34,7 +34,7 @@ const LAYERS: &[&[&str]] = &[
     &["moe"],
     &["models", "tokenizer", "sample", "synth"],
     &["engine"],
-    &["generate", "bench", "selftest"],
+    &["generate", "spec", "bench", "selftest"],
     &["server"],
     &["cli", "main", "bin", "lib"],
 ];

@@ -52,6 +52,17 @@ pub struct BenchArgs {
     /// Seed of the random token ids.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+    /// Decode with speculative decoding (mtp: the model's MTP block), greedily from the
+    /// model's own picks; also times verify passes of 2..8 tokens and an MTP draft.
+    #[arg(long, value_name = "MODE")]
+    pub spec: Option<lathe::spec::SpecMode>,
+    /// Tokens drafted per verify pass (with --spec).
+    #[arg(long, value_name = "N", default_value_t = lathe::spec::DEFAULT_DRAFT)]
+    pub draft: usize,
+    /// With --spec: take every draft as accepted (the output is then the drafts'), which
+    /// measures the mechanism's ceiling on random weights.
+    #[arg(long, requires = "spec")]
+    pub accept_all: bool,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -68,6 +79,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         expert_stats: a.moe.expert_stats.clone(),
         save_expert_stats: a.moe.save_expert_stats.clone(),
         matmul: a.moe.matmul,
+        spec: a.spec.map(|mode| lathe::spec::SpecOptions {
+            mode,
+            draft: a.draft,
+            accept_all: a.accept_all,
+        }),
     };
     let r = bench::run(&a.model, &opts)?;
     eprintln!(

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use super::run::{
     has_vocabulary, interrupt_flag, load_engine_seqs, no_vocabulary, set_busy, ModelArgs,
-    SamplingArgs,
+    SamplingArgs, SpecArgs,
 };
 
 #[derive(Args, Debug)]
@@ -46,6 +46,8 @@ pub struct ChatArgs {
     pub stats: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 const HELP: &str = "Type a message and press Enter (end a line with \\ to go on to the next). \
@@ -74,6 +76,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         stop: args.stop.clone(),
         ignore_eog: false,
         cancel: Some(interrupt.clone()),
+        spec: args.spec.options(),
     };
     let interactive = std::io::stdin().is_terminal();
     if interactive {

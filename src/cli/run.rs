@@ -179,6 +179,30 @@ impl SamplingArgs {
     }
 }
 
+/// Speculative decoding: how the next tokens are drafted before the model checks them in
+/// one pass (the output is what it would be without: greedy token for token, sampled at
+/// the same seed alike).
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Drafts from: mtp (the model's multi-token prediction block), off, or auto (mtp when
+    /// the file has the block).
+    #[arg(long = "spec", value_name = "MODE", default_value = "auto")]
+    pub mode: lathe::spec::SpecMode,
+    /// Tokens drafted per verify pass.
+    #[arg(long, value_name = "N", default_value_t = lathe::spec::DEFAULT_DRAFT)]
+    pub draft: usize,
+}
+
+impl SpecArgs {
+    pub fn options(&self) -> lathe::spec::SpecOptions {
+        lathe::spec::SpecOptions {
+            mode: self.mode,
+            draft: self.draft,
+            accept_all: false,
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
@@ -221,6 +245,8 @@ pub struct RunArgs {
     pub no_parse_special: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 /// Loads the model with a progress bar on stderr (bytes uploaded), then one line saying what
@@ -364,7 +390,17 @@ pub fn print_stats(out: &Output) {
         Some(FinishReason::StopString(i)) => format!("stop string {}", i + 1),
         Some(FinishReason::Length) => "token limit".to_string(),
     };
-    eprintln!("[{} | {why}]", out.timings);
+    let spec = match &out.spec {
+        Some(s) => format!(
+            " | drafts accepted {:.1}% ({} of {}), {:.2} tokens per pass",
+            100.0 * s.acceptance(),
+            s.accepted,
+            s.drafted,
+            s.tokens_per_forward()
+        ),
+        None => String::new(),
+    };
+    eprintln!("[{}{spec} | {why}]", out.timings);
 }
 
 /// Whether the model file carries a vocabulary, found without loading the weights: GGUF
@@ -448,6 +484,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         stop: args.stop.clone(),
         ignore_eog: false,
         cancel: Some(cancel.clone()),
+        spec: args.spec.options(),
     };
     let stdout = std::io::stdout();
     let mut w = stdout.lock();

@@ -39,6 +39,10 @@ pub struct SynthArgs {
     /// Seed of the random weights (the same seed gives the same file).
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+    /// Add the multi-token prediction (MTP) block the releases ship, with their names and
+    /// shapes (llama.cpp's `blk.N.nextn.*`): what `--spec mtp` drafts with.
+    #[arg(long)]
+    pub mtp: bool,
     /// Print a JSON summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -85,6 +89,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         n_layer: a.layers,
         skew: a.skew,
         n_vocab: a.vocab,
+        mtp: a.mtp,
         ..Default::default()
     };
     let plan = synth::plan(&preset, &opts, vocab.as_ref())?;

@@ -7,6 +7,7 @@
 
 pub mod deepseek4;
 pub mod qwen35;
+pub mod spec;
 
 use crate::forward::{LoadOptions, Logits, Want};
 use crate::gpu::Gpu;
@@ -73,6 +74,10 @@ pub trait Forward: Send {
     fn routed_experts(&self) -> usize;
     /// Longest context the KV caches can grow to where a binding limit bounds it.
     fn max_context(&self) -> Option<usize>;
+    /// Speculative decoding's passes, where the family has them.
+    fn speculate(&mut self) -> Option<&mut dyn spec::Speculate> {
+        None
+    }
 }
 
 /// One sequence's state (KV cache, recurrent state, position) for a model of any family:

@@ -236,6 +236,7 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
         meta,
         tensors: t,
         n_layer: n,
+        n_blocks: n,
         n_expert: d.n_expert,
         // The converter marks the file MOSTLY_MXFP4_MOE whatever its outtype.
         float_file_type: Some(38),

@@ -217,7 +217,7 @@ pub(crate) fn quantize_order(a: &str, b: &str) -> std::cmp::Ordering {
 
 /// What llama-quantize needs to know about the model besides the tensor list.
 pub(crate) struct QuantModel {
-    /// `hparams.n_layer_all` (no MTP layers in synth files).
+    /// `hparams.n_layer_all`: `block_count`, MTP blocks included.
     pub n_layer: usize,
     /// `hparams.n_expert` (0 for dense models).
     pub n_expert: usize,

@@ -128,6 +128,8 @@ pub struct PlanOptions {
     /// type of tensors llama-quantize leaves alone, e.g. DeepSeek's router. BF16 by default,
     /// as the fixture files were made.
     pub base: DType,
+    /// Add the multi-token prediction block of the releases (Qwen3.5 only, `--mtp`).
+    pub mtp: bool,
 }
 
 impl Default for PlanOptions {
@@ -138,6 +140,7 @@ impl Default for PlanOptions {
             skew: 0.0,
             n_vocab: None,
             base: DType::BF16,
+            mtp: false,
         }
     }
 }
@@ -182,6 +185,8 @@ struct ArchDraft {
     meta: Vec<(String, Value)>,
     tensors: Vec<Draft>,
     n_layer: usize,
+    /// `block_count`: the layers and the MTP blocks after them.
+    n_blocks: usize,
     n_expert: usize,
     /// `general.file_type` the converter writes for float outtypes when it differs from the
     /// outtype's (DeepSeek-V4: 38, MXFP4_MOE, since its experts stay MXFP4).
@@ -233,7 +238,12 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
                 d.n_layer = n;
             }
             d.n_vocab = n_vocab;
-            qwen35::draft(&d, opts.skew)
+            qwen35::draft(&d, opts.skew, opts.mtp)
+        }
+        Dims::Deepseek4(_) if opts.mtp => {
+            return Err(Error::Unsupported(
+                "--mtp: DeepSeek-V4's MTP block is not written yet (Qwen3.5 presets only)".into(),
+            ))
         }
         Dims::Deepseek4(d) => {
             let mut d = d.clone();
@@ -310,7 +320,7 @@ fn finish(
             })
             .collect();
         let model = ftype::QuantModel {
-            n_layer: draft.n_layer,
+            n_layer: draft.n_blocks,
             n_expert: draft.n_expert,
         };
         let types = ftype::quantized_types(&inputs, &model, ftype)?;

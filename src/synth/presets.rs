@@ -116,6 +116,7 @@ pub const DSV4_VOCAB: usize = 129_280;
 /// The names `--preset` takes.
 pub const PRESET_NAMES: &[&str] = &[
     "demo",
+    "demo-deepseek4",
     "qwen3.5-0.8b",
     "qwen3.5-4b",
     "qwen3.5-9b",
@@ -253,6 +254,36 @@ pub fn preset(name: &str) -> Result<Preset> {
                 moe: None,
             }),
             default_type: FileType::Q4_K_M,
+            demo: true,
+        },
+        // DeepSeek-V4 at lavapipe scale: 4 layers (window only, ratio 4 with its indexer,
+        // ratio 128, window only), 4 heads of 128 rotating 64, 16 experts top-2 behind one
+        // hash-routed layer; every row a whole number of 32-blocks for Q8_0 and MXFP4.
+        "demo-deepseek4" => Preset {
+            name: "demo-deepseek4".into(),
+            display: "Lathe Demo DeepSeek-V4".into(),
+            dims: Dims::Deepseek4(DsDims {
+                n_embd: 256,
+                n_layer: 4,
+                n_head: 4,
+                head_dim: 128,
+                rope_dim: 64,
+                q_lora: 128,
+                o_groups: 2,
+                o_lora: 128,
+                n_expert: 16,
+                n_used: 2,
+                n_ff_exp: 256,
+                n_shared: 1,
+                window: 32,
+                ix_heads: 4,
+                ix_dim: 64,
+                ix_top_k: 16,
+                compress_ratios: vec![0, 4, 128, 0],
+                n_hash: 1,
+                ..deepseek_v4_flash()
+            }),
+            default_type: FileType::Q8_0,
             demo: true,
         },
         // The small releases tie the output head to the embedding (0.8B's config says

@@ -16,7 +16,10 @@ fn rope_sections(rope_dim: usize) -> [i32; 4] {
     [a as i32, a as i32, (pairs - 2 * a) as i32, 0]
 }
 
-pub(super) fn draft(d: &QwenDims, skew: f32) -> ArchDraft {
+/// `mtp`: add a multi-token prediction block as llama.cpp names it: block `n_layer` (counted
+/// in `block_count`, `nextn_predict_layers` = 1) with a full-attention decoder layer of the
+/// trunk's FFN kind and `nextn.{eh_proj, enorm, hnorm, shared_head_norm}`.
+pub(super) fn draft(d: &QwenDims, skew: f32, mtp: bool) -> ArchDraft {
     let arch = if d.moe.is_some() {
         keys::ARCH_QWEN35MOE
     } else {
@@ -24,14 +27,15 @@ pub(super) fn draft(d: &QwenDims, skew: f32) -> ArchDraft {
     };
     let h = d.n_embd;
     let k = |s: &str| keys::key(arch, s);
-    let is_full = |l: usize| (l + 1).is_multiple_of(d.full_attention_interval);
+    let is_full = |l: usize| l >= d.n_layer || (l + 1).is_multiple_of(d.full_attention_interval);
+    let n_blocks = d.n_layer + usize::from(mtp);
     let q_heads = d.n_head * d.head_dim;
     let kv_width = d.n_head_kv * d.head_dim;
     let inner = d.n_v_heads * d.d_v;
     let conv_dim = 2 * d.n_k_heads * d.d_k + inner;
 
     let mut meta: Vec<(String, Value)> = vec![
-        (k(keys::BLOCK_COUNT), (d.n_layer as u32).into()),
+        (k(keys::BLOCK_COUNT), (n_blocks as u32).into()),
         (k(keys::CONTEXT_LENGTH), (d.ctx as u32).into()),
         (k(keys::EMBEDDING_LENGTH), (h as u32).into()),
     ];
@@ -67,7 +71,7 @@ pub(super) fn draft(d: &QwenDims, skew: f32) -> ArchDraft {
             (m.n_ff_shexp as u32).into(),
         ));
     }
-    let recurrent: Vec<Value> = (0..d.n_layer).map(|l| Value::Bool(!is_full(l))).collect();
+    let recurrent: Vec<Value> = (0..n_blocks).map(|l| Value::Bool(!is_full(l))).collect();
     meta.extend([
         (k(keys::SSM_CONV_KERNEL), (d.conv_kernel as u32).into()),
         (k(keys::SSM_STATE_SIZE), (d.d_k as u32).into()),
@@ -81,6 +85,9 @@ pub(super) fn draft(d: &QwenDims, skew: f32) -> ArchDraft {
         ),
         (k(keys::ROPE_DIMENSION_COUNT), (d.rope_dim as u32).into()),
     ]);
+    if mtp {
+        meta.push((k(keys::NEXTN_PREDICT_LAYERS), 1u32.into()));
+    }
 
     let mut t: Vec<Draft> = Vec::new();
     let w = |name: String, shape: &[usize]| {
@@ -92,8 +99,14 @@ pub(super) fn draft(d: &QwenDims, skew: f32) -> ArchDraft {
         t.push(w("output.weight".into(), &[d.n_vocab, h]));
     }
     t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
-    for l in 0..d.n_layer {
+    for l in 0..n_blocks {
         let b = |s: &str| format!("blk.{l}.{s}");
+        if l == d.n_layer {
+            t.push(w(b("nextn.eh_proj.weight"), &[h, 2 * h]));
+            t.push(norm(b("nextn.enorm.weight"), h));
+            t.push(norm(b("nextn.hnorm.weight"), h));
+            t.push(norm(b("nextn.shared_head_norm.weight"), h));
+        }
         t.push(norm(b("attn_norm.weight"), h));
         if !is_full(l) {
             // Gated DeltaNet: `ssm_a` is −exp(A_log) (A_log = log U(1, 16) in HF's init),
@@ -176,6 +189,7 @@ pub(super) fn draft(d: &QwenDims, skew: f32) -> ArchDraft {
         meta,
         tensors: t,
         n_layer: d.n_layer,
+        n_blocks,
         n_expert: d.moe.as_ref().map_or(0, |m| m.n_expert),
         float_file_type: None,
     }

@@ -77,6 +77,10 @@ pub struct Hparams {
     pub d_v: usize,
     pub head_map: HeadMap,
     pub moe: Option<MoeParams>,
+    /// Multi-token prediction blocks in the file (GGUF `nextn_predict_layers`, counted in
+    /// `block_count` after the trunk; HF `mtp_num_hidden_layers` when `mtp.*` is present).
+    /// lathe runs the first.
+    pub n_mtp: usize,
 }
 
 impl Hparams {
@@ -104,7 +108,15 @@ impl Hparams {
                     }
                 };
                 let k = |s: &str| format!("{arch}.{s}");
-                let n_layer = g.get_usize(&k("block_count"))?;
+                let n_blocks = g.get_usize(&k("block_count"))?;
+                let n_mtp = g.opt_usize(&k("nextn_predict_layers"))?.unwrap_or(0);
+                let n_layer = n_blocks.checked_sub(n_mtp).ok_or_else(|| {
+                    Error::config(
+                        g.path(),
+                        k("nextn_predict_layers"),
+                        format!("{n_mtp} MTP blocks of {n_blocks} blocks"),
+                    )
+                })?;
                 let n_embd = g.get_usize(&k("embedding_length"))?;
                 let n_head = g.get_usize(&k("attention.head_count"))?;
                 let n_head_kv = g.get_usize(&k("attention.head_count_kv"))?;
@@ -119,7 +131,14 @@ impl Hparams {
                     None => g.require("token_embd.weight")?.shape[0] as usize,
                 };
                 let recurrent = match g.get(&k("attention.recurrent_layers")) {
-                    Some(_) => g.get_bool_array(&k("attention.recurrent_layers"))?,
+                    // The MTP blocks' entries (full attention) follow the trunk's.
+                    Some(_) => {
+                        let mut r = g.get_bool_array(&k("attention.recurrent_layers"))?;
+                        if r.len() == n_blocks {
+                            r.truncate(n_layer);
+                        }
+                        r
+                    }
                     None => {
                         let key = k("full_attention_interval");
                         let every = g.opt_usize(&key)?.unwrap_or(4);
@@ -175,6 +194,7 @@ impl Hparams {
                         HeadMap::Mod
                     },
                     moe,
+                    n_mtp,
                 };
                 hp.validate(&g.path().display().to_string())
             }
@@ -237,6 +257,14 @@ impl Hparams {
                     _ => None,
                 };
                 let n_vocab = h.cfg_u64("vocab_size")? as usize;
+                // Conversions often drop the MTP weights while keeping the config key.
+                let n_mtp = match h.tensor("mtp.fc.weight") {
+                    Some(_) => h
+                        .cfg_opt_u64("mtp_num_hidden_layers")?
+                        .or(h.cfg_opt_u64("num_nextn_predict_layers")?)
+                        .unwrap_or(1) as usize,
+                    None => 0,
+                };
                 let hp = Hparams {
                     family,
                     gguf: false,
@@ -258,6 +286,7 @@ impl Hparams {
                     d_v: h.cfg_u64("linear_value_head_dim")? as usize,
                     head_map: HeadMap::Div,
                     moe,
+                    n_mtp,
                 };
                 hp.validate(&h.config_path().display().to_string())
             }

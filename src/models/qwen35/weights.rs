@@ -54,7 +54,24 @@ pub enum W {
     ShUp(usize),
     ShDown(usize),
     ShGateInp(usize),
+    // Multi-token prediction (MTP / NextN) block: the index is its GGUF block (`n_layer`);
+    // its decoder layer's tensors are the roles above at that index (HF: at
+    // [`MTP_HF_LAYER`]).
+    /// `[n_embd, 2·n_embd]` over `[enorm(embedding) | hnorm(hidden)]`.
+    MtpFc(usize),
+    MtpEnorm(usize),
+    MtpHnorm(usize),
+    /// The norm before the head.
+    MtpNorm(usize),
+    /// GGUF only, optional: the block's own head and embedding (else the model's).
+    MtpHead(usize),
+    MtpEmbd(usize),
 }
+
+/// The layer index that names the HF checkpoint's MTP decoder layer (`mtp.layers.0.*`) with
+/// the layer roles of [`W`]: the GGUF names it `blk.{n_layer}.*`, an index a table without
+/// the hyper-parameters cannot tell from a trunk layer's.
+pub const MTP_HF_LAYER: usize = 1 << 24;
 
 impl W {
     pub fn gguf_name(self) -> String {
@@ -94,13 +111,23 @@ impl W {
             ShUp(l) => b(l, "ffn_up_shexp.weight"),
             ShDown(l) => b(l, "ffn_down_shexp.weight"),
             ShGateInp(l) => b(l, "ffn_gate_inp_shexp.weight"),
+            // llama.cpp's NextN names (`LLM_TENSOR_NEXTN_*`).
+            MtpFc(l) => b(l, "nextn.eh_proj.weight"),
+            MtpEnorm(l) => b(l, "nextn.enorm.weight"),
+            MtpHnorm(l) => b(l, "nextn.hnorm.weight"),
+            MtpNorm(l) => b(l, "nextn.shared_head_norm.weight"),
+            MtpHead(l) => b(l, "nextn.shared_head_head.weight"),
+            MtpEmbd(l) => b(l, "nextn.embed_tokens.weight"),
         }
     }
 
     /// HF name, after the safetensors reader's `model.language_model.` → `model.` mapping.
     pub fn hf_name(self) -> String {
         use W::*;
-        let b = |l: usize, s: &str| format!("model.layers.{l}.{s}");
+        let b = |l: usize, s: &str| match l.checked_sub(MTP_HF_LAYER) {
+            Some(m) => format!("mtp.layers.{m}.{s}"),
+            None => format!("model.layers.{l}.{s}"),
+        };
         match self {
             TokEmbd => "model.embed_tokens.weight".into(),
             Output => "lm_head.weight".into(),
@@ -138,6 +165,12 @@ impl W {
             ShUp(l) => b(l, "mlp.shared_expert.up_proj.weight"),
             ShDown(l) => b(l, "mlp.shared_expert.down_proj.weight"),
             ShGateInp(l) => b(l, "mlp.shared_expert_gate.weight"),
+            MtpFc(_) => "mtp.fc.weight".into(),
+            MtpEnorm(_) => "mtp.pre_fc_norm_embedding.weight".into(),
+            MtpHnorm(_) => "mtp.pre_fc_norm_hidden.weight".into(),
+            MtpNorm(_) => "mtp.norm.weight".into(),
+            // The releases share the trunk's head and embedding: no such tensors.
+            MtpHead(_) | MtpEmbd(_) => String::new(),
         }
     }
 }
@@ -226,6 +259,25 @@ pub struct Weights<T, S = ()> {
     /// [n_embd], already `1+w`.
     pub output_norm: T,
     pub layers: Vec<Layer<T, S>>,
+    /// The MTP block, when the file has one (`Hparams::n_mtp`).
+    pub mtp: Option<Mtp<T, S>>,
+}
+
+/// The multi-token prediction block (Qwen3-Next / Qwen3.5 `mtp.*`, llama.cpp `nextn`):
+/// `x = fc([enorm(embed(t)) | hnorm(h)])`, one full-attention decoder layer, `norm`, the
+/// head. `h` is the hidden state the head saw at the previous position.
+pub struct Mtp<T, S = ()> {
+    /// [n_embd, 2·n_embd]
+    pub fc: T,
+    /// [n_embd] each, already `1+w`.
+    pub enorm: T,
+    pub hnorm: T,
+    pub norm: T,
+    /// [n_vocab, n_embd]; `None`: the model's head (and embedding).
+    pub head: Option<T>,
+    pub embd: Option<T>,
+    /// Its decoder layer (full attention, the model's FFN kind).
+    pub layer: Layer<T, S>,
 }
 
 /// What a sink makes of a set: one `T` per member (in order), and the set's own form.
@@ -346,11 +398,55 @@ pub fn load_sets<S: Sink>(
             ffn_set,
         });
     }
+    let mtp = match hp.n_mtp {
+        0 => None,
+        _ => Some(load_mtp(&ld, hp, &mut sink)?),
+    };
     Ok(Weights {
         tok_embd,
         output,
         output_norm,
         layers,
+        mtp,
+    })
+}
+
+/// The MTP block: GGUF `blk.{n_layer}.*` with its `nextn.*` tensors, HF `mtp.*`.
+fn load_mtp<S: Sink>(ld: &Loader<'_>, hp: &Hparams, sink: &mut S) -> Result<Mtp<S::T, S::Set>> {
+    let l = if ld.gguf { hp.n_layer } else { MTP_HF_LAYER };
+    let e = hp.n_embd as u64;
+    let fc = sink.one(Weight::Stored(ld.shaped(W::MtpFc(l), &[e, 2 * e])?))?;
+    let enorm = sink.one(ld.norm(W::MtpEnorm(l), hp.n_embd)?)?;
+    let hnorm = sink.one(ld.norm(W::MtpHnorm(l), hp.n_embd)?)?;
+    let norm = sink.one(ld.norm(W::MtpNorm(l), hp.n_embd)?)?;
+    let mut vocab = |w: W| -> Result<Option<S::T>> {
+        let Some(t) = ld.get(w).filter(|_| ld.gguf) else {
+            return Ok(None);
+        };
+        crate::models::expect_shape(&t, &[hp.n_vocab as u64, e])?;
+        sink.one(Weight::Stored(t)).map(Some)
+    };
+    let head = vocab(W::MtpHead(l))?;
+    let embd = vocab(W::MtpEmbd(l))?;
+    let attn_norm = sink.one(ld.norm(W::AttnNorm(l), hp.n_embd)?)?;
+    let post_norm = sink.one(ld.norm(W::PostNorm(l), hp.n_embd)?)?;
+    let (a, mixer_set) = load_attn(ld, hp, l, sink)?;
+    let (ffn, ffn_set) = load_ffn(ld, hp, l, sink)?;
+    Ok(Mtp {
+        fc,
+        enorm,
+        hnorm,
+        norm,
+        head,
+        embd,
+        layer: Layer {
+            attn_norm,
+            post_norm,
+            mixer: Mixer::Attn(a),
+            ffn,
+            mixer_set,
+            ffn_set,
+        },
     })
 }
 

@@ -31,6 +31,7 @@ impl GpuModel {
         &mut self,
         items: &mut [(&mut GpuSeq, &[u32], Want)],
     ) -> Result<Vec<Logits>> {
+        self.spec.trunk = None;
         for (_, t, w) in items.iter() {
             self.check_tokens(t)?;
             crate::forward::check_want(*w)?;
@@ -194,7 +195,8 @@ impl GpuModel {
             n,
             View::new(&sc.x, 0),
         )?;
-        for (l, lw) in self.w.layers.iter().enumerate() {
+        // The trunk's layers; an MTP block's layer follows them (`spec.rs`).
+        for (l, lw) in self.w.layers.iter().enumerate().take(hp.n_layer) {
             norm::rms_norm(
                 &mut pass,
                 n,
@@ -476,7 +478,7 @@ impl GpuModel {
             o_off: 0,
             o_stride: vd,
         };
-        if parts.iter().all(|p| p.n == 1) {
+        if parts.iter().all(|p| p.n == 1) || self.spec.exact {
             gdn::recurrent(pass, &shape, &sc.batch, &io)?;
         } else {
             gdn::chunked(pass, &shape, &sc.batch, &io, &sc.gdn_scratch)?;
@@ -611,8 +613,21 @@ impl GpuModel {
                 },
             )
         };
+        // Verify rows (`spec.exact`): each row as the one-token decode call at its position.
+        for p in parts.iter().filter(|p| p.n > 1 && self.spec.exact) {
+            for j in 0..p.n as u32 {
+                let q = p.pos0 as u32 + j;
+                let keys = Keys::Causal {
+                    row0: p.slot * cap,
+                    pos0: q,
+                    n_kv: q + 1,
+                    window: 0,
+                };
+                call(pass, p.row as u32 + j, 1, keys, q + 1, false)?;
+            }
+        }
         // Prefill parts: causal over their own slot's rows (flash tiles shared by queries).
-        for p in parts.iter().filter(|p| p.n > 1) {
+        for p in parts.iter().filter(|p| p.n > 1 && !self.spec.exact) {
             let (pos0, np) = (p.pos0 as u32, p.n as u32);
             let keys = Keys::Causal {
                 row0: p.slot * cap,

@@ -179,7 +179,11 @@ impl GpuModel {
             done: 0,
             total: file.tensors().map(|t| t.data.len() as u64).sum(),
         };
-        let w = weights::load_sets(file, &hp, sink)?;
+        let mut w = weights::load_sets(file, &hp, sink)?;
+        if plan.is_some() && hp.moe.is_some() && w.mtp.take().is_some() {
+            // Its experts would be stand-ins for an arena that has no slots for them.
+            eprintln!("note: the MTP block is not loaded: the routed experts are offloaded");
+        }
         let inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, hp.n_rot.max(2));
         let rope = RopeTable::new(&gpu, &inv, "qwen35.rope")?;
         let kv_type = match opts.kv_type {
@@ -198,7 +202,7 @@ impl GpuModel {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
             None => None,
         };
-        Ok(GpuModel {
+        let mut m = GpuModel {
             gpu,
             hp,
             w,
@@ -209,6 +213,9 @@ impl GpuModel {
             trace_layer: None,
             profile: None,
             offload,
-        })
+            spec: SpecState::default(),
+        };
+        m.attach_mtp()?;
+        Ok(m)
     }
 }

@@ -11,8 +11,10 @@
 
 mod forward;
 mod load;
+mod spec;
 mod state;
 
+pub use spec::{SpecState, MAX_VERIFY};
 pub use state::needs;
 
 use super::weights::{self, Ffn, Mixer, SetOut, Sink, Weights};
@@ -164,6 +166,8 @@ pub struct GpuModel {
     /// The expert arena and cold path when not every routed expert has a slot (or routing
     /// is counted); `None`: the per-layer expert stacks of `w`.
     pub offload: Option<Offload>,
+    /// The MTP block, verify mode and rollback state of speculative decoding.
+    pub spec: SpecState,
 }
 
 impl GpuModel {
@@ -276,5 +280,8 @@ impl Forward for GpuModel {
     }
     fn max_context(&self) -> Option<usize> {
         Some(self.max_positions())
+    }
+    fn speculate(&mut self) -> Option<&mut dyn crate::models::spec::Speculate> {
+        Some(self)
     }
 }

@@ -1,0 +1,454 @@
+//! Speculative decoding on the Qwen3.5 GPU forward: the MTP block that drafts tokens, the
+//! verify pass whose rows carry the bits of one-token decode steps, and the rollback of the
+//! recurrent state past a rejected draft.
+//!
+//! The MTP block (Qwen3-Next / Qwen3.5 `mtp.*`, llama.cpp `nextn`; vLLM's
+//! `Qwen3NextMultiTokenPredictor`): row `p` reads the hidden state `h_p` the head saw at
+//! position `p` and the token `t_{p+1}`, `x = fc([enorm(embed(t_{p+1})) | hnorm(h_p)])`, runs
+//! one full-attention decoder layer at position `p` (its own KV cache, the layer after the
+//! trunk's in the pools) and `norm`; the shared head gives the draft of `t_{p+2}`, and the
+//! normed row is the hidden state of the next chained draft.
+
+use super::*;
+use crate::models::spec::{Hidden, Speculate};
+
+/// Most rows of a verify pass (the drafted tokens plus one): up to here a MoE layer runs the
+/// per-pair matvec of decode (`matvec::MAX_TOKENS`), whose rows have one-token bits.
+pub const MAX_VERIFY: usize = crate::gpu::matvec::MAX_TOKENS as usize;
+
+/// The MTP block's weights (its decoder layer is `GpuModel::w.layers[n_layer]`) and rows.
+pub(super) struct MtpGpu {
+    /// [n_embd, 2·n_embd]
+    fc: GpuTensor,
+    enorm: GpuTensor,
+    hnorm: GpuTensor,
+    norm: GpuTensor,
+    /// [n_vocab, n_embd]; `None`: the trunk's.
+    head: Option<GpuTensor>,
+    embd: Option<GpuTensor>,
+    /// [rows, 2·n_embd]: `enorm(embedding) | hnorm(hidden)` per row.
+    cat: wgpu::Buffer,
+    /// [rows, n_embd]: the hidden states the rows read.
+    hid: wgpu::Buffer,
+    /// [rows, n_embd]: the block's output after `norm` (the head's input).
+    out: wgpu::Buffer,
+    /// (slot, position, row of `out`) of the last row run: what a chained draft reads.
+    last: Option<(u32, usize, u32)>,
+}
+
+/// One slot's recurrent state saved before a verify pass: per layer (conv, GDN state).
+struct Snap {
+    slot: u32,
+    pos: usize,
+    bufs: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
+}
+
+/// What speculation keeps in the model.
+#[derive(Default)]
+pub struct SpecState {
+    /// Run the next pass's rows through the decode kernels (recurrent GDN steps, one
+    /// attention call per row): each row then has the bits of a one-token decode step.
+    pub(super) exact: bool,
+    /// (slot, first position, rows) of the last pass fed through [`Speculate`]: the rows
+    /// `Scratch::x` still holds, whose hidden states the MTP block reads.
+    pub(super) trunk: Option<(u32, usize, usize)>,
+    snap: Option<Snap>,
+    pub(super) mtp: Option<MtpGpu>,
+}
+
+impl GpuModel {
+    /// Take the MTP block out of the loaded weights: its layer goes after the trunk's (so
+    /// the layer blocks and the pools serve it by index) with a KV cache of its own.
+    pub(super) fn attach_mtp(&mut self) -> Result<()> {
+        let Some(m) = self.w.mtp.take() else {
+            return Ok(());
+        };
+        let weights::Mtp {
+            fc,
+            enorm,
+            hnorm,
+            norm,
+            head,
+            embd,
+            layer,
+        } = m;
+        debug_assert_eq!(self.w.layers.len(), self.hp.n_layer);
+        self.w.layers.push(layer);
+        let p = &mut self.pools;
+        let shape = state::kv_shape(&self.hp, self.kv_type);
+        let rows = (p.slots * p.cap) as u64;
+        p.kv.push(Some((
+            self.gpu.buffer(shape.bytes(rows), "kv.k")?,
+            self.gpu.buffer(shape.bytes(rows), "kv.v")?,
+        )));
+        p.conv.push(None);
+        p.ssm.push(None);
+        let (r, e) = (self.scratch.rows as u64, self.hp.n_embd as u64);
+        self.spec.mtp = Some(MtpGpu {
+            fc,
+            enorm,
+            hnorm,
+            norm,
+            head,
+            embd,
+            cat: self.gpu.buffer(r * 2 * e * 4, "mtp.cat")?,
+            hid: self.gpu.buffer(r * e * 4, "mtp.hid")?,
+            out: self.gpu.buffer(r * e * 4, "mtp.out")?,
+            last: None,
+        });
+        Ok(())
+    }
+
+    /// Saves `seq`'s conv and GDN state (one submission of copies).
+    fn save_state(&mut self, seq: &GpuSeq) -> Result<()> {
+        let hp = &self.hp;
+        let conv_len = ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
+        let ssm_len = (hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
+        if self.spec.snap.is_none() {
+            let mut bufs = Vec::new();
+            for l in 0..self.pools.conv.len() {
+                bufs.push(match self.pools.conv[l] {
+                    Some(_) => Some((
+                        self.gpu.buffer(conv_len, "spec.conv")?,
+                        self.gpu.buffer(ssm_len, "spec.ssm")?,
+                    )),
+                    None => None,
+                });
+            }
+            self.spec.snap = Some(Snap {
+                slot: 0,
+                pos: 0,
+                bufs,
+            });
+        }
+        let snap = self.spec.snap.as_mut().expect("made above");
+        let s = seq.slot as u64;
+        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        for (l, b) in snap.bufs.iter().enumerate() {
+            if let (Some((c, h)), Some(pc), Some(ph)) = (b, &self.pools.conv[l], &self.pools.ssm[l])
+            {
+                enc.copy_buffer_to_buffer(pc, s * conv_len, c, 0, conv_len);
+                enc.copy_buffer_to_buffer(ph, s * ssm_len, h, 0, ssm_len);
+            }
+        }
+        self.gpu.queue.submit([enc.finish()]);
+        snap.slot = seq.slot;
+        snap.pos = seq.pos;
+        Ok(())
+    }
+
+    /// Puts back what [`GpuModel::save_state`] saved of `seq`; its position returns too.
+    fn restore_state(&mut self, seq: &mut GpuSeq) -> Result<()> {
+        let hp = &self.hp;
+        let conv_len = ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
+        let ssm_len = (hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
+        let snap = match &self.spec.snap {
+            Some(s) if s.slot == seq.slot && s.pos <= seq.pos => s,
+            _ => {
+                return Err(Error::Invalid(
+                    "rollback without a verify pass of this sequence before it".into(),
+                ))
+            }
+        };
+        let s = seq.slot as u64;
+        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        for (l, b) in snap.bufs.iter().enumerate() {
+            if let (Some((c, h)), Some(pc), Some(ph)) = (b, &self.pools.conv[l], &self.pools.ssm[l])
+            {
+                enc.copy_buffer_to_buffer(c, 0, pc, s * conv_len, conv_len);
+                enc.copy_buffer_to_buffer(h, 0, ph, s * ssm_len, ssm_len);
+            }
+        }
+        self.gpu.queue.submit([enc.finish()]);
+        seq.pos = snap.pos;
+        Ok(())
+    }
+
+    /// One pass over `tokens` of `seq` in one round; `exact`: through the decode kernels.
+    /// Per row the logits `want` asks for (`Top` and `All` per row; `Last` as `All`).
+    /// Any [`Speculate`] pass but `feed` comes here.
+    fn spec_pass(
+        &mut self,
+        seq: &mut GpuSeq,
+        tokens: &[u32],
+        want: Want,
+        exact: bool,
+    ) -> Result<Vec<Logits>> {
+        self.check_tokens(tokens)?;
+        crate::forward::check_want(want)?;
+        let n = tokens.len();
+        if n == 0 || n > self.scratch.rows {
+            return Err(Error::Invalid(format!(
+                "a speculative pass of {n} tokens (1..={} in one pass)",
+                self.scratch.rows
+            )));
+        }
+        self.spec.trunk = None;
+        let parts = [Part {
+            item: 0,
+            start: 0,
+            n,
+            row: 0,
+            slot: seq.slot,
+            pos0: seq.pos,
+        }];
+        let mut top = TopReq::default();
+        let mut wants = Vec::new();
+        match want {
+            Want::Top { k, lse } => {
+                top = TopReq {
+                    rows: (0..n).collect(),
+                    k,
+                    lse,
+                }
+            }
+            Want::All | Want::Last => wants.push((0, n)),
+            Want::None => {}
+        }
+        self.spec.exact = exact;
+        let r = self.run_round(&parts, tokens, &wants, &top);
+        self.spec.exact = false;
+        let (logits, tops) = r?;
+        self.spec.trunk = Some((seq.slot, seq.pos, n));
+        seq.pos += n;
+        Ok(match want {
+            Want::Top { .. } => tops.into_iter().map(Logits::Top).collect(),
+            Want::None => Vec::new(),
+            _ => logits
+                .chunks_exact(self.hp.n_vocab)
+                .map(|r| Logits::Full(r.to_vec()))
+                .collect(),
+        })
+    }
+
+    /// The MTP block over `tokens` (see the module doc). `Hidden::Trunk`: row `j` reads
+    /// row `j` of the last [`Speculate`] pass of `seq` (as many rows, from its first
+    /// position); `Hidden::Chain`: one row after the last MTP row, reading its output.
+    /// `Want::Top`: the last row's best logits; `All`: every row's logits.
+    fn mtp_pass(
+        &mut self,
+        seq: &GpuSeq,
+        hidden: Hidden,
+        tokens: &[u32],
+        want: Want,
+    ) -> Result<Vec<Logits>> {
+        self.check_tokens(tokens)?;
+        crate::forward::check_want(want)?;
+        let n = tokens.len();
+        let Some(m) = &self.spec.mtp else {
+            return Err(Error::Invalid("the model has no MTP block".into()));
+        };
+        let (pos0, src_row) = match hidden {
+            Hidden::Trunk => match self.spec.trunk {
+                Some((slot, p0, rows)) if slot == seq.slot && rows == n => (p0, None),
+                _ => {
+                    return Err(Error::Invalid(format!(
+                        "MTP over {n} trunk rows: the last pass of this sequence fed another number"
+                    )))
+                }
+            },
+            Hidden::Chain => match m.last {
+                Some((slot, p, row)) if slot == seq.slot && n == 1 => (p + 1, Some(row)),
+                _ => {
+                    return Err(Error::Invalid(
+                        "a chained MTP draft needs one token after an MTP row of this sequence"
+                            .into(),
+                    ))
+                }
+            },
+        };
+        let n = n as u32;
+        if n as usize > self.scratch.rows || n as usize > self.scratch.logit_rows && want == Want::All
+        {
+            return Err(Error::Invalid(format!("MTP pass of {n} rows")));
+        }
+        // This pass overwrites the trunk's rows.
+        self.spec.trunk = None;
+        let gpu = self.gpu.clone();
+        let mut pass = gpu.pass();
+        self.reserve(&mut pass, pos0 + n as usize)?;
+        let cap = self.pools.cap as u32;
+        let pos: Vec<u32> = (0..n).map(|j| pos0 as u32 + j).collect();
+        let kv_rows: Vec<u32> = pos.iter().map(|p| seq.slot * cap + p).collect();
+        let sc = &self.scratch;
+        gpu.write(&sc.ids, 0, bytemuck::cast_slice(tokens));
+        gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
+        gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+        let hp = &self.hp;
+        let e = hp.n_embd as u32;
+        let m = self.spec.mtp.as_ref().expect("checked above");
+        match src_row {
+            // The trunk's rows as its head saw them.
+            None => norm::rms_norm(
+                &mut pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                Some(View::new(&m.hid, 0)),
+                Some(&self.w.output_norm),
+                hp.eps,
+            )?,
+            Some(r) => ew::copy(
+                &mut pass,
+                1,
+                e,
+                View::new(&m.hid, 0),
+                View::new(&m.out, r * e),
+            )?,
+        }
+        let embd = m.embd.as_ref().unwrap_or(&self.w.tok_embd);
+        embed::embed(&mut pass, embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::strided(&m.cat, 0, 2 * e)),
+            Some(&m.enorm),
+            hp.eps,
+        )?;
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&m.hid, 0),
+            Some(View::strided(&m.cat, e, 2 * e)),
+            Some(&m.hnorm),
+            hp.eps,
+        )?;
+        matmul::matmul(&mut pass, &m.fc, &m.cat, 0, &sc.x, 0, n)?;
+        let l = hp.n_layer;
+        let lw = &self.w.layers[l];
+        let parts = [Part {
+            item: 0,
+            start: 0,
+            n: n as usize,
+            row: 0,
+            slot: seq.slot,
+            pos0,
+        }];
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(&lw.attn_norm),
+            hp.eps,
+        )?;
+        let Mixer::Attn(a) = &lw.mixer else {
+            unreachable!("the MTP layer is full attention")
+        };
+        self.attn_block(&mut pass, &parts, l, a, n)?;
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(&lw.post_norm),
+            hp.eps,
+        )?;
+        self.ffn_block(&mut pass, l, &lw.ffn, n)?;
+        norm::rms_norm(
+            &mut pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&m.out, 0)),
+            Some(&m.norm),
+            hp.eps,
+        )?;
+        let head = m
+            .head
+            .as_ref()
+            .or(self.w.output.as_ref())
+            .unwrap_or(&self.w.tok_embd);
+        let v = hp.n_vocab;
+        let out = match want {
+            Want::Top { k, lse } => {
+                matmul::matmul(&mut pass, head, &m.out, (n - 1) * e, &sc.logits, 0, 1)?;
+                sc.top
+                    .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                pass.submit()?;
+                sc.top
+                    .read(&gpu, 1, k, lse)?
+                    .into_iter()
+                    .map(Logits::Top)
+                    .collect()
+            }
+            Want::None => {
+                pass.submit()?;
+                Vec::new()
+            }
+            Want::All | Want::Last => {
+                matmul::matmul(&mut pass, head, &m.out, 0, &sc.logits, 0, n)?;
+                pass.submit()?;
+                gpu.read_f32(&sc.logits, 0, n as usize * v)?
+                    .chunks_exact(v)
+                    .map(|r| Logits::Full(r.to_vec()))
+                    .collect()
+            }
+        };
+        let m = self.spec.mtp.as_mut().expect("checked above");
+        m.last = Some((seq.slot, pos0 + n as usize - 1, n - 1));
+        Ok(out)
+    }
+
+    /// The hidden states the last MTP pass read, `[rows, n_embd]` (tests: the reference
+    /// block gets the same input).
+    pub fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>> {
+        let m = self
+            .spec
+            .mtp
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("the model has no MTP block".into()))?;
+        self.gpu.read_f32(&m.hid, 0, rows * self.hp.n_embd)
+    }
+}
+
+impl Speculate for GpuModel {
+    fn has_mtp(&self) -> bool {
+        self.spec.mtp.is_some()
+    }
+    fn max_verify(&self) -> usize {
+        MAX_VERIFY.min(self.scratch.rows)
+    }
+    fn feed(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
+        let s: &mut GpuSeq = seq.get_mut()?;
+        let pos0 = s.pos;
+        let out = self.forward_batch(&mut [(&mut *s, tokens, want)])?;
+        // One round of the model's pass size leaves every row in the scratch.
+        if tokens.len() <= self.scratch.rows {
+            self.spec.trunk = Some((s.slot, pos0, tokens.len()));
+        }
+        Ok(out)
+    }
+    fn verify(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
+        if tokens.len() > self.max_verify() {
+            return Err(Error::Invalid(format!(
+                "a verify pass of {} tokens (at most {})",
+                tokens.len(),
+                self.max_verify()
+            )));
+        }
+        let s = seq.get_mut()?;
+        self.save_state(s)?;
+        self.spec_pass(s, tokens, want, true)
+    }
+    fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()> {
+        let s = seq.get_mut()?;
+        self.restore_state(s)?;
+        self.spec.trunk = None;
+        if keep.is_empty() {
+            return Ok(());
+        }
+        self.spec_pass(s, keep, Want::None, true).map(drop)
+    }
+    fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
+        self.mtp_pass(seq.get()?, hidden, tokens, want)
+    }
+    fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>> {
+        GpuModel::mtp_hidden(self, rows)
+    }
+}

@@ -1,0 +1,42 @@
+//! What speculative decoding asks of a model family (`generate`'s speculation loop drives
+//! it): passes that keep their hidden states for a multi-token prediction (MTP) block, a
+//! verify pass whose rows have the bits of one-token decode steps, and a rollback of the
+//! state past a rejected draft.
+
+use super::Seq;
+use crate::forward::{Logits, Want};
+use crate::Result;
+
+/// Which hidden states an MTP pass reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hidden {
+    /// Row `j` reads the hidden state of row `j` of the sequence's last [`Speculate::feed`],
+    /// [`Speculate::verify`] or [`Speculate::rollback`] pass (as many tokens as it had
+    /// rows; positions from its first).
+    Trunk,
+    /// One token after the last MTP row of the sequence, reading that row's output: the
+    /// next draft of a chain.
+    Chain,
+}
+
+pub trait Speculate {
+    /// Whether the model runs an MTP block.
+    fn has_mtp(&self) -> bool;
+    /// Most tokens of one [`Speculate::verify`] pass.
+    fn max_verify(&self) -> usize;
+    /// Feed `tokens` as a forward does (the same passes; the logits `want` asks for, one
+    /// item), keeping the rows for [`Hidden::Trunk`] when they fit one pass.
+    fn feed(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
+    /// Feed `tokens` through the decode kernels, after saving the recurrent state: row `j`'s
+    /// logits (per row what `want` asks: `Top` or full) have the bits of a one-token decode
+    /// step at that position.
+    fn verify(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
+    /// Back to the state before the last verify pass, then `keep` (its accepted tokens)
+    /// fed again through the decode kernels.
+    fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()>;
+    /// The MTP block over `tokens` at the positions `hidden` implies; `Want::Top`: the last
+    /// row's best logits, `All`: every row's.
+    fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
+    /// The hidden states (`[rows, n_embd]`) the last MTP pass read.
+    fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>>;
+}

@@ -1,0 +1,352 @@
+//! Speculative decoding for the generation loop: the model's MTP block drafts `k` tokens, the
+//! target checks them in one verify pass of `k + 1` rows, and the loop samples from those
+//! rows in order for as long as each sampled token is the draft the next row was fed.
+//!
+//! The drafts are greedy (a one-hot draft distribution `q`), so the standard rejection rule
+//! (accept `x` with probability `min(1, p(x)/q(x))`, else sample `max(0, p - q)`
+//! renormalised) comes down to: sample `y` from the target's row as without speculation and
+//! accept the draft when `y` is it. Each row's logits have the bits of a one-token decode
+//! step at that position (the verify pass runs the decode kernels) and the sampler draws
+//! once per token either way, so speculation changes neither greedy output nor, at a fixed
+//! seed, sampled output: only how many target passes it takes.
+//!
+//! Past the first rejected draft the target's state is rolled back (the recurrent state
+//! saved before the verify pass, the accepted tokens fed again); KV rows past the position
+//! are simply overwritten later.
+
+use crate::engine::{Engine, Logits, Want};
+use crate::models::spec::{Hidden, Speculate};
+use crate::models::Seq;
+use crate::{Error, Result};
+
+/// `--spec`: where drafts come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SpecMode {
+    /// The model's MTP block when the file has one, else no speculation.
+    #[default]
+    Auto,
+    Mtp,
+    Off,
+}
+
+impl std::str::FromStr for SpecMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(SpecMode::Auto),
+            "mtp" => Ok(SpecMode::Mtp),
+            "off" => Ok(SpecMode::Off),
+            _ => Err(Error::Invalid(format!(
+                "--spec {s}: expected mtp, off or auto (draft models are not supported yet)"
+            ))),
+        }
+    }
+}
+
+/// Tokens drafted per verify pass when `--draft` is not given: a verify pass of up to 4
+/// rows costs about one decode step where weight reads bound it.
+pub const DEFAULT_DRAFT: usize = 3;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpecOptions {
+    pub mode: SpecMode,
+    /// Tokens drafted per verify pass (`--draft`).
+    pub draft: usize,
+    /// Take every draft as accepted whatever the target picks (benchmarks only: the output
+    /// is then the drafts', showing the mechanism's ceiling).
+    pub accept_all: bool,
+}
+
+impl Default for SpecOptions {
+    fn default() -> Self {
+        SpecOptions {
+            mode: SpecMode::Auto,
+            draft: DEFAULT_DRAFT,
+            accept_all: false,
+        }
+    }
+}
+
+/// What speculation did over a generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Verify passes of the target.
+    pub verify_passes: usize,
+    /// Tokens the verify passes produced (accepted drafts plus one per pass).
+    pub tokens: usize,
+}
+
+impl SpecStats {
+    /// Accepted / drafted, 0..1.
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            return 0.0;
+        }
+        self.accepted as f64 / self.drafted as f64
+    }
+    /// Tokens per target pass while decoding.
+    pub fn tokens_per_forward(&self) -> f64 {
+        if self.verify_passes == 0 {
+            return 0.0;
+        }
+        self.tokens as f64 / self.verify_passes as f64
+    }
+}
+
+/// The speculation state of one generation on one sequence.
+pub struct Speculator {
+    k: usize,
+    accept_all: bool,
+    /// The tokens of the current verify pass: the last sampled token, then the drafts.
+    fed: Vec<u32>,
+    /// Its rows' logits; rows `..used` were sampled from.
+    rows: Vec<Logits>,
+    used: usize,
+    /// The tokens after each trunk row of the last pass but the last row's (which is the
+    /// next sampled token): what the MTP block reads with those rows.
+    next: Vec<u32>,
+    pub stats: SpecStats,
+}
+
+fn spec_of(engine: &mut Engine) -> Result<&mut dyn Speculate> {
+    engine
+        .model
+        .speculate()
+        .ok_or_else(|| Error::Unsupported("speculative decoding for this architecture".into()))
+}
+
+impl Speculator {
+    /// A speculator for `engine` when `opts` asks for one and the model can run it;
+    /// `None`: decode without speculation.
+    pub fn new(engine: &mut Engine, opts: &SpecOptions) -> Result<Option<Speculator>> {
+        let has_mtp = engine.model.speculate().is_some_and(|s| s.has_mtp());
+        match opts.mode {
+            SpecMode::Off => return Ok(None),
+            SpecMode::Auto if !has_mtp => return Ok(None),
+            SpecMode::Mtp if !has_mtp => {
+                return Err(Error::Invalid(format!(
+                    "{}: --spec mtp, but the file has no MTP block",
+                    engine.path.display()
+                )))
+            }
+            _ => {}
+        }
+        let max = spec_of(engine)?.max_verify();
+        if opts.draft == 0 || opts.draft >= max {
+            return Err(Error::Invalid(format!(
+                "--draft {}: expected 1 to {} tokens",
+                opts.draft,
+                max - 1
+            )));
+        }
+        Ok(Some(Speculator {
+            k: opts.draft,
+            accept_all: opts.accept_all,
+            fed: Vec::new(),
+            rows: Vec::new(),
+            used: 0,
+            next: Vec::new(),
+            stats: SpecStats::default(),
+        }))
+    }
+
+    /// Feeds one prompt piece (`want` for its last token), keeping its hidden states for
+    /// the MTP block; `after`: the token that follows the piece when the prompt goes on.
+    pub fn feed_prompt(
+        &mut self,
+        engine: &mut Engine,
+        seq: &mut Seq,
+        piece: &[u32],
+        after: Option<u32>,
+        want: Want,
+    ) -> Result<Logits> {
+        let s = spec_of(engine)?;
+        let logits = s.feed(seq, piece, want)?;
+        self.next = piece[1..].to_vec();
+        if let Some(t) = after {
+            self.next.push(t);
+            s.mtp(seq, Hidden::Trunk, &self.next, Want::None)?;
+            self.next.clear();
+        }
+        logits
+            .into_iter()
+            .last()
+            .ok_or_else(|| Error::Gpu("the forward returned nothing".into()))
+    }
+
+    /// The draft the next unused row was fed, while a verify pass has rows left.
+    fn expected(&self) -> Option<u32> {
+        (self.used > 0 && self.used < self.fed.len()).then(|| self.fed[self.used])
+    }
+
+    /// `id` was sampled (from the prompt's last logits or the previous row): the logits of
+    /// the next position, from the current verify pass while its drafts hold, else from a
+    /// new draft and verify pass. Returns them and the token that counts as sampled (`id`,
+    /// or with `accept_all` the draft). `on_fed` gets the tokens the sequence now holds
+    /// for good.
+    pub fn next(
+        &mut self,
+        engine: &mut Engine,
+        seq: &mut Seq,
+        id: u32,
+        want: Want,
+        on_fed: &mut dyn FnMut(&[u32]),
+    ) -> Result<(Logits, u32)> {
+        let mut id = id;
+        if let Some(d) = self.expected() {
+            if self.accept_all {
+                id = d;
+            }
+            if id == d {
+                self.stats.accepted += 1;
+                self.used += 1;
+                return Ok((self.rows[self.used - 1].clone(), id));
+            }
+        }
+        self.settle(engine, seq, on_fed)?;
+        // The MTP rows over the new trunk rows, the last one reading `id`: its draft is the
+        // first; the chain drafts the rest.
+        self.next.push(id);
+        let s = spec_of(engine)?;
+        let greedy = Want::Top { k: 1, lse: false };
+        let first = s.mtp(seq, Hidden::Trunk, &self.next, greedy)?;
+        self.next.clear();
+        self.fed.clear();
+        self.fed.push(id);
+        let mut d = top1(&first)?;
+        self.fed.push(d);
+        for _ in 1..self.k {
+            d = top1(&s.mtp(seq, Hidden::Chain, &[d], greedy)?)?;
+            self.fed.push(d);
+        }
+        let per_row = match want {
+            Want::Top { .. } => want,
+            _ => Want::All,
+        };
+        self.rows = s.verify(seq, &self.fed, per_row)?;
+        if self.rows.len() != self.fed.len() {
+            return Err(Error::Gpu("the verify pass returned too few rows".into()));
+        }
+        self.stats.drafted += self.k;
+        self.stats.verify_passes += 1;
+        self.stats.tokens += 1;
+        self.used = 1;
+        Ok((self.rows[0].clone(), id))
+    }
+
+    /// Ends the current verify pass: the rows sampled from say which of its tokens count;
+    /// the state past them is rolled back. Call it when generation stops, so that the
+    /// sequence holds exactly the tokens fed before the last sampled one.
+    pub fn settle(
+        &mut self,
+        engine: &mut Engine,
+        seq: &mut Seq,
+        on_fed: &mut dyn FnMut(&[u32]),
+    ) -> Result<()> {
+        if self.used == 0 {
+            return Ok(());
+        }
+        let keep = self.used;
+        if keep < self.fed.len() {
+            spec_of(engine)?.rollback(seq, &self.fed[..keep])?;
+        }
+        self.stats.tokens += keep - 1;
+        on_fed(&self.fed[..keep]);
+        self.next = self.fed[1..keep].to_vec();
+        self.used = 0;
+        self.rows.clear();
+        Ok(())
+    }
+}
+
+fn top1(l: &[Logits]) -> Result<u32> {
+    match l.last() {
+        Some(Logits::Top(t)) if !t.cands.is_empty() => Ok(t.cands[0].0),
+        _ => Err(Error::Gpu("the MTP pass returned no draft".into())),
+    }
+}
+
+/// Greedy generation of `n` tokens after `first` on `seq` with speculation, as `lathe bench`
+/// times it (the argmax found on the GPU): what the verify passes did.
+pub fn greedy_run(
+    engine: &mut Engine,
+    seq: &mut Seq,
+    first: u32,
+    n: usize,
+    opts: &SpecOptions,
+) -> Result<SpecStats> {
+    let greedy = Want::Top { k: 1, lse: false };
+    let Some(mut s) = Speculator::new(engine, opts)? else {
+        return Err(Error::Invalid(format!(
+            "{}: speculation is off for this model (--spec)",
+            engine.path.display()
+        )));
+    };
+    let mut logits = s.feed_prompt(engine, seq, &[first], None, greedy)?;
+    for _ in 1..n {
+        let id = top1(std::slice::from_ref(&logits))?;
+        logits = s.next(engine, seq, id, greedy, &mut |_| {})?.0;
+    }
+    s.settle(engine, seq, &mut |_| {})?;
+    Ok(s.stats)
+}
+
+/// Seconds of the pieces of a speculative step on `seq` (which must hold a few tokens):
+/// per `k` in `1..max_verify` the verify pass of `k + 1` tokens (then rolled back), one
+/// chained MTP draft, and a plain one-token decode step; each the mean of `reps`.
+#[derive(Clone, Debug)]
+pub struct StepCosts {
+    pub verify: Vec<(usize, f64)>,
+    pub mtp_draft: Option<f64>,
+    pub decode: f64,
+}
+
+pub fn step_costs(engine: &mut Engine, seq: &mut Seq, token: u32, reps: usize) -> Result<StepCosts> {
+    let greedy = Want::Top { k: 1, lse: false };
+    let reps = reps.max(1);
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    let mut scratch = engine.new_seq()?;
+    engine.copy_seq(seq, &mut scratch)?;
+    let decode = time(&mut || {
+        engine.copy_seq(seq, &mut scratch)?;
+        engine.forward_batch_with(&mut [(&mut scratch, &[token], greedy)])?;
+        Ok(())
+    })? - time(&mut || engine.copy_seq(seq, &mut scratch))?;
+    let max = spec_of(engine)?.max_verify();
+    let mut verify = Vec::new();
+    for k in 1..max {
+        let toks = vec![token; k + 1];
+        let secs = time(&mut || {
+            let s = spec_of(engine)?;
+            s.verify(seq, &toks, greedy)?;
+            s.rollback(seq, &[])
+        })?;
+        verify.push((k, secs));
+    }
+    let mtp_draft = if spec_of(engine)?.has_mtp() {
+        let s = spec_of(engine)?;
+        s.feed(seq, &[token], Want::None)?;
+        s.mtp(seq, Hidden::Trunk, &[token], greedy)?;
+        Some(time(&mut || {
+            spec_of(engine)?
+                .mtp(seq, Hidden::Chain, &[token], greedy)
+                .map(drop)
+        })?)
+    } else {
+        None
+    };
+    Ok(StepCosts {
+        verify,
+        mtp_draft,
+        decode,
+    })
+}

@@ -1,0 +1,380 @@
+//! Speculative decoding on the Qwen3.5 fixtures (dense and MoE) with an MTP block added:
+//! the GPU block's logits against an independent numpy reference (`mtp_ref.py`), verify
+//! rows bit for bit against one-token decode steps, and generation with speculation against
+//! generation without it (greedy and sampled at fixed seeds), draft lengths 1..4.
+//!
+//! The MTP weights are random and written at test time into a copy of the fixture's HF
+//! checkpoint (the released `mtp.*` names and shapes; its decoder layer shaped as the
+//! fixture's full-attention layer 1).
+
+mod common;
+
+use lathe::engine::{Engine, KvType, LoadOptions, Logits, Want};
+use lathe::generate::{generate, GenerateOptions};
+use lathe::models::spec::Hidden;
+use lathe::sample::SamplerConfig;
+use lathe::spec::{SpecMode, SpecOptions};
+use std::path::{Path, PathBuf};
+
+/// Deterministic noise (xorshift64*), roughly normal (sum of four uniforms, unit variance).
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (r >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        ((0..4).map(|_| self.uniform()).sum::<f32>() - 2.0) * 3f32.sqrt()
+    }
+}
+
+/// How the MTP block's weights are made.
+#[derive(Clone, Copy, PartialEq)]
+enum MtpInit {
+    Random,
+    /// `fc` passes the hidden half through and the layer adds nothing (zero output
+    /// projections): the block's argmax is the trunk's own pick at the row's position, i.e.
+    /// the token the row was fed, so the drafts repeat the last token and a target that
+    /// repeats itself accepts them.
+    Repeat,
+}
+
+/// A copy of fixture `name`'s HF checkpoint with an MTP block added.
+fn with_mtp(name: &str, init: MtpInit) -> PathBuf {
+    let src = common::fixtures().join(name);
+    let tag = if init == MtpInit::Random { "rand" } else { "rep" };
+    let dir = std::env::temp_dir().join(format!("lathe-spec-{}-{name}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    cfg["mtp_num_hidden_layers"] = 1.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    let e = cfg["hidden_size"].as_u64().unwrap() as usize;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ name.len() as u64);
+    let mut add = |header: &mut serde_json::Map<_, _>, name: String, shape: Vec<usize>, vals: Vec<f32>| {
+        let lo = data.len();
+        data.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        header.insert(
+            name,
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [lo, data.len()]}),
+        );
+    };
+    let mut layer: Vec<(String, Vec<usize>)> = header
+        .iter()
+        .filter_map(|(k, v)| {
+            let rest = k.strip_prefix("model.layers.1.")?;
+            let shape = v["shape"].as_array()?.iter().map(|d| d.as_u64().unwrap() as usize);
+            Some((rest.to_string(), shape.collect()))
+        })
+        .collect();
+    layer.sort();
+    for (rest, shape) in layer {
+        let len: usize = shape.iter().product();
+        let fan = *shape.last().unwrap();
+        let zero = init == MtpInit::Repeat && (rest.contains("o_proj") || rest.contains("down_proj"));
+        let vals = (0..len)
+            .map(|_| match () {
+                _ if zero => 0.0,
+                _ if shape.len() == 1 => 0.1 * rng.normal(),
+                _ => rng.normal() / (fan as f32).sqrt(),
+            })
+            .collect();
+        add(&mut header, format!("mtp.layers.0.{rest}"), shape, vals);
+    }
+    let fc = (0..e * 2 * e)
+        .map(|i| match init {
+            MtpInit::Random => rng.normal() / (2.0 * e as f32).sqrt(),
+            MtpInit::Repeat => f32::from(i % (2 * e) == e + i / (2 * e)),
+        })
+        .collect();
+    add(&mut header, "mtp.fc.weight".into(), vec![e, 2 * e], fc);
+    for norm in ["mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"] {
+        let vals = (0..e)
+            .map(|_| match init {
+                MtpInit::Random => 0.1 * rng.normal(),
+                MtpInit::Repeat => 0.0,
+            })
+            .collect();
+        add(&mut header, format!("{norm}.weight"), vec![e], vals);
+    }
+    let mut head = serde_json::to_vec(&header).unwrap();
+    while head.len() % 8 != 0 {
+        head.push(b' ');
+    }
+    let mut out = (head.len() as u64).to_le_bytes().to_vec();
+    out.extend(head);
+    out.extend(data);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    dir
+}
+
+fn load(dir: &Path, kv: KvType) -> Engine {
+    let opts = LoadOptions {
+        kv_type: kv,
+        max_seqs: 2,
+        ctx: 256,
+        ..Default::default()
+    };
+    Engine::load(dir, &opts).unwrap()
+}
+
+fn prompt() -> Vec<u32> {
+    vec![3, 141, 59, 265, 358, 97, 93, 238, 462, 64, 33, 83]
+}
+
+fn full(l: &Logits) -> &[f32] {
+    match l {
+        Logits::Full(v) => v,
+        Logits::Top(_) => panic!("full logits expected"),
+    }
+}
+
+/// `python3 tests/mtp_ref.py` on the GPU block's inputs: its logits `[n, vocab]`.
+fn reference(dir: &Path, hidden: &[f32], tokens: &[u32], e: usize) -> Vec<f32> {
+    let n = tokens.len();
+    let h = dir.join("hidden.npy");
+    let t = dir.join("tokens.npy");
+    let o = dir.join("ref.npy");
+    lathe::npy::write_f32(&h, &[n, e], hidden).unwrap();
+    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    lathe::npy::write_i32(&t, &[n], &ids).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mtp_ref.py");
+    let st = std::process::Command::new("python3")
+        .arg(&script)
+        .args([dir, &h, &t])
+        .arg("0")
+        .arg(&o)
+        .status()
+        .expect("python3 runs (with numpy: the MTP reference needs it)");
+    assert!(st.success(), "mtp_ref.py failed");
+    lathe::npy::read_f32(&o).unwrap().data
+}
+
+fn check_close(label: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{label}: lengths");
+    let mut max = 0f32;
+    let mut sq = 0f64;
+    for (a, b) in got.iter().zip(want) {
+        max = max.max((a - b).abs());
+        sq += ((a - b) as f64).powi(2);
+    }
+    let rms = (sq / got.len() as f64).sqrt();
+    let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max);
+    eprintln!("{label}: rms {rms:.2e}, max {max:.2e} (logits up to {scale:.2})");
+    assert!(rms < 1e-4 && max < 1e-3 * scale.max(1.0), "{label}: rms {rms}, max {max}");
+}
+
+/// The GPU MTP block over trunk rows, then one chained row, against the numpy reference.
+fn mtp_matches_reference(name: &str) {
+    let dir = with_mtp(name, MtpInit::Random);
+    let mut eng = load(&dir, KvType::F32);
+    let e = 64;
+    let v = eng.vocab_size();
+    let p = prompt();
+    let mut seq = eng.new_seq().unwrap();
+    let s = eng.model.speculate().expect("Qwen3.5 speculates");
+    assert!(s.has_mtp(), "{name}: the MTP block loaded");
+    s.feed(&mut seq, &p, Want::None).unwrap();
+    let mut next = p[1..].to_vec();
+    next.push(7);
+    let rows = s.mtp(&seq, Hidden::Trunk, &next, Want::All).unwrap();
+    assert_eq!(rows.len(), p.len());
+    let got: Vec<f32> = rows.iter().flat_map(|r| full(r).iter().copied()).collect();
+    let hidden = s.mtp_hidden(p.len()).unwrap();
+    let want = reference(&dir, &hidden, &next, e);
+    check_close(&format!("{name} MTP rows"), &got, &want);
+    // A chained row reads the last row's output (position n).
+    let chain = s.mtp(&seq, Hidden::Chain, &[11], Want::All).unwrap();
+    let mut hidden2 = hidden.clone();
+    hidden2.extend(s.mtp_hidden(1).unwrap());
+    let mut next2 = next.clone();
+    next2.push(11);
+    let want2 = reference(&dir, &hidden2, &next2, e);
+    check_close(
+        &format!("{name} chained MTP row"),
+        full(&chain[0]),
+        &want2[p.len() * v..],
+    );
+    // The greedy draft is the argmax of the last row.
+    let top = s
+        .mtp(&seq, Hidden::Chain, &[5], Want::Top { k: 1, lse: false })
+        .unwrap();
+    assert!(matches!(&top[0], Logits::Top(t) if t.cands.len() == 1));
+    drop(seq);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn mtp_block_matches_numpy_reference_dense() {
+    mtp_matches_reference("qwen35-tiny");
+}
+
+#[test]
+fn mtp_block_matches_numpy_reference_moe() {
+    mtp_matches_reference("qwen35moe-tiny");
+}
+
+/// Plain decode's full logits at every generated position, and its greedy tokens.
+fn decode_logits(eng: &mut Engine, p: &[u32], n: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let mut seq = eng.new_seq().unwrap();
+    let mut l = eng.forward(&mut seq, p, false).unwrap();
+    let mut rows = Vec::new();
+    let mut toks = Vec::new();
+    for _ in 0..n {
+        let t = argmax(&l);
+        toks.push(t);
+        rows.push(l);
+        l = eng.forward(&mut seq, &[t], false).unwrap();
+    }
+    rows.push(l);
+    (rows, toks)
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in l.iter().enumerate() {
+        if x > l[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Verify rows give the bits of one-token decode steps: all drafts right (no rollback),
+/// then drafts wrong after the first (rollback, the accepted ones fed again), then decode
+/// goes on with the bits it would have had.
+fn verify_has_decode_bits(name: &str) {
+    let dir = with_mtp(name, MtpInit::Random);
+    let mut eng = load(&dir, KvType::F16);
+    let p = prompt();
+    let (rows, toks) = decode_logits(&mut eng, &p, 12);
+    let wrong = (toks[7] + 1) % eng.vocab_size() as u32;
+    let mut seq = eng.new_seq().unwrap();
+    eng.forward(&mut seq, &p, false).unwrap();
+    let s = eng.model.speculate().unwrap();
+    let k = s.max_verify() - 1;
+    assert!(k >= 4, "{name}: verify passes of {} rows", k + 1);
+    // Rows of [t0, g1..g4]: the logits after each, as decode had them.
+    let fed = &toks[..5];
+    let got = s.verify(&mut seq, fed, Want::All).unwrap();
+    for (j, r) in got.iter().enumerate() {
+        assert_eq!(bits(full(r)), bits(&rows[j + 1]), "{name}: verify row {j}");
+    }
+    // Two right then a wrong draft: keep three tokens.
+    let fed2 = [toks[5], toks[6], toks[7], wrong];
+    let got = s.verify(&mut seq, &fed2, Want::Top { k: 3, lse: true }).unwrap();
+    for (j, r) in got.iter().take(3).enumerate() {
+        let Logits::Top(t) = r else { panic!("top rows") };
+        assert_eq!(t.cands[0].0, toks[6 + j], "{name}: verify row {j} picks decode's token");
+        assert_eq!(t.cands[0].1.to_bits(), rows[6 + j][t.cands[0].0 as usize].to_bits());
+    }
+    s.rollback(&mut seq, &fed2[..3]).unwrap();
+    assert_eq!(seq.pos(), p.len() + 8);
+    for (j, &t) in toks[8..11].iter().enumerate() {
+        let l = eng.forward(&mut seq, &[t], false).unwrap();
+        assert_eq!(bits(&l), bits(&rows[9 + j]), "{name}: decode after the rollback, step {j}");
+    }
+    drop(seq);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn verify_rows_have_decode_bits_dense() {
+    verify_has_decode_bits("qwen35-tiny");
+}
+
+#[test]
+fn verify_rows_have_decode_bits_moe() {
+    verify_has_decode_bits("qwen35moe-tiny");
+}
+
+fn gen(eng: &mut Engine, sampler: SamplerConfig, spec: SpecOptions, n: usize) -> (Vec<u32>, Option<lathe::spec::SpecStats>) {
+    let opts = GenerateOptions {
+        max_tokens: Some(n),
+        sampler,
+        ignore_eog: true,
+        spec,
+        ..Default::default()
+    };
+    let out = generate(eng, &prompt(), &opts, |_| {}).unwrap();
+    (out.tokens, out.spec)
+}
+
+fn spec(mode: SpecMode, draft: usize) -> SpecOptions {
+    SpecOptions {
+        mode,
+        draft,
+        accept_all: false,
+    }
+}
+
+/// Greedy output with speculation equals the output without it, for drafts of 1..4 tokens;
+/// so do sampled outputs at fixed seeds (the rows have decode's bits and the sampler draws
+/// once per token either way).
+fn generation_unchanged(name: &str, init: MtpInit) -> usize {
+    let dir = with_mtp(name, init);
+    let mut eng = load(&dir, KvType::F16);
+    let (plain, none) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Off, 1), 24);
+    assert!(none.is_none());
+    let mut accepted = 0;
+    for k in 1..=4 {
+        let (got, stats) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Mtp, k), 24);
+        assert_eq!(got, plain, "{name}: greedy with --draft {k}");
+        let st = stats.expect("speculation ran");
+        assert_eq!(st.drafted, k * st.verify_passes);
+        assert!(st.verify_passes > 0 && st.tokens <= 24 + st.verify_passes);
+        eprintln!(
+            "{name} draft {k}: acceptance {:.2}, {:.2} tokens per pass",
+            st.acceptance(),
+            st.tokens_per_forward()
+        );
+        accepted += st.accepted;
+    }
+    for seed in [1, 2, 3] {
+        let sampler = SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed,
+            ..Default::default()
+        };
+        let (plain, _) = gen(&mut eng, sampler.clone(), spec(SpecMode::Off, 1), 16);
+        let (got, _) = gen(&mut eng, sampler.clone(), spec(SpecMode::Mtp, 3), 16);
+        assert_eq!(got, plain, "{name}: sampled at seed {seed}");
+        let top = SamplerConfig { top_k: 20, ..sampler };
+        let (plain, _) = gen(&mut eng, top.clone(), spec(SpecMode::Off, 1), 16);
+        let (got, _) = gen(&mut eng, top, spec(SpecMode::Mtp, 2), 16);
+        assert_eq!(got, plain, "{name}: top-k sampled at seed {seed}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    accepted
+}
+
+#[test]
+fn speculation_keeps_output_dense() {
+    generation_unchanged("qwen35-tiny", MtpInit::Random);
+    let acc = generation_unchanged("qwen35-tiny", MtpInit::Repeat);
+    eprintln!("repeat drafts accepted: {acc}");
+}
+
+#[test]
+fn speculation_keeps_output_moe() {
+    generation_unchanged("qwen35moe-tiny", MtpInit::Random);
+    let acc = generation_unchanged("qwen35moe-tiny", MtpInit::Repeat);
+    eprintln!("repeat drafts accepted: {acc}");
+}
