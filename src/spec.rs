@@ -10,6 +10,10 @@
 //! once per token either way, so speculation changes neither greedy output nor, at a fixed
 //! seed, sampled output: only how many target passes it takes.
 //!
+//! Drafts come from the model's MTP block or from a draft model (`--draft-model`: another
+//! model of the same vocabulary run greedily on its own sequence, rolled back as the target
+//! is).
+//!
 //! Past the first rejected draft the target's state is rolled back (the recurrent state
 //! saved before the verify pass, the accepted tokens fed again); KV rows past the position
 //! are simply overwritten later.
@@ -18,14 +22,18 @@ use crate::engine::{Engine, Logits, Want};
 use crate::models::spec::{Hidden, Speculate};
 use crate::models::Seq;
 use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
 
 /// `--spec`: where drafts come from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SpecMode {
-    /// The model's MTP block when the file has one, else no speculation.
+    /// The model's MTP block when the file has one, else the draft model when one is
+    /// given, else no speculation.
     #[default]
     Auto,
     Mtp,
+    /// A draft model (`--draft-model`).
+    Draft,
     Off,
 }
 
@@ -35,9 +43,10 @@ impl std::str::FromStr for SpecMode {
         match s.to_ascii_lowercase().as_str() {
             "auto" => Ok(SpecMode::Auto),
             "mtp" => Ok(SpecMode::Mtp),
+            "draft" => Ok(SpecMode::Draft),
             "off" => Ok(SpecMode::Off),
             _ => Err(Error::Invalid(format!(
-                "--spec {s}: expected mtp, off or auto (draft models are not supported yet)"
+                "--spec {s}: expected mtp, draft, off or auto"
             ))),
         }
     }
@@ -55,6 +64,8 @@ pub struct SpecOptions {
     /// Take every draft as accepted whatever the target picks (benchmarks only: the output
     /// is then the drafts', showing the mechanism's ceiling).
     pub accept_all: bool,
+    /// The draft model of [`SpecMode::Draft`].
+    pub draft_model: Option<DraftModel>,
 }
 
 impl Default for SpecOptions {
@@ -63,7 +74,76 @@ impl Default for SpecOptions {
             mode: SpecMode::Auto,
             draft: DEFAULT_DRAFT,
             accept_all: false,
+            draft_model: None,
         }
+    }
+}
+
+/// A loaded draft model, shared by the generations that use it (one at a time).
+#[derive(Clone)]
+pub struct DraftModel(pub Arc<Mutex<Engine>>);
+
+impl DraftModel {
+    pub fn new(engine: Engine) -> DraftModel {
+        DraftModel(Arc::new(Mutex::new(engine)))
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, Engine> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DraftModel({})", self.lock().path.display())
+    }
+}
+
+impl PartialEq for DraftModel {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// A draft model's sequence in one generation.
+struct DraftSeq {
+    model: DraftModel,
+    seq: Seq,
+    /// Tokens the target holds that the draft model has not been fed yet.
+    pending: Vec<u32>,
+}
+
+impl DraftSeq {
+    /// `k` greedy drafts after `id`. Every pass runs the decode kernels (a one-row verify
+    /// pass has decode's bits), so a draft model equal to the target drafts what the target
+    /// picks; the state before the second token is saved for [`DraftSeq::settle`].
+    fn draft(&mut self, id: u32, k: usize) -> Result<Vec<u32>> {
+        let greedy = Want::Top { k: 1, lse: false };
+        let mut eng = self.model.lock();
+        let mut toks = std::mem::take(&mut self.pending);
+        toks.push(id);
+        let mut d = top1(&spec_of(&mut eng)?.verify(&mut self.seq, &toks, greedy)?)?;
+        let mut out = vec![d];
+        if k >= 2 {
+            d = top1(&spec_of(&mut eng)?.verify(&mut self.seq, &[d], greedy)?)?;
+            out.push(d);
+        }
+        for _ in 2..k {
+            d = top1(&eng.forward_batch_with(&mut [(&mut self.seq, &[d], greedy)])?)?;
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    /// The target kept `m` of `drafts`: the draft model, which was fed all but the last,
+    /// goes back to hold exactly those (or is told the last one).
+    fn settle(&mut self, drafts: &[u32], m: usize) -> Result<()> {
+        let k = drafts.len();
+        if m == k {
+            self.pending = vec![drafts[k - 1]];
+        } else if k >= 2 && m + 1 < k {
+            spec_of(&mut self.model.lock())?.rollback(&mut self.seq, &drafts[..m])?;
+        }
+        Ok(())
     }
 }
 
@@ -107,6 +187,8 @@ pub struct Speculator {
     /// The tokens after each trunk row of the last pass but the last row's (which is the
     /// next sampled token): what the MTP block reads with those rows.
     next: Vec<u32>,
+    /// The draft model's sequence; `None`: the MTP block drafts.
+    draft: Option<DraftSeq>,
     pub stats: SpecStats,
 }
 
@@ -122,17 +204,46 @@ impl Speculator {
     /// `None`: decode without speculation.
     pub fn new(engine: &mut Engine, opts: &SpecOptions) -> Result<Option<Speculator>> {
         let has_mtp = engine.model.speculate().is_some_and(|s| s.has_mtp());
-        match opts.mode {
-            SpecMode::Off => return Ok(None),
-            SpecMode::Auto if !has_mtp => return Ok(None),
-            SpecMode::Mtp if !has_mtp => {
+        let mode = match (opts.mode, &opts.draft_model) {
+            (SpecMode::Auto, _) if has_mtp => SpecMode::Mtp,
+            (SpecMode::Auto, Some(_)) => SpecMode::Draft,
+            (SpecMode::Auto, None) | (SpecMode::Off, _) => return Ok(None),
+            (m, _) => m,
+        };
+        let draft = match (mode, &opts.draft_model) {
+            (SpecMode::Mtp, _) if !has_mtp => {
                 return Err(Error::Invalid(format!(
                     "{}: --spec mtp, but the file has no MTP block",
                     engine.path.display()
                 )))
             }
-            _ => {}
-        }
+            (SpecMode::Draft, None) => {
+                return Err(Error::Invalid("--spec draft needs --draft-model".into()))
+            }
+            (SpecMode::Draft, Some(dm)) => {
+                let mut d = dm.lock();
+                if d.vocab_size() != engine.vocab_size() {
+                    return Err(Error::Invalid(format!(
+                        "--draft-model {}: a vocabulary of {} ids, the model's has {}",
+                        d.path.display(),
+                        d.vocab_size(),
+                        engine.vocab_size()
+                    )));
+                }
+                if d.model.speculate().is_none() {
+                    return Err(Error::Unsupported(format!(
+                        "--draft-model {}: draft models of this architecture (a Qwen3.5-family model drafts)",
+                        d.path.display()
+                    )));
+                }
+                Some(DraftSeq {
+                    model: dm.clone(),
+                    seq: d.new_seq()?,
+                    pending: Vec::new(),
+                })
+            }
+            _ => None,
+        };
         let max = spec_of(engine)?.max_verify();
         if opts.draft == 0 || opts.draft >= max {
             return Err(Error::Invalid(format!(
@@ -148,6 +259,7 @@ impl Speculator {
             rows: Vec::new(),
             used: 0,
             next: Vec::new(),
+            draft,
             stats: SpecStats::default(),
         }))
     }
@@ -164,11 +276,18 @@ impl Speculator {
     ) -> Result<Logits> {
         let s = spec_of(engine)?;
         let logits = s.feed(seq, piece, want)?;
-        self.next = piece[1..].to_vec();
-        if let Some(t) = after {
+        if let Some(d) = &mut self.draft {
+            // The draft model reads the prompt in the same pieces.
+            d.model
+                .lock()
+                .forward_batch_with(&mut [(&mut d.seq, piece, Want::None)])?;
+        } else if let Some(t) = after {
+            self.next = piece[1..].to_vec();
             self.next.push(t);
             s.mtp(seq, Hidden::Trunk, &self.next, Want::None)?;
             self.next.clear();
+        } else {
+            self.next = piece[1..].to_vec();
         }
         logits
             .into_iter()
@@ -206,21 +325,26 @@ impl Speculator {
             }
         }
         self.settle(engine, seq, on_fed)?;
-        // The MTP rows over the new trunk rows, the last one reading `id`: its draft is the
-        // first; the chain drafts the rest.
-        self.next.push(id);
-        let s = spec_of(engine)?;
-        let greedy = Want::Top { k: 1, lse: false };
-        let first = s.mtp(seq, Hidden::Trunk, &self.next, greedy)?;
-        self.next.clear();
         self.fed.clear();
         self.fed.push(id);
-        let mut d = top1(&first)?;
-        self.fed.push(d);
-        for _ in 1..self.k {
-            d = top1(&s.mtp(seq, Hidden::Chain, &[d], greedy)?)?;
+        if let Some(dm) = &mut self.draft {
+            self.fed.extend(dm.draft(id, self.k)?);
+        } else {
+            // The MTP rows over the new trunk rows, the last one reading `id`: its draft is
+            // the first; the chain drafts the rest.
+            self.next.push(id);
+            let s = spec_of(engine)?;
+            let greedy = Want::Top { k: 1, lse: false };
+            let first = s.mtp(seq, Hidden::Trunk, &self.next, greedy)?;
+            self.next.clear();
+            let mut d = top1(&first)?;
             self.fed.push(d);
+            for _ in 1..self.k {
+                d = top1(&s.mtp(seq, Hidden::Chain, &[d], greedy)?)?;
+                self.fed.push(d);
+            }
         }
+        let s = spec_of(engine)?;
         let per_row = match want {
             Want::Top { .. } => want,
             _ => Want::All,
@@ -253,6 +377,9 @@ impl Speculator {
             spec_of(engine)?.rollback(seq, &self.fed[..keep])?;
         }
         self.stats.tokens += keep - 1;
+        if let Some(d) = &mut self.draft {
+            d.settle(&self.fed[1..], keep - 1)?;
+        }
         on_fed(&self.fed[..keep]);
         self.next = self.fed[1..keep].to_vec();
         self.used = 0;

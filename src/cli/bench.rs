@@ -83,6 +83,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             mode,
             draft: a.draft,
             accept_all: a.accept_all,
+            draft_model: None,
         }),
     };
     let r = bench::run(&a.model, &opts)?;

@@ -76,7 +76,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         stop: args.stop.clone(),
         ignore_eog: false,
         cancel: Some(interrupt.clone()),
-        spec: args.spec.options(),
+        spec: args.spec.options(&args.model)?,
     };
     let interactive = std::io::stdin().is_terminal();
     if interactive {

@@ -184,22 +184,43 @@ impl SamplingArgs {
 /// the same seed alike).
 #[derive(Args, Debug, Clone)]
 pub struct SpecArgs {
-    /// Drafts from: mtp (the model's multi-token prediction block), off, or auto (mtp when
-    /// the file has the block).
+    /// Drafts from: mtp (the model's multi-token prediction block), draft (--draft-model),
+    /// off, or auto (mtp when the file has the block, else the draft model when given).
     #[arg(long = "spec", value_name = "MODE", default_value = "auto")]
     pub mode: lathe::spec::SpecMode,
     /// Tokens drafted per verify pass.
     #[arg(long, value_name = "N", default_value_t = lathe::spec::DEFAULT_DRAFT)]
     pub draft: usize,
+    /// A smaller model of the same vocabulary (Qwen3.5 family) that drafts greedily.
+    #[arg(long, value_name = "FILE")]
+    pub draft_model: Option<PathBuf>,
 }
 
 impl SpecArgs {
-    pub fn options(&self) -> lathe::spec::SpecOptions {
-        lathe::spec::SpecOptions {
+    /// The options, with the draft model loaded (on the model's adapter) when one is given.
+    pub fn options(&self, model: &ModelArgs) -> Result<lathe::spec::SpecOptions> {
+        let draft_model = match &self.draft_model {
+            Some(path) => {
+                check_model_path(path)?;
+                let opts = LoadOptions {
+                    adapter: model.device.clone(),
+                    kv_type: model.kv_type,
+                    ctx: model.ctx,
+                    max_seqs: 1,
+                    ..Default::default()
+                };
+                let e = Engine::load(path, &opts).map_err(|e| explain_load_error(e, path))?;
+                eprintln!("draft model {} loaded", path.display());
+                Some(lathe::spec::DraftModel::new(e))
+            }
+            None => None,
+        };
+        Ok(lathe::spec::SpecOptions {
             mode: self.mode,
             draft: self.draft,
             accept_all: false,
-        }
+            draft_model,
+        })
     }
 }
 
@@ -484,7 +505,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         stop: args.stop.clone(),
         ignore_eog: false,
         cancel: Some(cancel.clone()),
-        spec: args.spec.options(),
+        spec: args.spec.options(&args.model)?,
     };
     let stdout = std::io::stdout();
     let mut w = stdout.lock();
