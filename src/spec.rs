@@ -66,6 +66,8 @@ pub struct SpecOptions {
     pub accept_all: bool,
     /// The draft model of [`SpecMode::Draft`].
     pub draft_model: Option<DraftModel>,
+    /// MTP drafts pick among the first this-many tokens (`--draft-vocab`; `None`: all).
+    pub draft_vocab: Option<usize>,
 }
 
 impl Default for SpecOptions {
@@ -75,6 +77,7 @@ impl Default for SpecOptions {
             draft: DEFAULT_DRAFT,
             accept_all: false,
             draft_model: None,
+            draft_vocab: None,
         }
     }
 }
@@ -244,6 +247,9 @@ impl Speculator {
             }
             _ => None,
         };
+        if mode == SpecMode::Mtp {
+            spec_of(engine)?.set_draft_vocab(opts.draft_vocab)?;
+        }
         let max = spec_of(engine)?.max_verify();
         if opts.draft == 0 || opts.draft >= max {
             return Err(Error::Invalid(format!(
@@ -333,16 +339,9 @@ impl Speculator {
             // The MTP rows over the new trunk rows, the last one reading `id`: its draft is
             // the first; the chain drafts the rest.
             self.next.push(id);
-            let s = spec_of(engine)?;
-            let greedy = Want::Top { k: 1, lse: false };
-            let first = s.mtp(seq, Hidden::Trunk, &self.next, greedy)?;
+            let drafts = spec_of(engine)?.mtp_drafts(seq, &self.next, self.k)?;
             self.next.clear();
-            let mut d = top1(&first)?;
-            self.fed.push(d);
-            for _ in 1..self.k {
-                d = top1(&s.mtp(seq, Hidden::Chain, &[d], greedy)?)?;
-                self.fed.push(d);
-            }
+            self.fed.extend(drafts);
         }
         let s = spec_of(engine)?;
         let per_row = match want {

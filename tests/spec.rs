@@ -188,6 +188,28 @@ fn mtp_matches_reference(name: &str) {
         .mtp(&seq, Hidden::Chain, &[5], Want::Top { k: 1, lse: false })
         .unwrap();
     assert!(matches!(&top[0], Logits::Top(t) if t.cands.len() == 1));
+    // The drafts of one submission are the chained passes' picks (fresh sequences).
+    drop(seq);
+    let chained: Vec<u32> = {
+        let mut seq2 = eng.new_seq().unwrap();
+        let s = eng.model.speculate().unwrap();
+        s.feed(&mut seq2, &p, Want::None).unwrap();
+        let g = Want::Top { k: 1, lse: false };
+        let pick = |l: Vec<Logits>| match &l[0] {
+            Logits::Top(t) => t.cands[0].0,
+            _ => panic!("top"),
+        };
+        let mut d = vec![pick(s.mtp(&seq2, Hidden::Trunk, &next, g).unwrap())];
+        for _ in 0..3 {
+            let last = *d.last().unwrap();
+            d.push(pick(s.mtp(&seq2, Hidden::Chain, &[last], g).unwrap()));
+        }
+        d
+    };
+    let mut seq = eng.new_seq().unwrap();
+    let s = eng.model.speculate().unwrap();
+    s.feed(&mut seq, &p, Want::None).unwrap();
+    assert_eq!(s.mtp_drafts(&seq, &next, 4).unwrap(), chained, "{name}: drafts in one pass");
     drop(seq);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -298,6 +320,7 @@ fn spec(mode: SpecMode, draft: usize) -> SpecOptions {
         draft,
         accept_all: false,
         draft_model: None,
+        draft_vocab: None,
     }
 }
 
@@ -331,7 +354,11 @@ fn generation_unchanged(name: &str) {
             ..Default::default()
         };
         let (plain, _) = gen(&mut eng, sampler.clone(), spec(SpecMode::Off, 1), 16);
-        let (got, _) = gen(&mut eng, sampler.clone(), spec(SpecMode::Mtp, 3), 16);
+        let trimmed = SpecOptions {
+            draft_vocab: Some(64),
+            ..spec(SpecMode::Mtp, 3)
+        };
+        let (got, _) = gen(&mut eng, sampler.clone(), trimmed, 16);
         assert_eq!(got, plain, "{name}: sampled at seed {seed}");
         let top = SamplerConfig { top_k: 20, ..sampler };
         let (plain, _) = gen(&mut eng, top.clone(), spec(SpecMode::Off, 1), 16);

@@ -63,6 +63,9 @@ pub struct BenchArgs {
     /// measures the mechanism's ceiling on random weights.
     #[arg(long, requires = "spec")]
     pub accept_all: bool,
+    /// With --spec: MTP drafts pick among the first N tokens only (a smaller draft head).
+    #[arg(long, value_name = "N", requires = "spec")]
+    pub draft_vocab: Option<usize>,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -84,6 +87,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             draft: a.draft,
             accept_all: a.accept_all,
             draft_model: None,
+            draft_vocab: a.draft_vocab,
         }),
     };
     let r = bench::run(&a.model, &opts)?;

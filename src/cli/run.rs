@@ -194,6 +194,10 @@ pub struct SpecArgs {
     /// A smaller model of the same vocabulary (Qwen3.5 family) that drafts greedily.
     #[arg(long, value_name = "FILE")]
     pub draft_model: Option<PathBuf>,
+    /// MTP drafts pick among the first N tokens of the vocabulary only (a smaller draft
+    /// head; the output is unchanged).
+    #[arg(long, value_name = "N")]
+    pub draft_vocab: Option<usize>,
 }
 
 impl SpecArgs {
@@ -220,6 +224,7 @@ impl SpecArgs {
             draft: self.draft,
             accept_all: false,
             draft_model,
+            draft_vocab: self.draft_vocab,
         })
     }
 }

@@ -447,6 +447,12 @@ impl LogitsTop {
         Ok(())
     }
 
+    /// The result buffer and the byte offset of result row `row`'s best id for records of
+    /// `k` (a pass can copy a pick into the next step's input without a readback).
+    pub fn id_at(&self, row: u32, k: u32) -> (&wgpu::Buffer, u64) {
+        (&self.out, (row * top_row(k)) as u64 * 4)
+    }
+
     /// Reads result rows `0 .. n_rows` as recorded with `k` and `lse` (waits for the
     /// submitted work). Slots the kernel padded (rows with fewer than k selectable logits)
     /// are left out.

@@ -39,4 +39,9 @@ pub trait Speculate {
     fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
     /// The hidden states (`[rows, n_embd]`) the last MTP pass read.
     fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>>;
+    /// `k` greedy MTP drafts in one submission: [`Speculate::mtp`] over `tokens` with
+    /// [`Hidden::Trunk`], then `k - 1` chained rows each fed the previous row's pick.
+    fn mtp_drafts(&mut self, seq: &Seq, tokens: &[u32], k: usize) -> Result<Vec<u32>>;
+    /// Drafts pick among the first `n` tokens only (`None`: the whole vocabulary).
+    fn set_draft_vocab(&mut self, n: Option<usize>) -> Result<()>;
 }

@@ -171,11 +171,12 @@ pub struct GpuModel {
 }
 
 impl GpuModel {
-    /// Layers with routed experts.
+    /// Trunk layers with routed experts (the MTP block's are not counted).
     pub fn n_moe_layers(&self) -> usize {
         self.w
             .layers
             .iter()
+            .take(self.hp.n_layer)
             .filter(|l| matches!(l.ffn, Ffn::Moe(_)))
             .count()
     }

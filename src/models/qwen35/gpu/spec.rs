@@ -34,6 +34,12 @@ pub(super) struct MtpGpu {
     out: wgpu::Buffer,
     /// (slot, position, row of `out`) of the last row run: what a chained draft reads.
     last: Option<(u32, usize, u32)>,
+    /// The head the drafts take: the model's, or its first rows only
+    /// ([`Speculate::set_draft_vocab`]); the top-1 of each draft row.
+    draft_head: Option<GpuTensor>,
+    top: topk::LogitsTop,
+    /// [2·MAX_VERIFY] u32: position and KV row of each chained draft row.
+    stage: wgpu::Buffer,
 }
 
 /// One slot's recurrent state saved before a verify pass: per layer (conv, GDN state).
@@ -95,6 +101,9 @@ impl GpuModel {
             hid: self.gpu.buffer(r * e * 4, "mtp.hid")?,
             out: self.gpu.buffer(r * e * 4, "mtp.out")?,
             last: None,
+            draft_head: None,
+            top: topk::LogitsTop::new(&self.gpu, MAX_VERIFY as u32, self.hp.n_vocab as u32)?,
+            stage: self.gpu.buffer(2 * MAX_VERIFY as u64 * 4, "mtp.stage")?,
         });
         Ok(())
     }
@@ -267,98 +276,12 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         self.reserve(&mut pass, pos0 + n as usize)?;
-        let cap = self.pools.cap as u32;
-        let pos: Vec<u32> = (0..n).map(|j| pos0 as u32 + j).collect();
-        let kv_rows: Vec<u32> = pos.iter().map(|p| seq.slot * cap + p).collect();
-        let sc = &self.scratch;
-        gpu.write(&sc.ids, 0, bytemuck::cast_slice(tokens));
-        gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
-        gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+        self.write_rows(seq.slot, pos0, tokens);
+        self.record_mtp(&mut pass, seq.slot, pos0, n, src_row)?;
         let hp = &self.hp;
         let e = hp.n_embd as u32;
+        let sc = &self.scratch;
         let m = self.spec.mtp.as_ref().expect("checked above");
-        match src_row {
-            // The trunk's rows as its head saw them.
-            None => norm::rms_norm(
-                &mut pass,
-                n,
-                e,
-                View::new(&sc.x, 0),
-                Some(View::new(&m.hid, 0)),
-                Some(&self.w.output_norm),
-                hp.eps,
-            )?,
-            Some(r) => ew::copy(
-                &mut pass,
-                1,
-                e,
-                View::new(&m.hid, 0),
-                View::new(&m.out, r * e),
-            )?,
-        }
-        let embd = m.embd.as_ref().unwrap_or(&self.w.tok_embd);
-        embed::embed(&mut pass, embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
-        norm::rms_norm(
-            &mut pass,
-            n,
-            e,
-            View::new(&sc.x, 0),
-            Some(View::strided(&m.cat, 0, 2 * e)),
-            Some(&m.enorm),
-            hp.eps,
-        )?;
-        norm::rms_norm(
-            &mut pass,
-            n,
-            e,
-            View::new(&m.hid, 0),
-            Some(View::strided(&m.cat, e, 2 * e)),
-            Some(&m.hnorm),
-            hp.eps,
-        )?;
-        matmul::matmul(&mut pass, &m.fc, &m.cat, 0, &sc.x, 0, n)?;
-        let l = hp.n_layer;
-        let lw = &self.w.layers[l];
-        let parts = [Part {
-            item: 0,
-            start: 0,
-            n: n as usize,
-            row: 0,
-            slot: seq.slot,
-            pos0,
-        }];
-        norm::rms_norm(
-            &mut pass,
-            n,
-            e,
-            View::new(&sc.x, 0),
-            Some(View::new(&sc.h, 0)),
-            Some(&lw.attn_norm),
-            hp.eps,
-        )?;
-        let Mixer::Attn(a) = &lw.mixer else {
-            unreachable!("the MTP layer is full attention")
-        };
-        self.attn_block(&mut pass, &parts, l, a, n)?;
-        norm::rms_norm(
-            &mut pass,
-            n,
-            e,
-            View::new(&sc.x, 0),
-            Some(View::new(&sc.h, 0)),
-            Some(&lw.post_norm),
-            hp.eps,
-        )?;
-        self.ffn_block(&mut pass, l, &lw.ffn, n)?;
-        norm::rms_norm(
-            &mut pass,
-            n,
-            e,
-            View::new(&sc.x, 0),
-            Some(View::new(&m.out, 0)),
-            Some(&m.norm),
-            hp.eps,
-        )?;
         let head = m
             .head
             .as_ref()
@@ -393,6 +316,223 @@ impl GpuModel {
         let m = self.spec.mtp.as_mut().expect("checked above");
         m.last = Some((seq.slot, pos0 + n as usize - 1, n - 1));
         Ok(out)
+    }
+
+    /// `k` greedy drafts in one submission: the MTP rows over the trunk's last pass (the
+    /// last reading `tokens`' last), then `k - 1` chained rows, each fed the pick of the
+    /// row before it on the GPU (positions and KV rows copied in from `MtpGpu::stage`).
+    /// Picks from `MtpGpu::draft_head`'s rows.
+    fn mtp_drafts_pass(&mut self, seq: &GpuSeq, tokens: &[u32], k: usize) -> Result<Vec<u32>> {
+        self.check_tokens(tokens)?;
+        let n = tokens.len();
+        let pos0 = match (self.spec.trunk, &self.spec.mtp) {
+            (Some((slot, p0, rows)), Some(_)) if slot == seq.slot && rows == n => p0,
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "MTP drafts over {n} trunk rows: the last pass of this sequence fed another \
+                     number, or the model has no MTP block"
+                )))
+            }
+        };
+        if k == 0 || k > MAX_VERIFY {
+            return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
+        }
+        self.spec.trunk = None;
+        let gpu = self.gpu.clone();
+        let mut pass = gpu.pass();
+        self.reserve(&mut pass, pos0 + n + k)?;
+        self.write_rows(seq.slot, pos0, tokens);
+        let cap = self.pools.cap as u32;
+        let last = (pos0 + n - 1) as u32;
+        let stage: Vec<u32> = (1..k as u32)
+            .flat_map(|j| [last + j, seq.slot * cap + last + j])
+            .collect();
+        let e = self.hp.n_embd as u32;
+        let m = self.spec.mtp.as_ref().expect("checked above");
+        if !stage.is_empty() {
+            gpu.write(&m.stage, 0, bytemuck::cast_slice(&stage));
+        }
+        let head = m
+            .draft_head
+            .as_ref()
+            .or(m.head.as_ref())
+            .or(self.w.output.as_ref())
+            .unwrap_or(&self.w.tok_embd);
+        let sc = &self.scratch;
+        self.record_mtp(&mut pass, seq.slot, pos0, n as u32, None)?;
+        let mut row = n as u32 - 1;
+        for j in 0..k as u32 {
+            if j > 0 {
+                let (ids, off) = m.top.id_at(j - 1, 1);
+                pass.copy(ids, off, &sc.ids, 0, 4);
+                pass.copy(&m.stage, (2 * (j - 1) * 4) as u64, &sc.pos, 0, 4);
+                pass.copy(&m.stage, ((2 * (j - 1) + 1) * 4) as u64, &sc.kv_rows, 0, 4);
+                self.record_mtp(&mut pass, seq.slot, (last + j) as usize, 1, Some(row))?;
+                row = 0;
+            }
+            matmul::matmul(&mut pass, head, &m.out, row * e, &sc.logits, 0, 1)?;
+            m.top
+                .record(&mut pass, View::new(&sc.logits, 0), 1, j, 1, false)?;
+        }
+        pass.submit()?;
+        let picks = m.top.read(&gpu, k as u32, 1, false)?;
+        let ids = picks
+            .iter()
+            .map(|t| t.cands.first().map(|c| c.0))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| Error::Gpu("an MTP draft row had no pick".into()))?;
+        let m = self.spec.mtp.as_mut().expect("checked above");
+        m.last = Some((seq.slot, last as usize + k - 1, row));
+        Ok(ids)
+    }
+
+    /// Drafts pick among the first `n` tokens of the vocabulary only (`None`: all): the
+    /// head of a draft is then that much smaller (FR-Spec trims it to the frequent tokens;
+    /// BPE vocabularies number their merges about by frequency).
+    fn draft_vocab(&mut self, n: Option<usize>) -> Result<()> {
+        let v = self.hp.n_vocab;
+        let n = n.unwrap_or(v);
+        if n == 0 || n > v {
+            return Err(Error::Invalid(format!(
+                "--draft-vocab {n}: 1 to the vocabulary's {v}"
+            )));
+        }
+        let full = self.spec.mtp.as_ref().and_then(|m| m.head.clone());
+        let full = full
+            .or_else(|| self.w.output.clone())
+            .unwrap_or_else(|| self.w.tok_embd.clone());
+        let Some(m) = self.spec.mtp.as_mut() else {
+            return Ok(());
+        };
+        m.top = topk::LogitsTop::new(&self.gpu, MAX_VERIFY as u32, n as u32)?;
+        m.draft_head = (n < v).then(|| GpuTensor {
+            name: format!("{} (first {n} rows)", full.name),
+            dtype: full.dtype,
+            shape: vec![n as u64, full.row_len()],
+            parts: full
+                .parts
+                .iter()
+                .filter(|p| p.row_start < n as u64)
+                .map(|p| crate::gpu::TensorPart {
+                    n_rows: p.n_rows.min(n as u64 - p.row_start),
+                    ..p.clone()
+                })
+                .collect(),
+        });
+        Ok(())
+    }
+
+    /// Token ids, positions and KV rows of `tokens` at `pos0..` of slot `slot` into the
+    /// scratch (element 0 on).
+    fn write_rows(&self, slot: u32, pos0: usize, tokens: &[u32]) {
+        let cap = self.pools.cap as u32;
+        let pos: Vec<u32> = (0..tokens.len() as u32).map(|j| pos0 as u32 + j).collect();
+        let kv_rows: Vec<u32> = pos.iter().map(|p| slot * cap + p).collect();
+        let sc = &self.scratch;
+        self.gpu.write(&sc.ids, 0, bytemuck::cast_slice(tokens));
+        self.gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
+        self.gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+    }
+
+    /// Records the MTP block over `n` rows of slot `slot` at `pos0..` whose ids, positions
+    /// and KV rows are in the scratch: hidden states from the trunk's rows (`src_row` None,
+    /// normed as the head saw them) or from row `src_row` of the block's last output; the
+    /// output (after the block's norm) into `MtpGpu::out`.
+    fn record_mtp(
+        &self,
+        pass: &mut Pass<'_>,
+        slot: u32,
+        pos0: usize,
+        n: u32,
+        src_row: Option<u32>,
+    ) -> Result<()> {
+        let sc = &self.scratch;
+        let hp = &self.hp;
+        let e = hp.n_embd as u32;
+        let m = self.spec.mtp.as_ref().expect("the callers check for the block");
+        match src_row {
+            // The trunk's rows as its head saw them.
+            None => norm::rms_norm(
+                pass,
+                n,
+                e,
+                View::new(&sc.x, 0),
+                Some(View::new(&m.hid, 0)),
+                Some(&self.w.output_norm),
+                hp.eps,
+            )?,
+            Some(r) => ew::copy(
+                pass,
+                1,
+                e,
+                View::new(&m.hid, 0),
+                View::new(&m.out, r * e),
+            )?,
+        }
+        let embd = m.embd.as_ref().unwrap_or(&self.w.tok_embd);
+        embed::embed(pass, embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
+        norm::rms_norm(
+            pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::strided(&m.cat, 0, 2 * e)),
+            Some(&m.enorm),
+            hp.eps,
+        )?;
+        norm::rms_norm(
+            pass,
+            n,
+            e,
+            View::new(&m.hid, 0),
+            Some(View::strided(&m.cat, e, 2 * e)),
+            Some(&m.hnorm),
+            hp.eps,
+        )?;
+        matmul::matmul(pass, &m.fc, &m.cat, 0, &sc.x, 0, n)?;
+        let l = hp.n_layer;
+        let lw = &self.w.layers[l];
+        let parts = [Part {
+            item: 0,
+            start: 0,
+            n: n as usize,
+            row: 0,
+            slot,
+            pos0,
+        }];
+        norm::rms_norm(
+            pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(&lw.attn_norm),
+            hp.eps,
+        )?;
+        let Mixer::Attn(a) = &lw.mixer else {
+            unreachable!("the MTP layer is full attention")
+        };
+        self.attn_block(pass, &parts, l, a, n)?;
+        norm::rms_norm(
+            pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(&lw.post_norm),
+            hp.eps,
+        )?;
+        self.ffn_block(pass, l, &lw.ffn, n)?;
+        norm::rms_norm(
+            pass,
+            n,
+            e,
+            View::new(&sc.x, 0),
+            Some(View::new(&m.out, 0)),
+            Some(&m.norm),
+            hp.eps,
+        )?;
+        Ok(())
     }
 
     /// The hidden states the last MTP pass read, `[rows, n_embd]` (tests: the reference
@@ -450,5 +590,11 @@ impl Speculate for GpuModel {
     }
     fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>> {
         GpuModel::mtp_hidden(self, rows)
+    }
+    fn mtp_drafts(&mut self, seq: &Seq, tokens: &[u32], k: usize) -> Result<Vec<u32>> {
+        self.mtp_drafts_pass(seq.get()?, tokens, k)
+    }
+    fn set_draft_vocab(&mut self, n: Option<usize>) -> Result<()> {
+        self.draft_vocab(n)
     }
 }
