@@ -429,7 +429,10 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             total.tokens += st.tokens;
         }
         let tok = ids.take(1, vocab)[0];
-        spec = Some((total, crate::spec::step_costs(&mut e, &mut seq, tok, opts.reps * 4)?));
+        spec = Some((
+            total,
+            crate::spec::step_costs(&mut e, &mut seq, tok, opts.reps * 4)?,
+        ));
         Some(Stat::new(opts.n_gen, &secs))
     } else if opts.n_gen > 0 {
         let mut secs = Vec::with_capacity(opts.reps);

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::engine::{Engine, Logits, Seq, Want};
-use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
+use crate::spec::{SpecOptions, SpecStats, Speculator};
 use crate::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer, CHATML};
 use crate::{Error, Result};
 

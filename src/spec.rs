@@ -429,7 +429,12 @@ pub struct StepCosts {
     pub decode: f64,
 }
 
-pub fn step_costs(engine: &mut Engine, seq: &mut Seq, token: u32, reps: usize) -> Result<StepCosts> {
+pub fn step_costs(
+    engine: &mut Engine,
+    seq: &mut Seq,
+    token: u32,
+    reps: usize,
+) -> Result<StepCosts> {
     let greedy = Want::Top { k: 1, lse: false };
     let reps = reps.max(1);
     let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {

@@ -49,19 +49,23 @@ fn with_mtp(name: &str) -> PathBuf {
     let mut data = bytes[8 + n..].to_vec();
     let e = cfg["hidden_size"].as_u64().unwrap() as usize;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ name.len() as u64);
-    let mut add = |header: &mut serde_json::Map<_, _>, name: String, shape: Vec<usize>, vals: Vec<f32>| {
-        let lo = data.len();
-        data.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
-        header.insert(
+    let mut add =
+        |header: &mut serde_json::Map<_, _>, name: String, shape: Vec<usize>, vals: Vec<f32>| {
+            let lo = data.len();
+            data.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+            header.insert(
             name,
             serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [lo, data.len()]}),
         );
-    };
+        };
     let mut layer: Vec<(String, Vec<usize>)> = header
         .iter()
         .filter_map(|(k, v)| {
             let rest = k.strip_prefix("model.layers.1.")?;
-            let shape = v["shape"].as_array()?.iter().map(|d| d.as_u64().unwrap() as usize);
+            let shape = v["shape"]
+                .as_array()?
+                .iter()
+                .map(|d| d.as_u64().unwrap() as usize);
             Some((rest.to_string(), shape.collect()))
         })
         .collect();
@@ -81,7 +85,11 @@ fn with_mtp(name: &str) -> PathBuf {
         .map(|_| rng.normal() / (2.0 * e as f32).sqrt())
         .collect();
     add(&mut header, "mtp.fc.weight".into(), vec![e, 2 * e], fc);
-    for norm in ["mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"] {
+    for norm in [
+        "mtp.pre_fc_norm_embedding",
+        "mtp.pre_fc_norm_hidden",
+        "mtp.norm",
+    ] {
         let vals = (0..e).map(|_| 0.1 * rng.normal()).collect();
         add(&mut header, format!("{norm}.weight"), vec![e], vals);
     }
@@ -149,7 +157,10 @@ fn check_close(label: &str, got: &[f32], want: &[f32]) {
     let rms = (sq / got.len() as f64).sqrt();
     let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max);
     eprintln!("{label}: rms {rms:.2e}, max {max:.2e} (logits up to {scale:.2})");
-    assert!(rms < 1e-4 && max < 1e-3 * scale.max(1.0), "{label}: rms {rms}, max {max}");
+    assert!(
+        rms < 1e-4 && max < 1e-3 * scale.max(1.0),
+        "{label}: rms {rms}, max {max}"
+    );
 }
 
 /// The GPU MTP block over trunk rows, then one chained row, against the numpy reference.
@@ -209,7 +220,11 @@ fn mtp_matches_reference(name: &str) {
     let mut seq = eng.new_seq().unwrap();
     let s = eng.model.speculate().unwrap();
     s.feed(&mut seq, &p, Want::None).unwrap();
-    assert_eq!(s.mtp_drafts(&seq, &next, 4).unwrap(), chained, "{name}: drafts in one pass");
+    assert_eq!(
+        s.mtp_drafts(&seq, &next, 4).unwrap(),
+        chained,
+        "{name}: drafts in one pass"
+    );
     drop(seq);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -276,17 +291,32 @@ fn verify_has_decode_bits(name: &str) {
     }
     // Two right then a wrong draft: keep three tokens.
     let fed2 = [toks[5], toks[6], toks[7], wrong];
-    let got = s.verify(&mut seq, &fed2, Want::Top { k: 3, lse: true }).unwrap();
+    let got = s
+        .verify(&mut seq, &fed2, Want::Top { k: 3, lse: true })
+        .unwrap();
     for (j, r) in got.iter().take(3).enumerate() {
-        let Logits::Top(t) = r else { panic!("top rows") };
-        assert_eq!(t.cands[0].0, toks[6 + j], "{name}: verify row {j} picks decode's token");
-        assert_eq!(t.cands[0].1.to_bits(), rows[6 + j][t.cands[0].0 as usize].to_bits());
+        let Logits::Top(t) = r else {
+            panic!("top rows")
+        };
+        assert_eq!(
+            t.cands[0].0,
+            toks[6 + j],
+            "{name}: verify row {j} picks decode's token"
+        );
+        assert_eq!(
+            t.cands[0].1.to_bits(),
+            rows[6 + j][t.cands[0].0 as usize].to_bits()
+        );
     }
     s.rollback(&mut seq, &fed2[..3]).unwrap();
     assert_eq!(seq.pos(), p.len() + 8);
     for (j, &t) in toks[8..11].iter().enumerate() {
         let l = eng.forward(&mut seq, &[t], false).unwrap();
-        assert_eq!(bits(&l), bits(&rows[9 + j]), "{name}: decode after the rollback, step {j}");
+        assert_eq!(
+            bits(&l),
+            bits(&rows[9 + j]),
+            "{name}: decode after the rollback, step {j}"
+        );
     }
     drop(seq);
     std::fs::remove_dir_all(&dir).ok();
@@ -302,7 +332,12 @@ fn verify_rows_have_decode_bits_moe() {
     verify_has_decode_bits("qwen35moe-tiny");
 }
 
-fn gen(eng: &mut Engine, sampler: SamplerConfig, spec: SpecOptions, n: usize) -> (Vec<u32>, Option<lathe::spec::SpecStats>) {
+fn gen(
+    eng: &mut Engine,
+    sampler: SamplerConfig,
+    spec: SpecOptions,
+    n: usize,
+) -> (Vec<u32>, Option<lathe::spec::SpecStats>) {
     let opts = GenerateOptions {
         max_tokens: Some(n),
         sampler,
@@ -330,10 +365,20 @@ fn spec(mode: SpecMode, draft: usize) -> SpecOptions {
 fn generation_unchanged(name: &str) {
     let dir = with_mtp(name);
     let mut eng = load(&dir, KvType::F16);
-    let (plain, none) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Off, 1), 24);
+    let (plain, none) = gen(
+        &mut eng,
+        SamplerConfig::greedy(),
+        spec(SpecMode::Off, 1),
+        24,
+    );
     assert!(none.is_none());
     for k in 1..=4 {
-        let (got, stats) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Mtp, k), 24);
+        let (got, stats) = gen(
+            &mut eng,
+            SamplerConfig::greedy(),
+            spec(SpecMode::Mtp, k),
+            24,
+        );
         assert_eq!(got, plain, "{name}: greedy with --draft {k}");
         let st = stats.expect("speculation ran");
         assert_eq!(st.drafted, k * st.verify_passes);
@@ -360,7 +405,10 @@ fn generation_unchanged(name: &str) {
         };
         let (got, _) = gen(&mut eng, sampler.clone(), trimmed, 16);
         assert_eq!(got, plain, "{name}: sampled at seed {seed}");
-        let top = SamplerConfig { top_k: 20, ..sampler };
+        let top = SamplerConfig {
+            top_k: 20,
+            ..sampler
+        };
         let (plain, _) = gen(&mut eng, top.clone(), spec(SpecMode::Off, 1), 16);
         let (got, _) = gen(&mut eng, top, spec(SpecMode::Mtp, 2), 16);
         assert_eq!(got, plain, "{name}: top-k sampled at seed {seed}");
@@ -407,14 +455,30 @@ fn synth_mtp_gguf_loads_and_keeps_output() {
         assert!(plan.tensor(name).is_some(), "{name} planned");
     }
     // [n_embd, 2·n_embd] (rows, columns), as `mtp.fc`.
-    assert_eq!(plan.tensor("blk.4.nextn.eh_proj.weight").unwrap().shape, [256, 512]);
+    assert_eq!(
+        plan.tensor("blk.4.nextn.eh_proj.weight").unwrap().shape,
+        [256, 512]
+    );
     plan.write(&path, 1, None).unwrap();
     let mut eng = load(&path, KvType::F16);
     assert!(eng.model.speculate().unwrap().has_mtp());
-    let (plain, _) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Off, 1), 12);
-    let (got, st) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Auto, 3), 12);
+    let (plain, _) = gen(
+        &mut eng,
+        SamplerConfig::greedy(),
+        spec(SpecMode::Off, 1),
+        12,
+    );
+    let (got, st) = gen(
+        &mut eng,
+        SamplerConfig::greedy(),
+        spec(SpecMode::Auto, 3),
+        12,
+    );
     assert_eq!(got, plain, "synth demo --mtp: greedy with speculation");
-    assert!(st.unwrap().verify_passes > 0, "auto speculates when the file has MTP");
+    assert!(
+        st.unwrap().verify_passes > 0,
+        "auto speculates when the file has MTP"
+    );
     drop(eng);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -439,7 +503,12 @@ fn synth_demo_deepseek4_runs() {
     assert_eq!(l.len(), prompt().len() * 512);
     assert!(l.iter().all(|x| x.is_finite()));
     // No MTP block there: auto decodes without speculation.
-    let (_, st) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Auto, 3), 4);
+    let (_, st) = gen(
+        &mut eng,
+        SamplerConfig::greedy(),
+        spec(SpecMode::Auto, 3),
+        4,
+    );
     assert!(st.is_none());
     drop((seq, eng));
     std::fs::remove_dir_all(&dir).ok();
@@ -452,7 +521,12 @@ fn self_draft(name: &str) {
     let dir = common::fixtures().join(name);
     let mut eng = load(&dir, KvType::F16);
     let draft = DraftModel::new(load(&dir, KvType::F16));
-    let (plain, _) = gen(&mut eng, SamplerConfig::greedy(), spec(SpecMode::Off, 1), 25);
+    let (plain, _) = gen(
+        &mut eng,
+        SamplerConfig::greedy(),
+        spec(SpecMode::Off, 1),
+        25,
+    );
     for k in [1, 3] {
         let opts = SpecOptions {
             draft_model: Some(draft.clone()),
@@ -460,9 +534,15 @@ fn self_draft(name: &str) {
         };
         // 25 tokens: the prompt's pick, then whole passes of k + 1 (k = 1, 3).
         let (got, st) = gen(&mut eng, SamplerConfig::greedy(), opts.clone(), 25);
-        assert_eq!(got, plain, "{name}: greedy with itself as draft model, k {k}");
+        assert_eq!(
+            got, plain,
+            "{name}: greedy with itself as draft model, k {k}"
+        );
         let st = st.unwrap();
-        assert_eq!(st.accepted, st.drafted, "{name}: k {k}: every draft accepted");
+        assert_eq!(
+            st.accepted, st.drafted,
+            "{name}: k {k}: every draft accepted"
+        );
         assert_eq!(st.tokens_per_forward(), (k + 1) as f64);
         let sampler = SamplerConfig {
             temperature: 1.0,

@@ -36,7 +36,8 @@ pub trait Speculate {
     fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()>;
     /// The MTP block over `tokens` at the positions `hidden` implies; `Want::Top`: the last
     /// row's best logits, `All`: every row's.
-    fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
+    fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want)
+        -> Result<Vec<Logits>>;
     /// The hidden states (`[rows, n_embd]`) the last MTP pass read.
     fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>>;
     /// `k` greedy MTP drafts in one submission: [`Speculate::mtp`] over `tokens` with

@@ -267,7 +267,8 @@ impl GpuModel {
             },
         };
         let n = n as u32;
-        if n as usize > self.scratch.rows || n as usize > self.scratch.logit_rows && want == Want::All
+        if n as usize > self.scratch.rows
+            || n as usize > self.scratch.logit_rows && want == Want::All
         {
             return Err(Error::Invalid(format!("MTP pass of {n} rows")));
         }
@@ -431,7 +432,8 @@ impl GpuModel {
         let sc = &self.scratch;
         self.gpu.write(&sc.ids, 0, bytemuck::cast_slice(tokens));
         self.gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
-        self.gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+        self.gpu
+            .write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
     }
 
     /// Records the MTP block over `n` rows of slot `slot` at `pos0..` whose ids, positions
@@ -449,7 +451,11 @@ impl GpuModel {
         let sc = &self.scratch;
         let hp = &self.hp;
         let e = hp.n_embd as u32;
-        let m = self.spec.mtp.as_ref().expect("the callers check for the block");
+        let m = self
+            .spec
+            .mtp
+            .as_ref()
+            .expect("the callers check for the block");
         match src_row {
             // The trunk's rows as its head saw them.
             None => norm::rms_norm(
@@ -461,13 +467,7 @@ impl GpuModel {
                 Some(&self.w.output_norm),
                 hp.eps,
             )?,
-            Some(r) => ew::copy(
-                pass,
-                1,
-                e,
-                View::new(&m.hid, 0),
-                View::new(&m.out, r * e),
-            )?,
+            Some(r) => ew::copy(pass, 1, e, View::new(&m.hid, 0), View::new(&m.out, r * e))?,
         }
         let embd = m.embd.as_ref().unwrap_or(&self.w.tok_embd);
         embed::embed(pass, embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
@@ -585,7 +585,13 @@ impl Speculate for GpuModel {
         }
         self.spec_pass(s, keep, Want::None, true).map(drop)
     }
-    fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
+    fn mtp(
+        &mut self,
+        seq: &Seq,
+        hidden: Hidden,
+        tokens: &[u32],
+        want: Want,
+    ) -> Result<Vec<Logits>> {
         self.mtp_pass(seq.get()?, hidden, tokens, want)
     }
     fn mtp_hidden(&self, rows: usize) -> Result<Vec<f32>> {
