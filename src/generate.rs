@@ -499,8 +499,7 @@ impl Session {
         let prefilled = self.prefill(
             engine,
             prompt,
-            n_cached,
-            checkpoint_at,
+            (n_cached, checkpoint_at),
             want,
             &cancelled,
             spec.as_mut(),
@@ -581,12 +580,12 @@ impl Session {
     /// Feeds `prompt[from..]` (at least one token) in pieces of [`PREFILL_CHUNK`], saving
     /// the checkpoint once `checkpoint_at` tokens are held, and returns what `want` asks of
     /// the last token's logits; `None` when `cancelled` turned true between two pieces.
+    /// With `spec` the pieces go through it (the MTP block reads their hidden states).
     fn prefill(
         &mut self,
         engine: &mut Engine,
         prompt: &[u32],
-        from: usize,
-        checkpoint_at: usize,
+        (from, checkpoint_at): (usize, usize),
         want: Want,
         cancelled: &dyn Fn() -> bool,
         mut spec: Option<&mut Speculator>,

@@ -94,7 +94,7 @@ fn with_mtp(name: &str) -> PathBuf {
         add(&mut header, format!("{norm}.weight"), vec![e], vals);
     }
     let mut head = serde_json::to_vec(&header).unwrap();
-    while head.len() % 8 != 0 {
+    while !head.len().is_multiple_of(8) {
         head.push(b' ');
     }
     let mut out = (head.len() as u64).to_le_bytes().to_vec();
