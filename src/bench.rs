@@ -46,6 +46,10 @@ pub struct BenchOptions {
     pub matmul: crate::gpu::MatmulChoice,
     /// Decode with speculation (`--spec`): greedy from the model's own picks.
     pub spec: Option<crate::spec::SpecOptions>,
+    /// Cold experts of prompt batches (`--expert-stream`).
+    pub expert_stream: crate::forward::ExpertStream,
+    /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
+    pub timeline: bool,
 }
 
 impl Default for BenchOptions {
@@ -64,6 +68,8 @@ impl Default for BenchOptions {
             save_expert_stats: None,
             matmul: Default::default(),
             spec: None,
+            expert_stream: Default::default(),
+            timeline: false,
         }
     }
 }
@@ -145,6 +151,9 @@ pub struct BenchReport {
     pub matmul: &'static str,
     /// What speculation did in the decode test, and what its pieces cost.
     pub spec: Option<(crate::spec::SpecStats, crate::spec::StepCosts)>,
+    /// One decode step's per-MoE-layer timeline (`BenchOptions::timeline`; empty without an
+    /// expert offload).
+    pub timeline: Option<Vec<crate::moe::LayerTimes>>,
 }
 
 /// One kernel's share of a decode step.
@@ -205,6 +214,7 @@ impl BenchReport {
                 "mtp_draft_ms": c.mtp_draft.map(|t| t * 1e3),
                 "verify_ms": c.verify.iter().map(|(k, t)| json!({"k": k, "ms": t * 1e3})).collect::<Vec<_>>(),
             })),
+            "timeline": self.timeline,
         })
     }
 
@@ -370,6 +380,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         expert_stats: opts.expert_stats.clone(),
         save_expert_stats: opts.save_expert_stats.clone(),
         matmul: opts.matmul,
+        expert_stream: opts.expert_stream,
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -464,6 +475,13 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     } else {
         None
     };
+    // One more decode step with the offload's per-layer timeline.
+    let timeline = if opts.timeline && opts.n_gen > 0 {
+        let tok = ids.take(1, vocab)[0];
+        Some(e.timeline_step(&mut seq, tok)?)
+    } else {
+        None
+    };
     // One more prefill, each dispatch timed.
     let prefill_kernels =
         if opts.n_prompt > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
@@ -503,6 +521,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         placement,
         matmul,
         spec,
+        timeline,
     })
 }
 

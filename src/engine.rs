@@ -6,7 +6,9 @@ use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
 
-pub use crate::forward::{KvType, LoadOptions, Logits, Progress, TopLogits, Want, GREEDY};
+pub use crate::forward::{
+    ColdLayers, ExpertStream, KvType, LoadOptions, Logits, Progress, TopLogits, Want, GREEDY,
+};
 pub use crate::models::{Forward, Seq};
 
 /// A model ready to run, with its tokenizer when the file carries one.
@@ -204,6 +206,25 @@ impl Engine {
     /// dispatch, in order (a breakdown for `lathe bench`; slower than a normal step).
     pub fn profile_step(&mut self, seq: &mut Seq, token: u32) -> Result<Vec<(String, f64)>> {
         self.profile_pass(seq, &[token])
+    }
+
+    /// One greedy decode step of `token` with the expert offload's per-layer timeline (host
+    /// waits, CPU and GPU busy per MoE layer; `lathe bench --moe-timeline`). Empty for a
+    /// model without an offload.
+    pub fn timeline_step(
+        &mut self,
+        seq: &mut Seq,
+        token: u32,
+    ) -> Result<Vec<crate::moe::LayerTimes>> {
+        match self.offload() {
+            Some(o) => o.start_timeline(&self.gpu),
+            None => return Ok(Vec::new()),
+        }
+        self.forward_batch_with(&mut [(seq, &[token], GREEDY)])?;
+        match self.offload() {
+            Some(o) => o.take_timeline(&self.gpu),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// GPU time of every dispatch of one prefill of `tokens` (as [`Engine::profile_step`]).

@@ -166,6 +166,73 @@ pub struct LoadOptions {
     pub expert_cache: Option<CacheConfig>,
     /// Kernels of many-token products (`--matmul`).
     pub matmul: MatmulChoice,
+    /// Cold experts of large batches: streamed to the GPU or run on the CPU
+    /// (`--expert-stream`).
+    pub expert_stream: ExpertStream,
+    /// Spread the cold experts over every layer or keep whole layers cold (`--cold-layers`).
+    pub cold_layers: ColdLayers,
+}
+
+/// How the planner keeps experts off the GPU (`--cold-layers`). Each MoE layer with cold
+/// experts costs a GPU → CPU → GPU hop per decode step; whole cold layers (as llama.cpp's
+/// `-ncmoe`) take fewer hops, a share of every layer lets the CPU's work overlap the GPU's
+/// hot experts and the hottest experts of each layer stay on the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ColdLayers {
+    /// Whichever the planner's decode estimate (`moe::Placement::decode_seconds`) finds
+    /// faster, for a budget (`--gpu-mem`); `spread` under `--gpu-experts`, whose share is
+    /// per layer.
+    #[default]
+    Auto,
+    /// Every layer keeps its share of slots.
+    Spread,
+    /// Whole layers hot from the last one down while the budget lasts (under
+    /// `--gpu-experts F`: F of all expert bytes); at most one layer mixed.
+    Whole,
+}
+
+impl std::str::FromStr for ColdLayers {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(ColdLayers::Auto),
+            "spread" => Ok(ColdLayers::Spread),
+            "whole" => Ok(ColdLayers::Whole),
+            _ => Err(Error::Invalid(format!(
+                "--cold-layers {s}: expected auto, spread or whole"
+            ))),
+        }
+    }
+}
+
+/// Where a prefill batch's cold experts run (`--expert-stream`). Streaming copies the
+/// experts the batch picks into a few GPU slots and runs them with the GPU's kernels; the
+/// CPU path reads them from the mmap where they are. Decode steps (one row) always take
+/// the CPU path: a token uses each expert once, which never repays a copy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertStream {
+    /// Stream when the batch is large enough that the copies cost less than the CPU's work
+    /// (`moe::plan::stream_beats_cpu`).
+    #[default]
+    Auto,
+    /// Every batch of more than one row streams (tests, measurements).
+    Always,
+    /// Never stream: cold experts run on the CPU.
+    Never,
+}
+
+impl std::str::FromStr for ExpertStream {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(ExpertStream::Auto),
+            "always" => Ok(ExpertStream::Always),
+            "never" => Ok(ExpertStream::Never),
+            _ => Err(Error::Invalid(format!(
+                "--expert-stream {s}: expected auto, always or never"
+            ))),
+        }
+    }
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -181,6 +248,8 @@ impl std::fmt::Debug for LoadOptions {
             .field("collect_expert_stats", &self.collect_expert_stats)
             .field("save_expert_stats", &self.save_expert_stats)
             .field("expert_cache", &self.expert_cache)
+            .field("expert_stream", &self.expert_stream)
+            .field("cold_layers", &self.cold_layers)
             .finish()
     }
 }
@@ -200,6 +269,8 @@ impl Default for LoadOptions {
             save_expert_stats: None,
             expert_cache: None,
             matmul: Default::default(),
+            expert_stream: Default::default(),
+            cold_layers: Default::default(),
         }
     }
 }

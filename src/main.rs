@@ -151,14 +151,18 @@ fn run(cli: Cli) -> lathe::Result<()> {
                         Err(why) => format!("no {} ({why})", p.name()),
                     })
                     .collect();
+                // the memory the planner budgets with, and where that number comes from
+                let dm = lathe::gpu::adapter_memory(i);
+                let mem = lathe::moe::AdapterMemory::detect(a, dm.as_ref(), None);
                 println!(
-                    "{i}\t{}\t{:?}\t{:?}\t{} {}\tmatmul: {}",
+                    "{i}\t{}\t{:?}\t{:?}\t{} {}\tmatmul: {}\tmemory: {}",
                     a.name,
                     a.backend,
                     a.device_type,
                     a.driver,
                     a.driver_info,
-                    paths.join(", ")
+                    paths.join(", "),
+                    mem.describe()
                 );
             }
             Ok(())

@@ -133,28 +133,82 @@ fn adapter_memory_sources() {
         i
     };
     let cpu = with("llvmpipe (LLVM 15.0.6, 256 bits)", wgpu::DeviceType::Cpu);
-    let r = AdapterMemory::detect_with(&cpu, None, Some(24 * GIB));
+    let r = AdapterMemory::detect_with(&cpu, None, None, Some(24 * GIB));
     assert_eq!(
         (r.bytes, r.source.clone()),
         (12 * GIB, MemSource::SystemRam)
     );
-    let r = AdapterMemory::detect_with(&cpu, Some(GIB), Some(24 * GIB));
+    let r = AdapterMemory::detect_with(&cpu, None, Some(GIB), Some(24 * GIB));
     assert_eq!((r.bytes, r.source.clone()), (GIB, MemSource::Flag));
     let a100 = with("NVIDIA A100-SXM4-80GB", wgpu::DeviceType::DiscreteGpu);
     assert_eq!(
-        AdapterMemory::detect_with(&a100, None, None).bytes,
+        AdapterMemory::detect_with(&a100, None, None, None).bytes,
         80 * GIB
     );
     let h200 = with("NVIDIA H200", wgpu::DeviceType::DiscreteGpu);
-    let r = AdapterMemory::detect_with(&h200, None, Some(GIB));
+    let r = AdapterMemory::detect_with(&h200, None, None, Some(GIB));
     assert_eq!((r.bytes, r.source.clone()), (140 * GIB, MemSource::Name));
     let other = with("Some GPU 9000", wgpu::DeviceType::DiscreteGpu);
-    let r = AdapterMemory::detect_with(&other, None, Some(GIB));
+    let r = AdapterMemory::detect_with(&other, None, None, Some(GIB));
     assert_eq!(
         (r.bytes, r.source.clone()),
         (ASSUMED_MEMORY, MemSource::Assumed)
     );
     assert!(r.describe().contains("--gpu-mem"), "{}", r.describe());
+
+    // A driver's report wins over the name table and the assumption: its budget when it
+    // gives one, else the heap; a CPU/integrated adapter keeps at most half the RAM.
+    let rep = |heap, budget| lathe::gpu::DeviceMemory {
+        heap,
+        budget,
+        usage: budget.map(|_| 0),
+        source: "test",
+    };
+    let d = rep(24 * GIB, Some(20 * GIB));
+    let r = AdapterMemory::detect_with(&other, Some(&d), None, Some(GIB));
+    assert_eq!(r.bytes, 20 * GIB);
+    assert!(matches!(r.source, MemSource::Driver(_)), "{:?}", r.source);
+    assert!(r.describe().contains("driver"), "{}", r.describe());
+    let d = rep(16 * GIB, None);
+    let r = AdapterMemory::detect_with(&h200, Some(&d), None, None);
+    assert_eq!(r.bytes, 16 * GIB);
+    let r = AdapterMemory::detect_with(&h200, Some(&d), Some(GIB), None);
+    assert_eq!((r.bytes, r.source.clone()), (GIB, MemSource::Flag));
+    let r = AdapterMemory::detect_with(&cpu, Some(&d), None, Some(24 * GIB));
+    assert_eq!(
+        (r.bytes, r.source.clone()),
+        (12 * GIB, MemSource::SystemRam)
+    );
+    let r = AdapterMemory::detect_with(&cpu, Some(&d), None, Some(64 * GIB));
+    assert_eq!(r.bytes, 16 * GIB);
+}
+
+/// The backend's own report of the adapter's memory (lavapipe's Vulkan heap in CI): a
+/// device-local heap of some size, a budget within it when VK_EXT_memory_budget is there,
+/// and the planner's memory taken from it (or half the RAM, for a CPU adapter).
+#[test]
+fn adapter_memory_from_the_driver() {
+    let infos = lathe::gpu::list_adapters();
+    let Some((i, info)) = infos
+        .iter()
+        .enumerate()
+        .find(|(_, a)| a.backend == wgpu::Backend::Vulkan)
+    else {
+        panic!("no Vulkan adapter (lavapipe in CI): {infos:?}");
+    };
+    let d = lathe::gpu::adapter_memory(i).expect("Vulkan reports its memory heaps");
+    assert!(d.heap >= 64 * MIB, "{d:?}");
+    if let Some(b) = d.budget {
+        assert!(b > 0 && d.usable() <= d.heap, "{d:?}");
+    }
+    let gpu = lathe::gpu::Gpu::new(&lathe::gpu::AdapterChoice::Index(i)).expect("device");
+    assert_eq!(gpu.memory.as_ref().map(|m| m.heap), Some(d.heap));
+    let m = AdapterMemory::detect(info, Some(&d), None);
+    assert!(m.bytes > 0 && m.bytes <= d.heap.max(d.usable()), "{m:?}");
+    assert!(
+        matches!(m.source, MemSource::Driver(_) | MemSource::SystemRam),
+        "{m:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1575,4 +1629,43 @@ fn load_progress_counts_arena_uploads() {
         .filter(|&&(d, _)| d > total - experts && d < total)
         .count();
     assert!(inside > 0, "no progress while the arena filled: {calls:?}");
+}
+
+/// `--cold-layers whole`: whole layers hot from the last one down, at most one mixed layer,
+/// within the budget; the decode estimate counts one hop per layer with cold experts, so on
+/// uniform routing (no expert more popular than another) whole layers win by the hops they
+/// save, and `auto` picks them; with hops free, spreading never loses.
+#[test]
+fn whole_cold_layers_take_fewer_hops() {
+    use lathe::engine::ColdLayers;
+    use lathe::moe::offload::place;
+    use lathe::moe::Costs;
+    let info = uniform_info(8, 16, 4);
+    let eb = info.layers[0].expert_bytes();
+    let budget = eb * (16 * 3 + 5);
+    let w = Placement::whole_layers(&info, Fill::Budget(budget), None).unwrap();
+    let hot: Vec<usize> = w.layers.iter().map(|l| l.n_slots()).collect();
+    assert_eq!(hot, vec![0, 0, 0, 0, 5, 16, 16, 16]);
+    assert!(w.arena_bytes() <= budget);
+    let s = Placement::new(&info, Fill::Budget(budget), None).unwrap();
+    assert!(s.layers.iter().all(|l| l.n_slots() > 0 && l.n_slots() < 16));
+    let c = Costs::default();
+    let (tw, ts) = (
+        w.decode_seconds(&info, None, &c),
+        s.decode_seconds(&info, None, &c),
+    );
+    assert!(tw < ts, "whole {tw} vs spread {ts}");
+    // Five layers with cold picks against eight: three hops saved, the CPU's bytes nearly
+    // equal (the same number of cold experts).
+    assert!((ts - tw - 3.0 * c.hop_s).abs() < 0.5 * c.hop_s, "{ts} {tw}");
+    let auto = place(&info, Fill::Budget(budget), None, ColdLayers::Auto).unwrap();
+    assert_eq!(auto, w);
+    let free = Costs { hop_s: 0.0, ..c };
+    assert!(s.decode_seconds(&info, None, &free) <= w.decode_seconds(&info, None, &free) + 1e-12);
+    // A share under --gpu-experts stays per layer unless whole layers are asked for.
+    let f = place(&info, Fill::Fraction(0.5), None, ColdLayers::Auto).unwrap();
+    assert!(f.layers.iter().all(|l| l.n_slots() == 8));
+    let f = place(&info, Fill::Fraction(0.5), None, ColdLayers::Whole).unwrap();
+    let hot: Vec<usize> = f.layers.iter().map(|l| l.n_slots()).collect();
+    assert_eq!(hot, vec![0, 0, 0, 0, 16, 16, 16, 16]);
 }

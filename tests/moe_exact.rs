@@ -47,6 +47,15 @@ fn variants() -> Vec<Variant> {
             label: "gpu-experts 1",
             opts: frac(1.0),
         },
+        // Half of all expert bytes as whole hot layers (llama.cpp's -ncmoe arrangement).
+        Variant {
+            label: "whole layers 0.5",
+            opts: LoadOptions {
+                gpu_experts: Some(0.5),
+                cold_layers: lathe::engine::ColdLayers::Whole,
+                ..Default::default()
+            },
+        },
         // A quarter of the slots, an upload (and so an eviction) on every miss.
         Variant {
             label: "evict every miss",
@@ -374,6 +383,53 @@ fn check_long_prefill(name: &str, file: &str) {
     );
 }
 
+/// `--expert-stream always` under a `--gpu-mem` too small for any expert slot: a prompt's
+/// cold experts are copied to the GPU's streaming slots and run there with the GPU's own
+/// kernels, so every position's logits equal the all-GPU run's, and bytes were streamed.
+/// `never` keeps them on the CPU (nothing streamed, pairs on the CPU).
+fn check_stream(name: &str, file: &str) {
+    let (path, _, ids) = fixture(name, file);
+    let long: Vec<u32> = ids.iter().cycle().take(300).copied().collect();
+    let run = |opts: &LoadOptions| {
+        let mut e = Engine::load(&path, opts).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let out = e.forward(&mut seq, &long, true).unwrap();
+        (out, e.placement_report().unwrap())
+    };
+    let (base, _) = run(&LoadOptions::default());
+    let small = |mode| LoadOptions {
+        gpu_mem: Some(1 << 20),
+        expert_stream: mode,
+        ..Default::default()
+    };
+    let (got, rep) = run(&small(lathe::engine::ExpertStream::Always));
+    let s = score(&got, &base, base.len() / long.len());
+    eprintln!("{name} streamed: max_abs {:.3e}, {rep:?}", s.max_abs);
+    assert_eq!(rep.hot_experts, 0, "{rep:?}");
+    assert!(rep.streamed_bytes > 0 && rep.streamed_pairs > 0, "{rep:?}");
+    assert_eq!(rep.cold_pairs, 0, "every cold pair streamed: {rep:?}");
+    assert!(
+        s.max_abs <= 1e-6,
+        "{name}: streamed max_abs {:.3e}",
+        s.max_abs
+    );
+    let (got, rep) = run(&small(lathe::engine::ExpertStream::Never));
+    assert_eq!(rep.streamed_bytes, 0, "{rep:?}");
+    assert!(rep.cold_pairs > 0, "{rep:?}");
+    let s = score(&got, &base, base.len() / long.len());
+    assert!(s.max_abs < 1e-3, "{name}: CPU max_abs {:.3e}", s.max_abs);
+}
+
+#[test]
+fn qwen35moe_tiny_stream() {
+    check_stream("qwen35moe-tiny", "model-q8_0.gguf");
+}
+
+#[test]
+fn dsv4_tiny_stream() {
+    check_stream("dsv4-tiny", "model-q8_0.gguf");
+}
+
 #[test]
 fn qwen35moe_tiny_batched() {
     check_batched("qwen35moe-tiny", "model-q8_0.gguf");
@@ -452,8 +508,13 @@ fn dsv4_tiny_upstream_exact() {
     let llama = llamacpp_rms("dsv4-tiny", "f32");
     let refp = dir.join("logits.npy");
     check_variants("dsv4-tiny/upstream", &path, &refp, &ids, llama, vs);
-    // The offload is there and runs experts on the CPU (not a silent all-GPU fallback).
-    let mut e = Engine::load(&path, &frac(0.5)).unwrap();
+    // The offload is there and runs experts on the CPU (not a silent all-GPU fallback; the
+    // prompt's cold experts would stream to the GPU under the default `auto`).
+    let opts = LoadOptions {
+        expert_stream: lathe::engine::ExpertStream::Never,
+        ..frac(0.5)
+    };
+    let mut e = Engine::load(&path, &opts).unwrap();
     let mut seq = e.new_seq().unwrap();
     e.forward(&mut seq, &ids[..8], false).unwrap();
     let r = e.placement_report().unwrap();

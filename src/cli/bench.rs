@@ -49,6 +49,10 @@ pub struct BenchArgs {
     pub kv_type: KvType,
     #[command(flatten)]
     pub moe: super::run::MoeArgs,
+    /// Print one more decode step's timeline of the MoE layers whose experts are partly on
+    /// the CPU (stderr; `"timeline"` in --json): host waits, CPU time, GPU busy per layer.
+    #[arg(long)]
+    pub moe_timeline: bool,
     /// Seed of the random token ids.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
@@ -89,6 +93,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             draft_model: None,
             draft_vocab: a.draft_vocab,
         }),
+        expert_stream: a.moe.expert_stream,
+        timeline: a.moe_timeline,
     };
     let r = bench::run(&a.model, &opts)?;
     eprintln!(
@@ -97,17 +103,26 @@ pub fn run(a: BenchArgs) -> Result<()> {
     );
     if let Some(p) = &r.placement {
         eprintln!(
-            "experts: {}/{} on the GPU ({:.1}%), cache hit rate {:.1}%, {} uploads, {} pairs on \
-             the CPU{}",
+            "experts: {}/{} on the GPU ({:.1}%), cache hit rate {:.1}%, {} uploads ({:.0} \
+             bytes/token), {} pairs on the CPU, {} streamed ({} pairs){}",
             p.hot_experts,
             p.total_experts,
             100.0 * p.hot_share,
             100.0 * p.hit_rate,
             p.uploads,
+            p.uploaded_bytes_per_token,
             p.cold_pairs,
+            lathe::inspect::human_bytes(p.streamed_bytes),
+            p.streamed_pairs,
             p.memory
                 .as_ref()
                 .map_or(String::new(), |m| format!("; memory {m}"))
+        );
+    }
+    if let Some(t) = &r.timeline {
+        eprintln!(
+            "MoE layers of one decode step (ms):\n{}",
+            lathe::moe::timeline::table(t)
         );
     }
     if a.json {

@@ -67,15 +67,15 @@ pub struct PlanArgs {
     pub host_bw: f64,
 }
 
-/// The adapter `choice` names, without creating a device.
-fn adapter_info(choice: &AdapterChoice) -> Option<wgpu::AdapterInfo> {
-    let all = lathe::gpu::list_adapters();
+/// The adapter `choice` names and its index, without creating a device.
+fn adapter_info(choice: &AdapterChoice) -> Option<(usize, wgpu::AdapterInfo)> {
+    let mut all = lathe::gpu::list_adapters().into_iter().enumerate();
     match choice {
-        AdapterChoice::Auto => all.into_iter().next(),
-        AdapterChoice::Index(i) => all.into_iter().nth(*i),
+        AdapterChoice::Auto => all.next(),
+        AdapterChoice::Index(i) => all.nth(*i),
         AdapterChoice::Name(n) => {
             let n = n.to_lowercase();
-            all.into_iter().find(|a| a.name.to_lowercase().contains(&n))
+            all.find(|(_, a)| a.name.to_lowercase().contains(&n))
         }
     }
 }
@@ -100,7 +100,10 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     let info = MoeInfo::from_file(&file)?;
     let gpu_mem = a.gpu_mem.as_deref().map(parse_size).transpose()?;
     let (adapter, mem) = match (adapter_info(&a.device), gpu_mem) {
-        (Some(i), m) => (i.name.clone(), AdapterMemory::detect(&i, m)),
+        (Some((ix, i)), m) => {
+            let dm = lathe::gpu::adapter_memory(ix);
+            (i.name.clone(), AdapterMemory::detect(&i, dm.as_ref(), m))
+        }
         (None, Some(b)) => (
             "(none found)".to_string(),
             AdapterMemory {

@@ -62,6 +62,15 @@ pub struct MoeArgs {
     /// --expert-stats and `lathe plan`); costs one readback per MoE layer and token.
     #[arg(long, value_name = "FILE")]
     pub save_expert_stats: Option<PathBuf>,
+    /// Cold experts of prompt batches: auto (copied to the GPU when that beats the CPU),
+    /// always (every batch of more than one token) or never (always on the CPU).
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    pub expert_stream: lathe::engine::ExpertStream,
+    /// Which layers hold the cold experts: auto (the planner's decode estimate decides,
+    /// under a --gpu-mem budget), spread (a share of every layer) or whole (whole layers
+    /// cold, as llama.cpp's -ncmoe; with --gpu-experts F, F of all expert bytes stay hot).
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    pub cold_layers: lathe::engine::ColdLayers,
 }
 
 fn size_arg(s: &str) -> std::result::Result<u64, String> {
@@ -92,6 +101,8 @@ impl MoeArgs {
         opts.expert_stats = self.expert_stats.clone();
         opts.save_expert_stats = self.save_expert_stats.clone();
         opts.matmul = self.matmul;
+        opts.expert_stream = self.expert_stream;
+        opts.cold_layers = self.cold_layers;
     }
 
     /// Write the statistics `engine` counted, when --save-expert-stats asked for them (a

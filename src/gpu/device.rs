@@ -15,7 +15,7 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
 /// Adapters of the primary backends (Vulkan, Metal, DX12); GL only when none has one:
 /// even creating a GL instance probes EGL, which prints noise on a headless server, and GL
 /// compute is the weakest backend.
-fn all_adapters() -> Vec<wgpu::Adapter> {
+pub(super) fn all_adapters() -> Vec<wgpu::Adapter> {
     let mut v = pollster::block_on(
         instance(wgpu::Backends::PRIMARY).enumerate_adapters(wgpu::Backends::PRIMARY),
     );
@@ -54,6 +54,9 @@ pub struct Gpu {
     pub info: wgpu::AdapterInfo,
     pub limits: wgpu::Limits,
     pub features: wgpu::Features,
+    /// Device-local memory as the backend reports it (`gpu::memory`); `None` where it does
+    /// not.
+    pub memory: Option<super::memory::DeviceMemory>,
     /// First uncaptured validation / OOM error since the last check; wgpu's default
     /// handler would panic, lathe turns it into an `Error::Gpu` at the next sync point.
     errors: Arc<Mutex<Option<String>>>,
@@ -193,6 +196,7 @@ impl Gpu {
             ))
         })?;
         let info = adapter.get_info();
+        let memory = super::memory::device_memory(&adapter);
         let offered = adapter.features();
         // Optional features used when present; kernels keep a portable path without them.
         let mut wanted = wgpu::Features::TIMESTAMP_QUERY
@@ -261,6 +265,7 @@ impl Gpu {
             info,
             limits,
             features,
+            memory,
             errors,
             pipelines: Default::default(),
             matmul,

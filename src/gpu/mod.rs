@@ -3,6 +3,7 @@
 
 mod buffer;
 mod device;
+mod memory;
 mod pass;
 mod pipeline;
 
@@ -27,6 +28,7 @@ pub use buffer::{check_f32, check_len, check_span, GpuTensor, TensorPart};
 pub use device::{
     coop_supported, list_adapters, matmul_paths, AdapterChoice, Gpu, MatmulChoice, MatmulPath,
 };
+pub use memory::{adapter_memory, device_memory, DeviceMemory};
 pub use pass::{grid, Binding, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec};
 

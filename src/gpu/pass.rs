@@ -383,3 +383,23 @@ impl<'g> Pass<'g> {
         Ok(idx)
     }
 }
+
+impl Pass<'_> {
+    /// [`submit`](Self::submit) with GPU timestamps `first` (before the recorded work) and
+    /// `first + 1` (after it) written into `qs` (`TIMESTAMP_QUERY_INSIDE_ENCODERS`): the busy
+    /// time of one submission, measured without waiting for it (the MoE offload's timeline).
+    pub fn submit_stamped(self, qs: &wgpu::QuerySet, first: u32) -> Result<wgpu::SubmissionIndex> {
+        let gpu = self.gpu;
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("lathe.stamped"),
+            });
+        enc.write_timestamp(qs, first);
+        self.encode(&mut enc)?;
+        enc.write_timestamp(qs, first + 1);
+        let idx = gpu.queue.submit([enc.finish()]);
+        gpu.check()?;
+        Ok(idx)
+    }
+}

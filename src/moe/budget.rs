@@ -1,25 +1,29 @@
 //! How much GPU memory the expert arena gets: the adapter's memory minus what the model
 //! needs beside its routed experts.
 //!
-//! wgpu does not report memory sizes or free memory. `Limits::max_buffer_size` and
+//! WebGPU does not report memory sizes or free memory. `Limits::max_buffer_size` and
 //! `max_storage_buffer_binding_size` bound ONE buffer (lavapipe offers 2 GiB buffers on any
 //! machine; the H200 4 GiB of its 141 GB), so they say nothing about the total. lathe
 //! therefore takes the size from, in order ([`AdapterMemory::detect`]):
 //! 1. `--gpu-mem SIZE` (also lets a big GPU behave like a small one, for testing);
-//! 2. a CPU adapter (lavapipe, llvmpipe, SwiftShader) or an integrated GPU: half of the
+//! 2. what the backend reports under wgpu (`gpu::memory`: Vulkan's largest device-local
+//!    heap, and its `VK_EXT_memory_budget` budget when the driver offers one); for a CPU
+//!    adapter (lavapipe, llvmpipe, SwiftShader) or an integrated GPU at most half of the
 //!    system RAM (`MemTotal` of /proc/meminfo): "VRAM" is host memory there, and the other
 //!    half stays for the OS page cache that backs the mmap'd cold experts;
-//! 3. a size in the adapter name (`NVIDIA A100-SXM4-80GB`, `... 48GB` → that many GiB), or a
-//!    short table of data-centre GPUs whose names carry none ([`KNOWN_ADAPTERS`]);
+//! 3. without a report (Metal, DX12, GL today), stated guesses: half the system RAM for a
+//!    CPU or integrated adapter; a size in the adapter name (`NVIDIA A100-SXM4-80GB`,
+//!    `... 48GB` → that many GiB), or a short table of data-centre GPUs whose names carry
+//!    none ([`KNOWN_ADAPTERS`]);
 //! 4. otherwise [`ASSUMED_MEMORY`] (4 GiB), conservative on purpose: a smaller arena only
-//!    costs speed, an arena that does not fit fails. Callers should say so and suggest
-//!    `--gpu-mem`.
+//!    costs speed, an arena that does not fit fails. Callers say so and suggest `--gpu-mem`.
 //!
 //! The budget itself is plain arithmetic ([`Budget::new`]) on byte counts the caller
 //! supplies, so it knows no architecture: non-expert weights (from [`super::MoeInfo`]), KV
 //! bytes per position times the context, fixed per-sequence state (recurrent and conv state,
 //! sliding windows), activation scratch, and a safety margin ([`default_margin`]).
 
+use crate::gpu::DeviceMemory;
 use crate::{Error, Result};
 
 const GIB: u64 = 1 << 30;
@@ -71,6 +75,8 @@ pub fn parse_size(s: &str) -> Result<u64> {
 pub enum MemSource {
     /// `--gpu-mem`.
     Flag,
+    /// The backend's report ([`DeviceMemory::describe`]).
+    Driver(String),
     /// Half the system RAM (CPU or integrated adapter).
     SystemRam,
     /// The adapter's name (a size in it, or [`KNOWN_ADAPTERS`]).
@@ -109,14 +115,20 @@ fn size_in_name(name: &str) -> Option<u64> {
 }
 
 impl AdapterMemory {
-    /// See the module doc for the order of sources.
-    pub fn detect(info: &wgpu::AdapterInfo, gpu_mem: Option<u64>) -> AdapterMemory {
-        Self::detect_with(info, gpu_mem, system_ram())
+    /// See the module doc for the order of sources; `device`: what the backend reported
+    /// (`Gpu::memory`, `gpu::adapter_memory`).
+    pub fn detect(
+        info: &wgpu::AdapterInfo,
+        device: Option<&DeviceMemory>,
+        gpu_mem: Option<u64>,
+    ) -> AdapterMemory {
+        Self::detect_with(info, device, gpu_mem, system_ram())
     }
 
     /// [`detect`](Self::detect) with the system RAM given (tests).
     pub fn detect_with(
         info: &wgpu::AdapterInfo,
+        device: Option<&DeviceMemory>,
         gpu_mem: Option<u64>,
         ram: Option<u64>,
     ) -> AdapterMemory {
@@ -128,10 +140,15 @@ impl AdapterMemory {
             info.device_type,
             wgpu::DeviceType::Cpu | wgpu::DeviceType::IntegratedGpu
         );
-        if shared {
-            if let Some(r) = ram {
-                return mk(r / 2, MemSource::SystemRam);
-            }
+        let half_ram = ram.filter(|_| shared).map(|r| r / 2);
+        if let Some(d) = device.filter(|d| d.usable() > 0) {
+            return match half_ram {
+                Some(h) if h < d.usable() => mk(h, MemSource::SystemRam),
+                _ => mk(d.usable(), MemSource::Driver(d.describe())),
+            };
+        }
+        if let Some(h) = half_ram {
+            return mk(h, MemSource::SystemRam);
         }
         if let Some(b) = size_in_name(&info.name) {
             return mk(b, MemSource::Name);
@@ -145,11 +162,14 @@ impl AdapterMemory {
 
     /// One line for reports: `24.00 GiB (--gpu-mem)`.
     pub fn describe(&self) -> String {
-        let why = match self.source {
-            MemSource::Flag => "--gpu-mem",
-            MemSource::SystemRam => "half the system RAM: a CPU/integrated adapter shares it",
-            MemSource::Name => "from the adapter's name",
-            MemSource::Assumed => "unknown adapter, assumed: pass --gpu-mem",
+        let why = match &self.source {
+            MemSource::Flag => "--gpu-mem".to_string(),
+            MemSource::Driver(d) => format!("reported by the driver: {d}"),
+            MemSource::SystemRam => {
+                "half the system RAM: a CPU/integrated adapter shares it".to_string()
+            }
+            MemSource::Name => "guessed from the adapter's name".to_string(),
+            MemSource::Assumed => "nothing reported, assumed: pass --gpu-mem".to_string(),
         };
         format!("{} ({why})", crate::inspect::human_bytes(self.bytes))
     }

@@ -93,6 +93,7 @@ pub mod layout;
 pub mod offload;
 pub mod plan;
 pub mod stats;
+pub mod timeline;
 
 pub use crate::cpu::moe::ColdPair;
 pub use budget::{
@@ -105,8 +106,9 @@ pub use layout::{
 pub use offload::{
     fill_arena, new_arena, remap_tables, write_expert, Offload, PlacementReport, Plan,
 };
-pub use plan::{remap_ids, ArenaGroup, Fill, LayerPlacement, LayerTraffic, Placement};
+pub use plan::{remap_ids, ArenaGroup, Costs, Fill, LayerPlacement, LayerTraffic, Placement};
 pub use stats::{ExpertStats, LayerStats};
+pub use timeline::LayerTimes;
 
 /// Remap-table entry and slot id of an expert without a slot. The indexed matvec writes
 /// nothing for ids at or above the arena's slot count, so a cold pair is skipped on the GPU.

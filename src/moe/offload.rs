@@ -3,21 +3,36 @@
 //! kernels (`gpu::moe`) and the CPU's cold path (`cpu::moe`). The arena and tables are filled
 //! from a [`Placement`] here, so the kernel layer knows slots, not plans.
 
+use super::timeline::{LayerTimes, Recording};
 use super::{
-    budget_for, cold_pairs, AdapterMemory, Budget, ExpertStats, ExpertWeights, Fill, MemSource,
-    MoeInfo, Needs, Placement, ResidencyCache, COLD,
+    budget_for, cold_pairs, AdapterMemory, Budget, Costs, ExpertStats, ExpertWeights, Fill,
+    MemSource, MoeInfo, Needs, Placement, ResidencyCache, COLD,
 };
 use crate::cpu::moe::ColdPair;
-use crate::forward::LoadOptions;
+use crate::forward::{ColdLayers, ExpertStream, LoadOptions};
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{
-    map_read, remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Picks,
-    RemapTables,
+    remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Picks, RemapTables,
 };
 use crate::gpu::{check_len, Gpu, Pass};
 use crate::model_file::ModelFile;
 use crate::{Error, Result};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// GPU slots per arena group that a prefill batch's cold experts stream through, a round of
+/// at most this many experts per submission. 32 Qwen3.5-35B Q4_K experts are 57 MB, and a
+/// 256-row batch picks ~100 of a layer's cold experts: 3-4 rounds.
+pub const STREAM_SLOTS: usize = 32;
+
+/// Host → GPU copy speed `auto` streaming assumes (bytes/s): PCIe 4.0 x16 moves ~25 GB/s
+/// in practice, less through wgpu's staging copy.
+pub const LINK_BYTES_PER_S: f64 = 20e9;
+
+/// Weights per second and core of the CPU's quantised dot products (`quant::dot`, Q4_K:
+/// 0.3-0.5 ns per weight per core, as [`super::plan::stream_beats_cpu`] notes).
+pub const CPU_PARAMS_PER_CORE_S: f64 = 2.5e9;
 
 /// The arena of `placement`: every group's slots, zeroed ([`fill_arena`] uploads the hot
 /// experts).
@@ -149,7 +164,7 @@ impl Plan {
         let (fill, budget, memory) = match opts.gpu_experts {
             Some(f) => (Fill::Fraction(f), None, None),
             None => {
-                let mem = AdapterMemory::detect(&gpu.info, opts.gpu_mem);
+                let mem = AdapterMemory::detect(&gpu.info, gpu.memory.as_ref(), opts.gpu_mem);
                 let b = budget_for(&info, mem.bytes, opts.ctx as u64, needs);
                 if !b.fits() {
                     eprintln!(
@@ -165,7 +180,16 @@ impl Plan {
                 (Fill::Budget(b.experts), Some(b), Some(mem))
             }
         };
-        let placement = Placement::new(&info, fill, stats.as_ref())?;
+        let mut placement = place(&info, fill, stats.as_ref(), opts.cold_layers)?;
+        // Streaming slots come out of the experts' budget: place again without them.
+        if let (Fill::Budget(b), false) = (fill, opts.expert_stream == ExpertStream::Never) {
+            let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
+            if !all_hot {
+                let reserve = stream_bytes(&placement);
+                let fill = Fill::Budget(b.saturating_sub(reserve));
+                placement = place(&info, fill, stats.as_ref(), opts.cold_layers)?;
+            }
+        }
         let plan = Plan {
             info,
             placement,
@@ -208,17 +232,82 @@ impl Plan {
     }
 }
 
+/// The placement of `fill` under `--cold-layers`: `auto` takes whichever of the spread and
+/// whole-layer placements [`Placement::decode_seconds`] finds faster with the default
+/// [`Costs`] for a byte budget, and spreads a `--gpu-experts` share (a share per layer).
+pub fn place(
+    info: &MoeInfo,
+    fill: Fill,
+    stats: Option<&ExpertStats>,
+    mode: ColdLayers,
+) -> Result<Placement> {
+    match (mode, fill) {
+        (ColdLayers::Spread, _) | (ColdLayers::Auto, Fill::Fraction(_)) => {
+            Placement::new(info, fill, stats)
+        }
+        (ColdLayers::Whole, _) => Placement::whole_layers(info, fill, stats),
+        (ColdLayers::Auto, Fill::Budget(_)) => {
+            let spread = Placement::new(info, fill, stats)?;
+            let whole = Placement::whole_layers(info, fill, stats)?;
+            let c = Costs::default();
+            let t = |p: &Placement| p.decode_seconds(info, stats, &c);
+            Ok(if t(&whole) < t(&spread) {
+                whole
+            } else {
+                spread
+            })
+        }
+    }
+}
+
+/// Slots of each arena group for streamed experts: [`STREAM_SLOTS`], or fewer when the
+/// group's layers have fewer experts.
+fn stream_slots(placement: &Placement, g: usize) -> u32 {
+    let most = placement
+        .layers
+        .iter()
+        .filter(|l| l.group == g)
+        .map(|l| l.n_expert)
+        .max()
+        .unwrap_or(0);
+    most.min(STREAM_SLOTS) as u32
+}
+
+/// GPU bytes of the streaming slots of `placement` ([`stream_slots`] per group).
+pub fn stream_bytes(placement: &Placement) -> u64 {
+    (0..placement.groups.len())
+        .map(|g| stream_slots(placement, g) as u64 * placement.groups[g].slot_bytes())
+        .sum()
+}
+
 fn collects(opts: &LoadOptions) -> bool {
     opts.collect_expert_stats || opts.save_expert_stats.is_some()
 }
 
-/// A MoE layer's cold work, from [`Offload::route`] to [`Offload::cold_ffn`].
+/// A MoE layer's cold work, from [`Offload::route`] to [`Offload::cold_ffn`]: the
+/// submission whose end brings the readback, and the buffers the layer reads.
 pub struct Cold {
     layer: usize,
-    /// Router ids `[n, n_used]` and FFN input rows `[n, n_embd]` read back.
-    ids: Vec<u32>,
-    h: Vec<f32>,
-    pairs: Vec<ColdPair>,
+    n: u32,
+    /// The `pre` submission (`None` while profiling: it has finished already).
+    pre: Option<wgpu::SubmissionIndex>,
+    /// Router ids u32 `[n, n_used]` and FFN input rows f32 `[n, n_embd]` on the GPU.
+    ids: wgpu::Buffer,
+    x: wgpu::Buffer,
+    /// Timeline: host time spent before `pre` was submitted, and its first query.
+    host_ms: f64,
+    query: Option<u32>,
+}
+
+/// GPU slots a prefill batch's cold experts stream through (`--expert-stream`): per arena
+/// group [`stream_slots`] slots, a remap table per layer (the round's experts → slots, the
+/// rest `COLD`), the slot ids and the matmul route of each group.
+struct Streams {
+    arena: ExpertArena,
+    remaps: RemapTables,
+    routes: Vec<Option<MoeRoute>>,
+    /// u32 `[rows·n_used]`: router ids mapped to streaming slots.
+    ids: wgpu::Buffer,
 }
 
 /// Host-side state of the offload: the residency policy, statistics, counters.
@@ -228,6 +317,17 @@ struct OffloadState {
     /// Routed (token, expert) pairs run on the CPU, and all routed pairs seen by readbacks.
     cold_pairs: u64,
     seen_pairs: u64,
+    /// Bytes of experts copied to the streaming slots, and the pairs they ran.
+    streamed_bytes: u64,
+    streamed_pairs: u64,
+    /// Bytes copied into arena slots by the residency cache.
+    uploaded_bytes: u64,
+    /// Tokens run through offloaded layers (rows of the first MoE layer's calls).
+    tokens: u64,
+    /// The CPU's rows f32 `[pairs, n_embd]` then their pair index u32 `[pairs]`, kept
+    /// between layers (the mapped upload buffer is write-only: written from here in one
+    /// copy).
+    rows: Vec<u32>,
 }
 
 /// Placement report for speed reports (`lathe bench`).
@@ -244,6 +344,12 @@ pub struct PlacementReport {
     pub uploads: u64,
     /// Routed pairs computed on the CPU.
     pub cold_pairs: u64,
+    /// Bytes the residency cache copied into arena slots, per token run.
+    pub uploaded_bytes_per_token: f64,
+    /// Bytes of cold experts streamed to the GPU for prompt batches (`--expert-stream`).
+    pub streamed_bytes: u64,
+    /// Routed pairs run on streamed experts.
+    pub streamed_pairs: u64,
     /// Budget line (`None` under `--gpu-experts`).
     pub memory: Option<String>,
 }
@@ -270,6 +376,13 @@ pub struct Offload {
     /// MAP_READ, u32 `[rows·n_used]` then f32 `[rows, n_embd]`: each layer's readback, copied
     /// at the end of the layer's own pass (no buffer made or extra submission per layer).
     staging: wgpu::Buffer,
+    /// MAP_WRITE, f32 `[rows·n_used, n_embd]` then u32 `[rows·n_used]`: the CPU writes its
+    /// rows and their pair index here, mapped, and the next pass copies them to `cold_rows`
+    /// and `cold_index` (no allocation or extra copy per layer).
+    upload: wgpu::Buffer,
+    /// `--expert-stream` and its slots (`None` under `never`, or with every expert hot).
+    stream: ExpertStream,
+    streams: Option<Streams>,
     n_used: u32,
     n_embd: u32,
     rows: u32,
@@ -280,6 +393,8 @@ pub struct Offload {
     state: Mutex<OffloadState>,
     /// While `Some`, the passes submitted here are timed per dispatch (`lathe bench`).
     profile: Mutex<Option<Vec<(String, f64)>>>,
+    /// While `Some`, each MoE layer's host and GPU times are recorded (`--moe-timeline`).
+    timeline: Mutex<Option<Recording>>,
 }
 
 impl Offload {
@@ -343,6 +458,38 @@ impl Offload {
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
+        let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
+        let streams = if opts.expert_stream == ExpertStream::Never || all_hot {
+            None
+        } else {
+            let groups: Vec<_> = (0..placement.groups.len())
+                .map(|g| (stream_slots(&placement, g), placement.groups[g].shapes))
+                .collect();
+            let cold: Vec<Vec<u32>> = placement
+                .layers
+                .iter()
+                .map(|l| vec![COLD; l.n_expert])
+                .collect();
+            let tables: Vec<_> = placement
+                .layers
+                .iter()
+                .zip(&cold)
+                .map(|(l, t)| (l.layer, &t[..]))
+                .collect();
+            Some(Streams {
+                arena: ExpertArena::new(gpu, &groups)?,
+                remaps: RemapTables::new(gpu, &tables)?,
+                routes: groups
+                    .iter()
+                    .map(|&(n, _)| {
+                        (n > 0)
+                            .then(|| MoeRoute::new(gpu, n, pairs as u32))
+                            .transpose()
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+                ids: gpu.buffer(pairs as u64 * 4, "moe.stream_ids")?,
+            })
+        };
         let cache = ResidencyCache::new(&placement, opts.expert_cache.clone().unwrap_or_default());
         let stats =
             collects(opts).then(|| stats.clone().unwrap_or_else(|| ExpertStats::new(&info)));
@@ -367,6 +514,14 @@ impl Offload {
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
+            upload: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("moe.upload"),
+                size: (pairs * (n_embd + 1)) as u64 * 4,
+                usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            }),
+            stream: opts.expert_stream,
+            streams,
             n_used: k as u32,
             n_embd: n_embd as u32,
             rows: rows as u32,
@@ -374,11 +529,17 @@ impl Offload {
             save_to: Mutex::new(opts.save_expert_stats.clone()),
             memory,
             profile: Mutex::new(None),
+            timeline: Mutex::new(None),
             state: Mutex::new(OffloadState {
                 cache,
                 stats,
                 cold_pairs: 0,
                 seen_pairs: 0,
+                streamed_bytes: 0,
+                streamed_pairs: 0,
+                uploaded_bytes: 0,
+                tokens: 0,
+                rows: Vec::new(),
             }),
             file,
             info,
@@ -404,16 +565,45 @@ impl Offload {
         self.profile_lock().take().unwrap_or_default()
     }
 
+    fn timeline_lock(&self) -> std::sync::MutexGuard<'_, Option<Recording>> {
+        self.timeline.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record each MoE layer's host and GPU times until [`take_timeline`](Self::take_timeline)
+    /// (one decode step: `lathe bench --moe-timeline`).
+    pub fn start_timeline(&self, gpu: &Gpu) {
+        *self.timeline_lock() = Some(Recording::new(gpu, 2 * self.placement.layers.len()));
+    }
+
+    /// The layers recorded since [`start_timeline`](Self::start_timeline), GPU times filled
+    /// in (waits for the GPU).
+    pub fn take_timeline(&self, gpu: &Gpu) -> Result<Vec<LayerTimes>> {
+        match self.timeline_lock().take() {
+            Some(r) => r.finish(gpu),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// Submit what `pass` holds and continue in a fresh pass (held as one submission too
-    /// while profiling, so its dispatches are timed).
-    fn submit(&self, pass: &mut Pass<'_>) -> Result<()> {
+    /// while profiling, so its dispatches are timed); with `stamp`, timestamps `q`, `q + 1`
+    /// around it. The submission's index, except while profiling (it has finished then).
+    fn submit(
+        &self,
+        pass: &mut Pass<'_>,
+        stamp: Option<(&wgpu::QuerySet, u32)>,
+    ) -> Result<Option<wgpu::SubmissionIndex>> {
         let gpu = pass.gpu();
         let mut next = gpu.pass();
-        if self.profile_lock().is_some() {
+        let mut profile = self.profile_lock();
+        if profile.is_some() {
             next.hold();
         }
         let done = std::mem::replace(pass, next);
-        done.submit_or_profile(self.profile_lock().as_mut())
+        match (profile.as_mut(), stamp) {
+            (Some(p), _) => done.submit_or_profile(Some(p)).map(|()| None),
+            (None, Some((qs, q))) => done.submit_stamped(qs, q).map(Some),
+            (None, None) => done.submit().map(Some),
+        }
     }
 
     /// True for a model layer whose experts are managed here.
@@ -423,8 +613,9 @@ impl Offload {
 
     /// Steps 4-5 of the recipe for MoE layer `layer` over `n` rows: map the router's ids
     /// (`ids` u32 `[n, n_used]`) to slots; when the layer has cold experts now (or routing is
-    /// counted), submit `pass`, read back the ids and the FFN input rows `h` (`[n, n_embd]`)
-    /// in one readback, and continue in a fresh pass.
+    /// counted), copy the ids and the FFN input rows `h` (`[n, n_embd]`) to the readback
+    /// buffer and submit `pass` (`pre`) without waiting: [`cold_ffn`](Self::cold_ffn)
+    /// waits for this submission only, after the hot experts are submitted behind it.
     pub fn route(
         &self,
         pass: &mut Pass<'_>,
@@ -442,30 +633,36 @@ impl Offload {
         let nk = n * self.n_used;
         remap(pass, &self.remaps, layer, ids, 0, &self.slot_ids, 0, nk)?;
         let any_cold = {
-            let st = self.state();
+            let mut st = self.state();
+            if self.placement.layers.first().map(|l| l.layer) == Some(layer) {
+                st.tokens += n as u64;
+            }
             st.cache.remap(layer).is_some_and(|r| r.contains(&COLD))
         };
         if !any_cold && !self.collect_stats {
             return Ok(None);
         }
-        let gpu = pass.gpu();
         let (ilen, xlen) = (nk as u64 * 4, (n * self.n_embd) as u64 * 4);
         check_len("moe", "readback ids", ids, nk as u64)?;
         check_len("moe", "readback rows", h, (n * self.n_embd) as u64)?;
         pass.copy(ids, 0, &self.staging, 0, ilen);
         pass.copy(h, 0, &self.staging, ilen, xlen);
-        self.submit(pass)?;
-        let (ids_v, h_v) = map_read(gpu, &self.staging, ilen, xlen)?;
-        let pairs = {
-            let st = self.state();
-            let table = st.cache.remap(layer).unwrap_or(&[]);
-            cold_pairs(table, &ids_v, self.n_used as usize)
-        };
+        let tl = self.timeline_lock();
+        let host_ms = tl
+            .as_ref()
+            .map_or(0.0, |r| r.last.elapsed().as_secs_f64() * 1e3);
+        let stamp = tl.as_ref().and_then(|r| r.next_query());
+        let query = stamp.map(|(_, q)| q);
+        let pre = self.submit(pass, stamp)?;
+        drop(tl);
         Ok(Some(Cold {
             layer,
-            ids: ids_v,
-            h: h_v,
-            pairs,
+            n,
+            pre,
+            ids: ids.clone(),
+            x: h.clone(),
+            host_ms,
+            query,
         }))
     }
 
@@ -507,17 +704,20 @@ impl Offload {
         routed_ffn(pass, &stacks, x, &picks, b, limit)
     }
 
-    /// Steps 7-8: with cold pairs, submit `pass` (the GPU runs the hot experts meanwhile),
-    /// compute the cold pairs on the CPU from the mapped file, and scatter their rows into
-    /// `out` (`[n·n_used, n_embd]`) in the fresh pass; then let the residency cache see the
-    /// layer's picks and make its uploads (they land after the submitted work, before the
+    /// Steps 7-8. `pass` holds the hot experts and the shared expert (`hot`): submitted
+    /// first, so the GPU runs them while the host waits for `pre`'s readback (that
+    /// submission only, never a queue drain) and the CPU computes the cold pairs from the
+    /// mapped file straight into the mapped upload buffer; the fresh pass then copies the
+    /// rows up and scatters them into `b.out` (`[n·n_used, n_embd]`). A batch whose cold
+    /// experts stream (`--expert-stream`) runs them on the GPU instead, through the streaming
+    /// slots, with the same kernels as the hot ones. Then the residency cache sees the
+    /// layer's picks and makes its uploads (they land after the submitted work, before the
     /// next submission). The caller combines after this.
     pub fn cold_ffn(
         &self,
         pass: &mut Pass<'_>,
         cold: Option<Cold>,
-        out: &wgpu::Buffer,
-        n: u32,
+        b: &FfnBufs<'_>,
         limit: Option<f32>,
     ) -> Result<()> {
         let Some(c) = cold else {
@@ -530,43 +730,242 @@ impl Offload {
             .iter()
             .position(|m| m.layer == c.layer)
             .ok_or_else(|| Error::Invalid(format!("moe: layer {} is not a MoE layer", c.layer)))?;
-        if !c.pairs.is_empty() {
-            self.submit(pass)?;
-            let mut experts: Vec<u32> = c.pairs.iter().map(|p| p.expert).collect();
+        let (n, k, e) = (c.n, self.n_used as usize, self.n_embd as usize);
+        let mut tl = self.timeline_lock();
+        let stamp = tl
+            .as_ref()
+            .and_then(|r| r.queries.as_ref())
+            .zip(c.query)
+            .map(|(qs, q)| (qs, q + 2));
+        self.submit(pass, stamp)?;
+        let gpu_done = tl.is_some().then(|| {
+            let flag = Arc::new(AtomicBool::new(false));
+            let f = flag.clone();
+            gpu.queue
+                .on_submitted_work_done(move || f.store(true, Ordering::Release));
+            flag
+        });
+        // Wait for `pre` only: the readback, and the upload buffer (its last copy was in
+        // `pre` or before). Both mapped at that one wait.
+        let t_wait = Instant::now();
+        let nk = n as usize * k;
+        let (ilen, xlen) = (nk as u64 * 4, (n as usize * e) as u64 * 4);
+        let up_len = (nk * (e + 1)) as u64 * 4;
+        let read = self.staging.slice(..ilen + xlen);
+        let write = self.upload.slice(..up_len);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        read.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        write.map_async(wgpu::MapMode::Write, move |r| {
+            let _ = tx2.send(r);
+        });
+        gpu.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: c.pre.clone(),
+                timeout: None,
+            })
+            .map_err(|e| Error::Gpu(format!("moe readback: {e}")))?;
+        for _ in 0..2 {
+            rx.recv()
+                .map_err(|_| Error::Gpu("moe readback: map callback never ran".into()))?
+                .map_err(|e| Error::Gpu(format!("moe readback: {e}")))?;
+        }
+        gpu.check()?;
+        let (ids, h) = {
+            let data = read
+                .get_mapped_range()
+                .map_err(|e| Error::Gpu(format!("moe readback: {e:?}")))?;
+            let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&data[..ilen as usize]);
+            let h: Vec<f32> = bytemuck::pod_collect_to_vec(&data[ilen as usize..]);
+            (ids, h)
+        };
+        self.staging.unmap();
+        let wait_ms = t_wait.elapsed().as_secs_f64() * 1e3;
+        let pairs = {
+            let st = self.state();
+            let table = st.cache.remap(c.layer).unwrap_or(&[]);
+            cold_pairs(table, &ids, k)
+        };
+        let t_cpu = Instant::now();
+        let streamed = !pairs.is_empty() && self.streams_batch(li, n, &pairs);
+        if pairs.is_empty() || streamed {
+            self.upload.unmap();
+        }
+        if streamed {
+            self.stream_layer(pass, li, &c, &pairs, b, limit)?;
+        } else if !pairs.is_empty() {
+            let mut experts: Vec<u32> = pairs.iter().map(|p| p.expert).collect();
             experts.sort_unstable();
             experts.dedup();
             let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], &experts)?;
-            let e = self.n_embd as usize;
-            let mut rows = vec![0f32; c.pairs.len() * e];
-            crate::cpu::moe::expert_rows(&w, &c.h, &c.pairs, limit, &mut rows)?;
-            let index: Vec<u32> = c
-                .pairs
-                .iter()
-                .map(|p| p.token * self.n_used + p.slot)
-                .collect();
-            gpu.write(&self.cold_rows, 0, bytemuck::cast_slice(&rows));
-            gpu.write(&self.cold_index, 0, bytemuck::cast_slice(&index));
+            let rows_len = pairs.len() * e * 4;
+            {
+                let mut st = self.state();
+                let buf = &mut st.rows;
+                buf.clear();
+                buf.resize(pairs.len() * (e + 1), 0);
+                let (rows, index) = buf.split_at_mut(pairs.len() * e);
+                crate::cpu::moe::expert_rows(
+                    &w,
+                    &h,
+                    &pairs,
+                    limit,
+                    bytemuck::cast_slice_mut(rows),
+                )?;
+                for (i, p) in index.iter_mut().zip(&pairs) {
+                    *i = p.token * self.n_used + p.slot;
+                }
+                let mut data = write
+                    .get_mapped_range_mut()
+                    .map_err(|e| Error::Gpu(format!("moe upload: {e:?}")))?;
+                data.slice(..buf.len() * 4)
+                    .copy_from_slice(bytemuck::cast_slice(&buf[..]));
+            }
+            self.upload.unmap();
+            let np = pairs.len() as u64;
+            pass.copy(&self.upload, 0, &self.cold_rows, 0, rows_len as u64);
+            pass.copy(&self.upload, rows_len as u64, &self.cold_index, 0, np * 4);
             scatter_rows(
                 pass,
                 &self.cold_rows,
                 0,
                 &self.cold_index,
                 0,
-                c.pairs.len() as u32,
+                np as u32,
                 self.n_embd,
-                out,
+                b.out,
                 0,
                 self.n_embd,
                 n * self.n_used,
             )?;
         }
-        let mut st = self.state();
-        st.cold_pairs += c.pairs.len() as u64;
-        st.seen_pairs += c.ids.len() as u64;
-        if let Some(s) = st.stats.as_mut() {
-            s.record(c.layer, &c.ids);
+        let cpu_ms = t_cpu.elapsed().as_secs_f64() * 1e3;
+        let gpu_done_first = gpu_done.is_some_and(|f| {
+            let _ = gpu.device.poll(wgpu::PollType::Poll);
+            f.load(Ordering::Acquire)
+        });
+        let t_after = Instant::now();
+        self.observe(gpu, &c, &ids, &pairs, streamed)?;
+        if let Some(r) = tl.as_mut() {
+            r.layers.push(LayerTimes {
+                layer: c.layer,
+                host_ms: c.host_ms,
+                wait_ms,
+                cpu_ms,
+                after_ms: t_after.elapsed().as_secs_f64() * 1e3,
+                gpu_done_first,
+                gpu_pre_ms: None,
+                gpu_hot_ms: None,
+                cold_pairs: pairs.len(),
+            });
+            r.last = Instant::now();
         }
-        let uploads = st.cache.observe(c.layer, &c.ids);
+        Ok(())
+    }
+
+    /// Whether layer `li`'s cold pairs of an `n`-row batch stream to the GPU
+    /// (`--expert-stream`; `auto`: [`super::plan::stream_beats_cpu`]).
+    fn streams_batch(&self, li: usize, n: u32, pairs: &[ColdPair]) -> bool {
+        if self.streams.is_none() || n < 2 {
+            return false;
+        }
+        match self.stream {
+            ExpertStream::Never => false,
+            ExpertStream::Always => true,
+            ExpertStream::Auto => {
+                let mut experts: Vec<u32> = pairs.iter().map(|p| p.expert).collect();
+                experts.sort_unstable();
+                experts.dedup();
+                // Per expert on average: its pairs on the CPU against one copy over the link.
+                crate::moe::plan::stream_beats_cpu(
+                    &self.info.layers[li],
+                    pairs.len().div_ceil(experts.len()),
+                    LINK_BYTES_PER_S,
+                    CPU_PARAMS_PER_CORE_S * rayon::current_num_threads() as f64,
+                )
+            }
+        }
+    }
+
+    /// The cold experts `pairs` pick, in rounds of the group's streaming slots: copy the
+    /// round's experts from the mapped file into the slots, point the layer's streaming
+    /// table at them (the other experts `COLD`: they write nothing), and run the routed FFN
+    /// on the slots over all `n` rows (`b.out` gets the round's pairs' rows). One submission
+    /// per round, so each round's table and copies land after the previous round's work.
+    fn stream_layer(
+        &self,
+        pass: &mut Pass<'_>,
+        li: usize,
+        c: &Cold,
+        pairs: &[ColdPair],
+        b: &FfnBufs<'_>,
+        limit: Option<f32>,
+    ) -> Result<()> {
+        let gpu = pass.gpu();
+        let st = self.streams.as_ref().expect("streams_batch checked");
+        let lp = &self.placement.layers[li];
+        let g = lp.group;
+        let at = st
+            .arena
+            .group(g)
+            .expect("a group with layers has streaming slots");
+        let route = st.routes[g]
+            .as_ref()
+            .expect("a group with slots has a route");
+        let mut experts: Vec<u32> = pairs.iter().map(|p| p.expert).collect();
+        experts.sort_unstable();
+        experts.dedup();
+        let slot_bytes = self.placement.groups[g].slot_bytes();
+        let nk = c.n * self.n_used;
+        for round in experts.chunks(at.n_slots as usize) {
+            let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], round)?;
+            let mut table = vec![COLD; lp.n_expert];
+            for (slot, &ex) in round.iter().enumerate() {
+                write_expert(&st.arena, gpu, g, slot as u32, &w, ex)?;
+                table[ex as usize] = slot as u32;
+            }
+            st.remaps.write(gpu, c.layer, &table)?;
+            remap(pass, &st.remaps, c.layer, &c.ids, 0, &st.ids, 0, nk)?;
+            let stacks = ExpertStacks {
+                gate: &at.gate,
+                up: &at.up,
+                down: &at.down,
+            };
+            let picks = Picks {
+                ids: &st.ids,
+                route,
+                n: c.n,
+                k: self.n_used,
+            };
+            routed_ffn(pass, &stacks, &c.x, &picks, b, limit)?;
+            self.submit(pass, None)?;
+            self.state().streamed_bytes += slot_bytes * round.len() as u64;
+        }
+        self.state().streamed_pairs += pairs.len() as u64;
+        Ok(())
+    }
+
+    /// Step 8: counters and statistics of layer `c`'s picks `ids`, and the residency
+    /// cache's uploads (written after the submitted work, before the next submission).
+    fn observe(
+        &self,
+        gpu: &Gpu,
+        c: &Cold,
+        ids: &[u32],
+        pairs: &[ColdPair],
+        streamed: bool,
+    ) -> Result<()> {
+        let mut st = self.state();
+        if !streamed {
+            st.cold_pairs += pairs.len() as u64;
+        }
+        st.seen_pairs += ids.len() as u64;
+        if let Some(s) = st.stats.as_mut() {
+            s.record(c.layer, ids);
+        }
+        let uploads = st.cache.observe(c.layer, ids);
         for u in uploads {
             let m = self
                 .info
@@ -575,6 +974,7 @@ impl Offload {
             let w = ExpertWeights::from_file_only(&self.file, m, &[u.expert])?;
             let g = self.placement.layer(u.layer).expect("placed layer").group;
             write_expert(&self.arena, gpu, g, u.slot, &w, u.expert)?;
+            st.uploaded_bytes += self.placement.groups[g].slot_bytes();
             let r = st.cache.remap(u.layer).expect("cached layer");
             self.remaps.write(gpu, u.layer, r)?;
             if let Some((el, _)) = u.evicted.filter(|&(el, _)| el != u.layer) {
@@ -630,6 +1030,9 @@ impl Offload {
             },
             uploads: st.cache.uploads(),
             cold_pairs: st.cold_pairs,
+            uploaded_bytes_per_token: st.uploaded_bytes as f64 / st.tokens.max(1) as f64,
+            streamed_bytes: st.streamed_bytes,
+            streamed_pairs: st.streamed_pairs,
             memory: self.memory.clone(),
         }
     }

@@ -203,7 +203,14 @@ impl Placement {
                 }
             }
         }
-        // Groups by signature, in first-layer order; slots per layer contiguous, by expert id.
+        Placement::from_hot(info, &hot)
+    }
+
+    /// The placement whose hot experts are `hot[i][e]` (layer i of `info.layers`, expert e):
+    /// groups by signature, in first-layer order; slots per layer contiguous, by expert id.
+    pub fn from_hot(info: &MoeInfo, hot: &[Vec<bool>]) -> Result<Placement> {
+        let nl = info.layers.len();
+        assert_eq!(hot.len(), nl, "one row of hot flags per MoE layer");
         let mut groups: Vec<ArenaGroup> = Vec::new();
         let mut layers = Vec::with_capacity(nl);
         for (i, m) in info.layers.iter().enumerate() {
@@ -238,6 +245,68 @@ impl Placement {
         Ok(Placement { groups, layers })
     }
 
+    /// Whole layers hot, from the last MoE layer down, while `fill` lasts (bytes; under
+    /// `Fill::Fraction(f)`, f of all expert bytes); the first layer that does not fit whole
+    /// takes what is left as its most picked experts (the one mixed layer), the layers
+    /// before it stay all cold, as llama.cpp's `-ncmoe N` keeps the first N layers' experts
+    /// on the CPU. Fewer layers with cold experts: fewer GPU → CPU → GPU hops per token.
+    pub fn whole_layers(
+        info: &MoeInfo,
+        fill: Fill,
+        stats: Option<&ExpertStats>,
+    ) -> Result<Placement> {
+        let all: u64 = info
+            .layers
+            .iter()
+            .map(|m| m.expert_bytes() * m.n_expert as u64)
+            .sum();
+        let mut left = match fill {
+            Fill::Budget(b) => b,
+            Fill::Fraction(f) if (0.0..=1.0).contains(&f) => (f * all as f64).round() as u64,
+            Fill::Fraction(f) => {
+                return Err(Error::Invalid(format!(
+                    "--gpu-experts {f}: a share between 0 and 1"
+                )))
+            }
+        };
+        let mut hot: Vec<Vec<bool>> = info
+            .layers
+            .iter()
+            .map(|m| vec![false; m.n_expert])
+            .collect();
+        for (i, m) in info.layers.iter().enumerate().rev() {
+            let eb = m.expert_bytes().max(1);
+            let n = ((left / eb) as usize).min(m.n_expert);
+            let p = picks_per_token(m, info.n_used, stats);
+            for &e in preference(&p).iter().take(n) {
+                hot[i][e] = true;
+            }
+            left -= n as u64 * eb;
+            if n < m.n_expert {
+                break;
+            }
+        }
+        Placement::from_hot(info, &hot)
+    }
+
+    /// Expected seconds of the routed experts of one decode step under `c`: per MoE layer the
+    /// hot experts' bytes at VRAM speed and, when it has cold picks, one hop plus the
+    /// slower of the CPU's cold experts (host bytes at the CPU's speed) and the GPU's hot
+    /// ones, which overlap. What `--cold-layers auto` compares.
+    pub fn decode_seconds(&self, info: &MoeInfo, stats: Option<&ExpertStats>, c: &Costs) -> f64 {
+        self.traffic(info, stats)
+            .iter()
+            .map(|t| {
+                let gpu = t.vram_bytes / c.vram_bytes_per_s;
+                if t.cold_picks > 1e-9 {
+                    c.hop_s + (t.host_bytes / c.host_bytes_per_s).max(gpu)
+                } else {
+                    gpu
+                }
+            })
+            .sum()
+    }
+
     /// The placement of model layer `layer`.
     pub fn layer(&self, layer: usize) -> Option<&LayerPlacement> {
         self.layers.iter().find(|l| l.layer == layer)
@@ -268,6 +337,30 @@ impl Placement {
                 }
             })
             .collect()
+    }
+}
+
+/// The costs the planner weighs between placements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Costs {
+    /// One MoE layer's GPU → CPU → GPU round trip in a decode step (readback, wake-up, the
+    /// rows' upload and the next submission): 0.25 ms measured on the H200 (issue 15).
+    pub hop_s: f64,
+    /// Expert bytes per second the CPU's cold path gets through (host memory bandwidth as
+    /// the quantised dot products reach it; `lathe plan --host-bw`).
+    pub host_bytes_per_s: f64,
+    /// Expert bytes per second the GPU reads (`lathe plan --vram-bw`).
+    pub vram_bytes_per_s: f64,
+}
+
+impl Default for Costs {
+    /// The H200 machine of the issue: 0.25 ms hops, 20 GB/s on 16 cores, 4 TB/s VRAM.
+    fn default() -> Self {
+        Costs {
+            hop_s: 0.25e-3,
+            host_bytes_per_s: 20e9,
+            vram_bytes_per_s: 4000e9,
+        }
     }
 }
 

@@ -1023,7 +1023,7 @@ impl GpuModel {
             let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
             off.hot_ffn(pass, l, &sc.h, n, &bufs, limit(hp.swiglu_limit[l]))?;
             self.shared_expert(pass, l, m, n)?;
-            off.cold_ffn(pass, cold, &sc.moe_out, n, limit(hp.swiglu_limit[l]))?;
+            off.cold_ffn(pass, cold, &bufs, limit(hp.swiglu_limit[l]))?;
             return router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out);
         }
         let stacks = ExpertStacks {

@@ -715,7 +715,7 @@ impl GpuModel {
             self.linear(pass, d, &sc.o, &sc.sh_out, n, false)?;
             ew::sigmoid_mul_row_inplace(pass, n, e, View::new(&sc.sh_out, 0), self.col(set, 3))?;
         }
-        off.cold_ffn(pass, cold, &sc.moe_out, n, None)?;
+        off.cold_ffn(pass, cold, &bufs, None)?;
         ew::moe_combine(
             pass,
             n,
