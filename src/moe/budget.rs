@@ -7,10 +7,11 @@
 //! therefore takes the size from, in order ([`AdapterMemory::detect`]):
 //! 1. `--gpu-mem SIZE` (also lets a big GPU behave like a small one, for testing);
 //! 2. what the backend reports under wgpu (`gpu::memory`: Vulkan's largest device-local
-//!    heap, and its `VK_EXT_memory_budget` budget when the driver offers one); for a CPU
-//!    adapter (lavapipe, llvmpipe, SwiftShader) or an integrated GPU at most half of the
-//!    system RAM (`MemTotal` of /proc/meminfo): "VRAM" is host memory there, and the other
-//!    half stays for the OS page cache that backs the mmap'd cold experts;
+//!    heap, and its `VK_EXT_memory_budget` budget when the driver offers one); for an
+//!    integrated GPU at most half of the system RAM (`MemTotal` of /proc/meminfo): "VRAM"
+//!    is host memory there, and the other half stays for the OS page cache that backs the
+//!    mmap'd cold experts. A CPU adapter (lavapipe, llvmpipe, SwiftShader) gets half the
+//!    RAM whatever its driver reports (lavapipe reports a 2 GiB heap on any machine);
 //! 3. without a report (Metal, DX12, GL today), stated guesses: half the system RAM for a
 //!    CPU or integrated adapter; a size in the adapter name (`NVIDIA A100-SXM4-80GB`,
 //!    `... 48GB` → that many GiB), or a short table of data-centre GPUs whose names carry
@@ -141,7 +142,10 @@ impl AdapterMemory {
             wgpu::DeviceType::Cpu | wgpu::DeviceType::IntegratedGpu
         );
         let half_ram = ram.filter(|_| shared).map(|r| r / 2);
-        if let Some(d) = device.filter(|d| d.usable() > 0) {
+        // A CPU adapter's heap is a number the driver makes up (lavapipe: 2 GiB on any
+        // machine, allocations beyond it succeed): its memory is the host's.
+        let cpu = info.device_type == wgpu::DeviceType::Cpu;
+        if let Some(d) = device.filter(|d| d.usable() > 0 && !(cpu && half_ram.is_some())) {
             return match half_ram {
                 Some(h) if h < d.usable() => mk(h, MemSource::SystemRam),
                 _ => mk(d.usable(), MemSource::Driver(d.describe())),
