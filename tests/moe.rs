@@ -1531,13 +1531,24 @@ fn plan_command_prints_a_sane_table() {
 
     // A budget that holds part of the experts: spread evenly (slots differ by at most one).
     // (~600 KiB go beside the experts: weights, KV, state, the forward's scratch, margin.)
-    let part = plan(&["--gpu-mem", "640KiB", "--ctx", "64", "--batch", "1"]);
+    let args = ["--gpu-mem", "640KiB", "--ctx", "64", "--batch", "1"];
+    let part = plan(&[&args[..], &["--cold-layers", "spread"]].concat());
     let t = table(&part);
     let (lo, hi) = (
         t.iter().map(|r| r.2).min().unwrap(),
         t.iter().map(|r| r.2).max().unwrap(),
     );
     assert!(hi - lo <= 1 && hi > 0 && lo < 8, "{part}");
+    assert!(part.contains("--cold-layers whole"), "{part}");
+    assert!(part.contains("--expert-stream never"), "{part}");
+    // The default (auto) weighs the hops: here whole layers, at most one of them mixed,
+    // the hot ones last.
+    let auto = plan(&args);
+    let t = table(&auto);
+    let mixed = t.iter().filter(|r| r.2 > 0 && r.2 < r.1).count();
+    assert!(mixed <= 1, "{auto}");
+    let first_hot = t.iter().position(|r| r.2 > 0).unwrap_or(t.len());
+    assert!(t[first_hot..].iter().skip(1).all(|r| r.2 == r.1), "{auto}");
 
     // Bad input is one error line naming the problem.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_lathe"))

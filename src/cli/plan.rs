@@ -21,7 +21,7 @@ use lathe::gpu::AdapterChoice;
 use lathe::inspect::human_bytes;
 use lathe::model_file::ModelFile;
 use lathe::models::model_budget;
-use lathe::moe::{parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, Placement, RunShape};
+use lathe::moe::{parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, RunShape};
 use lathe::{Error, Result};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -65,6 +65,17 @@ pub struct PlanArgs {
     /// Host memory bandwidth the CPU reaches on cold experts, in GB/s.
     #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
     pub host_bw: f64,
+    /// Which layers hold the cold experts (as `lathe run --cold-layers`): auto, spread or
+    /// whole.
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    pub cold_layers: lathe::engine::ColdLayers,
+    /// One MoE layer's GPU → CPU → GPU round trip in a decode step, in ms (`lathe bench
+    /// --moe-timeline` measures it: wait + after per layer).
+    #[arg(long, value_name = "MS", default_value_t = 0.25)]
+    pub hop_ms: f64,
+    /// Host → GPU copy speed for streamed prompt experts, in GB/s.
+    #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
+    pub link_bw: f64,
 }
 
 /// The adapter `choice` names and its index, without creating a device.
@@ -137,7 +148,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         Some(f) => Fill::Fraction(f),
         None => Fill::Budget(budget.experts),
     };
-    let placement = Placement::new(&info, fill, stats.as_ref())?;
+    let placement = lathe::moe::offload::place(&info, fill, stats.as_ref(), a.cold_layers)?;
 
     let mut s = String::new();
     let hb = human_bytes;
@@ -302,5 +313,80 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         }
     )
     .ok();
+    expected_speed(&mut s, a, &info, fill, stats.as_ref(), vram - hot)?;
     Ok(s)
+}
+
+/// Expected decode and prefill speed of the routed experts for each way of keeping experts
+/// off the GPU, from the measured link, CPU and GPU speeds (`--hop-ms`, `--host-bw`,
+/// `--vram-bw`, `--link-bw`), and the flag that picks each.
+fn expected_speed(
+    s: &mut String,
+    a: &PlanArgs,
+    info: &MoeInfo,
+    fill: Fill,
+    stats: Option<&ExpertStats>,
+    other_vram: f64,
+) -> Result<()> {
+    let c = lathe::moe::Costs {
+        hop_s: a.hop_ms / 1e3,
+        host_bytes_per_s: a.host_bw * 1e9,
+        vram_bytes_per_s: a.vram_bw * 1e9,
+    };
+    let rest = other_vram / c.vram_bytes_per_s;
+    writeln!(
+        s,
+        "expected decode ({} ms per hop, host {} GB/s, VRAM {} GB/s; non-expert reads {:.3} ms):",
+        a.hop_ms,
+        a.host_bw,
+        a.vram_bw,
+        rest * 1e3
+    )
+    .ok();
+    for (mode, flag) in [
+        (lathe::engine::ColdLayers::Spread, "--cold-layers spread"),
+        (lathe::engine::ColdLayers::Whole, "--cold-layers whole"),
+    ] {
+        let p = lathe::moe::offload::place(info, fill, stats, mode)?;
+        let t = p.decode_seconds(info, stats, &c);
+        let hops = p.layers.iter().filter(|l| l.n_slots() < l.n_expert).count();
+        writeln!(
+            s,
+            "  {flag:<22} {:>8.1} tok/s ({hops} layers with cold experts, experts {:.3} ms)",
+            1.0 / (t + rest),
+            t * 1e3
+        )
+        .ok();
+    }
+    // A prefill batch of `batch` rows, uniform routing: each cold expert's pairs computed
+    // on the CPU (this machine's cores at `offload::CPU_PARAMS_PER_CORE_S`) against one copy
+    // of each picked cold expert over the link.
+    let p = lathe::moe::offload::place(info, fill, stats, a.cold_layers)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let rate = lathe::moe::offload::CPU_PARAMS_PER_CORE_S * cores;
+    let (mut cpu, mut link) = (0f64, 0f64);
+    for (lp, m) in p.layers.iter().zip(&info.layers) {
+        let cold = (lp.n_expert - lp.n_slots()) as f64;
+        let pairs = a.batch as f64 * info.n_used as f64 * cold / lp.n_expert.max(1) as f64;
+        // Distinct cold experts that `pairs` uniform picks among `cold` reach.
+        let picked = if cold > 0.0 {
+            cold * (1.0 - (1.0 - 1.0 / cold).powf(pairs))
+        } else {
+            0.0
+        };
+        cpu += pairs * (3 * m.n_ff() * m.n_embd()) as f64 / rate;
+        link += picked * m.expert_bytes() as f64 / (a.link_bw * 1e9);
+    }
+    writeln!(
+        s,
+        "expected prefill, cold experts of a {}-token batch: {:.1} tok/s on {cores} CPU cores \
+         (--expert-stream never), {:.1} tok/s streamed at {} GB/s (--expert-stream always); \
+         auto takes the faster per layer",
+        a.batch,
+        a.batch as f64 / cpu.max(1e-12),
+        a.batch as f64 / link.max(1e-12),
+        a.link_bw
+    )
+    .ok();
+    Ok(())
 }
