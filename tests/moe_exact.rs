@@ -693,3 +693,94 @@ fn dsv4_dims_fp8_experts_offload() {
     }
     std::fs::remove_dir_all(&dst).ok();
 }
+
+/// Slots that learn: on a synthetic model whose routers favour a few experts per layer
+/// (`lathe synth --skew`), the residency cache's uploads raise the hit rate of a decode run
+/// above that of the same slots held fixed, and the hit rate of the run's second half above
+/// its first half's (the popular experts have moved into slots by then).
+#[test]
+fn skewed_router_slots_learn() {
+    use lathe::synth::{self, Dims, FileType, PlanOptions, QwenMoe};
+    let mut p = synth::preset("demo").unwrap();
+    let Dims::Qwen35(d) = &mut p.dims else {
+        unreachable!("demo is a Qwen3.5 preset")
+    };
+    d.n_vocab = 1024;
+    d.moe = Some(QwenMoe {
+        n_expert: 32,
+        n_used: 4,
+        n_ff_exp: 256,
+        n_ff_shexp: 256,
+    });
+    let opts = PlanOptions {
+        ftype: Some(FileType::Q8_0),
+        skew: 8.0,
+        ..Default::default()
+    };
+    let dir = std::env::temp_dir().join(format!("lathe-learn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("skewed.gguf");
+    synth::plan(&p, &opts, None)
+        .unwrap()
+        .write(&path, 5, None)
+        .unwrap();
+    let toks: Vec<u32> = (0..64u32).map(|i| (i * 389 + 17) % 1024).collect();
+    let stats = dir.join("stats.json");
+    // Hit rates of the first and second half of a 64-token decode, one token per step.
+    let run = |cache: CacheConfig, load: Option<&Path>, save: Option<&Path>| {
+        let mut e = Engine::load(
+            &path,
+            &LoadOptions {
+                gpu_experts: Some(0.25),
+                expert_cache: Some(cache),
+                expert_stats: load.map(Path::to_path_buf),
+                save_expert_stats: save.map(Path::to_path_buf),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let hits = |e: &Engine| {
+            let o = e.offload().expect("a partial placement has an offload");
+            o.cache_hits()
+        };
+        e.forward(&mut seq, &toks[..1], false).unwrap();
+        let h0 = hits(&e);
+        for &t in &toks[1..32] {
+            e.forward(&mut seq, &[t], false).unwrap();
+        }
+        let h1 = hits(&e);
+        for &t in &toks[32..] {
+            e.forward(&mut seq, &[t], false).unwrap();
+        }
+        let h2 = hits(&e);
+        let rate = |a: (u64, u64), b: (u64, u64)| {
+            let (h, m) = (b.0 - a.0, b.1 - a.1);
+            h as f64 / (h + m).max(1) as f64
+        };
+        e.finish_expert_stats().unwrap();
+        (rate(h0, h1), rate(h1, h2), rate(h0, h2))
+    };
+    let held = CacheConfig {
+        max_uploads_per_step: 0,
+        ..Default::default()
+    };
+    let fixed = run(held.clone(), None, Some(&stats));
+    let learn = run(CacheConfig::default(), None, None);
+    // --expert-stats from the previous run places the popular experts from the start.
+    let placed = run(held, Some(&stats), None);
+    eprintln!(
+        "hit rates (first half, second half, all): fixed {fixed:?}, learning {learn:?}, \
+         placed by statistics {placed:?}"
+    );
+    assert!(
+        learn.2 > fixed.2 + 0.05,
+        "fixed {fixed:?}, learning {learn:?}"
+    );
+    assert!(learn.1 > learn.0, "learning {learn:?}");
+    assert!(
+        placed.2 > fixed.2 + 0.05,
+        "fixed {fixed:?}, placed {placed:?}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1006,6 +1006,15 @@ impl Offload {
         }
     }
 
+    /// Residency cache hits and misses so far, in routed pairs, over all layers.
+    pub fn cache_hits(&self) -> (u64, u64) {
+        self.state()
+            .cache
+            .hits()
+            .iter()
+            .fold((0, 0), |(h, m), l| (h + l.hits, m + l.misses))
+    }
+
     pub fn report(&self) -> PlacementReport {
         let st = self.state();
         let mut hot = 0;
@@ -1014,8 +1023,9 @@ impl Offload {
             hot += st.cache.held(lp.layer).unwrap_or(0);
             total += lp.n_expert;
         }
-        let hits = st.cache.hits();
-        let (h, m) = hits
+        let (h, m) = st
+            .cache
+            .hits()
             .iter()
             .fold((0u64, 0u64), |(h, m), l| (h + l.hits, m + l.misses));
         PlacementReport {
