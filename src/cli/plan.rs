@@ -33,7 +33,8 @@ pub struct PlanArgs {
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
     /// Adapter memory to plan for (24GiB, 512MiB, 1.5GB, ...); default: what lathe can tell
-    /// about the adapter (wgpu does not report memory; see `moe::budget`).
+    /// about the adapter (the driver's memory heap where the backend reports one; see
+    /// `moe::budget`).
     #[arg(long, value_name = "SIZE")]
     pub gpu_mem: Option<String>,
     /// Give each MoE layer this share of its experts as slots (0..1), overriding the budget.
