@@ -308,6 +308,12 @@ struct Streams {
     routes: Vec<Option<MoeRoute>>,
     /// u32 `[rows·n_used]`: router ids mapped to streaming slots.
     ids: wgpu::Buffer,
+    /// Two MAP_WRITE staging buffers of one round's experts (gate slots, then up, then
+    /// down), used in turn: the host fills one from the mapped file while the GPU
+    /// copies and runs the other; each with the submission that last read it.
+    staging: [wgpu::Buffer; 2],
+    last_use: Mutex<[Option<wgpu::SubmissionIndex>; 2]>,
+    rounds: std::sync::atomic::AtomicUsize,
 }
 
 /// Host-side state of the offload: the residency policy, statistics, counters.
@@ -488,6 +494,22 @@ impl Offload {
                     })
                     .collect::<Result<Vec<_>>>()?,
                 ids: gpu.buffer(pairs as u64 * 4, "moe.stream_ids")?,
+                staging: [0, 1].map(|_| {
+                    let bytes = groups
+                        .iter()
+                        .zip(&placement.groups)
+                        .map(|(&(n, _), g)| n as u64 * g.slot_bytes())
+                        .max()
+                        .unwrap_or(0);
+                    gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some("moe.stream.staging"),
+                        size: bytes.next_multiple_of(4).max(4),
+                        usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                        mapped_at_creation: false,
+                    })
+                }),
+                last_use: Mutex::new([None, None]),
+                rounds: Default::default(),
             })
         };
         let cache = ResidencyCache::new(&placement, opts.expert_cache.clone().unwrap_or_default());
@@ -919,12 +941,21 @@ impl Offload {
         experts.dedup();
         let slot_bytes = self.placement.groups[g].slot_bytes();
         let nk = c.n * self.n_used;
+        let shapes = self.placement.groups[g].shapes;
+        let aligned = shapes.iter().all(|m| m.bytes().is_multiple_of(4));
+        let mut used = None;
         for round in experts.chunks(at.n_slots as usize) {
             let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], round)?;
             let mut table = vec![COLD; lp.n_expert];
             for (slot, &ex) in round.iter().enumerate() {
-                write_expert(&st.arena, gpu, g, slot as u32, &w, ex)?;
                 table[ex as usize] = slot as u32;
+            }
+            if aligned {
+                used = Some(self.stage_round(pass, st, at, &shapes, &w, round)?);
+            } else {
+                for (slot, &ex) in round.iter().enumerate() {
+                    write_expert(&st.arena, gpu, g, slot as u32, &w, ex)?;
+                }
             }
             st.remaps.write(gpu, c.layer, &table)?;
             remap(pass, &st.remaps, c.layer, &c.ids, 0, &st.ids, 0, nk)?;
@@ -940,11 +971,91 @@ impl Offload {
                 k: self.n_used,
             };
             routed_ffn(pass, &stacks, &c.x, &picks, b, limit)?;
-            self.submit(pass, None)?;
+            let sub = self.submit(pass, None)?;
+            if let Some(i) = used {
+                st.last_use.lock().unwrap_or_else(|p| p.into_inner())[i] = sub;
+            }
             self.state().streamed_bytes += slot_bytes * round.len() as u64;
         }
         self.state().streamed_pairs += pairs.len() as u64;
         Ok(())
+    }
+
+    /// One round's experts into the next staging buffer (mapped once its last copy is done;
+    /// filled straight from the mapped file) and the copies into streaming slots
+    /// `0..round.len()` of `at`, recorded in `pass`. The staging buffer used.
+    fn stage_round(
+        &self,
+        pass: &mut Pass<'_>,
+        st: &Streams,
+        at: &crate::gpu::moe::ArenaTensors,
+        shapes: &[crate::moe::MatShape; 3],
+        w: &ExpertWeights<'_>,
+        round: &[u32],
+    ) -> Result<usize> {
+        let gpu = pass.gpu();
+        let i = st.rounds.fetch_add(1, Ordering::Relaxed) % 2;
+        let buf = &st.staging[i];
+        let mb: Vec<u64> = shapes.iter().map(|m| m.bytes()).collect();
+        let n = round.len() as u64;
+        let len: u64 = mb.iter().map(|b| b * n).sum();
+        let slice = buf.slice(..len);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Write, move |r| {
+            let _ = tx.send(r);
+        });
+        let last = st.last_use.lock().unwrap_or_else(|p| p.into_inner())[i].clone();
+        let poll = match last {
+            Some(idx) => wgpu::PollType::Wait {
+                submission_index: Some(idx),
+                timeout: None,
+            },
+            None => wgpu::PollType::Poll,
+        };
+        let res = loop {
+            gpu.device
+                .poll(poll.clone())
+                .map_err(|e| Error::Gpu(format!("moe stream: {e}")))?;
+            match rx.try_recv() {
+                Ok(r) => break r,
+                Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+                Err(_) => return Err(Error::Gpu("moe stream: map callback lost".into())),
+            }
+        };
+        res.map_err(|e| Error::Gpu(format!("moe stream: {e}")))?;
+        {
+            let mut view = slice
+                .get_mapped_range_mut()
+                .map_err(|e| Error::Gpu(format!("moe stream: {e:?}")))?;
+            // Gate slots, then up, then down. One thread: a mapped range is written through
+            // `WriteOnly`, which cannot be sent to other threads; the other staging buffer's
+            // round runs on the GPU meanwhile.
+            let mut rest = view.slice(..);
+            for m in [&w.gate, &w.up, &w.down] {
+                for &ex in round {
+                    let bytes = m.expert(ex as usize)?;
+                    let (mut head, tail) = rest.split_at(bytes.len());
+                    head.copy_from_slice(&bytes);
+                    rest = tail;
+                }
+            }
+        }
+        buf.unmap();
+        let mut off = 0u64;
+        for (m, &b) in mb.iter().enumerate() {
+            let t = at.get(m);
+            let rows = shapes[m].rows;
+            for part in &t.parts {
+                let first = part.row_start / rows;
+                let end = (part.row_start + part.n_rows) / rows;
+                let (s0, s1) = (first.min(n), end.min(n));
+                if s0 < s1 {
+                    pass.copy(buf, off + s0 * b, &part.buffer, 0, (s1 - s0) * b);
+                }
+            }
+            off += n * b;
+        }
+        Ok(i)
     }
 
     /// Step 8: counters and statistics of layer `c`'s picks `ids`, and the residency
