@@ -120,7 +120,7 @@ fn models_that_route_on_values_are_known() {
         ("qwen3next-tiny/model-q8_0.gguf", true),
         ("dsv4-tiny/model-q4_0.gguf", true),
     ] {
-        let f = lathe::model_file::ModelFile::open(&dir.join(model)).expect(model);
+        let f = lathe::model_file::ModelFile::open(dir.join(model)).expect(model);
         assert_eq!(lathe::models::routes_on_values(&f), routes, "{model}");
     }
 }
