@@ -309,7 +309,7 @@ struct Streams {
     /// u32 `[rows·n_used]`: router ids mapped to streaming slots.
     ids: wgpu::Buffer,
     /// Two MAP_WRITE staging buffers of one round's experts (gate slots, then up, then
-    /// down), used in turn: the host fills one from the mapped file while the GPU
+    /// down), used in turn: the host fills one from the mapped file (rayon) while the GPU
     /// copies and runs the other; each with the submission that last read it.
     staging: [wgpu::Buffer; 2],
     last_use: Mutex<[Option<wgpu::SubmissionIndex>; 2]>,
@@ -982,7 +982,7 @@ impl Offload {
     }
 
     /// One round's experts into the next staging buffer (mapped once its last copy is done;
-    /// filled straight from the mapped file) and the copies into streaming slots
+    /// filled by rayon straight from the mapped file) and the copies into streaming slots
     /// `0..round.len()` of `at`, recorded in `pass`. The staging buffer used.
     fn stage_round(
         &self,
@@ -993,6 +993,7 @@ impl Offload {
         w: &ExpertWeights<'_>,
         round: &[u32],
     ) -> Result<usize> {
+        use rayon::prelude::*;
         let gpu = pass.gpu();
         let i = st.rounds.fetch_add(1, Ordering::Relaxed) % 2;
         let buf = &st.staging[i];
@@ -1027,18 +1028,38 @@ impl Offload {
             let mut view = slice
                 .get_mapped_range_mut()
                 .map_err(|e| Error::Gpu(format!("moe stream: {e:?}")))?;
-            // Gate slots, then up, then down. One thread: a mapped range is written through
-            // `WriteOnly`, which cannot be sent to other threads; the other staging buffer's
-            // round runs on the GPU meanwhile.
-            let mut rest = view.slice(..);
-            for m in [&w.gate, &w.up, &w.down] {
+            // Gate slots, then up, then down; each (matrix, expert) piece copied by its own
+            // rayon task (a cold file's page faults and the copies spread over the cores).
+            let mut pieces = Vec::with_capacity(3 * round.len());
+            let mut off = 0usize;
+            for (m, &b) in mb.iter().enumerate() {
                 for &ex in round {
-                    let bytes = m.expert(ex as usize)?;
-                    let (mut head, tail) = rest.split_at(bytes.len());
-                    head.copy_from_slice(&bytes);
-                    rest = tail;
+                    pieces.push((m, ex, off));
+                    off += b as usize;
                 }
             }
+            let mut all = view.slice(..);
+            assert_eq!(all.len(), off, "the round's pieces cover the mapped range");
+            // The address as an integer: raw pointers are not `Send`.
+            let base = all.as_raw_element_ptr().as_ptr() as usize;
+            let mats = [&w.gate, &w.up, &w.down];
+            pieces
+                .into_par_iter()
+                .try_for_each(|(m, ex, off)| -> Result<()> {
+                    let bytes = mats[m].expert(ex as usize)?;
+                    assert_eq!(bytes.len() as u64, mb[m], "an expert matrix of its shape");
+                    // SAFETY: the pieces are disjoint ranges `off..off + mb[m]` of the mapped
+                    // range (checked to end at its length above), which `view` keeps mapped
+                    // and writable until every task has returned.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bytes.as_ptr(),
+                            (base as *mut u8).add(off),
+                            bytes.len(),
+                        );
+                    }
+                    Ok(())
+                })?;
         }
         buf.unmap();
         let mut off = 0u64;
