@@ -697,7 +697,8 @@ fn dsv4_dims_fp8_experts_offload() {
 /// Slots that learn: on a synthetic model whose routers favour a few experts per layer
 /// (`lathe synth --skew`), the residency cache's uploads raise the hit rate of a decode run
 /// above that of the same slots held fixed, and the hit rate of the run's second half above
-/// its first half's (the popular experts have moved into slots by then).
+/// its first half's (the popular experts have moved into slots by then). Its prompt also
+/// streams in several rounds per layer.
 #[test]
 fn skewed_router_slots_learn() {
     use lathe::synth::{self, Dims, FileType, PlanOptions, QwenMoe};
@@ -781,6 +782,29 @@ fn skewed_router_slots_learn() {
     assert!(
         placed.2 > fixed.2 + 0.05,
         "fixed {fixed:?}, placed {placed:?}"
+    );
+    // A prompt whose layers pick more cold experts than the streaming slots hold (32 >
+    // `offload::STREAM_SLOTS`): rounds through both staging buffers, logits still the
+    // all-GPU run's.
+    assert!(32 > lathe::moe::offload::STREAM_SLOTS);
+    let prefill = |opts: &LoadOptions| {
+        let mut e = Engine::load(&path, opts).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let out = e.forward(&mut seq, &toks, true).unwrap();
+        (out, e.placement_report().unwrap())
+    };
+    let (base, _) = prefill(&LoadOptions::default());
+    let (got, rep) = prefill(&LoadOptions {
+        gpu_mem: Some(1 << 20),
+        expert_stream: lathe::engine::ExpertStream::Always,
+        ..Default::default()
+    });
+    let s = score(&got, &base, 1024);
+    assert!(rep.streamed_bytes > 0 && rep.cold_pairs == 0, "{rep:?}");
+    assert!(
+        s.max_abs <= 1e-6,
+        "streamed in rounds: max_abs {:.3e}",
+        s.max_abs
     );
     std::fs::remove_dir_all(&dir).ok();
 }

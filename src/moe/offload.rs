@@ -22,9 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// GPU slots per arena group that a prefill batch's cold experts stream through, a round of
-/// at most this many experts per submission. 32 Qwen3.5-35B Q4_K experts are 57 MB, and a
-/// 256-row batch picks ~100 of a layer's cold experts: 3-4 rounds.
-pub const STREAM_SLOTS: usize = 32;
+/// at most this many experts per submission. 16 Qwen3.5-35B Q4_K experts are 28 MB (one
+/// staging buffer); a 512-row batch picks ~128 of a layer's cold experts at half the experts
+/// on the GPU: 8 rounds, each filled while the GPU copies and runs the previous one.
+pub const STREAM_SLOTS: usize = 16;
 
 /// Host → GPU copy speed `auto` streaming assumes (bytes/s): PCIe 4.0 x16 moves ~25 GB/s
 /// in practice, less through wgpu's staging copy.
