@@ -786,7 +786,7 @@ fn skewed_router_slots_learn() {
     // A prompt whose layers pick more cold experts than the streaming slots hold (32 >
     // `offload::STREAM_SLOTS`): rounds through both staging buffers, logits still the
     // all-GPU run's.
-    assert!(32 > lathe::moe::offload::STREAM_SLOTS);
+    const { assert!(32 > lathe::moe::offload::STREAM_SLOTS) };
     let prefill = |opts: &LoadOptions| {
         let mut e = Engine::load(&path, opts).unwrap();
         let mut seq = e.new_seq().unwrap();
