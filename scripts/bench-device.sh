@@ -17,6 +17,7 @@
 #              call, and the table gets llama.cpp's numbers and lathe's ratio to them
 # env: BENCH_WORK (scratch folder, default /tmp/lathe-bench), BENCH_REPS (default 5),
 #      BENCH_ONLY (comma-separated cases to run: 9b, 35b, 35b-skew, dsv4; default all),
+#      BENCH_SHARES (expert shares on the GPU for the 35B offload rows, default "75 50 0"),
 #      OUT (where the results go; default BENCH_WORK).
 #
 # The Vulkan loader comes as in the device README ("Headless rendering"): when the working
@@ -217,7 +218,7 @@ else
         LL_ARGS= bench "Qwen3.5-35B-A3B Q4_K_M" "$f" -p $P -n $N -r "$R"
         # llama.cpp's side of an expert offload: the experts of whole layers on the CPU
         # (-ncmoe, mmap off); 40 layers, so 20 is half the expert bytes
-        for share in 75 50 0; do
+        for share in ${BENCH_SHARES:-75 50 0}; do
             case $share in 75) ll="-ncmoe 10 -lm 0" ;; 50) ll="-ncmoe 20 -lm 0" ;; *) ll="-ncmoe 40 -lm 0" ;; esac
             LL_ARGS=$ll bench "Qwen3.5-35B-A3B Q4_K_M, $share% experts on GPU" "$f" -p $P -n $N -r "$R" \
                 --gpu-mem "$((non_expert + EXPERT_BYTES * share / 100))"
