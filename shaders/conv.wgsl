@@ -3,7 +3,8 @@
 // cpu::gdn::conv1d. Binding 0: Params; storage buffers from 1.
 // Grid: linear workgroup id = wid.x + wid.y * nwg.x (see gpu::grid), WG threads each.
 //
-// Defines: WG (threads per workgroup), K (kernel width).
+// Defines: WG (threads per workgroup), K (kernel width), DECODE (one token per sequence:
+// conv_out rolls the state itself, no conv_state dispatch).
 
 struct Params {
     n_seq: u32,        // sequences in the batch table
@@ -53,6 +54,14 @@ fn conv_out(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         acc += w[ch * K + j] * x_ext(i32(t + j) - i32(K) + 1, ch, row0, slot);
     }
     y[p.y_off + (row0 + t) * p.y_stride + ch] = acc / (1.0 + exp(-acc));
+#if DECODE
+    // One token per sequence (the wrapper's check): this thread is its channel's only reader
+    // of the state, so it rolls the state too, as conv_state would (ascending r reads row
+    // r + 1 before it is overwritten).
+    for (var r = 0u; r + 1u < K; r++) {
+        state[p.state_off + (slot * (K - 1u) + r) * p.conv_dim + ch] = x_ext(i32(r) - i32(K) + 2, ch, row0, slot);
+    }
+#endif
 }
 #else
 // state ← the last K-1 rows of x̃ (after conv_out has read the old state): one thread per

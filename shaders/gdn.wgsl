@@ -4,7 +4,10 @@
 // Grid: linear workgroup id = wid.x + wid.y * nwg.x (see gpu::grid).
 //
 // Defines: DK, DV (head sizes), WG (threads, a power of two), CHUNK (64), and one of
-//   RECURRENT (+ CB columns × R row groups = WG threads),
+//   RECURRENT (+ CB columns × R row groups = WG threads; + GNORM: one token per sequence,
+//     one workgroup per (sequence, head) looping over the column blocks, then the gated
+//     RMSNorm of the head's output, y = o · rsqrt(Σo²/DV + eps) · w · silu(z), computed as
+//     norm.wgsl computes it, so the fused step gives the bits of recurrent + gated_rms_norm),
 //   PREP (WG = 256, + TD dims per Gram tile),
 //   SCAN (+ CB ∈ {4, 8, 16, 32} columns per workgroup, NE = CHUNK·CB / WG, TD rows per tile).
 //
@@ -31,8 +34,12 @@ struct Params {
     o_off: u32,        // in elements: row 0 of the output
     o_stride: u32,     // in elements, between token rows
     state_off: u32,    // in elements: slot 0 of the state pool
+    z_off: u32,        // GNORM: in elements, the gate z of row 0 ([Hv, DV] per row)
+    z_stride: u32,     // GNORM: in elements, between token rows
+    eps: f32,          // GNORM: the output norm's epsilon
     _pad0: u32,
     _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -105,17 +112,30 @@ var<workgroup> red: array<vec4<f32>, WG>;
 var<workgroup> rsk: array<f32, WG>;
 var<workgroup> rsq: array<f32, WG>;
 
-@compute @workgroup_size(WG)
-fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
-    let n_cb = (DV + CB - 1u) / CB;
-    let wg = wid.x + wid.y * nwg.x;
-    if (wg >= p.n_seq * p.n_head_v * n_cb) { return; }
-    let bq = wg / (p.n_head_v * n_cb);
-    let h = (wg / n_cb) % p.n_head_v;
+#if GNORM
+@group(0) @binding(9) var<storage, read> z_in: array<f32>;   // [rows, z_stride]: [Hv, DV]
+@group(0) @binding(10) var<storage, read> nw: array<f32>;    // [DV] norm weight
+var<workgroup> ob: array<f32, DV>;
+const NORM_LANES = 256u;  // norm.wgsl's WG: its partial sums and tree, replayed
+var<workgroup> nred: array<f32, NORM_LANES>;
+
+fn silu(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
+#endif
+
+// Output column `col` of head h for token row `row`.
+fn put_o(row: u32, h: u32, col: u32, v: f32) {
+#if GNORM
+    ob[col] = v;
+#else
+    o[p.o_off + row * p.o_stride + h * DV + col] = v;
+#endif
+}
+
+// Columns cb·CB .. of value head h of sequence bq, over the sequence's tokens.
+fn rec_block(bq: u32, h: u32, cb: u32, lid: u32) {
     let c = lid % CB;
     let r = lid / CB;
-    let col = (wg % n_cb) * CB + c;
+    let col = cb * CB + c;
     let live = col < DV;
     let row0 = seqs[bq * 4u];
     let n = seqs[bq * 4u + 1u];
@@ -126,7 +146,6 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let v_col = 2u * p.n_head_k * DK + h * DV;
     let sbase = p.state_off + (slot * p.n_head_v + h) * DK * DV;
     let scale = inverseSqrt(f32(DK));
-
     var s: array<f32, NR>;
     for (var m = 0u; m < NR; m++) {
         let i = r + m * R;
@@ -184,7 +203,7 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         let delta = gb.y * (v - decay * rk * sum_k);
         let out = decay * rq * sum_q + delta * (tot.z * rq * rk);
         if (r == 0u && live) {
-            o[p.o_off + (row0 + t) * p.o_stride + h * DV + col] = out;
+            put_o(row0 + t, h, col, out);
         }
         let kd = rk * delta;
         for (var m = 0u; m < NR; m++) {
@@ -202,6 +221,54 @@ fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
             state[sbase + i * DV + col] = s[m];
         }
     }
+}
+
+#if GNORM
+// The gated RMSNorm of head h's output (in `ob`) for the sequence's one token.
+fn gated_norm(bq: u32, h: u32, lid: u32) {
+    for (var v = lid; v < NORM_LANES; v += WG) {
+        var ss = 0.0;
+        for (var j = v; j < DV; j += NORM_LANES) {
+            let a = ob[j];
+            ss += a * a;
+        }
+        nred[v] = ss;
+    }
+    workgroupBarrier();
+    for (var st = NORM_LANES / 2u; st > 0u; st >>= 1u) {
+        for (var v = lid; v < st; v += WG) {
+            nred[v] += nred[v + st];
+        }
+        workgroupBarrier();
+    }
+    let rn = inverseSqrt(nred[0] / f32(DV) + p.eps);
+    let row = seqs[bq * 4u];
+    if (seqs[bq * 4u + 1u] == 0u) { return; }
+    for (var j = lid; j < DV; j += WG) {
+        var v = ob[j] * rn;
+        v = v * nw[j];
+        v = v * silu(z_in[p.z_off + row * p.z_stride + h * DV + j]);
+        o[p.o_off + row * p.o_stride + h * DV + j] = v;
+    }
+}
+#endif
+
+@compute @workgroup_size(WG)
+fn recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let n_cb = (DV + CB - 1u) / CB;
+    let wg = wid.x + wid.y * nwg.x;
+#if GNORM
+    if (wg >= p.n_seq * p.n_head_v) { return; }
+    for (var cb = 0u; cb < n_cb; cb++) {
+        rec_block(wg / p.n_head_v, wg % p.n_head_v, cb, lid);
+    }
+    workgroupBarrier();
+    gated_norm(wg / p.n_head_v, wg % p.n_head_v, lid);
+#else
+    if (wg >= p.n_seq * p.n_head_v * n_cb) { return; }
+    rec_block(wg / (p.n_head_v * n_cb), (wg / n_cb) % p.n_head_v, wg % n_cb, lid);
+#endif
 }
 #endif
 

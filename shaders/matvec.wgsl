@@ -140,9 +140,9 @@ struct Params {
     n_expert: u32,     // matmul_id: experts of the whole stack (route layout)
     tiles_off: u32,    // matmul_id: word of the route's tile list
     pairs_off: u32,    // matmul_id: word of the route's grouped pairs
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
+    pro0: u32,         // prologue word 0 (PRO_*: see "activations" below)
+    pro1: u32,         // prologue word 1
+    pro2: u32,         // prologue word 2
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -198,8 +198,8 @@ fn k_sub2(dm: vec2<f32>, sm: vec4<f32>, lo: i32, hi: i32, xc: QX2) -> f32 {
     return dm.x * (sm.x * xc.d.x * f32(lo) + sm.z * xc.d.z * f32(hi)) - dm.y * (sm.y * xc.d.y + sm.w * xc.d.w);
 }
 #else
-// x[e..e+4] (e a multiple of 4 when X is bound as vectors)
-fn x4(e: u32) -> vec4<f32> {
+// x[e..e+4] as stored (e a multiple of 4 when X is bound as vectors)
+fn xraw4(e: u32) -> vec4<f32> {
 #if XVEC
     return X[e >> 2u];
 #else
@@ -207,12 +207,144 @@ fn x4(e: u32) -> vec4<f32> {
 #endif
 }
 
-fn x1(e: u32) -> f32 {
+fn xraw1(e: u32) -> f32 {
 #if XVEC
     return X[e >> 2u][e & 3u];
 #else
     return X[e];
 #endif
+}
+
+// Prologues (matvec only, src/gpu/matvec.rs `Prologue`): the product's input is computed from
+// the stored x as it is loaded, in the same f32 operations as the separate kernel it replaces,
+// so the fused product gives the bits of that kernel followed by the plain product.
+//   PRO_NORM  x' = x · r · w (norm.wgsl's RMSNorm of the token's row, weight w [cols] f32 at
+//             binding 6; r = rsqrt(Σx²/cols + eps) reduced as norm.wgsl does: 256 strided
+//             partial sums, then its tree). pro0 = eps (f32 bits).
+//   PRO_SWIGLU x' = silu(x[e]) · x[e + pro0] (elementwise.wgsl's swiglu without a limit: gate
+//             at x, up pro0 elements later in the same buffer).
+//   PRO_SIGMUL x' = sigmoid(g) · x with g = G[pro0 + (c / pro1) · pro2 + c % pro1] (binding 6;
+//             elementwise.wgsl's sigmoid_mul: Qwen3.5's attention output gate, pro1 = head_dim,
+//             pro2 = the gate's head stride) for column c of the token's row.
+#if PRO_NORM
+@group(0) @binding(6) var<storage, read> NW: array<f32>;
+const PRO_LANES = 256u;   // norm.wgsl's WG
+var<workgroup> pro_red: array<f32, PRO_LANES>;
+var<private> pro_r: f32;
+#endif
+#if PRO_SIGMUL
+@group(0) @binding(6) var<storage, read> G: array<f32>;
+#endif
+//   NORM_OUT  (with PRO_NORM) the first row group's workgroup also writes x' to H (binding 7)
+//             at element token · cols: the normed rows, for later readers.
+//   EPI_CONV  rows below pro1 are the channels of Qwen3.5's GDN conv (decode, one token per
+//             sequence, token t = sequence t of the table SEQS): y = silu(Σ_j CW[ch][j] · x̃_j)
+//             over the channel's CONV_K − 1 state rows (CST from element pro2, slot of the
+//             sequence) and this product's value, written instead of the value, then the state
+//             rolled: conv.wgsl's conv_out (DECODE), in the same order.
+//   EPI_SIGROW epilogue y += sigmoid(s) · (W x') with s = EG[pro1 + token · pro2] (binding 8;
+//             elementwise.wgsl's sigmoid_mul_row_inplace then add_inplace: Qwen's shared
+//             expert gate).
+#if NORM_OUT
+@group(0) @binding(7) var<storage, read_write> H: array<f32>;
+#endif
+#if EPI_SIGROW
+@group(0) @binding(8) var<storage, read> EG: array<f32>;
+var<private> epi_s: f32;
+#endif
+#if EPI_CONV
+@group(0) @binding(9) var<storage, read> CW: array<f32>;            // [conv_dim, CONV_K]
+@group(0) @binding(10) var<storage, read_write> CST: array<f32>;    // [slots, CONV_K − 1, conv_dim]
+@group(0) @binding(11) var<storage, read> SEQS: array<u32>;         // [n_seq][4] gdn batch table
+var<private> epi_t: u32;
+
+// conv_out of channel ch for the current token, v = x̃'s last row.
+fn conv_store(o: u32, ch: u32, v: f32) {
+    let cd = p.pro1;
+    let sb = p.pro2 + SEQS[4u * epi_t + 2u] * (CONV_K - 1u) * cd;
+    var acc = 0.0;
+    for (var j = 0u; j + 1u < CONV_K; j++) {
+        acc += CW[ch * CONV_K + j] * CST[sb + j * cd + ch];
+    }
+    acc += CW[ch * CONV_K + CONV_K - 1u] * v;
+    Y[o] = acc / (1.0 + exp(-acc));
+    for (var r = 0u; r + 2u < CONV_K; r++) {
+        CST[sb + r * cd + ch] = CST[sb + (r + 1u) * cd + ch];
+    }
+    CST[sb + (CONV_K - 2u) * cd + ch] = v;
+}
+#endif
+// element of column 0 of the token's x row (set by pro_setup)
+var<private> pro_x0: u32;
+
+fn silu_(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
+
+// Per-workgroup setup for the token whose x row starts at element xbase. Every thread of the
+// workgroup calls it (it has barriers).
+fn pro_setup(lid: u32, xbase: u32, t: u32, first: bool) {
+    pro_x0 = xbase;
+#if EPI_CONV
+    epi_t = t;
+#endif
+#if EPI_SIGROW
+    epi_s = 1.0 / (1.0 + exp(-EG[p.pro1 + t * p.pro2]));
+#endif
+#if PRO_NORM
+    for (var v = lid; v < PRO_LANES; v += WG) {
+        var ss = 0.0;
+        for (var j = v; j < p.cols; j += PRO_LANES) {
+            let a = xraw1(xbase + j);
+            ss += a * a;
+        }
+        pro_red[v] = ss;
+    }
+    workgroupBarrier();
+    for (var st = PRO_LANES / 2u; st > 0u; st >>= 1u) {
+        for (var v = lid; v < st; v += WG) {
+            pro_red[v] += pro_red[v + st];
+        }
+        workgroupBarrier();
+    }
+    pro_r = inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+#if NORM_OUT
+    if (first) {
+        for (var j = lid; j < p.cols; j += WG) {
+            H[t * p.cols + j] = (xraw1(xbase + j) * pro_r) * NW[j];
+        }
+    }
+#endif
+#endif
+}
+
+fn pro1(e: u32, a: f32) -> f32 {
+#if PRO_NORM
+    return a * pro_r * NW[e - pro_x0];
+#else
+#if PRO_SWIGLU
+    return silu_(a) * xraw1(e + p.pro0);
+#else
+#if PRO_SIGMUL
+    let c = e - pro_x0;
+    let g = G[p.pro0 + (c / p.pro1) * p.pro2 + c % p.pro1];
+    return (1.0 / (1.0 + exp(-g))) * a;
+#else
+    return a;
+#endif
+#endif
+#endif
+}
+
+fn x4(e: u32) -> vec4<f32> {
+    let a = xraw4(e);
+#if PRO
+    return vec4<f32>(pro1(e, a.x), pro1(e + 1u, a.y), pro1(e + 2u, a.z), pro1(e + 3u, a.w));
+#else
+    return a;
+#endif
+}
+
+fn x1(e: u32) -> f32 {
+    return pro1(e, xraw1(e));
 }
 #endif
 
@@ -1216,11 +1348,21 @@ fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> vec4<f32> {
 fn store1(row: u32, ybase: u32, v: f32) {
     if (row < p.rows) {
         let o = ybase + row;
+#if EPI_CONV
+        if (row < p.pro1) {
+            conv_store(o, row, v);
+            return;
+        }
+#endif
+#if EPI_SIGROW
+        Y[o] = Y[o] + epi_s * v;
+#else
         if (p.accumulate != 0u) {
             Y[o] += v;
         } else {
             Y[o] = v;
         }
+#endif
     }
 }
 
@@ -1300,6 +1442,9 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     }
     let row0 = (rg * GPW + lid / TPR) * R;
     let t = wid.x;
+#ifndef Q8X
+    pro_setup(lid, p.x_off + t * p.x_stride, t, rg == 0u);
+#endif
     let acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
 #if SUBGROUPS
     reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + t * p.y_stride);

@@ -18,6 +18,7 @@
 
 const WG = 256u;
 
+#ifndef QKNR
 struct Params {
     n_tokens: u32,
     n_heads: u32,
@@ -38,6 +39,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> table: array<u32>;
 #if POS_BUF
 @group(0) @binding(3) var<storage, read> positions: array<u32>;
+#endif
 #endif
 
 // High 32 bits of the 64-bit product a·b.
@@ -71,6 +73,7 @@ fn cos_sin_turns(u: u32) -> vec2<f32> {
     }
 }
 
+#ifndef QKNR
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -104,3 +107,144 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     x[i0] = a * cs.x - b * cs.y;
     x[i1] = b * cs.x + a * cs.y;
 }
+#endif
+
+#if QKNR
+// Qwen3.5 attention's decode prologue in one dispatch, for one token: per q head and per k
+// head, RMSNorm with the head's weight (norm.wgsl's reduction, replayed), NEOX RoPE of the
+// leading 2·n_freq dims (the pair math of `main`), k written to the K cache row; v copied to
+// the V cache row (attention.wgsl's write_kv). The same bits as rms_norm, rope and write_kv.
+// One workgroup per head: q heads, then k heads, then v heads.
+// Defines: QKNR, KV_F16 (f16 cache rows, else f32). HD ≤ 256 (one element per thread).
+struct QParams {
+    n_head: u32,      // q heads
+    n_head_kv: u32,   // k and v heads
+    head_dim: u32,
+    n_freq: u32,      // rotated pairs per head
+    q_off: u32,       // in elements: q head 0
+    q_stride: u32,    // in elements between q heads
+    k_off: u32,       // in elements: k head 0 (heads packed)
+    v_off: u32,       // in elements: v head 0 (heads packed)
+    pos_off: u32,     // index of the token in `positions`
+    row_off: u32,     // index of the token's cache row in `rows`
+    eps: f32,
+    _pad0: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: QParams;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;      // q, k, v of the token
+@group(0) @binding(2) var<storage, read> table: array<u32>;
+@group(0) @binding(3) var<storage, read> positions: array<u32>;
+@group(0) @binding(4) var<storage, read> q_w: array<f32>;          // [head_dim]
+@group(0) @binding(5) var<storage, read> k_w: array<f32>;          // [head_dim]
+@group(0) @binding(6) var<storage, read> rows: array<u32>;
+#if KV_F16
+@group(0) @binding(7) var<storage, read_write> k_cache: array<u32>;   // f16 pairs
+@group(0) @binding(8) var<storage, read_write> v_cache: array<u32>;
+#else
+@group(0) @binding(7) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(8) var<storage, read_write> v_cache: array<f32>;
+#endif
+
+var<workgroup> red: array<f32, WG>;
+var<workgroup> hv: array<f32, WG>;
+
+// Element j of a head: the final values in `hv`; a cache row's element pair e (f16: one word).
+fn put_cache_k(base: u32, e: u32) {
+#if KV_F16
+    k_cache[base / 2u + e] = pack2x16float(vec2<f32>(hv[2u * e], hv[2u * e + 1u]));
+#else
+    k_cache[base + 2u * e] = hv[2u * e];
+    k_cache[base + 2u * e + 1u] = hv[2u * e + 1u];
+#endif
+}
+
+@compute @workgroup_size(WG)
+fn qk_norm_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let head = wid.x + wid.y * nwg.x;
+    let nq = p.n_head;
+    let nk = p.n_head_kv;
+    if (head >= nq + 2u * nk) { return; }
+    let hd = p.head_dim;
+    let width = nk * hd;
+    let row = rows[p.row_off];
+    if (head >= nq + nk) {
+        // v head: a copy into the V cache row.
+        let h = head - nq - nk;
+        let src = p.v_off + h * hd;
+        let dst = row * width + h * hd;
+#if KV_F16
+        if (2u * lid < hd) {
+            v_cache[dst / 2u + lid] = pack2x16float(vec2<f32>(x[src + 2u * lid], x[src + 2u * lid + 1u]));
+        }
+#else
+        if (lid < hd) {
+            v_cache[dst + lid] = x[src + lid];
+        }
+#endif
+        return;
+    }
+    let is_q = head < nq;
+    var base: u32;
+    if (is_q) {
+        base = p.q_off + head * p.q_stride;
+    } else {
+        base = p.k_off + (head - nq) * hd;
+    }
+    // RMSNorm as norm.wgsl: lane j holds element j (head_dim ≤ WG), tree over WG lanes.
+    var a = 0.0;
+    if (lid < hd) {
+        a = x[base + lid];
+    }
+    red[lid] = a * a;
+    workgroupBarrier();
+    for (var st = WG / 2u; st > 0u; st >>= 1u) {
+        if (lid < st) { red[lid] += red[lid + st]; }
+        workgroupBarrier();
+    }
+    let r = inverseSqrt(red[0] / f32(hd) + p.eps);
+    if (lid < hd) {
+        var v = a * r;
+        if (is_q) {
+            v = v * q_w[lid];
+        } else {
+            v = v * k_w[lid];
+        }
+        hv[lid] = v * 1.0;
+    }
+    workgroupBarrier();
+    // RoPE (NEOX pairs (f, f + n_freq) of the leading 2·n_freq dims), as `main`.
+    var out = 0.0;
+    if (lid < hd) {
+        out = hv[lid];
+        if (lid < 2u * p.n_freq) {
+            let f = lid % p.n_freq;
+            let pos = positions[p.pos_off];
+            let turns = pos * table[2u * f] + mul_hi(pos, table[2u * f + 1u]);
+            let cs = cos_sin_turns(turns);
+            let a0 = hv[f];
+            let b0 = hv[f + p.n_freq];
+            if (lid < p.n_freq) {
+                out = a0 * cs.x - b0 * cs.y;
+            } else {
+                out = b0 * cs.x + a0 * cs.y;
+            }
+        }
+    }
+    if (is_q) {
+        if (lid < hd) {
+            x[base + lid] = out;
+        }
+        return;
+    }
+    workgroupBarrier();
+    if (lid < hd) {
+        hv[lid] = out;
+    }
+    workgroupBarrier();
+    if (2u * lid < hd) {
+        put_cache_k(row * width + (head - nq) * hd, lid);
+    }
+}
+#endif

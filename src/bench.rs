@@ -138,6 +138,14 @@ pub struct BenchReport {
     pub load_s: f64,
     pub prefill: Option<Stat>,
     pub decode: Option<Stat>,
+    /// Host time per decoded token spent recording, encoding and submitting passes
+    /// ([`Gpu::host_ns`](crate::gpu::Gpu::host_ns) over the timed decode steps, in µs): what
+    /// the GPU waits for when the host is slower than the kernels.
+    pub host_us_per_token: Option<f64>,
+    /// GPU busy time of one decode step in µs: the dispatches' timestamp pairs summed (the
+    /// `kernels` breakdown), gaps between dispatches excluded; `None` without timestamp
+    /// queries.
+    pub gpu_us_per_token: Option<f64>,
     pub bandwidth: Bandwidth,
     /// GPU time of one decode step by kernel (summed over its dispatches, longest first),
     /// when the adapter has timestamp queries.
@@ -189,6 +197,8 @@ impl BenchReport {
             "load_s": self.load_s,
             "prefill": self.prefill.as_ref().map(Stat::json),
             "decode": self.decode.as_ref().map(Stat::json),
+            "host_us_per_token": self.host_us_per_token,
+            "gpu_us_per_token": self.gpu_us_per_token,
             "bandwidth_gbs": self.bandwidth.bytes_per_s / 1e9,
             "bandwidth_buffer_bytes": self.bandwidth.buffer_bytes,
             "roofline_fraction": self.roofline_fraction(),
@@ -262,6 +272,13 @@ impl BenchReport {
                 "decode runs at {:.1}% of the bandwidth roofline ({:.1} tok/s possible)",
                 100.0 * f,
                 self.bandwidth.bytes_per_s / self.bytes_per_token.max(1) as f64
+            )
+            .ok();
+        }
+        if let Some(h) = self.host_us_per_token {
+            writeln!(
+                s,
+                "host time per decoded token (record, encode, submit): {h:.1} µs"
             )
             .ok();
         }
@@ -424,6 +441,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         None
     };
     let matmul = e.gpu.take_matmul().name();
+    let mut host_ns = 0u64;
     let mut spec = None;
     let decode = if let (true, Some(so)) = (opts.n_gen > 0, &opts.spec) {
         let mut secs = Vec::with_capacity(opts.reps);
@@ -450,6 +468,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         for _ in 0..opts.reps {
             fill(&mut e, &mut seq, &mut ids)?;
             let t = ids.take(opts.n_gen, vocab);
+            let h0 = e.gpu.host_ns();
             let s = Instant::now();
             for &tok in &t {
                 // Each step as greedy generation runs it: the argmax found on the GPU,
@@ -457,11 +476,14 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
                 e.forward_batch_with(&mut [(&mut seq, &[tok], GREEDY)])?;
             }
             secs.push(s.elapsed().as_secs_f64());
+            host_ns += e.gpu.host_ns() - h0;
         }
         Some(Stat::new(opts.n_gen, &secs))
     } else {
         None
     };
+    let host_us_per_token =
+        (opts.n_gen > 0).then(|| host_ns as f64 / 1e3 / (opts.n_gen * opts.reps) as f64);
     // One more decode step with a timestamp pair around every dispatch.
     let kernels = if opts.n_gen > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
         let tok = ids.take(1, vocab)[0];
@@ -515,6 +537,10 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         load_s,
         prefill,
         decode,
+        host_us_per_token,
+        gpu_us_per_token: kernels
+            .as_ref()
+            .map(|k| k.iter().map(|k| k.ns).sum::<f64>() / 1e3),
         bandwidth,
         kernels,
         prefill_kernels,

@@ -44,6 +44,8 @@ fn rel_err(x: &[f32], r: &[f32]) -> f64 {
 #[derive(Clone, Copy, PartialEq)]
 enum Path {
     Recurrent,
+    /// `recurrent_normed`: o is the gated RMSNorm of the step's output with [`Case::gates`].
+    RecurrentNormed,
     Chunked,
     /// The chunked kernels' variants for adapters with 16 KiB of workgroup memory.
     Chunked16K,
@@ -128,6 +130,16 @@ impl Case {
         (o, state)
     }
 
+    /// The gated norm's inputs: z [rows, Hv, d_v] and the weight [d_v].
+    fn gates(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut rng = Rng(99);
+        let ov = self.s.n_head_v * self.s.d_v;
+        (
+            rng.vec(self.rows * ov, -3.0, 3.0),
+            rng.vec(self.s.d_v, -1.5, 1.5),
+        )
+    }
+
     /// Run on the GPU: (o [rows, Hv, d_v], guards intact, final state pool).
     fn run(&self, gpu: &Gpu, path: Path) -> (Vec<f32>, bool, Vec<f32>) {
         let (s, hv, cd) = (&self.s, self.s.n_head_v, self.s.conv_dim());
@@ -170,6 +182,25 @@ impl Case {
         let mut pass = gpu.pass();
         match path {
             Path::Recurrent => gdn::recurrent(&mut pass, s, &batch, &io).unwrap(),
+            Path::RecurrentNormed => {
+                // z rows of Hv·d_v + 2 from element 1.
+                let (z, w) = self.gates();
+                let ov = hv * s.d_v;
+                let mut zp = vec![0f32; 1 + self.rows * (ov + 2)];
+                for r in 0..self.rows {
+                    zp[1 + r * (ov + 2)..][..ov].copy_from_slice(&z[r * ov..][..ov]);
+                }
+                let zb = gpu.upload_f32(&zp, "z").unwrap();
+                let wb = gpu.upload_f32(&w, "norm").unwrap();
+                let gn = gdn::GatedNorm {
+                    z: &zb,
+                    z_off: 1,
+                    z_stride: ov as u32 + 2,
+                    w: &wb,
+                    eps: NORM_EPS,
+                };
+                gdn::recurrent_normed(&mut pass, s, &batch, &io, &gn).unwrap();
+            }
             Path::Chunked | Path::Chunked16K => {
                 let scratch = gpu
                     .buffer(gdn::scratch_bytes(s, batch.total_chunks), "scratch")
@@ -200,7 +231,18 @@ impl Case {
     }
 
     fn check(&self, gpu: &Gpu, path: Path, tol: f64) {
-        let (o_ref, st_ref) = self.reference();
+        let (mut o_ref, st_ref) = self.reference();
+        if path == Path::RecurrentNormed {
+            let (z, w) = self.gates();
+            let dv = self.s.d_v;
+            let normed = lathe::cpu::ops::gated_rms_norm(&o_ref, &z, dv, Some(&w), NORM_EPS);
+            // Rows of no sequence stay zero.
+            let ov = self.s.n_head_v * dv;
+            for sp in &self.spans {
+                let r = sp.row as usize * ov..(sp.row + sp.n_tokens) as usize * ov;
+                o_ref[r.clone()].copy_from_slice(&normed[r]);
+            }
+        }
         let (o, guards, st) = self.run(gpu, path);
         let (eo, es) = (rel_err(&o, &o_ref), rel_err(&st, &st_ref));
         let what = format!(
@@ -208,6 +250,7 @@ impl Case {
             self.s,
             match path {
                 Path::Recurrent => "recurrent",
+                Path::RecurrentNormed => "recurrent + gated norm",
                 Path::Chunked => "chunked",
                 Path::Chunked16K => "chunked (16 KiB variants)",
             },
@@ -353,6 +396,76 @@ fn recurrent_matches_cpu() {
         ),
     ] {
         Case::new(s, &lens, 11).check(&gpu, Path::Recurrent, 1e-5);
+    }
+}
+
+const NORM_EPS: f32 = 1e-6;
+
+/// The decode step with Qwen3.5's gated output norm fused (one token per sequence, an empty
+/// sequence, odd sizes): against the CPU, and bit for bit against `recurrent` followed by
+/// `norm::gated_rms_norm` on the GPU.
+#[test]
+fn recurrent_normed_matches_cpu_and_unfused() {
+    use lathe::gpu::elementwise::View;
+    let gpu = gpu();
+    for (s, lens) in [
+        (shape(2, 4, 128, KeyHeadMap::Repeat), vec![1, 1]),
+        (shape(1, 2, 16, KeyHeadMap::Tile), vec![1, 0, 1]),
+        (
+            GdnShape {
+                n_head_k: 3,
+                n_head_v: 6,
+                d_k: 12,
+                d_v: 40,
+                map: KeyHeadMap::Repeat,
+            },
+            vec![1, 1, 1],
+        ),
+    ] {
+        let c = Case::new(s, &lens, 17);
+        c.check(&gpu, Path::RecurrentNormed, 1e-5);
+        // The unfused pair on the GPU: the same bits.
+        let (fused, _, st_fused) = c.run(&gpu, Path::RecurrentNormed);
+        let (plain, _, st_plain) = c.run(&gpu, Path::Recurrent);
+        assert_eq!(st_fused, st_plain, "{s:?}: states differ");
+        let (z, w) = c.gates();
+        let ov = s.n_head_v * s.d_v;
+        let ob = gpu.upload_f32(&plain, "o").unwrap();
+        let zb = gpu.upload_f32(&z, "z").unwrap();
+        let wt = gpu
+            .upload_tensor(&lathe::tensor::TensorRef {
+                name: "norm",
+                dtype: lathe::DType::F32,
+                shape: &[s.d_v as u64],
+                data: bytemuck::cast_slice(&w),
+                path: std::path::Path::new("test"),
+            })
+            .unwrap();
+        let mut pass = gpu.pass();
+        lathe::gpu::norm::gated_rms_norm(
+            &mut pass,
+            (c.rows * s.n_head_v) as u32,
+            s.d_v as u32,
+            View::new(&ob, 0),
+            View::new(&zb, 0),
+            None,
+            Some(&wt),
+            NORM_EPS,
+        )
+        .unwrap();
+        pass.submit().unwrap();
+        let unfused = gpu.read_f32(&ob, 0, c.rows * ov).unwrap();
+        for sp in &c.spans {
+            let r = sp.row as usize * ov..(sp.row + sp.n_tokens) as usize * ov;
+            let same = fused[r.clone()]
+                .iter()
+                .zip(&unfused[r])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{s:?}: fused norm differs from recurrent + gated_rms_norm"
+            );
+        }
     }
 }
 

@@ -1177,3 +1177,193 @@ fn int8_x_indexed_moe() {
         }
     }
 }
+
+/// The fused activation loads (`matvec::Prologue`) against the CPU (the step's reference,
+/// then the product in f64) for every stored type at odd sizes and 1 and 3 tokens; RMSNorm
+/// also against the two GPU kernels it replaces (`norm::rms_norm`, then `matvec`), which it
+/// must match bit for bit (the same f32 operations in the same order).
+#[test]
+fn matvec_prologues() {
+    use lathe::cpu::ops;
+    use lathe::gpu::elementwise::View;
+    use matvec::Prologue;
+    let g = gpu();
+    for (i, dt) in ALL.into_iter().enumerate() {
+        let cols = *odd_cols(dt).last().unwrap();
+        let (c, rows) = (cols as usize, 37usize);
+        let seed = 900 + i as u64;
+        let w = Weight::random(dt, &[rows as u64, cols], seed);
+        let mut rng = Rng::new(seed ^ 5);
+        for n in [1usize, 3] {
+            // RMSNorm of x rows (stride c + 8, offset 4), weight nw.
+            let stride = c + 8;
+            let x = rng.normals(4 + n * stride, 1.5);
+            let nw = rng.normals(c, 1.0);
+            let eps = 1e-6;
+            let _l = serial();
+            let wt = w.upload(g);
+            let xb = g.upload_f32(&x, "x").unwrap();
+            let nwb = g.upload_f32(&nw, "nw").unwrap();
+            let yb = out_buffer(g, n * rows);
+            let opts = MatvecOpts {
+                x_stride: stride as u32,
+                ..Default::default()
+            };
+            let mut pass = g.pass();
+            let pro = Prologue::RmsNorm {
+                w: &nwb,
+                eps,
+                keep: None,
+            };
+            matvec::matvec_pro(
+                &mut pass,
+                &wt,
+                &xb,
+                4,
+                &yb,
+                GUARD as u32,
+                n as u32,
+                &opts,
+                &pro,
+            )
+            .unwrap();
+            submit(pass);
+            let got = g.read_f32(&yb, 0, n * rows + 2 * GUARD).unwrap();
+            let mut want = Vec::new();
+            for t in 0..n {
+                let h = ops::rms_norm(&x[4 + t * stride..][..c], c, Some(&nw), eps);
+                want.extend((0..rows).map(|r| Some(w.dot(r, &h))));
+            }
+            check(
+                &got,
+                &want,
+                &format!("rms_norm matvec {dt} {rows}x{cols} nt{n}"),
+            );
+            // The unfused pair on the GPU: the same bits.
+            let nwt = g
+                .upload_tensor(&TensorRef {
+                    name: "nw",
+                    dtype: DType::F32,
+                    shape: &[c as u64],
+                    data: bytemuck::cast_slice(&nw),
+                    path: Path::new("test"),
+                })
+                .unwrap();
+            let hb = out_buffer(g, n * c);
+            let y2 = out_buffer(g, n * rows);
+            let mut pass = g.pass();
+            lathe::gpu::norm::rms_norm(
+                &mut pass,
+                n as u32,
+                c as u32,
+                View::strided(&xb, 4, stride as u32),
+                Some(View::new(&hb, 0)),
+                Some(&nwt),
+                eps,
+            )
+            .unwrap();
+            matvec::matvec_opts(
+                &mut pass,
+                &wt,
+                &hb,
+                0,
+                &y2,
+                GUARD as u32,
+                n as u32,
+                &Default::default(),
+            )
+            .unwrap();
+            submit(pass);
+            let unfused = g.read_f32(&y2, 0, n * rows + 2 * GUARD).unwrap();
+            let same = got
+                .iter()
+                .zip(&unfused)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{dt} nt{n}: fused norm differs from rms_norm + matvec"
+            );
+
+            // SwiGLU: gate at offset 4 of each row, up `up` elements later.
+            let up = c as u32 + 12;
+            let stride = 2 * c + 20;
+            let x = rng.normals(4 + n * stride, 2.0);
+            let xb = g.upload_f32(&x, "x").unwrap();
+            let yb = out_buffer(g, n * rows);
+            let opts = MatvecOpts {
+                x_stride: stride as u32,
+                ..Default::default()
+            };
+            let mut pass = g.pass();
+            let pro = Prologue::SwiGlu { up };
+            matvec::matvec_pro(
+                &mut pass,
+                &wt,
+                &xb,
+                4,
+                &yb,
+                GUARD as u32,
+                n as u32,
+                &opts,
+                &pro,
+            )
+            .unwrap();
+            submit(pass);
+            let got = g.read_f32(&yb, 0, n * rows + 2 * GUARD).unwrap();
+            let mut want = Vec::new();
+            for t in 0..n {
+                let row = &x[4 + t * stride..];
+                let h = ops::swiglu(&row[..c], &row[up as usize..][..c], None);
+                want.extend((0..rows).map(|r| Some(w.dot(r, &h))));
+            }
+            check(
+                &got,
+                &want,
+                &format!("swiglu matvec {dt} {rows}x{cols} nt{n}"),
+            );
+        }
+        // Sigmoid gate (one token): heads of 32 (else 7), gate heads every 2·head_dim from
+        // offset 3.
+        let hd: u32 = if cols % 32 == 0 { 32 } else { 7 };
+        if cols % hd as u64 != 0 {
+            continue;
+        }
+        let heads = c / hd as usize;
+        let x = rng.normals(c, 1.0);
+        let gate = rng.normals(3 + heads * 2 * hd as usize, 2.0);
+        let _l = serial();
+        let wt = w.upload(g);
+        let xb = g.upload_f32(&x, "x").unwrap();
+        let gb = g.upload_f32(&gate, "gate").unwrap();
+        let yb = out_buffer(g, rows);
+        let mut pass = g.pass();
+        let pro = Prologue::SigmoidGate {
+            gate: &gb,
+            off: 3,
+            head_dim: hd,
+            head_stride: 2 * hd,
+        };
+        matvec::matvec_pro(
+            &mut pass,
+            &wt,
+            &xb,
+            0,
+            &yb,
+            GUARD as u32,
+            1,
+            &Default::default(),
+            &pro,
+        )
+        .unwrap();
+        submit(pass);
+        let got = g.read_f32(&yb, 0, rows + 2 * GUARD).unwrap();
+        let h: Vec<f32> = (0..c)
+            .map(|j| {
+                let gv = gate[3 + (j / hd as usize) * 2 * hd as usize + j % hd as usize];
+                ops::sigmoid(gv) * x[j]
+            })
+            .collect();
+        let want: Vec<_> = (0..rows).map(|r| Some(w.dot(r, &h))).collect();
+        check(&got, &want, &format!("gated matvec {dt} {rows}x{cols}"));
+    }
+}

@@ -997,3 +997,153 @@ fn router_matches_cpu() {
         }
     }
 }
+
+/// Qwen3.5 attention's fused decode prologue (`rope::qk_norm_rope`): bit for bit the per-head
+/// RMSNorms, RoPE and KV writes it replaces (each checked against the CPU above), for f16 and
+/// f32 caches at the real head size and odd ones; q also against the CPU, and the gates
+/// between q heads and the cache rows of other tokens untouched.
+#[test]
+fn qk_norm_rope_matches_unfused() {
+    use lathe::gpu::attention::{self as ga, DstRows, KvShape, KvType};
+    let gpu = gpu();
+    let mut rng = Rng(31);
+    for (nh, nkv, hd, n_rot) in [(4u32, 1u32, 256u32, 64u32), (4, 2, 16, 4), (3, 1, 40, 8)] {
+        for dtype in [KvType::F16, KvType::F32] {
+            let (q_off, k_off) = (3u32, 3 + nh * 2 * hd + 5);
+            let v_off = k_off + nkv * hd + 2;
+            let len = (v_off + nkv * hd + 4) as usize;
+            let x: Vec<f32> = (0..len).map(|_| rng.normal() * 2.0).collect();
+            let qw: Vec<f32> = (0..hd).map(|_| rng.normal()).collect();
+            let kw: Vec<f32> = (0..hd).map(|_| rng.normal()).collect();
+            let inv_freq = ops::rope_inv_freq(1e7, n_rot as usize);
+            let table = RopeTable::new(&gpu, &inv_freq, "rope").unwrap();
+            let pos = [0u32, 777, 12345];
+            let rows = [2u32, 0, 5];
+            let pos_b = gpu.upload(bytemuck::cast_slice(&pos), "pos").unwrap();
+            let rows_b = gpu.upload(bytemuck::cast_slice(&rows), "rows").unwrap();
+            let qwt = weight_tensor(&gpu, DType::F32, &qw).0;
+            let kwt = weight_tensor(&gpu, DType::F32, &kw).0;
+            let kv = KvShape {
+                dtype,
+                n_head_kv: nkv,
+                head_dim: hd,
+            };
+            let cache_bytes = kv.bytes(7);
+            let fill = vec![0x5au8; cache_bytes as usize];
+            // Token 1 of the lists: position 777, cache row 0.
+            let fused = {
+                let xb = gpu.upload_f32(&x, "x").unwrap();
+                let kc = gpu.upload(&fill, "k").unwrap();
+                let vc = gpu.upload(&fill, "v").unwrap();
+                let mut pass = gpu.pass();
+                rope::qk_norm_rope(
+                    &mut pass,
+                    &rope::QkvDecode {
+                        buf: &xb,
+                        n_head: nh,
+                        n_head_kv: nkv,
+                        head_dim: hd,
+                        q_off,
+                        q_stride: 2 * hd,
+                        k_off,
+                        v_off,
+                        q_norm: &qwt.parts[0].buffer,
+                        k_norm: &kwt.parts[0].buffer,
+                        eps: 1e-6,
+                        positions: &pos_b,
+                        pos_off: 1,
+                        rows: &rows_b,
+                        row_off: 1,
+                        k_cache: &kc,
+                        v_cache: &vc,
+                        f16: dtype == KvType::F16,
+                    },
+                    &table,
+                )
+                .unwrap();
+                pass.submit().unwrap();
+                (
+                    gpu.read_f32(&xb, 0, len).unwrap(),
+                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                )
+            };
+            let unfused = {
+                let xb = gpu.upload_f32(&x, "x").unwrap();
+                let kc = gpu.upload(&fill, "k").unwrap();
+                let vc = gpu.upload(&fill, "v").unwrap();
+                let mut pass = gpu.pass();
+                let q = View::strided(&xb, q_off, 2 * hd);
+                norm::rms_norm(&mut pass, nh, hd, q, None, Some(&qwt), 1e-6).unwrap();
+                let k = View::new(&xb, k_off);
+                norm::rms_norm(&mut pass, nkv, hd, k, None, Some(&kwt), 1e-6).unwrap();
+                let at = Positions::Buffer {
+                    buf: &pos_b,
+                    off: 1,
+                };
+                let qv = RopeView {
+                    buf: &xb,
+                    off: q_off,
+                    n_tokens: 1,
+                    n_heads: nh,
+                    head_dim: hd,
+                    token_stride: nh * 2 * hd,
+                    head_stride: 2 * hd,
+                };
+                let style = rope::RopeStyle::Neox;
+                rope::rope(&mut pass, &qv, style, 0, &table, at, false).unwrap();
+                let kv_view = RopeView::packed(&xb, k_off, 1, nkv, hd);
+                rope::rope(&mut pass, &kv_view, style, 0, &table, at, false).unwrap();
+                let dst = DstRows::List {
+                    rows: &rows_b,
+                    off: 1,
+                };
+                ga::write_kv(&mut pass, kv, &xb, k_off, nkv * hd, 1, &kc, dst).unwrap();
+                ga::write_kv(&mut pass, kv, &xb, v_off, nkv * hd, 1, &vc, dst).unwrap();
+                pass.submit().unwrap();
+                (
+                    gpu.read_f32(&xb, 0, len).unwrap(),
+                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                )
+            };
+            let what = format!("qk_norm_rope {nh}x{nkv}x{hd} rot {n_rot} {dtype:?}");
+            // q heads (and the gates between them) as the unfused kernels left them; k is
+            // not written back by the fused kernel, only to the cache.
+            let q_end = (q_off + nh * 2 * hd) as usize;
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same(&fused.0[..q_end], &unfused.0[..q_end]),
+                "{what}: q differs"
+            );
+            assert!(same(
+                &fused.0[q_end..k_off as usize],
+                &x[q_end..k_off as usize]
+            ));
+            assert_eq!(fused.1, unfused.1, "{what}: K cache differs");
+            assert_eq!(fused.2, unfused.2, "{what}: V cache differs");
+            // q against the CPU.
+            let mut want = Vec::new();
+            for h in 0..nh as usize {
+                let head = &x[q_off as usize + h * 2 * hd as usize..][..hd as usize];
+                want.extend(ops::rms_norm(head, hd as usize, Some(&qw), 1e-6));
+            }
+            ops::rope_neox(
+                &mut want,
+                nh as usize,
+                hd as usize,
+                n_rot as usize,
+                &[777],
+                &inv_freq,
+                false,
+            );
+            let got: Vec<f32> = (0..nh as usize)
+                .flat_map(|h| {
+                    fused.0[q_off as usize + h * 2 * hd as usize..][..hd as usize].to_vec()
+                })
+                .collect();
+            assert_close(&what, &got, &want, 1e-5, 1e-5);
+        }
+    }
+}

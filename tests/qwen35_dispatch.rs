@@ -11,6 +11,7 @@ use lathe::engine::{Engine, LoadOptions};
 use lathe::models::qwen35::weights::{self, Sink};
 use lathe::models::qwen35::Hparams;
 use lathe::models::{ModelFile, Weight};
+use lathe::synth::{self, Dims, FileType, PlanOptions, Preset, QwenDims};
 use lathe::Result;
 use std::path::Path;
 
@@ -125,4 +126,66 @@ fn report_file() {
         labels.len(),
         labels.len() + saved
     );
+}
+
+/// Qwen3.5-9B's layer pattern and head counts (3 GDN layers then one attention layer; 16 q /
+/// 4 kv heads of 256, GDN 16 k / 32 v heads of 128, Q4_K_M with its Q6_K layers) at a width of
+/// 256: a decode step's dispatches per layer do not depend on the width.
+fn nine_b_pattern(n_layer: usize) -> Preset {
+    Preset {
+        name: "qwen35-9b-pattern".into(),
+        display: "Qwen35 9B pattern".into(),
+        dims: Dims::Qwen35(QwenDims {
+            n_embd: 256,
+            n_layer,
+            n_ff: 768,
+            n_head: 16,
+            n_head_kv: 4,
+            head_dim: 256,
+            rope_dim: 64,
+            n_k_heads: 16,
+            n_v_heads: 32,
+            d_k: 128,
+            d_v: 128,
+            conv_kernel: 4,
+            full_attention_interval: 4,
+            n_vocab: 1024,
+            tied: false,
+            ctx: 4096,
+            rope_theta: 1e7,
+            eps: 1e-6,
+            moe: None,
+        }),
+        default_type: FileType::Q4_K_M,
+        demo: false,
+    }
+}
+
+/// Issue #14's measure: (dispatches of a decode step with 8 layers − with 4 layers) / 4, as
+/// `lathe bench -p 0 -n 2 --json` counts them (one per recorded dispatch) between
+/// `lathe synth --preset qwen3.5-9b --layers 8` and `--layers 4`. Decode must stay at ≤ 6
+/// dispatches per layer (12.5 before the fused kernels).
+#[test]
+fn nine_b_decode_dispatches_per_layer() {
+    let dir = std::env::temp_dir().join(format!("lathe-dispatch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut count = Vec::new();
+    for n_layer in [4, 8] {
+        let path = dir.join(format!("l{n_layer}.gguf"));
+        synth::plan(&nine_b_pattern(n_layer), &PlanOptions::default(), None)
+            .unwrap()
+            .write(&path, 7, None)
+            .unwrap();
+        let labels = step_labels(&path);
+        count.push(labels.len());
+        if n_layer == 8 {
+            for l in &labels {
+                eprintln!("  {l}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    let per_layer = (count[1] - count[0]) as f64 / 4.0;
+    eprintln!("decode dispatches: {count:?}, {per_layer} per layer");
+    assert!(per_layer <= 6.0, "{per_layer} dispatches per layer");
 }

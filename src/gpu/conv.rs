@@ -10,7 +10,8 @@
 //! - `y` [rows, y_stride]: SiLU(conv) for the same rows; must be a different buffer than `x`.
 //!
 //! Two dispatches: outputs (all tokens in parallel, reading the old state), then the state
-//! update. Decode is the same call with one token per sequence.
+//! update. Decode (one token per sequence) takes one: each channel's thread is then the only
+//! reader of its state, so it rolls the state after reading it.
 
 use super::gdn::SeqBatch;
 use super::{grid, Binding, Pass, PipelineSpec};
@@ -81,16 +82,21 @@ pub fn conv1d_silu(
         y_stride: io.y_stride,
         state_off: io.state_off,
     };
+    // One token per sequence (decode): conv_out rolls the state in the same dispatch.
+    let decode = batch.max_tokens == 1;
     let out = gpu.pipeline(
-        &PipelineSpec::new(format!("conv_out_k{k}_wg{WG}"), SRC, "conv_out")
-            .define("WG", format!("{WG}u"))
-            .define("K", format!("{k}u"))
-            .define("OUT", 1),
-    )?;
-    let upd = gpu.pipeline(
-        &PipelineSpec::new(format!("conv_state_k{k}_wg{WG}"), SRC, "conv_state")
-            .define("WG", format!("{WG}u"))
-            .define("K", format!("{k}u")),
+        &PipelineSpec::new(
+            format!(
+                "conv_out_k{k}_wg{WG}{}",
+                if decode { "_decode" } else { "" }
+            ),
+            SRC,
+            "conv_out",
+        )
+        .define("WG", format!("{WG}u"))
+        .define("K", format!("{k}u"))
+        .define("OUT", 1)
+        .define("DECODE", decode),
     )?;
     let n_out = batch.n_seq as u64 * batch.max_tokens as u64 * conv_dim as u64;
     if n_out > u32::MAX as u64 {
@@ -112,7 +118,12 @@ pub fn conv1d_silu(
         ],
         grid((n_out as u32).div_ceil(WG)),
     );
-    if k > 1 {
+    if k > 1 && !decode {
+        let upd = gpu.pipeline(
+            &PipelineSpec::new(format!("conv_state_k{k}_wg{WG}"), SRC, "conv_state")
+                .define("WG", format!("{WG}u"))
+                .define("K", format!("{k}u")),
+        )?;
         pass.dispatch(
             &upd,
             "conv_state",

@@ -61,6 +61,7 @@ pub struct Gpu {
     /// handler would panic, lathe turns it into an `Error::Gpu` at the next sync point.
     errors: Arc<Mutex<Option<String>>>,
     pub(crate) pipelines: super::pipeline::PipelineCache,
+    pub(crate) recorder: super::pass::Recorder,
     matmul: MatmulPath,
     /// Bit `1 << path` for each path a many-token product took since `take_matmul`.
     last_matmul: std::sync::atomic::AtomicU8,
@@ -268,6 +269,7 @@ impl Gpu {
             memory,
             errors,
             pipelines: Default::default(),
+            recorder: Default::default(),
             matmul,
             last_matmul: std::sync::atomic::AtomicU8::new(0),
             scratch: Default::default(),

@@ -119,9 +119,13 @@ struct Params {
     o_stride: u32,
     /// in elements: slot 0 of the state pool
     state_off: u32,
-    _pad: [u32; 2],
+    /// [`recurrent_normed`]: the gate z (in elements) and the norm's epsilon.
+    z_off: u32,
+    z_stride: u32,
+    eps: f32,
+    _pad: [u32; 3],
 }
-const _: () = assert!(std::mem::size_of::<Params>() == 64);
+const _: () = assert!(std::mem::size_of::<Params>() == 80);
 
 /// Buffers of one GDN call (layouts in the module doc).
 pub struct GdnIo<'a> {
@@ -172,7 +176,10 @@ fn params(s: &GdnShape, batch: &SeqBatch, io: &GdnIo<'_>) -> Result<Params> {
         o_off: io.o_off,
         o_stride: io.o_stride,
         state_off: io.state_off,
-        _pad: [0; 2],
+        z_off: 0,
+        z_stride: 0,
+        eps: 0.0,
+        _pad: [0; 3],
     })
 }
 
@@ -242,6 +249,84 @@ pub fn recurrent(
             io.state.into(),
             io.o.into(),
         ],
+        workgroups(n, "recurrent")?,
+    );
+    Ok(())
+}
+
+/// The gated RMSNorm that follows the GDN step in Qwen3.5 (`norm::gated_rms_norm` of each
+/// head's output row): y = o · rsqrt(Σo²/d_v + eps) · w · silu(z).
+pub struct GatedNorm<'a> {
+    /// Gates, `[Hv, d_v]` per token row at `z_off + row · z_stride`.
+    pub z: &'a wgpu::Buffer,
+    pub z_off: u32,
+    pub z_stride: u32,
+    /// `[d_v]` f32 weight.
+    pub w: &'a wgpu::Buffer,
+    pub eps: f32,
+}
+
+/// Whether [`recurrent_normed`] can run `batch` on this adapter: one token per sequence, and
+/// the ten storage bindings it takes.
+pub fn normed_fits(gpu: &Gpu, batch: &SeqBatch) -> bool {
+    batch.max_tokens == 1 && gpu.limits.max_storage_buffers_per_shader_stage >= 10
+}
+
+/// [`recurrent`] followed by the gated RMSNorm of every head's output, in one dispatch (one
+/// workgroup per (sequence, head) walks the head's column blocks, then norms the row): the
+/// same bits as [`recurrent`] then `norm::gated_rms_norm`. Decode only ([`normed_fits`]).
+pub fn recurrent_normed(
+    pass: &mut Pass<'_>,
+    s: &GdnShape,
+    batch: &SeqBatch,
+    io: &GdnIo<'_>,
+    gn: &GatedNorm<'_>,
+) -> Result<()> {
+    let mut p = params(s, batch, io)?;
+    if batch.n_seq == 0 {
+        return Ok(());
+    }
+    if !normed_fits(pass.gpu(), batch) {
+        return Err(Error::Invalid(format!(
+            "gdn recurrent_normed: {} tokens per sequence (one only), or too few storage \
+             bindings on this adapter",
+            batch.max_tokens
+        )));
+    }
+    let ov = s.n_head_v as u32 * s.d_v as u32;
+    super::check_span("gdn", "z", gn.z, gn.z_off, gn.z_stride, 1u32, ov)?;
+    super::check_span("gdn", "norm weight", gn.w, 0u32, 0u32, 1u32, s.d_v as u32)?;
+    p.z_off = gn.z_off;
+    p.z_stride = gn.z_stride;
+    p.eps = gn.eps;
+    let mut sp = spec(
+        "recurrent",
+        "recurrent",
+        s,
+        REC_CB * REC_R,
+        &[("CB", REC_CB), ("R", REC_R)],
+    )
+    .define("GNORM", "true");
+    sp.label.push_str("_gnorm");
+    let pl = pass.gpu().pipeline(&sp)?;
+    let n = batch.n_seq as u64 * s.n_head_v as u64;
+    let b: Vec<Binding> = vec![
+        Binding::from(&batch.table),
+        io.qkv.into(),
+        io.a.into(),
+        io.b.into(),
+        io.a_neg.into(),
+        io.dt_bias.into(),
+        io.state.into(),
+        io.o.into(),
+        gn.z.into(),
+        gn.w.into(),
+    ];
+    pass.dispatch(
+        &pl,
+        "gdn_recurrent_gnorm",
+        &p,
+        &b,
         workgroups(n, "recurrent")?,
     );
     Ok(())

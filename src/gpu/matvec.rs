@@ -62,7 +62,7 @@ pub(crate) struct Params {
     pub n_expert: u32,     // matmul_id: experts of the stack
     pub tiles_off: u32,    // matmul_id: words
     pub pairs_off: u32,    // matmul_id: words
-    pub pad: [u32; 3],
+    pub pro: [u32; 3],     // matvec prologue words ([`Prologue`])
 }
 const _: () = assert!(std::mem::size_of::<Params>() == 96);
 
@@ -497,6 +497,265 @@ pub fn matvec_opts(
             ],
             [n_tokens, gy, gz],
         );
+    }
+    Ok(())
+}
+
+/// An elementwise step fused into a matvec's activation load (`PRO_*` in matvec.wgsl): the
+/// product reads x through it instead of a separate kernel writing its result first. Each is
+/// the same f32 arithmetic as the kernel it replaces, so the fused product equals that kernel
+/// followed by the plain product.
+#[derive(Clone, Copy, Debug)]
+pub enum Prologue<'a> {
+    /// x' = RMSNorm(x) · w (`norm::rms_norm` of each token's row; `w` f32 `[cols]`); with
+    /// `keep`, x' is also written there as packed `[n_tokens, cols]` rows (for the products
+    /// that read it later).
+    RmsNorm {
+        w: &'a wgpu::Buffer,
+        eps: f32,
+        keep: Option<&'a wgpu::Buffer>,
+    },
+    /// x' = silu(x[c]) · x[c + up] (`elementwise::swiglu` without a limit: the up values sit
+    /// `up` elements after the gate values of the same row, e.g. two columns of one product).
+    SwiGlu { up: u32 },
+    /// [`Prologue::SwiGlu`], and the product scaled by sigmoid(s) and added to y (`opts`'
+    /// accumulate is implied): `elementwise::sigmoid_mul_row_inplace` then `add_inplace`, with
+    /// token t's s at element `off + t · stride` of `gate` (Qwen's shared-expert gate).
+    SwiGluGated {
+        up: u32,
+        gate: &'a wgpu::Buffer,
+        off: u32,
+        stride: u32,
+    },
+    /// x' = sigmoid(g) · x (`elementwise::sigmoid_mul`), with column c's gate at element
+    /// `off + (c / head_dim) · head_stride + c % head_dim` of `gate` (Qwen3.5's attention
+    /// output gate, interleaved with q). One token only.
+    SigmoidGate {
+        gate: &'a wgpu::Buffer,
+        off: u32,
+        head_dim: u32,
+        head_stride: u32,
+    },
+}
+
+impl Prologue<'_> {
+    fn defines(&self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Prologue::RmsNorm { keep: None, .. } => &[("PRO", "true"), ("PRO_NORM", "true")],
+            Prologue::RmsNorm { keep: Some(_), .. } => {
+                &[("PRO", "true"), ("PRO_NORM", "true"), ("NORM_OUT", "true")]
+            }
+            Prologue::SwiGlu { .. } => &[("PRO", "true"), ("PRO_SWIGLU", "true")],
+            Prologue::SwiGluGated { .. } => &[
+                ("PRO", "true"),
+                ("PRO_SWIGLU", "true"),
+                ("EPI_SIGROW", "true"),
+            ],
+            Prologue::SigmoidGate { .. } => &[("PRO", "true"), ("PRO_SIGMUL", "true")],
+        }
+    }
+}
+
+/// Whether [`matvec_pro`] takes `n_tokens` tokens: the products that
+/// [`matmul`](super::matmul::matmul_opts) runs as matvec ([`DENSE_MATVEC_TOKENS`](super::matmul::DENSE_MATVEC_TOKENS)).
+pub fn prologue_fits(n_tokens: u32) -> bool {
+    n_tokens <= super::matmul::DENSE_MATVEC_TOKENS
+}
+
+/// Qwen3.5's GDN conv step fused into the product that makes its input (`EPI_CONV` in
+/// matvec.wgsl): rows `0..channels` of the product are conv channels; each is replaced by
+/// `conv::conv1d_silu`'s output for it and its conv state rolled, as that kernel does at
+/// decode (one token per sequence, token t being sequence t of `batch`).
+pub struct ConvStep<'a> {
+    pub channels: u32,
+    /// Kernel width (≥ 2).
+    pub k: u32,
+    /// `[channels, k]` f32.
+    pub w: &'a wgpu::Buffer,
+    /// Pool `[slots, k − 1, channels]` f32 from element `state_off`.
+    pub state: &'a wgpu::Buffer,
+    pub state_off: u32,
+    pub batch: &'a super::gdn::SeqBatch,
+}
+
+/// Whether a [`ConvStep`] can follow a product of `n_tokens` tokens over `batch` with `parts`
+/// weight parts: one token per sequence, the tokens being the sequences, one part, and the
+/// storage bindings it takes.
+pub fn conv_step_fits(
+    gpu: &Gpu,
+    batch: &super::gdn::SeqBatch,
+    n_tokens: u32,
+    parts: usize,
+) -> bool {
+    batch.max_tokens == 1
+        && batch.n_seq == n_tokens
+        && parts == 1
+        && gpu.limits.max_storage_buffers_per_shader_stage >= 8
+}
+
+/// [`matvec_opts`] reading x through `pro` (f32 activations; `opts.int8_x` is not taken). A
+/// weight split into parts recomputes the prologue per part.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_pro(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+    pro: &Prologue<'_>,
+) -> Result<()> {
+    matvec_fused(pass, w, x, x_off, y, y_off, n_tokens, opts, pro, None)
+}
+
+/// [`matvec_pro`], and with `conv` the GDN conv step on its first rows ([`ConvStep`]; only
+/// with [`Prologue::RmsNorm`] without `keep`).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_fused(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+    pro: &Prologue<'_>,
+    conv: Option<&ConvStep<'_>>,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, false)?;
+    if !(1..=MAX_GROUPS).contains(&n_tokens) || !opts.defines.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: fused matvec of {n_tokens} tokens",
+            w.name
+        )));
+    }
+    let (x_stride, y_stride) = geo.strides(opts);
+    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    // (binding number, buffer) beyond the plain product's, and the prologue words
+    let mut extra: Vec<(u32, Binding)> = Vec::new();
+    let word = match *pro {
+        Prologue::RmsNorm { w: nw, eps, keep } => {
+            check_span(&w.name, "norm weight", nw, 0u32, 0u32, 1u32, geo.cols)?;
+            extra.push((6, nw.into()));
+            if let Some(h) = keep {
+                check_span(
+                    &w.name,
+                    "normed rows",
+                    h,
+                    0u32,
+                    geo.cols,
+                    n_tokens,
+                    geo.cols,
+                )?;
+                extra.push((7, h.into()));
+            }
+            [eps.to_bits(), 0, 0]
+        }
+        Prologue::SwiGlu { up } => {
+            check_span(&w.name, "up", x, x_off + up, x_stride, n_tokens, geo.cols)?;
+            [up, 0, 0]
+        }
+        Prologue::SwiGluGated {
+            up,
+            gate,
+            off,
+            stride,
+        } => {
+            check_span(&w.name, "up", x, x_off + up, x_stride, n_tokens, geo.cols)?;
+            check_span(&w.name, "gate", gate, off, stride, n_tokens, 1u32)?;
+            extra.push((8, gate.into()));
+            [up, off, stride]
+        }
+        Prologue::SigmoidGate {
+            gate,
+            off,
+            head_dim,
+            head_stride,
+        } => {
+            if n_tokens != 1 || head_dim == 0 || !geo.cols.is_multiple_of(head_dim) {
+                return Err(Error::Invalid(format!(
+                    "{}: gated matvec of {n_tokens} tokens, head_dim {head_dim}",
+                    w.name
+                )));
+            }
+            let heads = geo.cols / head_dim;
+            check_span(&w.name, "gate", gate, off, head_stride, heads, head_dim)?;
+            extra.push((6, gate.into()));
+            [off, head_dim, head_stride]
+        }
+    };
+    let mut word = word;
+    let k_def;
+    let mut defines: Vec<(&str, &str)> = pro.defines().to_vec();
+    if let Some(c) = conv {
+        let plain_norm = matches!(pro, Prologue::RmsNorm { keep: None, .. });
+        if !plain_norm || c.k < 2 || c.channels > geo.rows || opts.accumulate {
+            return Err(Error::Invalid(format!(
+                "{}: conv step after this product ({} channels, K {})",
+                w.name, c.channels, c.k
+            )));
+        }
+        if !conv_step_fits(gpu, c.batch, n_tokens, w.parts.len()) {
+            return Err(Error::Invalid(format!(
+                "{}: conv step needs one token per sequence and one weight part",
+                w.name
+            )));
+        }
+        check_span(
+            &w.name,
+            "conv weight",
+            c.w,
+            0u32,
+            0u32,
+            1u32,
+            c.channels * c.k,
+        )?;
+        let st_len = (c.k - 1) * c.channels;
+        check_span(
+            &w.name,
+            "conv state",
+            c.state,
+            c.state_off,
+            st_len,
+            1u32,
+            st_len,
+        )?;
+        word[1] = c.channels;
+        word[2] = c.state_off;
+        extra.push((9, c.w.into()));
+        extra.push((10, c.state.into()));
+        extra.push((11, (&c.batch.table).into()));
+        k_def = format!("{}u", c.k);
+        defines.push(("EPI_CONV", "true"));
+        defines.push(("CONV_K", &k_def));
+    }
+    let pl = Plan::new(&geo, opts)?;
+    let sg = use_subgroups(gpu, opts);
+    let pipe = pl.pipeline(gpu, &geo, "matvec", sg, xvec, &defines)?;
+    for part in &w.parts {
+        let rows = part.n_rows as u32;
+        let (gy, gz) = pl.groups(rows);
+        let mut prm = geo.params(rows, true);
+        prm.x_off = x_off;
+        prm.x_stride = x_stride;
+        prm.y_off = y_off + part.row_start as u32;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.pro = word;
+        let mut b: Vec<(u32, Binding)> = vec![
+            (1, (&part.buffer).into()),
+            (2, (&part.buffer).into()),
+            (3, x.into()),
+            (4, Binding::from(y)),
+        ];
+        b.extend(extra.iter().cloned());
+        pass.dispatch_slots(&pipe, &w.name, &prm, b, [n_tokens, gy, gz]);
     }
     Ok(())
 }

@@ -2,8 +2,17 @@
 //!
 //! Binding convention for every lathe kernel: `@group(0) @binding(0)` is the kernel's
 //! uniform struct (`var<uniform> p: Params`), bindings `1..` are storage buffers in the
-//! order the wrapper passes them. Uniform bytes of all dispatches of a submission go into
-//! one buffer made at submit time, so recording does no GPU work.
+//! order the wrapper passes them. Recording does no GPU work: it appends the uniform bytes
+//! and the bindings to host lists.
+//!
+//! Host cost per dispatch: the uniform bytes of a submission go to one persistent buffer per
+//! device (the arena, written with one `queue.write_buffer` per submission: queue order keeps
+//! earlier submissions reading their own bytes), dispatch `i` of a submission at an offset
+//! that depends only on the uniform sizes before it. A decode step records the same
+//! sequence every token, so each dispatch's bind group (pipeline layout, arena range, storage
+//! ranges) is the same object every token: it is made once and looked up in a cache
+//! ([`Recorder`]) instead of made per dispatch (`create_bind_group` costs 1.3-2 µs on
+//! lavapipe, more than recording the dispatch: FACTS.md).
 //!
 //! A pass may be flushed part-way ([`Pass::flush`]): what is recorded so far is submitted
 //! and recording goes on. A decode step encodes ~400 dispatches on the host; flushing
@@ -12,12 +21,14 @@
 
 use super::Gpu;
 use crate::{Error, Result};
-use std::sync::Arc;
-use wgpu::util::DeviceExt;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// A storage binding: a whole buffer or a byte range of it (offset aligned to the
 /// adapter's `min_storage_buffer_offset_alignment`).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Binding {
     pub buffer: wgpu::Buffer,
     pub offset: u64,
@@ -34,13 +45,79 @@ impl From<&wgpu::Buffer> for Binding {
     }
 }
 
+/// A pipeline compared and hashed by identity (the key holds it, so the address stays its own).
+#[derive(Clone)]
+struct PipelineId(Arc<wgpu::ComputePipeline>);
+
+impl PartialEq for PipelineId {
+    fn eq(&self, o: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &o.0)
+    }
+}
+impl Eq for PipelineId {}
+impl std::hash::Hash for PipelineId {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        Arc::as_ptr(&self.0).hash(h)
+    }
+}
+
+/// What one bind group binds: the pipeline (its layout), the arena range and the storage ranges.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct GroupKey {
+    pipeline: PipelineId,
+    /// (offset, size) in the arena, bytes.
+    uniform: (u64, u64),
+    /// (binding number, buffer range)
+    bindings: Vec<(u32, Binding)>,
+}
+
+/// A cached bind group and the submission that last used it.
+struct Cached {
+    group: wgpu::BindGroup,
+    used: u64,
+}
+
+/// Bind groups unused for this many submissions are dropped (they hold their buffers alive):
+/// a decode step is ~10 submissions, so the groups of the step stay cached, those of a
+/// prefill chunk or a freed scratch go after a few tokens.
+const KEEP_SUBMITS: u64 = 256;
+
+/// Per-device state of the recorder: the uniform arena, the bind-group cache, and the host
+/// time spent recording and submitting (read by `lathe bench`). One lock covers write,
+/// encode and submit, so two threads' passes never interleave their arena bytes.
+#[derive(Default)]
+pub(crate) struct Recorder {
+    inner: Mutex<RecorderInner>,
+    host_ns: AtomicU64,
+}
+
+#[derive(Default)]
+struct RecorderInner {
+    arena: Option<wgpu::Buffer>,
+    groups: HashMap<GroupKey, Cached>,
+    /// Submissions so far.
+    epoch: u64,
+    /// Bind groups made (cache misses) since the device was made.
+    made: u64,
+}
+
+impl Gpu {
+    /// Host nanoseconds spent in passes so far: recording (from a pass's creation or last
+    /// flush to its submission), encoding and submitting; waits for results excluded.
+    pub fn host_ns(&self) -> u64 {
+        self.recorder.host_ns.load(Ordering::Relaxed)
+    }
+
+    /// Bind groups made so far (each cache miss); a repeated decode step makes none.
+    pub fn bind_groups_made(&self) -> u64 {
+        self.recorder.inner.lock().unwrap().made
+    }
+}
+
 enum Op {
     Dispatch {
-        pipeline: Arc<wgpu::ComputePipeline>,
+        key: GroupKey,
         label: String,
-        uniform: (u64, u64),
-        /// (binding number, buffer range)
-        bindings: Vec<(u32, Binding)>,
         groups: [u32; 3],
     },
     Copy {
@@ -60,6 +137,8 @@ pub struct Pass<'g> {
     align: u64,
     /// `flush` does nothing: the pass stays one submission (per-dispatch profiling).
     hold: bool,
+    /// Start of the host time this pass has spent since its creation or last flush.
+    since: Instant,
 }
 
 impl Gpu {
@@ -70,6 +149,7 @@ impl Gpu {
             uniforms: Vec::new(),
             align: self.limits.min_uniform_buffer_offset_alignment.max(16) as u64,
             hold: false,
+            since: Instant::now(),
         }
     }
 }
@@ -130,10 +210,12 @@ impl<'g> Pass<'g> {
         let len = (bytes.len() as u64).next_multiple_of(16);
         self.uniforms.resize((off + len) as usize, 0);
         self.ops.push(Op::Dispatch {
-            pipeline: pipeline.clone(),
+            key: GroupKey {
+                pipeline: PipelineId(pipeline.clone()),
+                uniform: (off, len),
+                bindings,
+            },
             label: label.to_string(),
-            uniform: (off, len),
-            bindings,
             groups,
         });
     }
@@ -183,8 +265,10 @@ impl<'g> Pass<'g> {
             uniforms: std::mem::take(&mut self.uniforms),
             align: self.align,
             hold: false,
+            since: self.since,
         };
         head.submit()?;
+        self.since = Instant::now();
         Ok(())
     }
 
@@ -197,106 +281,121 @@ impl<'g> Pass<'g> {
         Ok(())
     }
 
-    /// Encode everything recorded into `enc`, with the uniforms in a buffer of their own.
-    fn encode(self, enc: &mut wgpu::CommandEncoder) -> Result<()> {
-        self.encode_with(enc, None)
-    }
-
-    /// `encode`; with a query set, every dispatch gets its own compute pass with timestamps
-    /// `2i` (begin) and `2i+1` (end).
-    fn encode_with(
-        self,
-        enc: &mut wgpu::CommandEncoder,
-        profile: Option<&wgpu::QuerySet>,
-    ) -> Result<()> {
-        let mut n_dispatch = 0u32;
+    /// Write the uniforms to the arena, encode everything recorded into a command buffer
+    /// (with a query set, every dispatch gets its own compute pass with timestamps `2i`
+    /// (begin) and `2i+1` (end), resolved into `resolve`) and submit it, all under the
+    /// recorder's lock.
+    fn encode_submit(self, timing: Timing<'_>) -> Result<wgpu::SubmissionIndex> {
+        let profile = match timing {
+            Timing::PerDispatch(qs, resolve) => Some((qs, resolve)),
+            _ => None,
+        };
         let gpu = self.gpu;
-        // A fresh buffer per submission: nothing to lock against other passes, and the
-        // bytes are written at creation (no queue write to order).
-        let mut uniforms = self.uniforms;
-        uniforms.resize(uniforms.len().max(256), 0);
-        if uniforms.len() as u64 > gpu.limits.max_buffer_size {
+        let mut rec = gpu.recorder.inner.lock().unwrap();
+        let rec = &mut *rec;
+        let need = (self.uniforms.len() as u64).max(256);
+        if need > gpu.limits.max_buffer_size {
             return Err(Error::Gpu(format!(
                 "{} bytes of uniforms exceed max_buffer_size",
-                uniforms.len()
+                self.uniforms.len()
             )));
         }
-        let ubuf = gpu
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        if rec.arena.as_ref().is_none_or(|a| a.size() < need) {
+            // The cached groups bind the old arena: they go with it.
+            rec.groups.clear();
+            let size = need
+                .next_power_of_two()
+                .max(64 << 10)
+                .min(gpu.limits.max_buffer_size);
+            rec.arena = Some(gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("lathe.uniforms"),
-                contents: &uniforms,
-                usage: wgpu::BufferUsages::UNIFORM,
+                size,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }));
+        }
+        let arena = rec.arena.clone().expect("arena made above");
+        if !self.uniforms.is_empty() {
+            let mut bytes = self.uniforms;
+            bytes.resize(bytes.len().next_multiple_of(4), 0);
+            gpu.queue.write_buffer(&arena, 0, &bytes);
+        }
+        rec.epoch += 1;
+        let epoch = rec.epoch;
+        if epoch.is_multiple_of(KEEP_SUBMITS) {
+            rec.groups.retain(|_, c| c.used + KEEP_SUBMITS > epoch);
+        }
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("lathe"),
             });
-        let mut cpass: Option<wgpu::ComputePass<'_>> = None;
-        for op in self.ops {
-            match op {
-                Op::Dispatch {
-                    pipeline,
-                    label,
-                    uniform,
-                    bindings,
-                    groups,
-                } => {
-                    let layout = pipeline.get_bind_group_layout(0);
-                    let mut entries = Vec::with_capacity(bindings.len() + 1);
-                    entries.push(wgpu::BindGroupEntry {
-                        binding: 0,
-                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                            buffer: &ubuf,
-                            offset: uniform.0,
-                            size: std::num::NonZeroU64::new(uniform.1),
-                        }),
-                    });
-                    for (slot, b) in bindings.iter() {
-                        entries.push(wgpu::BindGroupEntry {
-                            binding: *slot,
-                            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                                buffer: &b.buffer,
-                                offset: b.offset,
-                                size: b.size.and_then(std::num::NonZeroU64::new),
-                            }),
+        if let Timing::Around(qs, first) = timing {
+            enc.write_timestamp(qs, first);
+        }
+        let mut n_dispatch = 0u32;
+        {
+            let mut cpass: Option<wgpu::ComputePass<'_>> = None;
+            for op in self.ops {
+                match op {
+                    Op::Dispatch { key, label, groups } => {
+                        let cached = match rec.groups.get_mut(&key) {
+                            Some(c) => c,
+                            None => {
+                                let group = make_group(gpu, &arena, &key, &label);
+                                rec.made += 1;
+                                rec.groups
+                                    .entry(key.clone())
+                                    .or_insert(Cached { group, used: epoch })
+                            }
+                        };
+                        cached.used = epoch;
+                        if profile.is_some() {
+                            cpass = None;
+                        }
+                        let tw = profile.map(|(qs, _)| wgpu::ComputePassTimestampWrites {
+                            query_set: qs,
+                            beginning_of_pass_write_index: Some(2 * n_dispatch),
+                            end_of_pass_write_index: Some(2 * n_dispatch + 1),
                         });
+                        n_dispatch += 1;
+                        let cp = cpass.get_or_insert_with(|| {
+                            enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                label: Some("lathe"),
+                                timestamp_writes: tw,
+                            })
+                            .forget_lifetime()
+                        });
+                        cp.set_pipeline(&key.pipeline.0);
+                        cp.set_bind_group(0, &cached.group, &[]);
+                        cp.dispatch_workgroups(groups[0], groups[1], groups[2]);
                     }
-                    let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some(&label),
-                        layout: &layout,
-                        entries: &entries,
-                    });
-                    if profile.is_some() {
+                    Op::Copy {
+                        src,
+                        src_off,
+                        dst,
+                        dst_off,
+                        size,
+                    } => {
                         cpass = None;
+                        enc.copy_buffer_to_buffer(&src, src_off, &dst, dst_off, size);
                     }
-                    let tw = profile.map(|qs| wgpu::ComputePassTimestampWrites {
-                        query_set: qs,
-                        beginning_of_pass_write_index: Some(2 * n_dispatch),
-                        end_of_pass_write_index: Some(2 * n_dispatch + 1),
-                    });
-                    n_dispatch += 1;
-                    let cp = cpass.get_or_insert_with(|| {
-                        enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                            label: Some("lathe"),
-                            timestamp_writes: tw,
-                        })
-                        .forget_lifetime()
-                    });
-                    cp.set_pipeline(&pipeline);
-                    cp.set_bind_group(0, &bg, &[]);
-                    cp.dispatch_workgroups(groups[0], groups[1], groups[2]);
-                }
-                Op::Copy {
-                    src,
-                    src_off,
-                    dst,
-                    dst_off,
-                    size,
-                } => {
-                    cpass = None;
-                    enc.copy_buffer_to_buffer(&src, src_off, &dst, dst_off, size);
                 }
             }
         }
-        drop(cpass);
-        Ok(())
+        if let Some((qs, resolve)) = profile {
+            if n_dispatch > 0 {
+                enc.resolve_query_set(qs, 0..2 * n_dispatch, resolve, 0);
+            }
+        }
+        if let Timing::Around(qs, first) = timing {
+            enc.write_timestamp(qs, first + 1);
+        }
+        let idx = gpu.queue.submit([enc.finish()]);
+        gpu.recorder
+            .host_ns
+            .fetch_add(self.since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(idx)
     }
 
     /// Submit with a GPU timestamp pair around every dispatch (each in its own compute
@@ -334,14 +433,8 @@ impl<'g> Pass<'g> {
             usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        let mut enc = gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("lathe.profile"),
-            });
-        self.encode_with(&mut enc, Some(&qs))?;
-        enc.resolve_query_set(&qs, 0..2 * n, &resolve, 0);
-        gpu.queue.submit([enc.finish()]);
+        self.encode_submit(Timing::PerDispatch(&qs, &resolve))?;
+        gpu.check()?;
         let raw = gpu.read_bytes(&resolve, 0, 16 * n as u64)?;
         let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&raw);
         let period = gpu.queue.get_timestamp_period() as f64;
@@ -372,13 +465,7 @@ impl<'g> Pass<'g> {
     /// Encode and submit as one command buffer. Does not wait.
     pub fn submit(self) -> Result<wgpu::SubmissionIndex> {
         let gpu = self.gpu;
-        let mut enc = gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("lathe"),
-            });
-        self.encode(&mut enc)?;
-        let idx = gpu.queue.submit([enc.finish()]);
+        let idx = self.encode_submit(Timing::None)?;
         gpu.check()?;
         Ok(idx)
     }
@@ -390,16 +477,47 @@ impl Pass<'_> {
     /// time of one submission, measured without waiting for it (the MoE offload's timeline).
     pub fn submit_stamped(self, qs: &wgpu::QuerySet, first: u32) -> Result<wgpu::SubmissionIndex> {
         let gpu = self.gpu;
-        let mut enc = gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("lathe.stamped"),
-            });
-        enc.write_timestamp(qs, first);
-        self.encode(&mut enc)?;
-        enc.write_timestamp(qs, first + 1);
-        let idx = gpu.queue.submit([enc.finish()]);
+        let idx = self.encode_submit(Timing::Around(qs, first))?;
         gpu.check()?;
         Ok(idx)
     }
+}
+
+/// GPU timestamps a submission takes.
+#[derive(Clone, Copy)]
+enum Timing<'a> {
+    None,
+    /// A pair per dispatch (each in its own compute pass), resolved into the buffer.
+    PerDispatch(&'a wgpu::QuerySet, &'a wgpu::Buffer),
+    /// Queries `first` and `first + 1` before and after the recorded work.
+    Around(&'a wgpu::QuerySet, u32),
+}
+
+/// The bind group of `key`: binding 0 the arena range, then the storage ranges.
+fn make_group(gpu: &Gpu, arena: &wgpu::Buffer, key: &GroupKey, label: &str) -> wgpu::BindGroup {
+    let layout = key.pipeline.0.get_bind_group_layout(0);
+    let mut entries = Vec::with_capacity(key.bindings.len() + 1);
+    entries.push(wgpu::BindGroupEntry {
+        binding: 0,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: arena,
+            offset: key.uniform.0,
+            size: std::num::NonZeroU64::new(key.uniform.1),
+        }),
+    });
+    for (slot, b) in key.bindings.iter() {
+        entries.push(wgpu::BindGroupEntry {
+            binding: *slot,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &b.buffer,
+                offset: b.offset,
+                size: b.size.and_then(std::num::NonZeroU64::new),
+            }),
+        });
+    }
+    gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some(label),
+        layout: &layout,
+        entries: &entries,
+    })
 }

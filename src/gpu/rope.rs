@@ -120,6 +120,112 @@ pub enum Positions<'a> {
     Buffer { buf: &'a wgpu::Buffer, off: u32 },
 }
 
+/// Uniforms of `rope.wgsl`'s `qk_norm_rope` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct QParams {
+    n_head: u32,
+    n_head_kv: u32,
+    head_dim: u32,
+    n_freq: u32,
+    /// In elements.
+    q_off: u32,
+    q_stride: u32,
+    k_off: u32,
+    v_off: u32,
+    pos_off: u32,
+    row_off: u32,
+    eps: f32,
+    _pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<QParams>() == 48);
+
+/// One token's q, k and v (f32 heads in `buf`, offsets in elements) and where they go: the
+/// input of [`qk_norm_rope`].
+pub struct QkvDecode<'a> {
+    pub buf: &'a wgpu::Buffer,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    /// q head h at `q_off + h · q_stride` (normed and rotated in place).
+    pub q_off: u32,
+    pub q_stride: u32,
+    /// k and v heads packed from `k_off` / `v_off`.
+    pub k_off: u32,
+    pub v_off: u32,
+    /// `[head_dim]` f32 weights of the per-head RMSNorms.
+    pub q_norm: &'a wgpu::Buffer,
+    pub k_norm: &'a wgpu::Buffer,
+    pub eps: f32,
+    /// The token's position at `positions[pos_off]`, its cache row at `rows[row_off]`.
+    pub positions: &'a wgpu::Buffer,
+    pub pos_off: u32,
+    pub rows: &'a wgpu::Buffer,
+    pub row_off: u32,
+    /// Cache rows of `n_head_kv · head_dim` values, f16 (`f16`) or f32.
+    pub k_cache: &'a wgpu::Buffer,
+    pub v_cache: &'a wgpu::Buffer,
+    pub f16: bool,
+}
+
+/// Qwen3.5 attention's decode prologue for one token in one dispatch: per-head RMSNorm of q and
+/// k, NEOX RoPE of their leading `2·table.n_freq` dims, k and v written to their cache rows:
+/// the bits of `norm::rms_norm` (per head), [`rope`] and `attention::write_kv`.
+pub fn qk_norm_rope(pass: &mut Pass<'_>, a: &QkvDecode<'_>, table: &RopeTable) -> Result<()> {
+    let hd = a.head_dim;
+    if hd == 0 || hd > WG || !hd.is_multiple_of(2) || 2 * table.n_freq > hd {
+        return Err(Error::Invalid(format!(
+            "qk_norm_rope: head_dim {hd} (even, at most {WG}) with {} rotated pairs",
+            table.n_freq
+        )));
+    }
+    let op = "qk_norm_rope";
+    super::check_span(op, "q", a.buf, a.q_off, a.q_stride, a.n_head, hd)?;
+    super::check_span(op, "k", a.buf, a.k_off, 0u32, 1u32, a.n_head_kv * hd)?;
+    super::check_span(op, "v", a.buf, a.v_off, 0u32, 1u32, a.n_head_kv * hd)?;
+    super::check_span(op, "q norm", a.q_norm, 0u32, 0u32, 1u32, hd)?;
+    super::check_span(op, "k norm", a.k_norm, 0u32, 0u32, 1u32, hd)?;
+    super::check_span(op, "positions", a.positions, a.pos_off, 0u32, 1u32, 1u32)?;
+    super::check_span(op, "rows", a.rows, a.row_off, 0u32, 1u32, 1u32)?;
+    let label = format!("qk_norm_rope_{}", if a.f16 { "f16" } else { "f32" });
+    let pl = pass.gpu().pipeline(
+        &PipelineSpec::new(label, SRC, "qk_norm_rope")
+            .define("QKNR", true)
+            .define("KV_F16", a.f16),
+    )?;
+    let params = QParams {
+        n_head: a.n_head,
+        n_head_kv: a.n_head_kv,
+        head_dim: hd,
+        n_freq: table.n_freq,
+        q_off: a.q_off,
+        q_stride: a.q_stride,
+        k_off: a.k_off,
+        v_off: a.v_off,
+        pos_off: a.pos_off,
+        row_off: a.row_off,
+        eps: a.eps,
+        _pad: 0,
+    };
+    pass.dispatch(
+        &pl,
+        op,
+        &params,
+        &[
+            Binding::from(a.buf),
+            Binding::from(&table.buffer),
+            Binding::from(a.positions),
+            Binding::from(a.q_norm),
+            Binding::from(a.k_norm),
+            Binding::from(a.rows),
+            Binding::from(a.k_cache),
+            Binding::from(a.v_cache),
+        ],
+        grid(a.n_head + 2 * a.n_head_kv),
+    );
+    Ok(())
+}
+
 /// Rotate the `2·table.n_freq` dims starting at `rot_off` of every head of `x` in place.
 pub fn rope(
     pass: &mut Pass<'_>,

@@ -147,7 +147,6 @@ impl GpuModel {
     ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
         let gpu = self.gpu.clone();
         let n = toks.len() as u32;
-        let e = self.hp.n_embd as u32;
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
         let mut pass = gpu.pass();
         if self.profile.is_some() {
@@ -197,29 +196,15 @@ impl GpuModel {
         )?;
         // The trunk's layers; an MTP block's layer follows them (`spec.rs`).
         for (l, lw) in self.w.layers.iter().enumerate().take(hp.n_layer) {
-            norm::rms_norm(
-                &mut pass,
-                n,
-                e,
-                View::new(&sc.x, 0),
-                Some(View::new(&sc.h, 0)),
-                Some(&lw.attn_norm),
-                hp.eps,
-            )?;
+            let pre = self.normed(&mut pass, n, &lw.attn_norm, false)?;
             match &lw.mixer {
-                Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n)?,
-                Mixer::Attn(a) => self.attn_block(&mut pass, parts, l, a, n)?,
+                Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n, pre)?,
+                Mixer::Attn(a) => self.attn_block(&mut pass, parts, l, a, n, pre)?,
             }
-            norm::rms_norm(
-                &mut pass,
-                n,
-                e,
-                View::new(&sc.x, 0),
-                Some(View::new(&sc.h, 0)),
-                Some(&lw.post_norm),
-                hp.eps,
-            )?;
-            self.ffn_block(&mut pass, l, &lw.ffn, n)?;
+            // MoE layers read `h` beyond their product set (the experts' input).
+            let keep = !matches!(lw.ffn, Ffn::Dense { .. });
+            let pre = self.normed(&mut pass, n, &lw.post_norm, keep)?;
+            self.ffn_block(&mut pass, l, &lw.ffn, n, pre)?;
             if self.trace_layer == Some(l) {
                 pass.submit()?;
                 let x = gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd)?;
@@ -344,6 +329,51 @@ impl GpuModel {
         Ok((logits, tops))
     }
 
+    /// RMSNorm of the residual stream with weight `w`, as the input of the next product set:
+    /// fused into the products' activation load (returned) where they run as matvec, else
+    /// written to `h` (`None`: the set reads `h`). `keep`: the fused products write `h` too.
+    pub(super) fn normed<'w>(
+        &'w self,
+        pass: &mut Pass<'_>,
+        n: u32,
+        w: &'w GpuTensor,
+        keep: bool,
+    ) -> Result<Option<Prologue<'w>>> {
+        let sc = &self.scratch;
+        if matvec::prologue_fits(n) && w.dtype == DType::F32 && w.parts.len() == 1 {
+            return Ok(Some(Prologue::RmsNorm {
+                w: &w.parts[0].buffer,
+                eps: self.hp.eps,
+                keep: keep.then_some(&sc.h),
+            }));
+        }
+        norm::rms_norm(
+            pass,
+            n,
+            self.hp.n_embd as u32,
+            View::new(&sc.x, 0),
+            Some(View::new(&sc.h, 0)),
+            Some(w),
+            self.hp.eps,
+        )?;
+        Ok(None)
+    }
+
+    /// `set` over the layer's input: `h`, or the residual stream through `pre`.
+    pub(super) fn run_set(
+        &self,
+        pass: &mut Pass<'_>,
+        set: &ProjSet,
+        n: u32,
+        pre: Option<Prologue<'_>>,
+    ) -> Result<()> {
+        let sc = &self.scratch;
+        match pre {
+            Some(p) => set.run_pro(pass, &sc.x, &sc.proj, n, &p),
+            None => set.run(pass, &sc.h, &sc.proj, n),
+        }
+    }
+
     /// The layer's product set (the GPU sink makes one for every set).
     pub(super) fn set<'s>(&self, s: &'s Option<ProjSet>) -> &'s ProjSet {
         s.as_ref().expect("the GPU loader makes every product set")
@@ -353,11 +383,20 @@ impl GpuModel {
     /// MoE layer `l`'s router logits with the shared expert's gate, up and gate input (one
     /// product per stored type into columns of `proj`, in f32: see `MatvecOpts::exact`), then
     /// the softmax top-k into `moe_ids` / `moe_w`. Returns the layer's product set.
-    pub(super) fn moe_router(&self, pass: &mut Pass<'_>, l: usize, n: u32) -> Result<&ProjSet> {
+    pub(super) fn moe_router(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        n: u32,
+        pre: Option<Prologue<'_>>,
+    ) -> Result<&ProjSet> {
         let sc = &self.scratch;
         let mp = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
         let set = self.set(&self.w.layers[l].ffn_set);
-        set.run_opts(pass, &sc.h, &sc.proj, n, true)?;
+        match pre {
+            Some(p) => set.run_pro(pass, &sc.x, &sc.proj, n, &p)?,
+            None => set.run_opts(pass, &sc.h, &sc.proj, n, true)?,
+        }
         topk::router_softmax_topk(
             pass,
             n,
@@ -417,6 +456,7 @@ impl GpuModel {
         l: usize,
         g: &weights::Gdn<GpuTensor>,
         n: u32,
+        pre: Option<Prologue<'_>>,
     ) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
@@ -425,7 +465,6 @@ impl GpuModel {
         let vd = hp.v_dim() as u32;
         // qkv, z, beta, alpha: one product per stored type, into columns of `proj`.
         let set = self.set(&self.w.layers[l].mixer_set);
-        set.run(pass, &sc.h, &sc.proj, n)?;
         let (off_qkv, off_b, off_a, width) = (set.off[0], set.off[2], set.off[3], set.width);
         let conv_state = self.pools.conv[l]
             .as_ref()
@@ -433,23 +472,52 @@ impl GpuModel {
         let ssm_state = self.pools.ssm[l]
             .as_ref()
             .expect("GDN layer has recurrent state");
-        conv::conv1d_silu(
-            pass,
-            cd,
-            hp.conv_kernel as u32,
-            &sc.batch,
-            &ConvIo {
-                x: &sc.proj,
-                x_off: off_qkv,
-                x_stride: width,
-                w: &g.conv.parts[0].buffer,
-                state: conv_state,
-                state_off: 0,
-                y: &sc.qkv,
-                y_off: 0,
-                y_stride: cd,
-            },
-        )?;
+        // Decode: the conv step in the qkv product's store; its output stays in `proj`.
+        let fused_conv = match pre {
+            Some(p @ Prologue::RmsNorm { keep: None, .. })
+                if g.conv.dtype == DType::F32
+                    && hp.conv_kernel >= 2
+                    && set.first_group_holds(cd)
+                    && matvec::conv_step_fits(&self.gpu, &sc.batch, n, 1) =>
+            {
+                let step = matvec::ConvStep {
+                    channels: cd,
+                    k: hp.conv_kernel as u32,
+                    w: &g.conv.parts[0].buffer,
+                    state: conv_state,
+                    state_off: 0,
+                    batch: &sc.batch,
+                };
+                set.run_conv(pass, &sc.x, &sc.proj, n, &p, &step)?;
+                true
+            }
+            _ => {
+                self.run_set(pass, set, n, pre)?;
+                conv::conv1d_silu(
+                    pass,
+                    cd,
+                    hp.conv_kernel as u32,
+                    &sc.batch,
+                    &ConvIo {
+                        x: &sc.proj,
+                        x_off: off_qkv,
+                        x_stride: width,
+                        w: &g.conv.parts[0].buffer,
+                        state: conv_state,
+                        state_off: 0,
+                        y: &sc.qkv,
+                        y_off: 0,
+                        y_stride: cd,
+                    },
+                )?;
+                false
+            }
+        };
+        let (qkv_buf, qkv_off, qkv_stride) = if fused_conv {
+            (&sc.proj, off_qkv, width)
+        } else {
+            (&sc.qkv, 0, cd)
+        };
         let shape = GdnShape {
             n_head_k: hp.n_k_heads,
             n_head_v: hp.n_v_heads,
@@ -461,9 +529,9 @@ impl GpuModel {
             },
         };
         let io = GdnIo {
-            qkv: &sc.qkv,
-            qkv_off: 0,
-            qkv_stride: cd,
+            qkv: qkv_buf,
+            qkv_off,
+            qkv_stride,
             a: &sc.proj,
             a_off: off_a,
             a_stride: width,
@@ -479,6 +547,18 @@ impl GpuModel {
             o_stride: vd,
         };
         if parts.iter().all(|p| p.n == 1) || self.spec.exact {
+            if gdn::normed_fits(&self.gpu, &sc.batch) && g.norm.dtype == DType::F32 {
+                // The step and the gated norm in one dispatch, z read from `proj`.
+                let gn = gdn::GatedNorm {
+                    z: &sc.proj,
+                    z_off: set.off[1],
+                    z_stride: width,
+                    w: &g.norm.parts[0].buffer,
+                    eps: hp.eps,
+                };
+                gdn::recurrent_normed(pass, &shape, &sc.batch, &io, &gn)?;
+                return self.linear(pass, &g.out, &sc.o, &sc.x, n, true);
+            }
             gdn::recurrent(pass, &shape, &sc.batch, &io)?;
         } else {
             gdn::chunked(pass, &shape, &sc.batch, &io, &sc.gdn_scratch)?;
@@ -506,6 +586,7 @@ impl GpuModel {
         l: usize,
         a: &weights::Attn<GpuTensor>,
         n: u32,
+        pre: Option<Prologue<'_>>,
     ) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
@@ -513,8 +594,59 @@ impl GpuModel {
         // q (with its gates), k, v: one product per stored type, into columns of `proj`;
         // q and k are normed per head in place, so several tokens' are packed first.
         let set = self.set(&self.w.layers[l].mixer_set);
-        set.run(pass, &sc.h, &sc.proj, n)?;
+        self.run_set(pass, set, n, pre)?;
         let (qg, qg_off) = self.packed_rows(pass, self.col(set, 0), 2 * nh * hd, n, &sc.qg)?;
+        let (kc, vc) = self.pools.kv[l]
+            .as_ref()
+            .expect("attention layer has a KV cache");
+        let shape = kv_shape(hp, self.kv_type);
+        let f32_norms = a.q_norm.dtype == DType::F32 && a.k_norm.dtype == DType::F32;
+        if n == 1 && f32_norms && hd <= 256 {
+            // One token: q/k norms, RoPE and the cache writes in one dispatch.
+            rope::qk_norm_rope(
+                pass,
+                &rope::QkvDecode {
+                    buf: &sc.proj,
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: hd,
+                    q_off: qg_off,
+                    q_stride: 2 * hd,
+                    k_off: set.off[1],
+                    v_off: set.off[2],
+                    q_norm: &a.q_norm.parts[0].buffer,
+                    k_norm: &a.k_norm.parts[0].buffer,
+                    eps: hp.eps,
+                    positions: &sc.pos,
+                    pos_off: 0,
+                    rows: &sc.kv_rows,
+                    row_off: 0,
+                    k_cache: kc,
+                    v_cache: vc,
+                    f16: shape.dtype == attention::KvType::F16,
+                },
+                &self.rope,
+            )?;
+        } else {
+            self.qk_prep(pass, set, a, n, (qg, qg_off), (kc, vc))?;
+        }
+        self.attend(pass, parts, a, n, (qg, qg_off), (kc, vc))
+    }
+
+    /// Per-head q/k RMSNorm, RoPE, and k and v into the KV cache (several tokens, or norms
+    /// not stored as f32).
+    fn qk_prep(
+        &self,
+        pass: &mut Pass<'_>,
+        set: &ProjSet,
+        a: &weights::Attn<GpuTensor>,
+        n: u32,
+        (qg, qg_off): (&wgpu::Buffer, u32),
+        (kc, vc): (&wgpu::Buffer, &wgpu::Buffer),
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
         let (kb, k_off) = self.packed_rows(pass, self.col(set, 1), nkv * hd, n, &sc.k)?;
         // Per-head q/k RMSNorm; q heads sit every 2·head_dim (interleaved with their gates).
         norm::rms_norm(
@@ -558,9 +690,6 @@ impl GpuModel {
             positions,
             false,
         )?;
-        let (kc, vc) = self.pools.kv[l]
-            .as_ref()
-            .expect("attention layer has a KV cache");
         let shape = kv_shape(hp, self.kv_type);
         let dst = attention::DstRows::List {
             rows: &sc.kv_rows,
@@ -568,7 +697,24 @@ impl GpuModel {
         };
         attention::write_kv(pass, shape, kb, k_off, nkv * hd, n, kc, dst)?;
         // v straight from `proj` (write_kv takes a row stride).
-        attention::write_kv(pass, shape, &sc.proj, set.off[2], set.width, n, vc, dst)?;
+        attention::write_kv(pass, shape, &sc.proj, set.off[2], set.width, n, vc, dst)
+    }
+
+    /// Attention over the cache for every part, the output gate and the o product (added to
+    /// the residual stream).
+    fn attend(
+        &self,
+        pass: &mut Pass<'_>,
+        parts: &[Part],
+        a: &weights::Attn<GpuTensor>,
+        n: u32,
+        (qg, qg_off): (&wgpu::Buffer, u32),
+        (kc, vc): (&wgpu::Buffer, &wgpu::Buffer),
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
+        let shape = kv_shape(hp, self.kv_type);
         let cap = self.pools.cap as u32;
         let q_stride = nh * 2 * hd;
         let o_stride = nh * hd;
@@ -663,7 +809,21 @@ impl GpuModel {
                 true,
             )?;
         }
-        // Output gate: attn ⊙ sigmoid(gate), the gate being the second half of each head's q row.
+        // Output gate: attn ⊙ sigmoid(gate), the gate being the second half of each head's q
+        // row; one token's in the o product's activation load.
+        if n == 1 {
+            let opts = MatvecOpts {
+                accumulate: true,
+                ..Default::default()
+            };
+            let gate = Prologue::SigmoidGate {
+                gate: qg,
+                off: qg_off + hd,
+                head_dim: hd,
+                head_stride: 2 * hd,
+            };
+            return matvec::matvec_pro(pass, &a.o, &sc.att, 0, &sc.x, 0, 1, &opts, &gate);
+        }
         ew::sigmoid_mul(
             pass,
             n * nh,
@@ -684,12 +844,13 @@ impl GpuModel {
         l: usize,
         m: &weights::Moe<GpuTensor>,
         n: u32,
+        pre: Option<Prologue<'_>>,
     ) -> Result<()> {
         let off = self.offload.as_ref().expect("offload layer");
         let hp = &self.hp;
         let sc = &self.scratch;
         let e = hp.n_embd as u32;
-        let set = self.moe_router(pass, l, n)?;
+        let set = self.moe_router(pass, l, n, pre)?;
         let k = hp.moe.as_ref().expect("MoE layer in a MoE model").n_used as u32;
         let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
         let bufs = FfnBufs {
@@ -737,6 +898,7 @@ impl GpuModel {
         l: usize,
         f: &Ffn<GpuTensor>,
         n: u32,
+        pre: Option<Prologue<'_>>,
     ) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
@@ -746,7 +908,18 @@ impl GpuModel {
                 let ff = gate.shape[0] as u32;
                 // gate and up: one product when they share a stored type, into `proj`.
                 let set = self.set(&self.w.layers[l].ffn_set);
-                set.run(pass, &sc.h, &sc.proj, n)?;
+                self.run_set(pass, set, n, pre)?;
+                // SwiGLU in the down product's activation load where it runs as matvec.
+                let (g0, u0) = (set.off[0], set.off[1]);
+                if matvec::prologue_fits(n) && u0 > g0 {
+                    let opts = MatvecOpts {
+                        accumulate: true,
+                        x_stride: set.width,
+                        ..Default::default()
+                    };
+                    let glu = Prologue::SwiGlu { up: u0 - g0 };
+                    return matvec::matvec_pro(pass, down, &sc.proj, g0, &sc.x, 0, n, &opts, &glu);
+                }
                 ew::swiglu(
                     pass,
                     n,
@@ -759,10 +932,10 @@ impl GpuModel {
                 self.linear(pass, down, &sc.o, &sc.x, n, true)
             }
             Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
-                self.moe_offload_block(pass, l, m, n)
+                self.moe_offload_block(pass, l, m, n, pre)
             }
             Ffn::Moe(m) => {
-                let set = self.moe_router(pass, l, n)?;
+                let set = self.moe_router(pass, l, n, pre)?;
                 let k = hp.moe.as_ref().expect("MoE layer in a MoE model").n_used as u32;
                 let r = sc.route.as_ref().expect("route made for MoE models");
                 let stacks = ExpertStacks {
@@ -793,6 +966,23 @@ impl GpuModel {
                     View::new(&sc.moe_w, 0),
                     View::new(&sc.moe_out, 0),
                 )?;
+                let (g0, u0) = (set.off[1], set.off[2]);
+                if m.shared.is_some() && matvec::prologue_fits(n) && u0 > g0 {
+                    // The shared expert's SwiGLU, down product, sigmoid gate and residual add
+                    // in one dispatch.
+                    let (_, _, d, _) = m.shared.as_ref().expect("checked above");
+                    let opts = MatvecOpts {
+                        x_stride: set.width,
+                        ..Default::default()
+                    };
+                    let glu = Prologue::SwiGluGated {
+                        up: u0 - g0,
+                        gate: &sc.proj,
+                        off: set.off[3],
+                        stride: set.width,
+                    };
+                    return matvec::matvec_pro(pass, d, &sc.proj, g0, &sc.x, 0, n, &opts, &glu);
+                }
                 if let Some((g, _, d, _)) = &m.shared {
                     let fs = g.shape[0] as u32;
                     ew::swiglu(

@@ -16,6 +16,57 @@ impl ProjSet {
         self.run_opts(pass, x, y, n, false)
     }
 
+    /// [`ProjSet::run`] reading `x` through `pro` (see [`matvec::matvec_pro`]); only for the
+    /// token counts [`matvec::prologue_fits`] takes.
+    pub(super) fn run_pro(
+        &self,
+        pass: &mut Pass<'_>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+        pro: &Prologue<'_>,
+    ) -> Result<()> {
+        let opts = MatvecOpts {
+            y_stride: self.width,
+            ..Default::default()
+        };
+        for (w, col) in &self.groups {
+            matvec::matvec_pro(pass, w, x, 0, y, *col, n, &opts, pro)?;
+        }
+        Ok(())
+    }
+
+    /// [`ProjSet::run_pro`] with the GDN conv step fused into the group that starts at column
+    /// 0 (its first `conv.channels` rows: the qkv member).
+    pub(super) fn run_conv(
+        &self,
+        pass: &mut Pass<'_>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+        pro: &Prologue<'_>,
+        conv: &matvec::ConvStep<'_>,
+    ) -> Result<()> {
+        let opts = MatvecOpts {
+            y_stride: self.width,
+            ..Default::default()
+        };
+        for (w, col) in &self.groups {
+            let c = (*col == 0).then_some(conv);
+            matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, pro, c)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the group at column 0 holds the first member and `channels` rows, in one part.
+    pub(super) fn first_group_holds(&self, channels: u32) -> bool {
+        self.off.first() == Some(&0)
+            && self
+                .groups
+                .iter()
+                .any(|(w, col)| *col == 0 && w.parts.len() == 1 && w.n_rows() >= channels as u64)
+    }
+
     /// [`ProjSet::run`]; `exact`: f32 products (a set holding the MoE router, whose top-k
     /// f16 rounding would flip; see [`MatvecOpts::exact`]).
     pub(super) fn run_opts(

@@ -25,7 +25,7 @@ use crate::gpu::conv::{self, ConvIo};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::gdn::{self, GdnIo, GdnShape, KeyHeadMap, SeqBatch, SeqSpan};
 use crate::gpu::matmul::{self, MoeRoute};
-use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::matvec::{self, MatvecOpts, Prologue};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};

@@ -512,7 +512,7 @@ impl GpuModel {
         let Mixer::Attn(a) = &lw.mixer else {
             unreachable!("the MTP layer is full attention")
         };
-        self.attn_block(pass, &parts, l, a, n)?;
+        self.attn_block(pass, &parts, l, a, n, None)?;
         norm::rms_norm(
             pass,
             n,
@@ -522,7 +522,7 @@ impl GpuModel {
             Some(&lw.post_norm),
             hp.eps,
         )?;
-        self.ffn_block(pass, l, &lw.ffn, n)?;
+        self.ffn_block(pass, l, &lw.ffn, n, None)?;
         norm::rms_norm(
             pass,
             n,
