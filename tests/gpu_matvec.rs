@@ -1367,3 +1367,120 @@ fn matvec_prologues() {
         check(&got, &want, &format!("gated matvec {dt} {rows}x{cols}"));
     }
 }
+
+/// The GDN conv step fused into the qkv product's store (`matvec::ConvStep`): the outputs of
+/// the conv channels and the rolled conv states are the bits of the normed product followed
+/// by `conv::conv1d_silu` at decode; the rows past the channels are the plain product. Three
+/// sequences of one token each, in slots 2, 0, 1; Q4_K and F32 weights.
+#[test]
+fn matvec_conv_step_matches_unfused() {
+    use lathe::gpu::conv::{conv1d_silu, ConvIo};
+    use lathe::gpu::gdn::{SeqBatch, SeqSpan};
+    use matvec::Prologue;
+    let g = gpu();
+    let (channels, extra_rows, cols, k) = (40u32, 9u32, 256u64, 4u32);
+    let rows = (channels + extra_rows) as usize;
+    for (i, dt) in [DType::Q4_K, DType::F32].into_iter().enumerate() {
+        let w = Weight::random(dt, &[rows as u64, cols], 70 + i as u64);
+        let mut rng = Rng::new(71 + i as u64);
+        let n = 3usize;
+        let c = cols as usize;
+        let x = rng.normals(n * c, 1.0);
+        let nw = rng.normals(c, 1.0);
+        let cw = rng.normals((channels * k) as usize, 0.5);
+        let st0 = rng.normals(3 * ((k - 1) * channels) as usize, 1.0);
+        let spans: Vec<SeqSpan> = [2u32, 0, 1]
+            .iter()
+            .enumerate()
+            .map(|(t, &slot)| SeqSpan {
+                row: t as u32,
+                n_tokens: 1,
+                slot,
+            })
+            .collect();
+        let _l = serial();
+        let batch = SeqBatch::new(g, &spans).unwrap();
+        let wt = w.upload(g);
+        let xb = g.upload_f32(&x, "x").unwrap();
+        let nwb = g.upload_f32(&nw, "nw").unwrap();
+        let cwb = g.upload_f32(&cw, "cw").unwrap();
+        let pro = Prologue::RmsNorm {
+            w: &nwb,
+            eps: 1e-6,
+            keep: None,
+        };
+        let opts = MatvecOpts::default();
+        // fused
+        let st_f = g.upload_f32(&st0, "state").unwrap();
+        let y_f = g.upload_f32(&vec![0.0; n * rows], "y").unwrap();
+        let step = matvec::ConvStep {
+            channels,
+            k,
+            w: &cwb,
+            state: &st_f,
+            state_off: 0,
+            batch: &batch,
+        };
+        let mut pass = g.pass();
+        matvec::matvec_fused(
+            &mut pass,
+            &wt,
+            &xb,
+            0,
+            &y_f,
+            0,
+            n as u32,
+            &opts,
+            &pro,
+            Some(&step),
+        )
+        .unwrap();
+        submit(pass);
+        // unfused: the normed product, then the conv kernel into its own rows
+        let st_u = g.upload_f32(&st0, "state").unwrap();
+        let y_u = g.upload_f32(&vec![0.0; n * rows], "y").unwrap();
+        let conv_y = g
+            .upload_f32(&vec![0.0; n * channels as usize], "conv")
+            .unwrap();
+        let mut pass = g.pass();
+        matvec::matvec_pro(&mut pass, &wt, &xb, 0, &y_u, 0, n as u32, &opts, &pro).unwrap();
+        let io = ConvIo {
+            x: &y_u,
+            x_off: 0,
+            x_stride: rows as u32,
+            w: &cwb,
+            state: &st_u,
+            state_off: 0,
+            y: &conv_y,
+            y_off: 0,
+            y_stride: channels,
+        };
+        conv1d_silu(&mut pass, channels, k, &batch, &io).unwrap();
+        submit(pass);
+        let (yf, yu) = (
+            g.read_f32(&y_f, 0, n * rows).unwrap(),
+            g.read_f32(&y_u, 0, n * rows).unwrap(),
+        );
+        let cy = g.read_f32(&conv_y, 0, n * channels as usize).unwrap();
+        for t in 0..n {
+            for r in 0..rows {
+                let want = if r < channels as usize {
+                    cy[t * channels as usize + r]
+                } else {
+                    yu[t * rows + r]
+                };
+                assert_eq!(
+                    yf[t * rows + r].to_bits(),
+                    want.to_bits(),
+                    "{dt} token {t} row {r}"
+                );
+            }
+        }
+        let (sf, su) = (
+            g.read_f32(&st_f, 0, st0.len()).unwrap(),
+            g.read_f32(&st_u, 0, st0.len()).unwrap(),
+        );
+        assert_eq!(sf, su, "{dt}: conv states differ");
+        assert_ne!(sf, st0, "{dt}: conv states not rolled");
+    }
+}
