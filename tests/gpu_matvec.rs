@@ -1324,8 +1324,8 @@ fn matvec_prologues() {
         }
         // Sigmoid gate (one token): heads of 32 (else 7), gate heads every 2·head_dim from
         // offset 3.
-        let hd: u32 = if cols % 32 == 0 { 32 } else { 7 };
-        if cols % hd as u64 != 0 {
+        let hd: u32 = if cols.is_multiple_of(32) { 32 } else { 7 };
+        if !cols.is_multiple_of(hd as u64) {
             continue;
         }
         let heads = c / hd as usize;

@@ -967,10 +967,10 @@ impl GpuModel {
                     View::new(&sc.moe_out, 0),
                 )?;
                 let (g0, u0) = (set.off[1], set.off[2]);
-                if m.shared.is_some() && matvec::prologue_fits(n) && u0 > g0 {
+                if let (Some((_, _, d, _)), true) = (&m.shared, matvec::prologue_fits(n) && u0 > g0)
+                {
                     // The shared expert's SwiGLU, down product, sigmoid gate and residual add
                     // in one dispatch.
-                    let (_, _, d, _) = m.shared.as_ref().expect("checked above");
                     let opts = MatvecOpts {
                         x_stride: set.width,
                         ..Default::default()
