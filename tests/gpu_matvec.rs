@@ -1484,3 +1484,56 @@ fn matvec_conv_step_matches_unfused() {
         assert_ne!(sf, st0, "{dt}: conv states not rolled");
     }
 }
+
+/// A token's row of a several-token matvec has the bits of that token's product alone (every
+/// stored type; plain and with the fused RMSNorm): what batched decode and a speculative
+/// verify step rely on to reproduce a lone decode step exactly.
+#[test]
+fn batched_rows_equal_lone_tokens() {
+    use matvec::Prologue;
+    let g = gpu();
+    for (i, dt) in ALL.into_iter().enumerate() {
+        let cols = *odd_cols(dt).last().unwrap();
+        let (c, rows, n) = (cols as usize, 29usize, 5usize);
+        let w = Weight::random(dt, &[rows as u64, cols], 300 + i as u64);
+        let x = Rng::new(301 + i as u64).normals(n * c, 1.0);
+        let nw = Rng::new(302).normals(c, 1.0);
+        let _l = serial();
+        let wt = w.upload(g);
+        let xb = g.upload_f32(&x, "x").unwrap();
+        let nwb = g.upload_f32(&nw, "nw").unwrap();
+        let norm = Prologue::RmsNorm {
+            w: &nwb,
+            eps: 1e-6,
+            keep: None,
+        };
+        for fused in [false, true] {
+            let run = |x_off: usize, nt: usize| {
+                let yb = g.upload_f32(&vec![0.0; nt * rows], "y").unwrap();
+                let mut pass = g.pass();
+                let opts = MatvecOpts::default();
+                let (xo, n32) = (x_off as u32, nt as u32);
+                if fused {
+                    matvec::matvec_pro(&mut pass, &wt, &xb, xo, &yb, 0, n32, &opts, &norm)
+                } else {
+                    matvec::matvec_opts(&mut pass, &wt, &xb, xo, &yb, 0, n32, &opts)
+                }
+                .unwrap();
+                submit(pass);
+                g.read_f32(&yb, 0, nt * rows).unwrap()
+            };
+            let batched = run(0, n);
+            for t in 0..n {
+                let lone = run(t * c, 1);
+                let same = lone
+                    .iter()
+                    .zip(&batched[t * rows..][..rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{dt} fused {fused}: token {t} of {n} differs from it alone"
+                );
+            }
+        }
+    }
+}
