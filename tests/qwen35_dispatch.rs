@@ -189,3 +189,26 @@ fn nine_b_decode_dispatches_per_layer() {
     eprintln!("decode dispatches: {count:?}, {per_layer} per layer");
     assert!(per_layer <= 6.0, "{per_layer} dispatches per layer");
 }
+
+/// Bind groups are made once per (call site, buffers): a decode step after the first makes
+/// none (it reuses the cached groups over the uniform arena), on every Qwen3.5 fixture family.
+#[test]
+fn decode_steps_reuse_bind_groups() {
+    for name in ["qwen35-tiny", "qwen35moe-tiny", "qwen3next-tiny"] {
+        let (dir, files) = model_files(name);
+        let path = dir.join(files.iter().find(|f| !f.is_empty()).expect("a GGUF file"));
+        let mut e = Engine::load(&path, &LoadOptions::default()).unwrap();
+        let mut s = e.new_seq().unwrap();
+        e.forward(&mut s, &[1, 2, 3], false).unwrap();
+        e.forward(&mut s, &[4], false).unwrap();
+        let made = e.gpu.bind_groups_made();
+        for t in 5..9 {
+            e.forward(&mut s, &[t], false).unwrap();
+        }
+        assert_eq!(
+            e.gpu.bind_groups_made(),
+            made,
+            "{name}: decode steps made new bind groups"
+        );
+    }
+}

@@ -103,7 +103,7 @@ struct RecorderInner {
 
 impl Gpu {
     /// Host nanoseconds spent in passes so far: recording (from a pass's creation or last
-    /// flush to its submission), encoding and submitting; waits for results excluded.
+    /// flush) and encoding, up to the `queue.submit` call; waits for results excluded.
     pub fn host_ns(&self) -> u64 {
         self.recorder.host_ns.load(Ordering::Relaxed)
     }
@@ -391,11 +391,13 @@ impl<'g> Pass<'g> {
         if let Timing::Around(qs, first) = timing {
             enc.write_timestamp(qs, first + 1);
         }
-        let idx = gpu.queue.submit([enc.finish()]);
+        let cb = enc.finish();
+        // Counted up to the submit call: lavapipe runs compute inside `queue.submit` at times
+        // (the CPU is the device), which is GPU time, not host overhead.
         gpu.recorder
             .host_ns
             .fetch_add(self.since.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(idx)
+        Ok(gpu.queue.submit([cb]))
     }
 
     /// Submit with a GPU timestamp pair around every dispatch (each in its own compute
