@@ -171,6 +171,11 @@ pub struct LoadOptions {
     pub expert_stream: ExpertStream,
     /// Spread the cold experts over every layer or keep whole layers cold (`--cold-layers`).
     pub cold_layers: ColdLayers,
+    /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
+    /// loads (`matvec::Prologue`): fewer dispatches (Qwen3.5-9B 5.75 per layer against ~8),
+    /// but every workgroup of a product recomputes its prologue over the whole row, which
+    /// measured slower on the H200 (9B decode 89 against 165 tok/s): off by default.
+    pub fused_loads: bool,
 }
 
 /// How the planner keeps experts off the GPU (`--cold-layers`). Each MoE layer with cold
@@ -250,6 +255,8 @@ impl std::fmt::Debug for LoadOptions {
             .field("expert_cache", &self.expert_cache)
             .field("expert_stream", &self.expert_stream)
             .field("cold_layers", &self.cold_layers)
+            .field("matmul", &self.matmul)
+            .field("fused_loads", &self.fused_loads)
             .finish()
     }
 }
@@ -271,6 +278,7 @@ impl Default for LoadOptions {
             matmul: Default::default(),
             expert_stream: Default::default(),
             cold_layers: Default::default(),
+            fused_loads: false,
         }
     }
 }

@@ -329,6 +329,11 @@ impl GpuModel {
         Ok((logits, tops))
     }
 
+    /// Whether products of `n` tokens take fused activation loads (`LoadOptions::fused_loads`).
+    fn fused(&self, n: u32) -> bool {
+        self.fused_loads && matvec::prologue_fits(n)
+    }
+
     /// RMSNorm of the residual stream with weight `w`, as the input of the next product set:
     /// fused into the products' activation load (returned) where they run as matvec, else
     /// written to `h` (`None`: the set reads `h`). `keep`: the fused products write `h` too.
@@ -340,7 +345,7 @@ impl GpuModel {
         keep: bool,
     ) -> Result<Option<Prologue<'w>>> {
         let sc = &self.scratch;
-        if matvec::prologue_fits(n) && w.dtype == DType::F32 && w.parts.len() == 1 {
+        if self.fused(n) && w.dtype == DType::F32 && w.parts.len() == 1 {
             return Ok(Some(Prologue::RmsNorm {
                 w: &w.parts[0].buffer,
                 eps: self.hp.eps,
@@ -911,7 +916,7 @@ impl GpuModel {
                 self.run_set(pass, set, n, pre)?;
                 // SwiGLU in the down product's activation load where it runs as matvec.
                 let (g0, u0) = (set.off[0], set.off[1]);
-                if matvec::prologue_fits(n) && u0 > g0 {
+                if self.fused(n) && u0 > g0 {
                     let opts = MatvecOpts {
                         accumulate: true,
                         x_stride: set.width,
@@ -967,8 +972,7 @@ impl GpuModel {
                     View::new(&sc.moe_out, 0),
                 )?;
                 let (g0, u0) = (set.off[1], set.off[2]);
-                if let (Some((_, _, d, _)), true) = (&m.shared, matvec::prologue_fits(n) && u0 > g0)
-                {
+                if let (Some((_, _, d, _)), true) = (&m.shared, self.fused(n) && u0 > g0) {
                     // The shared expert's SwiGLU, down product, sigmoid gate and residual add
                     // in one dispatch.
                     let opts = MatvecOpts {

@@ -265,6 +265,7 @@ impl GpuModel {
             profile: None,
             offload,
             spec: SpecState::default(),
+            fused_loads: opts.fused_loads,
         };
         m.attach_mtp()?;
         Ok(m)

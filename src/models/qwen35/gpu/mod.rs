@@ -172,6 +172,8 @@ pub struct GpuModel {
     pub offload: Option<Offload>,
     /// The MTP block, verify mode and rollback state of speculative decoding.
     pub spec: SpecState,
+    /// `LoadOptions::fused_loads`.
+    fused_loads: bool,
 }
 
 impl GpuModel {
