@@ -50,6 +50,10 @@ pub struct BenchOptions {
     pub expert_stream: crate::forward::ExpertStream,
     /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
     pub timeline: bool,
+    /// Several devices and their shares (`LoadOptions` fields of the same names).
+    pub devices: Vec<AdapterChoice>,
+    pub split: Option<Vec<f64>>,
+    pub gpu_mems: Vec<u64>,
 }
 
 impl Default for BenchOptions {
@@ -70,6 +74,9 @@ impl Default for BenchOptions {
             spec: None,
             expert_stream: Default::default(),
             timeline: false,
+            devices: Vec::new(),
+            split: None,
+            gpu_mems: Vec::new(),
         }
     }
 }
@@ -163,6 +170,38 @@ pub struct BenchReport {
     /// One decode step's per-MoE-layer timeline (`BenchOptions::timeline`; empty without an
     /// expert offload).
     pub timeline: Option<Vec<crate::moe::LayerTimes>>,
+    /// A model split over several devices: the boundary crossings of the timed prefills and
+    /// decode steps.
+    pub hops: Option<Hops>,
+}
+
+/// Device boundary crossings of the timed tests of a split model, per prefill and per
+/// decode step.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Hops {
+    pub devices: usize,
+    pub prefill: Option<HopStep>,
+    pub decode: Option<HopStep>,
+}
+
+/// Crossings of one prefill or one decode step, averaged over the repetitions.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct HopStep {
+    pub hops: f64,
+    pub bytes: f64,
+    /// Host time of one crossing (read back on the sender, written on the receiver).
+    pub us_per_hop: f64,
+}
+
+impl HopStep {
+    fn new(r: &crate::models::chain::HopReport, steps: usize) -> HopStep {
+        let steps = steps.max(1) as f64;
+        HopStep {
+            hops: r.hops as f64 / steps,
+            bytes: r.bytes as f64 / steps,
+            us_per_hop: r.us_per_hop(),
+        }
+    }
 }
 
 /// One kernel's share of a decode step.
@@ -226,6 +265,7 @@ impl BenchReport {
                 "verify_ms": c.verify.iter().map(|(k, t)| json!({"k": k, "ms": t * 1e3})).collect::<Vec<_>>(),
             })),
             "timeline": self.timeline,
+            "hops": self.hops.as_ref().and_then(|h| serde_json::to_value(h).ok()),
         })
     }
 
@@ -395,6 +435,9 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         save_expert_stats: opts.save_expert_stats.clone(),
         matmul: opts.matmul,
         expert_stream: opts.expert_stream,
+        devices: opts.devices.clone(),
+        split: opts.split.clone(),
+        gpu_mems: opts.gpu_mems.clone(),
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -424,14 +467,27 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         Ok(())
     };
     e.gpu.take_matmul();
+    let mut hops = e.hops().map(|h| Hops {
+        devices: h.devices,
+        prefill: None,
+        decode: None,
+    });
     let prefill = if opts.n_prompt > 0 {
         let mut secs = Vec::with_capacity(opts.reps);
+        let mut crossed = crate::models::chain::HopReport::default();
         for _ in 0..opts.reps {
             fill(&mut e, &mut seq, &mut ids)?;
             let t = ids.take(opts.n_prompt, vocab);
+            let before = e.hops();
             let s = Instant::now();
             e.forward(&mut seq, &t, false)?;
             secs.push(s.elapsed().as_secs_f64());
+            if let (Some(a), Some(b)) = (e.hops(), before) {
+                crossed = crossed.plus(&a.since(&b));
+            }
+        }
+        if let Some(h) = &mut hops {
+            h.prefill = Some(HopStep::new(&crossed, opts.reps));
         }
         Some(Stat::new(opts.n_prompt, &secs))
     } else {
@@ -462,10 +518,12 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         Some(Stat::new(opts.n_gen, &secs))
     } else if opts.n_gen > 0 {
         let mut secs = Vec::with_capacity(opts.reps);
+        let mut crossed = crate::models::chain::HopReport::default();
         for _ in 0..opts.reps {
             fill(&mut e, &mut seq, &mut ids)?;
             let t = ids.take(opts.n_gen, vocab);
             let h0 = e.gpu.host_ns();
+            let before = e.hops();
             let s = Instant::now();
             for &tok in &t {
                 // Each step as greedy generation runs it: the argmax found on the GPU,
@@ -474,6 +532,12 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             }
             secs.push(s.elapsed().as_secs_f64());
             host_ns += e.gpu.host_ns() - h0;
+            if let (Some(a), Some(b)) = (e.hops(), before) {
+                crossed = crossed.plus(&a.since(&b));
+            }
+        }
+        if let Some(h) = &mut hops {
+            h.decode = Some(HopStep::new(&crossed, opts.reps * opts.n_gen));
         }
         Some(Stat::new(opts.n_gen, &secs))
     } else {
@@ -545,6 +609,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         matmul,
         spec,
         timeline,
+        hops,
     })
 }
 

@@ -13,7 +13,10 @@ pub use crate::models::{Forward, Seq};
 
 /// A model ready to run, with its tokenizer when the file carries one.
 pub struct Engine {
+    /// The device (the first of `gpus` for a model split over several).
     pub gpu: Arc<Gpu>,
+    /// Every device the model runs on, in layer order.
+    pub gpus: Vec<Arc<Gpu>>,
     pub model: Box<dyn Forward>,
     pub tokenizer: Option<crate::tokenizer::Tokenizer>,
     /// Bytes of weights a decode step reads (for speed reports).
@@ -59,18 +62,30 @@ impl Engine {
         let decode_bytes = crate::inspect::decode_bytes(&file);
         let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
         let exact = crate::models::routes_on_values(&file);
-        let gpu = Arc::new(Gpu::with_matmul(&opts.adapter, opts.matmul, exact)?);
         let opts = &LoadOptions {
             progress: opts.progress.as_ref().map(monotone),
             ..opts.clone()
         };
-        let model = crate::models::load(gpu.clone(), &file, opts)?;
+        let (gpus, model): (Vec<Arc<Gpu>>, Box<dyn Forward>) = if opts.devices.len() > 1 {
+            let (gpus, chain) = crate::models::chain::Chain::load(&file, opts, exact)?;
+            (gpus, Box::new(chain))
+        } else {
+            let adapter = opts.devices.first().unwrap_or(&opts.adapter);
+            let gpu = Arc::new(Gpu::with_matmul(adapter, opts.matmul, exact)?);
+            let gpu_mem = opts.gpu_mems.first().copied().or(opts.gpu_mem);
+            let o = LoadOptions {
+                gpu_mem,
+                ..opts.clone()
+            };
+            (vec![gpu.clone()], crate::models::load(gpu, &file, &o)?)
+        };
         if let Some(p) = &opts.progress {
             // Everything is on the device (the loaders' total is the file's tensor bytes).
             p(model_bytes, model_bytes);
         }
         Ok(Engine {
-            gpu,
+            gpu: gpus[0].clone(),
+            gpus,
             model,
             tokenizer,
             decode_bytes,
@@ -121,6 +136,17 @@ impl Engine {
             Some(o) => o.finish_stats(),
             None => Ok(None),
         }
+    }
+
+    /// Device boundary crossings since load, for a model split over several devices.
+    pub fn hops(&self) -> Option<crate::models::chain::HopReport> {
+        self.model.hops()
+    }
+
+    /// One line per device for stderr ([`Gpu::report`]).
+    pub fn report(&self) -> String {
+        let lines: Vec<String> = self.gpus.iter().map(|g| g.report()).collect();
+        lines.join("\n")
     }
 
     /// Longest context (positions per sequence) the KV caches can grow to with
@@ -263,7 +289,7 @@ pub fn logits(
     opts: &LoadOptions,
 ) -> Result<(Vec<f32>, usize)> {
     let mut e = Engine::load(path, opts)?;
-    eprintln!("{}", e.gpu.report());
+    eprintln!("{}", e.report());
     let v = e.vocab_size();
     Ok((logits_on(&mut e, tokens, prefill)?, v))
 }

@@ -176,6 +176,85 @@ pub struct LoadOptions {
     /// but every workgroup of a product recomputes its prologue over the whole row, which
     /// measured slower on the H200 (9B decode 89 against 165 tok/s): off by default.
     pub fused_loads: bool,
+    /// Several devices (`--devices`): the model's layers split over them in contiguous
+    /// ranges (`models::chain`); empty or one: the single device of `adapter`.
+    pub devices: Vec<AdapterChoice>,
+    /// Share of the layers per device (`--split`, any positive ratios); `None`: by each
+    /// adapter's memory (`gpu_mems` or detected), equal where it is unknown.
+    pub split: Option<Vec<f64>>,
+    /// Memory per device of `devices` (`--gpu-mem 24GiB,16GiB`); one size applies to each.
+    /// Empty: `gpu_mem` for every device.
+    pub gpu_mems: Vec<u64>,
+    /// The layers this load holds, set by the chain loader for each device's part; `None`:
+    /// the whole model.
+    pub part: Option<PartSpec>,
+    /// With several devices: a batch of several sequences runs as this many micro-batches,
+    /// one after another through the devices, so the first device starts the next while
+    /// the second runs the one before (`--micro-batches`; 1: the batch at once).
+    pub micro_batches: usize,
+}
+
+/// One device's share of a model split over several (`models::chain`): a contiguous range
+/// of layers; the first part also embeds the tokens, the last one holds the output head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartSpec {
+    pub layers: std::ops::Range<usize>,
+    pub first: bool,
+    pub last: bool,
+}
+
+/// Which part of a model a weight belongs to, for [`PartSpec::holds`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightRole {
+    /// A block's weight.
+    Layer(usize),
+    /// The token embedding (also the head of a model that ties them).
+    Embedding { tied: bool },
+    /// Everything after the blocks: output norm, head, extra blocks past `n_layer`.
+    Head,
+}
+
+impl PartSpec {
+    /// The whole model of `n_layer` blocks.
+    pub fn whole(n_layer: usize) -> PartSpec {
+        PartSpec {
+            layers: 0..n_layer,
+            first: true,
+            last: true,
+        }
+    }
+
+    /// Whether this part uploads a weight of `role`.
+    pub fn holds(&self, role: WeightRole) -> bool {
+        match role {
+            WeightRole::Layer(l) => self.layers.contains(&l),
+            WeightRole::Embedding { tied } => self.first || (self.last && tied),
+            WeightRole::Head => self.last,
+        }
+    }
+
+    /// The role of the tensor `name` of a model of `n_layer` blocks whose embedding is
+    /// `embedding`: blocks by the layer number of the naming schemes lathe reads (GGUF
+    /// `blk.N.`, Hugging Face `model.layers.N.` / `model.language_model.layers.N.`,
+    /// DeepSeek `layers.N.`); numbers past the blocks (llama.cpp's next-token-prediction
+    /// blocks) and other prefixes (`mtp.`) belong with the head.
+    pub fn role(name: &str, n_layer: usize, embedding: &str, tied: bool) -> WeightRole {
+        if name == embedding {
+            return WeightRole::Embedding { tied };
+        }
+        let rest = [
+            "blk.",
+            "model.language_model.layers.",
+            "model.layers.",
+            "layers.",
+        ]
+        .iter()
+        .find_map(|p| name.strip_prefix(p));
+        match rest.and_then(|r| r.split('.').next()?.parse::<usize>().ok()) {
+            Some(l) if l < n_layer => WeightRole::Layer(l),
+            _ => WeightRole::Head,
+        }
+    }
 }
 
 /// How the planner keeps experts off the GPU (`--cold-layers`). Each MoE layer with cold
@@ -257,6 +336,11 @@ impl std::fmt::Debug for LoadOptions {
             .field("cold_layers", &self.cold_layers)
             .field("matmul", &self.matmul)
             .field("fused_loads", &self.fused_loads)
+            .field("devices", &self.devices)
+            .field("split", &self.split)
+            .field("gpu_mems", &self.gpu_mems)
+            .field("part", &self.part)
+            .field("micro_batches", &self.micro_batches)
             .finish()
     }
 }
@@ -279,6 +363,11 @@ impl Default for LoadOptions {
             expert_stream: Default::default(),
             cold_layers: Default::default(),
             fused_loads: false,
+            devices: Vec::new(),
+            split: None,
+            gpu_mems: Vec::new(),
+            part: None,
+            micro_batches: 1,
         }
     }
 }

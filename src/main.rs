@@ -255,7 +255,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
             };
             moe.apply(&mut opts);
             let mut e = lathe::engine::Engine::load(&model, &opts)?;
-            eprintln!("{}", e.gpu.report());
+            eprintln!("{}", e.report());
             let vocab = e.vocab_size();
             let logits = lathe::engine::logits_on(&mut e, &ids, prefill.unwrap_or(ids.len()))?;
             lathe::npy::write_f32(&out, &[ids.len(), vocab], &logits)?;

@@ -81,7 +81,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         adapter: a.device,
         kv_type: a.kv_type,
         seed: a.seed,
-        gpu_mem: a.moe.gpu_mem,
+        gpu_mem: match a.moe.gpu_mem[..] {
+            [one] => Some(one),
+            _ => None,
+        },
+        gpu_mems: a.moe.gpu_mem.clone(),
+        devices: a
+            .moe
+            .devices
+            .as_ref()
+            .map(|d| d.0.clone())
+            .unwrap_or_default(),
+        split: a.moe.split.as_ref().map(|r| r.0.clone()),
         gpu_experts: a.moe.gpu_experts,
         expert_stats: a.moe.expert_stats.clone(),
         save_expert_stats: a.moe.save_expert_stats.clone(),

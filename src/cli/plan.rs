@@ -35,8 +35,17 @@ pub struct PlanArgs {
     /// Adapter memory to plan for (24GiB, 512MiB, 1.5GB, ...); default: what lathe can tell
     /// about the adapter (the driver's memory heap where the backend reports one; see
     /// `moe::budget`).
+    /// With --devices one size per device (24GiB,16GiB) or one for each.
     #[arg(long, value_name = "SIZE")]
     pub gpu_mem: Option<String>,
+    /// Plan for the model split over these devices (as `lathe run --devices`): the layers
+    /// each holds and the placement of its experts.
+    #[arg(long, value_name = "LIST")]
+    pub devices: Option<String>,
+    /// Shares of the layers per device of --devices (default: by memory, equal where
+    /// unknown).
+    #[arg(long, value_name = "RATIOS")]
+    pub split: Option<String>,
     /// Give each MoE layer this share of its experts as slots (0..1), overriding the budget.
     #[arg(long, value_name = "F")]
     pub gpu_experts: Option<f64>,
@@ -110,6 +119,9 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     }
     let file = ModelFile::open(&a.model)?;
     let info = MoeInfo::from_file(&file)?;
+    if let Some(d) = &a.devices {
+        return devices_report(a, &file, info, d);
+    }
     let gpu_mem = a.gpu_mem.as_deref().map(parse_size).transpose()?;
     let (adapter, mem) = match (adapter_info(&a.device), gpu_mem) {
         (Some((ix, i)), m) => {
@@ -129,30 +141,11 @@ pub fn report(a: &PlanArgs) -> Result<String> {
             ))
         }
     };
-    let stats = match &a.stats {
-        Some(p) => {
-            let s = ExpertStats::load(p)?;
-            s.check(&info, p)?;
-            Some(s)
-        }
-        None => None,
-    };
+    let stats = load_stats(a, &info)?;
+    let run = run_shape(a);
     // The loaders' own budget (`models::model_budget`), for this run shape.
-    let run = RunShape {
-        kv: a.kv_type,
-        ctx: a.ctx,
-        batch: a.batch.max(1),
-        seqs: a.seqs.max(1),
-    };
     let (budget, nd) = model_budget(&file, &info, mem.bytes, run);
-    let fill = match a.gpu_experts {
-        Some(f) => Fill::Fraction(f),
-        None => Fill::Budget(budget.experts),
-    };
-    let placement = lathe::moe::offload::place(&info, fill, stats.as_ref(), a.cold_layers)?;
-
     let mut s = String::new();
-    let hb = human_bytes;
     writeln!(
         s,
         "model: {} ({}): {} layers, {} MoE layers, top-{}",
@@ -164,6 +157,151 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     )
     .ok();
     writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
+    placement_report(&mut s, a, &info, stats.as_ref(), &budget, &nd)?;
+    Ok(s)
+}
+
+fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
+    match &a.stats {
+        Some(p) => {
+            let s = ExpertStats::load(p)?;
+            s.check(info, p)?;
+            Ok(Some(s))
+        }
+        None => Ok(None),
+    }
+}
+
+fn run_shape(a: &PlanArgs) -> RunShape {
+    RunShape {
+        kv: a.kv_type,
+        ctx: a.ctx,
+        batch: a.batch.max(1),
+        seqs: a.seqs.max(1),
+    }
+}
+
+/// `lathe plan --devices`: the split (as `models::chain` makes it), then per device the
+/// budget and placement of the layers it holds.
+fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> Result<String> {
+    use lathe::models::chain::{default_ratios, parse_devices, parse_split, split_layers};
+    let choices = parse_devices(list)?;
+    let sizes: Vec<u64> = match &a.gpu_mem {
+        Some(g) => g.split(',').map(parse_size).collect::<Result<_>>()?,
+        None => Vec::new(),
+    };
+    if sizes.len() > 1 && sizes.len() != choices.len() {
+        return Err(Error::Invalid(format!(
+            "--gpu-mem: {} sizes for {} devices (one, or one per device)",
+            sizes.len(),
+            choices.len()
+        )));
+    }
+    let mut mems = Vec::with_capacity(choices.len());
+    let mut names = Vec::with_capacity(choices.len());
+    for (i, c) in choices.iter().enumerate() {
+        let size = sizes.get(i).or(sizes.first()).copied();
+        match (adapter_info(c), size) {
+            (Some((ix, ai)), m) => {
+                names.push(ai.name.clone());
+                let dm = lathe::gpu::adapter_memory(ix);
+                mems.push(AdapterMemory::detect(&ai, dm.as_ref(), m));
+            }
+            (None, Some(b)) => {
+                names.push("(none found)".to_string());
+                mems.push(AdapterMemory {
+                    bytes: b,
+                    source: lathe::moe::MemSource::Flag,
+                });
+            }
+            (None, None) => {
+                return Err(Error::Gpu(format!(
+                    "device {c:?} not found: pass --gpu-mem SIZE to plan for it"
+                )))
+            }
+        }
+    }
+    let ratios = match &a.split {
+        Some(r) => parse_split(r)?,
+        None => default_ratios(&mems),
+    };
+    if ratios.len() != choices.len() {
+        return Err(Error::Invalid(format!(
+            "--split: {} ratios for {} devices",
+            ratios.len(),
+            choices.len()
+        )));
+    }
+    let ranges = split_layers(info.n_layer, &ratios)?;
+    let stats = load_stats(a, &info)?;
+    let run = run_shape(a);
+    let mut s = String::new();
+    writeln!(
+        s,
+        "model: {} ({}): {} layers, {} MoE layers, top-{}; split over {} devices",
+        info.path.display(),
+        info.arch,
+        info.n_layer,
+        info.layers.len(),
+        info.n_used,
+        ranges.len()
+    )
+    .ok();
+    let n = ranges.len();
+    let mut cold = 0usize;
+    for (i, layers) in ranges.into_iter().enumerate() {
+        let part = lathe::forward::PartSpec {
+            layers: layers.clone(),
+            first: i == 0,
+            last: i + 1 == n,
+        };
+        let mut pi = info.clone();
+        pi.restrict(file, &part);
+        let nd = lathe::models::needs_part(file, run, &part);
+        let budget = lathe::moe::budget_for(&pi, mems[i].bytes, run.ctx, &nd);
+        writeln!(
+            s,
+            "\ndevice {i}: layers {}..{}{}{} on {}: memory {}",
+            layers.start,
+            layers.end,
+            if part.first { ", embedding" } else { "" },
+            if part.last { ", output head" } else { "" },
+            names[i],
+            mems[i].describe()
+        )
+        .ok();
+        cold += placement_report(&mut s, a, &pi, stats.as_ref(), &budget, &nd)?;
+    }
+    writeln!(
+        s,
+        "\nexperts on the CPU over all devices: {cold}{}",
+        if cold == 0 {
+            " (the GPUs together hold every expert)"
+        } else {
+            ""
+        }
+    )
+    .ok();
+    Ok(s)
+}
+
+/// The budget, placement and decode-step bytes of `info`'s experts (a whole model, or one
+/// device's part) under `budget`. Returns the experts left on the CPU.
+fn placement_report(
+    s: &mut String,
+    a: &PlanArgs,
+    info: &MoeInfo,
+    stats: Option<&ExpertStats>,
+    budget: &lathe::moe::Budget,
+    nd: &lathe::moe::Needs,
+) -> Result<usize> {
+    let fill = match a.gpu_experts {
+        Some(f) => Fill::Fraction(f),
+        None => Fill::Budget(budget.experts),
+    };
+    let placement = lathe::moe::offload::place(info, fill, stats, a.cold_layers)?;
+    let run = run_shape(a);
+    let hb = human_bytes;
     if let Some(n) = &nd.note {
         writeln!(s, "note: {n}").ok();
     }
@@ -207,7 +345,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     }
     if info.layers.is_empty() {
         writeln!(s, "no routed experts: nothing to place").ok();
-        return Ok(s);
+        return Ok(0);
     }
     writeln!(
         s,
@@ -241,7 +379,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         )
         .ok();
     }
-    let traffic = placement.traffic(&info, stats.as_ref());
+    let traffic = placement.traffic(info, stats);
     writeln!(
         s,
         "  {:>5} {:>7} {:>6} {:>6} {:>12} {:>12} {:>9}",
@@ -314,8 +452,12 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         }
     )
     .ok();
-    expected_speed(&mut s, a, &info, fill, stats.as_ref(), vram - hot)?;
-    Ok(s)
+    expected_speed(s, a, info, fill, stats, vram - hot)?;
+    Ok(placement
+        .layers
+        .iter()
+        .map(|l| l.n_expert - l.n_slots())
+        .sum())
 }
 
 /// Expected decode and prefill speed of the routed experts for each way of keeping experts

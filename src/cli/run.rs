@@ -48,9 +48,19 @@ pub struct MoeArgs {
     pub matmul: lathe::gpu::MatmulChoice,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
     /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
-    /// Default: detected from the adapter.
-    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
-    pub gpu_mem: Option<u64>,
+    /// With --devices one size per device (24GiB,16GiB) or one for each. Default: detected
+    /// from the adapter.
+    #[arg(long, value_name = "SIZE", value_parser = size_arg, value_delimiter = ',')]
+    pub gpu_mem: Vec<u64>,
+    /// Split the model's layers over several GPUs: indices or name substrings from `lathe
+    /// devices`, separated by commas (`0,1`; the same one twice makes two devices on one
+    /// adapter), or `all`. Replaces --device.
+    #[arg(long, value_name = "LIST", value_parser = devices_arg)]
+    pub devices: Option<DeviceList>,
+    /// Shares of the layers per device of --devices (`1,3`: a quarter on the first).
+    /// Default: by each adapter's memory (--gpu-mem or detected), equal where unknown.
+    #[arg(long, value_name = "RATIOS", value_parser = split_arg)]
+    pub split: Option<Ratios>,
     /// Share of each MoE layer's experts kept on the GPU (0..1); overrides --gpu-mem.
     #[arg(long, value_name = "FRACTION", value_parser = fraction_arg)]
     pub gpu_experts: Option<f64>,
@@ -73,6 +83,26 @@ pub struct MoeArgs {
     pub cold_layers: lathe::engine::ColdLayers,
 }
 
+/// `--devices` parsed.
+#[derive(Clone, Debug)]
+pub struct DeviceList(pub Vec<AdapterChoice>);
+
+/// `--split` parsed.
+#[derive(Clone, Debug)]
+pub struct Ratios(pub Vec<f64>);
+
+fn devices_arg(s: &str) -> std::result::Result<DeviceList, String> {
+    lathe::models::chain::parse_devices(s)
+        .map(DeviceList)
+        .map_err(|e| e.to_string())
+}
+
+fn split_arg(s: &str) -> std::result::Result<Ratios, String> {
+    lathe::models::chain::parse_split(s)
+        .map(Ratios)
+        .map_err(|e| e.to_string())
+}
+
 fn size_arg(s: &str) -> std::result::Result<u64, String> {
     lathe::moe::parse_size(s).map_err(|e| e.to_string())
 }
@@ -88,6 +118,18 @@ impl MoeArgs {
     /// Fails when the --save-expert-stats file cannot be written: before the model loads
     /// and runs, not after.
     pub fn check(&self) -> Result<()> {
+        let n_dev = self.devices.as_ref().map_or(1, |d| d.0.len());
+        if self.split.is_some() && n_dev < 2 {
+            return Err(Error::Invalid(
+                "--split needs --devices with two devices or more".into(),
+            ));
+        }
+        if self.gpu_mem.len() > 1 && self.gpu_mem.len() != n_dev {
+            return Err(Error::Invalid(format!(
+                "--gpu-mem: {} sizes for {n_dev} device(s) (one, or one per device of --devices)",
+                self.gpu_mem.len()
+            )));
+        }
         match &self.save_expert_stats {
             Some(p) => check_writable(p),
             None => Ok(()),
@@ -96,7 +138,15 @@ impl MoeArgs {
 
     /// Put the flags into `opts`.
     pub fn apply(&self, opts: &mut LoadOptions) {
-        opts.gpu_mem = self.gpu_mem;
+        opts.gpu_mem = match self.gpu_mem[..] {
+            [one] => Some(one),
+            _ => None,
+        };
+        opts.gpu_mems = self.gpu_mem.clone();
+        if let Some(d) = &self.devices {
+            opts.devices = d.0.clone();
+        }
+        opts.split = self.split.as_ref().map(|r| r.0.clone());
         opts.gpu_experts = self.gpu_experts;
         opts.expert_stats = self.expert_stats.clone();
         opts.save_expert_stats = self.save_expert_stats.clone();

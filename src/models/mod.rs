@@ -5,6 +5,7 @@
 //! This file holds what every family shares: the description of a weight as the loaders hand
 //! it to a backend (GPU upload or CPU reference); the opened file is `crate::model_file`.
 
+pub mod chain;
 pub mod deepseek4;
 pub mod qwen35;
 pub mod spec;
@@ -36,6 +37,15 @@ const DEEPSEEK4_ARCHS: &[&str] = &["deepseek4", "DeepseekV4ForCausalLM"];
 
 /// Load the model in `file` onto `gpu` with its family's forward.
 pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<Box<dyn Forward>> {
+    Ok(load_part(gpu, file, opts)?)
+}
+
+/// [`load`], as a part of a chain (the layers of `opts.part`; the whole model without it).
+pub fn load_part(
+    gpu: Arc<Gpu>,
+    file: &ModelFile,
+    opts: &LoadOptions,
+) -> Result<Box<dyn chain::Part>> {
     let arch = file.architecture()?;
     if QWEN35_ARCHS.contains(&arch.as_str()) {
         Ok(Box::new(qwen35::gpu::GpuModel::load(gpu, file, opts)?))
@@ -76,6 +86,10 @@ pub trait Forward: Send {
     fn max_context(&self) -> Option<usize>;
     /// Speculative decoding's passes, where the family has them.
     fn speculate(&mut self) -> Option<&mut dyn spec::Speculate> {
+        None
+    }
+    /// Device boundary crossings of a model split over several devices.
+    fn hops(&self) -> Option<chain::HopReport> {
         None
     }
 }
@@ -140,6 +154,17 @@ pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
         note: Some("unknown architecture: KV, state and activations not counted".into()),
         ..Default::default()
     }
+}
+
+/// [`needs`] of the layers one device's `part` holds (`chain`).
+pub fn needs_part(f: &ModelFile, run: RunShape, part: &crate::forward::PartSpec) -> Needs {
+    if let Ok(hp) = qwen35::Hparams::from_file(f) {
+        return qwen35::gpu::needs_part(&hp, run, part);
+    }
+    if let Ok(hp) = deepseek4::Hparams::from_file(f) {
+        return deepseek4::gpu::needs_part(&hp, run, part);
+    }
+    needs(f, run)
 }
 
 /// The budget of `f` (whose experts `info` describes) on `memory` bytes for `run`: [`needs`]

@@ -312,6 +312,39 @@ impl MoeInfo {
         })
     }
 
+    /// Keep what one device's part of a split model holds (`models::chain`): the MoE
+    /// layers of `part`'s range, and the bytes of the other tensors it uploads.
+    pub fn restrict(&mut self, f: &ModelFile, part: &crate::forward::PartSpec) {
+        use crate::forward::PartSpec;
+        self.layers.retain(|m| part.layers.contains(&m.layer));
+        let head = has_output_head(f);
+        let embd = f
+            .tensors()
+            .map(|t| t.name)
+            .find(|n| is_embedding(n) || *n == "model.language_model.embed_tokens.weight")
+            .unwrap_or_default()
+            .to_string();
+        let (mut other, mut decode) = (0, 0);
+        for t in f.tensors() {
+            if parse_expert_name(t.name).is_some() || is_expert_scale(t.name) {
+                continue;
+            }
+            let role = PartSpec::role(t.name, self.n_layer, &embd, !head);
+            if !part.holds(role) {
+                continue;
+            }
+            let b = uploaded_bytes(f, &t);
+            other += b;
+            decode += if t.name == embd && head {
+                b / t.shape.first().copied().unwrap_or(1).max(1)
+            } else {
+                b
+            };
+        }
+        self.other_bytes = other;
+        self.other_decode_bytes = decode;
+    }
+
     /// The MoE layer with model layer number `layer`.
     pub fn layer(&self, layer: usize) -> Option<&MoeLayerInfo> {
         self.layers.iter().find(|m| m.layer == layer)

@@ -150,7 +150,7 @@ impl Plan {
         opts: &LoadOptions,
         needs: &Needs,
     ) -> Result<Option<Plan>> {
-        let info = MoeInfo::from_file(file)?;
+        let mut info = MoeInfo::from_file(file)?;
         if info.layers.is_empty() {
             return Ok(None);
         }
@@ -162,6 +162,13 @@ impl Plan {
             }
             None => None,
         };
+        // One device's part of a split model places the experts of its own layers.
+        if let Some(part) = &opts.part {
+            info.restrict(file, part);
+            if info.layers.is_empty() {
+                return Ok(None);
+            }
+        }
         let (fill, budget, memory) = match opts.gpu_experts {
             Some(f) => (Fill::Fraction(f), None, None),
             None => {

@@ -243,7 +243,7 @@ fn load(
     }
     let t0 = std::time::Instant::now();
     let mut engine = Engine::load(&cfg.model, &cfg.load)?;
-    eprintln!("{}", engine.gpu.report());
+    eprintln!("{}", engine.report());
     let tokenizer = match given.tokenizer {
         Some(t) => t,
         None => engine.tokenizer.take().ok_or_else(|| {

@@ -19,7 +19,7 @@
 
 use super::weights::{self, Attn, Compressor, Moe, Weights, W};
 use super::{Hparams, ScoreFunc};
-use crate::forward::{KvType, LoadOptions, Logits, TopLogits, Want, GREEDY};
+use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want, GREEDY};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use crate::gpu::elementwise::{self as ew, View};
@@ -31,6 +31,7 @@ use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::models::chain::{self, Link, Readback};
 use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
@@ -150,6 +151,7 @@ struct LayerState {
 /// on the GPU).
 pub struct GpuSeq {
     pos: usize,
+    /// The state of the model's part's layers, first held layer first.
     layers: Vec<LayerState>,
 }
 
@@ -191,6 +193,12 @@ pub struct GpuModel {
     /// The expert arena and cold path when not every routed expert has a slot (or routing
     /// is counted); `None`: the per-layer expert stacks of `w`.
     pub offload: Option<Offload>,
+    /// The layers this device holds (all of them unless the model is split over several:
+    /// `models::chain`), its neighbours, and where a part that is not the last reads its
+    /// residual stream back.
+    part: PartSpec,
+    link: Link,
+    handoff: Option<Readback>,
 }
 
 fn kv_shape(t: attention::KvType, d: usize) -> KvShape {
@@ -251,15 +259,21 @@ impl GpuModel {
             .collect();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
+        let part = opts
+            .part
+            .clone()
+            .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
         let plan = Plan::new(
             &gpu,
             file,
             opts,
-            &needs(&hp, RunShape::new(opts, DEFAULT_BATCH)),
+            &needs_part(&hp, RunShape::new(opts, DEFAULT_BATCH), &part),
         )?;
+        let embedding = name(W::TokEmbd);
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
-            if plan.is_some() && crate::moe::is_expert_tensor(w.name()) {
+            let held = part.holds(PartSpec::role(w.name(), hp.n_layer, &embedding, false));
+            if !held || (plan.is_some() && crate::moe::is_expert_tensor(w.name())) {
                 return Ok(w.stand_in());
             }
             let f32_table = w.shape().len() == 1 || tables.contains(w.name());
@@ -286,7 +300,12 @@ impl GpuModel {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
             None => None,
         };
+        let handoff = (!part.last)
+            .then(|| Readback::new(&gpu, (DEFAULT_BATCH * hp.hc * hp.n_embd * 4) as u64));
         Ok(GpuModel {
+            part,
+            link: Link::default(),
+            handoff,
             ring: hp.window + DEFAULT_BATCH - 1,
             gpu,
             hp,
@@ -340,8 +359,8 @@ impl GpuModel {
     pub fn new_seq(&self) -> Result<GpuSeq> {
         let hp = &self.hp;
         let ks = kv_shape(self.kv_type, hp.head_dim);
-        let mut layers = Vec::with_capacity(hp.n_layer);
-        for l in 0..hp.n_layer {
+        let mut layers = Vec::with_capacity(self.part.layers.len());
+        for l in self.part.layers.clone() {
             let ratio = hp.compress_ratio[l];
             layers.push(LayerState {
                 ring: self.gpu.buffer(ks.bytes(self.ring as u64), "seq.ring")?,
@@ -539,15 +558,22 @@ impl GpuModel {
                 }
             };
         }
-        for j in 0..hs.hc {
-            embed::embed(
-                &mut pass,
-                &self.w.tok_embd,
-                &sc.ids,
-                0,
-                nt,
-                View::strided(&sc.x, j * e, hs.hc * e),
-            )?;
+        if self.part.first {
+            for j in 0..hs.hc {
+                embed::embed(
+                    &mut pass,
+                    &self.w.tok_embd,
+                    &sc.ids,
+                    0,
+                    nt,
+                    View::strided(&sc.x, j * e, hs.hc * e),
+                )?;
+            }
+        } else {
+            let h = self.link.recv(n, hp.hc * hp.n_embd)?;
+            let t0 = std::time::Instant::now();
+            gpu.write(&sc.x, 0, bytemuck::cast_slice(&h.data));
+            self.link.note_write(t0.elapsed().as_nanos() as u64);
         }
         if nt > matvec::MAX_TOKENS {
             matmul::route(
@@ -560,8 +586,16 @@ impl GpuModel {
             )?;
         }
         let width = hp.hc * hp.n_embd;
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            let st = &seq.layers[l];
+        let held = self.part.layers.clone();
+        for (l, lw) in self
+            .w
+            .layers
+            .iter()
+            .enumerate()
+            .take(held.end)
+            .skip(held.start)
+        {
+            let st = &seq.layers[l - held.start];
             self.linear_exact(&mut pass, &lw.hc_attn.fn_, &sc.x, &sc.mixes, nt)?;
             let hw = HcWeights {
                 base: &lw.hc_attn.base,
@@ -593,7 +627,14 @@ impl GpuModel {
         let mut prof = self.profile.as_ref().map(|_| Vec::new());
         let mut logits = Vec::new();
         let mut top_out = None;
-        if want > 0 || top.is_some() {
+        if let Some(rb) = &self.handoff {
+            // Not the last part: the residual stream goes on to the next device.
+            let len = n * width;
+            pass.copy(&sc.x, 0, rb.buffer(), 0, len as u64 * 4);
+            submit(pass, &mut prof)?;
+            let (data, ns) = rb.read(&gpu, len)?;
+            self.link.send(chain::Hidden { rows: n, data }, ns)?;
+        } else if want > 0 || top.is_some() {
             // Head fold (sigmoid gate only) and the final norm, then the head for the
             // wanted rows, in chunks the logits buffer holds.
             let hh = &self.w.hc_head;
@@ -1269,13 +1310,18 @@ impl Scratch {
 /// layer's ring of K=V rows, and [`Scratch::bytes`]. `KvType::Auto` is f32 here, as the
 /// loader picks.
 pub fn needs(hp: &Hparams, run: RunShape) -> Needs {
+    needs_part(hp, run, &PartSpec::whole(hp.n_layer))
+}
+
+/// [`needs`] of the layers of one device's `part` (`models::chain`).
+pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let seqs = run.seqs.max(1);
     let batch = run.batch.max(1);
     let kv_elem: u64 = if run.kv == KvType::F16 { 2 } else { 4 };
     let hd = hp.head_dim as u64;
     let mut kv_per_token = 0u64;
     let mut state = 0u64;
-    for &r in &hp.compress_ratio {
+    for &r in &hp.compress_ratio[part.layers.clone()] {
         // Every layer keeps a ring of K=V rows (the window plus a pass's rows);
         // compressed layers add one entry per `r` positions (and the indexer's keys on
         // ratio-4 layers).
@@ -1343,5 +1389,14 @@ impl Forward for GpuModel {
     /// No binding limit bounds the compressed caches below what memory allows.
     fn max_context(&self) -> Option<usize> {
         None
+    }
+}
+
+impl chain::Part for GpuModel {
+    fn link(&mut self, link: Link) {
+        self.link = link;
+    }
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
     }
 }

@@ -73,8 +73,11 @@ impl GpuModel {
             if parts.is_empty() {
                 break;
             }
+            // A part that is not the last hands its residual stream on instead of logits.
+            let last = self.part.last;
             let wants: Vec<(usize, usize)> = parts
                 .iter()
+                .filter(|_| last)
                 .filter_map(|p| {
                     let toks_len = items[p.item].1.len();
                     match items[p.item].2 {
@@ -86,6 +89,7 @@ impl GpuModel {
                 .collect();
             top.rows = parts
                 .iter()
+                .filter(|_| last)
                 .filter(|p| {
                     matches!(items[p.item].2, Want::Top { .. })
                         && p.start + p.n == items[p.item].1.len()
@@ -186,16 +190,32 @@ impl GpuModel {
         sc.batch.update(&gpu, &spans)?;
         let sc = &self.scratch;
         let hp = &self.hp;
-        embed::embed(
-            &mut pass,
-            &self.w.tok_embd,
-            &sc.ids,
-            0,
-            n,
-            View::new(&sc.x, 0),
-        )?;
-        // The trunk's layers; an MTP block's layer follows them (`spec.rs`).
-        for (l, lw) in self.w.layers.iter().enumerate().take(hp.n_layer) {
+        if self.part.first {
+            embed::embed(
+                &mut pass,
+                &self.w.tok_embd,
+                &sc.ids,
+                0,
+                n,
+                View::new(&sc.x, 0),
+            )?;
+        } else {
+            let h = self.link.recv(toks.len(), hp.n_embd)?;
+            let t0 = std::time::Instant::now();
+            gpu.write(&sc.x, 0, bytemuck::cast_slice(&h.data));
+            self.link.note_write(t0.elapsed().as_nanos() as u64);
+        }
+        // The trunk's layers this device holds (an MTP block's layer follows the trunk,
+        // `spec.rs`).
+        let held = self.part.layers.clone();
+        for (l, lw) in self
+            .w
+            .layers
+            .iter()
+            .enumerate()
+            .take(held.end)
+            .skip(held.start)
+        {
             let pre = self.normed(&mut pass, n, &lw.attn_norm, false)?;
             match &lw.mixer {
                 Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n, pre)?,
@@ -212,9 +232,26 @@ impl GpuModel {
             }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
-        let total: usize = wants.iter().map(|w| w.1).sum();
         let profiling = self.profile.is_some();
         let mut prof = Vec::new();
+        if let Some(rb) = &self.handoff {
+            let len = toks.len() * hp.n_embd;
+            pass.copy(&sc.x, 0, rb.buffer(), 0, len as u64 * 4);
+            pass.submit_or_profile(profiling.then_some(&mut prof))?;
+            if profiling {
+                self.profile = Some(prof);
+            }
+            let (data, ns) = rb.read(&gpu, len)?;
+            self.link.send(
+                chain::Hidden {
+                    rows: toks.len(),
+                    data,
+                },
+                ns,
+            )?;
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let total: usize = wants.iter().map(|w| w.1).sum();
         let result = self.finish_round(pass, n, wants, top, total, profiling, &mut prof);
         if profiling {
             self.profile = Some(prof);

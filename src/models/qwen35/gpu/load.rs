@@ -192,7 +192,8 @@ impl Sink for GpuSink<'_> {
     type Set = ProjSet;
 
     fn one(&mut self, w: Weight<'_>) -> Result<GpuTensor> {
-        if self.experts_elsewhere && crate::moe::is_expert_tensor(w.name()) {
+        let elsewhere = self.experts_elsewhere && crate::moe::is_expert_tensor(w.name());
+        if elsewhere || !(self.held)(w.name()) {
             return Ok(w.stand_in());
         }
         let t = w.with_tensor(|t| self.gpu.upload_tensor(t))?;
@@ -201,6 +202,10 @@ impl Sink for GpuSink<'_> {
     }
 
     fn set(&mut self, ws: Vec<Weight<'_>>) -> Result<SetOut<GpuTensor, ProjSet>> {
+        // A set's members are one layer's: another device's layer is not uploaded here.
+        if ws.first().is_some_and(|w| !(self.held)(w.name())) {
+            return Ok((ws.iter().map(Weight::stand_in).collect(), None));
+        }
         let gpu = self.gpu;
         let mut bytes = 0;
         let set = ProjSet::build(&ws, |group, label| {
@@ -216,16 +221,25 @@ impl Sink for GpuSink<'_> {
 impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
         let hp = Hparams::from_file(file)?;
+        let part = opts
+            .part
+            .clone()
+            .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
         let plan = Plan::new(
             &gpu,
             file,
             opts,
-            &needs(&hp, RunShape::new(opts, DEFAULT_BATCH)),
+            &state::needs_part(&hp, RunShape::new(opts, DEFAULT_BATCH), &part),
         )?;
+        let ld = crate::models::Loader::<weights::W>::new(file);
+        let embedding = ld.name(weights::W::TokEmbd);
+        let tied = ld.get(weights::W::Output).is_none();
+        let held = |name: &str| part.holds(PartSpec::role(name, hp.n_layer, &embedding, tied));
         let sink = GpuSink {
             gpu: &gpu,
             experts_elsewhere: plan.is_some(),
+            held: &held,
             opts,
             done: 0,
             total: file.tensors().map(|t| t.data.len() as u64).sum(),
@@ -245,6 +259,7 @@ impl GpuModel {
         let pools = Pools::new(
             &gpu,
             &hp,
+            &part,
             kv_type,
             opts.max_seqs.max(1),
             opts.ctx.clamp(16, 4096),
@@ -253,6 +268,8 @@ impl GpuModel {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
             None => None,
         };
+        let handoff =
+            (!part.last).then(|| Readback::new(&gpu, (DEFAULT_BATCH * hp.n_embd * 4) as u64));
         let mut m = GpuModel {
             gpu,
             hp,
@@ -266,8 +283,14 @@ impl GpuModel {
             offload,
             spec: SpecState::default(),
             fused_loads: opts.fused_loads,
+            part,
+            link: Link::default(),
+            handoff,
         };
-        m.attach_mtp()?;
+        // Speculation runs on one device: a split model's parts leave the MTP block out.
+        if m.part.first && m.part.last {
+            m.attach_mtp()?;
+        }
         Ok(m)
     }
 }

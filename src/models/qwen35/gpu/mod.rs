@@ -19,11 +19,11 @@ mod spec;
 mod state;
 
 pub use spec::{SpecState, MAX_VERIFY};
-pub use state::needs;
+pub use state::{needs, needs_part};
 
 use super::weights::{self, Ffn, Mixer, SetOut, Sink, Weights};
 use super::{HeadMap, Hparams};
-use crate::forward::{KvType, LoadOptions, Logits, TopLogits, Want, GREEDY};
+use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want, GREEDY};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::conv::{self, ConvIo};
 use crate::gpu::elementwise::{self as ew, View};
@@ -34,6 +34,7 @@ use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::models::chain::{self, Link, Readback};
 use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
@@ -174,6 +175,12 @@ pub struct GpuModel {
     pub spec: SpecState,
     /// `LoadOptions::fused_loads`.
     fused_loads: bool,
+    /// The layers this device holds (all of them unless the model is split over several:
+    /// `models::chain`), its neighbours, and where a part that is not the last reads its
+    /// residual stream back.
+    part: PartSpec,
+    link: Link,
+    handoff: Option<Readback>,
 }
 
 impl GpuModel {
@@ -208,6 +215,8 @@ pub struct ProjSet {
 struct GpuSink<'a> {
     gpu: &'a Gpu,
     experts_elsewhere: bool,
+    /// Whether this device uploads the named weight (its part's layers, embedding, head).
+    held: &'a dyn Fn(&str) -> bool,
     opts: &'a LoadOptions,
     done: u64,
     total: u64,
@@ -290,5 +299,14 @@ impl Forward for GpuModel {
     }
     fn speculate(&mut self) -> Option<&mut dyn crate::models::spec::Speculate> {
         Some(self)
+    }
+}
+
+impl chain::Part for GpuModel {
+    fn link(&mut self, link: Link) {
+        self.link = link;
+    }
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
     }
 }

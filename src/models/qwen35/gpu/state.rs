@@ -13,9 +13,11 @@ pub(super) fn kv_shape(hp: &Hparams, t: attention::KvType) -> KvShape {
 }
 
 impl Pools {
+    /// The pools of `part`'s layers (other layers get none).
     pub(super) fn new(
         gpu: &Gpu,
         hp: &Hparams,
+        part: &PartSpec,
         kv_type: attention::KvType,
         slots: usize,
         cap: usize,
@@ -24,7 +26,11 @@ impl Pools {
         let (mut kv, mut conv, mut ssm) = (Vec::new(), Vec::new(), Vec::new());
         let rows = (slots * cap) as u64;
         for l in 0..hp.n_layer {
-            if hp.recurrent[l] {
+            if !part.layers.contains(&l) {
+                kv.push(None);
+                conv.push(None);
+                ssm.push(None);
+            } else if hp.recurrent[l] {
                 kv.push(None);
                 conv.push(Some(gpu.buffer(
                     (slots * (hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64,
@@ -246,10 +252,16 @@ impl Scratch {
 /// layers' recurrent and conv state (as [`Pools`] allocates them), and [`Scratch::bytes`].
 /// `KvType::Auto` is f16 here, as the loader picks.
 pub fn needs(hp: &Hparams, run: RunShape) -> Needs {
+    needs_part(hp, run, &PartSpec::whole(hp.n_layer))
+}
+
+/// [`needs`] of the layers of one device's `part` (`models::chain`).
+pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let seqs = run.seqs.max(1);
     let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
-    let n_attn = hp.recurrent.iter().filter(|r| !**r).count() as u64;
-    let n_gdn = hp.recurrent.len() as u64 - n_attn;
+    let held = &hp.recurrent[part.layers.clone()];
+    let n_attn = held.iter().filter(|r| !**r).count() as u64;
+    let n_gdn = held.len() as u64 - n_attn;
     let kv_per_token = n_attn * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem;
     // f32 recurrent state [Hv, dk, dv] and the conv's last K-1 inputs per GDN layer.
     let state = n_gdn

@@ -1,0 +1,558 @@
+//! A model split over several devices: a chain of parts, each a family's GPU model that
+//! holds a contiguous range of layers ([`PartSpec`]) on its own `wgpu::Device` (with its own
+//! weights, state, scratch and kernel variants), behind the same [`Forward`] as one model.
+//!
+//! wgpu has no peer copies, so the residual stream crosses a device boundary through the
+//! host: the sending part copies its rows into a persistent `MAP_READ` buffer at the end of
+//! its pass ([`Readback`]), the receiving part writes them into its residual buffer before
+//! its first layer. One copy per boundary and round: `rows · width · 4` bytes
+//! ([`HopReport`]). Each part runs on its own thread and hands rounds on through a bounded
+//! channel, so a prompt of several rounds keeps every device busy (part `j` runs round
+//! `r + 1` while part `j + 1` runs round `r`).
+//!
+//! Every part plans its rounds from the same items the same way (the plan depends on token
+//! counts and positions only), so the rounds line up; a receiver checks the row count.
+
+use super::{Forward, ModelFile, Seq, SeqState};
+use crate::forward::{LoadOptions, Logits, PartSpec, Want};
+use crate::gpu::{AdapterChoice, Gpu};
+use crate::moe::{AdapterMemory, MemSource, Offload};
+use crate::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::Arc;
+
+/// Rounds a part may run ahead of the next one (bounds the host memory in flight).
+const AHEAD: usize = 2;
+
+/// One round's residual stream on its way to the next device: `[rows, width]` f32.
+pub struct Hidden {
+    pub rows: usize,
+    pub data: Vec<f32>,
+}
+
+/// Counters of the device boundaries crossed since load.
+#[derive(Default)]
+pub struct HopCounters {
+    hops: AtomicU64,
+    bytes: AtomicU64,
+    /// Host time of the crossings: the sender's map and copy out, the receiver's write.
+    ns: AtomicU64,
+}
+
+impl HopCounters {
+    fn add(&self, bytes: u64, ns: u64) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.ns.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
+/// Device boundary crossings since load (`lathe bench --json` `"hops"`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct HopReport {
+    /// Devices and boundaries of the chain.
+    pub devices: usize,
+    pub boundaries: usize,
+    /// Residual-stream copies that crossed a boundary, and their bytes.
+    pub hops: u64,
+    pub bytes: u64,
+    /// Host time of those copies: reading back on the sender once its pass is done, writing
+    /// on the receiver (µs in all).
+    pub us: f64,
+}
+
+impl HopReport {
+    /// The counters since `before` (a report taken earlier).
+    pub fn since(&self, before: &HopReport) -> HopReport {
+        HopReport {
+            hops: self.hops - before.hops,
+            bytes: self.bytes - before.bytes,
+            us: self.us - before.us,
+            ..self.clone()
+        }
+    }
+    /// Both counts added.
+    pub fn plus(&self, o: &HopReport) -> HopReport {
+        HopReport {
+            devices: self.devices.max(o.devices),
+            boundaries: self.boundaries.max(o.boundaries),
+            hops: self.hops + o.hops,
+            bytes: self.bytes + o.bytes,
+            us: self.us + o.us,
+        }
+    }
+
+    pub fn us_per_hop(&self) -> f64 {
+        self.us / self.hops.max(1) as f64
+    }
+}
+
+/// A part's ends in the chain for one call: where its residual stream comes from (the
+/// first part embeds tokens instead) and where it goes (the last part runs the head).
+#[derive(Default)]
+pub struct Link {
+    pub input: Option<Receiver<Hidden>>,
+    pub output: Option<SyncSender<Hidden>>,
+    pub counters: Arc<HopCounters>,
+}
+
+/// The message of a part whose neighbour stopped (its own error is the one to report).
+const LINK_BROKEN: &str = "the neighbouring device's part stopped";
+
+impl Link {
+    /// The previous part's rows for a round of `rows` rows of `width` values.
+    pub fn recv(&self, rows: usize, width: usize) -> Result<Hidden> {
+        let rx = self
+            .input
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("a middle part of a chain run alone".into()))?;
+        let h = rx.recv().map_err(|_| Error::Gpu(LINK_BROKEN.into()))?;
+        if h.rows != rows || h.data.len() != rows * width {
+            return Err(Error::Gpu(format!(
+                "chain parts disagree on a round: {} rows of {} values came, {rows} x {width} \
+                 expected",
+                h.rows,
+                h.data.len() / h.rows.max(1)
+            )));
+        }
+        Ok(h)
+    }
+
+    /// Hand a round's rows on; `ns`: host time the sender spent reading them back.
+    pub fn send(&self, h: Hidden, ns: u64) -> Result<()> {
+        let tx = self
+            .output
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("a middle part of a chain run alone".into()))?;
+        self.counters.hops.fetch_add(1, Ordering::Relaxed);
+        self.counters.add(h.data.len() as u64 * 4, ns);
+        tx.send(h).map_err(|_| Error::Gpu(LINK_BROKEN.into()))
+    }
+
+    /// Count the receiver's write of a round.
+    pub fn note_write(&self, ns: u64) {
+        self.counters.add(0, ns);
+    }
+}
+
+/// A persistent `MAP_READ` buffer a part copies its residual stream into at the end of its
+/// pass, reused every round (one buffer made at load, none per step).
+pub struct Readback {
+    buf: wgpu::Buffer,
+}
+
+impl Readback {
+    pub fn new(gpu: &Gpu, bytes: u64) -> Readback {
+        Readback {
+            buf: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("chain.readback"),
+                size: bytes.next_multiple_of(4).max(4),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+        }
+    }
+
+    pub fn buffer(&self) -> &wgpu::Buffer {
+        &self.buf
+    }
+
+    /// The first `n` f32 values, once the submitted work (whose last copy filled the
+    /// buffer) is done. Returns them and the host time spent after the GPU finished.
+    pub fn read(&self, gpu: &Gpu, n: usize) -> Result<(Vec<f32>, u64)> {
+        gpu.wait()?;
+        let t0 = std::time::Instant::now();
+        let slice = self.buf.slice(..(n as u64 * 4).max(4));
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        gpu.wait()?;
+        rx.recv()
+            .map_err(|_| Error::Gpu("chain readback: map callback never ran".into()))?
+            .map_err(|e| Error::Gpu(format!("chain readback: {e}")))?;
+        let v = {
+            let m = slice
+                .get_mapped_range()
+                .map_err(|e| Error::Gpu(format!("chain readback: {e:?}")))?;
+            bytemuck::pod_collect_to_vec(&m[..n * 4])
+        };
+        self.buf.unmap();
+        Ok((v, t0.elapsed().as_nanos() as u64))
+    }
+}
+
+/// A family's GPU model as a part of a chain.
+pub trait Part: Forward {
+    /// Set the ends for the next calls (`Link::default()` to cut them).
+    fn link(&mut self, link: Link);
+    fn gpu(&self) -> &Arc<Gpu>;
+}
+
+/// A sequence of a chain: one per part.
+pub struct ChainSeq {
+    parts: Vec<Seq>,
+}
+
+impl SeqState for ChainSeq {
+    fn pos(&self) -> usize {
+        self.parts[0].pos()
+    }
+}
+
+/// Several parts run as one model.
+pub struct Chain {
+    parts: Vec<Box<dyn Part>>,
+    counters: Arc<HopCounters>,
+    /// Split a batch of several sequences into this many micro-batches that flow through
+    /// the parts one after another (1: the batch as one).
+    pub micro_batches: usize,
+}
+
+/// Contiguous layer ranges for `ratios` (one per device) over `n_layer` layers: each device
+/// gets at least one layer, boundaries at the rounded cumulative shares.
+pub fn split_layers(n_layer: usize, ratios: &[f64]) -> Result<Vec<std::ops::Range<usize>>> {
+    let n = ratios.len();
+    if n == 0 || n > n_layer {
+        return Err(Error::Invalid(format!(
+            "{n} devices for {n_layer} layers: each device needs at least one layer"
+        )));
+    }
+    if let Some(r) = ratios.iter().find(|r| !(r.is_finite() && **r > 0.0)) {
+        return Err(Error::Invalid(format!(
+            "--split: ratio {r}: every share must be positive"
+        )));
+    }
+    let total: f64 = ratios.iter().sum();
+    let mut ranges = Vec::with_capacity(n);
+    let mut start = 0;
+    let mut acc = 0.0;
+    for (i, r) in ratios.iter().enumerate() {
+        acc += r;
+        // Leave at least one layer for each device after this one.
+        let end = if i + 1 == n {
+            n_layer
+        } else {
+            ((acc / total * n_layer as f64).round() as usize)
+                .clamp(start + 1, n_layer - (n - 1 - i))
+        };
+        ranges.push(start..end);
+        start = end;
+    }
+    Ok(ranges)
+}
+
+/// Parse `--split`: positive ratios separated by commas (`1,3`, `0.25,0.75`).
+pub fn parse_split(s: &str) -> Result<Vec<f64>> {
+    s.split(',')
+        .map(|p| match p.trim().parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+            _ => Err(Error::Invalid(format!(
+                "--split {s}: `{p}` is not a positive ratio"
+            ))),
+        })
+        .collect()
+}
+
+/// Parse `--devices`: `all`, or indices and name substrings separated by commas.
+pub fn parse_devices(s: &str) -> Result<Vec<AdapterChoice>> {
+    if s.eq_ignore_ascii_case("all") {
+        let n = crate::gpu::list_adapters().len();
+        if n == 0 {
+            return Err(Error::Gpu("--devices all: no GPU adapter found".into()));
+        }
+        return Ok((0..n).map(AdapterChoice::Index).collect());
+    }
+    s.split(',')
+        .map(|p| {
+            let p = p.trim();
+            if p.is_empty() {
+                return Err(Error::Invalid(format!("--devices {s}: an empty entry")));
+            }
+            Ok(p.parse().unwrap_or(AdapterChoice::Auto))
+        })
+        .collect()
+}
+
+/// The memory each device plans with: `opts.gpu_mems` (one size for all, or one per
+/// device), else `opts.gpu_mem`, else detected.
+pub fn device_memory(gpus: &[Arc<Gpu>], opts: &LoadOptions) -> Result<Vec<AdapterMemory>> {
+    let given: Vec<Option<u64>> = match opts.gpu_mems.len() {
+        0 => vec![opts.gpu_mem; gpus.len()],
+        1 => vec![Some(opts.gpu_mems[0]); gpus.len()],
+        n if n == gpus.len() => opts.gpu_mems.iter().map(|&b| Some(b)).collect(),
+        n => {
+            return Err(Error::Invalid(format!(
+                "--gpu-mem: {n} sizes for {} devices (one, or one per device)",
+                gpus.len()
+            )))
+        }
+    };
+    Ok(gpus
+        .iter()
+        .zip(given)
+        .map(|(g, b)| AdapterMemory::detect(&g.info, g.memory.as_ref(), b))
+        .collect())
+}
+
+/// The default shares: by memory where every device's is known, equal otherwise.
+pub fn default_ratios(mems: &[AdapterMemory]) -> Vec<f64> {
+    if mems.iter().any(|m| m.source == MemSource::Assumed) {
+        vec![1.0; mems.len()]
+    } else {
+        mems.iter().map(|m| m.bytes as f64).collect()
+    }
+}
+
+/// Blocks of the model in `file` (either family).
+pub fn n_layer(file: &ModelFile) -> Result<usize> {
+    if let Ok(hp) = super::qwen35::Hparams::from_file(file) {
+        return Ok(hp.n_layer);
+    }
+    Ok(super::deepseek4::Hparams::from_file(file)?.n_layer)
+}
+
+/// The layer ranges of `opts` over the devices `gpus` for the model in `file`.
+pub fn plan_split(
+    file: &ModelFile,
+    gpus: &[Arc<Gpu>],
+    opts: &LoadOptions,
+) -> Result<(Vec<std::ops::Range<usize>>, Vec<AdapterMemory>)> {
+    let mems = device_memory(gpus, opts)?;
+    let ratios = match &opts.split {
+        Some(r) if r.len() != gpus.len() => {
+            return Err(Error::Invalid(format!(
+                "--split: {} ratios for {} devices",
+                r.len(),
+                gpus.len()
+            )))
+        }
+        Some(r) => r.clone(),
+        None => default_ratios(&mems),
+    };
+    Ok((split_layers(n_layer(file)?, &ratios)?, mems))
+}
+
+impl Chain {
+    /// Load the model in `file` over the devices of `opts.devices`, one part per device;
+    /// `exact` as `Gpu::with_matmul`'s `auto_exact` (each device picks its own path).
+    pub fn load(
+        file: &ModelFile,
+        opts: &LoadOptions,
+        exact: bool,
+    ) -> Result<(Vec<Arc<Gpu>>, Chain)> {
+        if opts.collect_expert_stats || opts.save_expert_stats.is_some() {
+            // Each part counts the layers it holds; one file of all of them is not written.
+            return Err(Error::Unsupported(
+                "expert statistics with several devices (--save-expert-stats): collect them \
+                 on one device"
+                    .into(),
+            ));
+        }
+        let gpus = opts
+            .devices
+            .iter()
+            .map(|d| Gpu::with_matmul(d, opts.matmul, exact).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let (ranges, mems) = plan_split(file, &gpus, opts)?;
+        let n = ranges.len();
+        let mut parts = Vec::with_capacity(n);
+        for (i, (gpu, layers)) in gpus.iter().zip(ranges).enumerate() {
+            eprintln!(
+                "device {i}: layers {}..{} on {} (memory {}; matmul {})",
+                layers.start,
+                layers.end,
+                gpu.info.name,
+                mems[i].describe(),
+                gpu.matmul_path().name()
+            );
+            let o = LoadOptions {
+                gpu_mem: Some(mems[i].bytes),
+                part: Some(PartSpec {
+                    layers,
+                    first: i == 0,
+                    last: i + 1 == n,
+                }),
+                ..opts.clone()
+            };
+            parts.push(super::load_part(gpu.clone(), file, &o)?);
+        }
+        Ok((
+            gpus,
+            Chain {
+                parts,
+                counters: Arc::default(),
+                micro_batches: 1,
+            },
+        ))
+    }
+
+    /// Device boundary crossings since load.
+    pub fn hops(&self) -> HopReport {
+        let c = &self.counters;
+        HopReport {
+            devices: self.parts.len(),
+            boundaries: self.parts.len() - 1,
+            hops: c.hops.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            us: c.ns.load(Ordering::Relaxed) as f64 / 1e3,
+        }
+    }
+
+    /// Run `job` on every part, each on its own thread with its sequences (`seqs[j]` for
+    /// part `j`), linked to its neighbours by bounded channels. Returns each part's result;
+    /// an error is the first part's own, not a neighbour's broken link.
+    fn run_linked<R: Send>(
+        &mut self,
+        seqs: Vec<Vec<&mut Seq>>,
+        job: &(dyn Fn(&mut dyn Part, &mut [&mut Seq]) -> Result<R> + Sync),
+    ) -> Result<Vec<R>> {
+        let n = self.parts.len();
+        let mut inputs: Vec<Option<Receiver<Hidden>>> = vec![None];
+        let mut outputs: Vec<Option<SyncSender<Hidden>>> = Vec::new();
+        for _ in 1..n {
+            let (tx, rx) = std::sync::mpsc::sync_channel(AHEAD);
+            outputs.push(Some(tx));
+            inputs.push(Some(rx));
+        }
+        outputs.push(None);
+        let counters = self.counters.clone();
+        let results: Vec<Result<R>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .parts
+                .iter_mut()
+                .zip(seqs)
+                .zip(inputs.into_iter().zip(outputs))
+                .map(|((part, mut seqs), (input, output))| {
+                    let counters = counters.clone();
+                    s.spawn(move || {
+                        part.link(Link {
+                            input,
+                            output,
+                            counters,
+                        });
+                        let r = job(&mut **part, &mut seqs);
+                        // Dropping the ends unblocks a neighbour waiting on this part.
+                        part.link(Link::default());
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Gpu("a device's part panicked".into())))
+                })
+                .collect()
+        });
+        let own = |r: &Result<R>| matches!(r, Err(Error::Gpu(m)) if m == LINK_BROKEN);
+        if let Some(i) = results.iter().position(|r| r.is_err() && !own(r)) {
+            return Err(results
+                .into_iter()
+                .nth(i)
+                .and_then(|r| r.err())
+                .expect("an error"));
+        }
+        results.into_iter().collect()
+    }
+
+    /// Per part, the parts' sequences of `seqs` (chain sequences).
+    fn per_part<'s>(&self, seqs: Vec<&'s mut ChainSeq>) -> Vec<Vec<&'s mut Seq>> {
+        let mut out: Vec<Vec<&mut Seq>> = (0..self.parts.len()).map(|_| Vec::new()).collect();
+        for cs in seqs {
+            for (j, s) in cs.parts.iter_mut().enumerate() {
+                out[j].push(s);
+            }
+        }
+        out
+    }
+}
+
+impl Forward for Chain {
+    fn vocab_size(&self) -> usize {
+        self.parts.last().expect("a chain has parts").vocab_size()
+    }
+    fn new_seq(&self) -> Result<Seq> {
+        let parts = self
+            .parts
+            .iter()
+            .map(|p| p.new_seq())
+            .collect::<Result<_>>()?;
+        Ok(Seq::new(ChainSeq { parts }))
+    }
+    fn reset(&self, seq: &mut Seq) -> Result<()> {
+        let cs = seq.get_mut::<ChainSeq>()?;
+        for (p, s) in self.parts.iter().zip(cs.parts.iter_mut()) {
+            p.reset(s)?;
+        }
+        Ok(())
+    }
+    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
+        let (s, d) = (src.get::<ChainSeq>()?, dst.get_mut::<ChainSeq>()?);
+        for ((p, a), b) in self.parts.iter().zip(&s.parts).zip(d.parts.iter_mut()) {
+            p.copy_seq(a, b)?;
+        }
+        Ok(())
+    }
+    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let toks: Vec<&[u32]> = items.iter().map(|i| i.1).collect();
+        let wants: Vec<Want> = items.iter().map(|i| i.2).collect();
+        // Micro-batches: contiguous groups of items, each one call of every part.
+        let group = items.len().div_ceil(self.micro_batches.max(1)).max(1);
+        let mut seqs = Vec::with_capacity(items.len());
+        for (s, _, _) in items.iter_mut() {
+            seqs.push(s.get_mut::<ChainSeq>()?);
+        }
+        let per_part = self.per_part(seqs);
+        let job = |part: &mut dyn Part, seqs: &mut [&mut Seq]| -> Result<Vec<Logits>> {
+            let mut out = Vec::with_capacity(seqs.len());
+            for (g, chunk) in seqs.chunks_mut(group).enumerate() {
+                let i0 = g * group;
+                let mut its: Vec<(&mut Seq, &[u32], Want)> = chunk
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, s)| (&mut **s, toks[i0 + k], wants[i0 + k]))
+                    .collect();
+                out.extend(part.forward_batch(&mut its)?);
+            }
+            Ok(out)
+        };
+        Ok(self
+            .run_linked(per_part, &job)?
+            .pop()
+            .expect("a chain has parts"))
+    }
+    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        let want = if all { Want::All } else { Want::Last };
+        let mut out = self.forward_batch(&mut [(seq, tokens, want)])?;
+        Ok(out.pop().map(Logits::into_full).unwrap_or_default())
+    }
+    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+        let cs = seq.get_mut::<ChainSeq>()?;
+        let per_part = self.per_part(vec![cs]);
+        let job = |part: &mut dyn Part, seqs: &mut [&mut Seq]| part.profile(&mut *seqs[0], tokens);
+        let profs = self.run_linked(per_part, &job)?;
+        Ok(profs
+            .into_iter()
+            .enumerate()
+            .flat_map(|(j, p)| {
+                p.into_iter()
+                    .map(move |(l, ns)| (format!("dev{j}.{l}"), ns))
+            })
+            .collect())
+    }
+    /// The first part's offload (each part places the experts of its own layers).
+    fn offload(&self) -> Option<&Offload> {
+        self.parts.iter().find_map(|p| p.offload())
+    }
+    fn routed_experts(&self) -> usize {
+        self.parts[0].routed_experts()
+    }
+    fn max_context(&self) -> Option<usize> {
+        self.parts.iter().filter_map(|p| p.max_context()).min()
+    }
+    fn hops(&self) -> Option<HopReport> {
+        Some(Chain::hops(self))
+    }
+}

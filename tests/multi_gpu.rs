@@ -1,0 +1,244 @@
+//! A model split over several devices (`--devices`, `models::chain`) gives the logits of the
+//! model on one device. On lavapipe every device is made on the one CPU adapter
+//! (`--devices 0,0`): each is its own `wgpu::Device` with its own buffers, so the residual
+//! stream really crosses through the host. The parts run the same kernels on the same
+//! values and the crossing copies f32 bytes, so the logits are bit-identical, and that is
+//! what is asserted: every committed fixture family and format (GGUF, Hugging Face
+//! safetensors, DeepSeek's release layout), the default split, uneven ones and one layer
+//! per device, prefill then decode; with experts forced to the CPU too; and the bytes that
+//! cross per step.
+
+mod common;
+use common::fixtures;
+use lathe::engine::{logits_on, Engine, LoadOptions};
+use lathe::gpu::AdapterChoice;
+use lathe::moe::CacheConfig;
+use std::path::{Path, PathBuf};
+
+fn tokens(dir: &Path) -> Vec<u32> {
+    let t = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    t.data.iter().map(|&v| v as u32).collect()
+}
+
+/// `n` devices on adapter 0 with layer shares `split` (`None`: the default).
+fn on_devices(n: usize, split: Option<&[f64]>, base: &LoadOptions) -> LoadOptions {
+    LoadOptions {
+        devices: vec![AdapterChoice::Index(0); n],
+        split: split.map(<[f64]>::to_vec),
+        ..base.clone()
+    }
+}
+
+/// Logits of every position: all but the last 3 tokens as one prefill, then 3 decode steps.
+fn run(path: &Path, toks: &[u32], opts: &LoadOptions) -> Vec<f32> {
+    let mut e = Engine::load(path, opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    logits_on(&mut e, toks, toks.len() - 3).unwrap()
+}
+
+/// Asserts `got` is `want` bit for bit, naming the first difference.
+fn assert_same(label: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{label}: logit counts differ");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{label}: logit {i} is {} on the split model, {} on one device",
+            got[i], want[i]
+        );
+    }
+}
+
+/// `(label, path)` of each committed model format of fixture `name`.
+fn formats(name: &str) -> Vec<(String, PathBuf)> {
+    let dir = fixtures().join(name);
+    let mut v: Vec<(String, PathBuf)> = ["model-q8_0.gguf", "model-q4_0.gguf"]
+        .iter()
+        .map(|f| (format!("{name}/{f}"), dir.join(f)))
+        .filter(|(_, p)| p.exists())
+        .take(1)
+        .collect();
+    for hf in ["model.safetensors", "upstream"] {
+        if dir.join(hf).exists() {
+            let p = if hf == "upstream" {
+                dir.join(hf)
+            } else {
+                dir.clone()
+            };
+            v.push((format!("{name}/{hf}"), p));
+        }
+    }
+    assert!(
+        v.len() >= 2,
+        "{name}: a GGUF file and a checkpoint expected"
+    );
+    v
+}
+
+/// Every split of `splits` (device shares) against one device, for each format of `name`.
+fn check(name: &str, base: &LoadOptions, splits: &[Option<&[f64]>]) {
+    let toks = tokens(&fixtures().join(name));
+    for (label, path) in formats(name) {
+        let want = run(&path, &toks, base);
+        for split in splits {
+            let n = split.map_or(2, <[f64]>::len);
+            let got = run(&path, &toks, &on_devices(n, *split, base));
+            assert_same(
+                &format!("{label} on {n} devices, split {split:?}"),
+                &got,
+                &want,
+            );
+        }
+    }
+}
+
+/// Splits of a 4-layer model: default (2 devices), uneven both ways, one layer per device,
+/// and three devices unevenly.
+const SPLITS: &[Option<&[f64]>] = &[
+    None,
+    Some(&[1.0, 3.0]),
+    Some(&[3.0, 1.0]),
+    Some(&[1.0, 1.0, 1.0, 1.0]),
+    Some(&[2.0, 1.0, 1.0]),
+];
+
+#[test]
+fn qwen35_split_matches_one_device() {
+    check("qwen35-tiny", &LoadOptions::default(), SPLITS);
+}
+
+#[test]
+fn qwen35moe_split_matches_one_device() {
+    check("qwen35moe-tiny", &LoadOptions::default(), SPLITS);
+}
+
+#[test]
+fn qwen3next_split_matches_one_device() {
+    check("qwen3next-tiny", &LoadOptions::default(), &SPLITS[..2]);
+}
+
+#[test]
+fn deepseek4_split_matches_one_device() {
+    check("dsv4-tiny", &LoadOptions::default(), SPLITS);
+}
+
+/// Half of each layer's experts on the CPU, placed once (no uploads): every part places
+/// its own layers' experts as the single device does, so the logits are the same bits.
+fn cold_experts() -> LoadOptions {
+    LoadOptions {
+        gpu_experts: Some(0.5),
+        expert_cache: Some(CacheConfig {
+            max_uploads_per_step: 0,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn qwen35moe_split_with_cold_experts_matches_one_device() {
+    check("qwen35moe-tiny", &cold_experts(), &SPLITS[..4]);
+}
+
+#[test]
+fn deepseek4_split_with_cold_experts_matches_one_device() {
+    check("dsv4-tiny", &cold_experts(), &SPLITS[..4]);
+}
+
+/// Under a budget that holds only a few experts, each device's part keeps experts on the
+/// CPU, and the residency policy uploads as it goes: the logits meet the offload's own bar
+/// against the all-GPU run (placement changes only the rounding of cold rows, see
+/// tests/moe_exact.rs).
+#[test]
+fn split_with_cold_experts_and_uploads_stays_exact() {
+    let dir = fixtures().join("qwen35moe-tiny");
+    let path = dir.join("model-q8_0.gguf");
+    let toks = tokens(&dir);
+    let want = run(&path, &toks, &LoadOptions::default());
+    let opts = LoadOptions {
+        gpu_experts: Some(0.25),
+        expert_cache: Some(CacheConfig::global_lru()),
+        ..Default::default()
+    };
+    let e = Engine::load(&path, &on_devices(2, None, &opts)).unwrap();
+    let hot = e.placement_report().unwrap().hot_share;
+    assert!(hot < 1.0, "experts were meant to be cold, hot share {hot}");
+    drop(e);
+    let got = run(&path, &toks, &on_devices(2, None, &opts));
+    let (mut se, mut ss) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(&want) {
+        se += ((a - b) as f64).powi(2);
+        ss += (*b as f64).powi(2);
+    }
+    let rel = (se / ss).sqrt();
+    assert!(rel <= 1e-3, "relative RMS {rel} against the all-GPU run");
+}
+
+/// One copy of the residual stream per device boundary and round: `rows · width · 4` bytes
+/// (width: `n_embd`, times DeepSeek-V4's `hc` copies).
+#[test]
+fn bytes_crossing_per_step() {
+    for (name, width) in [("qwen35-tiny", 64), ("dsv4-tiny", 4 * 64)] {
+        let dir = fixtures().join(name);
+        let path = dir.join("model-q8_0.gguf");
+        let toks = tokens(&dir);
+        let mut e = Engine::load(&path, &on_devices(3, None, &LoadOptions::default())).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let h0 = e.hops().expect("a split model reports its hops");
+        assert_eq!((h0.devices, h0.boundaries, h0.hops, h0.bytes), (3, 2, 0, 0));
+        let p = toks.len() - 1;
+        e.forward(&mut seq, &toks[..p], false).unwrap();
+        let h1 = e.hops().unwrap().since(&h0);
+        assert_eq!(h1.hops, 2, "{name}: prefill of {p} tokens, one round");
+        assert_eq!(
+            h1.bytes,
+            (2 * p * width * 4) as u64,
+            "{name}: prefill bytes"
+        );
+        let before = e.hops().unwrap();
+        e.forward(&mut seq, &toks[p..], false).unwrap();
+        let step = e.hops().unwrap().since(&before);
+        assert_eq!(step.hops, 2, "{name}: one decode step");
+        assert_eq!(
+            step.bytes,
+            (2 * width * 4) as u64,
+            "{name}: a decode step moves one row per boundary"
+        );
+        assert!(step.us > 0.0, "{name}: the crossing is timed");
+    }
+}
+
+/// One device's model reports no hops; a `--split` that leaves a device without a layer is
+/// an error naming the counts.
+#[test]
+fn split_errors_and_single_device() {
+    let path = fixtures().join("qwen35-tiny/model-q8_0.gguf");
+    let e = Engine::load(&path, &LoadOptions::default()).unwrap();
+    assert!(e.hops().is_none());
+    drop(e);
+    let err = Engine::load(&path, &on_devices(5, None, &LoadOptions::default()))
+        .err()
+        .expect("5 devices for 4 layers");
+    assert!(err.to_string().contains("5 devices for 4 layers"), "{err}");
+    let err = Engine::load(&path, &on_devices(2, Some(&[1.0]), &LoadOptions::default()))
+        .err()
+        .expect("one ratio for two devices");
+    assert!(err.to_string().contains("1 ratios for 2 devices"), "{err}");
+}
+
+#[test]
+fn split_layers_ranges() {
+    use lathe::models::chain::split_layers;
+    assert_eq!(split_layers(4, &[1.0, 1.0]).unwrap(), vec![0..2, 2..4]);
+    assert_eq!(split_layers(4, &[1.0, 3.0]).unwrap(), vec![0..1, 1..4]);
+    assert_eq!(
+        split_layers(4, &[1.0; 4]).unwrap(),
+        vec![0..1, 1..2, 2..3, 3..4]
+    );
+    // Every device keeps a layer even when its share rounds to none.
+    assert_eq!(split_layers(4, &[100.0, 1.0]).unwrap(), vec![0..3, 3..4]);
+    assert_eq!(split_layers(4, &[1.0, 100.0]).unwrap(), vec![0..1, 1..4]);
+    assert_eq!(
+        split_layers(43, &[141.0, 141.0]).unwrap(),
+        vec![0..22, 22..43]
+    );
+    assert!(split_layers(4, &[1.0, 0.0]).is_err());
+    assert!(split_layers(4, &[]).is_err());
+}
