@@ -68,6 +68,9 @@ enum Cmd {
         /// Adapter index or name substring (see `lathe devices`).
         #[arg(long, default_value = "auto")]
         device: AdapterChoice,
+        /// Check each of these devices in turn (as `lathe run --devices`: `0,1`, `all`).
+        #[arg(long, value_name = "LIST")]
+        devices: Option<String>,
         /// Product paths to enable: auto (every path the adapter has), coop or tiled.
         #[arg(long, default_value = "auto")]
         matmul: lathe::gpu::MatmulChoice,
@@ -171,34 +174,58 @@ fn run(cli: Cli) -> lathe::Result<()> {
             full,
             json,
             device,
+            devices,
             matmul,
         } => {
-            let gpu = lathe::gpu::Gpu::with_matmul(&device, matmul, false)?;
-            eprintln!("{}", gpu.report());
-            let checks = lathe::selftest::run(&gpu, full, |c| {
-                if !json {
-                    let mark = if c.passed { "ok  " } else { "FAIL" };
-                    let why = if c.passed {
-                        String::new()
-                    } else {
-                        format!(": {}", c.detail)
-                    };
-                    println!(
-                        "{mark} {} (worst err/bound {:.3}, rel rms {:.2e}){why}",
-                        c.name, c.worst, c.rel_rms
-                    );
+            // Each device of --devices in turn: mixed adapters differ in subgroups, limits
+            // and matrix units, so each runs the paths it picks.
+            let choices = match &devices {
+                Some(list) => lathe::models::chain::parse_devices(list)?,
+                None => vec![device],
+            };
+            let mut reports = Vec::new();
+            let (mut passed, mut failed) = (0, 0);
+            for (i, choice) in choices.iter().enumerate() {
+                let gpu = lathe::gpu::Gpu::with_matmul(choice, matmul, false)?;
+                eprintln!("{}", gpu.report());
+                if choices.len() > 1 && !json {
+                    println!("device {i}: {}", gpu.info.name);
                 }
-            });
-            let failed = checks.iter().filter(|c| !c.passed).count();
-            let passed = checks.len() - failed;
-            if json {
-                let v = serde_json::json!({
+                let checks = lathe::selftest::run(&gpu, full, |c| {
+                    if !json {
+                        let mark = if c.passed { "ok  " } else { "FAIL" };
+                        let why = if c.passed {
+                            String::new()
+                        } else {
+                            format!(": {}", c.detail)
+                        };
+                        println!(
+                            "{mark} {} (worst err/bound {:.3}, rel rms {:.2e}){why}",
+                            c.name, c.worst, c.rel_rms
+                        );
+                    }
+                });
+                let f = checks.iter().filter(|c| !c.passed).count();
+                let p = checks.len() - f;
+                passed += p;
+                failed += f;
+                reports.push(serde_json::json!({
                     "adapter": gpu.info.name,
                     "matmul": gpu.matmul_path().name(),
                     "checks": checks,
-                    "passed": passed,
-                    "failed": failed,
-                });
+                    "passed": p,
+                    "failed": f,
+                }));
+            }
+            if json {
+                let v = match &reports[..] {
+                    [one] => one.clone(),
+                    _ => serde_json::json!({
+                        "devices": reports,
+                        "passed": passed,
+                        "failed": failed,
+                    }),
+                };
                 println!("{v}");
             } else {
                 println!("{passed} passed, {failed} failed");
@@ -206,7 +233,7 @@ fn run(cli: Cli) -> lathe::Result<()> {
             if failed > 0 {
                 return Err(lathe::Error::Invalid(format!(
                     "selftest: {failed} of {} checks failed",
-                    checks.len()
+                    passed + failed
                 )));
             }
             Ok(())

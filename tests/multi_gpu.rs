@@ -242,3 +242,162 @@ fn split_layers_ranges() {
     assert!(split_layers(4, &[1.0, 0.0]).is_err());
     assert!(split_layers(4, &[]).is_err());
 }
+
+fn lathe(args: &[&str]) -> std::process::Output {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lathe"))
+        .args(args)
+        .output()
+        .expect("run lathe");
+    assert!(
+        out.status.success(),
+        "lathe {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// `lathe logits --devices 0,0` (default split) writes the file `--device 0` writes, and
+/// `--split` and one `--gpu-mem` per device reach the loader.
+#[test]
+fn cli_logits_devices_matches_device() {
+    let dir = fixtures().join("qwen35moe-tiny");
+    let model = dir.join("model-q8_0.gguf");
+    let toks = dir.join("tokens.npy");
+    let tmp = std::env::temp_dir().join(format!("lathe-multi-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out = tmp.join(name);
+        let mut args = vec![
+            "logits",
+            "-m",
+            model.to_str().unwrap(),
+            "--tokens",
+            toks.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--prefill",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        let o = lathe(&args);
+        (
+            std::fs::read(&out).unwrap(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (one, _) = run("one.npy", &["--device", "0"]);
+    let (two, log) = run("two.npy", &["--devices", "0,0"]);
+    assert!(log.contains("device 1: layers 2..4"), "{log}");
+    assert!(
+        one == two,
+        "--devices 0,0 wrote other logits than --device 0"
+    );
+    let (uneven, log) = run(
+        "uneven.npy",
+        &[
+            "--devices",
+            "0,0,0",
+            "--split",
+            "2,1,1",
+            "--gpu-mem",
+            "1GiB,2GiB,3GiB",
+        ],
+    );
+    assert!(
+        log.contains("device 0: layers 0..2") && log.contains("device 2: layers 3..4"),
+        "{log}"
+    );
+    assert!(log.contains("memory 3.00 GiB (--gpu-mem)"), "{log}");
+    assert!(
+        one == uneven,
+        "--split 2,1,1 wrote other logits than --device 0"
+    );
+    std::fs::remove_dir_all(&tmp).ok();
+}
+
+/// `lathe selftest --devices 0,0` checks each device and sums the counts.
+#[test]
+fn cli_selftest_checks_each_device() {
+    let out = lathe(&[
+        "selftest",
+        "--devices",
+        "0,0",
+        "--json",
+        "--matmul",
+        "tiled",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let devs = v["devices"].as_array().expect("one report per device");
+    assert_eq!(devs.len(), 2);
+    let each: Vec<u64> = devs.iter().map(|d| d["passed"].as_u64().unwrap()).collect();
+    assert!(each[0] > 0 && each[0] == each[1], "{each:?}");
+    assert_eq!(v["passed"].as_u64(), Some(each[0] + each[1]));
+    assert_eq!(v["failed"].as_u64(), Some(0));
+}
+
+/// Several sequences at once: a batch split into micro-batches flows through the devices
+/// one after another, and each sequence gets what one device gives that micro-batch; a
+/// prompt longer than a pass (two rounds, the first device running the second while the
+/// next runs the first) gives the one-device logits too.
+#[test]
+fn batches_micro_batches_and_rounds_match_one_device() {
+    use lathe::engine::{Logits, Want};
+    let path = fixtures().join("qwen35moe-tiny/model-q8_0.gguf");
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..5 + 3 * i).map(|j| (i * 37 + j * 11) % 512).collect())
+        .collect();
+    // Two prefill steps of the whole batch, then a decode step of each.
+    let batch = |e: &mut Engine, groups: usize| -> Vec<Vec<f32>> {
+        let mut seqs: Vec<_> = prompts.iter().map(|_| e.new_seq().unwrap()).collect();
+        let mut out = vec![Vec::new(); prompts.len()];
+        let per = prompts.len() / groups;
+        for step in 0..2 {
+            for g in 0..groups {
+                let mut items: Vec<(&mut lathe::engine::Seq, &[u32], Want)> = seqs
+                    [g * per..(g + 1) * per]
+                    .iter_mut()
+                    .zip(&prompts[g * per..(g + 1) * per])
+                    .map(|(s, p)| {
+                        let t: &[u32] = if step == 0 { p } else { &p[..1] };
+                        (s, t, Want::All)
+                    })
+                    .collect();
+                for (k, l) in e
+                    .forward_batch_with(&mut items)
+                    .unwrap()
+                    .into_iter()
+                    .enumerate()
+                {
+                    let Logits::Full(v) = l else {
+                        panic!("full logits")
+                    };
+                    out[g * per + k].extend(v);
+                }
+            }
+        }
+        out
+    };
+    for groups in [1, 2] {
+        let mut one = Engine::load(&path, &LoadOptions::default()).unwrap();
+        let want = batch(&mut one, groups);
+        drop(one);
+        let opts = LoadOptions {
+            micro_batches: groups,
+            ..on_devices(2, None, &LoadOptions::default())
+        };
+        let mut two = Engine::load(&path, &opts).unwrap();
+        let got = batch(&mut two, 1);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_same(&format!("{groups} micro-batches, sequence {i}"), g, w);
+        }
+    }
+    // 600 tokens: two rounds of a 512-row pass.
+    let long: Vec<u32> = (0..600u32).map(|j| (j * 7 + 3) % 512).collect();
+    let want = run(&path, &long, &LoadOptions::default());
+    let got = run(
+        &path,
+        &long,
+        &on_devices(2, Some(&[1.0, 1.0]), &LoadOptions::default()),
+    );
+    assert_same("a prompt of two rounds", &got, &want);
+}

@@ -61,6 +61,11 @@ pub struct MoeArgs {
     /// Default: by each adapter's memory (--gpu-mem or detected), equal where unknown.
     #[arg(long, value_name = "RATIOS", value_parser = split_arg)]
     pub split: Option<Ratios>,
+    /// With --devices: run a batch of several sequences as N micro-batches, one after
+    /// another through the devices, so each device works while the next runs the micro-batch
+    /// before (1: the whole batch at once).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub micro_batches: usize,
     /// Share of each MoE layer's experts kept on the GPU (0..1); overrides --gpu-mem.
     #[arg(long, value_name = "FRACTION", value_parser = fraction_arg)]
     pub gpu_experts: Option<f64>,
@@ -147,6 +152,7 @@ impl MoeArgs {
             opts.devices = d.0.clone();
         }
         opts.split = self.split.as_ref().map(|r| r.0.clone());
+        opts.micro_batches = self.micro_batches;
         opts.gpu_experts = self.gpu_experts;
         opts.expert_stats = self.expert_stats.clone();
         opts.save_expert_stats = self.save_expert_stats.clone();

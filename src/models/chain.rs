@@ -204,8 +204,7 @@ impl SeqState for ChainSeq {
 pub struct Chain {
     parts: Vec<Box<dyn Part>>,
     counters: Arc<HopCounters>,
-    /// Split a batch of several sequences into this many micro-batches that flow through
-    /// the parts one after another (1: the batch as one).
+    /// `LoadOptions::micro_batches`.
     pub micro_batches: usize,
 }
 
@@ -382,7 +381,7 @@ impl Chain {
             Chain {
                 parts,
                 counters: Arc::default(),
-                micro_batches: 1,
+                micro_batches: opts.micro_batches.max(1),
             },
         ))
     }
