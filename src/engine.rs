@@ -102,11 +102,32 @@ impl Engine {
 
     /// Where the routed experts are: `None` for a model without them; all on the GPU
     /// (`hot_share` 1) when no offload was needed.
+    /// A model split over several devices adds its parts' offloads up (experts without one
+    /// are all hot; the hit rate is the parts' weighted by their experts).
     pub fn placement_report(&self) -> Option<crate::moe::PlacementReport> {
-        if let Some(o) = self.offload() {
-            return Some(o.report());
-        }
         let n = self.model.routed_experts();
+        let offs = self.model.offloads();
+        if !offs.is_empty() {
+            let reps: Vec<_> = offs.iter().map(|o| o.report()).collect();
+            let cold: usize = reps.iter().map(|r| r.total_experts - r.hot_experts).sum();
+            let hot = n.saturating_sub(cold);
+            let weight: usize = reps.iter().map(|r| r.total_experts).sum();
+            let memory: Vec<String> = reps.iter().filter_map(|r| r.memory.clone()).collect();
+            return Some(crate::moe::PlacementReport {
+                hot_experts: hot,
+                total_experts: n,
+                hot_share: hot as f64 / n.max(1) as f64,
+                arena_bytes: reps.iter().map(|r| r.arena_bytes).sum(),
+                hit_rate: reps
+                    .iter()
+                    .map(|r| r.hit_rate * r.total_experts as f64)
+                    .sum::<f64>()
+                    / weight.max(1) as f64,
+                uploads: reps.iter().map(|r| r.uploads).sum(),
+                cold_pairs: reps.iter().map(|r| r.cold_pairs).sum(),
+                memory: (!memory.is_empty()).then(|| memory.join(" | ")),
+            });
+        }
         (n > 0).then(|| crate::moe::PlacementReport {
             hot_experts: n,
             total_experts: n,

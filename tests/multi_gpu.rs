@@ -401,3 +401,55 @@ fn batches_micro_batches_and_rounds_match_one_device() {
     );
     assert_same("a prompt of two rounds", &got, &want);
 }
+
+/// `lathe plan --devices` prints each device's layers and placement, and a load with the
+/// same memory per device leaves as many experts on the CPU as it reports.
+#[test]
+fn plan_devices_agrees_with_the_loader() {
+    let path = fixtures().join("qwen35moe-tiny/model-q8_0.gguf");
+    let cold_in_plan = |mem: u64| -> usize {
+        let m = format!("{mem}B");
+        let out = lathe(&[
+            "plan",
+            "-m",
+            path.to_str().unwrap(),
+            "--devices",
+            "0,0",
+            "--gpu-mem",
+            &m,
+            // The loader's run shape: `LoadOptions::default()` and Qwen3.5's pass of 512 rows.
+            "--batch",
+            "512",
+            "--seqs",
+            "4",
+        ]);
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(s.contains("device 0: layers 0..2, embedding"), "{s}");
+        assert!(s.contains("device 1: layers 2..4, output head"), "{s}");
+        let line = s
+            .lines()
+            .find_map(|l| l.strip_prefix("experts on the CPU over all devices: "))
+            .unwrap_or_else(|| panic!("no total in\n{s}"));
+        line.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    // A memory per device under which some experts but not all stay on the CPU.
+    let (mut lo, mut hi) = (1u64 << 20, 1u64 << 30);
+    let mem = loop {
+        let mid = lo + (hi - lo) / 2;
+        match cold_in_plan(mid) {
+            0 => hi = mid,
+            32 => lo = mid,
+            _ => break mid,
+        }
+        assert!(hi - lo > 1, "no memory gives a partial placement");
+    };
+    let cold = cold_in_plan(mem);
+    let opts = LoadOptions {
+        gpu_mems: vec![mem, mem],
+        ..on_devices(2, None, &LoadOptions::default())
+    };
+    let e = Engine::load(&path, &opts).unwrap();
+    let r = e.placement_report().expect("a MoE model");
+    assert_eq!(r.total_experts, 32);
+    assert_eq!(r.total_experts - r.hot_experts, cold, "{r:?}");
+}

@@ -554,4 +554,7 @@ impl Forward for Chain {
     fn hops(&self) -> Option<HopReport> {
         Some(Chain::hops(self))
     }
+    fn offloads(&self) -> Vec<&Offload> {
+        self.parts.iter().filter_map(|p| p.offload()).collect()
+    }
 }

@@ -92,6 +92,10 @@ pub trait Forward: Send {
     fn hops(&self) -> Option<chain::HopReport> {
         None
     }
+    /// Every expert offload (one per device whose part has cold experts).
+    fn offloads(&self) -> Vec<&Offload> {
+        self.offload().into_iter().collect()
+    }
 }
 
 /// One sequence's state (KV cache, recurrent state, position) for a model of any family:
