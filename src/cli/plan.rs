@@ -184,7 +184,8 @@ fn run_shape(a: &PlanArgs) -> RunShape {
 /// `lathe plan --devices`: the split (as `models::chain` makes it), then per device the
 /// budget and placement of the layers it holds.
 fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> Result<String> {
-    use lathe::models::chain::{default_ratios, parse_devices, parse_split, split_layers};
+    use lathe::models::chain::LayerBytes;
+    use lathe::models::chain::{balanced_split, parse_devices, parse_split, split_layers};
     let choices = parse_devices(list)?;
     let sizes: Vec<u64> = match &a.gpu_mem {
         Some(g) => g.split(',').map(parse_size).collect::<Result<_>>()?,
@@ -221,18 +222,24 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
             }
         }
     }
-    let ratios = match &a.split {
-        Some(r) => parse_split(r)?,
-        None => default_ratios(&mems),
+    // As `models::chain::plan_split`.
+    let ranges = match &a.split {
+        Some(r) => {
+            let ratios = parse_split(r)?;
+            if ratios.len() != choices.len() {
+                return Err(Error::Invalid(format!(
+                    "--split: {} ratios for {} devices",
+                    ratios.len(),
+                    choices.len()
+                )));
+            }
+            split_layers(info.n_layer, &ratios)?
+        }
+        None => {
+            split_layers(info.n_layer, &vec![1.0; choices.len()])?;
+            balanced_split(&LayerBytes::of(file, info.n_layer), &mems)
+        }
     };
-    if ratios.len() != choices.len() {
-        return Err(Error::Invalid(format!(
-            "--split: {} ratios for {} devices",
-            ratios.len(),
-            choices.len()
-        )));
-    }
-    let ranges = split_layers(info.n_layer, &ratios)?;
     let stats = load_stats(a, &info)?;
     let run = run_shape(a);
     let mut s = String::new();

@@ -294,7 +294,103 @@ pub fn device_memory(gpus: &[Arc<Gpu>], opts: &LoadOptions) -> Result<Vec<Adapte
         .collect())
 }
 
-/// The default shares: by memory where every device's is known, equal otherwise.
+/// Bytes of `file`'s weights by where a split puts them: per layer, the embedding's, and
+/// the rest's (output norm and head, extra blocks).
+pub struct LayerBytes {
+    pub layers: Vec<u64>,
+    pub embedding: u64,
+    pub head: u64,
+    /// The head is the embedding (no output tensor): the last device holds it too.
+    pub tied: bool,
+}
+
+impl LayerBytes {
+    pub fn of(file: &ModelFile, n_layer: usize) -> LayerBytes {
+        use crate::forward::WeightRole;
+        const EMBEDDINGS: &[&str] = &[
+            "token_embd.weight",
+            "model.embed_tokens.weight",
+            "embed.weight",
+        ];
+        const HEADS: &[&str] = &["output.weight", "lm_head.weight", "head.weight"];
+        let tied = !HEADS.iter().any(|h| file.tensor(h).is_some());
+        let embd = EMBEDDINGS
+            .iter()
+            .find(|e| file.tensor(e).is_some())
+            .copied()
+            .unwrap_or_default();
+        let mut b = LayerBytes {
+            layers: vec![0; n_layer],
+            embedding: 0,
+            head: 0,
+            tied,
+        };
+        for t in file.tensors() {
+            let n = t.data.len() as u64;
+            match PartSpec::role(t.name, n_layer, embd, tied) {
+                WeightRole::Layer(l) => b.layers[l] += n,
+                WeightRole::Embedding { .. } => b.embedding += n,
+                WeightRole::Head => b.head += n,
+            }
+        }
+        b
+    }
+
+    /// Bytes device `i` of `n` holds with `layers`.
+    fn part(&self, layers: std::ops::Range<usize>, i: usize, n: usize) -> u64 {
+        let mut b: u64 = self.layers[layers].iter().sum();
+        if i == 0 {
+            b += self.embedding;
+        }
+        if i + 1 == n {
+            b += self.head
+                + if self.tied && n > 1 {
+                    self.embedding
+                } else {
+                    0
+                };
+        }
+        b
+    }
+}
+
+/// The default split: contiguous ranges (at least one layer each) that give every device
+/// the same share of its memory, as near as whole layers allow (the largest `bytes / memory`
+/// of any device is the smallest possible), counting the embedding on the first device and
+/// the head on the last; equal memory where a device's is unknown. Cold experts then go to
+/// the CPU only when the devices together cannot hold the model.
+pub fn balanced_split(bytes: &LayerBytes, mems: &[AdapterMemory]) -> Vec<std::ops::Range<usize>> {
+    let (n, l) = (mems.len(), bytes.layers.len());
+    let mem: Vec<f64> = default_ratios(mems);
+    // best[i][j]: the smallest largest load of devices 0..=i holding layers 0..j; from[i][j]
+    // where device i's range starts.
+    let mut best = vec![vec![f64::INFINITY; l + 1]; n];
+    let mut from = vec![vec![0usize; l + 1]; n];
+    for j in 1..=l {
+        best[0][j] = bytes.part(0..j, 0, n) as f64 / mem[0];
+    }
+    for i in 1..n {
+        for j in i + 1..=l {
+            for k in i..j {
+                let load = best[i - 1][k].max(bytes.part(k..j, i, n) as f64 / mem[i]);
+                if load < best[i][j] {
+                    best[i][j] = load;
+                    from[i][j] = k;
+                }
+            }
+        }
+    }
+    let mut ranges = vec![0..0; n];
+    let mut end = l;
+    for i in (0..n).rev() {
+        let start = if i == 0 { 0 } else { from[i][end] };
+        ranges[i] = start..end;
+        end = start;
+    }
+    ranges
+}
+
+/// Shares by memory where every device's is known, equal otherwise.
 pub fn default_ratios(mems: &[AdapterMemory]) -> Vec<f64> {
     if mems.iter().any(|m| m.source == MemSource::Assumed) {
         vec![1.0; mems.len()]
@@ -318,7 +414,8 @@ pub fn plan_split(
     opts: &LoadOptions,
 ) -> Result<(Vec<std::ops::Range<usize>>, Vec<AdapterMemory>)> {
     let mems = device_memory(gpus, opts)?;
-    let ratios = match &opts.split {
+    let n_layer = n_layer(file)?;
+    let ranges = match &opts.split {
         Some(r) if r.len() != gpus.len() => {
             return Err(Error::Invalid(format!(
                 "--split: {} ratios for {} devices",
@@ -326,10 +423,14 @@ pub fn plan_split(
                 gpus.len()
             )))
         }
-        Some(r) => r.clone(),
-        None => default_ratios(&mems),
+        Some(r) => split_layers(n_layer, r)?,
+        None => {
+            // Checks the device count against the layers.
+            split_layers(n_layer, &vec![1.0; gpus.len()])?;
+            balanced_split(&LayerBytes::of(file, n_layer), &mems)
+        }
     };
-    Ok((split_layers(n_layer(file)?, &ratios)?, mems))
+    Ok((ranges, mems))
 }
 
 impl Chain {
