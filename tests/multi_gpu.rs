@@ -117,7 +117,11 @@ fn qwen3next_split_matches_one_device() {
 /// DeepSeek-V4 runs 160 tokens (its compressors' windows): fewer splits keep it fast.
 #[test]
 fn deepseek4_split_matches_one_device() {
-    check("dsv4-tiny", &LoadOptions::default(), &[None, SPLITS[1], SPLITS[3]]);
+    check(
+        "dsv4-tiny",
+        &LoadOptions::default(),
+        &[None, SPLITS[1], SPLITS[3]],
+    );
 }
 
 /// Half of each layer's experts on the CPU, placed once (no uploads): every part places

@@ -1302,3 +1302,46 @@ fn runaway_chat_template_is_a_400() {
     let (st, r) = ask("be quick");
     assert_eq!(st, 200, "{r}");
 }
+
+/// `lathe serve --devices 0,0` (two devices on one adapter, a batch in two micro-batches):
+/// greedy completions are the one-device ones, and concurrent requests all finish.
+#[test]
+fn several_devices_serve_the_same_text() {
+    let prompts = [
+        "The quick brown fox",
+        "Once upon a time",
+        "Hello",
+        "1 2 3 4",
+    ];
+    let texts = |s: &Server| -> Vec<String> {
+        prompts
+            .iter()
+            .map(|p| {
+                let (st, r) = s.post("/v1/completions", &completion(p, 8));
+                assert_eq!(st, 200, "{r}");
+                r["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let one = texts(&Server::start(&["--parallel", "4"]));
+    let s = Server::start(&[
+        "--parallel",
+        "4",
+        "--devices",
+        "0,0",
+        "--micro-batches",
+        "2",
+    ]);
+    assert_eq!(texts(&s), one, "two devices wrote other greedy text");
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| sc.spawn(|| s.post("/v1/completions", &completion(p, 8))))
+            .collect();
+        for h in hs {
+            let (st, r) = h.join().unwrap();
+            assert_eq!(st, 200, "{r}");
+            assert_eq!(r["usage"]["completion_tokens"], 8);
+        }
+    });
+}

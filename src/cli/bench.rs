@@ -136,6 +136,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
             lathe::moe::timeline::table(t)
         );
     }
+    if let Some(h) = &r.hops {
+        for (test, st) in [("prefill", &h.prefill), ("decode step", &h.decode)] {
+            if let Some(st) = st {
+                eprintln!(
+                    "{} devices, per {test}: {:.1} hops, {:.0} bytes, {:.1} µs per hop",
+                    h.devices, st.hops, st.bytes, st.us_per_hop
+                );
+            }
+        }
+    }
     if a.json {
         println!("{}", r.json());
     } else {
