@@ -200,6 +200,9 @@ impl SeqState for ChainSeq {
     }
 }
 
+/// What [`Chain::run_linked`] runs on each part with its sequences.
+type PartJob<'a, R> = dyn Fn(&mut dyn Part, &mut [&mut Seq]) -> Result<R> + Sync + 'a;
+
 /// Several parts run as one model.
 pub struct Chain {
     parts: Vec<Box<dyn Part>>,
@@ -366,8 +369,8 @@ pub fn balanced_split(bytes: &LayerBytes, mems: &[AdapterMemory]) -> Vec<std::op
     // where device i's range starts.
     let mut best = vec![vec![f64::INFINITY; l + 1]; n];
     let mut from = vec![vec![0usize; l + 1]; n];
-    for j in 1..=l {
-        best[0][j] = bytes.part(0..j, 0, n) as f64 / mem[0];
+    for (j, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = bytes.part(0..j, 0, n) as f64 / mem[0];
     }
     for i in 1..n {
         for j in i + 1..=l {
@@ -505,7 +508,7 @@ impl Chain {
     fn run_linked<R: Send>(
         &mut self,
         seqs: Vec<Vec<&mut Seq>>,
-        job: &(dyn Fn(&mut dyn Part, &mut [&mut Seq]) -> Result<R> + Sync),
+        job: &PartJob<'_, R>,
     ) -> Result<Vec<R>> {
         let n = self.parts.len();
         let mut inputs: Vec<Option<Receiver<Hidden>>> = vec![None];
