@@ -534,7 +534,12 @@ impl Chain {
                             output,
                             counters,
                         });
-                        let r = job(&mut **part, &mut seqs);
+                        // A panic too must drop the ends below, or a neighbour waits on
+                        // this part for ever.
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            job(&mut **part, &mut seqs)
+                        }))
+                        .unwrap_or_else(|_| Err(Error::Gpu("a device's part panicked".into())));
                         // Dropping the ends unblocks a neighbour waiting on this part.
                         part.link(Link::default());
                         r
