@@ -256,14 +256,24 @@ pub fn parse_split(s: &str) -> Result<Vec<f64>> {
         .collect()
 }
 
-/// Parse `--devices`: `all`, or indices and name substrings separated by commas.
+/// Parse `--devices`: `all` (every GPU adapter), or indices and name substrings separated
+/// by commas.
 pub fn parse_devices(s: &str) -> Result<Vec<AdapterChoice>> {
     if s.eq_ignore_ascii_case("all") {
-        let n = crate::gpu::list_adapters().len();
-        if n == 0 {
+        // Every GPU; a CPU adapter (lavapipe) only where there is nothing else.
+        let all = crate::gpu::list_adapters();
+        let gpus: Vec<usize> = (0..all.len())
+            .filter(|&i| all[i].device_type != wgpu::DeviceType::Cpu)
+            .collect();
+        let picked = if gpus.is_empty() {
+            (0..all.len()).collect()
+        } else {
+            gpus
+        };
+        if picked.is_empty() {
             return Err(Error::Gpu("--devices all: no GPU adapter found".into()));
         }
-        return Ok((0..n).map(AdapterChoice::Index).collect());
+        return Ok(picked.into_iter().map(AdapterChoice::Index).collect());
     }
     s.split(',')
         .map(|p| {
