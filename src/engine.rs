@@ -125,6 +125,9 @@ impl Engine {
                     / weight.max(1) as f64,
                 uploads: reps.iter().map(|r| r.uploads).sum(),
                 cold_pairs: reps.iter().map(|r| r.cold_pairs).sum(),
+                uploaded_bytes_per_token: reps.iter().map(|r| r.uploaded_bytes_per_token).sum(),
+                streamed_bytes: reps.iter().map(|r| r.streamed_bytes).sum(),
+                streamed_pairs: reps.iter().map(|r| r.streamed_pairs).sum(),
                 memory: (!memory.is_empty()).then(|| memory.join(" | ")),
             });
         }
