@@ -449,8 +449,11 @@ fn plan_devices_agrees_with_the_loader() {
         assert!(hi - lo > 1, "no memory gives a partial placement");
     };
     let cold = cold_in_plan(mem);
+    // `lathe plan` does not set aside the prefill streaming slots (`--expert-stream`) that
+    // a load takes out of the experts' budget: the load without them.
     let opts = LoadOptions {
         gpu_mems: vec![mem, mem],
+        expert_stream: lathe::engine::ExpertStream::Never,
         ..on_devices(2, None, &LoadOptions::default())
     };
     let e = Engine::load(&path, &opts).unwrap();
