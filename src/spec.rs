@@ -196,10 +196,9 @@ pub struct Speculator {
 }
 
 fn spec_of(engine: &mut Engine) -> Result<&mut dyn Speculate> {
-    engine
-        .model
-        .speculate()
-        .ok_or_else(|| Error::Unsupported("speculative decoding for this architecture".into()))
+    engine.model.speculate().ok_or_else(|| {
+        Error::Unsupported("speculative decoding: Qwen3.5 models on one device only".into())
+    })
 }
 
 impl Speculator {
