@@ -411,7 +411,7 @@ impl GpuModel {
     ) -> Result<()> {
         let sc = &self.scratch;
         match pre {
-            Some(p) => set.run_pro(pass, &sc.x, &sc.proj, n, &p),
+            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, &p, None),
             None => set.run(pass, &sc.h, &sc.proj, n),
         }
     }
@@ -436,7 +436,7 @@ impl GpuModel {
         let mp = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
         let set = self.set(&self.w.layers[l].ffn_set);
         match pre {
-            Some(p) => set.run_pro(pass, &sc.x, &sc.proj, n, &p)?,
+            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, &p, None)?,
             None => set.run_opts(pass, &sc.h, &sc.proj, n, true)?,
         }
         topk::router_softmax_topk(
@@ -530,7 +530,7 @@ impl GpuModel {
                     state_off: 0,
                     batch: &sc.batch,
                 };
-                set.run_conv(pass, &sc.x, &sc.proj, n, &p, &step)?;
+                set.run_fused(pass, &sc.x, &sc.proj, n, &p, Some(&step))?;
                 true
             }
             _ => {
@@ -877,6 +877,33 @@ impl GpuModel {
         self.linear(pass, &a.o, &sc.att_g, &sc.x, n, true)
     }
 
+    /// The shared expert of a MoE layer into `out` `[n, n_embd]`: SwiGLU of its gate and up
+    /// columns of `set`'s projections (gate `g` `[ff, n_embd]`), its down product `d`, and its
+    /// sigmoid gate (column 3).
+    fn shared_expert(
+        &self,
+        pass: &mut Pass<'_>,
+        set: &ProjSet,
+        g: &GpuTensor,
+        d: &GpuTensor,
+        out: &wgpu::Buffer,
+        n: u32,
+    ) -> Result<()> {
+        let sc = &self.scratch;
+        let e = self.hp.n_embd as u32;
+        ew::swiglu(
+            pass,
+            n,
+            g.shape[0] as u32,
+            View::new(&sc.o, 0),
+            self.col(set, 1),
+            self.col(set, 2),
+            None,
+        )?;
+        self.linear(pass, d, &sc.o, out, n, false)?;
+        ew::sigmoid_mul_row_inplace(pass, n, e, View::new(out, 0), self.col(set, 3))
+    }
+
     /// A MoE layer whose experts live in the offload's arena (recipe in `moe/mod.rs`): the
     /// same router, per-pair outputs, slot-order combine and shared expert as the stacked
     /// path below, with cold pairs computed on the CPU between passes.
@@ -905,18 +932,7 @@ impl GpuModel {
         // The shared expert while the CPU runs the cold pairs; added after the routed sum
         // as in the stacked path.
         if let Some((g, _, d, _)) = &m.shared {
-            let fs = g.shape[0] as u32;
-            ew::swiglu(
-                pass,
-                n,
-                fs,
-                View::new(&sc.o, 0),
-                self.col(set, 1),
-                self.col(set, 2),
-                None,
-            )?;
-            self.linear(pass, d, &sc.o, &sc.sh_out, n, false)?;
-            ew::sigmoid_mul_row_inplace(pass, n, e, View::new(&sc.sh_out, 0), self.col(set, 3))?;
+            self.shared_expert(pass, set, g, d, &sc.sh_out, n)?;
         }
         off.cold_ffn(pass, cold, &bufs, None)?;
         ew::moe_combine(
@@ -1025,24 +1041,7 @@ impl GpuModel {
                     return matvec::matvec_pro(pass, d, &sc.proj, g0, &sc.x, 0, n, &opts, &glu);
                 }
                 if let Some((g, _, d, _)) = &m.shared {
-                    let fs = g.shape[0] as u32;
-                    ew::swiglu(
-                        pass,
-                        n,
-                        fs,
-                        View::new(&sc.o, 0),
-                        self.col(set, 1),
-                        self.col(set, 2),
-                        None,
-                    )?;
-                    self.linear(pass, d, &sc.o, &sc.moe_out, n, false)?;
-                    ew::sigmoid_mul_row_inplace(
-                        pass,
-                        n,
-                        e,
-                        View::new(&sc.moe_out, 0),
-                        self.col(set, 3),
-                    )?;
+                    self.shared_expert(pass, set, g, d, &sc.moe_out, n)?;
                     ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.moe_out, 0))?;
                 }
                 Ok(())

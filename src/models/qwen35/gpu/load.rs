@@ -16,43 +16,25 @@ impl ProjSet {
         self.run_opts(pass, x, y, n, false)
     }
 
-    /// [`ProjSet::run`] reading `x` through `pro` (see [`matvec::matvec_pro`]); only for the
-    /// token counts [`matvec::prologue_fits`] takes.
-    pub(super) fn run_pro(
+    /// [`ProjSet::run`] reading `x` through `pro` (see [`matvec::matvec_fused`]), and with
+    /// `conv` the GDN conv step fused into the group that starts at column 0 (its first
+    /// `conv.channels` rows: the qkv member); only for the token counts
+    /// [`matvec::prologue_fits`] takes.
+    pub(super) fn run_fused(
         &self,
         pass: &mut Pass<'_>,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
         n: u32,
         pro: &Prologue<'_>,
+        conv: Option<&matvec::ConvStep<'_>>,
     ) -> Result<()> {
         let opts = MatvecOpts {
             y_stride: self.width,
             ..Default::default()
         };
         for (w, col) in &self.groups {
-            matvec::matvec_pro(pass, w, x, 0, y, *col, n, &opts, pro)?;
-        }
-        Ok(())
-    }
-
-    /// [`ProjSet::run_pro`] with the GDN conv step fused into the group that starts at column
-    /// 0 (its first `conv.channels` rows: the qkv member).
-    pub(super) fn run_conv(
-        &self,
-        pass: &mut Pass<'_>,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        n: u32,
-        pro: &Prologue<'_>,
-        conv: &matvec::ConvStep<'_>,
-    ) -> Result<()> {
-        let opts = MatvecOpts {
-            y_stride: self.width,
-            ..Default::default()
-        };
-        for (w, col) in &self.groups {
-            let c = (*col == 0).then_some(conv);
+            let c = conv.filter(|_| *col == 0);
             matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, pro, c)?;
         }
         Ok(())
