@@ -93,10 +93,43 @@ fn quantize_x(@builtin(global_invocation_id) gid: vec3<u32>) {
     let q6 = vec4<i32>(round(v6 * id));
     let q7 = vec4<i32>(round(v7 * id));
     let o = t * qp.n_blocks + blk;
+    let sum = hsum4(q0 + q1 + q2 + q3) + hsum4(q4 + q5 + q6 + q7);
+#if X2
+    // X2: a second level for the residual r = x − d·q (|r| ≤ d/2), quantized the same way, so
+    // x̂ = d·q + d₂·q₂ is within d₂/2 ≤ max|x| / 508 / 127 of x. Block o holds both levels:
+    // codes at 4o (level 1) and 4o + 2, scales at 2o and 2o + 1.
+    let r0 = v0 - d * vec4<f32>(q0);
+    let r1 = v1 - d * vec4<f32>(q1);
+    let r2 = v2 - d * vec4<f32>(q2);
+    let r3 = v3 - d * vec4<f32>(q3);
+    let r4 = v4 - d * vec4<f32>(q4);
+    let r5 = v5 - d * vec4<f32>(q5);
+    let r6 = v6 - d * vec4<f32>(q6);
+    let r7 = v7 - d * vec4<f32>(q7);
+    let rmax = max(max(max(amax4(r0), amax4(r1)), max(amax4(r2), amax4(r3))),
+                   max(max(amax4(r4), amax4(r5)), max(amax4(r6), amax4(r7))));
+    let d2 = rmax / 127.0;
+    let id2 = select(0.0, 1.0 / d2, d2 > 0.0);
+    let p0 = vec4<i32>(round(r0 * id2));
+    let p1 = vec4<i32>(round(r1 * id2));
+    let p2 = vec4<i32>(round(r2 * id2));
+    let p3 = vec4<i32>(round(r3 * id2));
+    let p4 = vec4<i32>(round(r4 * id2));
+    let p5 = vec4<i32>(round(r5 * id2));
+    let p6 = vec4<i32>(round(r6 * id2));
+    let p7 = vec4<i32>(round(r7 * id2));
+    QOUT[4u * o] = vec4<u32>(pack4xI8(q0), pack4xI8(q1), pack4xI8(q2), pack4xI8(q3));
+    QOUT[4u * o + 1u] = vec4<u32>(pack4xI8(q4), pack4xI8(q5), pack4xI8(q6), pack4xI8(q7));
+    QOUT[4u * o + 2u] = vec4<u32>(pack4xI8(p0), pack4xI8(p1), pack4xI8(p2), pack4xI8(p3));
+    QOUT[4u * o + 3u] = vec4<u32>(pack4xI8(p4), pack4xI8(p5), pack4xI8(p6), pack4xI8(p7));
+    let sum2 = hsum4(p0 + p1 + p2 + p3) + hsum4(p4 + p5 + p6 + p7);
+    SOUT[2u * o] = vec2<f32>(d, d * f32(sum));
+    SOUT[2u * o + 1u] = vec2<f32>(d2, d2 * f32(sum2));
+#else
     QOUT[2u * o] = vec4<u32>(pack4xI8(q0), pack4xI8(q1), pack4xI8(q2), pack4xI8(q3));
     QOUT[2u * o + 1u] = vec4<u32>(pack4xI8(q4), pack4xI8(q5), pack4xI8(q6), pack4xI8(q7));
-    let sum = hsum4(q0 + q1 + q2 + q3) + hsum4(q4 + q5 + q6 + q7);
     SOUT[o] = vec2<f32>(d, d * f32(sum));
+#endif
 }
 #else
 
@@ -1165,6 +1198,7 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
                                e2m1_hi(q.x) * f.x * f.y, e2m1_hi(q.y) * f.x * f.y, e2m1_hi(q.z) * f.x * f.y, e2m1_hi(q.w) * f.x * f.y);
 }
 
+#ifndef MMQ
 // matvec: 2 lanes per block, lane k = qs bytes 8k..8k+8 (elements 8k.. and 16+8k..)
 const MV_CPB = 2u;
 
@@ -1182,6 +1216,7 @@ fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
     let acc = dot(e2m1_lo(q.x), xc.v[0]) + dot(e2m1_lo(q.y), xc.v[1]) + dot(e2m1_hi(q.x), xc.v[2]) + dot(e2m1_hi(q.y), xc.v[3]);
     return (acc * f.x) * f.y;
 }
+#endif
 #endif
 
 #if TY_F8_E4M3_B128
@@ -1243,6 +1278,7 @@ fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
 #endif
 
 #if MV32
+#ifndef MMQ
 // matvec over matmul's chunks: one lane per 32-weight chunk, chunk_w dotted with x
 const MV_CPB = CPB;
 
@@ -1260,6 +1296,7 @@ fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
     return dot(w[0], xc.v[0]) + dot(w[1], xc.v[1]) + dot(w[2], xc.v[2]) + dot(w[3], xc.v[3])
          + dot(w[4], xc.v[4]) + dot(w[5], xc.v[5]) + dot(w[6], xc.v[6]) + dot(w[7], xc.v[7]);
 }
+#endif
 #endif
 
 #ifndef Q8X
@@ -1294,6 +1331,9 @@ fn gather_x(xrow: u32, blk: u32, s: u32, j: u32) -> vec4<f32> {
 #endif
 
 // ---- matvec ----
+// (left out of the int8 matmul's module, MMQ: matmul_q8.wgsl also serves types without an int8
+// matvec)
+#ifndef MMQ
 
 // Partial sums of slice c of rows at bytes rb (x of the token at element xbase).
 fn mv_step(c: u32, rb: vec4<u32>, xbase: u32) -> vec4<f32> {
@@ -1487,5 +1527,6 @@ fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
 #endif
 }
 
+#endif
 #endif
 #endif

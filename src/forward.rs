@@ -33,8 +33,9 @@ impl std::str::FromStr for AdapterChoice {
 /// Which kernels run products of many tokens (`--matmul`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulChoice {
-    /// The matrix units where the adapter has them, else the tiled kernel; models that route
-    /// on values (MoE routers, DeepSeek-V4's indexer) keep f32-level products (tiled).
+    /// The matrix units where the adapter has them, else the two-level int8 path (`Int8x2`);
+    /// models that route on values (MoE routers, DeepSeek-V4's indexer) keep f32 products
+    /// (tiled).
     #[default]
     Auto,
     /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
@@ -44,6 +45,12 @@ pub enum MatmulChoice {
     CoopSplit,
     /// The portable tiled f32 kernel.
     Tiled,
+    /// The tiled kernel with activations quantized to int8 per block of 32 (ggml's q8_1) for
+    /// weights with integer codes (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); others run tiled. llama.cpp's
+    /// numerics: the fixture bars do not all hold.
+    Int8,
+    /// As `Int8` with the residual of x quantized again (two int8 levels): f32-level products.
+    Int8x2,
 }
 
 impl std::str::FromStr for MatmulChoice {
@@ -54,8 +61,10 @@ impl std::str::FromStr for MatmulChoice {
             "coop" => Ok(MatmulChoice::Coop),
             "coop-split" => Ok(MatmulChoice::CoopSplit),
             "tiled" | "f32" => Ok(MatmulChoice::Tiled),
+            "int8" => Ok(MatmulChoice::Int8),
+            "int8x2" => Ok(MatmulChoice::Int8x2),
             _ => Err(format!(
-                "--matmul {s}: expected auto, coop, coop-split or tiled"
+                "--matmul {s}: expected auto, coop, coop-split, tiled, int8 or int8x2"
             )),
         }
     }

@@ -71,7 +71,8 @@ enum Cmd {
         /// Check each of these devices in turn (as `lathe run --devices`: `0,1`, `all`).
         #[arg(long, value_name = "LIST")]
         devices: Option<String>,
-        /// Product paths to enable: auto (every path the adapter has), coop or tiled.
+        /// Product paths to enable: auto (every path the adapter has), coop or tiled (the int8
+        /// paths are checked on every adapter).
         #[arg(long, default_value = "auto")]
         matmul: lathe::gpu::MatmulChoice,
     },

@@ -60,6 +60,11 @@ pub enum KernelPath {
     Coop,
     /// Cooperative matrices with split operands (f32-level: checked at the f32 bound).
     CoopSplit,
+    /// The tiled kernel with int8 activations (the types with integer codes; checked at the
+    /// quantization bound of x).
+    Int8,
+    /// The same with two int8 levels of x.
+    Int8x2,
 }
 
 impl KernelPath {
@@ -69,6 +74,16 @@ impl KernelPath {
             KernelPath::Tiled => "tiled",
             KernelPath::Coop => "coop",
             KernelPath::CoopSplit => "coop-split",
+            KernelPath::Int8 => "int8",
+            KernelPath::Int8x2 => "int8x2",
+        }
+    }
+
+    fn int8_levels(self) -> Option<matmul::Int8Levels> {
+        match self {
+            KernelPath::Int8 => Some(matmul::Int8Levels::One),
+            KernelPath::Int8x2 => Some(matmul::Int8Levels::Two),
+            _ => None,
         }
     }
 
@@ -195,6 +210,20 @@ fn compare(
     n_out: usize,
     f16_inputs: bool,
 ) -> Check {
+    compare_with(name, got, want, n_out, f16_inputs, |_, a| {
+        1e-4 * (1.0 + a) + if f16_inputs { a / 1024.0 } else { 0.0 }
+    })
+}
+
+/// [`compare`] with the bound of output `i` (of `a = Σ|w x|`) given by `bound`.
+fn compare_with(
+    name: String,
+    got: &[f32],
+    want: &[(usize, Option<(f64, f64)>)],
+    n_out: usize,
+    f16_inputs: bool,
+    bound: impl Fn(usize, f64) -> f64,
+) -> Check {
     let mut worst = 0f64;
     let mut detail = String::new();
     let (mut e2, mut v2) = (0f64, 0f64);
@@ -213,7 +242,7 @@ fn compare(
             }
             Some((v, a)) => {
                 let err = (g - v).abs();
-                let bound = 1e-4 * (1.0 + a) + if f16_inputs { a / 1024.0 } else { 0.0 };
+                let bound = bound(i, a);
                 e2 += err * err;
                 v2 += v * v;
                 let ratio = if err.is_nan() {
@@ -292,6 +321,10 @@ fn dense(
     match path {
         KernelPath::Matvec => matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
         KernelPath::Tiled => matmul::matmul_tiled(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
+        KernelPath::Int8 | KernelPath::Int8x2 => {
+            let levels = path.int8_levels().expect("int8 path");
+            matmul::matmul_int8(&mut pass, levels, &wt, &xb, 0, &yb, y_off, n, &opts)?
+        }
         KernelPath::Coop | KernelPath::CoopSplit => {
             let prec = path.precision().expect("coop path");
             coopmat::matmul_coop(&mut pass, prec, &wt, &xb, 0, &yb, y_off, n, &opts)?
@@ -307,18 +340,25 @@ fn dense(
             (i, Some((v + base, a)))
         })
         .collect();
+    let name = format!(
+        "{} {dt} {rows}x{cols} tokens {nt}{}",
+        path.name(),
+        if acc { " accumulate" } else { "" }
+    );
+    if let Some(levels) = path.int8_levels() {
+        // x̂ is within d/2 of x per element (d of the last level): the product moves by at
+        // most Σ_blocks d/2 · Σ|w| (the GPU's own rounding of ties or of 1/d stays inside it)
+        let q = match levels {
+            matmul::Int8Levels::One => crate::cpu::q8x::quantize_x(&x, c),
+            matmul::Int8Levels::Two => crate::cpu::q8x::quantize_x2(&x, c).1,
+        };
+        return Ok(compare_with(name, &got, &want, n_out, false, |i, a| {
+            let (t, row) = (i / r, i % r);
+            q.error_bound(t, &w.deq[row * c..][..c]) * 1.01 + 1e-4 * (1.0 + a)
+        }));
+    }
     let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
-    Ok(compare(
-        format!(
-            "{} {dt} {rows}x{cols} tokens {nt}{}",
-            path.name(),
-            if acc { " accumulate" } else { "" }
-        ),
-        &got,
-        &want,
-        n_out,
-        f16,
-    ))
+    Ok(compare(name, &got, &want, n_out, f16))
 }
 
 /// A MoE product over a route: 6 experts of 45 rows, 3 slots per token, one invalid id.
@@ -359,10 +399,18 @@ fn indexed(
         KernelPath::Matvec => matvec::matvec_indexed(
             &mut pass, &wt, &xb, 0, per_pair, &idb, 0, k, &yb, y_off, n, &opts,
         )?,
-        KernelPath::Tiled | KernelPath::Coop | KernelPath::CoopSplit => {
+        KernelPath::Tiled
+        | KernelPath::Coop
+        | KernelPath::CoopSplit
+        | KernelPath::Int8
+        | KernelPath::Int8x2 => {
             let route = MoeRoute::new(gpu, ne as u32, np as u32)?;
             matmul::route(&mut pass, &route, &idb, 0, n, k)?;
-            if let Some(prec) = path.precision() {
+            if let Some(levels) = path.int8_levels() {
+                matmul::matmul_int8_indexed(
+                    &mut pass, levels, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                )?;
+            } else if let Some(prec) = path.precision() {
                 coopmat::matmul_coop_indexed(
                     &mut pass, prec, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
                 )?;
@@ -386,18 +434,26 @@ fn indexed(
             (i, Some(w.dot(e * rows + r, &x[xq * cols..][..cols])))
         })
         .collect();
+    let name = format!(
+        "{} indexed {dt} {ne}x{rows}x{cols} tokens {nt} x per {}",
+        path.name(),
+        if per_pair { "pair" } else { "token" }
+    );
+    if let Some(levels) = path.int8_levels() {
+        // as `dense`: within the quantization bound of x's last level
+        let q = match levels {
+            matmul::Int8Levels::One => crate::cpu::q8x::quantize_x(&x, cols),
+            matmul::Int8Levels::Two => crate::cpu::q8x::quantize_x2(&x, cols).1,
+        };
+        return Ok(compare_with(name, &got, &want, n_out, false, |i, a| {
+            let (pq, r) = (i / rows, i % rows);
+            let xq = if per_pair { pq } else { pq / n_used };
+            let e = ids[pq] as usize;
+            q.error_bound(xq, &w.deq[(e * rows + r) * cols..][..cols]) * 1.01 + 1e-4 * (1.0 + a)
+        }));
+    }
     let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
-    Ok(compare(
-        format!(
-            "{} indexed {dt} {ne}x{rows}x{cols} tokens {nt} x per {}",
-            path.name(),
-            if per_pair { "pair" } else { "token" }
-        ),
-        &got,
-        &want,
-        n_out,
-        f16,
-    ))
+    Ok(compare(name, &got, &want, n_out, f16))
 }
 
 /// Real decode and prefill shapes of the released models (rows, cols).
@@ -416,11 +472,16 @@ const REAL_TYPES: [DType; 8] = [
 /// Every check for `gpu` in order: paths the device runs × stored types × shapes (`full`: the
 /// real sizes too). `each` sees every check as it finishes.
 pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
-    let mut paths = vec![KernelPath::Tiled];
+    let mut paths = vec![KernelPath::Tiled, KernelPath::Int8, KernelPath::Int8x2];
     if gpu.matmul_path().is_coop() {
         paths.push(KernelPath::Coop);
         paths.push(KernelPath::CoopSplit);
     }
+    // the int8 path only for the types with integer codes, and no MoE form
+    let runs = |p: KernelPath, dt: DType| {
+        !(p.precision().is_some() && dt == DType::F32)
+            && (p.int8_levels().is_none() || matmul::int8_supported(dt))
+    };
     let mut out = Vec::new();
     let mut push = |name: &str, r: Result<Check>| {
         let c = r.unwrap_or_else(|e| Check {
@@ -441,7 +502,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             dense(gpu, KernelPath::Matvec, dt, (33, cols, 3), false, seed),
         );
         for &p in &paths {
-            if p.precision().is_some() && dt == DType::F32 {
+            if !runs(p, dt) {
                 continue;
             }
             push(
@@ -466,7 +527,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             &format!("matvec indexed {dt}"),
             indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, seed),
         );
-        for &p in &paths {
+        for &p in paths.iter().filter(|&&p| runs(p, dt)) {
             push(
                 &format!("{} indexed {dt}", p.name()),
                 indexed(gpu, p, dt, 70, i % 2 == 1, seed),
@@ -481,6 +542,9 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
     // many row and token tiles (the last ones partial)
     for &p in &paths {
         for dt in [DType::Q4_K, DType::F16, DType::Q8_0] {
+            if !runs(p, dt) {
+                continue;
+            }
             push(
                 &format!("{} {dt} many tiles", p.name()),
                 dense(gpu, p, dt, (12288, odd_cols(dt), 300), false, 310),
@@ -489,6 +553,9 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
     }
     for &p in &paths {
         for dt in [DType::Q6_K, DType::F16] {
+            if !runs(p, dt) {
+                continue;
+            }
             push(
                 &format!("{} {dt} accumulate", p.name()),
                 dense(gpu, p, dt, (129, odd_cols(dt), 300), true, 300),
@@ -506,7 +573,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
                     &format!("matvec {dt} {rows}x{cols}"),
                     dense(gpu, KernelPath::Matvec, dt, (rows, cols, 1), false, seed),
                 );
-                for &p in &paths {
+                for &p in paths.iter().filter(|&&p| runs(p, dt)) {
                     push(
                         &format!("{} {dt} {rows}x{cols}", p.name()),
                         dense(gpu, p, dt, (rows, cols, 512), false, seed),

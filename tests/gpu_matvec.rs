@@ -746,6 +746,17 @@ const Q8X_TYPES: [DType; 5] = [
     DType::Q5_K,
 ];
 
+/// The types the int8 matmul reads as integer codes (`matmul::int8_supported`).
+const MM_Q8_TYPES: [DType; 7] = [
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q6_K,
+    DType::Q4_0,
+    DType::Q5_K,
+    DType::IQ4_NL,
+    DType::MXFP4,
+];
+
 /// x with a spread of block ranges: normals, every 5th block scaled by 30, one block of zeros.
 fn q8x_input(n: usize, seed: u64) -> Vec<f32> {
     let mut x = Rng::new(seed).normals(n, 1.0);
@@ -1026,7 +1037,7 @@ fn int8_x_variants_translate_to_every_backend() {
     let g = gpu();
     {
         let _l = serial();
-        for dt in Q8X_TYPES {
+        for dt in MM_Q8_TYPES {
             let cols = dt.block_size() as u32 * 2;
             let wt = Weight::random(dt, &[8, cols as u64], 3).upload(g);
             let xb = g.upload_f32(&vec![0.5; 2 * cols as usize], "x").unwrap();
@@ -1036,7 +1047,10 @@ fn int8_x_variants_translate_to_every_backend() {
             matvec::quantize_x(&mut pass, &xb, 0, 0, 2, cols, &mut qx).unwrap();
             let w3 = Weight::random(dt, &[2, 4, cols as u64], 3).upload(g);
             let ids = g.upload(bytemuck::cast_slice(&[1u32, 0]), "ids").unwrap();
-            for portable in [false, true] {
+            for portable in [false, true]
+                .into_iter()
+                .filter(|_| matvec::int8_x_supported(dt))
+            {
                 let o = MatvecOpts {
                     portable,
                     ..Default::default()
@@ -1045,13 +1059,26 @@ fn int8_x_variants_translate_to_every_backend() {
                 matvec::matvec_indexed_q8x(&mut pass, &w3, &qx, false, &ids, 0, 1, &yb, 0, 2, &o)
                     .unwrap();
             }
+            let route = MoeRoute::new(g, 2, 2).unwrap();
+            matmul::route(&mut pass, &route, &ids, 0, 2, 1).unwrap();
+            for l in [matmul::Int8Levels::One, matmul::Int8Levels::Two] {
+                let o = MatvecOpts::default();
+                matmul::matmul_int8(&mut pass, l, &wt, &xb, 0, &yb, 0, 2, &o).unwrap();
+                matmul::matmul_int8_indexed(
+                    &mut pass, l, &w3, &xb, 0, false, &route, 2, 1, &yb, 0, &o,
+                )
+                .unwrap();
+            }
             submit(pass);
         }
         g.wait().unwrap();
     }
     let mut n = 0;
     for spec in g.compiled_specs() {
-        if !(spec.label.contains("Q8X") || spec.label.contains("quantize_x")) {
+        if !["Q8X", "quantize_x", "matmul_q8"]
+            .iter()
+            .any(|k| spec.label.contains(k))
+        {
             continue;
         }
         n += 1;
@@ -1077,9 +1104,234 @@ fn int8_x_variants_translate_to_every_backend() {
     }
     eprintln!("{n} int8-x variants translated");
     assert!(
-        n > 2 * Q8X_TYPES.len(), // the quantizer plus matvec and matvec_id of every type
+        n > 6 * Q8X_TYPES.len(), // the quantizers plus matvec, matvec_id, two matmuls and two matmul_ids per type
         "expected the quantizer and every type's variants, got {n}"
     );
+}
+
+/// `matmul_int8` (quantize_x + matmul_q8, one or two levels) of a [rows, cols] weight split in
+/// `parts` for n tokens at strided x / y rows, accumulating, against both references of
+/// `run_q8x`: the product with the CPU's x̂ (integer sums exact: f32 tolerance plus a tie
+/// allowance, as the one-step test) and the f32 x within the quantization bound of the last
+/// level.
+fn run_mm_q8(
+    dt: DType,
+    levels: matmul::Int8Levels,
+    rows: u64,
+    cols: u64,
+    parts: &[u64],
+    nt: usize,
+    seed: u64,
+) {
+    let g = gpu();
+    let w = Weight::random(dt, &[rows, cols], seed);
+    let (r, c) = (rows as usize, cols as usize);
+    let (x_off, x_stride, y_stride) = (5usize, c + 32, r + 3);
+    let x = q8x_input(x_off + nt * x_stride, seed ^ 7);
+    let _l = serial();
+    let wt = w.upload_parts(g, parts);
+    let xb = g.upload_f32(&x, "x").unwrap();
+    let n_out = (nt - 1) * y_stride + r;
+    let init: Vec<f32> = (0..n_out + 2 * GUARD)
+        .map(|i| (i % 13) as f32 * 0.25)
+        .collect();
+    let yb = g.upload_f32(&init, "y").unwrap();
+    let opts = MatvecOpts {
+        accumulate: true,
+        x_stride: x_stride as u32,
+        y_stride: y_stride as u32,
+        ..Default::default()
+    };
+    let mut pass = g.pass();
+    matmul::matmul_int8(
+        &mut pass,
+        levels,
+        &wt,
+        &xb,
+        x_off as u32,
+        &yb,
+        GUARD as u32,
+        nt as u32,
+        &opts,
+    )
+    .unwrap();
+    submit(pass);
+    let got = g.read_f32(&yb, 0, n_out + 2 * GUARD).unwrap();
+    let rows_x: Vec<f32> = (0..nt)
+        .flat_map(|t| x[x_off + t * x_stride..][..c].to_vec())
+        .collect();
+    let (q, xh) = match levels {
+        matmul::Int8Levels::One => {
+            let q = lathe::cpu::q8x::quantize_x(&rows_x, c);
+            let xh = q.dequantize();
+            (q, xh)
+        }
+        matmul::Int8Levels::Two => {
+            let (a, b) = lathe::cpu::q8x::quantize_x2(&rows_x, c);
+            let xh = a
+                .dequantize()
+                .iter()
+                .zip(b.dequantize())
+                .map(|(u, v)| u + v)
+                .collect();
+            (b, xh)
+        }
+    };
+    let what = format!("matmul int8 {levels:?} {dt} {rows}x{cols} parts {parts:?} nt{nt}");
+    let mut worst = 0f64;
+    for i in 0..n_out + 2 * GUARD {
+        let o = i.wrapping_sub(GUARD);
+        let (t, row) = (o / y_stride, o % y_stride);
+        if i < GUARD || o >= n_out || row >= r {
+            assert_eq!(
+                got[i], init[i],
+                "{what}: element {i} outside the output was written"
+            );
+            continue;
+        }
+        let wr = &w.deq[row * c..][..c];
+        let (v, a) = w.dot(row, &xh[t * c..][..c]);
+        let tie = q.error_bound(t, wr) * 2.0 / 1000.0;
+        let sum = got[i] as f64 - init[i] as f64;
+        let err = (sum - v).abs();
+        assert!(
+            err <= 1e-4 * (1.0 + a) + tie,
+            "{what}: token {t} row {row}: {sum} want {v} (x̂ reference)"
+        );
+        let (vf, af) = w.dot(row, &x[x_off + t * x_stride..][..c]);
+        let bound = q.error_bound(t, wr) + 1e-4 * (1.0 + af);
+        let ef = (sum - vf).abs();
+        assert!(
+            ef <= bound,
+            "{what}: token {t} row {row}: {sum}, f32-x value {vf}"
+        );
+        worst = worst.max(ef / bound);
+    }
+    eprintln!("{what}: against f32 x, worst err / quantization bound = {worst:.3}");
+}
+
+#[test]
+fn int8_matmul_odd_sizes() {
+    for (i, dt) in MM_Q8_TYPES.into_iter().enumerate() {
+        let small = dt.block_size() as u64;
+        let wide = if small == 256 { 512 } else { 640 };
+        // one sub-block past a whole step, several row and token tiles with partial last ones
+        for (k, &(rows, cols, nt)) in [(1u64, small, 1usize), (7, 3 * small, 25), (130, wide, 67)]
+            .iter()
+            .enumerate()
+        {
+            let split = [rows / 3 + 1, rows - rows / 3 - 1];
+            let parts: &[u64] = if rows > 2 { &split } else { &[rows] };
+            for l in [matmul::Int8Levels::One, matmul::Int8Levels::Two] {
+                run_mm_q8(dt, l, rows, cols, parts, nt, (i * 10 + k) as u64);
+            }
+        }
+    }
+}
+
+/// MoE prefill with int8 x (`matmul_int8_indexed`, both levels) over a route: wide and thin
+/// tiles, x per token and per pair, experts split over parts, an invalid id; each output
+/// within the quantization bound of the last level (plus f32 rounding) of the f32-x product.
+#[test]
+fn int8_matmul_indexed() {
+    let g = gpu();
+    let (ne, rows, n_used) = (6usize, 45usize, 3usize);
+    for (i, dt) in MM_Q8_TYPES.into_iter().enumerate() {
+        let cols = 2 * dt.block_size();
+        let w = Weight::random(dt, &[ne as u64, rows as u64, cols as u64], 80 + i as u64);
+        let mut rng = Rng::new(90 + i as u64);
+        // 70 tokens: 210 pairs, wide tiles; 20 tokens: 60 pairs, thin ones
+        for nt in [70usize, 20] {
+            let np = nt * n_used;
+            let mut ids = Vec::new();
+            for t in 0..nt {
+                let first = (rng.uniform() * ne as f64) as usize;
+                for s in 0..n_used {
+                    ids.push(((first + 2 * s) % ne) as u32);
+                }
+                if t == 1 {
+                    ids[t * n_used + 1] = 99;
+                }
+            }
+            let _l = serial();
+            let wt = w.upload_parts(g, &[2 * rows as u64, 4 * rows as u64]);
+            let idb = g.upload(bytemuck::cast_slice(&ids), "ids").unwrap();
+            for (per_pair, levels) in [
+                (false, matmul::Int8Levels::Two),
+                (true, matmul::Int8Levels::One),
+            ] {
+                let xr = if per_pair { np } else { nt };
+                let x = q8x_input(xr * cols, (nt + i) as u64);
+                let xb = g.upload_f32(&x, "x").unwrap();
+                let yb = out_buffer(g, np * rows);
+                let route = MoeRoute::new(g, ne as u32, np as u32).unwrap();
+                let mut pass = g.pass();
+                matmul::route(&mut pass, &route, &idb, 0, nt as u32, n_used as u32).unwrap();
+                matmul::matmul_int8_indexed(
+                    &mut pass,
+                    levels,
+                    &wt,
+                    &xb,
+                    0,
+                    per_pair,
+                    &route,
+                    nt as u32,
+                    n_used as u32,
+                    &yb,
+                    GUARD as u32,
+                    &MatvecOpts::default(),
+                )
+                .unwrap();
+                submit(pass);
+                let got = g.read_f32(&yb, 0, np * rows + 2 * GUARD).unwrap();
+                let q = match levels {
+                    matmul::Int8Levels::One => lathe::cpu::q8x::quantize_x(&x, cols),
+                    matmul::Int8Levels::Two => lathe::cpu::q8x::quantize_x2(&x, cols).1,
+                };
+                let what = format!("int8 indexed {levels:?} {dt} tokens {nt} per_pair {per_pair}");
+                for k in 0..2 * GUARD {
+                    let j = if k < GUARD { k } else { np * rows + k };
+                    assert_eq!(got[j], SENTINEL, "{what}: guard {j} written");
+                }
+                for o in 0..np * rows {
+                    let (pq, r) = (o / rows, o % rows);
+                    let e = ids[pq] as usize;
+                    let v = got[GUARD + o];
+                    if e >= ne {
+                        assert_eq!(v, SENTINEL, "{what}: output {o} of an invalid id written");
+                        continue;
+                    }
+                    let xq = if per_pair { pq } else { pq / n_used };
+                    let wr = &w.deq[(e * rows + r) * cols..][..cols];
+                    let (want, a) = w.dot(e * rows + r, &x[xq * cols..][..cols]);
+                    let bound = q.error_bound(xq, wr) + 1e-4 * (1.0 + a);
+                    assert!(
+                        (v as f64 - want).abs() <= bound,
+                        "{what}: pair {pq} row {r}: {v} want {want} (bound {bound:.3e})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_matmul_errors() {
+    let g = gpu();
+    let _l = serial();
+    let f = Weight::random(DType::F16, &[8, 512], 1).upload(g);
+    let w = Weight::random(DType::Q4_K, &[8, 512], 1).upload(g);
+    let xb = g.upload_f32(&vec![0.5; 1024], "x").unwrap();
+    let yb = g.buffer(64 * 4, "y").unwrap();
+    let mut pass = g.pass();
+    let o = MatvecOpts::default();
+    let l = matmul::Int8Levels::Two;
+    // no integer codes, no tokens, x or y too short
+    assert!(matmul::matmul_int8(&mut pass, l, &f, &xb, 0, &yb, 0, 1, &o).is_err());
+    assert!(matmul::matmul_int8(&mut pass, l, &w, &xb, 0, &yb, 0, 0, &o).is_err());
+    assert!(matmul::matmul_int8(&mut pass, l, &w, &xb, 0, &yb, 0, 3, &o).is_err());
+    assert!(matmul::matmul_int8(&mut pass, l, &w, &xb, 0, &yb, 60, 2, &o).is_err());
+    drop(pass);
 }
 
 #[test]

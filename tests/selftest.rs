@@ -37,7 +37,7 @@ fn selftest_runs_every_check_and_summarises() {
     // one line per check before the summary, every one passing
     assert_eq!(lines.len(), passed + 1);
     assert!(lines[..passed].iter().all(|l| l.starts_with("ok ")));
-    for path in ["matvec", "tiled"] {
+    for path in ["matvec", "tiled", "int8", "int8x2"] {
         assert!(
             lines
                 .iter()
@@ -65,7 +65,8 @@ fn selftest_json_counts_match() {
 fn matmul_flag_is_checked_and_reported() {
     let out = lathe(&["selftest", "--matmul", "fast"]);
     assert_eq!(out.status.code(), Some(2), "clap rejects an unknown path");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("auto, coop, coop-split or tiled"));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("auto, coop, coop-split, tiled, int8 or int8x2"));
 
     let model = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/models/qwen35-tiny/model-q8_0.gguf");
@@ -106,6 +107,15 @@ fn matmul_flag_is_checked_and_reported() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
     assert_eq!(v["matmul"], "tiled");
+    // the int8 paths run on every adapter; a Q8_0 file's products take them
+    for path in ["int8", "int8x2"] {
+        let out = lathe(&[
+            "bench", "-m", model, "-p", "40", "-n", "0", "-r", "1", "--json", "--matmul", path,
+        ]);
+        assert!(out.status.success());
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+        assert_eq!(v["matmul"], path);
+    }
 }
 
 /// `--matmul auto` keeps f32-level products for the models that pick a top-k from computed

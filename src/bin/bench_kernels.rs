@@ -13,6 +13,7 @@
 
 use clap::Parser;
 use lathe::gpu::coopmat::Precision::{Split as SPLIT, F16};
+use lathe::gpu::matmul::Int8Levels::{One as I8, Two as I8X2};
 use lathe::gpu::matvec::{self, MatvecOpts, Tune};
 use lathe::gpu::{coopmat, matmul};
 use lathe::gpu::{AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineSpec};
@@ -369,6 +370,10 @@ fn main() -> Result<()> {
             let yp = gpu.buffer(rows * 4 * np as u64, "yp")?;
             let per_pass = if cpu { 1 } else { 8 };
             let mut kinds = vec![("tiled", parse_variant("-"))];
+            if matmul::int8_supported(dt) {
+                kinds.push(("int8", parse_variant("-")));
+                kinds.push(("int8x2", parse_variant("-")));
+            }
             if coopmat::usable(&gpu, dt).is_some() {
                 kinds.extend(variants.iter().map(|v| ("coop", *v)));
                 kinds.push(("split", parse_variant("-")));
@@ -386,6 +391,8 @@ fn main() -> Result<()> {
                             "split" => {
                                 coopmat::matmul_coop(pass, SPLIT, w, &xp, 0, &yp, 0, np, &o)?
                             }
+                            "int8" => matmul::matmul_int8(pass, I8, w, &xp, 0, &yp, 0, np, &o)?,
+                            "int8x2" => matmul::matmul_int8(pass, I8X2, w, &xp, 0, &yp, 0, np, &o)?,
                             _ => matmul::matmul_tiled(pass, w, &xp, 0, &yp, 0, np, &o)?,
                         }
                     }

@@ -42,8 +42,10 @@ pub struct ModelArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct MoeArgs {
     /// Kernels of products over many tokens (prefill, batches): auto (the GPU's matrix
-    /// units where it has them), coop (cooperative matrices; an error where absent) or tiled
-    /// (the portable f32 kernel, exact f32 activations).
+    /// units where it has them, else int8x2; tiled for models that route on values), coop
+    /// (cooperative matrices, f16 operands; an error where absent), coop-split (f32-level
+    /// matrix units), int8x2 (two-level int8 activations, f32-level), int8 (one level, as
+    /// llama.cpp) or tiled (the f32 kernel, exact f32 activations).
     #[arg(long, value_name = "PATH", default_value = "auto")]
     pub matmul: lathe::gpu::MatmulChoice,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed

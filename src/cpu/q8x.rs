@@ -44,6 +44,16 @@ pub fn quantize_x(x: &[f32], cols: usize) -> QuantizedX {
     QuantizedX { qs, scales, cols }
 }
 
+/// Two levels (the GPU's `X2` quantizer, `--matmul int8x2`): the first as [`quantize_x`], the
+/// second the residual `x − d·q` quantized the same way, so x̂ = d·q + d₂·q₂ and the error
+/// bound is the second level's [`QuantizedX::error_bound`].
+pub fn quantize_x2(x: &[f32], cols: usize) -> (QuantizedX, QuantizedX) {
+    let one = quantize_x(x, cols);
+    let r: Vec<f32> = x.iter().zip(one.dequantize()).map(|(v, h)| v - h).collect();
+    let two = quantize_x(&r, cols);
+    (one, two)
+}
+
 impl QuantizedX {
     /// Rebuilds the blocks from the GPU layout: `words` [rows, cols/32, 8] (4 codes per u32,
     /// little-endian) and `scales` [rows, cols/32, 2].

@@ -77,6 +77,10 @@ pub enum MatmulPath {
     Coop = 2,
     /// Cooperative matrices with every operand split into two f16 parts.
     CoopSplit = 3,
+    /// The tiled kernel with int8 activations (`matmul_q8`) for the types with integer codes.
+    Int8 = 4,
+    /// As `Int8` with a second int8 level for the residual of x (f32-level products).
+    Int8x2 = 5,
 }
 
 impl MatmulPath {
@@ -86,6 +90,8 @@ impl MatmulPath {
             MatmulPath::Tiled => "tiled",
             MatmulPath::Coop => "coop",
             MatmulPath::CoopSplit => "coop-split",
+            MatmulPath::Int8 => "int8",
+            MatmulPath::Int8x2 => "int8x2",
         }
     }
 
@@ -154,6 +160,8 @@ pub fn matmul_paths(index: usize) -> Vec<(MatmulPath, std::result::Result<(), St
         (MatmulPath::Tiled, Ok(())),
         (MatmulPath::Coop, coop_supported(&a, &limits)),
         (MatmulPath::CoopSplit, coop_supported(&a, &limits)),
+        (MatmulPath::Int8, Ok(())),
+        (MatmulPath::Int8x2, Ok(())),
     ]
 }
 
@@ -163,11 +171,15 @@ impl Gpu {
         Gpu::with_matmul(choice, MatmulChoice::Auto, false)
     }
 
-    /// The device of `choice`, running many-token products on `matmul`; `auto_exact`: `auto`
-    /// keeps f32-level products (for models that route on values, whose top-k choices f16
-    /// rounding upstream would flip) on the fastest such path: the tiled kernel, which
-    /// measured as fast as the split-operand matrix path on the H200 (2.22 against 2.24 ms
-    /// for a Q4_K 12288x4096 product of 512 tokens).
+    /// The device of `choice`, running many-token products on `matmul`. `auto` takes the
+    /// matrix units where the adapter has them, else the two-level int8 path (`Int8x2`; types
+    /// without integer codes run tiled beside it). With `auto_exact` (models that route on
+    /// values, whose top-k choices any rounding upstream can flip at a near-tie) it keeps f32
+    /// products on the tiled kernel: on DeepSeek-V4's dims fixture (300 tokens) int8x2 (error
+    /// ≤ max|x|/64516 per block) moves the logits by RMS 2.9e-2, past the 0.02 bar, where the
+    /// tiled kernel is at 4e-6. Measured on the H200, 12288x4096 Q4_K x 512 tokens: coop
+    /// 0.83 ms, int8 0.95, int8x2 1.68, tiled 2.22, coop-split 2.24; on lavapipe int8x2 runs
+    /// at 1.4x the tiled kernel.
     pub fn with_matmul(
         choice: &AdapterChoice,
         matmul: MatmulChoice,
@@ -209,10 +221,12 @@ impl Gpu {
         let coop_ok = coop_supported(&adapter, &limits);
         let matmul = match (matmul, coop_ok) {
             (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
+            (MatmulChoice::Int8, _) => MatmulPath::Int8,
+            (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
             (MatmulChoice::Auto, _) if auto_exact => MatmulPath::Tiled,
             (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
             (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
-            (MatmulChoice::Auto, Err(_)) => MatmulPath::Tiled,
+            (MatmulChoice::Auto, Err(_)) => MatmulPath::Int8x2,
             (MatmulChoice::Coop | MatmulChoice::CoopSplit, Err(why)) => {
                 return Err(Error::Gpu(format!(
                     "{}: --matmul {}: no cooperative-matrix path ({why})",
@@ -303,7 +317,9 @@ impl Gpu {
 
     /// The paths many-token products ran on since the last call (`lathe bench --json`
     /// `"matmul"`): `Coop` when any product took the matrix units (products kept in f32 on
-    /// purpose, `MatvecOpts::exact`, run tiled beside them), else `Tiled`, else `None`.
+    /// purpose, `MatvecOpts::exact`, run tiled beside them), else `Int8` when any took int8
+    /// activations (weights without integer codes run tiled beside them), else `Tiled`, else
+    /// `None`.
     pub fn take_matmul(&self) -> MatmulPath {
         let used = self
             .last_matmul
@@ -312,6 +328,10 @@ impl Gpu {
             MatmulPath::Coop
         } else if used & (1 << MatmulPath::CoopSplit as u8) != 0 {
             MatmulPath::CoopSplit
+        } else if used & (1 << MatmulPath::Int8 as u8) != 0 {
+            MatmulPath::Int8
+        } else if used & (1 << MatmulPath::Int8x2 as u8) != 0 {
+            MatmulPath::Int8x2
         } else if used & (1 << MatmulPath::Tiled as u8) != 0 {
             MatmulPath::Tiled
         } else {

@@ -10,12 +10,23 @@
 
 use super::matvec::{self, check_span, x_vec, Geometry, MatvecOpts};
 use super::{coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = concat!(
     include_str!("../../shaders/matvec.wgsl"),
     include_str!("../../shaders/matmul.wgsl")
 );
+
+/// The int8-activation kernel (`matmul_q8`), compiled after matvec.wgsl with `Q8X` and `MMQ`
+/// (which leaves matvec's own kernels out).
+pub(crate) const SRC_Q8: &str = concat!(
+    include_str!("../../shaders/matvec.wgsl"),
+    include_str!("../../shaders/matmul_q8.wgsl")
+);
+
+/// Rows × tokens of one `matmul_q8` workgroup.
+const BM_Q8: u32 = 64;
+const BN_Q8: u32 = 64;
 
 /// Rows × tokens of one workgroup's tile (`BM`, `BN` in matmul.wgsl; `BN` is also the pairs
 /// per tile of a [`MoeRoute`]).
@@ -78,6 +89,8 @@ pub fn matmul_opts(
         matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
     } else if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype).filter(|_| !opts.exact) {
         coopmat::matmul_coop(pass, prec, w, x, x_off, y, y_off, n_tokens, opts)
+    } else if let Some(levels) = int8_levels(pass.gpu(), w).filter(|_| !opts.exact) {
+        matmul_int8(pass, levels, w, x, x_off, y, y_off, n_tokens, opts)
     } else {
         matmul_tiled(pass, w, x, x_off, y, y_off, n_tokens, opts)
     }
@@ -153,6 +166,133 @@ pub fn matmul_tiled(
         );
     }
     gpu.note_matmul(MatmulPath::Tiled);
+    Ok(())
+}
+
+/// Whether [`matmul_int8`] reads `dt`'s weights as integer codes: the types of the int8
+/// matvec ([`matvec::int8_x_supported`]) and the two whose value tables are int8 in ggml
+/// (IQ4_NL, MXFP4).
+pub fn int8_supported(dt: DType) -> bool {
+    matvec::int8_x_supported(dt) || matches!(dt, DType::IQ4_NL | DType::MXFP4)
+}
+
+/// How many int8 levels x takes in [`matmul_int8`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Levels {
+    /// x̂ = d·q per block of 32 (ggml's q8_1): within max|x|/254 of x.
+    One,
+    /// x̂ = d·q + d₂·q₂, the residual quantized again: within max|x|/64516 of x.
+    Two,
+}
+
+/// The int8 levels `gpu` runs `w`'s many-token products with (`--matmul int8|int8x2`): for
+/// types with integer codes ([`int8_supported`]) and whole 32-value blocks per row.
+pub fn int8_levels(gpu: &Gpu, w: &GpuTensor) -> Option<Int8Levels> {
+    let levels = match gpu.matmul_path() {
+        MatmulPath::Int8 => Int8Levels::One,
+        MatmulPath::Int8x2 => Int8Levels::Two,
+        _ => return None,
+    };
+    let fits = int8_supported(w.dtype)
+        && Geometry::of(w, w.shape.len() > 2).is_ok_and(|g| g.cols % matvec::Q8X_BLOCK == 0);
+    fits.then_some(levels)
+}
+
+fn pipeline_q8(
+    gpu: &Gpu,
+    geo: &Geometry,
+    entry: &'static str,
+    two: bool,
+    thin: bool,
+) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+    let label = format!(
+        "{entry}{}{}_{}",
+        if two { "_x2" } else { "" },
+        if thin { "_thin" } else { "" },
+        geo.label(false, false)
+    );
+    let spec = PipelineSpec::new(label, SRC_Q8, entry)
+        .define("Q8X", "true")
+        .define("MMQ", "true")
+        .define("X2", two)
+        .define("THIN", thin);
+    gpu.pipeline(&geo.defines(spec, false, false))
+}
+
+/// `Y = X Wᵀ` with x quantized to int8 per block of 32 first ([`matvec::quantize_x`], ggml's
+/// block_q8_1, in one or two levels) and the weights' integer codes multiplied four at a time
+/// (`matmul_q8`); `w` of a type [`int8_supported`] lists, with a multiple of 32
+/// columns. Shapes and `opts` (accumulate, strides) as [`matmul_tiled`]. The error against f32
+/// x is at most Σ_blocks e · Σ|w| per output, e = d/2 (one level) or d₂/2 (two).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_int8(
+    pass: &mut Pass<'_>,
+    levels: Int8Levels,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, false)?;
+    if !int8_supported(geo.dtype) || geo.cols % matvec::Q8X_BLOCK != 0 {
+        return Err(Error::Unsupported(format!(
+            "{}: int8-x matmul of {} weights with {} columns",
+            w.name, w.dtype, geo.cols
+        )));
+    }
+    if n_tokens == 0 || n_tokens.div_ceil(BN_Q8) > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: matmul of {n_tokens} tokens",
+            w.name
+        )));
+    }
+    let (x_stride, y_stride) = geo.strides(opts);
+    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let two = levels == Int8Levels::Two;
+    // two levels: twice the blocks (the cache sizes by rows × columns)
+    let mut qx = matvec::QuantX::cached(gpu, n_tokens * (1 + two as u32), geo.cols)?;
+    matvec::quantize_x_levels(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx, two)?;
+    let pipe = pipeline_q8(gpu, &geo, "matmul_q8", two, false)?;
+    for part in &w.parts {
+        let rows = part.n_rows as u32;
+        if rows.div_ceil(BM_Q8) > MAX_GROUPS {
+            return Err(Error::Invalid(format!(
+                "{}: {rows} rows in one part",
+                w.name
+            )));
+        }
+        let mut prm = geo.params(rows, false);
+        // blocks of token t's x start at block (x_off + t * x_stride) / 32 of the scratch
+        prm.x_off = 0;
+        prm.x_stride = geo.cols;
+        prm.y_off = y_off + part.row_start as u32;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.n_tokens = n_tokens;
+        pass.dispatch(
+            &pipe,
+            &w.name,
+            &prm,
+            &[
+                (&part.buffer).into(),
+                (&part.buffer).into(),
+                (&qx.qs).into(),
+                y.into(),
+                Binding::from(&qx.scales),
+            ],
+            [rows.div_ceil(BM_Q8), n_tokens.div_ceil(BN_Q8), 1],
+        );
+    }
+    gpu.note_matmul(if two {
+        MatmulPath::Int8x2
+    } else {
+        MatmulPath::Int8
+    });
     Ok(())
 }
 
@@ -312,11 +452,99 @@ pub fn matmul_indexed(
         coopmat::matmul_coop_indexed(
             pass, prec, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
         )
+    } else if let Some(levels) = int8_levels(pass.gpu(), w) {
+        matmul_int8_indexed(
+            pass, levels, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
+        )
     } else {
         matmul_indexed_tiled(
             pass, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
         )
     }
+}
+
+/// [`matmul_indexed`] with int8 activations ([`matmul_int8`]'s kernel over the route): the x
+/// rows (one per pair when `x_per_pair`, else per token) are quantized first.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_int8_indexed(
+    pass: &mut Pass<'_>,
+    levels: Int8Levels,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_per_pair: bool,
+    r: &MoeRoute,
+    n_tokens: u32,
+    n_used: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, true)?;
+    if !int8_supported(geo.dtype) || geo.cols % matvec::Q8X_BLOCK != 0 {
+        return Err(Error::Unsupported(format!(
+            "{}: int8-x matmul of {} weights with {} columns",
+            w.name, w.dtype, geo.cols
+        )));
+    }
+    let n_pairs = r.check(w, n_tokens, n_used)?;
+    let (x_stride, y_stride) = geo.strides(opts);
+    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
+    let thin = n_pairs < THIN_PAIRS * r.n_expert;
+    let slots = r.max_tiles(n_pairs) * if thin { BN / BN_THIN } else { 1 };
+    let row_tiles = geo.rows.div_ceil(BM_Q8);
+    if slots > MAX_GROUPS || row_tiles > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: grid of {row_tiles} x {slots} tiles",
+            w.name
+        )));
+    }
+    let two = levels == Int8Levels::Two;
+    let mut qx = matvec::QuantX::cached(gpu, x_rows * (1 + two as u32), geo.cols)?;
+    matvec::quantize_x_levels(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx, two)?;
+    let pipe = pipeline_q8(gpu, &geo, "matmul_q8_id", two, thin)?;
+    let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
+    for part in &w.parts {
+        let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
+        let mut prm = geo.params(geo.rows, false);
+        prm.x_off = 0;
+        prm.x_stride = geo.cols;
+        prm.y_off = y_off;
+        prm.y_stride = y_stride;
+        prm.accumulate = opts.accumulate as u32;
+        prm.n_used = n_used;
+        prm.e_lo = e_lo as u32;
+        prm.e_n = e_n as u32;
+        prm.expert_bytes = expert_bytes as u32;
+        prm.x_per_pair = x_per_pair as u32;
+        prm.n_tokens = n_pairs;
+        prm.n_expert = r.n_expert;
+        prm.tiles_off = r.tiles_off;
+        prm.pairs_off = r.pairs_off;
+        pass.dispatch(
+            &pipe,
+            &w.name,
+            &prm,
+            &[
+                (&part.buffer).into(),
+                (&part.buffer).into(),
+                (&qx.qs).into(),
+                y.into(),
+                (&qx.scales).into(),
+                Binding::from(&r.buffer),
+            ],
+            [row_tiles, slots, 1],
+        );
+    }
+    gpu.note_matmul(if two {
+        MatmulPath::Int8x2
+    } else {
+        MatmulPath::Int8
+    });
+    Ok(())
 }
 
 /// [`matmul_indexed`] on the tiled f32 kernel whatever the device offers.

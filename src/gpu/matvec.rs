@@ -820,29 +820,30 @@ impl QuantX {
         self.capacity
     }
 
-    /// The scratch behind [`MatvecOpts::int8_x`]: one per device, grown to the largest x
-    /// seen. Each use quantizes into it right before its product in the same pass, so
-    /// products in sequence may share it; a grown replacement leaves the old buffers to the
-    /// passes that recorded them. (Keyed by the device, which it keeps alive.)
-    fn cached(gpu: &Gpu, n_tokens: u32, cols: u32) -> Result<QuantX> {
-        static CACHE: std::sync::Mutex<Vec<(wgpu::Device, QuantX)>> =
-            std::sync::Mutex::new(Vec::new());
-        let need = n_tokens as u64 * cols.div_ceil(Q8X_BLOCK) as u64;
-        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
-        let i = match cache.iter().position(|(d, _)| *d == gpu.device) {
-            Some(i) => i,
-            None => {
-                cache.push((gpu.device.clone(), QuantX::with_blocks(gpu, need.max(1))?));
-                cache.len() - 1
-            }
-        };
-        if cache[i].1.capacity < need {
-            // grow by half again so a slowly rising token count does not reallocate each time
-            let blocks = need.max(cache[i].1.capacity + cache[i].1.capacity / 2);
-            cache[i].1 =
-                QuantX::with_blocks(gpu, blocks).or_else(|_| QuantX::with_blocks(gpu, need))?;
+    /// The scratch behind [`MatvecOpts::int8_x`] and the int8 matmul: the device's scratch
+    /// buffers (`Gpu::scratch`), grown to the largest x seen. Each use quantizes into it right
+    /// before its product in the same pass, so products in sequence may share it; a grown
+    /// replacement leaves the old buffers to the passes that recorded them.
+    pub(crate) fn cached(gpu: &Gpu, n_tokens: u32, cols: u32) -> Result<QuantX> {
+        let blocks = (n_tokens as u64 * cols.div_ceil(Q8X_BLOCK) as u64).max(1);
+        let bytes = blocks * Q8X_BLOCK as u64;
+        if bytes > gpu.max_binding() {
+            return Err(Error::Invalid(format!(
+                "int8 x scratch of {bytes} bytes exceeds the binding limit {}",
+                gpu.max_binding()
+            )));
         }
-        Ok(cache[i].1.clone())
+        let qs = gpu.scratch("lathe.quant_x.qs", bytes)?;
+        let scales = gpu.scratch("lathe.quant_x.scales", blocks * 8)?;
+        // what both buffers hold (each may have grown past the request on its own)
+        let capacity = (qs.size() / Q8X_BLOCK as u64).min(scales.size() / 8);
+        Ok(QuantX {
+            qs,
+            scales,
+            capacity,
+            cols: 0,
+            n_tokens: 0,
+        })
     }
 }
 
@@ -860,6 +861,23 @@ pub fn quantize_x(
     cols: u32,
     qx: &mut QuantX,
 ) -> Result<()> {
+    quantize_x_levels(pass, x, x_off, x_stride, n_tokens, cols, qx, false)
+}
+
+/// [`quantize_x`], with `two`: each block also holds its residual `x − d·q` quantized the same
+/// way (d₂, q₂; shader define X2), interleaved per block (codes of block o at 4o and 4o + 2 in
+/// vec4 units, scales at 2o and 2o + 1), so the scratch needs twice the blocks.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_x_levels(
+    pass: &mut Pass<'_>,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_stride: u32,
+    n_tokens: u32,
+    cols: u32,
+    qx: &mut QuantX,
+    two: bool,
+) -> Result<()> {
     let gpu = pass.gpu();
     let x_stride = if x_stride == 0 { cols } else { x_stride };
     if cols == 0 || !cols.is_multiple_of(Q8X_BLOCK) || !(1..=MAX_GROUPS).contains(&n_tokens) {
@@ -868,15 +886,23 @@ pub fn quantize_x(
         )));
     }
     let n_blocks = cols / Q8X_BLOCK;
-    if n_tokens as u64 * n_blocks as u64 > qx.capacity {
+    let levels = if two { 2 } else { 1 };
+    if levels * n_tokens as u64 * n_blocks as u64 > qx.capacity {
         return Err(Error::Invalid(format!(
             "int8 x: {n_tokens} rows of {cols} values exceed the scratch of {} blocks",
             qx.capacity
         )));
     }
     check_span("int8 x", "x", x, x_off, x_stride, n_tokens, cols)?;
+    let label = if two {
+        "matvec_quantize_x2"
+    } else {
+        "matvec_quantize_x"
+    };
     let pipe = gpu.pipeline(
-        &PipelineSpec::new("matvec_quantize_x", SRC, "quantize_x").define("QUANT_X", "true"),
+        &PipelineSpec::new(label, SRC, "quantize_x")
+            .define("QUANT_X", "true")
+            .define("X2", two),
     )?;
     let prm = QParams {
         n_blocks,
