@@ -494,6 +494,16 @@ fn generation_unchanged(path: &Path, sampled: bool) {
             st.tokens_per_forward()
         );
     }
+    // Every draft taken as accepted (`--accept-all`): the MTP block then reads all k + 1
+    // trunk rows of each verify pass and chains on its own output.
+    let all = SpecOptions {
+        accept_all: true,
+        ..spec(SpecMode::Mtp, 3)
+    };
+    let (got, stats) = gen(&mut eng, SamplerConfig::greedy(), all, 17);
+    let st = stats.expect("speculation ran");
+    assert_eq!((got.len(), st.accepted, st.drafted), (17, 12, 12));
+    assert_eq!(st.tokens_per_forward(), 4.0);
     if !sampled {
         return;
     }
