@@ -377,9 +377,9 @@ impl GpuModel {
     }
 
     /// The head over the rows of the residual stream `x`: fold (sigmoid gate) and final norm
-    /// into `h`, then the top rows' logits and top-k (each row's head one call, as a decode
-    /// step's, so the values are bit-identical), then the wanted runs packed into the logits
-    /// buffer (more passes, each read back, only when they outgrow it). Submits `pass`.
+    /// into `h`, then the top rows' logits (matvec, so each row's values are a decode
+    /// step's) and top-k, then the wanted runs packed into the logits buffer (more passes,
+    /// each read back, only when they outgrow it). Submits `pass`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn head(
         &self,
@@ -409,16 +409,27 @@ impl GpuModel {
         let v = hp.n_vocab;
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {
-            for (j, &r) in chunk.iter().enumerate() {
+            // One product per run of consecutive rows (a verify pass, a batch's decode
+            // rows), at most matvec's rows: those have one-token bits.
+            let mut j = 0;
+            while j < chunk.len() {
+                let mut m = 1;
+                while j + m < chunk.len()
+                    && chunk[j + m] == chunk[j] + m
+                    && m < matvec::MAX_TOKENS as usize
+                {
+                    m += 1;
+                }
                 matmul::matmul(
                     &mut pass,
                     &self.w.output,
                     &sc.h,
-                    (r * hp.n_embd) as u32,
+                    (chunk[j] * hp.n_embd) as u32,
                     &sc.logits,
                     (j * v) as u32,
-                    1,
+                    m as u32,
                 )?;
+                j += m;
             }
             let rows = chunk.len() as u32;
             sc.top.record(
