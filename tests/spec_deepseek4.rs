@@ -350,7 +350,17 @@ fn mtp_block_matches_numpy_reference() {
         d,
         "drafts in one call"
     );
-    drop((seq, seq2, seq3, eng));
+    // A trimmed draft head picks among the first 64 tokens: the best of the last row's.
+    let last = full(&rows[p.len() - 1]);
+    let mut seq4 = eng.new_seq().unwrap();
+    let s = eng.model.speculate().unwrap();
+    s.set_draft_vocab(Some(64)).unwrap();
+    s.feed(&mut seq4, &p, Want::None).unwrap();
+    let trimmed = s.mtp_drafts(&seq4, &next, 2).unwrap();
+    assert_eq!(trimmed[0], argmax(&last[..64]), "--draft-vocab 64");
+    assert!(trimmed[1] < 64);
+    s.set_draft_vocab(None).unwrap();
+    drop((seq, seq2, seq3, seq4, eng));
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -517,8 +527,14 @@ fn generation_unchanged(path: &Path, sampled: bool) {
             ..Default::default()
         };
         let (plain, _) = gen(&mut eng, sampler.clone(), spec(SpecMode::Off, 1), 12);
-        let (got, _) = gen(&mut eng, sampler, spec(SpecMode::Mtp, 3), 12);
+        let (got, _) = gen(&mut eng, sampler.clone(), spec(SpecMode::Mtp, 3), 12);
         assert_eq!(got, plain, "sampled at seed {seed}");
+        let trimmed = SpecOptions {
+            draft_vocab: Some(64),
+            ..spec(SpecMode::Mtp, 2)
+        };
+        let (got, _) = gen(&mut eng, sampler, trimmed, 12);
+        assert_eq!(got, plain, "sampled at seed {seed}, --draft-vocab 64");
     }
 }
 

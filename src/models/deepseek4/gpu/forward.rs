@@ -26,6 +26,15 @@ pub(super) struct Part {
     pub rowwise: bool,
 }
 
+/// The output head a pass ends with (the model's, or a draft's first rows only, see
+/// `Speculate::set_draft_vocab`) and the buffer its top-k goes to.
+pub(super) struct HeadOut<'a> {
+    /// [n_vocab, n_embd]
+    pub w: &'a GpuTensor,
+    pub top: &'a topk::LogitsTop,
+    pub n_vocab: usize,
+}
+
 /// The rows of a pass whose best logits come back, and one `k` (the largest asked) for all.
 #[derive(Default)]
 pub(super) struct TopReq {
@@ -317,7 +326,13 @@ impl GpuModel {
             (Vec::new(), Vec::new())
         } else {
             let hh = &self.w.hc_head;
-            self.head(pass, hh, &self.w.output_norm, nt, wants, top, &mut prof)?
+            let out = HeadOut {
+                w: &self.w.output,
+                top: &sc.top,
+                n_vocab: hp.n_vocab,
+            };
+            let norm = &self.w.output_norm;
+            self.head(pass, hh, norm, &out, nt, wants, top, &mut prof)?
         };
         if let (Some(all), Some(new)) = (self.profile.as_mut(), prof) {
             all.extend(new);
@@ -386,6 +401,7 @@ impl GpuModel {
         mut pass: Pass<'_>,
         hh: &weights::Hc<GpuTensor>,
         out_norm: &GpuTensor,
+        out: &HeadOut<'_>,
         nt: u32,
         wants: &[(usize, usize)],
         top: &TopReq,
@@ -406,7 +422,7 @@ impl GpuModel {
             norm: out_norm,
         };
         hc::head(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
-        let v = hp.n_vocab;
+        let v = out.n_vocab;
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {
             // One product per run of consecutive rows (a verify pass, a batch's decode
@@ -422,7 +438,7 @@ impl GpuModel {
                 }
                 matmul::matmul(
                     &mut pass,
-                    &self.w.output,
+                    out.w,
                     &sc.h,
                     (chunk[j] * hp.n_embd) as u32,
                     &sc.logits,
@@ -432,7 +448,7 @@ impl GpuModel {
                 j += m;
             }
             let rows = chunk.len() as u32;
-            sc.top.record(
+            out.top.record(
                 &mut pass,
                 View::new(&sc.logits, 0),
                 rows,
@@ -465,7 +481,7 @@ impl GpuModel {
             let p = pending.get_or_insert_with(|| gpu.pass());
             matmul::matmul(
                 p,
-                &self.w.output,
+                out.w,
                 &sc.h,
                 (r * hp.n_embd) as u32,
                 &sc.logits,
@@ -482,7 +498,7 @@ impl GpuModel {
         if let Some(p) = pending {
             p.submit_or_profile(prof.as_mut())?;
         }
-        let tops = sc.top.read(&gpu, r0, top.k, top.lse)?;
+        let tops = out.top.read(&gpu, r0, top.k, top.lse)?;
         Ok((logits, tops))
     }
 

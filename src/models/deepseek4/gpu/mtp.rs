@@ -16,7 +16,7 @@
 //! rewritten before a later one reads it. So a rollback moves the position back; the kept
 //! rows' state, written by rows with decode's bits, is what re-feeding them would write.
 
-use super::forward::{Part, TopReq};
+use super::forward::{HeadOut, Part, TopReq};
 use super::*;
 use crate::models::spec::{Hidden, Speculate};
 
@@ -42,6 +42,8 @@ pub(super) struct MtpGpu {
     last: Option<(u64, usize, u32)>,
     /// Rows of the last MTP pass.
     rows: usize,
+    /// The drafts' head when they pick among the first tokens only, and its top-k buffer.
+    draft: Option<(GpuTensor, topk::LogitsTop)>,
 }
 
 /// What speculation keeps in the model.
@@ -75,6 +77,7 @@ impl MtpGpu {
             hn: gpu.buffer(r * hc * e * 4, "mtp.hn")?,
             last: None,
             rows: 0,
+            draft: None,
         })
     }
 
@@ -179,13 +182,15 @@ impl GpuModel {
     /// The MTP block over `tokens`: `Hidden::Trunk` reads the rows of the last
     /// [`Speculate`] pass of `seq` (as many, from its first position), `Hidden::Chain` one
     /// row after the last MTP row reading its output. `Want::Top`: the last row's best
-    /// logits; `All`: every row's; `Last`: the last row's.
+    /// logits; `All`: every row's; `Last`: the last row's. `draft`: through the drafts' head
+    /// ([`Speculate::set_draft_vocab`]) where one is set.
     fn mtp_pass(
         &mut self,
         seq: &GpuSeq,
         hidden: Hidden,
         tokens: &[u32],
         want: Want,
+        draft: bool,
     ) -> Result<Vec<Logits>> {
         self.check_tokens(tokens)?;
         crate::forward::check_want(want)?;
@@ -246,15 +251,21 @@ impl GpuModel {
             Want::Last => wants.push((n - 1, 1)),
             Want::None => {}
         }
-        let (logits, tops) = self.head(
-            pass,
-            &m.w.hc_head,
-            &m.w.norm,
-            n as u32,
-            &wants,
-            &top,
-            &mut None,
-        )?;
+        let out = match (&m.draft, draft) {
+            (Some((w, top)), true) => HeadOut {
+                w,
+                top,
+                n_vocab: w.shape[0] as usize,
+            },
+            _ => HeadOut {
+                w: &self.w.output,
+                top: &self.scratch.top,
+                n_vocab: self.hp.n_vocab,
+            },
+        };
+        let (hh, norm) = (&m.w.hc_head, &m.w.norm);
+        let (logits, tops) = self.head(pass, hh, norm, &out, n as u32, &wants, &top, &mut None)?;
+        let v = out.n_vocab;
         // Where Trunk rows were read, the trunk is used up (another MTP pass needs a new one).
         self.spec.trunk = None;
         let m = self.spec.mtp.as_mut().expect("checked above");
@@ -264,7 +275,7 @@ impl GpuModel {
             Want::Top { .. } => tops.into_iter().map(Logits::Top).collect(),
             Want::None => Vec::new(),
             _ => logits
-                .chunks_exact(self.hp.n_vocab)
+                .chunks_exact(v)
                 .map(|r| Logits::Full(r.to_vec()))
                 .collect(),
         })
@@ -350,7 +361,7 @@ impl Speculate for GpuModel {
         tokens: &[u32],
         want: Want,
     ) -> Result<Vec<Logits>> {
-        self.mtp_pass(seq.get()?, hidden, tokens, want)
+        self.mtp_pass(seq.get()?, hidden, tokens, want, false)
     }
 
     /// `[rows, hc·n_embd]`: the residual-stream copies each row read.
@@ -377,20 +388,49 @@ impl Speculate for GpuModel {
         }
         let s = seq.get()?;
         let g = Want::Top { k: 1, lse: false };
-        let mut d = vec![top1(&self.mtp_pass(s, Hidden::Trunk, tokens, g)?)?];
+        let mut d = vec![top1(&self.mtp_pass(s, Hidden::Trunk, tokens, g, true)?)?];
         for _ in 1..k {
             let last = *d.last().expect("one draft");
-            d.push(top1(&self.mtp_pass(s, Hidden::Chain, &[last], g)?)?);
+            d.push(top1(&self.mtp_pass(s, Hidden::Chain, &[last], g, true)?)?);
         }
         Ok(d)
     }
 
+    /// Drafts pick among the first `n` tokens only (`None`: all): the draft's head is then
+    /// that much smaller (FR-Spec trims it to the frequent tokens; BPE vocabularies number
+    /// their merges about by frequency).
     fn set_draft_vocab(&mut self, n: Option<usize>) -> Result<()> {
-        match n {
-            Some(n) if n != self.hp.n_vocab => Err(Error::Unsupported(format!(
-                "--draft-vocab {n}: DeepSeek-V4 drafts over the whole vocabulary"
-            ))),
-            _ => Ok(()),
+        let v = self.hp.n_vocab;
+        let n = n.unwrap_or(v);
+        if n == 0 || n > v {
+            return Err(Error::Invalid(format!(
+                "--draft-vocab {n}: 1 to the vocabulary's {v}"
+            )));
         }
+        let full = &self.w.output;
+        let draft = if n < v {
+            let head = GpuTensor {
+                name: format!("{} (first {n} rows)", full.name),
+                dtype: full.dtype,
+                shape: vec![n as u64, full.row_len()],
+                parts: full
+                    .parts
+                    .iter()
+                    .filter(|p| p.row_start < n as u64)
+                    .map(|p| crate::gpu::TensorPart {
+                        n_rows: p.n_rows.min(n as u64 - p.row_start),
+                        ..p.clone()
+                    })
+                    .collect(),
+            };
+            let rows = self.scratch.rows as u32;
+            Some((head, topk::LogitsTop::new(&self.gpu, rows, n as u32)?))
+        } else {
+            None
+        };
+        if let Some(m) = self.spec.mtp.as_mut() {
+            m.draft = draft;
+        }
+        Ok(())
     }
 }
