@@ -282,10 +282,102 @@ impl GpuModel {
     }
 }
 
-fn top1(l: &[Logits]) -> Result<u32> {
-    match l.last() {
-        Some(Logits::Top(t)) if !t.cands.is_empty() => Ok(t.cands[0].0),
-        _ => Err(Error::Gpu("the MTP pass returned no draft".into())),
+impl GpuModel {
+    /// The drafts' head: the trimmed one ([`Speculate::set_draft_vocab`]) or the model's.
+    fn draft_head(&self) -> HeadOut<'_> {
+        match self.spec.mtp.as_ref().and_then(|m| m.draft.as_ref()) {
+            Some((w, top)) => HeadOut {
+                w,
+                top,
+                n_vocab: w.shape[0] as usize,
+            },
+            None => HeadOut {
+                w: &self.w.output,
+                top: &self.scratch.top,
+                n_vocab: self.hp.n_vocab,
+            },
+        }
+    }
+
+    /// Records the head of row `row` of the last [`Self::record_mtp`] (`nt` rows): the
+    /// block's hc fold and norm, the drafts' head, its best id into result row `j`.
+    fn record_draft_top(&self, pass: &mut Pass<'_>, nt: u32, row: u32, j: u32) -> Result<()> {
+        let sc = &self.scratch;
+        let m = self.spec.mtp.as_ref().expect("the model has an MTP block");
+        let hh = &m.w.hc_head;
+        self.linear_exact(pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
+        let hw = HcWeights {
+            base: &hh.base,
+            scale: &hh.scale,
+            norm: &m.w.norm,
+        };
+        hc::head(pass, &self.hc_shape(), nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
+        let out = self.draft_head();
+        let e = self.hp.n_embd as u32;
+        matmul::matmul(pass, out.w, &sc.h, row * e, &sc.logits, 0, 1)?;
+        out.top
+            .record(pass, View::new(&sc.logits, 0), 1, j, 1, false)
+    }
+
+    /// `k` greedy drafts in one submission: the MTP rows over the trunk's last pass (the
+    /// last reading `tokens`' last), then `k - 1` chained rows, each fed the pick of the row
+    /// before it on the GPU (copied from the top-k buffer into the token ids).
+    fn mtp_drafts_pass(&mut self, seq: &GpuSeq, tokens: &[u32], k: usize) -> Result<Vec<u32>> {
+        self.check_tokens(tokens)?;
+        if k == 0 || k > MAX_VERIFY {
+            return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
+        }
+        let n = tokens.len();
+        let pos0 = match (self.spec.trunk, &self.spec.mtp, &seq.mtp) {
+            (Some((id, p0, rows)), Some(_), Some(_)) if id == seq.id && rows == n && n > 0 => p0,
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "MTP drafts over {n} trunk rows: the last pass of this sequence fed another \
+                     number, or the model has no MTP block"
+                )))
+            }
+        };
+        if n > self.scratch.rows {
+            return Err(Error::Invalid(format!("MTP pass of {n} rows")));
+        }
+        let last = pos0 + n - 1;
+        let part = |n: usize, pos0: usize| Part {
+            item: 0,
+            start: 0,
+            n,
+            row: 0,
+            pos0,
+            rowwise: n == 1,
+        };
+        self.ensure_lists(&[part(n, pos0), part(1, last + k)], &[self.hp.n_layer])?;
+        let gpu = self.gpu.clone();
+        gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(tokens));
+        let st = seq.mtp.as_ref().expect("checked above");
+        let m = self.spec.mtp.as_ref().expect("checked above");
+        let sc = &self.scratch;
+        let mut pass = gpu.pass();
+        self.record_mtp(&mut pass, st, pos0, n, &m.trunk, 0)?;
+        self.record_draft_top(&mut pass, n as u32, n as u32 - 1, 0)?;
+        let mut row = n as u32 - 1;
+        for j in 1..k {
+            let (ids, off) = self.draft_head().top.id_at(j as u32 - 1, 1);
+            pass.copy(ids, off, &sc.ids, 0, 4);
+            self.record_mtp(&mut pass, st, last + j, 1, &m.out, row)?;
+            self.record_draft_top(&mut pass, 1, 0, j as u32)?;
+            row = 0;
+        }
+        pass.submit()?;
+        let picks = self.draft_head().top.read(&gpu, k as u32, 1, false)?;
+        let ids = picks
+            .iter()
+            .map(|t| t.cands.first().map(|c| c.0))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| Error::Gpu("an MTP draft row had no pick".into()))?;
+        self.spec.trunk = None;
+        let m = self.spec.mtp.as_mut().expect("checked above");
+        m.last = Some((seq.id, last + k - 1, row));
+        m.rows = if k == 1 { n } else { 1 };
+        Ok(ids)
     }
 }
 
@@ -381,19 +473,8 @@ impl Speculate for GpuModel {
             .read_f32(&m.hid, 0, rows * self.hp.hc * self.hp.n_embd)
     }
 
-    /// One submission per draft (each pick read back before the next row).
     fn mtp_drafts(&mut self, seq: &Seq, tokens: &[u32], k: usize) -> Result<Vec<u32>> {
-        if k == 0 || k > MAX_VERIFY {
-            return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
-        }
-        let s = seq.get()?;
-        let g = Want::Top { k: 1, lse: false };
-        let mut d = vec![top1(&self.mtp_pass(s, Hidden::Trunk, tokens, g, true)?)?];
-        for _ in 1..k {
-            let last = *d.last().expect("one draft");
-            d.push(top1(&self.mtp_pass(s, Hidden::Chain, &[last], g, true)?)?);
-        }
-        Ok(d)
+        self.mtp_drafts_pass(seq.get()?, tokens, k)
     }
 
     /// Drafts pick among the first `n` tokens only (`None`: all): the draft's head is then
