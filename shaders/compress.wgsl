@@ -199,7 +199,7 @@ struct Params {
     n_head: u32,
     d: u32,           // indexer head size (= D)
     scale: f32,       // d^-½ · n_head^-½
-    _pad: u32,
+    row0: u32,        // q / w row of token 0 (a sequence's rows inside a batch)
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
@@ -224,7 +224,7 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     var acc = 0.0;
     for (var h0 = 0u; h0 < nh; h0 += HG) {
         let hn = min(HG, nh - h0);
-        for (var c = lid; c < hn * D; c += WG) { qs[c] = q[(t * nh + h0) * D + c]; }
+        for (var c = lid; c < hn * D; c += WG) { qs[c] = q[((p.row0 + t) * nh + h0) * D + c]; }
         workgroupBarrier();
         if (live) {
             var dots: array<f32, HG>;
@@ -232,7 +232,7 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
                 let kc = keys[kb + c];
                 for (var j = 0u; j < HG; j++) { dots[j] += qs[j * D + c] * kc; }
             }
-            for (var j = 0u; j < hn; j++) { acc += max(dots[j], 0.0) * wts[t * nh + h0 + j]; }
+            for (var j = 0u; j < hn; j++) { acc += max(dots[j], 0.0) * wts[(p.row0 + t) * nh + h0 + j]; }
         }
         workgroupBarrier();
     }

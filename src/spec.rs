@@ -197,7 +197,9 @@ pub struct Speculator {
 
 fn spec_of(engine: &mut Engine) -> Result<&mut dyn Speculate> {
     engine.model.speculate().ok_or_else(|| {
-        Error::Unsupported("speculative decoding: Qwen3.5 models on one device only".into())
+        Error::Unsupported(
+            "speculative decoding: Qwen3.5 and DeepSeek-V4 models on one device only".into(),
+        )
     })
 }
 
@@ -234,7 +236,7 @@ impl Speculator {
                 }
                 if d.model.speculate().is_none() {
                     return Err(Error::Unsupported(format!(
-                        "--draft-model {}: draft models of this architecture (a Qwen3.5-family model drafts)",
+                        "--draft-model {}: draft models of this architecture (a Qwen3.5-family or DeepSeek-V4 model drafts)",
                         d.path.display()
                     )));
                 }

@@ -390,6 +390,7 @@ fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: 
             n_ent as u32,
             &qb,
             &wb,
+            0,
             &kb,
             &scores,
         )

@@ -39,8 +39,9 @@ pub struct SynthArgs {
     /// Seed of the random weights (the same seed gives the same file).
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// Add the multi-token prediction (MTP) block the releases ship, with their names and
-    /// shapes (llama.cpp's `blk.N.nextn.*`): what `--spec mtp` drafts with.
+    /// Add the multi-token prediction (MTP) block the releases ship, with their shapes
+    /// (Qwen3.5: llama.cpp's `blk.N.nextn.*`; DeepSeek-V4: `mtp.0.*`, as the release): what
+    /// `--spec mtp` drafts with.
     #[arg(long)]
     pub mtp: bool,
     /// Print a JSON summary on stdout.

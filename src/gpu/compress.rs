@@ -71,7 +71,8 @@ struct ScoreParams {
     n_head: u32,
     d: u32,
     scale: f32,
-    _pad: u32,
+    /// q / w row of token 0.
+    row0: u32,
 }
 const _: () = assert!(std::mem::size_of::<ScoreParams>() == 32);
 
@@ -295,9 +296,10 @@ pub struct IndexerShape {
 }
 
 /// Indexer scores of `n_tok` tokens at `pos0..` against the first `n_ent` entries of `keys`
-/// (f32 rows of d): `scores[t·n_ent + i] = scale·Σ_h relu(q[t,h]·keys[i])·w[t,h]` for the
-/// entries the token sees (`i < (pos+1)/m`), −1e30 for the rest. `q` [n, n_head, d] and `w`
-/// [n, n_head] packed; `scale` = d^-½·n_head^-½ (model.py's weights scaling).
+/// (f32 rows of d): `scores[t·n_ent + i] = scale·Σ_h relu(q[r,h]·keys[i])·w[r,h]` with
+/// `r = row0 + t`, for the entries the token sees (`i < (pos+1)/m`), −1e30 for the rest.
+/// `q` [rows, n_head, d] and `w` [rows, n_head] packed (`row0`: one sequence's rows inside a
+/// batch); `scale` = d^-½·n_head^-½ (model.py's weights scaling).
 #[allow(clippy::too_many_arguments)]
 pub fn index_scores(
     pass: &mut Pass<'_>,
@@ -307,6 +309,7 @@ pub fn index_scores(
     n_ent: u32,
     q: &wgpu::Buffer,
     w: &wgpu::Buffer,
+    row0: u32,
     keys: &wgpu::Buffer,
     scores: &wgpu::Buffer,
 ) -> Result<()> {
@@ -317,8 +320,9 @@ pub fn index_scores(
         return Ok(());
     }
     let n = n_tok as u64;
-    check_len("index_scores", "q", q, n * (s.n_head * s.d) as u64)?;
-    check_len("index_scores", "w", w, n * s.n_head as u64)?;
+    let rows = n + row0 as u64;
+    check_len("index_scores", "q", q, rows * (s.n_head * s.d) as u64)?;
+    check_len("index_scores", "w", w, rows * s.n_head as u64)?;
     check_len("index_scores", "keys", keys, n_ent as u64 * s.d as u64)?;
     check_len("index_scores", "scores", scores, n * n_ent as u64)?;
     let tiles = n_ent.div_ceil(64) as u64 * n;
@@ -341,7 +345,7 @@ pub fn index_scores(
         n_head: s.n_head,
         d: s.d,
         scale: 1.0 / ((s.d as f64) * (s.n_head as f64)).sqrt() as f32,
-        _pad: 0,
+        row0,
     };
     pass.dispatch(
         &pl,

@@ -10,7 +10,12 @@ use super::{fan_in, near_one, ArchDraft, Draft, Init, Kind};
 use crate::gguf::{keys, Value};
 use crate::DType;
 
-pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
+/// `mtp`: add DeepSeek's MTP block (model.py `MTPBlock`: a full block of the trunk's
+/// shapes, window attention only, score-routed MoE, plus `e_proj`, `h_proj`, `enorm`,
+/// `hnorm`, `norm` and its own `hc_head_*`) under `mtp.0.` (lathe's GGUF names for it, see
+/// `models::deepseek4::weights::mtp_block`), with `nextn_predict_layers` = 1 and its
+/// ratio (0) appended to `compress_ratios` as the releases do.
+pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
     let arch = keys::ARCH_DEEPSEEK4;
     let h = d.n_embd;
     let k = |s: &str| keys::key(arch, s);
@@ -80,6 +85,7 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
             Value::Array(
                 d.compress_ratios
                     .iter()
+                    .chain(mtp.then_some(&0))
                     .map(|&r| Value::I32(r as i32))
                     .collect(),
             ),
@@ -97,6 +103,9 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
         (k(keys::HASH_LAYER_COUNT), (d.n_hash as u32).into()),
         (k(keys::EMBEDDING_LENGTH_OUT), ((d.hc * h) as u32).into()),
     ]);
+    if mtp {
+        meta.push((k(keys::NEXTN_PREDICT_LAYERS), 1u32.into()));
+    }
 
     let w = |name: String, shape: &[usize]| {
         let fan = *shape.last().expect("weights have a row length");
@@ -121,7 +130,7 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
             },
         ));
     }
-    for l in 0..n {
+    let experts = |t: &mut Vec<Draft>, prefix: &str| {
         let (e, f) = (d.n_expert, d.n_ff_exp);
         for (s, shape) in [
             ("ffn_gate_exps", [e, f, h]),
@@ -129,7 +138,7 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
             ("ffn_up_exps", [e, f, h]),
         ] {
             let mut x = Draft::new(
-                format!("blk.{l}.{s}.weight"),
+                format!("{prefix}{s}.weight"),
                 &shape,
                 Kind::Fixed(DType::MXFP4),
                 fan_in(shape[2]),
@@ -137,6 +146,9 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
             x.forced = Some(DType::MXFP4);
             t.push(x);
         }
+    };
+    for l in 0..n {
+        experts(&mut t, &format!("blk.{l}."));
     }
     t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
     t.push(f32v(
@@ -151,9 +163,9 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
         Init::Uniform { lo: 0.1, hi: 1.0 },
     ));
     t.push(w("output.weight".into(), &[d.n_vocab, h]));
-    for l in 0..n {
-        let b = |s: &str| format!("blk.{l}.{s}");
-        let ratio = d.compress_ratios[l] as usize;
+    // One block's tensors but its experts: `prefix` names it, `l` seeds its routing.
+    let block = |t: &mut Vec<Draft>, prefix: &str, l: usize, ratio: usize, hashed: bool| {
+        let b = |s: &str| format!("{prefix}{s}");
         t.push(f32v(
             b("attn_sinks.weight"),
             &[d.n_head],
@@ -189,7 +201,7 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
         t.push(w(b("attn_q_a.weight"), &[d.q_lora, h]));
         t.push(w(b("attn_q_b.weight"), &[d.n_head * d.head_dim, d.q_lora]));
         t.push(norm(b("attn_norm.weight"), h));
-        if l >= d.n_hash {
+        if !hashed {
             t.push(f32v(
                 b("exp_probs_b.bias"),
                 &[d.n_expert],
@@ -229,8 +241,33 @@ pub(super) fn draft(d: &DsDims, skew: f32) -> ArchDraft {
                 Init::Uniform { lo: 0.1, hi: 1.0 },
             ));
         }
+    };
+    for l in 0..n {
+        let ratio = d.compress_ratios[l] as usize;
+        block(&mut t, &format!("blk.{l}."), l, ratio, l < d.n_hash);
     }
     t.push(norm("output_norm.weight".into(), h));
+    if mtp {
+        let p = "mtp.0.";
+        experts(&mut t, p);
+        block(&mut t, p, n, 0, false);
+        t.push(w(format!("{p}e_proj.weight"), &[h, h]));
+        t.push(w(format!("{p}h_proj.weight"), &[h, h]));
+        for s in ["enorm", "hnorm", "norm"] {
+            t.push(norm(format!("{p}{s}.weight"), h));
+        }
+        t.push(f32v(
+            format!("{p}hc_head_base.weight"),
+            &[d.hc],
+            Init::Normal { std: 0.1 },
+        ));
+        t.push(w(format!("{p}hc_head_fn.weight"), &[d.hc, hc_in]));
+        t.push(f32v(
+            format!("{p}hc_head_scale.weight"),
+            &[1],
+            Init::Uniform { lo: 0.1, hi: 1.0 },
+        ));
+    }
     ArchDraft {
         arch,
         meta,

@@ -297,7 +297,9 @@ pub(crate) fn quantized_types(
         } else if cat == Category::FfnDown {
             // MoE models take the layer from the name (experts need not be in layer order).
             let i_layer = if model.n_expert > 1 {
-                let l = layer_of(t.name).ok_or_else(|| {
+                // DeepSeek-V4's MTP block (`mtp.0.`, no `blk.` number) counts as the last.
+                let mtp = t.name.starts_with("mtp.").then_some(n_layer - 1);
+                let l = layer_of(t.name).or(mtp).ok_or_else(|| {
                     Error::Invalid(format!("{}: no layer number in the name", t.name))
                 })?;
                 if l < 0 || l >= n_layer {

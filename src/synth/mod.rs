@@ -128,7 +128,7 @@ pub struct PlanOptions {
     /// type of tensors llama-quantize leaves alone, e.g. DeepSeek's router. BF16 by default,
     /// as the fixture files were made.
     pub base: DType,
-    /// Add the multi-token prediction block of the releases (Qwen3.5 only, `--mtp`).
+    /// Add the multi-token prediction block of the releases (`--mtp`).
     pub mtp: bool,
 }
 
@@ -240,11 +240,6 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             d.n_vocab = n_vocab;
             qwen35::draft(&d, opts.skew, opts.mtp)
         }
-        Dims::Deepseek4(_) if opts.mtp => {
-            return Err(Error::Unsupported(
-                "--mtp: DeepSeek-V4's MTP block is not written yet (Qwen3.5 presets only)".into(),
-            ))
-        }
         Dims::Deepseek4(d) => {
             let mut d = d.clone();
             if let Some(n) = opts.n_layer {
@@ -254,7 +249,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
                 d.n_hash = d.n_hash.min(n);
             }
             d.n_vocab = n_vocab;
-            deepseek4::draft(&d, opts.skew)
+            deepseek4::draft(&d, opts.skew, opts.mtp)
         }
     };
     finish(preset, draft, ftype, opts.base, vocab, n_vocab)

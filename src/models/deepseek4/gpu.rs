@@ -39,6 +39,11 @@ use crate::{DType, Error, Result};
 use std::collections::HashSet;
 use std::sync::Arc;
 
+mod forward;
+mod mtp;
+
+pub use mtp::MAX_VERIFY;
+
 /// Tokens per prefill pass: activations are sized for this many rows.
 pub const DEFAULT_BATCH: usize = 256;
 
@@ -95,7 +100,7 @@ struct Scratch {
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
-    /// Top-k (+ log-sum-exp) of the last logits row, for [`Want::Top`].
+    /// Top-k (+ log-sum-exp) of the top rows of a pass, for [`Want::Top`].
     top: topk::LogitsTop,
 }
 
@@ -153,6 +158,10 @@ pub struct GpuSeq {
     pos: usize,
     /// The state of the model's part's layers, first held layer first.
     layers: Vec<LayerState>,
+    /// The MTP block's window ring (models with one).
+    mtp: Option<LayerState>,
+    /// Unique among the model's sequences: which one the speculation state belongs to.
+    id: u64,
 }
 
 impl GpuSeq {
@@ -199,6 +208,10 @@ pub struct GpuModel {
     part: PartSpec,
     link: Link,
     handoff: Option<Readback>,
+    /// The MTP block and what speculative decoding keeps between passes.
+    spec: mtp::SpecState,
+    /// The next sequence's id.
+    next_id: std::sync::atomic::AtomicU64,
 }
 
 fn kv_shape(t: attention::KvType, d: usize) -> KvShape {
@@ -255,6 +268,7 @@ impl GpuModel {
             }
         };
         let tables: HashSet<String> = (0..hp.n_layer)
+            .chain(hp.mtp.then(|| weights::mtp_block(0)))
             .flat_map(|l| [name(W::CmpApe(l)), name(W::IxCmpApe(l))])
             .collect();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
@@ -273,7 +287,11 @@ impl GpuModel {
         let embedding = name(W::TokEmbd);
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             let held = part.holds(PartSpec::role(w.name(), hp.n_layer, &embedding, false));
-            if !held || (plan.is_some() && crate::moe::is_expert_tensor(w.name())) {
+            // The MTP block's experts stay in its stacks (the arena serves the trunk).
+            let arena = plan.is_some()
+                && crate::moe::is_expert_tensor(w.name())
+                && !w.name().starts_with("mtp.");
+            if !held || arena {
                 return Ok(w.stand_in());
             }
             let f32_table = w.shape().len() == 1 || tables.contains(w.name());
@@ -284,10 +302,23 @@ impl GpuModel {
             }
             Ok(t)
         })?;
-        for lw in &mut w.layers {
+        for lw in w
+            .layers
+            .iter_mut()
+            .chain(w.mtp.as_mut().map(|m| &mut m.layer))
+        {
             as_groups(&mut lw.attn.wo_a, hp.o_groups)?;
         }
-        let rope = (0..hp.n_layer)
+        if hp.mtp && hp.compress_ratio[hp.n_layer] != 0 {
+            return Err(Error::Unsupported(format!(
+                "{}: an MTP block with a compressor (ratio {}); the releases' attends its window only",
+                file.path().display(),
+                hp.compress_ratio[hp.n_layer]
+            )));
+        }
+        // The MTP block runs on the device that holds the head.
+        let mtp_w = w.mtp.take().filter(|_| part.last);
+        let rope = (0..hp.n_blocks())
             .map(|l| RopeTable::new(&gpu, &hp.rope_freqs(l), "deepseek4.rope"))
             .collect::<Result<Vec<_>>>()?;
         let kv_type = match opts.kv_type {
@@ -302,7 +333,16 @@ impl GpuModel {
         };
         let handoff = (!part.last)
             .then(|| Readback::new(&gpu, (DEFAULT_BATCH * hp.hc * hp.n_embd * 4) as u64));
+        let spec = mtp::SpecState {
+            mtp: match mtp_w {
+                Some(m) => Some(mtp::MtpGpu::new(&gpu, &hp, m, DEFAULT_BATCH)?),
+                None => None,
+            },
+            ..Default::default()
+        };
         Ok(GpuModel {
+            spec,
+            next_id: Default::default(),
             part,
             link: Link::default(),
             handoff,
@@ -376,7 +416,25 @@ impl GpuModel {
                 },
             });
         }
-        Ok(GpuSeq { pos: 0, layers })
+        let mtp = match &self.spec.mtp {
+            Some(_) => Some(LayerState {
+                ring: self
+                    .gpu
+                    .buffer(ks.bytes(self.ring as u64), "seq.mtp_ring")?,
+                cmp: None,
+                ix: None,
+            }),
+            None => None,
+        };
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(GpuSeq {
+            pos: 0,
+            layers,
+            mtp,
+            id,
+        })
     }
 
     /// Forget everything the sequence has seen. Nothing needs clearing: every read of a ring,
@@ -393,6 +451,9 @@ impl GpuModel {
     /// and the compressed entries `src` has pooled so far; `dst`'s caches grow to hold them.
     pub fn copy_seq(&self, src: &GpuSeq, dst: &mut GpuSeq) -> Result<()> {
         let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        if let (Some(s), Some(d)) = (&src.mtp, &dst.mtp) {
+            enc.copy_buffer_to_buffer(&s.ring, 0, &d.ring, 0, s.ring.size());
+        }
         for (s, d) in src.layers.iter().zip(dst.layers.iter_mut()) {
             debug_assert_eq!(s.ring.size(), d.ring.size());
             enc.copy_buffer_to_buffer(&s.ring, 0, &d.ring, 0, s.ring.size());
@@ -455,565 +516,6 @@ impl GpuModel {
             r if hp.has_indexer(l) => hp.ix_topk.min(pos_end / r),
             r => pos_end / r,
         }
-    }
-
-    /// Feed `tokens`; returns logits for every token (`all`) or only the last one.
-    pub fn forward(&mut self, seq: &mut GpuSeq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
-        let want = if all { Want::All } else { Want::Last };
-        Ok(self.forward_want(seq, tokens, want)?.into_full())
-    }
-
-    /// Feed `tokens`; returns what `want` asks for: every token's logits, the last one's,
-    /// none, or the last one's best logits found on the GPU ([`Want::Top`]).
-    pub fn forward_want(&mut self, seq: &mut GpuSeq, tokens: &[u32], want: Want) -> Result<Logits> {
-        crate::forward::check_want(want)?;
-        let all = want == Want::All;
-        let top = match want {
-            Want::Top { k, lse } => Some((k, lse)),
-            _ => None,
-        };
-        let v = self.hp.n_vocab;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(Error::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {v}"
-            )));
-        }
-        let mut out = Vec::with_capacity(if all { tokens.len() * v } else { v });
-        let chunk = self.scratch.rows;
-        let n_chunks = tokens.len().div_ceil(chunk);
-        for (ci, c) in tokens.chunks(chunk).enumerate() {
-            let last = ci + 1 == n_chunks;
-            let n_want = if all {
-                c.len()
-            } else if last && want == Want::Last {
-                1
-            } else {
-                0
-            };
-            let (logits, t) = self.forward_chunk(seq, c, n_want, top.filter(|_| last))?;
-            out.extend(logits);
-            if let Some(t) = t {
-                return Ok(Logits::Top(t));
-            }
-        }
-        Ok(Logits::Full(out))
-    }
-
-    /// One pass over `toks` (≤ scratch rows); logits of the last `want` tokens.
-    /// With `top` = `Some((k, lse))` instead the best `k` logits of the last token (and the
-    /// log-sum-exp of its row), found in the same pass.
-    fn forward_chunk(
-        &mut self,
-        seq: &mut GpuSeq,
-        toks: &[u32],
-        want: usize,
-        top: Option<(u32, bool)>,
-    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
-        let gpu = self.gpu.clone();
-        let n = toks.len();
-        let pos0 = seq.pos;
-        let pos_end = pos0 + n;
-        // Sizes that grow with the context, known from positions alone.
-        let hp = &self.hp;
-        let n_win = hp.window.min(pos_end);
-        let max_idx = (0..hp.n_layer)
-            .map(|l| n_win + self.comp_slots(l, pos_end))
-            .max()
-            .unwrap_or(n_win);
-        let max_ent = (0..hp.n_layer)
-            .filter(|&l| hp.has_indexer(l))
-            .map(|l| pos_end / hp.compress_ratio[l])
-            .max()
-            .unwrap_or(0);
-        self.scratch.idx.ensure(&gpu, n * max_idx)?;
-        self.scratch.scores.ensure(&gpu, n * max_ent)?;
-        gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(toks));
-        if self.trace.is_some() && self.trace_buf.is_none() {
-            let bytes = (self.scratch.rows * hp.hc * hp.n_embd * 4) as u64;
-            self.trace_buf = Some(gpu.buffer(bytes, "trace")?);
-        }
-        let mut trace_len = 0;
-
-        let mut pass = gpu.pass();
-        if self.profile.is_some() || self.trace.is_some() {
-            pass.hold();
-        }
-        self.reserve(&mut pass, seq, pos_end)?;
-        let hp = &self.hp;
-        let sc = &self.scratch;
-        let hs = self.hc_shape();
-        let (e, nt) = (hp.n_embd as u32, n as u32);
-        macro_rules! trace_point {
-            ($name:expr, $l:expr, $buf:expr, $width:expr) => {
-                if let (Some(tb), true) = (
-                    &self.trace_buf,
-                    self.trace
-                        == Some(Trace {
-                            name: $name,
-                            layer: $l,
-                        }),
-                ) {
-                    trace_len = n * $width;
-                    pass.copy($buf, 0, tb, 0, trace_len as u64 * 4);
-                }
-            };
-        }
-        if self.part.first {
-            for j in 0..hs.hc {
-                embed::embed(
-                    &mut pass,
-                    &self.w.tok_embd,
-                    &sc.ids,
-                    0,
-                    nt,
-                    View::strided(&sc.x, j * e, hs.hc * e),
-                )?;
-            }
-        } else {
-            let h = self.link.recv(n, hp.hc * hp.n_embd)?;
-            let t0 = std::time::Instant::now();
-            gpu.write(&sc.x, 0, bytemuck::cast_slice(&h.data));
-            self.link.note_write(t0.elapsed().as_nanos() as u64);
-        }
-        if nt > matvec::MAX_TOKENS {
-            matmul::route(
-                &mut pass,
-                &sc.wo_route,
-                &sc.wo_ids,
-                0,
-                nt,
-                hp.o_groups as u32,
-            )?;
-        }
-        let width = hp.hc * hp.n_embd;
-        let held = self.part.layers.clone();
-        for (l, lw) in self
-            .w
-            .layers
-            .iter()
-            .enumerate()
-            .take(held.end)
-            .skip(held.start)
-        {
-            let st = &seq.layers[l - held.start];
-            self.linear_exact(&mut pass, &lw.hc_attn.fn_, &sc.x, &sc.mixes, nt)?;
-            let hw = HcWeights {
-                base: &lw.hc_attn.base,
-                scale: &lw.hc_attn.scale,
-                norm: &lw.attn_norm,
-            };
-            hc::pre(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h, &sc.pc)?;
-            trace_point!("attn_in", l, &sc.h, hp.n_embd);
-            self.attn_block(&mut pass, st, l, &lw.attn, nt, pos0)?;
-            trace_point!("attn_out", l, &sc.blk, hp.n_embd);
-            hc::post(&mut pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
-
-            self.linear_exact(&mut pass, &lw.hc_ffn.fn_, &sc.x, &sc.mixes, nt)?;
-            let hw = HcWeights {
-                base: &lw.hc_ffn.base,
-                scale: &lw.hc_ffn.scale,
-                norm: &lw.ffn_norm,
-            };
-            hc::pre(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h, &sc.pc)?;
-            trace_point!("ffn_in", l, &sc.h, hp.n_embd);
-            self.moe_block(&mut pass, l, &lw.moe, nt)?;
-            trace_point!("moe_out", l, &sc.blk, hp.n_embd);
-            hc::post(&mut pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
-            trace_point!("layer_out", l, &sc.x, width);
-            pass.flush_every(crate::gpu::FLUSH_OPS)?;
-        }
-        let submit =
-            |p: Pass<'_>, prof: &mut Option<Vec<(String, f64)>>| p.submit_or_profile(prof.as_mut());
-        let mut prof = self.profile.as_ref().map(|_| Vec::new());
-        let mut logits = Vec::new();
-        let mut top_out = None;
-        if let Some(rb) = &self.handoff {
-            // Not the last part: the residual stream goes on to the next device.
-            let len = n * width;
-            pass.copy(&sc.x, 0, rb.buffer(), 0, len as u64 * 4);
-            submit(pass, &mut prof)?;
-            let (data, ns) = rb.read(&gpu, len)?;
-            self.link.send(chain::Hidden { rows: n, data }, ns)?;
-        } else if want > 0 || top.is_some() {
-            // Head fold (sigmoid gate only) and the final norm, then the head for the
-            // wanted rows, in chunks the logits buffer holds.
-            let hh = &self.w.hc_head;
-            self.linear_exact(&mut pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
-            let hw = HcWeights {
-                base: &hh.base,
-                scale: &hh.scale,
-                norm: &self.w.output_norm,
-            };
-            hc::head(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
-            let v = hp.n_vocab;
-            let mut r = n - want;
-            let mut pending = Some(pass);
-            if let Some((k, lse)) = top {
-                // The last row's head, then its top-k (+ lse) in the same pass: only
-                // those come back.
-                let mut p = pending.take().expect("the forward's pass");
-                matmul::matmul(
-                    &mut p,
-                    &self.w.output,
-                    &sc.h,
-                    ((n - 1) * hp.n_embd) as u32,
-                    &sc.logits,
-                    0,
-                    1,
-                )?;
-                sc.top
-                    .record(&mut p, View::new(&sc.logits, 0), 1, 0, k, lse)?;
-                submit(p, &mut prof)?;
-                top_out = sc.top.read(&gpu, 1, k, lse)?.pop();
-                r = n;
-            }
-            while r < n {
-                let rows = (n - r).min(sc.logit_rows);
-                let mut p = pending.take().unwrap_or_else(|| gpu.pass());
-                matmul::matmul(
-                    &mut p,
-                    &self.w.output,
-                    &sc.h,
-                    (r * hp.n_embd) as u32,
-                    &sc.logits,
-                    0,
-                    rows as u32,
-                )?;
-                submit(p, &mut prof)?;
-                logits.extend(gpu.read_f32(&sc.logits, 0, rows * v)?);
-                r += rows;
-            }
-        } else {
-            submit(pass, &mut prof)?;
-        }
-        if let (Some(all), Some(new)) = (self.profile.as_mut(), prof) {
-            all.extend(new);
-        }
-        seq.pos = pos_end;
-        if let (Some(tb), true) = (&self.trace_buf, trace_len > 0) {
-            let v = gpu.read_f32(tb, 0, trace_len)?;
-            self.traced.extend(v);
-        }
-        Ok((logits, top_out))
-    }
-
-    /// `y = W x` for `n` packed rows.
-    fn linear(
-        &self,
-        pass: &mut Pass<'_>,
-        w: &GpuTensor,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        n: u32,
-    ) -> Result<()> {
-        matmul::matmul(pass, w, x, 0, y, 0, n)
-    }
-
-    /// [`Self::linear`] in f32 whatever the device's product path: for the products that feed
-    /// a discrete choice (router, indexer top-k) or the Sinkhorn-normalised hyper-connection
-    /// mixes (see [`MatvecOpts::exact`]).
-    fn linear_exact(
-        &self,
-        pass: &mut Pass<'_>,
-        w: &GpuTensor,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        n: u32,
-    ) -> Result<()> {
-        let opts = MatvecOpts {
-            exact: true,
-            ..Default::default()
-        };
-        matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
-    }
-
-    /// Append the chunk's rows to a compressor and pool the windows it completes into
-    /// `out` rows of d at `out_off` (relative to the chunk's first completed window).
-    /// Returns (first window, windows).
-    #[allow(clippy::too_many_arguments)]
-    fn compress(
-        &self,
-        pass: &mut Pass<'_>,
-        c: &Compressor<GpuTensor>,
-        cs: &CmpState,
-        table: &RopeTable,
-        n: u32,
-        pos0: usize,
-        out: &wgpu::Buffer,
-        out_off: u32,
-    ) -> Result<(u32, u32)> {
-        let sc = &self.scratch;
-        let s = cs.shape;
-        let w = s.width();
-        // f32 products: the indexer's compressed keys decide its top-k (see MatvecOpts::exact)
-        let opts = MatvecOpts {
-            y_stride: 2 * w,
-            exact: true,
-            ..Default::default()
-        };
-        matmul::matmul_opts(pass, &c.wkv, &sc.h, 0, &sc.cmp, 0, n, &opts)?;
-        matmul::matmul_opts(pass, &c.wgate, &sc.h, 0, &sc.cmp, w, n, &opts)?;
-        compress::store(
-            pass,
-            &s,
-            n,
-            pos0 as u32,
-            &sc.cmp,
-            0,
-            2 * w,
-            &c.ape,
-            &cs.store,
-        )?;
-        // Window w closes at position (w+1)·m − 1: those closing in [pos0, pos0 + n).
-        let m = s.ratio as usize;
-        let w0 = pos0 / m;
-        let n_win = (pos0 + n as usize) / m - w0;
-        compress::pool(
-            pass,
-            &s,
-            w0 as u32,
-            n_win as u32,
-            &c.norm,
-            table,
-            self.hp.eps,
-            &cs.store,
-            out,
-            out_off,
-        )?;
-        Ok((w0 as u32, n_win as u32))
-    }
-
-    fn attn_block(
-        &self,
-        pass: &mut Pass<'_>,
-        st: &LayerState,
-        l: usize,
-        a: &Attn<GpuTensor>,
-        n: u32,
-        pos0: usize,
-    ) -> Result<()> {
-        let hp = &self.hp;
-        let sc = &self.scratch;
-        let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
-        let table = &self.rope[l];
-        let p0 = pos0 as u32;
-        let pos_end = pos0 + n as usize;
-        // Queries: low rank, weighted norm, up-projection, unweighted norm per head, RoPE.
-        self.linear(pass, &a.wq_a, &sc.h, &sc.qr, n)?;
-        let ql = hp.q_lora as u32;
-        norm::rms_norm(
-            pass,
-            n,
-            ql,
-            View::new(&sc.qr, 0),
-            None,
-            Some(&a.q_norm),
-            hp.eps,
-        )?;
-        self.linear(pass, &a.wq_b, &sc.qr, &sc.q, n)?;
-        norm::rms_norm(pass, n * nh, hd, View::new(&sc.q, 0), None, None, hp.eps)?;
-        rope::rope_interleaved(
-            pass,
-            &RopeView::packed(&sc.q, 0, n, nh, hd),
-            table,
-            Positions::From(p0),
-            false,
-        )?;
-        // The one K=V head, into the window ring (two writes when the chunk wraps).
-        self.linear(pass, &a.wkv, &sc.h, &sc.kv, n)?;
-        norm::rms_norm(
-            pass,
-            n,
-            hd,
-            View::new(&sc.kv, 0),
-            None,
-            Some(&a.kv_norm),
-            hp.eps,
-        )?;
-        rope::rope_interleaved(
-            pass,
-            &RopeView::packed(&sc.kv, 0, n, 1, hd),
-            table,
-            Positions::From(p0),
-            false,
-        )?;
-        let ks = kv_shape(self.kv_type, hp.head_dim);
-        let slot = pos0 % self.ring;
-        let n1 = (n as usize).min(self.ring - slot);
-        attention::write_kv(
-            pass,
-            ks,
-            &sc.kv,
-            0,
-            hd,
-            n1 as u32,
-            &st.ring,
-            DstRows::Range { row0: slot as u32 },
-        )?;
-        if n1 < n as usize {
-            attention::write_kv(
-                pass,
-                ks,
-                &sc.kv,
-                n1 as u32 * hd,
-                hd,
-                n - n1 as u32,
-                &st.ring,
-                DstRows::Range { row0: 0 },
-            )?;
-        }
-
-        // Compressed entries of the windows this chunk completes.
-        let ratio = hp.compress_ratio[l];
-        if let (Some(c), Some(cs)) = (&a.cmp, &st.cmp) {
-            let (w0, n_win) = self.compress(pass, c, cs, table, n, pos0, &sc.ent, 0)?;
-            attention::write_kv(
-                pass,
-                ks,
-                &sc.ent,
-                0,
-                hd,
-                n_win,
-                &cs.cache,
-                DstRows::Range { row0: w0 },
-            )?;
-        }
-        let n_win = hp.window.min(pos_end) as u32;
-        let n_idx = n_win + self.comp_slots(l, pos_end) as u32;
-        let mut fill_comp = ratio > 0;
-        if let (Some(ix), Some(is)) = (&a.ix, &st.ix) {
-            fill_comp = false;
-            let d = hp.ix_head_dim as u32;
-            let off = (pos0 / ratio) as u32 * d;
-            self.compress(pass, &ix.cmp, is, table, n, pos0, &is.cache, off)?;
-            let nih = hp.n_ix_head as u32;
-            self.linear_exact(pass, &ix.wq_b, &sc.qr, &sc.ixq, n)?;
-            rope::rope_interleaved(
-                pass,
-                &RopeView::packed(&sc.ixq, 0, n, nih, d),
-                table,
-                Positions::From(p0),
-                false,
-            )?;
-            self.linear_exact(pass, &ix.proj, &sc.h, &sc.ixw, n)?;
-            let ish = IndexerShape {
-                n_head: nih,
-                d,
-                ratio: ratio as u32,
-                top_k: hp.ix_topk as u32,
-            };
-            let n_ent = (pos_end / ratio) as u32;
-            compress::index_scores(
-                pass,
-                &ish,
-                n,
-                p0,
-                n_ent,
-                &sc.ixq,
-                &sc.ixw,
-                &is.cache,
-                &sc.scores.buf,
-            )?;
-            compress::select_topk(
-                pass,
-                &ish,
-                n,
-                p0,
-                n_ent,
-                &sc.scores.buf,
-                &sc.idx.buf,
-                n_idx,
-                n_win,
-                n_idx - n_win,
-            )?;
-        }
-        compress::index_list(
-            pass,
-            &IndexList {
-                n_idx,
-                n_win,
-                window: hp.window as u32,
-                ring: self.ring as u32,
-                ratio: ratio as u32,
-                fill_comp,
-            },
-            n,
-            p0,
-            &sc.idx.buf,
-        )?;
-        // Window ∪ compressed keys (K = V), per-head sinks.
-        let n_split = if n == 1 {
-            attention::pick_n_split(1, nh, ks, n_idx, true)
-        } else {
-            1
-        };
-        attention::attention(
-            pass,
-            &Attention {
-                n_q: n,
-                n_head: nh,
-                kv: ks,
-                scale: 1.0 / (hd as f32).sqrt(),
-                q: QView {
-                    buf: &sc.q,
-                    off: 0,
-                    tok_stride: nh * hd,
-                    head_stride: hd,
-                },
-                out: OutView {
-                    buf: &sc.att,
-                    off: 0,
-                    tok_stride: nh * hd,
-                },
-                a: KvSource {
-                    k: &st.ring,
-                    v: None,
-                },
-                b: st.cmp.as_ref().map(|c| KvSource {
-                    k: &c.cache,
-                    v: None,
-                }),
-                keys: Keys::Index {
-                    idx: &sc.idx.buf,
-                    off: 0,
-                    n_idx,
-                },
-                sinks: Some((&a.sink.parts[0].buffer, 0)),
-                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
-            },
-        )?;
-        // The values carry the keys' rotation: undo it at the query position.
-        rope::rope_interleaved(
-            pass,
-            &RopeView::packed(&sc.att, 0, n, nh, hd),
-            table,
-            Positions::From(p0),
-            true,
-        )?;
-        // Grouped low-rank output: wo_a as a stack of o_groups matrices, token t's group g
-        // (pair t·o_groups + g) reading its slice of the heads; then wo_b.
-        let og = hp.o_groups as u32;
-        let opts = MatvecOpts::default();
-        if n <= matvec::MAX_TOKENS {
-            matvec::matvec_indexed(
-                pass, &a.wo_a, &sc.att, 0, true, &sc.wo_ids, 0, og, &sc.mid, 0, n, &opts,
-            )?;
-        } else {
-            matmul::matmul_indexed(
-                pass,
-                &a.wo_a,
-                &sc.att,
-                0,
-                true,
-                &sc.wo_route,
-                n,
-                og,
-                &sc.mid,
-                0,
-                &opts,
-            )?;
-        }
-        self.linear(pass, &a.wo_b, &sc.mid, &sc.blk, n)
     }
 
     fn moe_block(&self, pass: &mut Pass<'_>, l: usize, m: &Moe<GpuTensor>, n: u32) -> Result<()> {
@@ -1289,7 +791,7 @@ impl Scratch {
             attn_split,
             logits: f(d.logits, "logits")?,
             logit_rows,
-            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+            top: topk::LogitsTop::new(gpu, r as u32, hp.n_vocab as u32)?,
         })
     }
 
@@ -1301,7 +803,7 @@ impl Scratch {
             + attn_split_elems(hp) * 4
             + MoeRoute::bytes(hp.n_expert as u32, (rows * k) as u32)
             + MoeRoute::bytes(og as u32, (rows * og) as u32)
-            + topk::LogitsTop::bytes(1, hp.n_vocab as u32)
+            + topk::LogitsTop::bytes(rows as u32, hp.n_vocab as u32)
     }
 }
 
@@ -1334,10 +836,16 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
             }
         }
     }
+    let mut activations = Scratch::bytes(hp, batch as usize);
+    if hp.mtp && part.last {
+        // The MTP block's window ring, and its row buffers.
+        state += (hp.window as u64 + batch) * hd * kv_elem;
+        activations += mtp::MtpGpu::bytes(hp, batch as usize);
+    }
     Needs {
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
-        activations: Scratch::bytes(hp, batch as usize),
+        activations,
         kv_elem,
         note: None,
     }
@@ -1362,12 +870,12 @@ impl Forward for GpuModel {
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
     }
-    /// One sequence after another (no shared passes yet).
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        items
+        let mut v = items
             .iter_mut()
-            .map(|(s, t, w)| GpuModel::forward_want(self, s.get_mut()?, t, *w))
-            .collect()
+            .map(|(s, t, w)| Ok((s.get_mut::<GpuSeq>()?, *t, *w)))
+            .collect::<Result<Vec<_>>>()?;
+        GpuModel::forward_batch(self, &mut v)
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         GpuModel::forward(self, seq.get_mut()?, tokens, all)
@@ -1385,6 +893,9 @@ impl Forward for GpuModel {
     }
     fn routed_experts(&self) -> usize {
         self.hp.n_layer * self.hp.n_expert
+    }
+    fn speculate(&mut self) -> Option<&mut dyn crate::models::spec::Speculate> {
+        Some(self)
     }
     /// No binding limit bounds the compressed caches below what memory allows.
     fn max_context(&self) -> Option<usize> {

@@ -44,7 +44,11 @@ pub struct Yarn {
 pub struct Hparams {
     /// Loaded from a GGUF (true) or DeepSeek's release layout (false).
     pub gguf: bool,
+    /// Trunk layers (the MTP block not counted).
     pub n_layer: usize,
+    /// The file has DeepSeek's multi-token prediction block (`mtp.0.*`, see `weights.rs`):
+    /// one full block after the trunk, whose per-layer entries below sit at index `n_layer`.
+    pub mtp: bool,
     pub n_embd: usize,
     pub n_vocab: usize,
     pub n_head: usize,
@@ -58,8 +62,9 @@ pub struct Hparams {
     pub o_lora: usize,
     /// Sliding window, the current token included.
     pub window: usize,
-    /// Per layer: 0 = sliding window only; 4 = overlapping compressor + indexer;
-    /// other m = a compressor of ratio m whose entries are all attended.
+    /// Per block (trunk layers, then the MTP block): 0 = sliding window only; 4 =
+    /// overlapping compressor + indexer; other m = a compressor of ratio m whose entries are
+    /// all attended.
     pub compress_ratio: Vec<usize>,
     /// RoPE base of sliding-only layers (no YaRN there).
     pub rope_theta: f32,
@@ -85,7 +90,7 @@ pub struct Hparams {
     pub score_func: ScoreFunc,
     pub route_scale: f32,
     pub norm_topk: bool,
-    /// Per layer SwiGLU clamp of routed and shared experts (0: none).
+    /// Per block SwiGLU clamp of routed and shared experts (0: none).
     pub swiglu_limit: Vec<f32>,
     pub swiglu_limit_shexp: Vec<f32>,
 }
@@ -108,6 +113,10 @@ impl Hparams {
     }
     pub fn is_hash(&self, l: usize) -> bool {
         l < self.n_hash_layers
+    }
+    /// Blocks with per-block entries: the trunk's layers, then the MTP block if any.
+    pub fn n_blocks(&self) -> usize {
+        self.n_layer + usize::from(self.mtp)
     }
 
     /// RoPE inverse frequencies of layer `l` (`n_rot / 2` pairs), in f32 as model.py and
@@ -192,9 +201,15 @@ impl Hparams {
         };
         let n_ff_exp = g.get_usize(&k("expert_feed_forward_length"))?;
         let n_shared = g.opt_usize(&k("expert_shared_count"))?.unwrap_or(1);
+        // llama.cpp's `nextn_predict_layers` key; the block is there when its attention is.
+        let mtp = g.opt_usize(&k("nextn_predict_layers"))?.unwrap_or(0) > 0
+            && g.tensor(&weights::W::WqA(weights::mtp_block(0)).gguf_name())
+                .is_some();
+        let n_blocks = n_layer + usize::from(mtp);
         let hp = Hparams {
             gguf: true,
             n_layer,
+            mtp,
             n_embd,
             n_vocab,
             n_head,
@@ -204,7 +219,7 @@ impl Hparams {
             o_groups: g.get_usize(&k("attention.output_group_count"))?,
             o_lora: g.get_usize(&k("attention.output_lora_rank"))?,
             window: g.get_usize(&k("attention.sliding_window"))?,
-            compress_ratio: per_layer_ratios(ratios, n_layer)
+            compress_ratio: per_layer_ratios(ratios, n_layer, mtp)
                 .map_err(|w| Error::config(g.path(), &ratios_key, w))?,
             rope_theta: g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0),
             compress_rope_theta: g.get_f32(&k("attention.compress_rope_freq_base"))?,
@@ -230,8 +245,8 @@ impl Hparams {
             score_func,
             route_scale: g.opt_f32(&k("expert_weights_scale"))?.unwrap_or(1.0),
             norm_topk: g.opt_bool(&k("expert_weights_norm"))?.unwrap_or(true),
-            swiglu_limit: gguf_f32_per_layer(g, &k("swiglu_clamp_exp"), n_layer)?,
-            swiglu_limit_shexp: gguf_f32_per_layer(g, &k("swiglu_clamp_shexp"), n_layer)?,
+            swiglu_limit: gguf_f32_per_layer(g, &k("swiglu_clamp_exp"), n_layer, n_blocks)?,
+            swiglu_limit_shexp: gguf_f32_per_layer(g, &k("swiglu_clamp_shexp"), n_layer, n_blocks)?,
         };
         hp.validate(&g.path().display().to_string())
     }
@@ -298,9 +313,16 @@ impl Hparams {
         let ratios = h.cfg_u64_list("compress_ratios")?;
         let n_ff_exp = u("moe_intermediate_size")?;
         let limit = of("swiglu_limit")?.unwrap_or(0.0);
+        // `num_nextn_predict_layers` may be set in a config whose file has no `mtp.*`: the
+        // block is there when its attention is.
+        let mtp = ou("num_nextn_predict_layers")?.unwrap_or(0) > 0
+            && h.tensor(&weights::W::WqA(weights::mtp_block(0)).upstream_name())
+                .is_some();
+        let n_blocks = n_layer + usize::from(mtp);
         let hp = Hparams {
             gguf: false,
             n_layer,
+            mtp,
             n_embd: u("hidden_size")?,
             n_vocab: u("vocab_size")?,
             n_head: u("num_attention_heads")?,
@@ -310,7 +332,7 @@ impl Hparams {
             o_groups: u("o_groups")?,
             o_lora: u("o_lora_rank")?,
             window: u("sliding_window")?,
-            compress_ratio: per_layer_ratios(ratios, n_layer)
+            compress_ratio: per_layer_ratios(ratios, n_layer, mtp)
                 .map_err(|w| Error::config(h.config_path(), "compress_ratios", w))?,
             rope_theta: of("rope_theta")?.unwrap_or(10000.0),
             compress_rope_theta: of("compress_rope_theta")?.unwrap_or(160000.0),
@@ -331,8 +353,8 @@ impl Hparams {
             route_scale: of("routed_scaling_factor")?.unwrap_or(1.0),
             // model.py renormalises the chosen weights for every score function but softmax.
             norm_topk: score_func != ScoreFunc::Softmax,
-            swiglu_limit: vec![limit; n_layer],
-            swiglu_limit_shexp: vec![limit; n_layer],
+            swiglu_limit: vec![limit; n_blocks],
+            swiglu_limit_shexp: vec![limit; n_blocks],
         };
         hp.validate(&h.config_path().display().to_string())
     }
@@ -396,19 +418,33 @@ impl Hparams {
 /// converged long before; more would only burn time per token.
 const MAX_SINKHORN_ITERS: usize = 1000;
 
-/// The first `n_layer` ratios (releases append ratios of their MTP / draft stages).
-fn per_layer_ratios(ratios: Vec<u64>, n_layer: usize) -> std::result::Result<Vec<usize>, String> {
+/// The first `n_layer` ratios, and with `mtp` the MTP block's: the releases append it
+/// (0, window only, when absent).
+fn per_layer_ratios(
+    ratios: Vec<u64>,
+    n_layer: usize,
+    mtp: bool,
+) -> std::result::Result<Vec<usize>, String> {
     if ratios.len() < n_layer {
         return Err(format!("{} entries for {n_layer} layers", ratios.len()));
     }
-    Ok(ratios[..n_layer].iter().map(|&r| r as usize).collect())
+    let n = n_layer + usize::from(mtp);
+    Ok((0..n)
+        .map(|i| ratios.get(i).copied().unwrap_or(0) as usize)
+        .collect())
 }
 
 /// A per-layer float stored as one scalar or one value per layer (llama.cpp
-/// `get_key_or_arr`); missing: 0 (no clamp).
-fn gguf_f32_per_layer(g: &GgufFile, key: &str, n_layer: usize) -> Result<Vec<f32>> {
+/// `get_key_or_arr`); missing: 0 (no clamp). `n_blocks` entries: an MTP block without its
+/// own entry takes the last layer's.
+fn gguf_f32_per_layer(
+    g: &GgufFile,
+    key: &str,
+    n_layer: usize,
+    n_blocks: usize,
+) -> Result<Vec<f32>> {
     match g.get(key) {
-        None => Ok(vec![0.0; n_layer]),
+        None => Ok(vec![0.0; n_blocks]),
         Some(Value::Array(_)) => {
             let a = g.get_f32_array(key)?;
             if a.len() < n_layer {
@@ -418,9 +454,11 @@ fn gguf_f32_per_layer(g: &GgufFile, key: &str, n_layer: usize) -> Result<Vec<f32
                     format!("{} entries for {n_layer} layers", a.len()),
                 ));
             }
-            Ok(a[..n_layer].to_vec())
+            Ok((0..n_blocks)
+                .map(|i| a.get(i).or(a.last()).copied().unwrap_or(0.0))
+                .collect())
         }
-        Some(_) => Ok(vec![g.get_f32(key)?; n_layer]),
+        Some(_) => Ok(vec![g.get_f32(key)?; n_blocks]),
     }
 }
 

@@ -74,13 +74,44 @@ pub enum W {
     ShGate(usize),
     ShUp(usize),
     ShDown(usize),
+    // The MTP block's own tensors (index: `mtp_block(i)`); its attention, FFN and
+    // hyper-connection tensors are the layer roles above at that index.
+    MtpEProj(usize),
+    MtpHProj(usize),
+    MtpENorm(usize),
+    MtpHNorm(usize),
+    MtpNorm(usize),
+    MtpHcHeadFn(usize),
+    MtpHcHeadBase(usize),
+    MtpHcHeadScale(usize),
+}
+
+/// The layer index of MTP block `i` in [`W`]'s roles. Its tensors are named under
+/// `mtp.{i}.` in both formats: the release's own names (model.py `MTPBlock`, a full `Block`
+/// plus `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm` and its own `hc_head_*`), and in GGUF,
+/// where llama.cpp defines no DeepSeek-V4 MTP tensors, a table of lathe's mirroring that
+/// layout with llama.cpp's per-tensor names (`mtp.0.attn_q_a.weight`, `mtp.0.e_proj.weight`),
+/// flagged by the `deepseek4.nextn_predict_layers` key.
+pub fn mtp_block(i: usize) -> usize {
+    MTP_BLOCK + i
+}
+
+/// Layer indices from here on name MTP blocks (far above any trunk's layer count).
+const MTP_BLOCK: usize = 1 << 20;
+
+/// `{prefix}{l}.{s}` for a trunk layer, `mtp.{i}.{s}` for MTP block `i`.
+fn block_name(prefix: &str, l: usize, s: &str) -> String {
+    match l.checked_sub(MTP_BLOCK) {
+        Some(i) => format!("mtp.{i}.{s}"),
+        None => format!("{prefix}{l}.{s}"),
+    }
 }
 
 impl W {
     /// llama.cpp's names (`llama-arch.cpp`, `LLM_ARCH_DEEPSEEK4`).
     pub fn gguf_name(self) -> String {
         use W::*;
-        let b = |l: usize, s: &str| format!("blk.{l}.{s}");
+        let b = |l: usize, s: &str| block_name("blk.", l, s);
         match self {
             TokEmbd => "token_embd.weight".into(),
             Output => "output.weight".into(),
@@ -123,6 +154,14 @@ impl W {
             ShGate(l) => b(l, "ffn_gate_shexp.weight"),
             ShUp(l) => b(l, "ffn_up_shexp.weight"),
             ShDown(l) => b(l, "ffn_down_shexp.weight"),
+            MtpEProj(l) => b(l, "e_proj.weight"),
+            MtpHProj(l) => b(l, "h_proj.weight"),
+            MtpENorm(l) => b(l, "enorm.weight"),
+            MtpHNorm(l) => b(l, "hnorm.weight"),
+            MtpNorm(l) => b(l, "norm.weight"),
+            MtpHcHeadFn(l) => b(l, "hc_head_fn.weight"),
+            MtpHcHeadBase(l) => b(l, "hc_head_base.weight"),
+            MtpHcHeadScale(l) => b(l, "hc_head_scale.weight"),
         }
     }
 
@@ -130,7 +169,7 @@ impl W {
     /// tensor of their own there; they name the per-expert prefix.
     pub fn upstream_name(self) -> String {
         use W::*;
-        let b = |l: usize, s: &str| format!("layers.{l}.{s}");
+        let b = |l: usize, s: &str| block_name("layers.", l, s);
         match self {
             TokEmbd => "embed.weight".into(),
             Output => "head.weight".into(),
@@ -174,6 +213,14 @@ impl W {
             ShGate(l) => b(l, "ffn.shared_experts.w1.weight"),
             ShUp(l) => b(l, "ffn.shared_experts.w3.weight"),
             ShDown(l) => b(l, "ffn.shared_experts.w2.weight"),
+            MtpEProj(l) => b(l, "e_proj.weight"),
+            MtpHProj(l) => b(l, "h_proj.weight"),
+            MtpENorm(l) => b(l, "enorm.weight"),
+            MtpHNorm(l) => b(l, "hnorm.weight"),
+            MtpNorm(l) => b(l, "norm.weight"),
+            MtpHcHeadFn(l) => b(l, "hc_head_fn"),
+            MtpHcHeadBase(l) => b(l, "hc_head_base"),
+            MtpHcHeadScale(l) => b(l, "hc_head_scale"),
         }
     }
 }
@@ -261,10 +308,28 @@ pub struct Layer<T> {
     pub moe: Moe<T>,
 }
 
+/// DeepSeek's MTP block (model.py `MTPBlock`): `x = e_proj(enorm(embed(t))) + h_proj(hnorm(h))`
+/// per hyper-connection copy of the trunk's residual stream `h`, one full block, then the
+/// shared head through its own hc fold and `norm`.
+pub struct Mtp<T> {
+    /// [n_embd, n_embd] each.
+    pub e_proj: T,
+    pub h_proj: T,
+    /// [n_embd] each, plain `w`.
+    pub enorm: T,
+    pub hnorm: T,
+    pub norm: T,
+    /// The head fold: `fn_` [hc, hc·n_embd], `base` [hc], `scale` [1].
+    pub hc_head: Hc<T>,
+    pub layer: Layer<T>,
+}
+
 pub struct Weights<T> {
     /// [n_vocab, n_embd]
     pub tok_embd: T,
     pub layers: Vec<Layer<T>>,
+    /// With `Hparams::mtp`.
+    pub mtp: Option<Mtp<T>>,
     pub hc_head: Hc<T>,
     /// [n_embd], plain `w`.
     pub output_norm: T,
@@ -505,47 +570,86 @@ pub fn load_with<T>(
     let tok_embd = sink(ld.mat(W::TokEmbd, &[v, e])?)?;
     let mut layers = Vec::with_capacity(hp.n_layer);
     for l in 0..hp.n_layer {
-        let hc_attn = ld.hc(
-            W::HcAttnFn(l),
-            W::HcAttnBase(l),
-            W::HcAttnScale(l),
-            hp.hc_mix(),
-            3,
-            hp,
-        )?;
-        let hc_attn = sink_hc(hc_attn, &mut sink)?;
-        let attn_norm = sink(ld.mat(W::AttnNorm(l), &[e])?)?;
-        let attn = load_attn(&ld, hp, l, &mut sink)?;
-        let hc_ffn = ld.hc(
-            W::HcFfnFn(l),
-            W::HcFfnBase(l),
-            W::HcFfnScale(l),
-            hp.hc_mix(),
-            3,
-            hp,
-        )?;
-        let hc_ffn = sink_hc(hc_ffn, &mut sink)?;
-        let ffn_norm = sink(ld.mat(W::FfnNorm(l), &[e])?)?;
-        let moe = load_moe(&ld, hp, l, experts_elsewhere, &mut sink)?;
-        layers.push(Layer {
-            hc_attn,
-            attn_norm,
-            attn,
-            hc_ffn,
-            ffn_norm,
-            moe,
-        });
+        layers.push(load_layer(&ld, hp, l, l, experts_elsewhere, &mut sink)?);
     }
     let hc_head = ld.hc(W::HcHeadFn, W::HcHeadBase, W::HcHeadScale, hp.hc, 1, hp)?;
     let hc_head = sink_hc(hc_head, &mut sink)?;
     let output_norm = sink(ld.mat(W::OutputNorm, &[e])?)?;
     let output = sink(ld.mat(W::Output, &[v, e])?)?;
+    let mtp = if hp.mtp {
+        // The block's experts stay in their stacks: the expert arena serves the trunk.
+        let b = mtp_block(0);
+        let layer = load_layer(&ld, hp, hp.n_layer, b, false, &mut sink)?;
+        let hc_head = ld.hc(
+            W::MtpHcHeadFn(b),
+            W::MtpHcHeadBase(b),
+            W::MtpHcHeadScale(b),
+            hp.hc,
+            1,
+            hp,
+        )?;
+        Some(Mtp {
+            e_proj: sink(ld.mat(W::MtpEProj(b), &[e, e])?)?,
+            h_proj: sink(ld.mat(W::MtpHProj(b), &[e, e])?)?,
+            enorm: sink(ld.mat(W::MtpENorm(b), &[e])?)?,
+            hnorm: sink(ld.mat(W::MtpHNorm(b), &[e])?)?,
+            norm: sink(ld.mat(W::MtpNorm(b), &[e])?)?,
+            hc_head: sink_hc(hc_head, &mut sink)?,
+            layer,
+        })
+    } else {
+        None
+    };
     Ok(Weights {
         tok_embd,
         layers,
+        mtp,
         hc_head,
         output_norm,
         output,
+    })
+}
+
+/// Block `l` (its per-block hyper-parameters), named as layer `nl` (`l` itself, or
+/// `mtp_block(i)`).
+fn load_layer<T>(
+    ld: &Loader<'_>,
+    hp: &Hparams,
+    l: usize,
+    nl: usize,
+    experts_elsewhere: bool,
+    sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
+) -> Result<Layer<T>> {
+    let e = hp.n_embd as u64;
+    let hc_attn = ld.hc(
+        W::HcAttnFn(nl),
+        W::HcAttnBase(nl),
+        W::HcAttnScale(nl),
+        hp.hc_mix(),
+        3,
+        hp,
+    )?;
+    let hc_attn = sink_hc(hc_attn, sink)?;
+    let attn_norm = sink(ld.mat(W::AttnNorm(nl), &[e])?)?;
+    let attn = load_attn(ld, hp, l, nl, sink)?;
+    let hc_ffn = ld.hc(
+        W::HcFfnFn(nl),
+        W::HcFfnBase(nl),
+        W::HcFfnScale(nl),
+        hp.hc_mix(),
+        3,
+        hp,
+    )?;
+    let hc_ffn = sink_hc(hc_ffn, sink)?;
+    let ffn_norm = sink(ld.mat(W::FfnNorm(nl), &[e])?)?;
+    let moe = load_moe(ld, hp, l, nl, experts_elsewhere, sink)?;
+    Ok(Layer {
+        hc_attn,
+        attn_norm,
+        attn,
+        hc_ffn,
+        ffn_norm,
+        moe,
     })
 }
 
@@ -573,6 +677,7 @@ fn load_attn<T>(
     ld: &Loader<'_>,
     hp: &Hparams,
     l: usize,
+    nl: usize,
     sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Attn<T>> {
     let e = hp.n_embd as u64;
@@ -580,7 +685,7 @@ fn load_attn<T>(
     let q_dim = hp.q_dim() as u64;
     let ratio = hp.compress_ratio[l];
     let cmp = if ratio > 0 {
-        let names = [W::CmpApe(l), W::CmpNorm(l), W::CmpGate(l), W::CmpKv(l)];
+        let names = [W::CmpApe(nl), W::CmpNorm(nl), W::CmpGate(nl), W::CmpKv(nl)];
         let c = ld.compressor(names, ratio, hp.head_dim, hp.overlap(l), hp)?;
         Some(sink_cmp(c, sink)?)
     } else {
@@ -588,14 +693,14 @@ fn load_attn<T>(
     };
     let ix = if hp.has_indexer(l) {
         let names = [
-            W::IxCmpApe(l),
-            W::IxCmpNorm(l),
-            W::IxCmpGate(l),
-            W::IxCmpKv(l),
+            W::IxCmpApe(nl),
+            W::IxCmpNorm(nl),
+            W::IxCmpGate(nl),
+            W::IxCmpKv(nl),
         ];
         let c = ld.compressor(names, ratio, hp.ix_head_dim, hp.overlap(l), hp)?;
-        let wq_b = ld.mat(W::IxWqB(l), &[(hp.n_ix_head * hp.ix_head_dim) as u64, ql])?;
-        let proj = ld.mat(W::IxProj(l), &[hp.n_ix_head as u64, e])?;
+        let wq_b = ld.mat(W::IxWqB(nl), &[(hp.n_ix_head * hp.ix_head_dim) as u64, ql])?;
+        let proj = ld.mat(W::IxProj(nl), &[hp.n_ix_head as u64, e])?;
         Some(Indexer {
             wq_b: sink(wq_b)?,
             proj: sink(proj)?,
@@ -607,14 +712,14 @@ fn load_attn<T>(
     let og = hp.o_groups as u64;
     let ol = hp.o_lora as u64;
     Ok(Attn {
-        sink: sink(ld.mat(W::Sink(l), &[hp.n_head as u64])?)?,
-        wq_a: sink(ld.mat(W::WqA(l), &[ql, e])?)?,
-        q_norm: sink(ld.mat(W::QNorm(l), &[ql])?)?,
-        wq_b: sink(ld.mat(W::WqB(l), &[q_dim, ql])?)?,
-        wkv: sink(ld.mat(W::Wkv(l), &[hd, e])?)?,
-        kv_norm: sink(ld.mat(W::KvNorm(l), &[hd])?)?,
-        wo_a: sink(ld.mat(W::WoA(l), &[og * ol, q_dim / og])?)?,
-        wo_b: sink(ld.mat(W::WoB(l), &[e, og * ol])?)?,
+        sink: sink(ld.mat(W::Sink(nl), &[hp.n_head as u64])?)?,
+        wq_a: sink(ld.mat(W::WqA(nl), &[ql, e])?)?,
+        q_norm: sink(ld.mat(W::QNorm(nl), &[ql])?)?,
+        wq_b: sink(ld.mat(W::WqB(nl), &[q_dim, ql])?)?,
+        wkv: sink(ld.mat(W::Wkv(nl), &[hd, e])?)?,
+        kv_norm: sink(ld.mat(W::KvNorm(nl), &[hd])?)?,
+        wo_a: sink(ld.mat(W::WoA(nl), &[og * ol, q_dim / og])?)?,
+        wo_b: sink(ld.mat(W::WoB(nl), &[e, og * ol])?)?,
         cmp,
         ix,
     })
@@ -624,26 +729,27 @@ fn load_moe<T>(
     ld: &Loader<'_>,
     hp: &Hparams,
     l: usize,
+    nl: usize,
     elsewhere: bool,
     sink: &mut impl FnMut(Weight<'_>) -> Result<T>,
 ) -> Result<Moe<T>> {
     let e = hp.n_embd as u64;
     let (ne, f, fs) = (hp.n_expert as u64, hp.n_ff_exp as u64, hp.n_ff_shexp as u64);
-    let router = sink(ld.mat(W::Router(l), &[ne, e])?)?;
+    let router = sink(ld.mat(W::Router(nl), &[ne, e])?)?;
     let (bias, tid2eid) = if hp.is_hash(l) {
-        (None, Some(sink(ld.tid2eid(l, hp)?)?))
+        (None, Some(sink(ld.tid2eid(nl, hp)?)?))
     } else {
-        (Some(sink(ld.mat(W::RouterBias(l), &[ne])?)?), None)
+        (Some(sink(ld.mat(W::RouterBias(nl), &[ne])?)?), None)
     };
     Ok(Moe {
         router,
         bias,
         tid2eid,
-        gate_exps: sink(ld.experts(W::GateExps(l), W::GateExp, l, [ne, f, e], elsewhere)?)?,
-        up_exps: sink(ld.experts(W::UpExps(l), W::UpExp, l, [ne, f, e], elsewhere)?)?,
-        down_exps: sink(ld.experts(W::DownExps(l), W::DownExp, l, [ne, e, f], elsewhere)?)?,
-        sh_gate: sink(ld.mat(W::ShGate(l), &[fs, e])?)?,
-        sh_up: sink(ld.mat(W::ShUp(l), &[fs, e])?)?,
-        sh_down: sink(ld.mat(W::ShDown(l), &[e, fs])?)?,
+        gate_exps: sink(ld.experts(W::GateExps(nl), W::GateExp, nl, [ne, f, e], elsewhere)?)?,
+        up_exps: sink(ld.experts(W::UpExps(nl), W::UpExp, nl, [ne, f, e], elsewhere)?)?,
+        down_exps: sink(ld.experts(W::DownExps(nl), W::DownExp, nl, [ne, e, f], elsewhere)?)?,
+        sh_gate: sink(ld.mat(W::ShGate(nl), &[fs, e])?)?,
+        sh_up: sink(ld.mat(W::ShUp(nl), &[fs, e])?)?,
+        sh_down: sink(ld.mat(W::ShDown(nl), &[e, fs])?)?,
     })
 }
