@@ -148,7 +148,9 @@ fn rows_per_task(cols: usize, n_pairs: usize) -> usize {
 /// as long for the GPU, and a worker that went to sleep in that wait takes tens of
 /// microseconds to wake for each of the two parallel phases. Start it when the wait
 /// begins, drop it when the inputs are there (llama.cpp's CPU threadpool spins the same way
-/// between graph nodes).
+/// between graph nodes). Spinning workers run any job that arrives meanwhile
+/// (`rayon::yield_now`), so another user of the pool (a second device's offload) is not
+/// held up by the spin.
 pub struct Warm {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -161,7 +163,9 @@ impl Warm {
         rayon::spawn_broadcast(move |_| {
             let t0 = std::time::Instant::now();
             while !s.load(Ordering::Relaxed) && t0.elapsed() < most {
-                std::hint::spin_loop();
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::hint::spin_loop();
+                }
             }
         });
         Warm { stop }

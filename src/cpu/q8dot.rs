@@ -305,6 +305,38 @@ mod x86 {
         )
     }
 
+    /// An f16 scale → f32 through F16C (exact, as `quant::f16_to_f32`).
+    #[inline(always)]
+    unsafe fn h16x(b: [u8; 2]) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(
+            _mm_cvtsi32_si128(u16::from_le_bytes(b) as i32),
+        ))
+    }
+
+    /// `d·sc_j` and `dmin·m_j` of a Q4_K / Q5_K block as lanes j, the 6-bit fields unpacked
+    /// with 32-bit masks as ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` does (the values of
+    /// `quant::scale_min_k4`; the products are the scalar ones).
+    #[inline(always)]
+    unsafe fn k4_scales_v(d: [u8; 2], dmin: [u8; 2], s: &[u8; 12]) -> (__m256, __m256) {
+        const M1: u32 = 0x3f3f_3f3f;
+        const M2: u32 = 0x0f0f_0f0f;
+        const M3: u32 = 0x0303_0303;
+        let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+        let (u0, u1, u2) = (w(0), w(1), w(2));
+        let sc_lo = u0 & M1;
+        let sc_hi = (u2 & M2) | (((u0 >> 6) & M3) << 4);
+        let m_lo = u1 & M1;
+        let m_hi = ((u2 >> 4) & M2) | (((u1 >> 6) & M3) << 4);
+        let lanes = |lo: u32, hi: u32| {
+            let v = _mm_set_epi32(0, 0, hi as i32, lo as i32);
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+        };
+        (
+            _mm256_mul_ps(_mm256_set1_ps(h16x(d)), lanes(sc_lo, sc_hi)),
+            _mm256_mul_ps(_mm256_set1_ps(h16x(dmin)), lanes(m_lo, m_hi)),
+        )
+    }
+
     #[inline(always)]
     unsafe fn load(p: *const i8) -> __m256i {
         _mm256_loadu_si256(p.cast())
@@ -401,11 +433,11 @@ mod x86 {
     ) {
         let nb = bl.len();
         for (g, grp) in bl.chunks(8).enumerate() {
-            let mut dw = [0f32; 8];
+            let mut dw = [0u16; 8];
             for (l, b) in grp.iter().enumerate() {
-                dw[l] = h16(b.d());
+                dw[l] = u16::from_le_bytes(b.d());
             }
-            let dw = _mm256_loadu_ps(dw.as_ptr());
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dw.as_ptr().cast()));
             let r = 8 * g..(8 * g + 8).min(nb);
             for (a, x) in acc.iter_mut().zip(xs) {
                 let mut v = [_mm256_setzero_si256(); 8];
@@ -458,10 +490,10 @@ mod x86 {
         for i in 0..n {
             let (qs, qh, (ds, dm)) = if Q5 {
                 let b = &bytemuck::cast_slice::<u8, BlockQ5K>(row)[i];
-                (&b.qs, Some(&b.qh), k4_scales(b.d, b.dmin, &b.scales))
+                (&b.qs, Some(&b.qh), k4_scales_v(b.d, b.dmin, &b.scales))
             } else {
                 let b = &bytemuck::cast_slice::<u8, BlockQ4K>(row)[i];
-                (&b.qs, None, k4_scales(b.d, b.dmin, &b.scales))
+                (&b.qs, None, k4_scales_v(b.d, b.dmin, &b.scales))
             };
             let mut w = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
@@ -477,7 +509,6 @@ mod x86 {
                     w[j] = _mm256_or_si256(w[j], _mm256_slli_epi16(bit, 4));
                 }
             }
-            let (ds, dm) = (_mm256_loadu_ps(ds.as_ptr()), _mm256_loadu_ps(dm.as_ptr()));
             for (a, x) in acc.iter_mut().zip(xs) {
                 let xp = x.qs.as_ptr().add(256 * i);
                 let mut v = [_mm256_setzero_si256(); 8];
@@ -534,7 +565,7 @@ mod x86 {
                     };
                 }
             }
-            let d = _mm256_set1_ps(h16(b.d));
+            let d = _mm256_set1_ps(h16x(b.d));
             for (a, x) in acc.iter_mut().zip(xs) {
                 let xp = x.qs.as_ptr().add(256 * i);
                 let mut v = [_mm256_setzero_si256(); 8];
