@@ -120,7 +120,7 @@ fn pairs() -> Vec<ColdPair> {
         weight: 1.0,
     }];
     for t in 1..5 {
-        for (s, e) in [(0, 0), (1, (t % 2) as u32)] {
+        for (s, e) in [(0, 0), (1, t % 2)] {
             p.push(ColdPair {
                 token: t,
                 slot: s,

@@ -431,3 +431,28 @@ pub fn combine_slots(out: &mut [f32], y: &[f32], w: &[f32], n_used: usize) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Work submitted while the workers spin runs at once, and dropping `Warm` lets them go
+    /// long before its limit.
+    #[test]
+    fn warm_workers_take_work_and_stop_when_dropped() {
+        let most = Duration::from_secs(20);
+        let t0 = Instant::now();
+        let warm = Warm::start(most);
+        let sum: u64 = (0..1000u64).into_par_iter().map(|i| i * i).sum();
+        assert_eq!(sum, 332_833_500);
+        drop(warm);
+        // every worker must be free again to run this
+        rayon::broadcast(|_| ());
+        assert!(
+            t0.elapsed() < most / 4,
+            "workers held for {:?}",
+            t0.elapsed()
+        );
+    }
+}

@@ -186,6 +186,9 @@ fn k4_scales(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12]) -> ([f32; 8], [f32; 8
 mod scalar {
     use super::*;
 
+    /// A Q4_K / Q5_K super-block: levels, fifth bits (Q5_K), `d·sc` and `dmin·m`.
+    type KBlock<'a> = (&'a [u8; 128], Option<&'a [u8; 32]>, ([f32; 8], [f32; 8]));
+
     /// `acc[b mod 8] += c(b)` for every block, in groups of eight (lanes past the end add 0,
     /// as the vector kernels' zeroed tail lanes do).
     fn lanes(nb: usize, mut c: impl FnMut(usize) -> f32) -> [f32; 8] {
@@ -226,7 +229,7 @@ mod scalar {
             }
             DType::Q4_K | DType::Q5_K => {
                 // (qs, fifth bits, d·sc, dmin·m) of super-block i
-                let sb = |i: usize| -> (&[u8; 128], Option<&[u8; 32]>, ([f32; 8], [f32; 8])) {
+                let sb = |i: usize| -> KBlock<'_> {
                     if dtype == DType::Q4_K {
                         let b = &bytemuck::cast_slice::<u8, BlockQ4K>(row)[i];
                         (&b.qs, None, k4_scales(b.d, b.dmin, &b.scales))
