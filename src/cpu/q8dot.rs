@@ -385,26 +385,47 @@ mod x86 {
         xg: &[Q8Row<'_>],
         out: &mut [[f32; 8]],
     ) {
-        let mut acc = [_mm256_setzero_ps(); MANY];
-        let acc = &mut acc[..xg.len()];
+        // Full passes with MANY accumulators; the rest one token at a time, in registers
+        // (the same operations per token either way).
+        let mut i = 0;
+        while i < xg.len() {
+            if xg.len() - i >= MANY {
+                let xs: &[Q8Row<'_>; MANY] = xg[i..i + MANY].try_into().expect("MANY rows");
+                store(kernel::<VNNI, MANY>(dtype, row, xs), &mut out[i..i + MANY]);
+                i += MANY;
+            } else {
+                store(kernel::<VNNI, 1>(dtype, row, &[xg[i]]), &mut out[i..i + 1]);
+                i += 1;
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store<const T: usize>(acc: [__m256; T], out: &mut [[f32; 8]]) {
+        for (o, a) in out.iter_mut().zip(acc) {
+            _mm256_storeu_ps(o.as_mut_ptr(), a);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn kernel<const VNNI: bool, const T: usize>(
+        dtype: DType,
+        row: &[u8],
+        xs: &[Q8Row<'_>; T],
+    ) -> [__m256; T] {
         match dtype {
             DType::Q8_0 => {
-                blocks32::<false, BlockQ8_0>(bytemuck::cast_slice(row), xg, acc, |b, p| {
+                blocks32::<false, BlockQ8_0, T>(bytemuck::cast_slice(row), xs, |b, p| {
                     q8_0::<VNNI>(b, p)
                 })
             }
-            DType::Q4_0 => {
-                blocks32::<true, BlockQ4_0>(bytemuck::cast_slice(row), xg, acc, |b, p| {
-                    q4_0::<VNNI>(b, p)
-                })
-            }
-            DType::Q4_K => q4_k::<VNNI, false>(row, xg, acc),
-            DType::Q5_K => q4_k::<VNNI, true>(row, xg, acc),
-            DType::Q6_K => q6_k::<VNNI>(bytemuck::cast_slice(row), xg, acc),
+            DType::Q4_0 => blocks32::<true, BlockQ4_0, T>(bytemuck::cast_slice(row), xs, |b, p| {
+                q4_0::<VNNI>(b, p)
+            }),
+            DType::Q4_K => q4_k::<VNNI, false, T>(row, xs),
+            DType::Q5_K => q4_k::<VNNI, true, T>(row, xs),
+            DType::Q6_K => q6_k::<VNNI, T>(bytemuck::cast_slice(row), xs),
             _ => unreachable!("q8dot checked the type"),
-        }
-        for (o, a) in out.iter_mut().zip(acc.iter()) {
-            _mm256_storeu_ps(o.as_mut_ptr(), *a);
         }
     }
 
@@ -428,12 +449,12 @@ mod x86 {
     /// Q8_0 / Q4_0 rows (`OFFSET8`: Q4_0's formula): eight blocks per step, the last one
     /// zero-padded. The weights stay in L1 across a pass's tokens.
     #[inline(always)]
-    unsafe fn blocks32<const OFFSET8: bool, B: HasD>(
+    unsafe fn blocks32<const OFFSET8: bool, B: HasD, const T: usize>(
         bl: &[B],
-        xs: &[Q8Row<'_>],
-        acc: &mut [__m256],
+        xs: &[Q8Row<'_>; T],
         f: impl Fn(&B, *const i8) -> __m256i,
-    ) {
+    ) -> [__m256; T] {
+        let mut acc = [_mm256_setzero_ps(); T];
         let nb = bl.len();
         for (g, grp) in bl.chunks(8).enumerate() {
             let mut dw = [0u16; 8];
@@ -462,6 +483,7 @@ mod x86 {
                 *a = _mm256_add_ps(*a, c);
             }
         }
+        acc
     }
 
     /// The f16 scale of a 32-value block.
@@ -483,11 +505,11 @@ mod x86 {
     /// per super-block the eight sub-blocks' levels (unsigned bytes) and `d·sc`, `dmin·m`,
     /// then per token `c = ds·(dx·i) − dm·sx`.
     #[inline(always)]
-    unsafe fn q4_k<const VNNI: bool, const Q5: bool>(
+    unsafe fn q4_k<const VNNI: bool, const Q5: bool, const T: usize>(
         row: &[u8],
-        xs: &[Q8Row<'_>],
-        acc: &mut [__m256],
-    ) {
+        xs: &[Q8Row<'_>; T],
+    ) -> [__m256; T] {
+        let mut acc = [_mm256_setzero_ps(); T];
         let (m4, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
         let n = row.len() / if Q5 { 176 } else { 144 };
         for i in 0..n {
@@ -528,12 +550,17 @@ mod x86 {
                 *a = _mm256_add_ps(*a, c);
             }
         }
+        acc
     }
 
     /// Q6_K: per super-block the eight 32-value blocks' levels (0..63) and their two i8
     /// scales, then per token `i = Σ sc·(q − 32)·x` over the halves and `c = d·(dx·i)`.
     #[inline(always)]
-    unsafe fn q6_k<const VNNI: bool>(bl: &[BlockQ6K], xs: &[Q8Row<'_>], acc: &mut [__m256]) {
+    unsafe fn q6_k<const VNNI: bool, const T: usize>(
+        bl: &[BlockQ6K],
+        xs: &[Q8Row<'_>; T],
+    ) -> [__m256; T] {
+        let mut acc = [_mm256_setzero_ps(); T];
         let (m4, m3, off) = (
             _mm256_set1_epi8(0x0f),
             _mm256_set1_epi8(3),
@@ -591,6 +618,7 @@ mod x86 {
                 *a = _mm256_add_ps(*a, _mm256_mul_ps(d, _mm256_mul_ps(dx, isum)));
             }
         }
+        acc
     }
 }
 
