@@ -5,12 +5,22 @@
 //! prints ms per call and the expert bytes read per second (each chosen expert counted once).
 //!
 //! `cargo run --release --example cpu_moe_bench -- [--threads N] [--down q6_k|q4_k]
-//! [--iters N] [--tokens N]`
+//! [--iters N] [--tokens N] [--cpu-simd scalar|avx2|avx512vnni] [--activations f32|int8]
+//! [--idle-us N [--warm]] [--decode-pairs N]`
+//!
+//! `--idle-us N` sleeps N µs before each decode call, as the host waits for the GPU's `pre`
+//! between layers (the workers fall asleep); `--warm` keeps them spinning through it
+//! (`cpu::moe::Warm`, as the offload does).
+//!
+//! The per-type table times one core's row dots at every SIMD level the CPU has, with f32
+//! activations (`quant::dot`) and int8 ones (`cpu::q8dot`).
 //!
 //! Decode picks 8 experts not used in the previous 31 calls, so the weights come from memory
 //! (the layer is ~500 MB, far beyond any cache), as they do in a real decode over 40 layers.
 
-use lathe::cpu::moe::expert_rows;
+use lathe::cpu::moe::{expert_rows_with, Activations, ColdOptions, Warm};
+use lathe::cpu::q8dot::{self, Q8Rows};
+use lathe::cpu::simd::SimdLevel;
 use lathe::moe::{ColdPair, ExpertMats, ExpertWeights, MatShape};
 use lathe::{quant, DType};
 use std::time::Instant;
@@ -103,6 +113,23 @@ fn hot_dots(rng: &mut Rng) {
             }
         });
         let ne = (n * rows) as f64;
+        if q8dot::supported(dtype) {
+            let q = Q8Rows::quantize(&xs[0], n);
+            for level in SimdLevel::all_supported() {
+                let s8 = time(&mut || {
+                    for r in m.chunks(rb) {
+                        acc += q8dot::dot(level, dtype, r, q.row(0));
+                    }
+                });
+                println!(
+                    "hot {:12} int8 {:10} {:6.2} GB/s {:5.3} ns/weight",
+                    dtype.name(),
+                    level.name(),
+                    m.len() as f64 / s8 / 1e9,
+                    s8 * 1e9 / ne
+                );
+            }
+        }
         println!(
             "hot {:12} dot {:6.2} GB/s {:5.3} ns/weight   dot_many x{toks} {:5.3} ns/weight·token",
             dtype.name(),
@@ -128,6 +155,19 @@ fn main() -> lathe::Result<()> {
     let iters: usize = arg(&args, "--iters", 64);
     let n_tok: usize = arg(&args, "--tokens", 512);
     let down: String = arg(&args, "--down", "q6_k".to_string());
+    let simd: String = arg(&args, "--cpu-simd", SimdLevel::detect().name().to_string());
+    let act: String = arg(&args, "--activations", "f32".to_string());
+    let idle_us: u64 = arg(&args, "--idle-us", 0);
+    let warm = args.iter().any(|a| a == "--warm");
+    let dp: usize = arg(&args, "--decode-pairs", N_USED);
+    let opts = ColdOptions {
+        simd: simd.parse::<SimdLevel>().expect("--cpu-simd").check()?,
+        activations: match act.as_str() {
+            "f32" => Activations::F32,
+            "int8" => Activations::Int8,
+            _ => panic!("--activations f32|int8"),
+        },
+    };
     let dd = DType::from_name(&down.to_uppercase())
         .unwrap_or_else(|| panic!("--down {down}: not a type name"));
     if threads > 0 {
@@ -166,7 +206,7 @@ fn main() -> lathe::Result<()> {
     )?;
     let expert_bytes = (2 * gu.bytes() + ds.bytes()) as f64;
     println!(
-        "{threads} threads; layer of {N_EXPERT} experts × {:.2} MB (Q4_K gate/up, {dd} down), \
+        "{threads} threads, {opts:?}; layer of {N_EXPERT} experts × {:.2} MB (Q4_K gate/up, {dd} down), \
          built in {:.1} s",
         expert_bytes / 1e6,
         t.elapsed().as_secs_f64()
@@ -187,26 +227,37 @@ fn main() -> lathe::Result<()> {
         );
     };
 
-    // Decode: one token, 8 experts, a fresh set every call.
+    // Decode: one token, `dp` experts (8: all of them cold), a fresh set every call.
     let x: Vec<f32> = (0..ne).map(|_| rng.normal()).collect();
-    let mut out = vec![0f32; N_USED * ne];
+    let mut out = vec![0f32; dp * ne];
     let mut secs = Vec::new();
     for it in 0..iters + 4 {
-        let pairs: Vec<ColdPair> = (0..N_USED)
+        let pairs: Vec<ColdPair> = (0..dp)
             .map(|s| ColdPair {
                 token: 0,
                 slot: s as u32,
-                expert: ((it * N_USED + s) % N_EXPERT) as u32,
+                expert: ((it * dp + s) % N_EXPERT) as u32,
                 weight: 1.0,
             })
             .collect();
+        if idle_us > 0 {
+            let spin = warm.then(|| Warm::start(std::time::Duration::from_millis(2)));
+            std::thread::sleep(std::time::Duration::from_micros(idle_us));
+            drop(spin);
+        }
         let t = Instant::now();
-        expert_rows(&w, &x, &pairs, None, &mut out)?;
+        expert_rows_with(&w, &x, &pairs, None, &opts, &mut out)?;
         if it >= 4 {
             secs.push(t.elapsed().as_secs_f64());
         }
     }
-    report("decode 1 token x 8", &secs, N_USED);
+    report(&format!("decode 1 token x {dp}"), &secs, dp);
+    let mut sorted = secs.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    println!(
+        "decode: {:.1} us per (token, expert) pair (median call / {dp})",
+        sorted[sorted.len() / 2] * 1e6 / dp as f64
+    );
 
     // Prefill: n_tok tokens, 8 distinct random experts each.
     let x: Vec<f32> = (0..n_tok * ne).map(|_| rng.normal()).collect();
@@ -239,7 +290,7 @@ fn main() -> lathe::Result<()> {
     let mut secs = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();
-        expert_rows(&w, &x, &pairs, None, &mut out)?;
+        expert_rows_with(&w, &x, &pairs, None, &opts, &mut out)?;
         secs.push(t.elapsed().as_secs_f64());
     }
     report(&format!("prefill {n_tok} tokens x 8"), &secs, used);

@@ -48,6 +48,8 @@ pub struct BenchOptions {
     pub spec: Option<crate::spec::SpecOptions>,
     /// Cold experts of prompt batches (`--expert-stream`).
     pub expert_stream: crate::forward::ExpertStream,
+    /// Instruction set of the cold experts' CPU kernels (`--cpu-simd`).
+    pub cpu_simd: Option<crate::cpu::simd::SimdLevel>,
     /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
     pub timeline: bool,
     /// Several devices and their shares (`LoadOptions` fields of the same names).
@@ -73,6 +75,7 @@ impl Default for BenchOptions {
             matmul: Default::default(),
             spec: None,
             expert_stream: Default::default(),
+            cpu_simd: None,
             timeline: false,
             devices: Vec::new(),
             split: None,
@@ -435,6 +438,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         save_expert_stats: opts.save_expert_stats.clone(),
         matmul: opts.matmul,
         expert_stream: opts.expert_stream,
+        cpu_simd: opts.cpu_simd,
         devices: opts.devices.clone(),
         split: opts.split.clone(),
         gpu_mems: opts.gpu_mems.clone(),

@@ -180,6 +180,9 @@ pub struct LoadOptions {
     pub expert_stream: ExpertStream,
     /// Spread the cold experts over every layer or keep whole layers cold (`--cold-layers`).
     pub cold_layers: ColdLayers,
+    /// Instruction set of the cold experts' CPU kernels (`--cpu-simd`); `None`: the widest
+    /// the CPU has.
+    pub cpu_simd: Option<crate::cpu::simd::SimdLevel>,
     /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
     /// loads (`matvec::Prologue`): fewer dispatches (Qwen3.5-9B 5.75 per layer against ~8),
     /// but every workgroup of a product recomputes its prologue over the whole row, which
@@ -343,6 +346,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("expert_cache", &self.expert_cache)
             .field("expert_stream", &self.expert_stream)
             .field("cold_layers", &self.cold_layers)
+            .field("cpu_simd", &self.cpu_simd)
             .field("matmul", &self.matmul)
             .field("fused_loads", &self.fused_loads)
             .field("devices", &self.devices)
@@ -371,6 +375,7 @@ impl Default for LoadOptions {
             matmul: Default::default(),
             expert_stream: Default::default(),
             cold_layers: Default::default(),
+            cpu_simd: None,
             fused_loads: false,
             devices: Vec::new(),
             split: None,

@@ -1531,7 +1531,18 @@ fn plan_command_prints_a_sane_table() {
 
     // A budget that holds part of the experts: spread evenly (slots differ by at most one).
     // (~600 KiB go beside the experts: weights, KV, state, the forward's scratch, margin.)
-    let args = ["--gpu-mem", "640KiB", "--ctx", "64", "--batch", "1"];
+    // Without prompt streaming, whose slots (a whole layer's 8 experts here) would take the
+    // experts' share of this budget.
+    let args = [
+        "--gpu-mem",
+        "640KiB",
+        "--ctx",
+        "64",
+        "--batch",
+        "1",
+        "--expert-stream",
+        "never",
+    ];
     let part = plan(&[&args[..], &["--cold-layers", "spread"]].concat());
     let t = table(&part);
     let (lo, hi) = (

@@ -408,11 +408,12 @@ fn batches_micro_batches_and_rounds_match_one_device() {
 }
 
 /// `lathe plan --devices` prints each device's layers and placement, and a load with the
-/// same memory per device leaves as many experts on the CPU as it reports.
+/// same memory per device and `--expert-stream` leaves as many experts on the CPU as it
+/// reports (both set the prompt streaming slots aside unless `never`).
 #[test]
 fn plan_devices_agrees_with_the_loader() {
     let path = fixtures().join("qwen35moe-tiny/model-q8_0.gguf");
-    let cold_in_plan = |mem: u64| -> usize {
+    let cold_in_plan = |mem: u64, stream: &str| -> usize {
         let m = format!("{mem}B");
         let out = lathe(&[
             "plan",
@@ -422,6 +423,8 @@ fn plan_devices_agrees_with_the_loader() {
             "0,0",
             "--gpu-mem",
             &m,
+            "--expert-stream",
+            stream,
             // The loader's run shape: `LoadOptions::default()` and Qwen3.5's pass of 512 rows.
             "--batch",
             "512",
@@ -441,25 +444,32 @@ fn plan_devices_agrees_with_the_loader() {
     let (mut lo, mut hi) = (1u64 << 20, 1u64 << 30);
     let mem = loop {
         let mid = lo + (hi - lo) / 2;
-        match cold_in_plan(mid) {
+        match cold_in_plan(mid, "auto") {
             0 => hi = mid,
             32 => lo = mid,
             _ => break mid,
         }
         assert!(hi - lo > 1, "no memory gives a partial placement");
     };
-    let cold = cold_in_plan(mem);
-    // `lathe plan` does not set aside the prefill streaming slots (`--expert-stream`) that
-    // a load takes out of the experts' budget: the load without them.
-    let opts = LoadOptions {
-        gpu_mems: vec![mem, mem],
-        expert_stream: lathe::engine::ExpertStream::Never,
-        ..on_devices(2, None, &LoadOptions::default())
-    };
-    let e = Engine::load(&path, &opts).unwrap();
-    let r = e.placement_report().expect("a MoE model");
-    assert_eq!(r.total_experts, 32);
-    assert_eq!(r.total_experts - r.hot_experts, cold, "{r:?}");
+    for (flag, stream) in [
+        ("auto", lathe::engine::ExpertStream::Auto),
+        ("never", lathe::engine::ExpertStream::Never),
+    ] {
+        let cold = cold_in_plan(mem, flag);
+        let opts = LoadOptions {
+            gpu_mems: vec![mem, mem],
+            expert_stream: stream,
+            ..on_devices(2, None, &LoadOptions::default())
+        };
+        let e = Engine::load(&path, &opts).unwrap();
+        let r = e.placement_report().expect("a MoE model");
+        assert_eq!(r.total_experts, 32);
+        assert_eq!(
+            r.total_experts - r.hot_experts,
+            cold,
+            "--expert-stream {flag}: {r:?}"
+        );
+    }
 }
 
 #[test]

@@ -105,6 +105,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             draft_vocab: a.draft_vocab,
         }),
         expert_stream: a.moe.expert_stream,
+        cpu_simd: a.moe.cpu_simd,
         timeline: a.moe_timeline,
     };
     let r = bench::run(&a.model, &opts)?;

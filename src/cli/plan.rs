@@ -79,6 +79,10 @@ pub struct PlanArgs {
     /// whole.
     #[arg(long, value_name = "MODE", default_value = "auto")]
     pub cold_layers: lathe::engine::ColdLayers,
+    /// Prompt streaming as `lathe run --expert-stream`: unless `never`, a placement that
+    /// leaves experts on the CPU sets aside the streaming slots, as a load does.
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    pub expert_stream: lathe::engine::ExpertStream,
     /// One MoE layer's GPU → CPU → GPU round trip in a decode step, in ms (`lathe bench
     /// --moe-timeline` measures it: wait + after per layer).
     #[arg(long, value_name = "MS", default_value_t = 0.25)]
@@ -306,7 +310,8 @@ fn placement_report(
         Some(f) => Fill::Fraction(f),
         None => Fill::Budget(budget.experts),
     };
-    let placement = lathe::moe::offload::place(info, fill, stats, a.cold_layers)?;
+    let placement =
+        lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
     let run = run_shape(a);
     let hb = human_bytes;
     if let Some(n) = &nd.note {
@@ -409,6 +414,18 @@ fn placement_report(
     }
     let arena = placement.arena_bytes();
     writeln!(s, "  arena total: {}", hb(arena)).ok();
+    let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
+    if matches!(fill, Fill::Budget(_))
+        && !all_hot
+        && a.expert_stream != lathe::engine::ExpertStream::Never
+    {
+        writeln!(
+            s,
+            "  streaming slots: {} set aside for prompt batches (--expert-stream never frees them)",
+            hb(lathe::moe::offload::stream_bytes(&placement))
+        )
+        .ok();
+    }
     if arena > budget.experts {
         writeln!(
             s,
@@ -497,7 +514,7 @@ fn expected_speed(
         (lathe::engine::ColdLayers::Spread, "--cold-layers spread"),
         (lathe::engine::ColdLayers::Whole, "--cold-layers whole"),
     ] {
-        let p = lathe::moe::offload::place(info, fill, stats, mode)?;
+        let p = lathe::moe::offload::place_streaming(info, fill, stats, mode, a.expert_stream)?;
         let t = p.decode_seconds(info, stats, &c);
         let hops = p.layers.iter().filter(|l| l.n_slots() < l.n_expert).count();
         writeln!(
@@ -511,7 +528,8 @@ fn expected_speed(
     // A prefill batch of `batch` rows, uniform routing: each cold expert's pairs computed
     // on the CPU (this machine's cores at `offload::CPU_PARAMS_PER_CORE_S`) against one copy
     // of each picked cold expert over the link.
-    let p = lathe::moe::offload::place(info, fill, stats, a.cold_layers)?;
+    let p =
+        lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let rate = lathe::moe::offload::CPU_PARAMS_PER_CORE_S * cores;
     let (mut cpu, mut link) = (0f64, 0f64);

@@ -88,6 +88,10 @@ pub struct MoeArgs {
     /// cold, as llama.cpp's -ncmoe; with --gpu-experts F, F of all expert bytes stay hot).
     #[arg(long, value_name = "MODE", default_value = "auto")]
     pub cold_layers: lathe::engine::ColdLayers,
+    /// Instruction set of the CPU's cold-expert kernels: scalar, avx2 or avx512vnni
+    /// (default: the widest this CPU has; for measurements and tests).
+    #[arg(long, value_name = "LEVEL")]
+    pub cpu_simd: Option<lathe::cpu::simd::SimdLevel>,
 }
 
 /// `--devices` parsed.
@@ -161,6 +165,7 @@ impl MoeArgs {
         opts.matmul = self.matmul;
         opts.expert_stream = self.expert_stream;
         opts.cold_layers = self.cold_layers;
+        opts.cpu_simd = self.cpu_simd;
     }
 
     /// Write the statistics `engine` counted, when --save-expert-stats asked for them (a

@@ -6,5 +6,7 @@ pub mod gdn;
 pub mod hc;
 pub mod moe;
 pub mod ops;
+pub mod q8dot;
 pub mod q8x;
 pub mod router;
+pub mod simd;

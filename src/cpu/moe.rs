@@ -18,6 +18,8 @@
 //! top-k slot) position and the fixed-order sum of `moe/mod.rs` ("Summation contract") adds
 //! them. [`combine_slots`] is that sum on the CPU.
 
+use super::q8dot::{self, Q8Row, Q8Rows};
+use super::simd::SimdLevel;
 use crate::quant;
 use crate::tensor::MatShape;
 use crate::{Error, Result};
@@ -40,6 +42,64 @@ impl Kind {
             Kind::Gate => "gate",
             Kind::Up => "up",
             Kind::Down => "down",
+        }
+    }
+}
+
+/// The activations the cold experts' products take: as the GPU's products of the same
+/// weights take them, so results do not depend on where an expert runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// f32 activations (the GPU's default).
+    #[default]
+    F32,
+    /// x and the SwiGLU output quantized per 32 values as the GPU's `quantize_x` does
+    /// (`cpu::q8x`), integer dots (`cpu::q8dot`) for the weight types that have one there and
+    /// on the GPU; other types keep f32 (as on the GPU).
+    Int8,
+}
+
+/// How the cold path computes: activations and instruction set, picked once at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ColdOptions {
+    pub activations: Activations,
+    /// The kernels' level (`SimdLevel::detect()` unless forced by `--cpu-simd`; must be one
+    /// the CPU has). The f32 dots have a scalar and an AVX2 form (AVX-512 levels run the AVX2
+    /// one): they differ by f32 rounding only. The int8 dots give the same bits at every level.
+    pub simd: SimdLevel,
+}
+
+impl Default for ColdOptions {
+    fn default() -> Self {
+        ColdOptions {
+            activations: Activations::F32,
+            simd: SimdLevel::detect(),
+        }
+    }
+}
+
+impl ColdOptions {
+    /// Whether `dtype`'s products take int8 activations.
+    fn int8(&self, dtype: crate::DType) -> bool {
+        self.activations == Activations::Int8 && q8dot::supported(dtype)
+    }
+
+    /// `out[t] = row · x_t` for the tokens `f` (f32 rows), or `q` (the same rows as int8
+    /// blocks) when `dtype` takes int8 activations.
+    fn dots(
+        &self,
+        dtype: crate::DType,
+        row: &[u8],
+        f: &[&[f32]],
+        q: &[Q8Row<'_>],
+        out: &mut [f32],
+    ) {
+        if self.int8(dtype) {
+            q8dot::dot_many(self.simd, dtype, row, q, out);
+        } else if self.simd == SimdLevel::Scalar {
+            quant::dot_many_portable(dtype, row, f, out);
+        } else {
+            quant::dot_many(dtype, row, f, out);
         }
     }
 }
@@ -81,6 +141,41 @@ const TASK_WORK: usize = 1 << 16;
 /// multiply-adds, 4 to 64 rows (block-scaled release experts repack per task).
 fn rows_per_task(cols: usize, n_pairs: usize) -> usize {
     (TASK_WORK / (cols * n_pairs).max(1)).clamp(4, 64)
+}
+
+/// Keeps rayon's worker threads spinning, awake, until dropped (or `most` has passed): a
+/// decode step's cold experts are a few hundred microseconds of work after a wait of about
+/// as long for the GPU, and a worker that went to sleep in that wait takes tens of
+/// microseconds to wake for each of the two parallel phases. Start it when the wait
+/// begins, drop it when the inputs are there (llama.cpp's CPU threadpool spins the same way
+/// between graph nodes). Spinning workers run any job that arrives meanwhile
+/// (`rayon::yield_now`), so another user of the pool (a second device's offload) is not
+/// held up by the spin.
+pub struct Warm {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Warm {
+    pub fn start(most: std::time::Duration) -> Warm {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        rayon::spawn_broadcast(move |_| {
+            let t0 = std::time::Instant::now();
+            while !s.load(Ordering::Relaxed) && t0.elapsed() < most {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        Warm { stop }
+    }
+}
+
+impl Drop for Warm {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Tokens whose per-task up-projection results live on the stack.
@@ -146,12 +241,27 @@ fn tasks<'b>(
 /// Errors (nothing written) when `x` or `out` do not match `n_embd` and the pairs, a pair
 /// names a token or expert out of range, or a block-scaled expert's scales cannot be
 /// repacked. Any stored type `quant::dot` reads works (block-scaled release experts arrive as
-/// MXFP4 or `F8_E4M3_B128` rows, repacked per task of [`rows_per_task`] rows).
+/// MXFP4 or `F8_E4M3_B128` rows, repacked per task of [`rows_per_task`] rows). f32
+/// activations at the CPU's widest level; [`expert_rows_with`] chooses.
 pub fn expert_rows(
     w: &(impl Experts + ?Sized),
     x: &[f32],
     pairs: &[ColdPair],
     limit: Option<f32>,
+    out: &mut [f32],
+) -> Result<()> {
+    expert_rows_with(w, x, pairs, limit, &ColdOptions::default(), out)
+}
+
+/// [`expert_rows`] with the activations and SIMD level of `opts`. With int8 activations
+/// the products of the types `cpu::q8dot` has take x quantized per token, and the down
+/// projection the SwiGLU output quantized per pair, as the GPU's int8 path quantizes them.
+pub fn expert_rows_with(
+    w: &(impl Experts + ?Sized),
+    x: &[f32],
+    pairs: &[ColdPair],
+    limit: Option<f32>,
+    opts: &ColdOptions,
     out: &mut [f32],
 ) -> Result<()> {
     let (gs, us, ds) = (w.shape(Kind::Gate), w.shape(Kind::Up), w.shape(Kind::Down));
@@ -180,6 +290,12 @@ pub fn expert_rows(
             w.n_expert()
         )));
     }
+    if !opts.simd.supported() {
+        return Err(Error::Invalid(format!(
+            "moe layer {layer}: this CPU lacks {}",
+            opts.simd
+        )));
+    }
     if pairs.is_empty() {
         return Ok(());
     }
@@ -193,6 +309,14 @@ pub fn expert_rows(
             &x[t * e_dim..(t + 1) * e_dim]
         })
         .collect();
+    // The same rows as int8 blocks, quantized once per token, when gate or up takes them.
+    let xq = (opts.int8(gs.dtype) || opts.int8(us.dtype)).then(|| Q8Rows::quantize(x, e_dim));
+    let xqs: Vec<Q8Row<'_>> = xq.as_ref().map_or(Vec::new(), |q| {
+        order
+            .iter()
+            .map(|&p| q.row(pairs[p].token as usize))
+            .collect()
+    });
 
     let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let need = 2 * ff * total_pairs + e_dim * total_pairs;
@@ -212,6 +336,7 @@ pub fn expert_rows(
         .try_for_each(|(gi, r0, chunk)| -> Result<()> {
             let (e, range) = &groups[gi];
             let gx = &xs[range.clone()];
+            let gq = xqs.get(range.clone()).unwrap_or(&[]);
             let np = gx.len();
             let n = chunk.len() / np;
             // The task's rows (repacked here for block-scaled release experts).
@@ -225,8 +350,8 @@ pub fn expert_rows(
             };
             for (i, row_out) in chunk.chunks_mut(np).enumerate() {
                 let (gr, ur) = (&g[i * gb..(i + 1) * gb], &u[i * ub..(i + 1) * ub]);
-                quant::dot_many(gd, gr, gx, row_out);
-                quant::dot_many(ud, ur, gx, up);
+                opts.dots(gd, gr, gx, gq, row_out);
+                opts.dots(ud, ur, gx, gq, up);
                 for (o, &uv) in row_out.iter_mut().zip(up.iter()) {
                     *o = swiglu(*o, uv, limit);
                 }
@@ -247,6 +372,10 @@ pub fn expert_rows(
     }
     // Per pair in group order: its activation vector.
     let acts: Vec<&[f32]> = act_t.chunks(ff).collect();
+    let aq = opts.int8(ds.dtype).then(|| Q8Rows::quantize(act_t, ff));
+    let aqs: Vec<Q8Row<'_>> = aq
+        .as_ref()
+        .map_or(Vec::new(), |q| (0..q.rows()).map(|i| q.row(i)).collect());
 
     // Phase 2: y [n_embd, n_pairs(g)] per group = down · act.
     let dd = ds.dtype;
@@ -256,9 +385,10 @@ pub fn expert_rows(
         .try_for_each(|(gi, r0, chunk)| -> Result<()> {
             let (e, range) = &groups[gi];
             let ga = &acts[range.clone()];
+            let gq = aqs.get(range.clone()).unwrap_or(&[]);
             let d = w.rows(Kind::Down, *e, r0, chunk.len() / ga.len())?;
             for (i, row_out) in chunk.chunks_mut(ga.len()).enumerate() {
-                quant::dot_many(dd, &d[i * db..(i + 1) * db], ga, row_out);
+                opts.dots(dd, &d[i * db..(i + 1) * db], ga, gq, row_out);
             }
             Ok(())
         })?;
@@ -299,5 +429,30 @@ pub fn combine_slots(out: &mut [f32], y: &[f32], w: &[f32], n_used: usize) {
                 *ov += ws * yv;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Work submitted while the workers spin runs at once, and dropping `Warm` lets them go
+    /// long before its limit.
+    #[test]
+    fn warm_workers_take_work_and_stop_when_dropped() {
+        let most = Duration::from_secs(20);
+        let t0 = Instant::now();
+        let warm = Warm::start(most);
+        let sum: u64 = (0..1000u64).into_par_iter().map(|i| i * i).sum();
+        assert_eq!(sum, 332_833_500);
+        drop(warm);
+        // every worker must be free again to run this
+        rayon::broadcast(|_| ());
+        assert!(
+            t0.elapsed() < most / 4,
+            "workers held for {:?}",
+            t0.elapsed()
+        );
     }
 }

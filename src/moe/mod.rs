@@ -65,8 +65,10 @@
 //!    gate / up / down, reading `slot_ids` instead of `moe_ids`: cold pairs write nothing.
 //!    The shared expert into its own buffer as today. With cold pairs, submit this pass now
 //!    so the GPU runs the hot experts while the CPU runs the cold ones (step 7).
-//! 7. With cold pairs: `cpu::moe::expert_rows(&weights[i], &h, &pairs, limit, &mut rows)`
-//!    (rayon; each cold expert read once for all the batch's tokens); `gpu.write` `rows` to
+//! 7. With cold pairs: `cpu::moe::expert_rows_with(&weights[i], &h, &pairs, limit, &cold,
+//!    &mut rows)` (rayon, the workers kept awake through the wait of step 5 by
+//!    `cpu::moe::Warm`; each cold expert read once for all the batch's tokens; `cold`: the
+//!    activations as the GPU's and the `--cpu-simd` level); `gpu.write` `rows` to
 //!    `cold_rows` and `token·k + slot` of each pair to `cold_index` (ordered before the next
 //!    submission); in the next pass `scatter_rows(pass, &cold_rows, 0, &cold_index, 0,
 //!    pairs.len(), n_embd, &moe_out, 0, n_embd, n·k)`. Then the unchanged combine: one

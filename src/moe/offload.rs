@@ -8,7 +8,7 @@ use super::{
     budget_for, cold_pairs, AdapterMemory, Budget, Costs, ExpertStats, ExpertWeights, Fill,
     MemSource, MoeInfo, Needs, Placement, ResidencyCache, COLD,
 };
-use crate::cpu::moe::ColdPair;
+use crate::cpu::moe::{Activations, ColdOptions, ColdPair};
 use crate::forward::{ColdLayers, ExpertStream, LoadOptions};
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{
@@ -34,6 +34,10 @@ pub const LINK_BYTES_PER_S: f64 = 20e9;
 /// Weights per second and core of the CPU's quantised dot products (`quant::dot`, Q4_K:
 /// 0.3-0.5 ns per weight per core, as [`super::plan::stream_beats_cpu`] notes).
 pub const CPU_PARAMS_PER_CORE_S: f64 = 2.5e9;
+
+/// Longest the CPU's workers spin through a wait for `pre` ([`crate::cpu::moe::Warm`]):
+/// a decode layer's `pre` takes ~0.2 ms on the H200; a long prompt's pass sleeps after this.
+const WARM_MOST: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The arena of `placement`: every group's slots, zeroed ([`fill_arena`] uploads the hot
 /// experts).
@@ -188,16 +192,13 @@ impl Plan {
                 (Fill::Budget(b.experts), Some(b), Some(mem))
             }
         };
-        let mut placement = place(&info, fill, stats.as_ref(), opts.cold_layers)?;
-        // Streaming slots come out of the experts' budget: place again without them.
-        if let (Fill::Budget(b), false) = (fill, opts.expert_stream == ExpertStream::Never) {
-            let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
-            if !all_hot {
-                let reserve = stream_bytes(&placement);
-                let fill = Fill::Budget(b.saturating_sub(reserve));
-                placement = place(&info, fill, stats.as_ref(), opts.cold_layers)?;
-            }
-        }
+        let placement = place_streaming(
+            &info,
+            fill,
+            stats.as_ref(),
+            opts.cold_layers,
+            opts.expert_stream,
+        )?;
         let plan = Plan {
             info,
             placement,
@@ -265,6 +266,27 @@ pub fn place(
                 spread
             })
         }
+    }
+}
+
+/// [`place`] as a load does it: under a byte budget, a placement that leaves experts on the
+/// CPU gives up the streaming slots' bytes (`--expert-stream` other than `never`) and is
+/// placed again without them. `lathe plan` uses this too, so it prints what a load places.
+pub fn place_streaming(
+    info: &MoeInfo,
+    fill: Fill,
+    stats: Option<&ExpertStats>,
+    mode: ColdLayers,
+    stream: ExpertStream,
+) -> Result<Placement> {
+    let placement = place(info, fill, stats, mode)?;
+    let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
+    match fill {
+        Fill::Budget(b) if stream != ExpertStream::Never && !all_hot => {
+            let reserve = stream_bytes(&placement);
+            place(info, Fill::Budget(b.saturating_sub(reserve)), stats, mode)
+        }
+        _ => Ok(placement),
     }
 }
 
@@ -397,6 +419,8 @@ pub struct Offload {
     /// `--expert-stream` and its slots (`None` under `never`, or with every expert hot).
     stream: ExpertStream,
     streams: Option<Streams>,
+    /// How the cold pairs compute on the CPU (activations, `--cpu-simd`).
+    cold: ColdOptions,
     n_used: u32,
     n_embd: u32,
     rows: u32,
@@ -520,6 +544,13 @@ impl Offload {
                 rounds: Default::default(),
             })
         };
+        let cold = ColdOptions {
+            activations: Activations::F32,
+            simd: match opts.cpu_simd {
+                Some(l) => l.check()?,
+                None => crate::cpu::simd::SimdLevel::detect(),
+            },
+        };
         let cache = ResidencyCache::new(&placement, opts.expert_cache.clone().unwrap_or_default());
         let stats =
             collects(opts).then(|| stats.clone().unwrap_or_else(|| ExpertStats::new(&info)));
@@ -552,6 +583,7 @@ impl Offload {
             }),
             stream: opts.expert_stream,
             streams,
+            cold,
             n_used: k as u32,
             n_embd: n_embd as u32,
             rows: rows as u32,
@@ -778,6 +810,8 @@ impl Offload {
         // Wait for `pre` only: the readback, and the upload buffer (its last copy was in
         // `pre` or before). Both mapped at that one wait.
         let t_wait = Instant::now();
+        // The CPU's workers stay awake through the wait (they run the cold pairs next).
+        let warm = crate::cpu::moe::Warm::start(WARM_MOST);
         let nk = n as usize * k;
         let (ilen, xlen) = (nk as u64 * 4, (n as usize * e) as u64 * 4);
         let up_len = (nk * (e + 1)) as u64 * 4;
@@ -813,6 +847,7 @@ impl Offload {
         };
         self.staging.unmap();
         let wait_ms = t_wait.elapsed().as_secs_f64() * 1e3;
+        drop(warm);
         let pairs = {
             let st = self.state();
             let table = st.cache.remap(c.layer).unwrap_or(&[]);
@@ -837,11 +872,12 @@ impl Offload {
                 buf.clear();
                 buf.resize(pairs.len() * (e + 1), 0);
                 let (rows, index) = buf.split_at_mut(pairs.len() * e);
-                crate::cpu::moe::expert_rows(
+                crate::cpu::moe::expert_rows_with(
                     &w,
                     &h,
                     &pairs,
                     limit,
+                    &self.cold,
                     bytemuck::cast_slice_mut(rows),
                 )?;
                 for (i, p) in index.iter_mut().zip(&pairs) {

@@ -103,7 +103,7 @@ pub(super) fn nearest_int(x: f32) -> i32 {
 
 /// Scale and min of sub-block `j` (0..8) of a Q4_K / Q5_K block (`get_scale_min_k4`).
 #[inline]
-pub(super) fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -27,7 +27,7 @@ mod simd;
 pub use float::{bf16_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, fp8_e4m3_to_f32};
 pub use fp8::BlockF8B128;
 pub use iq::{BlockIq4Nl, BlockIq4Xs, KVALUES_IQ4NL};
-pub use k::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K};
+pub use k::{scale_min_k4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K};
 pub use legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
 pub use mxfp4::{e8m0_to_f32_half, BlockMxfp4, KVALUES_MXFP4};
 
