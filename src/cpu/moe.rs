@@ -143,7 +143,7 @@ fn rows_per_task(cols: usize, n_pairs: usize) -> usize {
     (TASK_WORK / (cols * n_pairs).max(1)).clamp(4, 64)
 }
 
-/// Keeps rayon's worker threads spinning, awake, until dropped (or `most` has passed): a
+/// Keeps rayon's worker threads but two spinning, awake, until dropped (or `most` has passed): a
 /// decode step's cold experts are a few hundred microseconds of work after a wait of about
 /// as long for the GPU, and a worker that went to sleep in that wait takes tens of
 /// microseconds to wake for each of the two parallel phases. Start it when the wait
@@ -160,7 +160,13 @@ impl Warm {
         use std::sync::atomic::Ordering;
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let s = stop.clone();
-        rayon::spawn_broadcast(move |_| {
+        rayon::spawn_broadcast(move |ctx| {
+            // two threads never spin: the host thread waiting on the GPU's fence (and the
+            // driver's) must find a free core when it wakes. With every worker spinning, the
+            // H200 host (16 cores) woke late for 11 of 40 MoE layers, at the 2 ms cap each.
+            if ctx.index() + 2 >= ctx.num_threads() {
+                return;
+            }
             let t0 = std::time::Instant::now();
             while !s.load(Ordering::Relaxed) && t0.elapsed() < most {
                 if rayon::yield_now() != Some(rayon::Yield::Executed) {
