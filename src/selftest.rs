@@ -8,8 +8,9 @@
 //! Outputs land between guard elements that must keep their sentinel.
 //!
 //! The fused decode kernels are checked the same way against a CPU reference of the steps they
-//! fuse (`cpu::ops`): the matvec prologues (RMSNorm, SwiGLU, the sigmoid gates), the GDN conv
-//! step in the qkv product's store, and the int8-activation matvec (against the product of the
+//! fuse (`cpu::ops`, `cpu::gdn`): the matvec prologues (RMSNorm, SwiGLU, the sigmoid gates),
+//! the GDN conv step in the qkv product's store, `qk_norm_rope`, the GDN step with its gated
+//! norm, and the int8-activation matvec (against the product of the
 //! dequantized weights with x quantized by `cpu::q8x`, the kernel's own rounding of x, so the
 //! f32 bound applies); see [`fused`].
 //!
@@ -783,6 +784,234 @@ pub fn int8(
     ))
 }
 
+/// Qwen3.5 attention's fused decode prologue (`rope::qk_norm_rope`) for one token at position
+/// 777, cache row 2 of 4, against the CPU: per-head RMSNorm then NEOX RoPE of q (in place,
+/// the gates between q heads untouched) and k (to the cache row), v copied to its row; f32
+/// cache. Bound per value `1e-5 · (1 + |v|)` (a few f32 roundings of O(1) values).
+pub fn qk_norm_rope(
+    gpu: &Gpu,
+    (nh, nkv, hd, n_rot): (u32, u32, u32, u32),
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    use crate::gpu::rope::{self, QkvDecode, RopeTable};
+    let mut rng = Rng(seed);
+    let (h, nhu, nkvu) = (hd as usize, nh as usize, nkv as usize);
+    let (q_off, k_off) = (3usize, 3 + nhu * 2 * h + 5);
+    let v_off = k_off + nkvu * h + 2;
+    let len = v_off + nkvu * h + 4;
+    let x = rng.normals(len, 2.0);
+    let qw = rng.normals(h, 1.0);
+    let kw = rng.normals(h, 1.0);
+    let inv_freq = ops::rope_inv_freq(1e7, n_rot as usize);
+    let table = RopeTable::new(gpu, &inv_freq, "selftest.rope")?;
+    let (pos, row) = (777u32, 2usize);
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let qwb = gpu.upload_f32(&qw, "selftest.qw")?;
+    let kwb = gpu.upload_f32(&kw, "selftest.kw")?;
+    let pos_b = gpu.upload(bytemuck::cast_slice(&[pos]), "selftest.pos")?;
+    let rows_b = gpu.upload(bytemuck::cast_slice(&[row as u32]), "selftest.rows")?;
+    let cache = vec![SENTINEL; 4 * nkvu * h];
+    let kc = gpu.upload_f32(&cache, "selftest.k")?;
+    let vc = gpu.upload_f32(&cache, "selftest.v")?;
+    let mut pass = gpu.pass();
+    rope::qk_norm_rope(
+        &mut pass,
+        &QkvDecode {
+            buf: &xb,
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            q_off: q_off as u32,
+            q_stride: 2 * hd,
+            k_off: k_off as u32,
+            v_off: v_off as u32,
+            q_norm: &qwb,
+            k_norm: &kwb,
+            eps: 1e-6,
+            positions: &pos_b,
+            pos_off: 0,
+            rows: &rows_b,
+            row_off: 0,
+            k_cache: &kc,
+            v_cache: &vc,
+            f16: false,
+        },
+        &table,
+    )?;
+    pass.submit()?;
+    let got_x = gpu.read_f32(&xb, 0, len)?;
+    let got_k = gpu.read_f32(&kc, 0, cache.len())?;
+    let got_v = gpu.read_f32(&vc, 0, cache.len())?;
+    let normed = |src: &[f32], n: usize, w: &[f32]| -> Vec<f32> {
+        let mut v: Vec<f32> = (0..n)
+            .flat_map(|i| ops::rms_norm(&src[i * h..][..h], h, Some(w), 1e-6))
+            .collect();
+        ops::rope_neox(&mut v, n, h, n_rot as usize, &[pos], &inv_freq, false);
+        v
+    };
+    let q_src: Vec<f32> = (0..nhu)
+        .flat_map(|i| x[q_off + i * 2 * h..][..h].to_vec())
+        .collect();
+    let want_q = normed(&q_src, nhu, &qw);
+    let want_k = normed(&x[k_off..], nkvu, &kw);
+    // (got, want) of every checked value: q heads, the gates between them, the cache rows
+    let mut pairs: Vec<(f32, f32)> = Vec::new();
+    for i in 0..nhu {
+        let at = q_off + i * 2 * h;
+        pairs.extend((0..h).map(|j| (got_x[at + j], want_q[i * h + j])));
+        pairs.extend((h..2 * h).map(|j| (got_x[at + j], x[at + j])));
+    }
+    let r0 = row * nkvu * h;
+    pairs.extend((0..nkvu * h).map(|j| (got_k[r0 + j], want_k[j])));
+    pairs.extend((0..nkvu * h).map(|j| (got_v[r0 + j], x[v_off + j])));
+    let others = (0..cache.len()).filter(|&j| j / (nkvu * h) != row);
+    pairs.extend(others.map(|j| (got_k[j], SENTINEL)));
+    let mut worst = 0f64;
+    let mut detail = String::new();
+    let (mut e2, mut v2) = (0f64, 0f64);
+    for (i, &(g, w)) in pairs.iter().enumerate() {
+        if w != SENTINEL {
+            e2 += (g as f64 - w as f64).powi(2);
+            v2 += (w as f64).powi(2);
+        }
+        let bound = 1e-5 * (1.0 + w.abs() as f64);
+        let ratio = (g as f64 - w as f64).abs() / bound;
+        if !(ratio <= worst) {
+            worst = if ratio.is_nan() { f64::INFINITY } else { ratio };
+            if worst > 1.0 {
+                detail = format!("value {i} = {g}, want {w}");
+            }
+        }
+    }
+    Ok(Check {
+        name: format!("qk_norm_rope {nh}x{nkv}x{hd} rot {n_rot}"),
+        passed: detail.is_empty(),
+        worst,
+        rel_rms: (e2 / v2.max(1e-300)).sqrt(),
+        detail,
+    })
+}
+
+/// The GDN decode step with Qwen3.5's gated output norm (`gdn::recurrent_normed`) for three
+/// one-token sequences in slots 2, 0, 1 of a pool of four, from a nonzero state, against the
+/// CPU (`cpu::gdn::gates`, `cpu::gdn::recurrent` in f64, `cpu::ops::gated_rms_norm`): output
+/// and final states within `1e-5` of the largest reference value (f32 rounding over the d_k
+/// sums of the step).
+pub fn gdn_normed(gpu: &Gpu, s: crate::gpu::gdn::GdnShape, seed: u64) -> Result<Check> {
+    use crate::cpu::{gdn as cgdn, ops};
+    use crate::gpu::gdn::{self, GatedNorm, GdnIo, SeqBatch, SeqSpan};
+    let mut rng = Rng(seed);
+    let (hv, cd, ov) = (s.n_head_v, s.conv_dim(), s.n_head_v * s.d_v);
+    let slots = [2usize, 0, 1];
+    let nt = slots.len();
+    let uni = |r: &mut Rng, n: usize, lo: f64, hi: f64| -> Vec<f32> {
+        (0..n)
+            .map(|_| (lo + (hi - lo) * r.uniform()) as f32)
+            .collect()
+    };
+    let qkv = uni(&mut rng, nt * cd, -1.0, 1.0);
+    let a = uni(&mut rng, nt * hv, -1.0, 1.0);
+    let b = uni(&mut rng, nt * hv, -2.0, 2.0);
+    let a_neg: Vec<f32> = (0..hv)
+        .map(|_| -(-1.0 + 3.0 * rng.uniform()).exp() as f32)
+        .collect();
+    let dt_bias = uni(&mut rng, hv, -6.0, -2.0);
+    let state0 = uni(&mut rng, 4 * s.state_len(), -0.5, 0.5);
+    let z = uni(&mut rng, nt * ov, -3.0, 3.0);
+    let nw = uni(&mut rng, s.d_v, -1.5, 1.5);
+    let spans: Vec<SeqSpan> = slots
+        .iter()
+        .enumerate()
+        .map(|(t, &slot)| SeqSpan {
+            row: t as u32,
+            n_tokens: 1,
+            slot: slot as u32,
+        })
+        .collect();
+    let batch = SeqBatch::new(gpu, &spans)?;
+    let qkv_b = gpu.upload_f32(&qkv, "selftest.qkv")?;
+    let a_b = gpu.upload_f32(&a, "selftest.a")?;
+    let b_b = gpu.upload_f32(&b, "selftest.b")?;
+    let an_b = gpu.upload_f32(&a_neg, "selftest.a_neg")?;
+    let dt_b = gpu.upload_f32(&dt_bias, "selftest.dt_bias")?;
+    let st_b = gpu.upload_f32(&state0, "selftest.state")?;
+    let z_b = gpu.upload_f32(&z, "selftest.z")?;
+    let nw_b = gpu.upload_f32(&nw, "selftest.nw")?;
+    let o_b = gpu.upload_f32(&vec![SENTINEL; nt * ov], "selftest.o")?;
+    let io = GdnIo {
+        qkv: &qkv_b,
+        qkv_off: 0,
+        qkv_stride: cd as u32,
+        a: &a_b,
+        a_off: 0,
+        a_stride: hv as u32,
+        b: &b_b,
+        b_off: 0,
+        b_stride: hv as u32,
+        a_neg: &an_b,
+        dt_bias: &dt_b,
+        state: &st_b,
+        state_off: 0,
+        o: &o_b,
+        o_off: 0,
+        o_stride: ov as u32,
+    };
+    let gn = GatedNorm {
+        z: &z_b,
+        z_off: 0,
+        z_stride: ov as u32,
+        w: &nw_b,
+        eps: 1e-6,
+    };
+    let mut pass = gpu.pass();
+    gdn::recurrent_normed(&mut pass, &s, &batch, &io, &gn)?;
+    pass.submit()?;
+    let o = gpu.read_f32(&o_b, 0, nt * ov)?;
+    let st = gpu.read_f32(&st_b, 0, state0.len())?;
+    let mut o_ref = vec![0f32; nt * ov];
+    let mut st_ref = state0.clone();
+    for (t, &slot) in slots.iter().enumerate() {
+        let (mut g, mut beta) = (vec![0f32; hv], vec![0f32; hv]);
+        let ab = t * hv..(t + 1) * hv;
+        cgdn::gates(&a[ab.clone()], &b[ab], &a_neg, &dt_bias, &mut g, &mut beta);
+        let sl = &mut st_ref[slot * s.state_len()..][..s.state_len()];
+        let out = &mut o_ref[t * ov..][..ov];
+        cgdn::recurrent(&s, &qkv[t * cd..][..cd], &g, &beta, sl, out);
+    }
+    let o_ref = ops::gated_rms_norm(&o_ref, &z, s.d_v, Some(&nw), 1e-6);
+    let rel = |x: &[f32], r: &[f32]| -> (f64, usize) {
+        let scale = r.iter().fold(1e-30f64, |m, &v| m.max(v.abs() as f64));
+        x.iter()
+            .zip(r)
+            .enumerate()
+            .map(|(i, (&a, &b))| ((a as f64 - b as f64).abs() / scale, i))
+            .fold(
+                (0.0, 0),
+                |m, e| if e.0 > m.0 || e.0.is_nan() { e } else { m },
+            )
+    };
+    let ((eo, io_), (es, is)) = (rel(&o, &o_ref), rel(&st, &st_ref));
+    let worst = eo.max(es) / 1e-5;
+    let detail = if !(eo <= 1e-5) {
+        format!("output {io_} = {}, want {}", o[io_], o_ref[io_])
+    } else if !(es <= 1e-5) {
+        format!("state {is} = {}, want {}", st[is], st_ref[is])
+    } else {
+        String::new()
+    };
+    Ok(Check {
+        name: format!(
+            "gdn recurrent + gated norm {}x{} heads, d_k {} d_v {} {:?}",
+            s.n_head_k, s.n_head_v, s.d_k, s.d_v, s.map
+        ),
+        passed: detail.is_empty(),
+        worst,
+        rel_rms: eo,
+        detail,
+    })
+}
+
 /// The types the fused loads and the int8 kernels meet in released models.
 const FUSED_TYPES: [DType; 8] = [
     DType::F32,
@@ -797,8 +1026,9 @@ const FUSED_TYPES: [DType; 8] = [
 
 /// The fused decode kernels: every prologue over [`FUSED_TYPES`] at odd sizes (1 and 3
 /// tokens), the conv step, the int8-activation matvec (dense, accumulating and indexed) for
-/// every type that has one; with `full` the 9B's shapes (norm into 12288x4096, SwiGLU into
-/// 4096x12288, int8 at both).
+/// every type that has one, `qk_norm_rope` and the GDN step with its gated norm at
+/// Qwen3.5's head sizes and odd ones; with `full` the 9B's product shapes (norm into
+/// 12288x4096, SwiGLU into 4096x12288, int8 at both).
 pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
     let kinds = [
         ProKind::Norm { keep: false },
@@ -848,6 +1078,40 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
             &format!("matvec int8-x indexed {dt}"),
             indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, true, seed + 80),
         );
+    }
+    // Qwen3.5's attention head (256, 64 rotated) and odd heads
+    for (i, shape) in [(16, 4, 256, 64), (3, 1, 40, 8), (4, 2, 16, 4)]
+        .into_iter()
+        .enumerate()
+    {
+        push(
+            &format!("qk_norm_rope {shape:?}"),
+            qk_norm_rope(gpu, shape, 650 + i as u64),
+        );
+    }
+    {
+        use crate::gpu::gdn::{GdnShape, KeyHeadMap};
+        // Qwen3.5-9B's GDN heads, and odd ones
+        for (i, (n_head_k, n_head_v, d_k, d_v, map)) in [
+            (16, 32, 128, 128, KeyHeadMap::Tile),
+            (3, 6, 12, 40, KeyHeadMap::Repeat),
+            (1, 2, 16, 16, KeyHeadMap::Tile),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = GdnShape {
+                n_head_k,
+                n_head_v,
+                d_k,
+                d_v,
+                map,
+            };
+            push(
+                &format!("gdn recurrent + gated norm {s:?}"),
+                gdn_normed(gpu, s, 660 + i as u64),
+            );
+        }
     }
     if full {
         for (i, dt) in [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::BF16]

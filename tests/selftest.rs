@@ -55,6 +55,8 @@ fn selftest_runs_every_check_and_summarises() {
         "matvec conv step ",
         "matvec int8-x ",
         "matvec indexed int8-x ",
+        "qk_norm_rope ",
+        "gdn recurrent + gated norm ",
     ] {
         assert!(lines.iter().any(|l| l.contains(what)), "no `{what}` check");
     }
