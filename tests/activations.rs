@@ -156,3 +156,50 @@ fn fused_loads_meet_the_bar() {
         }
     }
 }
+
+/// `--activations` and `--fused-loads` reach the model (`lathe bench --json` reports what ran)
+/// and bad values are refused with the flag named.
+#[test]
+fn flags_reach_the_bench_report() {
+    let model = fixtures().join("qwen35-tiny/model-q8_0.gguf");
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "-m", model.to_str().unwrap()];
+        args.extend(["-p", "0", "-n", "2", "-r", "1", "--json"]);
+        args.extend(extra);
+        std::process::Command::new(env!("CARGO_BIN_EXE_lathe"))
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    for (extra, act, fused) in [
+        (&[][..], "f32", false),
+        (
+            &["--activations", "int8", "--fused-loads", "on"][..],
+            "int8",
+            true,
+        ),
+        (
+            &["--activations", "f32", "--fused-loads", "off"][..],
+            "f32",
+            false,
+        ),
+    ] {
+        let out = bench(extra);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["activations"], act, "{extra:?}");
+        assert_eq!(v["fused_loads"], fused, "{extra:?}");
+    }
+    for (flag, bad) in [("--activations", "int4"), ("--fused-loads", "yes")] {
+        let out = bench(&[flag, bad]);
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(bad),
+            "{flag} {bad}"
+        );
+    }
+}

@@ -55,7 +55,13 @@ pub struct MoeArgs {
     pub activations: lathe::engine::ActivationsChoice,
     /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
     /// loads (fewer dispatches): on or off.
-    #[arg(long, value_name = "ON|OFF", value_parser = on_off, default_value = if LoadOptions::default().fused_loads { "on" } else { "off" })]
+    #[arg(
+        long,
+        value_name = "ON|OFF",
+        action = clap::ArgAction::Set,
+        value_parser = on_off,
+        default_value = if LoadOptions::default().fused_loads { "on" } else { "off" }
+    )]
     pub fused_loads: bool,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
     /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
