@@ -876,9 +876,10 @@ pub fn qk_norm_rope(
             v2 += (w as f64).powi(2);
         }
         let bound = 1e-5 * (1.0 + w.abs() as f64);
-        let ratio = (g as f64 - w as f64).abs() / bound;
-        if !(ratio <= worst) {
-            worst = if ratio.is_nan() { f64::INFINITY } else { ratio };
+        let err = (g as f64 - w as f64).abs() / bound;
+        let ratio = if err.is_nan() { f64::INFINITY } else { err };
+        if ratio > worst {
+            worst = ratio;
             if worst > 1.0 {
                 detail = format!("value {i} = {g}, want {w}");
             }
@@ -993,9 +994,10 @@ pub fn gdn_normed(gpu: &Gpu, s: crate::gpu::gdn::GdnShape, seed: u64) -> Result<
     };
     let ((eo, io_), (es, is)) = (rel(&o, &o_ref), rel(&st, &st_ref));
     let worst = eo.max(es) / 1e-5;
-    let detail = if !(eo <= 1e-5) {
+    // NaN compares as a failure
+    let detail = if eo.is_nan() || eo > 1e-5 {
         format!("output {io_} = {}, want {}", o[io_], o_ref[io_])
-    } else if !(es <= 1e-5) {
+    } else if es.is_nan() || es > 1e-5 {
         format!("state {is} = {}, want {}", st[is], st_ref[is])
     } else {
         String::new()
