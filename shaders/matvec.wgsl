@@ -252,8 +252,12 @@ fn xraw1(e: u32) -> f32 {
 // the stored x as it is loaded, in the same f32 operations as the separate kernel it replaces,
 // so the fused product gives the bits of that kernel followed by the plain product.
 //   PRO_NORM  x' = x · r · w (norm.wgsl's RMSNorm of the token's row, weight w [cols] f32 at
-//             binding 6; r = rsqrt(Σx²/cols + eps) reduced as norm.wgsl does: 256 strided
-//             partial sums, then its tree). pro0 = eps (f32 bits).
+//             binding 6, r = rsqrt(Σx²/cols + eps), pro0 = eps as f32 bits), computed as
+//             r · (W (x · w)): each lane sums the squares of the x values it loads anyway (every
+//             thread group loads the token's row once), and r scales the lanes' sums after
+//             the loop (pro_norm_r). No extra pass over x, so the product costs what the plain
+//             one does; the order of operations differs from the separate norm's, so the bits
+//             differ from rms_norm + matvec by rounding (a few ulps of y).
 //   PRO_SWIGLU x' = silu(x[e]) · x[e + pro0] (elementwise.wgsl's swiglu without a limit: gate
 //             at x, up pro0 elements later in the same buffer).
 //   PRO_SIGMUL x' = sigmoid(g) · x with g = G[pro0 + (c / pro1) · pro2 + c % pro1] (binding 6;
@@ -261,15 +265,15 @@ fn xraw1(e: u32) -> f32 {
 //             pro2 = the gate's head stride) for column c of the token's row.
 #if PRO_NORM
 @group(0) @binding(6) var<storage, read> NW: array<f32>;
-const PRO_LANES = 256u;   // norm.wgsl's WG
-var<workgroup> pro_red: array<f32, PRO_LANES>;
-var<private> pro_r: f32;
+// this lane's Σx² over the x values it loaded
+var<private> pro_ss: f32;
+var<workgroup> pro_red: array<f32, TPR>;
 #endif
 #if PRO_SIGMUL
 @group(0) @binding(6) var<storage, read> G: array<f32>;
 #endif
-//   NORM_OUT  (with PRO_NORM) the first row group's workgroup also writes x' to H (binding 7)
-//             at element token · cols: the normed rows, for later readers.
+//   NORM_OUT  (with PRO_NORM) the first row group's workgroup also writes x' = (x · r) · w to
+//             H (binding 7) at element token · cols: the normed rows, for later readers.
 //   EPI_CONV  rows below pro1 are the channels of Qwen3.5's GDN conv (decode, one token per
 //             sequence, token t = sequence t of the table SEQS): y = silu(Σ_j CW[ch][j] · x̃_j)
 //             over the channel's CONV_K − 1 state rows (CST from element pro2, slot of the
@@ -312,9 +316,8 @@ var<private> pro_x0: u32;
 
 fn silu_(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
 
-// Per-workgroup setup for the token whose x row starts at element xbase. Every thread of the
-// workgroup calls it (it has barriers).
-fn pro_setup(lid: u32, xbase: u32, t: u32, first: bool) {
+// Per-workgroup setup for the token whose x row starts at element xbase.
+fn pro_setup(xbase: u32, t: u32) {
     pro_x0 = xbase;
 #if EPI_CONV
     epi_t = t;
@@ -322,36 +325,44 @@ fn pro_setup(lid: u32, xbase: u32, t: u32, first: bool) {
 #if EPI_SIGROW
     epi_s = 1.0 / (1.0 + exp(-EG[p.pro1 + t * p.pro2]));
 #endif
+}
+
 #if PRO_NORM
-    for (var v = lid; v < PRO_LANES; v += WG) {
-        var ss = 0.0;
-        for (var j = v; j < p.cols; j += PRO_LANES) {
-            let a = xraw1(xbase + j);
-            ss += a * a;
-        }
-        pro_red[v] = ss;
+// r of the token's row from the lanes' Σx² partials, in every thread: thread group 0's TPR
+// partials cover the row once (every group's are the same), summed by lane pairs at strides
+// TPR/2, TPR/4, ... 1. Every thread of the workgroup calls it (it has barriers).
+fn pro_norm_r(lid: u32) -> f32 {
+    if (lid < TPR) {
+        pro_red[lid] = pro_ss;
     }
     workgroupBarrier();
-    for (var st = PRO_LANES / 2u; st > 0u; st >>= 1u) {
-        for (var v = lid; v < st; v += WG) {
-            pro_red[v] += pro_red[v + st];
+    for (var st = TPR / 2u; st > 0u; st >>= 1u) {
+        if (lid < st) {
+            pro_red[lid] += pro_red[lid + st];
         }
         workgroupBarrier();
     }
-    pro_r = inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+    return inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+}
+
+// acc · r, and with NORM_OUT the normed row written by the first row group's workgroup.
+fn pro_finish(acc: vec4<f32>, lid: u32, t: u32, first: bool) -> vec4<f32> {
+    let r = pro_norm_r(lid);
 #if NORM_OUT
     if (first) {
         for (var j = lid; j < p.cols; j += WG) {
-            H[t * p.cols + j] = (xraw1(xbase + j) * pro_r) * NW[j];
+            H[t * p.cols + j] = (xraw1(pro_x0 + j) * r) * NW[j];
         }
     }
 #endif
-#endif
+    return acc * r;
 }
+#endif
 
 fn pro1(e: u32, a: f32) -> f32 {
 #if PRO_NORM
-    return a * pro_r * NW[e - pro_x0];
+    pro_ss += a * a;
+    return a * NW[e - pro_x0];
 #else
 #if PRO_SWIGLU
     return silu_(a) * xraw1(e + p.pro0);
@@ -1483,9 +1494,12 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let row0 = (rg * GPW + lid / TPR) * R;
     let t = wid.x;
 #ifndef Q8X
-    pro_setup(lid, p.x_off + t * p.x_stride, t, rg == 0u);
+    pro_setup(p.x_off + t * p.x_stride, t);
 #endif
-    let acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
+    var acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
+#if PRO_NORM
+    acc = pro_finish(acc, lid, t, rg == 0u);
+#endif
 #if SUBGROUPS
     reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + t * p.y_stride);
 #else
