@@ -545,7 +545,7 @@ impl Offload {
             })
         };
         let cold = ColdOptions {
-            activations: Activations::F32,
+            activations: Activations::F32, // per call: see `cold_ffn`
             simd: match opts.cpu_simd {
                 Some(l) => l.check()?,
                 None => crate::cpu::simd::SimdLevel::detect(),
@@ -872,12 +872,22 @@ impl Offload {
                 buf.clear();
                 buf.resize(pairs.len() * (e + 1), 0);
                 let (rows, index) = buf.split_at_mut(pairs.len() * e);
+                // int8 activations exactly where the GPU's experts take them (one-token
+                // products under `--activations int8`), so placement does not change the sums
+                let opts = ColdOptions {
+                    activations: if n == 1 && gpu.int8_decode() {
+                        Activations::Int8
+                    } else {
+                        Activations::F32
+                    },
+                    ..self.cold
+                };
                 crate::cpu::moe::expert_rows_with(
                     &w,
                     &h,
                     &pairs,
                     limit,
-                    &self.cold,
+                    &opts,
                     bytemuck::cast_slice_mut(rows),
                 )?;
                 for (i, p) in index.iter_mut().zip(&pairs) {
