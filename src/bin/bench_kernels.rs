@@ -9,7 +9,7 @@
 //!
 //! `--batch` compares, per token count, the token-group matvec (`multi`, one weight read per
 //! group of 8 tokens; with `--tune`, once per work split), per-token matvec (one grid column
-//! per token), the tiled matmul and the matrix-unit kernels, each with its weight GB/s:
+//! per token), the tiled, int8 and matrix-unit matmuls, each with its weight GB/s:
 //! where `DENSE_MATVEC_TOKENS` should hand over. With `--int8-x` the int8-activation forms of
 //! the two matvecs too (quantization included).
 //!
@@ -348,7 +348,7 @@ fn bench_shape(
         let n_mat = total.div_ceil(one).max(1);
         let t0 = Instant::now();
         let ws: Vec<GpuTensor> = (0..n_mat)
-            .map(|i| make_weight(&gpu, dt, rows, cols, 7 + i))
+            .map(|i| make_weight(gpu, dt, rows, cols, 7 + i))
             .collect::<Result<_>>()?;
         let x = gpu.upload_f32(&vec![0.01; (cols * nt as u64) as usize], "x")?;
         let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
@@ -382,7 +382,7 @@ fn bench_shape(
                 }
                 Ok(())
             };
-            let (s, wall) = time_passes(&gpu, passes, &mut rec)?;
+            let (s, wall) = time_passes(gpu, passes, &mut rec)?;
             let (s, wall) = (s / per_pass as f64, wall / per_pass as f64);
             let gbs = one as f64 / s / 1e9;
             let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
@@ -401,7 +401,7 @@ fn bench_shape(
             );
             if int8_x {
                 // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
-                let mut qx = matvec::QuantX::new(&gpu, nt, cols as u32)?;
+                let mut qx = matvec::QuantX::new(gpu, nt, cols as u32)?;
                 let mut rec = |pass: &mut Pass<'_>| {
                     matvec::quantize_x(pass, &x, 0, 0, nt, cols as u32, &mut qx)?;
                     for i in 0..per_pass {
@@ -409,7 +409,7 @@ fn bench_shape(
                     }
                     Ok(())
                 };
-                let (s, _) = time_passes(&gpu, passes, &mut rec)?;
+                let (s, _) = time_passes(gpu, passes, &mut rec)?;
                 let s = s / per_pass as f64;
                 let gbs = one as f64 / s / 1e9;
                 println!(
@@ -431,7 +431,7 @@ fn bench_shape(
                 kinds.push(("int8", parse_variant("-")));
                 kinds.push(("int8x2", parse_variant("-")));
             }
-            if coopmat::usable(&gpu, dt).is_some() {
+            if coopmat::usable(gpu, dt).is_some() {
                 kinds.extend(variants.iter().map(|v| ("coop", *v)));
                 kinds.push(("split", parse_variant("-")));
             }
@@ -455,7 +455,7 @@ fn bench_shape(
                     }
                     Ok(())
                 };
-                let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
+                let s = time_passes(gpu, passes, &mut rec)?.0 / per_pass as f64;
                 let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
                 let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
                 println!(
@@ -500,6 +500,10 @@ fn bench_shape(
                 kinds.push(("matvec-i8".into(), "matvec", o));
             }
             kinds.push(("tiled".into(), "tiled", MatvecOpts::default()));
+            if matmul::int8_supported(dt) {
+                kinds.push(("int8".into(), "int8", MatvecOpts::default()));
+                kinds.push(("int8x2".into(), "int8x2", MatvecOpts::default()));
+            }
             if coopmat::usable(gpu, dt).is_some() {
                 kinds.push(("coop".into(), "coop", MatvecOpts::default()));
                 kinds.push(("split".into(), "split", MatvecOpts::default()));
@@ -510,6 +514,8 @@ fn bench_shape(
                         let w = &ws[i % ws.len()];
                         match *kind {
                             "multi" => matvec::matvec_multi(pass, w, &xb, 0, &yb, 0, nb, o)?,
+                            "int8" => matmul::matmul_int8(pass, I8, w, &xb, 0, &yb, 0, nb, o)?,
+                            "int8x2" => matmul::matmul_int8(pass, I8X2, w, &xb, 0, &yb, 0, nb, o)?,
                             "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, o)?,
                             "coop" => coopmat::matmul_coop(pass, F16, w, &xb, 0, &yb, 0, nb, o)?,
                             "split" => coopmat::matmul_coop(pass, SPLIT, w, &xb, 0, &yb, 0, nb, o)?,
