@@ -161,6 +161,12 @@ fn rec_block(bq: u32, h: u32, cb: u32, lid: u32) {
         if (live) {
             v = qkv[rb + v_col + col];
         }
+#if GNORM
+        // One token, every column block in this workgroup: q, k and their sums are the same
+        // for each block, so the first block loads and reduces them and the others reuse
+        // qs, ks and red[0] (the same values, without three more loads and reduction trees).
+        if (cb == 0u) {
+#endif
         var part = vec4<f32>(0.0);
         for (var i = lid; i < DK; i += WG) {
             let qv = qkv[rb + q_col + i];
@@ -177,6 +183,9 @@ fn rec_block(bq: u32, h: u32, cb: u32, lid: u32) {
             }
             workgroupBarrier();
         }
+#if GNORM
+        }
+#endif
         let tot = red[0];
         let rq = inverseSqrt(tot.x + EPS) * scale;
         let rk = inverseSqrt(tot.y + EPS);

@@ -252,8 +252,12 @@ fn xraw1(e: u32) -> f32 {
 // the stored x as it is loaded, in the same f32 operations as the separate kernel it replaces,
 // so the fused product gives the bits of that kernel followed by the plain product.
 //   PRO_NORM  x' = x · r · w (norm.wgsl's RMSNorm of the token's row, weight w [cols] f32 at
-//             binding 6; r = rsqrt(Σx²/cols + eps) reduced as norm.wgsl does: 256 strided
-//             partial sums, then its tree). pro0 = eps (f32 bits).
+//             binding 6, r = rsqrt(Σx²/cols + eps), pro0 = eps as f32 bits), computed as
+//             r · (W (x · w)): each lane sums the squares of the x values it loads anyway (every
+//             thread group loads the token's row once), and r scales the lanes' sums after
+//             the loop (pro_norm_r). No extra pass over x, so the product costs what the plain
+//             one does; the order of operations differs from the separate norm's, so the bits
+//             differ from rms_norm + matvec by rounding (a few ulps of y).
 //   PRO_SWIGLU x' = silu(x[e]) · x[e + pro0] (elementwise.wgsl's swiglu without a limit: gate
 //             at x, up pro0 elements later in the same buffer).
 //   PRO_SIGMUL x' = sigmoid(g) · x with g = G[pro0 + (c / pro1) · pro2 + c % pro1] (binding 6;
@@ -261,15 +265,15 @@ fn xraw1(e: u32) -> f32 {
 //             pro2 = the gate's head stride) for column c of the token's row.
 #if PRO_NORM
 @group(0) @binding(6) var<storage, read> NW: array<f32>;
-const PRO_LANES = 256u;   // norm.wgsl's WG
-var<workgroup> pro_red: array<f32, PRO_LANES>;
-var<private> pro_r: f32;
+// this lane's Σx² over the x values it loaded
+var<private> pro_ss: f32;
+var<workgroup> pro_red: array<f32, TPR>;
 #endif
 #if PRO_SIGMUL
 @group(0) @binding(6) var<storage, read> G: array<f32>;
 #endif
-//   NORM_OUT  (with PRO_NORM) the first row group's workgroup also writes x' to H (binding 7)
-//             at element token · cols: the normed rows, for later readers.
+//   NORM_OUT  (with PRO_NORM) the first row group's workgroup also writes x' = (x · r) · w to
+//             H (binding 7) at element token · cols: the normed rows, for later readers.
 //   EPI_CONV  rows below pro1 are the channels of Qwen3.5's GDN conv (decode, one token per
 //             sequence, token t = sequence t of the table SEQS): y = silu(Σ_j CW[ch][j] · x̃_j)
 //             over the channel's CONV_K − 1 state rows (CST from element pro2, slot of the
@@ -312,9 +316,8 @@ var<private> pro_x0: u32;
 
 fn silu_(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
 
-// Per-workgroup setup for the token whose x row starts at element xbase. Every thread of the
-// workgroup calls it (it has barriers).
-fn pro_setup(lid: u32, xbase: u32, t: u32, first: bool) {
+// Per-workgroup setup for the token whose x row starts at element xbase.
+fn pro_setup(xbase: u32, t: u32) {
     pro_x0 = xbase;
 #if EPI_CONV
     epi_t = t;
@@ -322,36 +325,44 @@ fn pro_setup(lid: u32, xbase: u32, t: u32, first: bool) {
 #if EPI_SIGROW
     epi_s = 1.0 / (1.0 + exp(-EG[p.pro1 + t * p.pro2]));
 #endif
+}
+
 #if PRO_NORM
-    for (var v = lid; v < PRO_LANES; v += WG) {
-        var ss = 0.0;
-        for (var j = v; j < p.cols; j += PRO_LANES) {
-            let a = xraw1(xbase + j);
-            ss += a * a;
-        }
-        pro_red[v] = ss;
+// r of the token's row from the lanes' Σx² partials, in every thread: thread group 0's TPR
+// partials cover the row once (every group's are the same), summed by lane pairs at strides
+// TPR/2, TPR/4, ... 1. Every thread of the workgroup calls it (it has barriers).
+fn pro_norm_r(lid: u32) -> f32 {
+    if (lid < TPR) {
+        pro_red[lid] = pro_ss;
     }
     workgroupBarrier();
-    for (var st = PRO_LANES / 2u; st > 0u; st >>= 1u) {
-        for (var v = lid; v < st; v += WG) {
-            pro_red[v] += pro_red[v + st];
+    for (var st = TPR / 2u; st > 0u; st >>= 1u) {
+        if (lid < st) {
+            pro_red[lid] += pro_red[lid + st];
         }
         workgroupBarrier();
     }
-    pro_r = inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+    return inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+}
+
+// acc · r, and with NORM_OUT the normed row written by the first row group's workgroup.
+fn pro_finish(acc: vec4<f32>, lid: u32, t: u32, first: bool) -> vec4<f32> {
+    let r = pro_norm_r(lid);
 #if NORM_OUT
     if (first) {
         for (var j = lid; j < p.cols; j += WG) {
-            H[t * p.cols + j] = (xraw1(xbase + j) * pro_r) * NW[j];
+            H[t * p.cols + j] = (xraw1(pro_x0 + j) * r) * NW[j];
         }
     }
 #endif
-#endif
+    return acc * r;
 }
+#endif
 
 fn pro1(e: u32, a: f32) -> f32 {
 #if PRO_NORM
-    return a * pro_r * NW[e - pro_x0];
+    pro_ss += a * a;
+    return a * NW[e - pro_x0];
 #else
 #if PRO_SWIGLU
     return silu_(a) * xraw1(e + p.pro0);
@@ -1483,9 +1494,12 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let row0 = (rg * GPW + lid / TPR) * R;
     let t = wid.x;
 #ifndef Q8X
-    pro_setup(lid, p.x_off + t * p.x_stride, t, rg == 0u);
+    pro_setup(p.x_off + t * p.x_stride, t);
 #endif
-    let acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
+    var acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
+#if PRO_NORM
+    acc = pro_finish(acc, lid, t, rg == 0u);
+#endif
 #if SUBGROUPS
     reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + t * p.y_stride);
 #else
@@ -1504,15 +1518,17 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 // slices in the same order, `mv_step` / the FSLOW loop accumulate as `mv_partial` does,
 // `pro_setup` runs per token and `reduce_store` sums as it does, so each token's outputs have
 // matvec's bits whatever the rows per thread group (R) and workgroup size (each row's sum only
-// ever involves its own lanes). Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT;
+// ever involves its own lanes; PRO_NORM's Σx² partials are kept per token and finished per
+// token as matvec finishes its token's). Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT;
 // rows as matvec. Tokens are unrolled by hand with literal k (a local array indexed at run time
 // would go to local memory on NVIDIA, see the top of this file).
 
-// first token of the group; the prologue / epilogue state pro_setup computed for token k
+// first token of the group; the prologue / epilogue state of token k (PRO_NORM: its lanes'
+// running Σx², swapped in and out around its steps)
 var<private> mt_t0: u32;
 #ifndef Q8X
 #if PRO_NORM
-var<private> mt_r: array<f32, 8>;
+var<private> mt_ss: array<f32, 8>;
 #endif
 #if EPI_SIGROW
 var<private> mt_s: array<f32, 8>;
@@ -1529,7 +1545,7 @@ fn mt_use(k: u32) {
 #ifndef Q8X
     pro_x0 = mt_x(k);
 #if PRO_NORM
-    pro_r = mt_r[k];
+    pro_ss = mt_ss[k];
 #endif
 #if EPI_SIGROW
     epi_s = mt_s[k];
@@ -1540,18 +1556,21 @@ fn mt_use(k: u32) {
 #endif
 }
 
-// Setup of token k (every thread calls it: pro_setup has barriers; the closing barrier keeps
-// the next token's setup from overwriting workgroup memory still being read).
-fn mt_setup(lid: u32, k: u32, first: bool) {
+// The rest of token k's step: its running Σx² back to its slot.
+fn mt_keep(k: u32) {
 #ifndef Q8X
-    pro_setup(lid, mt_x(k), mt_t0 + k, first);
 #if PRO_NORM
-    mt_r[k] = pro_r;
+    mt_ss[k] = pro_ss;
 #endif
+#endif
+}
+
+fn mt_setup(k: u32) {
+#ifndef Q8X
+    pro_setup(mt_x(k), mt_t0 + k);
 #if EPI_SIGROW
     mt_s[k] = epi_s;
 #endif
-    workgroupBarrier();
 #endif
 }
 
@@ -1561,6 +1580,7 @@ fn mt_slow(acc: vec4<f32>, e: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
     mt_use(k);
     let xe = x1(mt_x(k) + e);
     var a = acc;
+    mt_keep(k);
     a.x += welem(rb.x, e) * xe;
     if (R > 1u) {
         a.y += welem(rb.y, e) * xe;
@@ -1577,7 +1597,9 @@ fn mt_slow(acc: vec4<f32>, e: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
 // mv_partial's slice step for token k
 fn mt_step(c: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
     mt_use(k);
-    return mv_step(c, rb, mt_x(k));
+    let v = mv_step(c, rb, mt_x(k));
+    mt_keep(k);
+    return v;
 }
 #endif
 
@@ -1595,14 +1617,14 @@ fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let tl = lid % TPR;
     let first = rg == 0u;
     mt_t0 = p.pair_off + TT * wid.x;
-    mt_setup(lid, 0u, first);
-    if (TT > 1u) { mt_setup(lid, 1u, first); }
-    if (TT > 2u) { mt_setup(lid, 2u, first); }
-    if (TT > 3u) { mt_setup(lid, 3u, first); }
-    if (TT > 4u) { mt_setup(lid, 4u, first); }
-    if (TT > 5u) { mt_setup(lid, 5u, first); }
-    if (TT > 6u) { mt_setup(lid, 6u, first); }
-    if (TT > 7u) { mt_setup(lid, 7u, first); }
+    mt_setup(0u);
+    if (TT > 1u) { mt_setup(1u); }
+    if (TT > 2u) { mt_setup(2u); }
+    if (TT > 3u) { mt_setup(3u); }
+    if (TT > 4u) { mt_setup(4u); }
+    if (TT > 5u) { mt_setup(5u); }
+    if (TT > 6u) { mt_setup(6u); }
+    if (TT > 7u) { mt_setup(7u); }
     let last = p.rows - 1u;
     let rb = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
     var a0 = vec4<f32>(0.0);
@@ -1638,38 +1660,48 @@ fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
 #endif
 #if SUBGROUPS
-    mt_store(a0, 0u, lid, sg_size, sg_lane, row0);
-    if (TT > 1u) { mt_store(a1, 1u, lid, sg_size, sg_lane, row0); }
-    if (TT > 2u) { mt_store(a2, 2u, lid, sg_size, sg_lane, row0); }
-    if (TT > 3u) { mt_store(a3, 3u, lid, sg_size, sg_lane, row0); }
-    if (TT > 4u) { mt_store(a4, 4u, lid, sg_size, sg_lane, row0); }
-    if (TT > 5u) { mt_store(a5, 5u, lid, sg_size, sg_lane, row0); }
-    if (TT > 6u) { mt_store(a6, 6u, lid, sg_size, sg_lane, row0); }
-    if (TT > 7u) { mt_store(a7, 7u, lid, sg_size, sg_lane, row0); }
+    mt_store(a0, 0u, lid, sg_size, sg_lane, row0, first);
+    if (TT > 1u) { mt_store(a1, 1u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 2u) { mt_store(a2, 2u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 3u) { mt_store(a3, 3u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 4u) { mt_store(a4, 4u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 5u) { mt_store(a5, 5u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 6u) { mt_store(a6, 6u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 7u) { mt_store(a7, 7u, lid, sg_size, sg_lane, row0, first); }
 #else
-    mt_store(a0, 0u, lid, row0);
-    if (TT > 1u) { mt_store(a1, 1u, lid, row0); }
-    if (TT > 2u) { mt_store(a2, 2u, lid, row0); }
-    if (TT > 3u) { mt_store(a3, 3u, lid, row0); }
-    if (TT > 4u) { mt_store(a4, 4u, lid, row0); }
-    if (TT > 5u) { mt_store(a5, 5u, lid, row0); }
-    if (TT > 6u) { mt_store(a6, 6u, lid, row0); }
-    if (TT > 7u) { mt_store(a7, 7u, lid, row0); }
+    mt_store(a0, 0u, lid, row0, first);
+    if (TT > 1u) { mt_store(a1, 1u, lid, row0, first); }
+    if (TT > 2u) { mt_store(a2, 2u, lid, row0, first); }
+    if (TT > 3u) { mt_store(a3, 3u, lid, row0, first); }
+    if (TT > 4u) { mt_store(a4, 4u, lid, row0, first); }
+    if (TT > 5u) { mt_store(a5, 5u, lid, row0, first); }
+    if (TT > 6u) { mt_store(a6, 6u, lid, row0, first); }
+    if (TT > 7u) { mt_store(a7, 7u, lid, row0, first); }
 #endif
 }
 
-// reduce_store of token k's accumulators; the closing barrier keeps the next token's
-// reduction from overwriting workgroup memory still being read.
-#if SUBGROUPS
-fn mt_store(acc: vec4<f32>, k: u32, lid: u32, sg_size: u32, sg_lane: u32, row0: u32) {
+// Token k's accumulators finished (PRO_NORM) as matvec's and stored by reduce_store (both
+// take every thread: barriers); the closing barrier keeps the next token's from overwriting
+// workgroup memory still being read.
+fn mt_finish(acc: vec4<f32>, k: u32, lid: u32, first: bool) -> vec4<f32> {
     mt_use(k);
-    reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + (mt_t0 + k) * p.y_stride);
+#if PRO_NORM
+    return pro_finish(acc, lid, mt_t0 + k, first);
+#else
+    return acc;
+#endif
+}
+
+#if SUBGROUPS
+fn mt_store(acc: vec4<f32>, k: u32, lid: u32, sg_size: u32, sg_lane: u32, row0: u32, first: bool) {
+    let a = mt_finish(acc, k, lid, first);
+    reduce_store(a, lid, sg_size, sg_lane, row0, p.y_off + (mt_t0 + k) * p.y_stride);
     workgroupBarrier();
 }
 #else
-fn mt_store(acc: vec4<f32>, k: u32, lid: u32, row0: u32) {
-    mt_use(k);
-    reduce_store(acc, lid, row0, p.y_off + (mt_t0 + k) * p.y_stride);
+fn mt_store(acc: vec4<f32>, k: u32, lid: u32, row0: u32, first: bool) {
+    let a = mt_finish(acc, k, lid, first);
+    reduce_store(a, lid, row0, p.y_off + (mt_t0 + k) * p.y_stride);
     workgroupBarrier();
 }
 #endif

@@ -44,6 +44,10 @@ pub struct BenchOptions {
     pub save_expert_stats: Option<std::path::PathBuf>,
     /// Kernels of many-token products (`--matmul`).
     pub matmul: crate::gpu::MatmulChoice,
+    /// Activations of one-token products (`--activations`).
+    pub activations: crate::forward::ActivationsChoice,
+    /// Prologues fused into the decode products' loads (`--fused-loads`).
+    pub fused_loads: bool,
     /// Decode with speculation (`--spec`): greedy from the model's own picks.
     pub spec: Option<crate::spec::SpecOptions>,
     /// Cold experts of prompt batches (`--expert-stream`).
@@ -73,6 +77,8 @@ impl Default for BenchOptions {
             expert_stats: None,
             save_expert_stats: None,
             matmul: Default::default(),
+            activations: Default::default(),
+            fused_loads: LoadOptions::default().fused_loads,
             spec: None,
             expert_stream: Default::default(),
             cpu_simd: None,
@@ -168,6 +174,10 @@ pub struct BenchReport {
     /// The product path the timed prefills ran (`coop` when the matrix units took products,
     /// `tiled`, `none` without prefill or when every product took matvec).
     pub matmul: &'static str,
+    /// Activations of the decode products: `int8` or `f32` (`--activations` resolved).
+    pub activations: &'static str,
+    /// Whether the decode products read x through fused prologues (`--fused-loads`).
+    pub fused_loads: bool,
     /// What speculation did in the decode test, and what its pieces cost.
     pub spec: Option<(crate::spec::SpecStats, crate::spec::StepCosts)>,
     /// One decode step's per-MoE-layer timeline (`BenchOptions::timeline`; empty without an
@@ -257,6 +267,8 @@ impl BenchReport {
             }),
             "placement": self.placement.as_ref().and_then(|p| serde_json::to_value(p).ok()),
             "matmul": self.matmul,
+            "activations": self.activations,
+            "fused_loads": self.fused_loads,
             "spec": self.spec.as_ref().map(|(s, c)| json!({
                 "acceptance": s.acceptance(),
                 "tokens_per_forward": s.tokens_per_forward(),
@@ -437,6 +449,8 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         expert_stats: opts.expert_stats.clone(),
         save_expert_stats: opts.save_expert_stats.clone(),
         matmul: opts.matmul,
+        activations: opts.activations,
+        fused_loads: opts.fused_loads,
         expert_stream: opts.expert_stream,
         cpu_simd: opts.cpu_simd,
         devices: opts.devices.clone(),
@@ -611,6 +625,8 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         prefill_kernels,
         placement,
         matmul,
+        activations: if e.gpu.int8_decode() { "int8" } else { "f32" },
+        fused_loads: opts.fused_loads,
         spec,
         timeline,
         hops,

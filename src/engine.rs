@@ -7,7 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use crate::forward::{
-    ColdLayers, ExpertStream, KvType, LoadOptions, Logits, Progress, TopLogits, Want, GREEDY,
+    ActivationsChoice, ColdLayers, ExpertStream, KvType, LoadOptions, Logits, Progress, TopLogits,
+    Want, GREEDY,
 };
 pub use crate::models::{Forward, Seq};
 
@@ -71,7 +72,10 @@ impl Engine {
             (gpus, Box::new(chain))
         } else {
             let adapter = opts.devices.first().unwrap_or(&opts.adapter);
-            let gpu = Arc::new(Gpu::with_matmul(adapter, opts.matmul, exact)?);
+            let gpu = Arc::new(
+                Gpu::with_matmul(adapter, opts.matmul, exact)?
+                    .with_int8_decode(opts.activations.int8()),
+            );
             let gpu_mem = opts.gpu_mems.first().copied().or(opts.gpu_mem);
             let o = LoadOptions {
                 gpu_mem,

@@ -7,6 +7,13 @@
 //! with `Σ_c deq(w)_rc x_c` in f64 from the dequantized weights (`quant::dequantize_to_vec`).
 //! Outputs land between guard elements that must keep their sentinel.
 //!
+//! The fused decode kernels are checked the same way against a CPU reference of the steps they
+//! fuse (`cpu::ops`, `cpu::gdn`): the matvec prologues (RMSNorm, SwiGLU, the sigmoid gates),
+//! the GDN conv step in the qkv product's store, `qk_norm_rope`, the GDN step with its gated
+//! norm, and the int8-activation matvec (against the product of the
+//! dequantized weights with x quantized by `cpu::q8x`, the kernel's own rounding of x, so the
+//! f32 bound applies); see [`fused`].
+//!
 //! Bounds, per output with `a = Σ_c |w_rc x_c|`:
 //! - f32 paths (matvec, tiled, and the matrix path for F16/BF16 weights with split
 //!   activations): `1e-4 · (1 + a)`, f32 rounding of products and partial sums;
@@ -493,6 +500,7 @@ fn indexed(
     dt: DType,
     nt: usize,
     per_pair: bool,
+    int8: bool,
     seed: u64,
 ) -> Result<Check> {
     let (ne, rows, n_used) = (6usize, 45usize, 3usize);
@@ -515,9 +523,18 @@ fn indexed(
     let xr = if per_pair { np } else { nt };
     let x = rng.normals(xr * cols, 1.0);
     let xb = gpu.upload_f32(&x, "selftest.x")?;
+    // int8 x: the reference takes x as the kernel rounds it
+    let x = if int8 {
+        crate::cpu::q8x::quantize_x(&x, cols).dequantize()
+    } else {
+        x
+    };
     let n_out = np * rows;
     let yb = out_buffer(gpu, n_out)?;
-    let opts = MatvecOpts::default();
+    let opts = MatvecOpts {
+        int8_x: int8,
+        ..Default::default()
+    };
     let mut pass = gpu.pass();
     let (y_off, n, k) = (GUARD as u32, nt as u32, n_used as u32);
     match path {
@@ -560,8 +577,9 @@ fn indexed(
         })
         .collect();
     let name = format!(
-        "{} indexed {dt} {ne}x{rows}x{cols} tokens {nt} x per {}",
+        "{} indexed{} {dt} {ne}x{rows}x{cols} tokens {nt} x per {}",
         path.name(),
+        if int8 { " int8-x" } else { "" },
         if per_pair { "pair" } else { "token" }
     );
     if let Some(levels) = path.int8_levels() {
@@ -579,6 +597,679 @@ fn indexed(
     }
     let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
     Ok(compare(name, &got, &want, n_out, f16))
+}
+
+/// A fused activation load of [`prologue`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProKind {
+    /// RMSNorm (`keep`: the normed rows written too).
+    Norm {
+        keep: bool,
+    },
+    SwiGlu,
+    /// SwiGLU, the product scaled by sigmoid(s) and added to y.
+    SwiGluGated,
+    /// Sigmoid gate per head (one token).
+    SigmoidGate,
+}
+
+impl ProKind {
+    fn name(self) -> &'static str {
+        match self {
+            ProKind::Norm { keep: false } => "rms_norm",
+            ProKind::Norm { keep: true } => "rms_norm keep",
+            ProKind::SwiGlu => "swiglu",
+            ProKind::SwiGluGated => "swiglu gated",
+            ProKind::SigmoidGate => "sigmoid gate",
+        }
+    }
+}
+
+/// A decode product reading x through a prologue (`matvec::matvec_pro`) against the CPU's
+/// step (`cpu::ops`) followed by the product in f64. x rows start at element 4 with a stride
+/// past the row; SwiGLU's up values sit `cols + 12` after the gate; the sigmoid gate's heads
+/// of 32 (7 for odd widths) every two head widths from element 3.
+pub fn prologue(
+    gpu: &Gpu,
+    dt: DType,
+    kind: ProKind,
+    (rows, cols, nt): (u64, u64, usize),
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    use matvec::Prologue;
+    let w = Weight::random(dt, &[rows, cols], seed)?;
+    let (r, c) = (rows as usize, cols as usize);
+    let mut rng = Rng(seed ^ 0x9e11);
+    let nt = if kind == ProKind::SigmoidGate { 1 } else { nt };
+    let glu = matches!(kind, ProKind::SwiGlu | ProKind::SwiGluGated);
+    let up = c + 12;
+    let stride = if glu { 2 * c + 20 } else { c + 8 };
+    let x = rng.normals(4 + nt * stride, 1.5);
+    let nw = rng.normals(c, 1.0);
+    let hd = if c.is_multiple_of(32) { 32 } else { 7 };
+    let gate = rng.normals(3 + c.div_ceil(hd) * 2 * hd + nt, 2.0);
+    let eps = 1e-6;
+    // the CPU's product input per token
+    let h: Vec<Vec<f32>> = (0..nt)
+        .map(|t| {
+            let row = &x[4 + t * stride..];
+            match kind {
+                ProKind::Norm { .. } => ops::rms_norm(&row[..c], c, Some(&nw), eps),
+                ProKind::SwiGlu | ProKind::SwiGluGated => {
+                    ops::swiglu(&row[..c], &row[up..][..c], None)
+                }
+                ProKind::SigmoidGate => (0..c)
+                    .map(|j| ops::sigmoid(gate[3 + (j / hd) * 2 * hd + j % hd]) * row[j])
+                    .collect(),
+            }
+        })
+        .collect();
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let nwb = gpu.upload_f32(&nw, "selftest.nw")?;
+    let gb = gpu.upload_f32(&gate, "selftest.gate")?;
+    let keep = gpu.upload_f32(&vec![SENTINEL; nt * c], "selftest.h")?;
+    let n_out = nt * r;
+    let gated = kind == ProKind::SwiGluGated;
+    let mut y0 = vec![SENTINEL; n_out + 2 * GUARD];
+    if gated {
+        y0[GUARD..GUARD + n_out].fill(0.5);
+    }
+    let yb = gpu.upload_f32(&y0, "selftest.y")?;
+    let pro = match kind {
+        ProKind::Norm { keep: k } => Prologue::RmsNorm {
+            w: &nwb,
+            eps,
+            keep: k.then_some(&keep),
+        },
+        ProKind::SwiGlu => Prologue::SwiGlu { up: up as u32 },
+        ProKind::SwiGluGated => Prologue::SwiGluGated {
+            up: up as u32,
+            gate: &gb,
+            off: 1,
+            stride: 1,
+        },
+        ProKind::SigmoidGate => Prologue::SigmoidGate {
+            gate: &gb,
+            off: 3,
+            head_dim: hd as u32,
+            head_stride: 2 * hd as u32,
+        },
+    };
+    let opts = MatvecOpts {
+        x_stride: stride as u32,
+        ..Default::default()
+    };
+    let mut pass = gpu.pass();
+    matvec::matvec_pro(
+        &mut pass,
+        &wt,
+        &xb,
+        4,
+        &yb,
+        GUARD as u32,
+        nt as u32,
+        &opts,
+        &pro,
+    )?;
+    pass.submit()?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| {
+            let (t, row) = (i / r, i % r);
+            let (v, a) = w.dot(row, &h[t]);
+            if gated {
+                let sg = ops::sigmoid(gate[1 + t]) as f64;
+                (i, Some((0.5 + sg * v, 0.5 + sg * a)))
+            } else {
+                (i, Some((v, a)))
+            }
+        })
+        .collect();
+    let name = format!("matvec {} {dt} {rows}x{cols} tokens {nt}", kind.name());
+    let mut chk = compare(name, &got, &want, n_out, false);
+    if kind == (ProKind::Norm { keep: true }) && chk.passed {
+        let kept = gpu.read_f32(&keep, 0, nt * c)?;
+        let want_h: Vec<f32> = h.concat();
+        if let Some(j) =
+            (0..kept.len()).find(|&j| (kept[j] - want_h[j]).abs() > 1e-5 * (1.0 + want_h[j].abs()))
+        {
+            chk.passed = false;
+            chk.detail = format!("kept row element {j} = {}, want {}", kept[j], want_h[j]);
+        }
+    }
+    Ok(chk)
+}
+
+/// The GDN conv step in the store of a normed qkv product (`matvec::ConvStep`, width 4) for
+/// three one-token sequences in slots 2, 0, 1: the first `channels` rows become
+/// silu(Σ_j cw_j · state_j + cw_3 · y) and the states roll, the rest are the plain product;
+/// against the CPU (`cpu::ops::rms_norm`, the product in f64, the conv in f64).
+pub fn conv_step(gpu: &Gpu, dt: DType, (rows, cols): (u64, u64), seed: u64) -> Result<Check> {
+    use crate::cpu::ops;
+    use crate::gpu::gdn::{SeqBatch, SeqSpan};
+    let (k, nt) = (4usize, 3usize);
+    let (r, c) = (rows as usize, cols as usize);
+    let channels = r * 3 / 4;
+    let w = Weight::random(dt, &[rows, cols], seed)?;
+    let mut rng = Rng(seed ^ 0xc0);
+    let x = rng.normals(nt * c, 1.0);
+    let nw = rng.normals(c, 1.0);
+    let cw = rng.normals(channels * k, 0.5);
+    let st0 = rng.normals(nt * (k - 1) * channels, 1.0);
+    let slots = [2usize, 0, 1];
+    let spans: Vec<SeqSpan> = slots
+        .iter()
+        .enumerate()
+        .map(|(t, &slot)| SeqSpan {
+            row: t as u32,
+            n_tokens: 1,
+            slot: slot as u32,
+        })
+        .collect();
+    let batch = SeqBatch::new(gpu, &spans)?;
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let nwb = gpu.upload_f32(&nw, "selftest.nw")?;
+    let cwb = gpu.upload_f32(&cw, "selftest.cw")?;
+    let stb = gpu.upload_f32(&st0, "selftest.state")?;
+    let n_out = nt * r;
+    let yb = out_buffer(gpu, n_out)?;
+    let step = matvec::ConvStep {
+        channels: channels as u32,
+        k: k as u32,
+        w: &cwb,
+        state: &stb,
+        state_off: 0,
+        batch: &batch,
+    };
+    let pro = matvec::Prologue::RmsNorm {
+        w: &nwb,
+        eps: 1e-6,
+        keep: None,
+    };
+    if !matvec::conv_step_fits(gpu, &batch, nt as u32, wt.parts.len()) {
+        return Err(crate::Error::Unsupported(
+            "the conv step needs 8 storage bindings".into(),
+        ));
+    }
+    let mut pass = gpu.pass();
+    matvec::matvec_fused(
+        &mut pass,
+        &wt,
+        &xb,
+        0,
+        &yb,
+        GUARD as u32,
+        nt as u32,
+        &MatvecOpts::default(),
+        &pro,
+        Some(&step),
+    )?;
+    pass.submit()?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let st = gpu.read_f32(&stb, 0, st0.len())?;
+    let mut want = Vec::with_capacity(n_out);
+    let mut st_want: Vec<(f32, f64)> = st0.iter().map(|&v| (v, 0.0)).collect();
+    for (t, &slot) in slots.iter().enumerate() {
+        let h = ops::rms_norm(&x[t * c..][..c], c, Some(&nw), 1e-6);
+        let sb = slot * (k - 1) * channels;
+        for row in 0..r {
+            let (v, a) = w.dot(row, &h);
+            if row >= channels {
+                want.push((t * r + row, Some((v, a))));
+                continue;
+            }
+            let tap = |j: usize| cw[row * k + j] as f64;
+            let mut acc = tap(k - 1) * v;
+            let mut mag = (tap(k - 1) * a).abs();
+            for j in 0..k - 1 {
+                let s = st0[sb + j * channels + row] as f64;
+                acc += tap(j) * s;
+                mag += (tap(j) * s).abs();
+            }
+            let silu = acc / (1.0 + (-acc).exp());
+            // silu's slope is at most 1.1: the bound of acc carries over
+            want.push((t * r + row, Some((silu, 1.1 * mag))));
+            for j in 0..k - 2 {
+                st_want[sb + j * channels + row] = (st0[sb + (j + 1) * channels + row], 0.0);
+            }
+            st_want[sb + (k - 2) * channels + row] = (v as f32, 1e-4 * (1.0 + a));
+        }
+    }
+    let mut chk = compare(
+        format!("matvec conv step {dt} {rows}x{cols} channels {channels}"),
+        &got,
+        &want,
+        n_out,
+        false,
+    );
+    if chk.passed {
+        // rolled values move exactly; the new row carries the product's bound
+        if let Some(j) =
+            (0..st.len()).find(|&j| (st[j] as f64 - st_want[j].0 as f64).abs() > st_want[j].1)
+        {
+            chk.passed = false;
+            chk.detail = format!("conv state element {j} = {}, want {}", st[j], st_want[j].0);
+        }
+    }
+    Ok(chk)
+}
+
+/// The int8-activation matvec (`MatvecOpts::int8_x`: `quantize_x`, then the integer-dot
+/// kernel), dense or (`indexed`) the MoE form, against the product with x quantized on the CPU
+/// (`cpu::q8x::quantize_x`, the same rounding), at the f32 bound.
+pub fn int8(
+    gpu: &Gpu,
+    dt: DType,
+    (rows, cols, nt): (u64, u64, usize),
+    acc: bool,
+    seed: u64,
+) -> Result<Check> {
+    let w = Weight::random(dt, &[rows, cols], seed)?;
+    let (r, c) = (rows as usize, cols as usize);
+    let x = Rng(seed ^ 0x18).normals(nt * c, 1.0);
+    let xq = crate::cpu::q8x::quantize_x(&x, c).dequantize();
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let n_out = nt * r;
+    let mut y0 = vec![SENTINEL; n_out + 2 * GUARD];
+    if acc {
+        y0[GUARD..GUARD + n_out].fill(0.5);
+    }
+    let yb = gpu.upload_f32(&y0, "selftest.y")?;
+    let opts = MatvecOpts {
+        accumulate: acc,
+        int8_x: true,
+        ..Default::default()
+    };
+    let mut pass = gpu.pass();
+    matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, nt as u32, &opts)?;
+    pass.submit()?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let base = if acc { 0.5 } else { 0.0 };
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| {
+            let (v, a) = w.dot(i % r, &xq[(i / r) * c..][..c]);
+            (i, Some((v + base, a)))
+        })
+        .collect();
+    Ok(compare(
+        format!(
+            "matvec int8-x {dt} {rows}x{cols} tokens {nt}{}",
+            if acc { " accumulate" } else { "" }
+        ),
+        &got,
+        &want,
+        n_out,
+        false,
+    ))
+}
+
+/// Qwen3.5 attention's fused decode prologue (`rope::qk_norm_rope`) for one token at position
+/// 777, cache row 2 of 4, against the CPU: per-head RMSNorm then NEOX RoPE of q (in place,
+/// the gates between q heads untouched) and k (to the cache row), v copied to its row; f32
+/// cache. Bound per value `1e-5 · (1 + |v|)` (a few f32 roundings of O(1) values).
+pub fn qk_norm_rope(
+    gpu: &Gpu,
+    (nh, nkv, hd, n_rot): (u32, u32, u32, u32),
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    use crate::gpu::rope::{self, QkvDecode, RopeTable};
+    let mut rng = Rng(seed);
+    let (h, nhu, nkvu) = (hd as usize, nh as usize, nkv as usize);
+    let (q_off, k_off) = (3usize, 3 + nhu * 2 * h + 5);
+    let v_off = k_off + nkvu * h + 2;
+    let len = v_off + nkvu * h + 4;
+    let x = rng.normals(len, 2.0);
+    let qw = rng.normals(h, 1.0);
+    let kw = rng.normals(h, 1.0);
+    let inv_freq = ops::rope_inv_freq(1e7, n_rot as usize);
+    let table = RopeTable::new(gpu, &inv_freq, "selftest.rope")?;
+    let (pos, row) = (777u32, 2usize);
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let qwb = gpu.upload_f32(&qw, "selftest.qw")?;
+    let kwb = gpu.upload_f32(&kw, "selftest.kw")?;
+    let pos_b = gpu.upload(bytemuck::cast_slice(&[pos]), "selftest.pos")?;
+    let rows_b = gpu.upload(bytemuck::cast_slice(&[row as u32]), "selftest.rows")?;
+    let cache = vec![SENTINEL; 4 * nkvu * h];
+    let kc = gpu.upload_f32(&cache, "selftest.k")?;
+    let vc = gpu.upload_f32(&cache, "selftest.v")?;
+    let mut pass = gpu.pass();
+    rope::qk_norm_rope(
+        &mut pass,
+        &QkvDecode {
+            buf: &xb,
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            q_off: q_off as u32,
+            q_stride: 2 * hd,
+            k_off: k_off as u32,
+            v_off: v_off as u32,
+            q_norm: &qwb,
+            k_norm: &kwb,
+            eps: 1e-6,
+            positions: &pos_b,
+            pos_off: 0,
+            rows: &rows_b,
+            row_off: 0,
+            k_cache: &kc,
+            v_cache: &vc,
+            f16: false,
+        },
+        &table,
+    )?;
+    pass.submit()?;
+    let got_x = gpu.read_f32(&xb, 0, len)?;
+    let got_k = gpu.read_f32(&kc, 0, cache.len())?;
+    let got_v = gpu.read_f32(&vc, 0, cache.len())?;
+    let normed = |src: &[f32], n: usize, w: &[f32]| -> Vec<f32> {
+        let mut v: Vec<f32> = (0..n)
+            .flat_map(|i| ops::rms_norm(&src[i * h..][..h], h, Some(w), 1e-6))
+            .collect();
+        ops::rope_neox(&mut v, n, h, n_rot as usize, &[pos], &inv_freq, false);
+        v
+    };
+    let q_src: Vec<f32> = (0..nhu)
+        .flat_map(|i| x[q_off + i * 2 * h..][..h].to_vec())
+        .collect();
+    let want_q = normed(&q_src, nhu, &qw);
+    let want_k = normed(&x[k_off..], nkvu, &kw);
+    // (got, want) of every checked value: q heads, the gates between them, the cache rows
+    let mut pairs: Vec<(f32, f32)> = Vec::new();
+    for i in 0..nhu {
+        let at = q_off + i * 2 * h;
+        pairs.extend((0..h).map(|j| (got_x[at + j], want_q[i * h + j])));
+        pairs.extend((h..2 * h).map(|j| (got_x[at + j], x[at + j])));
+    }
+    let r0 = row * nkvu * h;
+    pairs.extend((0..nkvu * h).map(|j| (got_k[r0 + j], want_k[j])));
+    pairs.extend((0..nkvu * h).map(|j| (got_v[r0 + j], x[v_off + j])));
+    let others = (0..cache.len()).filter(|&j| j / (nkvu * h) != row);
+    pairs.extend(others.map(|j| (got_k[j], SENTINEL)));
+    let mut worst = 0f64;
+    let mut detail = String::new();
+    let (mut e2, mut v2) = (0f64, 0f64);
+    for (i, &(g, w)) in pairs.iter().enumerate() {
+        if w != SENTINEL {
+            e2 += (g as f64 - w as f64).powi(2);
+            v2 += (w as f64).powi(2);
+        }
+        let bound = 1e-5 * (1.0 + w.abs() as f64);
+        let err = (g as f64 - w as f64).abs() / bound;
+        let ratio = if err.is_nan() { f64::INFINITY } else { err };
+        if ratio > worst {
+            worst = ratio;
+            if worst > 1.0 {
+                detail = format!("value {i} = {g}, want {w}");
+            }
+        }
+    }
+    Ok(Check {
+        name: format!("qk_norm_rope {nh}x{nkv}x{hd} rot {n_rot}"),
+        passed: detail.is_empty(),
+        worst,
+        rel_rms: (e2 / v2.max(1e-300)).sqrt(),
+        detail,
+    })
+}
+
+/// The GDN decode step with Qwen3.5's gated output norm (`gdn::recurrent_normed`) for three
+/// one-token sequences in slots 2, 0, 1 of a pool of four, from a nonzero state, against the
+/// CPU (`cpu::gdn::gates`, `cpu::gdn::recurrent` in f64, `cpu::ops::gated_rms_norm`): output
+/// and final states within `1e-5` of the largest reference value (f32 rounding over the d_k
+/// sums of the step).
+pub fn gdn_normed(gpu: &Gpu, s: crate::gpu::gdn::GdnShape, seed: u64) -> Result<Check> {
+    use crate::cpu::{gdn as cgdn, ops};
+    use crate::gpu::gdn::{self, GatedNorm, GdnIo, SeqBatch, SeqSpan};
+    let mut rng = Rng(seed);
+    let (hv, cd, ov) = (s.n_head_v, s.conv_dim(), s.n_head_v * s.d_v);
+    let slots = [2usize, 0, 1];
+    let nt = slots.len();
+    let uni = |r: &mut Rng, n: usize, lo: f64, hi: f64| -> Vec<f32> {
+        (0..n)
+            .map(|_| (lo + (hi - lo) * r.uniform()) as f32)
+            .collect()
+    };
+    let qkv = uni(&mut rng, nt * cd, -1.0, 1.0);
+    let a = uni(&mut rng, nt * hv, -1.0, 1.0);
+    let b = uni(&mut rng, nt * hv, -2.0, 2.0);
+    let a_neg: Vec<f32> = (0..hv)
+        .map(|_| -(-1.0 + 3.0 * rng.uniform()).exp() as f32)
+        .collect();
+    let dt_bias = uni(&mut rng, hv, -6.0, -2.0);
+    let state0 = uni(&mut rng, 4 * s.state_len(), -0.5, 0.5);
+    let z = uni(&mut rng, nt * ov, -3.0, 3.0);
+    let nw = uni(&mut rng, s.d_v, -1.5, 1.5);
+    let spans: Vec<SeqSpan> = slots
+        .iter()
+        .enumerate()
+        .map(|(t, &slot)| SeqSpan {
+            row: t as u32,
+            n_tokens: 1,
+            slot: slot as u32,
+        })
+        .collect();
+    let batch = SeqBatch::new(gpu, &spans)?;
+    let qkv_b = gpu.upload_f32(&qkv, "selftest.qkv")?;
+    let a_b = gpu.upload_f32(&a, "selftest.a")?;
+    let b_b = gpu.upload_f32(&b, "selftest.b")?;
+    let an_b = gpu.upload_f32(&a_neg, "selftest.a_neg")?;
+    let dt_b = gpu.upload_f32(&dt_bias, "selftest.dt_bias")?;
+    let st_b = gpu.upload_f32(&state0, "selftest.state")?;
+    let z_b = gpu.upload_f32(&z, "selftest.z")?;
+    let nw_b = gpu.upload_f32(&nw, "selftest.nw")?;
+    let o_b = gpu.upload_f32(&vec![SENTINEL; nt * ov], "selftest.o")?;
+    let io = GdnIo {
+        qkv: &qkv_b,
+        qkv_off: 0,
+        qkv_stride: cd as u32,
+        a: &a_b,
+        a_off: 0,
+        a_stride: hv as u32,
+        b: &b_b,
+        b_off: 0,
+        b_stride: hv as u32,
+        a_neg: &an_b,
+        dt_bias: &dt_b,
+        state: &st_b,
+        state_off: 0,
+        o: &o_b,
+        o_off: 0,
+        o_stride: ov as u32,
+    };
+    let gn = GatedNorm {
+        z: &z_b,
+        z_off: 0,
+        z_stride: ov as u32,
+        w: &nw_b,
+        eps: 1e-6,
+    };
+    let mut pass = gpu.pass();
+    gdn::recurrent_normed(&mut pass, &s, &batch, &io, &gn)?;
+    pass.submit()?;
+    let o = gpu.read_f32(&o_b, 0, nt * ov)?;
+    let st = gpu.read_f32(&st_b, 0, state0.len())?;
+    let mut o_ref = vec![0f32; nt * ov];
+    let mut st_ref = state0.clone();
+    for (t, &slot) in slots.iter().enumerate() {
+        let (mut g, mut beta) = (vec![0f32; hv], vec![0f32; hv]);
+        let ab = t * hv..(t + 1) * hv;
+        cgdn::gates(&a[ab.clone()], &b[ab], &a_neg, &dt_bias, &mut g, &mut beta);
+        let sl = &mut st_ref[slot * s.state_len()..][..s.state_len()];
+        let out = &mut o_ref[t * ov..][..ov];
+        cgdn::recurrent(&s, &qkv[t * cd..][..cd], &g, &beta, sl, out);
+    }
+    let o_ref = ops::gated_rms_norm(&o_ref, &z, s.d_v, Some(&nw), 1e-6);
+    let rel = |x: &[f32], r: &[f32]| -> (f64, usize) {
+        let scale = r.iter().fold(1e-30f64, |m, &v| m.max(v.abs() as f64));
+        x.iter()
+            .zip(r)
+            .enumerate()
+            .map(|(i, (&a, &b))| ((a as f64 - b as f64).abs() / scale, i))
+            .fold(
+                (0.0, 0),
+                |m, e| if e.0 > m.0 || e.0.is_nan() { e } else { m },
+            )
+    };
+    let ((eo, io_), (es, is)) = (rel(&o, &o_ref), rel(&st, &st_ref));
+    let worst = eo.max(es) / 1e-5;
+    // NaN compares as a failure
+    let detail = if eo.is_nan() || eo > 1e-5 {
+        format!("output {io_} = {}, want {}", o[io_], o_ref[io_])
+    } else if es.is_nan() || es > 1e-5 {
+        format!("state {is} = {}, want {}", st[is], st_ref[is])
+    } else {
+        String::new()
+    };
+    Ok(Check {
+        name: format!(
+            "gdn recurrent + gated norm {}x{} heads, d_k {} d_v {} {:?}",
+            s.n_head_k, s.n_head_v, s.d_k, s.d_v, s.map
+        ),
+        passed: detail.is_empty(),
+        worst,
+        rel_rms: eo,
+        detail,
+    })
+}
+
+/// The types the fused loads and the int8 kernels meet in released models.
+const FUSED_TYPES: [DType; 8] = [
+    DType::F32,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::MXFP4,
+];
+
+/// The fused decode kernels: every prologue over [`FUSED_TYPES`] at odd sizes (1 and 3
+/// tokens), the conv step, the int8-activation matvec (dense, accumulating and indexed) for
+/// every type that has one, `qk_norm_rope` and the GDN step with its gated norm at
+/// Qwen3.5's head sizes and odd ones; with `full` the 9B's product shapes (norm into
+/// 12288x4096, SwiGLU into 4096x12288, int8 at both).
+pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
+    let kinds = [
+        ProKind::Norm { keep: false },
+        ProKind::Norm { keep: true },
+        ProKind::SwiGlu,
+        ProKind::SwiGluGated,
+        ProKind::SigmoidGate,
+    ];
+    for (i, dt) in FUSED_TYPES.into_iter().enumerate() {
+        let cols = odd_cols(dt);
+        for (k, &kind) in kinds.iter().enumerate() {
+            for nt in [1, 3] {
+                if nt > 1 && kind == ProKind::SigmoidGate {
+                    continue;
+                }
+                let seed = 500 + (i * 10 + k) as u64;
+                push(
+                    &format!("matvec {} {dt}", kind.name()),
+                    prologue(gpu, dt, kind, (37, cols, nt), seed),
+                );
+            }
+        }
+    }
+    for (i, dt) in [DType::Q4_K, DType::F32, DType::Q8_0]
+        .into_iter()
+        .enumerate()
+    {
+        push(
+            &format!("matvec conv step {dt}"),
+            conv_step(gpu, dt, (49, odd_cols(dt)), 600 + i as u64),
+        );
+    }
+    for (i, dt) in FUSED_TYPES.into_iter().enumerate() {
+        if !matvec::int8_x_supported(dt) {
+            continue;
+        }
+        let seed = 700 + i as u64;
+        push(
+            &format!("matvec int8-x {dt}"),
+            int8(gpu, dt, (37, odd_cols(dt), 1), false, seed),
+        );
+        push(
+            &format!("matvec int8-x {dt} accumulate"),
+            int8(gpu, dt, (45, odd_cols(dt), 3), true, seed + 50),
+        );
+        push(
+            &format!("matvec int8-x indexed {dt}"),
+            indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, true, seed + 80),
+        );
+    }
+    // Qwen3.5's attention head (256, 64 rotated) and odd heads
+    for (i, shape) in [(16, 4, 256, 64), (3, 1, 40, 8), (4, 2, 16, 4)]
+        .into_iter()
+        .enumerate()
+    {
+        push(
+            &format!("qk_norm_rope {shape:?}"),
+            qk_norm_rope(gpu, shape, 650 + i as u64),
+        );
+    }
+    {
+        use crate::gpu::gdn::{GdnShape, KeyHeadMap};
+        // Qwen3.5-9B's GDN heads, and odd ones
+        for (i, (n_head_k, n_head_v, d_k, d_v, map)) in [
+            (16, 32, 128, 128, KeyHeadMap::Tile),
+            (3, 6, 12, 40, KeyHeadMap::Repeat),
+            (1, 2, 16, 16, KeyHeadMap::Tile),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = GdnShape {
+                n_head_k,
+                n_head_v,
+                d_k,
+                d_v,
+                map,
+            };
+            push(
+                &format!("gdn recurrent + gated norm {s:?}"),
+                gdn_normed(gpu, s, 660 + i as u64),
+            );
+        }
+    }
+    if full {
+        for (i, dt) in [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::BF16]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 800 + 10 * i as u64;
+            push(
+                &format!("matvec rms_norm {dt} 12288x4096"),
+                prologue(
+                    gpu,
+                    dt,
+                    ProKind::Norm { keep: false },
+                    (12288, 4096, 1),
+                    seed,
+                ),
+            );
+            push(
+                &format!("matvec swiglu {dt} 4096x12288"),
+                prologue(gpu, dt, ProKind::SwiGlu, (4096, 12288, 1), seed + 1),
+            );
+            if matvec::int8_x_supported(dt) {
+                for (k, &(rows, cols)) in REAL[..2].iter().enumerate() {
+                    push(
+                        &format!("matvec int8-x {dt} {rows}x{cols}"),
+                        int8(gpu, dt, (rows, cols, 1), false, seed + 2 + k as u64),
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Real decode and prefill shapes of the released models (rows, cols).
@@ -667,17 +1358,17 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
         let seed = 200 + i as u64;
         push(
             &format!("matvec indexed {dt}"),
-            indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, seed),
+            indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, false, seed),
         );
         for &p in paths.iter().filter(|&&p| runs(p, dt)) {
             push(
                 &format!("{} indexed {dt}", p.name()),
-                indexed(gpu, p, dt, 70, i % 2 == 1, seed),
+                indexed(gpu, p, dt, 70, i % 2 == 1, false, seed),
             );
             // few pairs per expert: thin tiles
             push(
                 &format!("{} indexed {dt} few pairs", p.name()),
-                indexed(gpu, p, dt, 40, i % 2 == 0, seed + 50),
+                indexed(gpu, p, dt, 40, i % 2 == 0, false, seed + 50),
             );
         }
     }
@@ -704,6 +1395,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             );
         }
     }
+    fused(gpu, full, &mut push);
     if full {
         for (i, dt) in REAL_TYPES.into_iter().enumerate() {
             for (k, &(rows, cols)) in REAL.iter().enumerate() {

@@ -1433,7 +1433,8 @@ fn int8_x_indexed_moe() {
 /// The fused activation loads (`matvec::Prologue`) against the CPU (the step's reference,
 /// then the product in f64) for every stored type at odd sizes and 1 and 3 tokens; RMSNorm
 /// also against the two GPU kernels it replaces (`norm::rms_norm`, then `matvec`), which it
-/// must match bit for bit (the same f32 operations in the same order).
+/// matches to rounding: it computes r · (W (x · w)) with Σx² summed from the loads the product
+/// makes anyway, where they compute W ((x · r) · w) with the norm kernel's own sum.
 #[test]
 fn matvec_prologues() {
     use lathe::cpu::ops;
@@ -1491,7 +1492,8 @@ fn matvec_prologues() {
                 &want,
                 &format!("rms_norm matvec {dt} {rows}x{cols} nt{n}"),
             );
-            // The unfused pair on the GPU: the same bits.
+            // The unfused pair on the GPU: the same values to rounding (ten times tighter
+            // than the CPU bound).
             let nwt = g
                 .upload_tensor(&TensorRef {
                     name: "nw",
@@ -1527,14 +1529,14 @@ fn matvec_prologues() {
             .unwrap();
             submit(pass);
             let unfused = g.read_f32(&y2, 0, n * rows + 2 * GUARD).unwrap();
-            let same = got
-                .iter()
-                .zip(&unfused)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "{dt} nt{n}: fused norm differs from rms_norm + matvec"
-            );
+            for (i, w) in want.iter().enumerate() {
+                let (a, b) = (got[GUARD + i] as f64, unfused[GUARD + i] as f64);
+                let bound = 1e-5 * (1.0 + w.map_or(0.0, |w| w.1));
+                assert!(
+                    (a - b).abs() <= bound,
+                    "{dt} nt{n} row {i}: fused norm {a} against rms_norm + matvec {b}"
+                );
+            }
 
             // SwiGLU: gate at offset 4 of each row, up `up` elements later.
             let up = c as u32 + 12;

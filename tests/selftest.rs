@@ -45,6 +45,21 @@ fn selftest_runs_every_check_and_summarises() {
             "no {path} check"
         );
     }
+    // the fused decode kernels and the int8-activation matvec
+    for what in [
+        "matvec rms_norm ",
+        "matvec rms_norm keep ",
+        "matvec swiglu ",
+        "matvec swiglu gated ",
+        "matvec sigmoid gate ",
+        "matvec conv step ",
+        "matvec int8-x ",
+        "matvec indexed int8-x ",
+        "qk_norm_rope ",
+        "gdn recurrent + gated norm ",
+    ] {
+        assert!(lines.iter().any(|l| l.contains(what)), "no `{what}` check");
+    }
 }
 
 #[test]

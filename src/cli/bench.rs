@@ -97,6 +97,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         expert_stats: a.moe.expert_stats.clone(),
         save_expert_stats: a.moe.save_expert_stats.clone(),
         matmul: a.moe.matmul,
+        activations: a.moe.activations,
+        fused_loads: a.moe.fused_loads,
         spec: a.spec.map(|mode| lathe::spec::SpecOptions {
             mode,
             draft: a.draft,

@@ -48,6 +48,21 @@ pub struct MoeArgs {
     /// llama.cpp) or tiled (the f32 kernel, exact f32 activations).
     #[arg(long, value_name = "PATH", default_value = "auto")]
     pub matmul: lathe::gpu::MatmulChoice,
+    /// Activations of one-token (decode) products: auto (f32: int8 misses the fixture bars),
+    /// f32, or int8 (x quantized to int8 blocks for the Q4_0, Q8_0, Q4_K, Q5_K and Q6_K
+    /// products; not for products with --fused-loads on).
+    #[arg(long, value_name = "TYPE", default_value = "auto")]
+    pub activations: lathe::engine::ActivationsChoice,
+    /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
+    /// loads (fewer dispatches): on or off.
+    #[arg(
+        long,
+        value_name = "ON|OFF",
+        action = clap::ArgAction::Set,
+        value_parser = on_off,
+        default_value = if LoadOptions::default().fused_loads { "on" } else { "off" }
+    )]
+    pub fused_loads: bool,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
     /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
     /// With --devices one size per device (24GiB,16GiB) or one for each. Default: detected
@@ -118,6 +133,14 @@ fn size_arg(s: &str) -> std::result::Result<u64, String> {
     lathe::moe::parse_size(s).map_err(|e| e.to_string())
 }
 
+fn on_off(s: &str) -> std::result::Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{s}`: on or off")),
+    }
+}
+
 fn fraction_arg(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
@@ -163,6 +186,8 @@ impl MoeArgs {
         opts.expert_stats = self.expert_stats.clone();
         opts.save_expert_stats = self.save_expert_stats.clone();
         opts.matmul = self.matmul;
+        opts.activations = self.activations;
+        opts.fused_loads = self.fused_loads;
         opts.expert_stream = self.expert_stream;
         opts.cold_layers = self.cold_layers;
         opts.cpu_simd = self.cpu_simd;
@@ -285,6 +310,9 @@ impl SpecArgs {
                     kv_type: model.kv_type,
                     ctx: model.ctx,
                     max_seqs: 1,
+                    matmul: model.moe.matmul,
+                    activations: model.moe.activations,
+                    fused_loads: model.moe.fused_loads,
                     ..Default::default()
                 };
                 let e = Engine::load(path, &opts).map_err(|e| explain_load_error(e, path))?;

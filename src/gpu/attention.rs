@@ -132,12 +132,16 @@ pub fn write_kv(
         return Ok(());
     }
     let width = kv.row_elems() as u32;
-    let label = format!("attention_write_kv_{}", kv.dtype.name());
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(label, SRC, "write_kv")
+    /// Typed key: whether the cache is f16.
+    #[derive(PartialEq, Eq, Hash)]
+    struct WriteKv(bool);
+    let f16 = kv.dtype == KvType::F16;
+    let pl = pass.gpu().pipeline_for(WriteKv(f16), || {
+        let label = format!("attention_write_kv_{}", kv.dtype.name());
+        PipelineSpec::new(label, SRC, "write_kv")
             .define("WRITE", "true")
-            .define("KV_F16", kv.dtype == KvType::F16),
-    )?;
+            .define("KV_F16", f16)
+    })?;
     let (row0, rows_buf, rows_off, use_rows) = match dst {
         DstRows::Range { row0 } => (row0, src, 0, 0),
         DstRows::List { rows, off } => (0, rows, off, 1),
@@ -495,22 +499,27 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
         pad0: 0,
         pad1: 0,
     };
-    let label = format!(
-        "attention_attend_{}_hd{hd}_br{}_tpr{}_bk{}",
-        kv.dtype.name(),
-        tiles.br,
-        tiles.tpr,
-        tiles.bk
-    );
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(label, SRC, "attend")
+    /// Typed key: (f16 cache, head width, tiles br, tpr, bk).
+    #[derive(PartialEq, Eq, Hash)]
+    struct Attend(bool, u32, u32, u32, u32);
+    let f16 = kv.dtype == KvType::F16;
+    let key = Attend(f16, hd, tiles.br, tiles.tpr, tiles.bk);
+    let pl = pass.gpu().pipeline_for(key, || {
+        let label = format!(
+            "attention_attend_{}_hd{hd}_br{}_tpr{}_bk{}",
+            kv.dtype.name(),
+            tiles.br,
+            tiles.tpr,
+            tiles.bk
+        );
+        PipelineSpec::new(label, SRC, "attend")
             .define("ATTEND", "true")
-            .define("KV_F16", kv.dtype == KvType::F16)
+            .define("KV_F16", f16)
             .define("HD", hd)
             .define("BR", tiles.br)
             .define("TPR", tiles.tpr)
-            .define("BK", tiles.bk),
-    )?;
+            .define("BK", tiles.bk)
+    })?;
     let v_a = at.a.v.unwrap_or(at.a.k);
     let v_b = b.v.unwrap_or(b.k);
     pass.dispatch(
@@ -540,12 +549,15 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
             has_sink: at.sinks.is_some() as u32,
             pad: 0,
         };
-        let pl = pass.gpu().pipeline(
-            &PipelineSpec::new(format!("attention_combine_hd{hd}"), SRC, "combine")
+        /// Typed key: the head width.
+        #[derive(PartialEq, Eq, Hash)]
+        struct Combine(u32);
+        let pl = pass.gpu().pipeline_for(Combine(hd), || {
+            PipelineSpec::new(format!("attention_combine_hd{hd}"), SRC, "combine")
                 .define("COMBINE", "true")
                 .define("HD", hd)
-                .define("MAX_SPLIT", MAX_SPLIT),
-        )?;
+                .define("MAX_SPLIT", MAX_SPLIT)
+        })?;
         pass.dispatch(
             &pl,
             "combine",

@@ -84,8 +84,11 @@ pub fn conv1d_silu(
     };
     // One token per sequence (decode): conv_out rolls the state in the same dispatch.
     let decode = batch.max_tokens == 1;
-    let out = gpu.pipeline(
-        &PipelineSpec::new(
+    /// Typed key: (kernel width, one token per sequence).
+    #[derive(PartialEq, Eq, Hash)]
+    struct ConvOut(u32, bool);
+    let out = gpu.pipeline_for(ConvOut(k, decode), || {
+        PipelineSpec::new(
             format!(
                 "conv_out_k{k}_wg{WG}{}",
                 if decode { "_decode" } else { "" }
@@ -96,8 +99,8 @@ pub fn conv1d_silu(
         .define("WG", format!("{WG}u"))
         .define("K", format!("{k}u"))
         .define("OUT", 1)
-        .define("DECODE", decode),
-    )?;
+        .define("DECODE", decode)
+    })?;
     let n_out = batch.n_seq as u64 * batch.max_tokens as u64 * conv_dim as u64;
     if n_out > u32::MAX as u64 {
         return Err(Error::Invalid(format!(

@@ -3,7 +3,7 @@
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
-pub use crate::forward::{AdapterChoice, MatmulChoice};
+pub use crate::forward::{ActivationsChoice, AdapterChoice, MatmulChoice};
 
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     // No display handle: lathe is headless compute.
@@ -63,6 +63,8 @@ pub struct Gpu {
     pub(crate) pipelines: super::pipeline::PipelineCache,
     pub(crate) recorder: super::pass::Recorder,
     matmul: MatmulPath,
+    /// One-token products take int8 activations (`--activations`, [`Gpu::with_int8_decode`]).
+    int8_decode: bool,
     /// Bit `1 << path` for each path a many-token product took since `take_matmul`.
     last_matmul: std::sync::atomic::AtomicU8,
     scratch: Mutex<std::collections::HashMap<&'static str, wgpu::Buffer>>,
@@ -285,6 +287,7 @@ impl Gpu {
             pipelines: Default::default(),
             recorder: Default::default(),
             matmul,
+            int8_decode: false,
             last_matmul: std::sync::atomic::AtomicU8::new(0),
             scratch: Default::default(),
         })
@@ -308,6 +311,19 @@ impl Gpu {
         let b = self.buffer(size.max(bytes), name)?;
         map.insert(name, b.clone());
         Ok(b)
+    }
+
+    /// This device with one-token products (decode matvec and the MoE indexed matvec) of the
+    /// types with an integer-dot kernel taking int8 activations when `on`
+    /// (`ActivationsChoice::int8`); see `matvec::MatvecOpts::int8_x`.
+    pub fn with_int8_decode(mut self, on: bool) -> Gpu {
+        self.int8_decode = on;
+        self
+    }
+
+    /// Whether one-token products take int8 activations ([`Gpu::with_int8_decode`]).
+    pub fn int8_decode(&self) -> bool {
+        self.int8_decode
     }
 
     /// The product path prefill uses on this device (`--matmul`).
@@ -348,7 +364,7 @@ impl Gpu {
     /// choice of kernel variants.
     pub fn report(&self) -> String {
         format!(
-            "adapter: {} ({:?}, {:?}, driver {} {}); max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB; subgroups {}, f16 {}, timestamps {}; matmul {}",
+            "adapter: {} ({:?}, {:?}, driver {} {}); max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB; subgroups {}, f16 {}, timestamps {}; matmul {}; decode activations {}",
             self.info.name,
             self.info.backend,
             self.info.device_type,
@@ -361,6 +377,7 @@ impl Gpu {
             self.features.contains(wgpu::Features::SHADER_F16),
             self.features.contains(wgpu::Features::TIMESTAMP_QUERY),
             self.matmul.name(),
+            if self.int8_decode { "int8" } else { "f32" },
         )
     }
 

@@ -149,11 +149,14 @@ fn run_k(
         k,
         _pad: [0; 2],
     };
-    let pl = pass.gpu().pipeline(&PipelineSpec::new(
-        format!("elementwise_{entry}"),
-        SRC,
-        entry,
-    ))?;
+    /// Typed key: the entry point.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Elementwise(super::StaticName);
+    let pl = pass
+        .gpu()
+        .pipeline_for(Elementwise(super::StaticName(entry)), || {
+            PipelineSpec::new(format!("elementwise_{entry}"), SRC, entry)
+        })?;
     let mut bindings = vec![Binding::from(y.buf)];
     bindings.extend(args.iter().map(|a| Binding::from(a.view().buf)));
     pass.dispatch(

@@ -102,11 +102,14 @@ pub fn embed(
             "embed: {n} elements is too many for one dispatch"
         )));
     }
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(format!("embed_{}", dt.name()), SRC, "main")
+    /// Typed key: the table's stored type.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Embed(DType);
+    let pl = pass.gpu().pipeline_for(Embed(dt), || {
+        PipelineSpec::new(format!("embed_{}", dt.name()), SRC, "main")
             .define(&format!("T_{}", dt.name()), true)
-            .define("TYPE_SET", true),
-    )?;
+            .define("TYPE_SET", true)
+    })?;
     for (k, part) in table.parts.iter().enumerate() {
         if part.n_rows * row_bytes > part.buffer.size() {
             return Err(Error::Invalid(format!(

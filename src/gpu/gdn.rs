@@ -192,6 +192,10 @@ fn workgroups(n: u64, what: &str) -> Result<[u32; 3]> {
     Ok(grid(n as u32))
 }
 
+/// Typed key of the recurrent (decode) kernels: (d_k, d_v, with the gated norm).
+#[derive(PartialEq, Eq, Hash)]
+struct Recurrent(usize, usize, bool);
+
 fn spec(
     entry: &'static str,
     kind: &str,
@@ -226,13 +230,17 @@ pub fn recurrent(
     if batch.n_seq == 0 {
         return Ok(());
     }
-    let pl = pass.gpu().pipeline(&spec(
-        "recurrent",
-        "recurrent",
-        s,
-        REC_CB * REC_R,
-        &[("CB", REC_CB), ("R", REC_R)],
-    ))?;
+    let pl = pass
+        .gpu()
+        .pipeline_for(Recurrent(s.d_k, s.d_v, false), || {
+            spec(
+                "recurrent",
+                "recurrent",
+                s,
+                REC_CB * REC_R,
+                &[("CB", REC_CB), ("R", REC_R)],
+            )
+        })?;
     let n_cb = (s.d_v as u64).div_ceil(REC_CB as u64);
     let n = batch.n_seq as u64 * s.n_head_v as u64 * n_cb;
     pass.dispatch(
@@ -299,16 +307,18 @@ pub fn recurrent_normed(
     p.z_off = gn.z_off;
     p.z_stride = gn.z_stride;
     p.eps = gn.eps;
-    let mut sp = spec(
-        "recurrent",
-        "recurrent",
-        s,
-        REC_CB * REC_R,
-        &[("CB", REC_CB), ("R", REC_R)],
-    )
-    .define("GNORM", "true");
-    sp.label.push_str("_gnorm");
-    let pl = pass.gpu().pipeline(&sp)?;
+    let pl = pass.gpu().pipeline_for(Recurrent(s.d_k, s.d_v, true), || {
+        let mut sp = spec(
+            "recurrent",
+            "recurrent",
+            s,
+            REC_CB * REC_R,
+            &[("CB", REC_CB), ("R", REC_R)],
+        )
+        .define("GNORM", "true");
+        sp.label.push_str("_gnorm");
+        sp
+    })?;
     let n = batch.n_seq as u64 * s.n_head_v as u64;
     let b: Vec<Binding> = vec![
         Binding::from(&batch.table),

@@ -26,6 +26,7 @@
 //! d = max|x|/127 of its block. (MXFP4 has none: its e2m1 codes need a table to become
 //! integers, which costs about what the f32 path's conversion does.)
 
+use super::pipeline::{StaticDefines, StaticName};
 use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
@@ -85,6 +86,8 @@ pub struct MatvecOpts {
     /// Quantize x to int8 blocks and take the integer-dot kernels ([`matvec_q8x`],
     /// [`matvec_indexed_q8x`]) for the weight types that have one ([`int8_x_supported`]); other
     /// types and the tiled matmuls ignore it. Off by default: it adds x's int8 rounding error.
+    /// One-token products also take it on a device that decodes with int8 activations
+    /// (`--activations`, [`Gpu::int8_decode`]) unless `exact`.
     pub int8_x: bool,
     /// Many-token products stay in f32 (the tiled kernel, never the f16 matrix path): for
     /// products that feed a discrete choice (router top-k, DeepSeek's indexer and
@@ -163,6 +166,15 @@ fn q8x_lanes(dt: DType) -> Option<u32> {
 /// True for the weight types with an int8-activation kernel ([`matvec_q8x`]).
 pub fn int8_x_supported(dt: DType) -> bool {
     q8x_lanes(dt).is_some()
+}
+
+/// Whether a product of `n_tokens` tokens over `geo` quantizes x to int8: asked for
+/// ([`MatvecOpts::int8_x`]), or a one-token product on a device that decodes with int8
+/// activations ([`Gpu::int8_decode`]) and not kept exact; only for the types with an int8
+/// kernel.
+fn takes_int8(gpu: &Gpu, geo: &Geometry, opts: &MatvecOpts, n_tokens: u32) -> bool {
+    let decode = n_tokens == 1 && gpu.int8_decode() && !opts.exact;
+    (opts.int8_x || decode) && int8_x_supported(geo.dtype)
 }
 
 /// What every kernel of the family needs to know about one weight.
@@ -383,15 +395,57 @@ impl Plan {
         (g[0], g[1])
     }
 
-    fn pipeline(
+    /// The pipeline of this split for `geo`, by a typed key ([`Gpu::pipeline_for`]): the
+    /// label and defines ([`Plan::spec`]) are built the first time a variant is asked for,
+    /// not per dispatch.
+    fn pipeline_keyed(
         &self,
         gpu: &Gpu,
         geo: &Geometry,
         entry: &'static str,
         sg: bool,
         xvec: bool,
-        extra: &[(&str, &str)],
+        v: Variant,
     ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+        let key = MvKey {
+            dtype: geo.dtype,
+            entry: StaticName(entry),
+            wg: self.wg,
+            r: self.r,
+            tpr: self.tpr,
+            sg,
+            xvec,
+            slow: geo.mv_slow(),
+            v,
+        };
+        gpu.pipeline_for(key, || {
+            let k_def = format!("{}u", v.conv_k);
+            let tt_def = format!("{}u", v.tt);
+            let mut extra: Vec<(&str, &str)> = Vec::new();
+            if v.q8x {
+                extra.push(("Q8X", "true"));
+            }
+            extra.extend_from_slice(v.pro.0);
+            if v.conv_k > 0 {
+                extra.push(("EPI_CONV", "true"));
+                extra.push(("CONV_K", &k_def));
+            }
+            if v.tt > 0 {
+                extra.push(("TT", &tt_def));
+            }
+            extra.extend_from_slice(v.user.0);
+            self.spec(geo, entry, sg, xvec, &extra)
+        })
+    }
+
+    fn spec(
+        &self,
+        geo: &Geometry,
+        entry: &'static str,
+        sg: bool,
+        xvec: bool,
+        extra: &[(&str, &str)],
+    ) -> PipelineSpec {
         let slow = geo.mv_slow();
         let mut label = format!(
             "{entry}_{}_r{}_t{}_wg{}_{}",
@@ -415,8 +469,47 @@ impl Plan {
         for (n, v) in extra {
             spec = spec.define(n, v);
         }
-        gpu.pipeline(&spec)
+        spec
     }
+}
+
+/// What selects a matvec variant beside the weight's geometry and the split
+/// ([`Plan::pipeline_keyed`]): the shader defines of the prologue, the caller's
+/// ([`MatvecOpts::defines`]), the int8 kernels and the conv step's width (0: none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Variant {
+    pro: StaticDefines,
+    user: StaticDefines,
+    q8x: bool,
+    conv_k: u32,
+    /// Tokens per workgroup of `matvec_multi` (`TT`; 0 for the other entry points).
+    tt: u32,
+}
+
+impl Variant {
+    fn plain(opts: &MatvecOpts) -> Variant {
+        Variant {
+            pro: StaticDefines(&[]),
+            user: StaticDefines(opts.defines),
+            q8x: false,
+            conv_k: 0,
+            tt: 0,
+        }
+    }
+}
+
+/// A matvec pipeline's typed key ([`Gpu::pipeline_for`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct MvKey {
+    dtype: DType,
+    entry: StaticName,
+    wg: u32,
+    r: u32,
+    tpr: u32,
+    sg: bool,
+    xvec: bool,
+    slow: bool,
+    v: Variant,
 }
 
 /// `y[t] = W x[t]` for `n_tokens` tokens (any count; above
@@ -467,7 +560,7 @@ pub fn matvec_opts(
     let (x_stride, y_stride) = geo.strides(opts);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
-    if opts.int8_x && int8_x_supported(geo.dtype) {
+    if takes_int8(gpu, &geo, opts, n_tokens) {
         let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
         quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
         return matvec_q8x(pass, w, &qx, y, y_off, opts);
@@ -475,7 +568,7 @@ pub fn matvec_opts(
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
-    let pipe = pl.pipeline(gpu, &geo, "matvec", sg, xvec, opts.defines)?;
+    let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, xvec, Variant::plain(opts))?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
         let (gy, gz) = pl.groups(rows);
@@ -546,17 +639,15 @@ fn dispatch_multi(
     geo: &Geometry,
     pl: &Plan,
     (sg, xvec): (bool, bool),
-    defines: &[(&str, &str)],
+    variant: Variant,
     prm: Params,
     slots: &[(u32, Binding)],
     n_tokens: u32,
 ) -> Result<()> {
     let gpu = pass.gpu();
     for (t0, tt, groups) in token_groups(n_tokens) {
-        let tt_def = format!("{tt}u");
-        let mut defs = defines.to_vec();
-        defs.push(("TT", &tt_def));
-        let pipe = pl.pipeline(gpu, geo, "matvec_multi", sg, xvec, &defs)?;
+        let v = Variant { tt, ..variant };
+        let pipe = pl.pipeline_keyed(gpu, geo, "matvec_multi", sg, xvec, v)?;
         for part in &w.parts {
             let rows = part.n_rows as u32;
             let (gy, gz) = pl.groups(rows);
@@ -603,7 +694,8 @@ pub fn matvec_multi(
     let (x_stride, y_stride) = geo.strides(opts);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
-    if opts.int8_x && int8_x_supported(geo.dtype) {
+    // int8 x exactly when a lone decode of each token would take it: the bits must match
+    if takes_int8(gpu, &geo, opts, 1) {
         let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
         quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
         return matvec_q8x_multi(pass, w, &qx, y, y_off, opts);
@@ -626,7 +718,7 @@ pub fn matvec_multi(
         &geo,
         &pl,
         (sg, xvec),
-        opts.defines,
+        Variant::plain(opts),
         prm,
         &slots,
         n_tokens,
@@ -634,14 +726,16 @@ pub fn matvec_multi(
 }
 
 /// An elementwise step fused into a matvec's activation load (`PRO_*` in matvec.wgsl): the
-/// product reads x through it instead of a separate kernel writing its result first. Each is
-/// the same f32 arithmetic as the kernel it replaces, so the fused product equals that kernel
-/// followed by the plain product.
+/// product reads x through it instead of a separate kernel writing its result first. SwiGLU and
+/// the sigmoid gates are the same f32 arithmetic as the kernels they replace, so those fused
+/// products equal that kernel followed by the plain product; RMSNorm is computed as
+/// r · (W (x · w)) with Σx² summed from the product's own x loads (no extra pass over the row
+/// per workgroup), equal to the separate norm and product to rounding.
 #[derive(Clone, Copy, Debug)]
 pub enum Prologue<'a> {
-    /// x' = RMSNorm(x) · w (`norm::rms_norm` of each token's row; `w` f32 `[cols]`); with
-    /// `keep`, x' is also written there as packed `[n_tokens, cols]` rows (for the products
-    /// that read it later).
+    /// x' = RMSNorm(x) · w (`norm::rms_norm` of each token's row to rounding; `w` f32
+    /// `[cols]`); with `keep`, x' is also written there as packed `[n_tokens, cols]` rows (for
+    /// the products that read it later).
     RmsNorm {
         w: &'a wgpu::Buffer,
         eps: f32,
@@ -825,8 +919,10 @@ pub fn matvec_fused(
         }
     };
     let mut word = word;
-    let k_def;
-    let mut defines: Vec<(&str, &str)> = pro.defines().to_vec();
+    let mut variant = Variant {
+        pro: StaticDefines(pro.defines()),
+        ..Variant::plain(opts)
+    };
     if let Some(c) = conv {
         let plain_norm = matches!(pro, Prologue::RmsNorm { keep: None, .. });
         if !plain_norm || c.k < 2 || c.channels > geo.rows || opts.accumulate {
@@ -865,9 +961,7 @@ pub fn matvec_fused(
         extra.push((9, c.w.into()));
         extra.push((10, c.state.into()));
         extra.push((11, (&c.batch.table).into()));
-        k_def = format!("{}u", c.k);
-        defines.push(("EPI_CONV", "true"));
-        defines.push(("CONV_K", &k_def));
+        variant.conv_k = c.k;
     }
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
@@ -891,13 +985,13 @@ pub fn matvec_fused(
             &geo,
             &pl,
             (sg, xvec),
-            &defines,
+            variant,
             prm,
             &slots,
             n_tokens,
         );
     }
-    let pipe = pl.pipeline(gpu, &geo, "matvec", sg, xvec, &defines)?;
+    let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, xvec, variant)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
         let (gy, gz) = pl.groups(rows);
@@ -1054,16 +1148,19 @@ pub(crate) fn quantize_x_levels(
         )));
     }
     check_span("int8 x", "x", x, x_off, x_stride, n_tokens, cols)?;
-    let label = if two {
-        "matvec_quantize_x2"
-    } else {
-        "matvec_quantize_x"
-    };
-    let pipe = gpu.pipeline(
-        &PipelineSpec::new(label, SRC, "quantize_x")
+    /// Typed key of the quantize kernel: with the second level (X2).
+    #[derive(PartialEq, Eq, Hash)]
+    struct QuantizeX(bool);
+    let pipe = gpu.pipeline_for(QuantizeX(two), || {
+        let label = if two {
+            "matvec_quantize_x2"
+        } else {
+            "matvec_quantize_x"
+        };
+        PipelineSpec::new(label, SRC, "quantize_x")
             .define("QUANT_X", "true")
-            .define("X2", two),
-    )?;
+            .define("X2", two)
+    })?;
     let prm = QParams {
         n_blocks,
         n_tokens,
@@ -1138,8 +1235,10 @@ fn q8x_product(
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
     let pl = Plan::with_items(&geo, opts, geo.n_blocks * lanes)?;
     let sg = use_subgroups(gpu, opts);
-    let mut extra = vec![("Q8X", "true")];
-    extra.extend_from_slice(opts.defines);
+    let v = Variant {
+        q8x: true,
+        ..Variant::plain(opts)
+    };
     if multi && n_tokens > 1 {
         let prm = Params {
             x_stride: geo.cols, // elements, as below
@@ -1154,19 +1253,9 @@ fn q8x_product(
             (5, Binding::from(&qx.scales)),
         ];
         let pl = pl.multi(opts);
-        return dispatch_multi(
-            pass,
-            w,
-            &geo,
-            &pl,
-            (sg, false),
-            &extra,
-            prm,
-            &slots,
-            n_tokens,
-        );
+        return dispatch_multi(pass, w, &geo, &pl, (sg, false), v, prm, &slots, n_tokens);
     }
-    let pipe = pl.pipeline(gpu, &geo, "matvec", sg, false, &extra)?;
+    let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, false, v)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
         let (gy, gz) = pl.groups(rows);
@@ -1220,7 +1309,9 @@ pub fn matvec_indexed(
     let (x_stride, _) = geo.strides(opts);
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
-    if opts.int8_x && int8_x_supported(geo.dtype) {
+    // each pair is a one-token product: int8 x exactly when a lone decode's pairs take it (a
+    // speculative verify step's rows must have a lone decode's bits)
+    if takes_int8(pass.gpu(), &geo, opts, 1) {
         let mut qx = QuantX::cached(pass.gpu(), x_rows, geo.cols)?;
         quantize_x(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx)?;
         return matvec_indexed_q8x(
@@ -1231,7 +1322,7 @@ pub fn matvec_indexed(
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
     let xvec = x_vec(x, x_off, x_stride, x_rows);
-    let pipe = pl.pipeline(gpu, &geo, "matvec_id", sg, xvec, opts.defines)?;
+    let pipe = pl.pipeline_keyed(gpu, &geo, "matvec_id", sg, xvec, Variant::plain(opts))?;
     let xb = Binding::from(x);
     let ind = Indexed {
         x_off,
@@ -1278,9 +1369,11 @@ pub fn matvec_indexed_q8x(
     }
     let pl = Plan::with_items(&geo, opts, geo.n_blocks * lanes)?;
     let sg = use_subgroups(gpu, opts);
-    let mut extra = vec![("Q8X", "true")];
-    extra.extend_from_slice(opts.defines);
-    let pipe = pl.pipeline(gpu, &geo, "matvec_id", sg, false, &extra)?;
+    let v = Variant {
+        q8x: true,
+        ..Variant::plain(opts)
+    };
+    let pipe = pl.pipeline_keyed(gpu, &geo, "matvec_id", sg, false, v)?;
     let xb = Binding::from(&qx.qs);
     let ind = Indexed {
         x_off: 0,

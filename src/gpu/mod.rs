@@ -26,11 +26,12 @@ pub mod topk;
 
 pub use buffer::{check_f32, check_len, check_span, GpuTensor, TensorPart};
 pub use device::{
-    coop_supported, list_adapters, matmul_paths, AdapterChoice, Gpu, MatmulChoice, MatmulPath,
+    coop_supported, list_adapters, matmul_paths, ActivationsChoice, AdapterChoice, Gpu,
+    MatmulChoice, MatmulPath,
 };
 pub use memory::{adapter_memory, device_memory, DeviceMemory};
 pub use pass::{grid, Binding, Pass, FLUSH_OPS, MAX_GROUPS};
-pub use pipeline::{preprocess, PipelineSpec};
+pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
 
 /// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.
 pub const SHADERS: &[(&str, &str)] = &[

@@ -34,7 +34,12 @@ struct Params {
 const _: () = assert!(std::mem::size_of::<Params>() == 48);
 
 fn pipe(gpu: &Gpu, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    gpu.pipeline(&PipelineSpec::new(format!("moe_{entry}"), SRC, entry))
+    /// Typed key: the entry point.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Moe(super::StaticName);
+    gpu.pipeline_for(Moe(super::StaticName(entry)), || {
+        PipelineSpec::new(format!("moe_{entry}"), SRC, entry)
+    })
 }
 
 /// One arena group on the GPU: gate, up, down as `[n_slots, rows, cols]` tensors in the

@@ -110,24 +110,30 @@ fn run(
         Mode::L2(L2Mode::Hf) => 1,
         Mode::L2(L2Mode::Ggml) => 2,
     };
-    let label = format!(
-        "norm_m{mode_id}_w{}{}{}{}",
-        wdt.map_or("none", |t| t.name()),
-        if inplace { "_inplace" } else { "" },
-        if gated { "_gated" } else { "" },
-        if residual { "_residual" } else { "" },
-    );
-    let mut spec = PipelineSpec::new(label, SRC, "main")
-        .define("MODE", format!("{mode_id}u"))
-        .define("INPLACE", inplace)
-        .define("RESIDUAL", residual)
-        .define("GATED", gated)
-        .define("HAS_Z", z.is_some())
-        .define("HAS_W", wdt.is_some());
-    if let Some(t) = wdt {
-        spec = spec.define(&format!("W_{}", t.name()), true);
-    }
-    let pl = pass.gpu().pipeline(&spec)?;
+    /// Typed key: (mode, weight type, in place, gated, residual).
+    #[derive(PartialEq, Eq, Hash)]
+    struct Norm(u32, Option<DType>, bool, bool, bool);
+    let key = Norm(mode_id, wdt, inplace, gated, residual);
+    let pl = pass.gpu().pipeline_for(key, || {
+        let label = format!(
+            "norm_m{mode_id}_w{}{}{}{}",
+            wdt.map_or("none", |t| t.name()),
+            if inplace { "_inplace" } else { "" },
+            if gated { "_gated" } else { "" },
+            if residual { "_residual" } else { "" },
+        );
+        let mut spec = PipelineSpec::new(label, SRC, "main")
+            .define("MODE", format!("{mode_id}u"))
+            .define("INPLACE", inplace)
+            .define("RESIDUAL", residual)
+            .define("GATED", gated)
+            .define("HAS_Z", gated || residual)
+            .define("HAS_W", wdt.is_some());
+        if let Some(t) = wdt {
+            spec = spec.define(&format!("W_{}", t.name()), true);
+        }
+        spec
+    })?;
     let yv = y.unwrap_or(x);
     let zv = z.unwrap_or(x);
     let params = Params {

@@ -122,6 +122,42 @@ pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<S
 pub(crate) struct PipelineCache {
     /// By [`PipelineSpec::key`]; a bucket holds the variants whose keys collide.
     map: Mutex<HashMap<u64, Vec<Compiled>>>,
+    /// By the wrappers' typed keys ([`Gpu::pipeline_for`]): one `HashMap<K, pipeline>` per
+    /// key type.
+    typed: Mutex<HashMap<std::any::TypeId, Box<dyn std::any::Any + Send + Sync>>>,
+}
+
+/// A `&'static str` compared and hashed by address (an entry point or a define list of a
+/// wrapper's own constants): a typed key's field that costs no string hashing.
+#[derive(Clone, Copy, Debug)]
+pub struct StaticName(pub &'static str);
+
+impl PartialEq for StaticName {
+    fn eq(&self, o: &StaticName) -> bool {
+        std::ptr::eq(self.0, o.0)
+    }
+}
+impl Eq for StaticName {}
+impl std::hash::Hash for StaticName {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self.0.as_ptr() as usize, self.0.len()).hash(h);
+    }
+}
+
+/// A wrapper's static define list (`&'static [(NAME, value)]`), by address as [`StaticName`].
+#[derive(Clone, Copy, Debug)]
+pub struct StaticDefines(pub &'static [(&'static str, &'static str)]);
+
+impl PartialEq for StaticDefines {
+    fn eq(&self, o: &StaticDefines) -> bool {
+        std::ptr::eq(self.0, o.0)
+    }
+}
+impl Eq for StaticDefines {}
+impl std::hash::Hash for StaticDefines {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self.0.as_ptr() as usize, self.0.len()).hash(h);
+    }
 }
 
 /// A compiled pipeline and the spec it came from.
@@ -146,6 +182,41 @@ impl PipelineSpec {
 }
 
 impl Gpu {
+    /// The pipeline of a wrapper's typed `key` (every field that selects the variant; no
+    /// strings but [`StaticName`]s): one lookup in a map of that key type, without building
+    /// the variant's label and defines. `spec` makes them on the key's first use, compiled
+    /// through [`Gpu::pipeline`] (so two keys of the same variant share its pipeline).
+    pub fn pipeline_for<K>(
+        &self,
+        key: K,
+        spec: impl FnOnce() -> PipelineSpec,
+    ) -> Result<Arc<wgpu::ComputePipeline>>
+    where
+        K: std::hash::Hash + Eq + Send + Sync + 'static,
+    {
+        type Map<K> = HashMap<K, Arc<wgpu::ComputePipeline>>;
+        let id = std::any::TypeId::of::<K>();
+        {
+            let typed = self.pipelines.typed.lock().unwrap();
+            if let Some(p) = typed
+                .get(&id)
+                .and_then(|m| m.downcast_ref::<Map<K>>())
+                .and_then(|m| m.get(&key))
+            {
+                return Ok(p.clone());
+            }
+        }
+        let p = self.pipeline(&spec())?;
+        let mut typed = self.pipelines.typed.lock().unwrap();
+        typed
+            .entry(id)
+            .or_insert_with(|| Box::new(Map::<K>::new()))
+            .downcast_mut::<Map<K>>()
+            .expect("one map type per key type")
+            .insert(key, p.clone());
+        Ok(p)
+    }
+
     /// The pipeline for `spec`, compiled on first use. Shader errors become `Error::Gpu`
     /// naming the variant (never a panic).
     pub fn pipeline(&self, spec: &PipelineSpec) -> Result<Arc<wgpu::ComputePipeline>> {

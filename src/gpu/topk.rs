@@ -172,24 +172,28 @@ fn topk_stages(
         let pairs = s > 0;
         let last = s + 1 == st.len();
         let n_chunks = m.div_ceil(CHUNK);
-        let label = format!(
-            "topk_k{k}{}{}",
-            if pairs { "_pairs" } else { "" },
-            match (last, own_vals.is_some(), packed.is_some()) {
-                (false, _, _) => "",
-                (true, true, _) => "_final_vals",
-                (true, _, true) => "_final_packed",
-                _ => "_final",
-            }
-        );
-        let pl = gpu.pipeline(
-            &PipelineSpec::new(label, SRC, "main")
+        let (vals, pack) = (last && own_vals.is_some(), last && packed.is_some());
+        /// Typed key: (k, pairs, final, own values, packed).
+        #[derive(PartialEq, Eq, Hash)]
+        struct Topk(u32, bool, bool, bool, bool);
+        let pl = gpu.pipeline_for(Topk(k, pairs, last, vals, pack), || {
+            let label = format!(
+                "topk_k{k}{}{}",
+                if pairs { "_pairs" } else { "" },
+                match (last, vals, pack) {
+                    (false, _, _) => "",
+                    (true, true, _) => "_final_vals",
+                    (true, _, true) => "_final_packed",
+                    _ => "_final",
+                }
+            );
+            PipelineSpec::new(label, SRC, "main")
                 .define("K", format!("{k}u"))
                 .define("PAIRS", pairs)
                 .define("FINAL", last)
-                .define("HAS_VALS", last && own_vals.is_some())
-                .define("PACKED", last && packed.is_some()),
-        )?;
+                .define("HAS_VALS", vals)
+                .define("PACKED", pack)
+        })?;
         let mut params = Params {
             n: m,
             n_rows,

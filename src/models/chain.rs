@@ -465,7 +465,10 @@ impl Chain {
         let gpus = opts
             .devices
             .iter()
-            .map(|d| Gpu::with_matmul(d, opts.matmul, exact).map(Arc::new))
+            .map(|d| {
+                Gpu::with_matmul(d, opts.matmul, exact)
+                    .map(|g| Arc::new(g.with_int8_decode(opts.activations.int8())))
+            })
             .collect::<Result<Vec<_>>>()?;
         let (ranges, mems) = plan_split(file, &gpus, opts)?;
         let n = ranges.len();
