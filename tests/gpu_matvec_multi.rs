@@ -585,3 +585,50 @@ fn conv_step_matches_lone_sequences() {
         assert_ne!(sa, st0, "{dt}: conv states not rolled");
     }
 }
+
+/// On a device that decodes with int8 activations (`--activations int8`), a batched product of
+/// default options takes int8 x for its rows as a lone one-token product does: the bits match.
+#[test]
+fn int8_decode_device_rows_match_lone_decode() {
+    let g8 = Gpu::new(&AdapterChoice::Auto)
+        .unwrap()
+        .with_int8_decode(true);
+    for (i, dt) in [DType::Q4_K, DType::Q8_0].into_iter().enumerate() {
+        let w = Weight::random(&g8, dt, 37, 512, 950 + i as u64);
+        let x = Rng::new(951).normals(9 * 512, 1.0);
+        let xb = g8.upload_f32(&x, "x").unwrap();
+        let opts = MatvecOpts::default();
+        for n in [2usize, 9] {
+            let yb = g8.upload_f32(&vec![0.0; n * 37], "y").unwrap();
+            let yl = g8.upload_f32(&vec![0.0; n * 37], "y").unwrap();
+            let mut pass = g8.pass();
+            matmul::matmul_opts(&mut pass, &w.t, &xb, 0, &yb, 0, n as u32, &opts).unwrap();
+            for t in 0..n as u32 {
+                matmul::matmul_opts(&mut pass, &w.t, &xb, t * 512, &yl, t * 37, 1, &opts).unwrap();
+            }
+            pass.submit().unwrap();
+            let (a, b) = (
+                g8.read_f32(&yb, 0, n * 37).unwrap(),
+                g8.read_f32(&yl, 0, n * 37).unwrap(),
+            );
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dt}: {n} tokens on an int8-decode device differ from lone decode"
+            );
+            // and the rows are int8 ones: not the f32 product's bits
+            let yf = g8.upload_f32(&vec![0.0; 37], "y").unwrap();
+            let mut pass = g8.pass();
+            let exact = MatvecOpts {
+                exact: true,
+                ..Default::default()
+            };
+            matmul::matmul_opts(&mut pass, &w.t, &xb, 0, &yf, 0, 1, &exact).unwrap();
+            pass.submit().unwrap();
+            let f = g8.read_f32(&yf, 0, 37).unwrap();
+            assert!(
+                f.iter().zip(&a).any(|(p, q)| p.to_bits() != q.to_bits()),
+                "{dt}: int8 x not taken"
+            );
+        }
+    }
+}
