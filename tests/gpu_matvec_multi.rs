@@ -616,7 +616,7 @@ fn int8_decode_device_rows_match_lone_decode() {
                 "{dt}: {n} tokens on an int8-decode device differ from lone decode"
             );
             // and the rows are int8 ones: not the f32 product's bits
-            let yf = g8.upload_f32(&vec![0.0; 37], "y").unwrap();
+            let yf = g8.upload_f32(&[0.0; 37], "y").unwrap();
             let mut pass = g8.pass();
             let exact = MatvecOpts {
                 exact: true,
