@@ -1507,6 +1507,206 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 #endif
 }
 
+// ---- matvec over a group of tokens ----
+
+#ifdef TT
+// matvec_multi: each workgroup computes its rows for TT tokens (1..=8, a define), so each
+// weight slice is loaded and decoded once for all of them (the TT calls of chunk_dot on one
+// slice share their weight loads and decode: same addresses, no store in between, so the
+// compiler merges them) and dotted with each token's x slice into that token's accumulators.
+// Per token every step is the one-token kernel's: the same lanes per row (TPR) take the same
+// slices in the same order, `mv_step` / the FSLOW loop accumulate as `mv_partial` does,
+// `pro_setup` runs per token and `reduce_store` sums as it does, so each token's outputs have
+// matvec's bits whatever the rows per thread group (R) and workgroup size (each row's sum only
+// ever involves its own lanes; PRO_NORM's Σx² partials are kept per token and finished per
+// token as matvec finishes its token's). Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT;
+// rows as matvec. Tokens are unrolled by hand with literal k (a local array indexed at run time
+// would go to local memory on NVIDIA, see the top of this file).
+
+// first token of the group; the prologue / epilogue state of token k (PRO_NORM: its lanes'
+// running Σx², swapped in and out around its steps)
+var<private> mt_t0: u32;
+#ifndef Q8X
+#if PRO_NORM
+var<private> mt_ss: array<f32, 8>;
+#endif
+#if EPI_SIGROW
+var<private> mt_s: array<f32, 8>;
+#endif
+#endif
+
+// element of column 0 of token k's x row
+fn mt_x(k: u32) -> u32 {
+    return p.x_off + (mt_t0 + k) * p.x_stride;
+}
+
+// Token k (a literal at every call) of the group becomes the one pro1 / store1 work for.
+fn mt_use(k: u32) {
+#ifndef Q8X
+    pro_x0 = mt_x(k);
+#if PRO_NORM
+    pro_ss = mt_ss[k];
+#endif
+#if EPI_SIGROW
+    epi_s = mt_s[k];
+#endif
+#if EPI_CONV
+    epi_t = mt_t0 + k;
+#endif
+#endif
+}
+
+// The rest of token k's step: its running Σx² back to its slot.
+fn mt_keep(k: u32) {
+#ifndef Q8X
+#if PRO_NORM
+    mt_ss[k] = pro_ss;
+#endif
+#endif
+}
+
+fn mt_setup(k: u32) {
+#ifndef Q8X
+    pro_setup(mt_x(k), mt_t0 + k);
+#if EPI_SIGROW
+    mt_s[k] = epi_s;
+#endif
+#endif
+}
+
+#if FSLOW
+// mv_partial's element step for token k
+fn mt_slow(acc: vec4<f32>, e: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
+    mt_use(k);
+    let xe = x1(mt_x(k) + e);
+    var a = acc;
+    mt_keep(k);
+    a.x += welem(rb.x, e) * xe;
+    if (R > 1u) {
+        a.y += welem(rb.y, e) * xe;
+    }
+    if (R > 2u) {
+        a.z += welem(rb.z, e) * xe;
+    }
+    if (R > 3u) {
+        a.w += welem(rb.w, e) * xe;
+    }
+    return a;
+}
+#else
+// mv_partial's slice step for token k
+fn mt_step(c: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
+    mt_use(k);
+    let v = mv_step(c, rb, mt_x(k));
+    mt_keep(k);
+    return v;
+}
+#endif
+
+@compute @workgroup_size(WG)
+fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+#if SUBGROUPS
+                @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) sg_lane: u32,
+#endif
+                @builtin(local_invocation_index) lid: u32) {
+    let rg = wid.y + wid.z * nwg.y;
+    if (rg * GPW * R >= p.rows || no_rows()) {
+        return;
+    }
+    let row0 = (rg * GPW + lid / TPR) * R;
+    let tl = lid % TPR;
+    let first = rg == 0u;
+    mt_t0 = p.pair_off + TT * wid.x;
+    mt_setup(0u);
+    if (TT > 1u) { mt_setup(1u); }
+    if (TT > 2u) { mt_setup(2u); }
+    if (TT > 3u) { mt_setup(3u); }
+    if (TT > 4u) { mt_setup(4u); }
+    if (TT > 5u) { mt_setup(5u); }
+    if (TT > 6u) { mt_setup(6u); }
+    if (TT > 7u) { mt_setup(7u); }
+    let last = p.rows - 1u;
+    let rb = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+#if FSLOW
+    for (var e = tl; e < p.cols; e += TPR) {
+        a0 = mt_slow(a0, e, rb, 0u);
+        if (TT > 1u) { a1 = mt_slow(a1, e, rb, 1u); }
+        if (TT > 2u) { a2 = mt_slow(a2, e, rb, 2u); }
+        if (TT > 3u) { a3 = mt_slow(a3, e, rb, 3u); }
+        if (TT > 4u) { a4 = mt_slow(a4, e, rb, 4u); }
+        if (TT > 5u) { a5 = mt_slow(a5, e, rb, 5u); }
+        if (TT > 6u) { a6 = mt_slow(a6, e, rb, 6u); }
+        if (TT > 7u) { a7 = mt_slow(a7, e, rb, 7u); }
+    }
+#else
+    let n_items = ((p.cols + BS - 1u) / BS) * MV_CPB;
+    for (var c = tl; c < n_items; c += TPR) {
+        a0 += mt_step(c, rb, 0u);
+        if (TT > 1u) { a1 += mt_step(c, rb, 1u); }
+        if (TT > 2u) { a2 += mt_step(c, rb, 2u); }
+        if (TT > 3u) { a3 += mt_step(c, rb, 3u); }
+        if (TT > 4u) { a4 += mt_step(c, rb, 4u); }
+        if (TT > 5u) { a5 += mt_step(c, rb, 5u); }
+        if (TT > 6u) { a6 += mt_step(c, rb, 6u); }
+        if (TT > 7u) { a7 += mt_step(c, rb, 7u); }
+    }
+#endif
+#if SUBGROUPS
+    mt_store(a0, 0u, lid, sg_size, sg_lane, row0, first);
+    if (TT > 1u) { mt_store(a1, 1u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 2u) { mt_store(a2, 2u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 3u) { mt_store(a3, 3u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 4u) { mt_store(a4, 4u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 5u) { mt_store(a5, 5u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 6u) { mt_store(a6, 6u, lid, sg_size, sg_lane, row0, first); }
+    if (TT > 7u) { mt_store(a7, 7u, lid, sg_size, sg_lane, row0, first); }
+#else
+    mt_store(a0, 0u, lid, row0, first);
+    if (TT > 1u) { mt_store(a1, 1u, lid, row0, first); }
+    if (TT > 2u) { mt_store(a2, 2u, lid, row0, first); }
+    if (TT > 3u) { mt_store(a3, 3u, lid, row0, first); }
+    if (TT > 4u) { mt_store(a4, 4u, lid, row0, first); }
+    if (TT > 5u) { mt_store(a5, 5u, lid, row0, first); }
+    if (TT > 6u) { mt_store(a6, 6u, lid, row0, first); }
+    if (TT > 7u) { mt_store(a7, 7u, lid, row0, first); }
+#endif
+}
+
+// Token k's accumulators finished (PRO_NORM) as matvec's and stored by reduce_store (both
+// take every thread: barriers); the closing barrier keeps the next token's from overwriting
+// workgroup memory still being read.
+fn mt_finish(acc: vec4<f32>, k: u32, lid: u32, first: bool) -> vec4<f32> {
+    mt_use(k);
+#if PRO_NORM
+    return pro_finish(acc, lid, mt_t0 + k, first);
+#else
+    return acc;
+#endif
+}
+
+#if SUBGROUPS
+fn mt_store(acc: vec4<f32>, k: u32, lid: u32, sg_size: u32, sg_lane: u32, row0: u32, first: bool) {
+    let a = mt_finish(acc, k, lid, first);
+    reduce_store(a, lid, sg_size, sg_lane, row0, p.y_off + (mt_t0 + k) * p.y_stride);
+    workgroupBarrier();
+}
+#else
+fn mt_store(acc: vec4<f32>, k: u32, lid: u32, row0: u32, first: bool) {
+    let a = mt_finish(acc, k, lid, first);
+    reduce_store(a, lid, row0, p.y_off + (mt_t0 + k) * p.y_stride);
+    workgroupBarrier();
+}
+#endif
+#endif
+
 // MoE: for pair q = p.pair_off + wid.x (token q / n_used, slot q % n_used) with expert
 // e = ids[ids_off + q]: y[q][row] (=|+=) sum_c W[e][row][c] x[q or q / n_used][c].
 // Workgroups whose expert is not in the bound part return at once. (Q8X: x rows are QX rows.)

@@ -368,6 +368,131 @@ fn dense(
     Ok(compare(name, &got, &want, n_out, f16))
 }
 
+/// The token-group matvec (`matvec::matvec_multi`, int8 x with `int8`) against the one-token
+/// kernel run on each token alone: every output must have the same bits (what speculative
+/// decoding's verify step and batched decode rely on); then, for f32 x, against the CPU
+/// reference at the f32 bound.
+fn multi(
+    gpu: &Gpu,
+    dt: DType,
+    (rows, cols, nt): (u64, u64, usize),
+    int8: bool,
+    seed: u64,
+) -> Result<Check> {
+    let w = Weight::random(dt, &[rows, cols], seed)?;
+    let (r, c) = (rows as usize, cols as usize);
+    let x = Rng(seed ^ 0x5eed).normals(nt * c, 1.0);
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let n_out = nt * r;
+    let (ym, yl) = (out_buffer(gpu, n_out)?, out_buffer(gpu, n_out)?);
+    let opts = MatvecOpts {
+        int8_x: int8,
+        ..Default::default()
+    };
+    let mut pass = gpu.pass();
+    let g = GUARD as u32;
+    matvec::matvec_multi(&mut pass, &wt, &xb, 0, &ym, g, nt as u32, &opts)?;
+    for t in 0..nt as u32 {
+        let (xo, yo) = (t * cols as u32, g + t * rows as u32);
+        matvec::matvec_opts(&mut pass, &wt, &xb, xo, &yl, yo, 1, &opts)?;
+    }
+    pass.submit()?;
+    let got = gpu.read_f32(&ym, 0, n_out + 2 * GUARD)?;
+    let lone = gpu.read_f32(&yl, 0, n_out + 2 * GUARD)?;
+    let name = format!(
+        "multi {dt} {rows}x{cols} tokens {nt}{} bits of lone matvec",
+        if int8 { " int8-x" } else { "" }
+    );
+    let differ = got
+        .iter()
+        .zip(&lone)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| (i, Some(w.dot(i % r, &x[(i / r) * c..][..c]))))
+        .collect();
+    let mut check = compare(name, &got, &want, n_out, false);
+    if int8 {
+        // x's int8 rounding is outside the f32 bound: the bits of the one-token kernel decide
+        (check.worst, check.rel_rms, check.detail) = (0.0, 0.0, String::new());
+    }
+    if let Some(i) = differ {
+        check.detail = format!(
+            "element {i} = {} differs from the lone token's {}",
+            got[i], lone[i]
+        );
+    }
+    check.passed = check.detail.is_empty();
+    Ok(check)
+}
+
+/// [`multi`] through the fused RMSNorm prologue (`matvec::matvec_pro`, as the models' batched
+/// and verify steps run it): bits of the same call per token alone, and the CPU reference of
+/// the normed product (x · rsqrt(mean x² + eps) · w in f64) at the f32 bound.
+fn multi_norm(
+    gpu: &Gpu,
+    dt: DType,
+    (rows, cols, nt): (u64, u64, usize),
+    seed: u64,
+) -> Result<Check> {
+    let w = Weight::random(dt, &[rows, cols], seed)?;
+    let (r, c) = (rows as usize, cols as usize);
+    let mut rng = Rng(seed ^ 0x5eed);
+    let x = rng.normals(nt * c, 1.0);
+    let nw = rng.normals(c, 1.0);
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let nwb = gpu.upload_f32(&nw, "selftest.norm")?;
+    let n_out = nt * r;
+    let (ym, yl) = (out_buffer(gpu, n_out)?, out_buffer(gpu, n_out)?);
+    let eps = 1e-6f32;
+    let pro = matvec::Prologue::RmsNorm {
+        w: &nwb,
+        eps,
+        keep: None,
+    };
+    let opts = MatvecOpts::default();
+    let mut pass = gpu.pass();
+    let g = GUARD as u32;
+    matvec::matvec_pro(&mut pass, &wt, &xb, 0, &ym, g, nt as u32, &opts, &pro)?;
+    for t in 0..nt as u32 {
+        let (xo, yo) = (t * cols as u32, g + t * rows as u32);
+        matvec::matvec_pro(&mut pass, &wt, &xb, xo, &yl, yo, 1, &opts, &pro)?;
+    }
+    pass.submit()?;
+    let got = gpu.read_f32(&ym, 0, n_out + 2 * GUARD)?;
+    let lone = gpu.read_f32(&yl, 0, n_out + 2 * GUARD)?;
+    let normed: Vec<f32> = x
+        .chunks(c)
+        .flat_map(|row| {
+            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / c as f64;
+            let rs = 1.0 / (ms + eps as f64).sqrt();
+            row.iter()
+                .zip(&nw)
+                .map(move |(&v, &k)| (v as f64 * rs * k as f64) as f32)
+        })
+        .collect();
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| (i, Some(w.dot(i % r, &normed[(i / r) * c..][..c]))))
+        .collect();
+    let name = format!("multi {dt} {rows}x{cols} tokens {nt} rmsnorm bits of lone matvec");
+    let mut check = compare(name, &got, &want, n_out, false);
+    if let Some(i) = got
+        .iter()
+        .zip(&lone)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        check.detail = format!(
+            "element {i} = {} differs from the lone token's {}",
+            got[i], lone[i]
+        );
+        check.passed = false;
+    }
+    Ok(check)
+}
+
 /// A MoE product over a route: 6 experts of 45 rows, 3 slots per token, one invalid id.
 fn indexed(
     gpu: &Gpu,
@@ -1192,6 +1317,23 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             &format!("matvec {dt}"),
             dense(gpu, KernelPath::Matvec, dt, (33, cols, 3), false, seed),
         );
+        // groups of 5 and 4 tokens
+        push(
+            &format!("multi {dt}"),
+            multi(gpu, dt, (33, cols, 9), false, seed),
+        );
+        if matches!(dt, DType::Q4_K | DType::F16 | DType::Q8_0) {
+            push(
+                &format!("multi {dt} rmsnorm"),
+                multi_norm(gpu, dt, (33, cols, 5), seed),
+            );
+        }
+        if matvec::int8_x_supported(dt) {
+            push(
+                &format!("multi {dt} int8-x"),
+                multi(gpu, dt, (33, cols, 13), true, seed),
+            );
+        }
         for &p in &paths {
             if !runs(p, dt) {
                 continue;
@@ -1264,6 +1406,10 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
                 push(
                     &format!("matvec {dt} {rows}x{cols}"),
                     dense(gpu, KernelPath::Matvec, dt, (rows, cols, 1), false, seed),
+                );
+                push(
+                    &format!("multi {dt} {rows}x{cols}"),
+                    multi(gpu, dt, (rows, cols, 8), false, seed),
                 );
                 for &p in paths.iter().filter(|&&p| runs(p, dt)) {
                     push(

@@ -4,7 +4,14 @@
 //! TFLOP/s.
 //!
 //! `cargo run --release --bin bench_kernels -- [--types q4_k,q6_k] [--rows N --cols N]
-//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--int8-x] [--adapter NAME]`
+//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--int8-x] [--adapter NAME]
+//!  [--shapes 4096x12288,12288x4096] [--batch 1,2,4,8,16,24,32] [--no-matvec]`
+//!
+//! `--batch` compares, per token count, the token-group matvec (`multi`, one weight read per
+//! group of 8 tokens; with `--tune`, once per work split), per-token matvec (one grid column
+//! per token), the tiled, int8 and matrix-unit matmuls, each with its weight GB/s:
+//! where `DENSE_MATVEC_TOKENS` should hand over. With `--int8-x` the int8-activation forms of
+//! the two matvecs too (quantization included).
 //!
 //! Each type gets enough matrices of rows × cols to exceed `--mb` (default 1024 MB on GPUs so
 //! the L2 cache cannot hold them; less on CPU adapters), then passes of many dispatches rotate
@@ -34,6 +41,13 @@ struct Args {
     /// Columns per matrix (default 16384, 4096 on CPU adapters).
     #[arg(long)]
     cols: Option<u64>,
+    /// Matrix shapes `ROWSxCOLS,...` to run every measurement on in turn (instead of
+    /// `--rows` / `--cols`).
+    #[arg(long)]
+    shapes: Option<String>,
+    /// Skip the per-type matvec bandwidth lines (e.g. when only `--batch` is wanted).
+    #[arg(long)]
+    no_matvec: bool,
     /// Total weight megabytes to rotate over (default 1024, 64 on CPU adapters).
     #[arg(long)]
     mb: Option<u64>,
@@ -46,8 +60,9 @@ struct Args {
     /// Also time the tiled matmul with this many tokens (0: skip).
     #[arg(long, default_value_t = 0)]
     prefill: u32,
-    /// Batched-decode token counts to compare per-token matvec and the tiled matmul on, e.g.
-    /// `2,4,8,16,32,64` (empty: skip): where one overtakes the other.
+    /// Batched-decode token counts to compare the token-group matvec, per-token matvec, the
+    /// tiled matmul and the matrix-unit kernels on, e.g. `1,2,4,8,16,24,32` (empty: skip):
+    /// where one overtakes the other.
     #[arg(long, default_value = "")]
     batch: String,
     /// Timed passes per measurement.
@@ -263,8 +278,19 @@ fn main() -> Result<()> {
     let gpu = Gpu::new(&args.adapter.parse().unwrap_or(AdapterChoice::Auto))?;
     println!("{}", gpu.report());
     let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
-    let rows = args.rows.unwrap_or(if cpu { 4096 } else { 16384 });
-    let cols = args.cols.unwrap_or(if cpu { 4096 } else { 16384 });
+    let shapes: Vec<(u64, u64)> = match &args.shapes {
+        Some(s) => s
+            .split(',')
+            .filter_map(|v| {
+                let (r, c) = v.split_once('x')?;
+                Some((r.trim().parse().ok()?, c.trim().parse().ok()?))
+            })
+            .collect(),
+        None => vec![(
+            args.rows.unwrap_or(if cpu { 4096 } else { 16384 }),
+            args.cols.unwrap_or(if cpu { 4096 } else { 16384 }),
+        )],
+    };
     let total = args.mb.unwrap_or(if cpu { 64 } else { 1024 }) << 20;
     let passes = if cpu { args.passes.min(2) } else { args.passes };
     let stream = stream_bandwidth(&gpu, total.max(64 << 20), passes)?;
@@ -279,6 +305,36 @@ fn main() -> Result<()> {
         args.variant.iter().map(|v| parse_variant(v)).collect()
     };
     let nt = args.tokens;
+    for &(rows, cols) in &shapes {
+        bench_shape(
+            &gpu,
+            &args,
+            (rows, cols),
+            total,
+            passes,
+            stream,
+            &tunes,
+            &variants,
+            nt,
+        )?;
+    }
+    Ok(())
+}
+
+/// Every measurement the arguments ask for on `rows x cols` matrices.
+#[allow(clippy::too_many_arguments)]
+fn bench_shape(
+    gpu: &Gpu,
+    args: &Args,
+    (rows, cols): (u64, u64),
+    total: u64,
+    passes: u32,
+    stream: f64,
+    tunes: &[Option<Tune>],
+    variants: &[&'static [(&'static str, &'static str)]],
+    nt: u32,
+) -> Result<()> {
+    let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
     for name in args.types.split(',') {
         let Some(dt) = DType::from_name(name.trim()) else {
             eprintln!("unknown type {name}");
@@ -292,7 +348,7 @@ fn main() -> Result<()> {
         let n_mat = total.div_ceil(one).max(1);
         let t0 = Instant::now();
         let ws: Vec<GpuTensor> = (0..n_mat)
-            .map(|i| make_weight(&gpu, dt, rows, cols, 7 + i))
+            .map(|i| make_weight(gpu, dt, rows, cols, 7 + i))
             .collect::<Result<_>>()?;
         let x = gpu.upload_f32(&vec![0.01; (cols * nt as u64) as usize], "x")?;
         let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
@@ -305,6 +361,7 @@ fn main() -> Result<()> {
         };
         for ((tune, defines), &int8_x) in tunes
             .iter()
+            .filter(|_| !args.no_matvec)
             .flat_map(|t| variants.iter().map(move |v| (t, *v)))
             .flat_map(|tv| modes.iter().map(move |m| (tv, m)))
         {
@@ -325,7 +382,7 @@ fn main() -> Result<()> {
                 }
                 Ok(())
             };
-            let (s, wall) = time_passes(&gpu, passes, &mut rec)?;
+            let (s, wall) = time_passes(gpu, passes, &mut rec)?;
             let (s, wall) = (s / per_pass as f64, wall / per_pass as f64);
             let gbs = one as f64 / s / 1e9;
             let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
@@ -344,7 +401,7 @@ fn main() -> Result<()> {
             );
             if int8_x {
                 // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
-                let mut qx = matvec::QuantX::new(&gpu, nt, cols as u32)?;
+                let mut qx = matvec::QuantX::new(gpu, nt, cols as u32)?;
                 let mut rec = |pass: &mut Pass<'_>| {
                     matvec::quantize_x(pass, &x, 0, 0, nt, cols as u32, &mut qx)?;
                     for i in 0..per_pass {
@@ -352,7 +409,7 @@ fn main() -> Result<()> {
                     }
                     Ok(())
                 };
-                let (s, _) = time_passes(&gpu, passes, &mut rec)?;
+                let (s, _) = time_passes(gpu, passes, &mut rec)?;
                 let s = s / per_pass as f64;
                 let gbs = one as f64 / s / 1e9;
                 println!(
@@ -374,7 +431,7 @@ fn main() -> Result<()> {
                 kinds.push(("int8", parse_variant("-")));
                 kinds.push(("int8x2", parse_variant("-")));
             }
-            if coopmat::usable(&gpu, dt).is_some() {
+            if coopmat::usable(gpu, dt).is_some() {
                 kinds.extend(variants.iter().map(|v| ("coop", *v)));
                 kinds.push(("split", parse_variant("-")));
             }
@@ -398,7 +455,7 @@ fn main() -> Result<()> {
                     }
                     Ok(())
                 };
-                let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
+                let s = time_passes(gpu, passes, &mut rec)?.0 / per_pass as f64;
                 let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
                 let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
                 println!(
@@ -420,34 +477,56 @@ fn main() -> Result<()> {
             let xb = gpu.upload_f32(&vec![0.01; (cols * nb as u64) as usize], "xb")?;
             let yb = gpu.buffer(rows * 4 * nb as u64, "yb")?;
             let per_pass = if cpu { 1 } else { 16 };
-            let o = MatvecOpts::default();
             let mut line = format!("{:<6} {rows}x{cols} batch {nb:>3}:", dt.name());
-            let mut kinds = vec!["matvec", "tiled"];
-            if coopmat::usable(&gpu, dt).is_some() {
-                kinds.push("coop");
-                kinds.push("split");
+            // (label, kind, opts)
+            let mut kinds: Vec<(String, &str, MatvecOpts)> = Vec::new();
+            for tune in tunes {
+                let label = tune.map_or("multi".to_string(), |t| {
+                    format!("multi-{}x{}", t.wg, t.rows)
+                });
+                let o = MatvecOpts {
+                    tune: *tune,
+                    ..Default::default()
+                };
+                kinds.push((label, "multi", o));
             }
-            for kind in kinds {
+            kinds.push(("matvec".into(), "matvec", MatvecOpts::default()));
+            if args.int8_x && matvec::int8_x_supported(dt) {
+                let o = MatvecOpts {
+                    int8_x: true,
+                    ..Default::default()
+                };
+                kinds.push(("multi-i8".into(), "multi", o));
+                kinds.push(("matvec-i8".into(), "matvec", o));
+            }
+            kinds.push(("tiled".into(), "tiled", MatvecOpts::default()));
+            if matmul::int8_supported(dt) {
+                kinds.push(("int8".into(), "int8", MatvecOpts::default()));
+                kinds.push(("int8x2".into(), "int8x2", MatvecOpts::default()));
+            }
+            if coopmat::usable(gpu, dt).is_some() {
+                kinds.push(("coop".into(), "coop", MatvecOpts::default()));
+                kinds.push(("split".into(), "split", MatvecOpts::default()));
+            }
+            for (label, kind, o) in &kinds {
                 let mut rec = |pass: &mut Pass<'_>| {
                     for i in 0..per_pass {
                         let w = &ws[i % ws.len()];
-                        match kind {
-                            "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, &o)?,
-                            "coop" => coopmat::matmul_coop(pass, F16, w, &xb, 0, &yb, 0, nb, &o)?,
-                            "split" => {
-                                coopmat::matmul_coop(pass, SPLIT, w, &xb, 0, &yb, 0, nb, &o)?
-                            }
-                            _ => matmul::matmul_tiled(pass, w, &xb, 0, &yb, 0, nb, &o)?,
+                        match *kind {
+                            "multi" => matvec::matvec_multi(pass, w, &xb, 0, &yb, 0, nb, o)?,
+                            "int8" => matmul::matmul_int8(pass, I8, w, &xb, 0, &yb, 0, nb, o)?,
+                            "int8x2" => matmul::matmul_int8(pass, I8X2, w, &xb, 0, &yb, 0, nb, o)?,
+                            "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, o)?,
+                            "coop" => coopmat::matmul_coop(pass, F16, w, &xb, 0, &yb, 0, nb, o)?,
+                            "split" => coopmat::matmul_coop(pass, SPLIT, w, &xb, 0, &yb, 0, nb, o)?,
+                            _ => matmul::matmul_tiled(pass, w, &xb, 0, &yb, 0, nb, o)?,
                         }
                     }
                     Ok(())
                 };
-                let s = time_passes(&gpu, passes, &mut rec)?.0 / per_pass as f64;
-                line += &format!(
-                    "  {kind} {:8.1} us ({:5.1}% of stream)",
-                    s * 1e6,
-                    100.0 * one as f64 / s / 1e9 / stream
-                );
+                let s = time_passes(gpu, passes, &mut rec)?.0 / per_pass as f64;
+                let gbs = one as f64 / s / 1e9;
+                line += &format!("  {label} {:8.1} us {gbs:6.0} GB/s", s * 1e6);
             }
             println!("{line}");
         }

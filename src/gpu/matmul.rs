@@ -41,15 +41,20 @@ const BN_THIN: u32 = 16;
 /// 128-row wide tile (8 rows x 4 tokens per thread) measured slower (34 -> 44 ms).
 const THIN_PAIRS: u32 = 24;
 
-/// Up to this many tokens a dense product goes through matvec (one grid column per token,
-/// the tokens' workgroups sharing the weight reads in L2): on the H200 matvec's cost grows
-/// about linearly from one token (4096x12288 Q4_K: 21 us, 8 tokens 126 us) while the tiled
-/// kernel costs the same for 2 to 64 tokens (~740 us), so the crossing is near 32 tokens
-/// (near 24 for F16 rows of 4096). Batched decode of several sequences lands here.
+/// Up to this many tokens a dense product goes through matvec: one token through the
+/// one-token kernel, 2 and more through the token-group kernel ([`matvec::matvec_multi`], each
+/// weight slice decoded once per group of up to 8 tokens, each token's bits those of the
+/// one-token kernel). Measured on the H200 before the token-group kernel: per-token matvec's
+/// cost grows about linearly from one token (4096x12288 Q4_K: 21 us, 8 tokens 126 us) while the
+/// tiled kernel costs the same for 2 to 64 tokens (~740 us), so the crossing was near 32 tokens
+/// (near 24 for F16 rows of 4096); the token-group kernel moves it up, the matrix-unit kernel
+/// down (`bench_kernels --batch`). Batched decode of several sequences and the speculative
+/// verify step land here.
 pub const DENSE_MATVEC_TOKENS: u32 = 24;
 
-/// `Y = X Wᵀ` for `n_tokens` tokens: up to [`DENSE_MATVEC_TOKENS`] through matvec (its
-/// per-token cost is lower there), the tiled kernel beyond.
+/// `Y = X Wᵀ` for `n_tokens` tokens: up to [`DENSE_MATVEC_TOKENS`] through matvec (one token
+/// through [`matvec::matvec_opts`], more through [`matvec::matvec_multi`], every token with the
+/// bits of a one-token product), the matrix-unit or tiled kernel beyond.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     pass: &mut Pass<'_>,
@@ -85,8 +90,10 @@ pub fn matmul_opts(
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    if n_tokens <= DENSE_MATVEC_TOKENS {
+    if n_tokens == 1 {
         matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
+    } else if n_tokens <= DENSE_MATVEC_TOKENS {
+        matvec::matvec_multi(pass, w, x, x_off, y, y_off, n_tokens, opts)
     } else if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype).filter(|_| !opts.exact) {
         coopmat::matmul_coop(pass, prec, w, x, x_off, y, y_off, n_tokens, opts)
     } else if let Some(levels) = int8_levels(pass.gpu(), w).filter(|_| !opts.exact) {

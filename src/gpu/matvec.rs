@@ -420,6 +420,7 @@ impl Plan {
         };
         gpu.pipeline_for(key, || {
             let k_def = format!("{}u", v.conv_k);
+            let tt_def = format!("{}u", v.tt);
             let mut extra: Vec<(&str, &str)> = Vec::new();
             if v.q8x {
                 extra.push(("Q8X", "true"));
@@ -428,6 +429,9 @@ impl Plan {
             if v.conv_k > 0 {
                 extra.push(("EPI_CONV", "true"));
                 extra.push(("CONV_K", &k_def));
+            }
+            if v.tt > 0 {
+                extra.push(("TT", &tt_def));
             }
             extra.extend_from_slice(v.user.0);
             self.spec(geo, entry, sg, xvec, &extra)
@@ -478,6 +482,8 @@ struct Variant {
     user: StaticDefines,
     q8x: bool,
     conv_k: u32,
+    /// Tokens per workgroup of `matvec_multi` (`TT`; 0 for the other entry points).
+    tt: u32,
 }
 
 impl Variant {
@@ -487,6 +493,7 @@ impl Variant {
             user: StaticDefines(opts.defines),
             q8x: false,
             conv_k: 0,
+            tt: 0,
         }
     }
 }
@@ -585,6 +592,137 @@ pub fn matvec_opts(
         );
     }
     Ok(())
+}
+
+/// Most tokens one workgroup of [`matvec_multi`] computes (`TT` in matvec.wgsl, whose per-token
+/// accumulators are unrolled by hand up to 8); more tokens take more grid columns.
+pub const MULTI_GROUP: u32 = 8;
+
+/// Rows per thread group of [`matvec_multi`] without an explicit [`Tune`]: each row holds a
+/// token group's accumulators and its decoded slice while the x slices of the tokens stream
+/// by, so fewer rows than the one-token kernel's 4 keep register pressure down. (Unmeasured:
+/// `bench_kernels --batch ... --tune 128x1,128x2,128x4` compares them.)
+const MULTI_ROWS: u32 = 2;
+
+/// The token runs of a multi-token product: `(first token, tokens per group, groups)`, groups
+/// of at most [`MULTI_GROUP`] tokens whose sizes differ by at most one (13 tokens: one group
+/// of 7 and one of 6), so no group carries dead tokens and there are at most two pipelines.
+fn token_groups(n_tokens: u32) -> Vec<(u32, u32, u32)> {
+    let groups = n_tokens.div_ceil(MULTI_GROUP);
+    let (base, big) = (n_tokens / groups, n_tokens % groups);
+    let mut runs = Vec::with_capacity(2);
+    if big > 0 {
+        runs.push((0, base + 1, big));
+    }
+    runs.push((big * (base + 1), base, groups - big));
+    runs
+}
+
+impl Plan {
+    /// The multi-token kernel's split: matvec's lanes per row (what keeps each token's sums
+    /// those of the one-token kernel), [`MULTI_ROWS`] rows unless tuned.
+    fn multi(mut self, opts: &MatvecOpts) -> Plan {
+        if opts.tune.is_none() {
+            self.r = MULTI_ROWS;
+        }
+        self
+    }
+}
+
+/// `matvec_multi` dispatches for `n_tokens` tokens: per token run ([`token_groups`]) and weight
+/// part. `prm` holds everything but the rows, y offset and first token; `slots` are the
+/// bindings beyond the weight part's (1, 2).
+#[allow(clippy::too_many_arguments)]
+fn dispatch_multi(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    geo: &Geometry,
+    pl: &Plan,
+    (sg, xvec): (bool, bool),
+    variant: Variant,
+    prm: Params,
+    slots: &[(u32, Binding)],
+    n_tokens: u32,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    for (t0, tt, groups) in token_groups(n_tokens) {
+        let v = Variant { tt, ..variant };
+        let pipe = pl.pipeline_keyed(gpu, geo, "matvec_multi", sg, xvec, v)?;
+        for part in &w.parts {
+            let rows = part.n_rows as u32;
+            let (gy, gz) = pl.groups(rows);
+            let p = Params {
+                rows,
+                y_off: prm.y_off + part.row_start as u32,
+                pair_off: t0,
+                ..prm
+            };
+            let mut b: Vec<(u32, Binding)> =
+                vec![(1, (&part.buffer).into()), (2, (&part.buffer).into())];
+            b.extend(slots.iter().cloned());
+            pass.dispatch_slots(&pipe, &w.name, &p, b, [groups, gy, gz]);
+        }
+    }
+    Ok(())
+}
+
+/// [`matvec_opts`] for several tokens with each weight slice read and decoded once per group of
+/// up to [`MULTI_GROUP`] tokens (`matvec_multi` in matvec.wgsl), where `matvec_opts` has every
+/// token's workgroups read the weights again. Each token's outputs have exactly the bits of
+/// [`matvec_opts`] run on that token alone (same lanes per row, slice order and reduction;
+/// `opts.int8_x` included), so a batched row equals a lone decode: speculative decoding's
+/// verify step and the server's batches rely on it.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_multi(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let gpu = pass.gpu();
+    let geo = Geometry::of(w, false)?;
+    if !(1..=MAX_GROUPS).contains(&n_tokens) {
+        return Err(Error::Invalid(format!(
+            "{}: matvec of {n_tokens} tokens",
+            w.name
+        )));
+    }
+    let (x_stride, y_stride) = geo.strides(opts);
+    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    // int8 x exactly when a lone decode of each token would take it: the bits must match
+    if takes_int8(gpu, &geo, opts, 1) {
+        let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
+        quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
+        return matvec_q8x_multi(pass, w, &qx, y, y_off, opts);
+    }
+    let pl = Plan::new(&geo, opts)?.multi(opts);
+    let sg = use_subgroups(gpu, opts);
+    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    let prm = Params {
+        x_off,
+        x_stride,
+        y_off,
+        y_stride,
+        accumulate: opts.accumulate as u32,
+        ..geo.params(0, true)
+    };
+    let slots = [(3, x.into()), (4, Binding::from(y))];
+    dispatch_multi(
+        pass,
+        w,
+        &geo,
+        &pl,
+        (sg, xvec),
+        Variant::plain(opts),
+        prm,
+        &slots,
+        n_tokens,
+    )
 }
 
 /// An elementwise step fused into a matvec's activation load (`PRO_*` in matvec.wgsl): the
@@ -700,6 +838,8 @@ pub fn matvec_pro(
 
 /// [`matvec_pro`], and with `conv` the GDN conv step on its first rows ([`ConvStep`]; only
 /// with [`Prologue::RmsNorm`] without `keep`).
+/// Two or more tokens take the token-group kernel ([`matvec_multi`]): each token's outputs
+/// have the bits of the same call for that token alone.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_fused(
     pass: &mut Pass<'_>,
@@ -825,6 +965,32 @@ pub fn matvec_fused(
     }
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
+    if n_tokens > 1 {
+        // the token-group kernel: each token's bits are those of its one-token product
+        let prm = Params {
+            x_off,
+            x_stride,
+            y_off,
+            y_stride,
+            accumulate: opts.accumulate as u32,
+            pro: word,
+            ..geo.params(0, true)
+        };
+        let mut slots = vec![(3, x.into()), (4, Binding::from(y))];
+        slots.extend(extra.iter().cloned());
+        let pl = pl.multi(opts);
+        return dispatch_multi(
+            pass,
+            w,
+            &geo,
+            &pl,
+            (sg, xvec),
+            variant,
+            prm,
+            &slots,
+            n_tokens,
+        );
+    }
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, xvec, variant)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
@@ -1024,6 +1190,31 @@ pub fn matvec_q8x(
     y_off: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
+    q8x_product(pass, w, qx, y, y_off, opts, false)
+}
+
+/// [`matvec_q8x`] through the token-group kernel (as [`matvec_multi`]): each token's outputs
+/// have the bits of [`matvec_q8x`] on that token alone.
+pub fn matvec_q8x_multi(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    qx: &QuantX,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    q8x_product(pass, w, qx, y, y_off, opts, true)
+}
+
+fn q8x_product(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    qx: &QuantX,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    opts: &MatvecOpts,
+    multi: bool,
+) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
     let lanes = q8x_lanes(geo.dtype).ok_or_else(|| {
@@ -1048,6 +1239,22 @@ pub fn matvec_q8x(
         q8x: true,
         ..Variant::plain(opts)
     };
+    if multi && n_tokens > 1 {
+        let prm = Params {
+            x_stride: geo.cols, // elements, as below
+            y_off,
+            y_stride,
+            accumulate: opts.accumulate as u32,
+            ..geo.params(0, true)
+        };
+        let slots = [
+            (3, (&qx.qs).into()),
+            (4, y.into()),
+            (5, Binding::from(&qx.scales)),
+        ];
+        let pl = pl.multi(opts);
+        return dispatch_multi(pass, w, &geo, &pl, (sg, false), v, prm, &slots, n_tokens);
+    }
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, false, v)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
@@ -1102,7 +1309,9 @@ pub fn matvec_indexed(
     let (x_stride, _) = geo.strides(opts);
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
-    if takes_int8(pass.gpu(), &geo, opts, n_tokens) {
+    // each pair is a one-token product: int8 x exactly when a lone decode's pairs take it (a
+    // speculative verify step's rows must have a lone decode's bits)
+    if takes_int8(pass.gpu(), &geo, opts, 1) {
         let mut qx = QuantX::cached(pass.gpu(), x_rows, geo.cols)?;
         quantize_x(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx)?;
         return matvec_indexed_q8x(
