@@ -872,10 +872,11 @@ impl Offload {
                 buf.clear();
                 buf.resize(pairs.len() * (e + 1), 0);
                 let (rows, index) = buf.split_at_mut(pairs.len() * e);
-                // int8 activations exactly where the GPU's experts take them (one-token
-                // products under `--activations int8`), so placement does not change the sums
+                // int8 activations exactly where the GPU's experts take them (its indexed
+                // matvec, up to `matvec::MAX_TOKENS` rows, under `--activations int8`), so
+                // placement does not change the sums
                 let opts = ColdOptions {
-                    activations: if n == 1 && gpu.int8_decode() {
+                    activations: if n <= crate::gpu::matvec::MAX_TOKENS && gpu.int8_decode() {
                         Activations::Int8
                     } else {
                         Activations::F32
