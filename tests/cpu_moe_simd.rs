@@ -226,3 +226,16 @@ fn a_level_the_cpu_lacks_is_an_error() {
     assert!(SimdLevel::Scalar.supported());
     assert!(SimdLevel::detect().supported());
 }
+
+/// The CPU's int8 cold-expert kernels cover exactly the GPU's int8 matvec types, so a pair's
+/// activations are int8 on both sides or f32 on both (placement never changes the sums).
+#[test]
+fn int8_types_match_the_gpu_set() {
+    for dt in DType::ALL {
+        assert_eq!(
+            lathe::cpu::q8dot::supported(dt),
+            lathe::gpu::matvec::int8_x_supported(dt),
+            "{dt}"
+        );
+    }
+}
