@@ -118,6 +118,36 @@ fn pipeline(
     gpu.pipeline(&geo.defines(spec, xvec, slow))
 }
 
+/// Uniforms of a dense tiled product (the f32 and the int8 kernels) over one weight part of
+/// `rows` rows starting at `row_start`; x rows at `x_off + t * x_stride` (in the int8 kernel:
+/// blocks of the int8 scratch).
+#[allow(clippy::too_many_arguments)]
+fn dense_params(
+    geo: &Geometry,
+    w: &GpuTensor,
+    part: &super::TensorPart,
+    (x_off, x_stride): (u32, u32),
+    (y_off, y_stride): (u32, u32),
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<matvec::Params> {
+    let rows = part.n_rows as u32;
+    if rows.div_ceil(BM) > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: {rows} rows in one part",
+            w.name
+        )));
+    }
+    let mut prm = geo.params(rows, false);
+    prm.x_off = x_off;
+    prm.x_stride = x_stride;
+    prm.y_off = y_off + part.row_start as u32;
+    prm.y_stride = y_stride;
+    prm.accumulate = opts.accumulate as u32;
+    prm.n_tokens = n_tokens;
+    Ok(prm)
+}
+
 /// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above
 /// [`DENSE_MATVEC_TOKENS`]).
 #[allow(clippy::too_many_arguments)]
@@ -146,19 +176,15 @@ pub fn matmul_tiled(
     let pipe = pipeline(gpu, &geo, "matmul", xvec, false)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
-        if rows.div_ceil(BM) > MAX_GROUPS {
-            return Err(Error::Invalid(format!(
-                "{}: {rows} rows in one part",
-                w.name
-            )));
-        }
-        let mut prm = geo.params(rows, false);
-        prm.x_off = x_off;
-        prm.x_stride = x_stride;
-        prm.y_off = y_off + part.row_start as u32;
-        prm.y_stride = y_stride;
-        prm.accumulate = opts.accumulate as u32;
-        prm.n_tokens = n_tokens;
+        let prm = dense_params(
+            &geo,
+            w,
+            part,
+            (x_off, x_stride),
+            (y_off, y_stride),
+            n_tokens,
+            opts,
+        )?;
         pass.dispatch(
             &pipe,
             &w.name,
@@ -267,20 +293,16 @@ pub fn matmul_int8(
     let pipe = pipeline_q8(gpu, &geo, "matmul_q8", two, false)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
-        if rows.div_ceil(BM_Q8) > MAX_GROUPS {
-            return Err(Error::Invalid(format!(
-                "{}: {rows} rows in one part",
-                w.name
-            )));
-        }
-        let mut prm = geo.params(rows, false);
-        // blocks of token t's x start at block (x_off + t * x_stride) / 32 of the scratch
-        prm.x_off = 0;
-        prm.x_stride = geo.cols;
-        prm.y_off = y_off + part.row_start as u32;
-        prm.y_stride = y_stride;
-        prm.accumulate = opts.accumulate as u32;
-        prm.n_tokens = n_tokens;
+        // blocks of token t's x start at block (0 + t * cols) / 32 of the scratch
+        let prm = dense_params(
+            &geo,
+            w,
+            part,
+            (0, geo.cols),
+            (y_off, y_stride),
+            n_tokens,
+            opts,
+        )?;
         pass.dispatch(
             &pipe,
             &w.name,
@@ -470,6 +492,87 @@ pub fn matmul_indexed(
     }
 }
 
+/// The checked shapes and the grid of an indexed product on the 64-row route tiles (the f32
+/// and the int8 kernels).
+struct IndexedRun {
+    n_pairs: u32,
+    x_rows: u32,
+    x_stride: u32,
+    y_stride: u32,
+    thin: bool,
+    slots: u32,
+    row_tiles: u32,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn indexed_run(
+    geo: &Geometry,
+    w: &GpuTensor,
+    (x, x_off, x_per_pair): (&wgpu::Buffer, u32, bool),
+    r: &MoeRoute,
+    n_tokens: u32,
+    n_used: u32,
+    (y, y_off): (&wgpu::Buffer, u32),
+    opts: &MatvecOpts,
+) -> Result<IndexedRun> {
+    let n_pairs = r.check(w, n_tokens, n_used)?;
+    let (x_stride, y_stride) = geo.strides(opts);
+    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
+    let thin = n_pairs < THIN_PAIRS * r.n_expert;
+    let slots = r.max_tiles(n_pairs) * if thin { BN / BN_THIN } else { 1 };
+    let row_tiles = geo.rows.div_ceil(BM);
+    if slots > MAX_GROUPS || row_tiles > MAX_GROUPS {
+        return Err(Error::Invalid(format!(
+            "{}: grid of {row_tiles} x {slots} tiles",
+            w.name
+        )));
+    }
+    Ok(IndexedRun {
+        n_pairs,
+        x_rows,
+        x_stride,
+        y_stride,
+        thin,
+        slots,
+        row_tiles,
+    })
+}
+
+/// Uniforms of an indexed product over the experts of one weight part; x rows at
+/// `x_off + q * x_stride` (in the int8 kernel: blocks of the int8 scratch).
+#[allow(clippy::too_many_arguments)]
+fn indexed_params(
+    geo: &Geometry,
+    w: &GpuTensor,
+    part: &super::TensorPart,
+    r: &MoeRoute,
+    run: &IndexedRun,
+    (x_off, x_stride, x_per_pair): (u32, u32, bool),
+    y_off: u32,
+    n_used: u32,
+    opts: &MatvecOpts,
+) -> Result<matvec::Params> {
+    let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
+    let mut prm = geo.params(geo.rows, false);
+    prm.x_off = x_off;
+    prm.x_stride = x_stride;
+    prm.y_off = y_off;
+    prm.y_stride = run.y_stride;
+    prm.accumulate = opts.accumulate as u32;
+    prm.n_used = n_used;
+    prm.e_lo = e_lo as u32;
+    prm.e_n = e_n as u32;
+    prm.expert_bytes = (geo.rows as u64 * geo.row_bytes as u64) as u32;
+    prm.x_per_pair = x_per_pair as u32;
+    prm.n_tokens = run.n_pairs;
+    prm.n_expert = r.n_expert;
+    prm.tiles_off = r.tiles_off;
+    prm.pairs_off = r.pairs_off;
+    Ok(prm)
+}
+
 /// [`matmul_indexed`] with int8 activations ([`matmul_int8`]'s kernel over the route): the x
 /// rows (one per pair when `x_per_pair`, else per token) are quantized first.
 #[allow(clippy::too_many_arguments)]
@@ -495,42 +598,32 @@ pub fn matmul_int8_indexed(
             w.name, w.dtype, geo.cols
         )));
     }
-    let n_pairs = r.check(w, n_tokens, n_used)?;
-    let (x_stride, y_stride) = geo.strides(opts);
-    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
-    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
-    let thin = n_pairs < THIN_PAIRS * r.n_expert;
-    let slots = r.max_tiles(n_pairs) * if thin { BN / BN_THIN } else { 1 };
-    let row_tiles = geo.rows.div_ceil(BM_Q8);
-    if slots > MAX_GROUPS || row_tiles > MAX_GROUPS {
-        return Err(Error::Invalid(format!(
-            "{}: grid of {row_tiles} x {slots} tiles",
-            w.name
-        )));
-    }
+    let run = indexed_run(
+        &geo,
+        w,
+        (x, x_off, x_per_pair),
+        r,
+        n_tokens,
+        n_used,
+        (y, y_off),
+        opts,
+    )?;
     let two = levels == Int8Levels::Two;
-    let mut qx = matvec::QuantX::cached(gpu, x_rows * (1 + two as u32), geo.cols)?;
-    matvec::quantize_x_levels(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx, two)?;
-    let pipe = pipeline_q8(gpu, &geo, "matmul_q8_id", two, thin)?;
-    let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
+    let mut qx = matvec::QuantX::cached(gpu, run.x_rows * (1 + two as u32), geo.cols)?;
+    matvec::quantize_x_levels(
+        pass,
+        x,
+        x_off,
+        run.x_stride,
+        run.x_rows,
+        geo.cols,
+        &mut qx,
+        two,
+    )?;
+    let pipe = pipeline_q8(gpu, &geo, "matmul_q8_id", two, run.thin)?;
     for part in &w.parts {
-        let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
-        let mut prm = geo.params(geo.rows, false);
-        prm.x_off = 0;
-        prm.x_stride = geo.cols;
-        prm.y_off = y_off;
-        prm.y_stride = y_stride;
-        prm.accumulate = opts.accumulate as u32;
-        prm.n_used = n_used;
-        prm.e_lo = e_lo as u32;
-        prm.e_n = e_n as u32;
-        prm.expert_bytes = expert_bytes as u32;
-        prm.x_per_pair = x_per_pair as u32;
-        prm.n_tokens = n_pairs;
-        prm.n_expert = r.n_expert;
-        prm.tiles_off = r.tiles_off;
-        prm.pairs_off = r.pairs_off;
+        let xs = (0, geo.cols, x_per_pair);
+        let prm = indexed_params(&geo, w, part, r, &run, xs, y_off, n_used, opts)?;
         pass.dispatch(
             &pipe,
             &w.name,
@@ -543,7 +636,7 @@ pub fn matmul_int8_indexed(
                 (&qx.scales).into(),
                 Binding::from(&r.buffer),
             ],
-            [row_tiles, slots, 1],
+            [run.row_tiles, run.slots, 1],
         );
     }
     gpu.note_matmul(if two {
@@ -571,40 +664,21 @@ pub fn matmul_indexed_tiled(
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, true)?;
-    let n_pairs = r.check(w, n_tokens, n_used)?;
-    let (x_stride, y_stride) = geo.strides(opts);
-    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
-    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
-    let thin = n_pairs < THIN_PAIRS * r.n_expert;
-    let slots = r.max_tiles(n_pairs) * if thin { BN / BN_THIN } else { 1 };
-    let row_tiles = geo.rows.div_ceil(BM);
-    if slots > MAX_GROUPS || row_tiles > MAX_GROUPS {
-        return Err(Error::Invalid(format!(
-            "{}: grid of {row_tiles} x {slots} tiles",
-            w.name
-        )));
-    }
-    let xvec = x_vec(x, x_off, x_stride, x_rows);
-    let pipe = pipeline(gpu, &geo, "matmul_id", xvec, thin)?;
-    let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
+    let run = indexed_run(
+        &geo,
+        w,
+        (x, x_off, x_per_pair),
+        r,
+        n_tokens,
+        n_used,
+        (y, y_off),
+        opts,
+    )?;
+    let xvec = x_vec(x, x_off, run.x_stride, run.x_rows);
+    let pipe = pipeline(gpu, &geo, "matmul_id", xvec, run.thin)?;
     for part in &w.parts {
-        let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
-        let mut prm = geo.params(geo.rows, false);
-        prm.x_off = x_off;
-        prm.x_stride = x_stride;
-        prm.y_off = y_off;
-        prm.y_stride = y_stride;
-        prm.accumulate = opts.accumulate as u32;
-        prm.n_used = n_used;
-        prm.e_lo = e_lo as u32;
-        prm.e_n = e_n as u32;
-        prm.expert_bytes = expert_bytes as u32;
-        prm.x_per_pair = x_per_pair as u32;
-        prm.n_tokens = n_pairs;
-        prm.n_expert = r.n_expert;
-        prm.tiles_off = r.tiles_off;
-        prm.pairs_off = r.pairs_off;
+        let xs = (x_off, run.x_stride, x_per_pair);
+        let prm = indexed_params(&geo, w, part, r, &run, xs, y_off, n_used, opts)?;
         pass.dispatch(
             &pipe,
             &w.name,
@@ -616,7 +690,7 @@ pub fn matmul_indexed_tiled(
                 Binding::from(y),
                 (&r.buffer).into(),
             ],
-            [row_tiles, slots, 1],
+            [run.row_tiles, run.slots, 1],
         );
     }
     gpu.note_matmul(MatmulPath::Tiled);
