@@ -537,6 +537,28 @@ pub fn matvec(
     )
 }
 
+/// The x and y strides of a dense product of `n_tokens` tokens, with the token count and both
+/// spans checked.
+fn dense_spans(
+    w: &GpuTensor,
+    geo: &Geometry,
+    (x, x_off): (&wgpu::Buffer, u32),
+    (y, y_off): (&wgpu::Buffer, u32),
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<(u32, u32)> {
+    if !(1..=MAX_GROUPS).contains(&n_tokens) {
+        return Err(Error::Invalid(format!(
+            "{}: matvec of {n_tokens} tokens",
+            w.name
+        )));
+    }
+    let (x_stride, y_stride) = geo.strides(opts);
+    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    Ok((x_stride, y_stride))
+}
+
 /// [`matvec`] with options (accumulate, strides, reduction path, work split).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_opts(
@@ -551,15 +573,7 @@ pub fn matvec_opts(
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
-    if !(1..=MAX_GROUPS).contains(&n_tokens) {
-        return Err(Error::Invalid(format!(
-            "{}: matvec of {n_tokens} tokens",
-            w.name
-        )));
-    }
-    let (x_stride, y_stride) = geo.strides(opts);
-    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let (x_stride, y_stride) = dense_spans(w, &geo, (x, x_off), (y, y_off), n_tokens, opts)?;
     if takes_int8(gpu, &geo, opts, n_tokens) {
         let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
         quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
@@ -685,15 +699,7 @@ pub fn matvec_multi(
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
-    if !(1..=MAX_GROUPS).contains(&n_tokens) {
-        return Err(Error::Invalid(format!(
-            "{}: matvec of {n_tokens} tokens",
-            w.name
-        )));
-    }
-    let (x_stride, y_stride) = geo.strides(opts);
-    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let (x_stride, y_stride) = dense_spans(w, &geo, (x, x_off), (y, y_off), n_tokens, opts)?;
     // int8 x exactly when a lone decode of each token would take it: the bits must match
     if takes_int8(gpu, &geo, opts, 1) {
         let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;

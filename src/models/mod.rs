@@ -135,6 +135,21 @@ impl Seq {
     }
 }
 
+/// The wanted row ranges `(first row, rows)` of a batch cut into runs of at most `cap` rows,
+/// in order: the output head of the GPU forwards takes one run per product.
+pub(crate) fn head_runs(wants: &[(usize, usize)], cap: usize) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    for &(r0, nr) in wants {
+        let mut r = r0;
+        while r < r0 + nr {
+            let take = (r0 + nr - r).min(cap);
+            runs.push((r, take));
+            r += take;
+        }
+    }
+    runs
+}
+
 /// Whether the model in `f` makes top-k choices on computed values (MoE routers, DeepSeek-V4's
 /// indexer): f16 rounding anywhere upstream can move such a value across a near-tie and change
 /// the output, so its many-token products stay at f32 level by default (`--matmul auto`).

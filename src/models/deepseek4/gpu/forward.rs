@@ -462,15 +462,7 @@ impl GpuModel {
         let mut logits = Vec::with_capacity(total * v);
         let mut pending = Some(pass);
         let mut used = 0usize;
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &(r0, nr) in wants {
-            let mut r = r0;
-            while r < r0 + nr {
-                let take = (r0 + nr - r).min(sc.logit_rows);
-                runs.push((r, take));
-                r += take;
-            }
-        }
+        let runs = crate::models::head_runs(wants, sc.logit_rows);
         for (i, &(r, take)) in runs.iter().enumerate() {
             if used + take > sc.logit_rows {
                 let p = pending.take().unwrap_or_else(|| gpu.pass());
