@@ -148,6 +148,11 @@ const TPR = 64u;        // lanes per thread group (power of two)
 const WG = 64u;         // threads per workgroup (multiple of TPR)
 #endif
 
+#ifndef RQ
+const RQ = 1u;          // quads of 4 rows per thread group (1..4; above 1 only with R = 4)
+#endif
+const ROWS = R * RQ;    // rows per thread group of `matvec` / `matvec_id`
+
 const CPB = BS / 32u;   // matmul chunks per block
 const GPW = WG / TPR;   // thread groups per workgroup
 
@@ -263,8 +268,17 @@ fn xraw1(e: u32) -> f32 {
 //   PRO_SIGMUL x' = sigmoid(g) · x with g = G[pro0 + (c / pro1) · pro2 + c % pro1] (binding 6;
 //             elementwise.wgsl's sigmoid_mul: Qwen3.5's attention output gate, pro1 = head_dim,
 //             pro2 = the gate's head stride) for column c of the token's row.
+//   PVEC      (with XVEC) the prologue's own operands load as vectors too: the norm weight
+//             (bound as vec4s; cols a multiple of 4) and SwiGLU's up values (pro0 a multiple of
+//             4). Same operations per element, so the same bits; 4x fewer loads per x vector.
 #if PRO_NORM
+#if PVEC
+@group(0) @binding(6) var<storage, read> NW: array<vec4<f32>>;
+fn nw1(i: u32) -> f32 { return NW[i >> 2u][i & 3u]; }
+#else
 @group(0) @binding(6) var<storage, read> NW: array<f32>;
+fn nw1(i: u32) -> f32 { return NW[i]; }
+#endif
 // this lane's Σx² over the x values it loaded
 var<private> pro_ss: f32;
 var<workgroup> pro_red: array<f32, TPR>;
@@ -345,13 +359,17 @@ fn pro_norm_r(lid: u32) -> f32 {
     return inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
 }
 
+// r of the last pro_finish, for the thread group's other row quads
+var<private> pro_r: f32;
+
 // acc · r, and with NORM_OUT the normed row written by the first row group's workgroup.
 fn pro_finish(acc: vec4<f32>, lid: u32, t: u32, first: bool) -> vec4<f32> {
     let r = pro_norm_r(lid);
+    pro_r = r;
 #if NORM_OUT
     if (first) {
         for (var j = lid; j < p.cols; j += WG) {
-            H[t * p.cols + j] = (xraw1(pro_x0 + j) * r) * NW[j];
+            H[t * p.cols + j] = (xraw1(pro_x0 + j) * r) * nw1(j);
         }
     }
 #endif
@@ -362,7 +380,7 @@ fn pro_finish(acc: vec4<f32>, lid: u32, t: u32, first: bool) -> vec4<f32> {
 fn pro1(e: u32, a: f32) -> f32 {
 #if PRO_NORM
     pro_ss += a * a;
-    return a * NW[e - pro_x0];
+    return a * nw1(e - pro_x0);
 #else
 #if PRO_SWIGLU
     return silu_(a) * xraw1(e + p.pro0);
@@ -380,10 +398,23 @@ fn pro1(e: u32, a: f32) -> f32 {
 
 fn x4(e: u32) -> vec4<f32> {
     let a = xraw4(e);
+#if PVEC
+#if PRO_NORM
+    pro_ss += a.x * a.x;
+    pro_ss += a.y * a.y;
+    pro_ss += a.z * a.z;
+    pro_ss += a.w * a.w;
+    return a * NW[(e - pro_x0) >> 2u];
+#else
+    let u = xraw4(e + p.pro0);
+    return vec4<f32>(silu_(a.x) * u.x, silu_(a.y) * u.y, silu_(a.z) * u.z, silu_(a.w) * u.w);
+#endif
+#else
 #if PRO
     return vec4<f32>(pro1(e, a.x), pro1(e + 1u, a.y), pro1(e + 2u, a.z), pro1(e + 3u, a.w));
 #else
     return a;
+#endif
 #endif
 }
 
@@ -1346,32 +1377,49 @@ fn gather_x(xrow: u32, blk: u32, s: u32, j: u32) -> vec4<f32> {
 // matvec)
 #ifndef MMQ
 
-// Partial sums of slice c of rows at bytes rb (x of the token at element xbase).
-fn mv_step(c: u32, rb: vec4<u32>, xbase: u32) -> vec4<f32> {
-    let blk = c / MV_CPB;
-    let s = c % MV_CPB;
-    let boff = blk * BB;
-    let xc = load_xc(xbase + blk * BS, s);
+// Slice s of the blocks at bytes rb (R rows) dotted with the slice's x values xc.
+fn quad_dot(rb: vec4<u32>, s: u32, xc: XC) -> vec4<f32> {
     var acc = vec4<f32>(0.0);
-    acc.x = chunk_dot(rb.x + boff, s, xc);
+    acc.x = chunk_dot(rb.x, s, xc);
     if (R > 1u) {
-        acc.y = chunk_dot(rb.y + boff, s, xc);
+        acc.y = chunk_dot(rb.y, s, xc);
     }
     if (R > 2u) {
-        acc.z = chunk_dot(rb.z + boff, s, xc);
+        acc.z = chunk_dot(rb.z, s, xc);
     }
     if (R > 3u) {
-        acc.w = chunk_dot(rb.w + boff, s, xc);
+        acc.w = chunk_dot(rb.w, s, xc);
     }
     return acc;
 }
 
+// Partial sums of slice c of rows at bytes rb (x of the token at element xbase).
+fn mv_step(c: u32, rb: vec4<u32>, xbase: u32) -> vec4<f32> {
+    let blk = c / MV_CPB;
+    let s = c % MV_CPB;
+    let xc = load_xc(xbase + blk * BS, s);
+    return quad_dot(rb + vec4<u32>(blk * BB), s, xc);
+}
+
+// Bytes of the 4 rows of quad q from row0 (clamped to the last row; their writes are skipped).
+fn quad_rb(wbase: u32, row0: u32, q: u32) -> vec4<u32> {
+    let last = p.rows - 1u;
+    return vec4<u32>(wbase) + min(vec4<u32>(row0 + 4u * q) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
+}
+
+// Quads 1..RQ of mv_partial's rows (rows row0 + 4q..): with RQ > 1 each slice's x values are
+// loaded once for 4 RQ rows, so the x traffic per weight byte falls by RQ. Each row's sum is
+// the same expression in the same slice order whatever RQ, so RQ never changes a row's bits.
+var<private> mq1: vec4<f32>;
+var<private> mq2: vec4<f32>;
+var<private> mq3: vec4<f32>;
+
 // Per-lane partial sums of rows row0..row0+R (clamped to the last row; their writes are
-// skipped) over the lane's slices. wbase: byte of row 0 in W; xbase: element of the token's x.
+// skipped) over the lane's slices, and with RQ > 1 those of the next quads in mq1..mq3.
+// wbase: byte of row 0 in W; xbase: element of the token's x.
 fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> vec4<f32> {
     var acc = vec4<f32>(0.0);
-    let last = p.rows - 1u;
-    let rb = vec4<u32>(wbase) + min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
+    let rb = quad_rb(wbase, row0, 0u);
 #if FSLOW
     // float rows not 16-byte aligned or not a multiple of 256 elements: element by element
     for (var e = tl; e < p.cols; e += TPR) {
@@ -1389,12 +1437,69 @@ fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> vec4<f32> {
     }
 #else
     let n_items = ((p.cols + BS - 1u) / BS) * MV_CPB;
+    if (RQ == 1u) {
+        for (var c = tl; c < n_items; c += TPR) {
+            acc += mv_step(c, rb, xbase);
+        }
+        return acc;
+    }
+    mq1 = vec4<f32>(0.0);
+    mq2 = vec4<f32>(0.0);
+    mq3 = vec4<f32>(0.0);
+    let rb1 = quad_rb(wbase, row0, 1u);
+    let rb2 = quad_rb(wbase, row0, 2u);
+    let rb3 = quad_rb(wbase, row0, 3u);
     for (var c = tl; c < n_items; c += TPR) {
-        acc += mv_step(c, rb, xbase);
+        let blk = c / MV_CPB;
+        let s = c % MV_CPB;
+        let boff = vec4<u32>(blk * BB);
+        let xc = load_xc(xbase + blk * BS, s);
+        acc += quad_dot(rb + boff, s, xc);
+        mq1 += quad_dot(rb1 + boff, s, xc);
+        if (RQ > 2u) {
+            mq2 += quad_dot(rb2 + boff, s, xc);
+        }
+        if (RQ > 3u) {
+            mq3 += quad_dot(rb3 + boff, s, xc);
+        }
     }
 #endif
     return acc;
 }
+
+// reduce_store of quads 1..RQ (mq1..mq3, each scaled by f) after quad 0's; the barriers keep
+// reduce_store's workgroup memory from being overwritten while it is read.
+#if SUBGROUPS
+fn store_quads(f: f32, lid: u32, sg_size: u32, sg_lane: u32, row0: u32, ybase: u32) {
+    if (RQ > 1u) {
+        workgroupBarrier();
+        reduce_store(mq1 * f, lid, sg_size, sg_lane, row0 + 4u, ybase);
+    }
+    if (RQ > 2u) {
+        workgroupBarrier();
+        reduce_store(mq2 * f, lid, sg_size, sg_lane, row0 + 8u, ybase);
+    }
+    if (RQ > 3u) {
+        workgroupBarrier();
+        reduce_store(mq3 * f, lid, sg_size, sg_lane, row0 + 12u, ybase);
+    }
+}
+#else
+fn store_quads(f: f32, lid: u32, row0: u32, ybase: u32) {
+    if (RQ > 1u) {
+        workgroupBarrier();
+        reduce_store(mq1 * f, lid, row0 + 4u, ybase);
+    }
+    if (RQ > 2u) {
+        workgroupBarrier();
+        reduce_store(mq2 * f, lid, row0 + 8u, ybase);
+    }
+    if (RQ > 3u) {
+        workgroupBarrier();
+        reduce_store(mq3 * f, lid, row0 + 12u, ybase);
+    }
+}
+#endif
 
 fn store1(row: u32, ybase: u32, v: f32) {
     if (row < p.rows) {
@@ -1488,22 +1593,27 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 #endif
           @builtin(local_invocation_index) lid: u32) {
     let rg = wid.y + wid.z * nwg.y;
-    if (rg * GPW * R >= p.rows || no_rows()) {
+    if (rg * GPW * ROWS >= p.rows || no_rows()) {
         return;
     }
-    let row0 = (rg * GPW + lid / TPR) * R;
+    let row0 = (rg * GPW + lid / TPR) * ROWS;
     let t = wid.x;
 #ifndef Q8X
     pro_setup(p.x_off + t * p.x_stride, t);
 #endif
     var acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
+    var f = 1.0;
 #if PRO_NORM
     acc = pro_finish(acc, lid, t, rg == 0u);
+    f = pro_r;
 #endif
+    let ybase = p.y_off + t * p.y_stride;
 #if SUBGROUPS
-    reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + t * p.y_stride);
+    reduce_store(acc, lid, sg_size, sg_lane, row0, ybase);
+    store_quads(f, lid, sg_size, sg_lane, row0, ybase);
 #else
-    reduce_store(acc, lid, row0, p.y_off + t * p.y_stride);
+    reduce_store(acc, lid, row0, ybase);
+    store_quads(f, lid, row0, ybase);
 #endif
 }
 
@@ -1723,7 +1833,7 @@ fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
 #endif
              @builtin(local_invocation_index) lid: u32) {
     let rg = wid.y + wid.z * nwg.y;
-    if (rg * GPW * R >= p.rows || no_rows()) {
+    if (rg * GPW * ROWS >= p.rows || no_rows()) {
         return;
     }
     let q = p.pair_off + wid.x;
@@ -1731,13 +1841,16 @@ fn matvec_id(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     if (e < p.e_lo || e - p.e_lo >= p.e_n) {
         return;
     }
-    let row0 = (rg * GPW + lid / TPR) * R;
+    let row0 = (rg * GPW + lid / TPR) * ROWS;
     let xq = select(q / p.n_used, q, p.x_per_pair != 0u);
     let acc = mv_partial(row0, lid % TPR, (e - p.e_lo) * p.expert_bytes, p.x_off + xq * p.x_stride);
+    let ybase = p.y_off + q * p.y_stride;
 #if SUBGROUPS
-    reduce_store(acc, lid, sg_size, sg_lane, row0, p.y_off + q * p.y_stride);
+    reduce_store(acc, lid, sg_size, sg_lane, row0, ybase);
+    store_quads(1.0, lid, sg_size, sg_lane, row0, ybase);
 #else
-    reduce_store(acc, lid, row0, p.y_off + q * p.y_stride);
+    reduce_store(acc, lid, row0, ybase);
+    store_quads(1.0, lid, row0, ybase);
 #endif
 }
 

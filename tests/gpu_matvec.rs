@@ -265,11 +265,21 @@ fn matvec_options_and_paths() {
         };
         run_matvec(dt, 257, cols, 1, 0, &portable, 2);
         run_matvec(dt, 33, cols, 8, 0, &MatvecOpts::default(), 3);
-        for tune in [(64, 1), (256, 4), (16, 2), (128, 3)] {
+        // with row quads (8, 12, 16 rows: 45 rows end in a partial quad and a partial group)
+        for tune in [
+            (64, 1, None),
+            (256, 4, None),
+            (16, 2, None),
+            (128, 3, None),
+            (64, 8, None),
+            (128, 12, Some(16)),
+            (256, 16, Some(64)),
+        ] {
             let o = MatvecOpts {
                 tune: Some(matvec::Tune {
                     wg: tune.0,
                     rows: tune.1,
+                    lanes: tune.2,
                 }),
                 ..Default::default()
             };
@@ -279,6 +289,75 @@ fn matvec_options_and_paths() {
     // a long row: several chunks per thread
     run_matvec(DType::Q4_K, 9, 256 * 40, 1, 0, &MatvecOpts::default(), 5);
     run_matvec(DType::Q6_K, 9, 256 * 21, 2, 0, &MatvecOpts::default(), 6);
+}
+
+/// y of `matvec_opts` (or of the indexed product over experts `ids` when given) for a tune.
+fn tuned_bits(
+    wt: &GpuTensor,
+    xb: &wgpu::Buffer,
+    ids: Option<&wgpu::Buffer>,
+    n: usize,
+    tune: matvec::Tune,
+) -> Vec<u32> {
+    let g = gpu();
+    let yb = out_buffer(g, n);
+    let o = MatvecOpts {
+        tune: Some(tune),
+        ..Default::default()
+    };
+    let mut pass = g.pass();
+    match ids {
+        None => matvec::matvec_opts(&mut pass, wt, xb, 0, &yb, 0, 2, &o).unwrap(),
+        Some(ids) => {
+            matvec::matvec_indexed(&mut pass, wt, xb, 0, false, ids, 0, 2, &yb, 0, 2, &o).unwrap()
+        }
+    }
+    submit(pass);
+    g.read_f32(&yb, 0, n)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn row_quads_keep_each_rows_bits() {
+    // Rows per thread group only decide which lanes' registers hold a row: with the same lanes
+    // per row, 8/12/16 rows (quads sharing the x loads) give the bits of 1, 2 or 4.
+    let g = gpu();
+    for dt in [DType::Q4_K, DType::Q6_K, DType::BF16] {
+        let cols = *odd_cols(dt).last().unwrap();
+        let rows = 37u64;
+        let w = Weight::random(dt, &[rows, cols], 11);
+        let we = Weight::random(dt, &[3, rows, cols], 12);
+        let x = Rng::new(5).normals(2 * cols as usize, 1.0);
+        let _l = serial();
+        let (wt, wet) = (w.upload(g), we.upload(g));
+        let xb = g.upload_f32(&x, "x").unwrap();
+        let ids = g
+            .upload(bytemuck::cast_slice(&[2u32, 0, 1, 2]), "ids")
+            .unwrap();
+        let t = |wg, rows| matvec::Tune {
+            wg,
+            rows,
+            lanes: Some(16),
+        };
+        let n = 2 * rows as usize;
+        let base = tuned_bits(&wt, &xb, None, n, t(64, 4));
+        let base_id = tuned_bits(&wet, &xb, Some(&ids), 2 * n, t(64, 4));
+        for (wg, r) in [(64, 8), (128, 12), (16, 16)] {
+            assert_eq!(
+                tuned_bits(&wt, &xb, None, n, t(wg, r)),
+                base,
+                "{dt} wg{wg} rows {r}"
+            );
+            assert_eq!(
+                tuned_bits(&wet, &xb, Some(&ids), 2 * n, t(wg, r)),
+                base_id,
+                "{dt} indexed wg{wg} rows {r}"
+            );
+        }
+    }
 }
 
 #[test]

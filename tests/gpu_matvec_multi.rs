@@ -264,9 +264,21 @@ fn options_match_lone_matvec() {
     let g = gpu();
     let tunes = [
         None,
-        Some(Tune { wg: 64, rows: 1 }),
-        Some(Tune { wg: 256, rows: 4 }),
-        Some(Tune { wg: 16, rows: 3 }),
+        Some(Tune {
+            wg: 64,
+            rows: 1,
+            lanes: None,
+        }),
+        Some(Tune {
+            wg: 256,
+            rows: 4,
+            lanes: None,
+        }),
+        Some(Tune {
+            wg: 16,
+            rows: 3,
+            lanes: None,
+        }),
     ];
     for (i, dt) in [
         DType::Q4_K,
@@ -486,6 +498,48 @@ fn prologues_match_lone_tokens() {
                 }
             }
         }
+    }
+}
+
+/// A normed product tall enough that the one-token kernel shares each x load over two row
+/// quads (`NORM_QUAD_ROWS` in src/gpu/matvec.rs) while the token-group kernel keeps one: every
+/// token's rows still have the lone product's bits (the verify step relies on it).
+#[test]
+fn tall_normed_product_matches_lone_tokens() {
+    let g = gpu();
+    let _l = serial();
+    let (rows, cols, n) = (16384 + 37, 64usize, 3usize);
+    let w = Weight::random(g, DType::Q8_0, rows, cols, 901);
+    let mut rng = Rng::new(902);
+    let xb = g.upload_f32(&rng.normals(n * cols, 1.0), "x").unwrap();
+    let nwb = g.upload_f32(&rng.normals(cols, 1.0), "nw").unwrap();
+    let pro = Prologue::RmsNorm {
+        w: &nwb,
+        eps: 1e-6,
+        keep: None,
+    };
+    let opts = MatvecOpts::default();
+    let ym = g.buffer((n * rows * 4) as u64, "ym").unwrap();
+    let yl = g.buffer((n * rows * 4) as u64, "yl").unwrap();
+    let mut pass = g.pass();
+    matvec::matvec_pro(&mut pass, &w.t, &xb, 0, &ym, 0, n as u32, &opts, &pro).unwrap();
+    for t in 0..n {
+        let (xo, yo) = ((t * cols) as u32, (t * rows) as u32);
+        matvec::matvec_pro(&mut pass, &w.t, &xb, xo, &yl, yo, 1, &opts, &pro).unwrap();
+    }
+    pass.submit().unwrap();
+    let (a, b) = (
+        g.read_f32(&ym, 0, n * rows).unwrap(),
+        g.read_f32(&yl, 0, n * rows).unwrap(),
+    );
+    for (j, (p, q)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(
+            p.to_bits(),
+            q.to_bits(),
+            "token {} row {}: {p} against lone {q}",
+            j / rows,
+            j % rows
+        );
     }
 }
 

@@ -248,11 +248,14 @@ fn parse_tunes(s: &Option<String>) -> Vec<Option<Tune>> {
         Some(s) => s
             .split(',')
             .filter_map(|t| {
-                let (a, b) = t.split_once('x')?;
-                Some(Some(Tune {
-                    wg: a.trim().parse().ok()?,
-                    rows: b.trim().parse().ok()?,
-                }))
+                let mut f = t.split('x').map(|v| v.trim().parse::<u32>());
+                let wg = f.next()?.ok()?;
+                let rows = f.next()?.ok()?;
+                let lanes = match f.next() {
+                    Some(l) => Some(l.ok()?),
+                    None => None,
+                };
+                Some(Some(Tune { wg, rows, lanes }))
             })
             .collect(),
     }
@@ -390,7 +393,7 @@ fn bench_shape(
                 "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {}{} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream  (wall {:.1} us, setup {:.1?})",
                 dt.name(),
                 (one * n_mat) >> 20,
-                tune.map(|t| format!("wg{}x{}", t.wg, t.rows)).unwrap_or_else(|| "auto".into()),
+                tune.map(|t| format!("wg{}x{}{}", t.wg, t.rows, t.lanes.map(|l| format!("x{l}")).unwrap_or_default())).unwrap_or_else(|| "auto".into()),
                 if int8_x { " int8-x" } else { "" },
                 dl.join(","),
                 s * 1e6,
