@@ -833,9 +833,23 @@ fn load_xc(xb: u32, k: u32) -> XC {
     return XC(array<vec4<f32>, 4>(x4(b0), x4(b0 + 4u), x4(b0 + 8u), x4(b0 + 12u)));
 }
 
-fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+// the x-independent half of chunk_dot: the slice's codes as floats and the block scale
+struct WC {
+    q: array<vec4<f32>, 4>,
+    d: f32,
+}
+
+fn chunk_pre(b: u32, k: u32) -> WC {
     let q = wu4(b + 2u + 16u * k);
-    return wf16(b) * (dot(f4i(q.x), xc.v[0]) + dot(f4i(q.y), xc.v[1]) + dot(f4i(q.z), xc.v[2]) + dot(f4i(q.w), xc.v[3]));
+    return WC(array<vec4<f32>, 4>(f4i(q.x), f4i(q.y), f4i(q.z), f4i(q.w)), wf16(b));
+}
+
+fn chunk_fin(w: WC, xc: XC) -> f32 {
+    return w.d * (dot(w.q[0], xc.v[0]) + dot(w.q[1], xc.v[1]) + dot(w.q[2], xc.v[2]) + dot(w.q[3], xc.v[3]));
+}
+
+fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
+    return chunk_fin(chunk_pre(b, k), xc);
 }
 #endif
 
@@ -961,15 +975,29 @@ fn load_xc(xb: u32, s: u32) -> XC {
               vec2<f32>(dot(a0 + a1 + a2 + a3, one), dot(a4 + a5 + a6 + a7, one)));
 }
 
-fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+// the x-independent half of chunk_dot: the slice's codes as floats (the v[] order) and scales
+struct WC {
+    q: array<vec4<f32>, 8>,
+    dm: vec2<f32>,
+    sm: vec4<f32>,
+}
+
+fn chunk_pre(b: u32, s: u32) -> WC {
     let bi = b >> 4u;
     let hd = W4[bi];
     let q = W4[bi + 1u + s];
-    let dm = unpack2x16float(hd.x);
-    let sm = k4_scales(hd.y, hd.z, hd.w, s >> 1u);
-    let lo = dot(lo4(q.x), xc.v[0]) + dot(lo4(q.y), xc.v[1]) + dot(lo4(q.z), xc.v[2]) + dot(lo4(q.w), xc.v[3]);
-    let hi = dot(ghi4(q.x), xc.v[4]) + dot(ghi4(q.y), xc.v[5]) + dot(ghi4(q.z), xc.v[6]) + dot(ghi4(q.w), xc.v[7]);
-    return dm.x * (sm.x * lo + sm.z * hi) - dm.y * (sm.y * xc.s.x + sm.w * xc.s.y);
+    return WC(array<vec4<f32>, 8>(lo4(q.x), lo4(q.y), lo4(q.z), lo4(q.w), ghi4(q.x), ghi4(q.y), ghi4(q.z), ghi4(q.w)),
+              unpack2x16float(hd.x), k4_scales(hd.y, hd.z, hd.w, s >> 1u));
+}
+
+fn chunk_fin(w: WC, xc: XC) -> f32 {
+    let lo = dot(w.q[0], xc.v[0]) + dot(w.q[1], xc.v[1]) + dot(w.q[2], xc.v[2]) + dot(w.q[3], xc.v[3]);
+    let hi = dot(w.q[4], xc.v[4]) + dot(w.q[5], xc.v[5]) + dot(w.q[6], xc.v[6]) + dot(w.q[7], xc.v[7]);
+    return w.dm.x * (w.sm.x * lo + w.sm.z * hi) - w.dm.y * (w.sm.y * xc.s.x + w.sm.w * xc.s.y);
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    return chunk_fin(chunk_pre(b, s), xc);
 }
 #endif
 #endif
@@ -1177,7 +1205,14 @@ fn load_xc(xb: u32, s: u32) -> XC {
               vec4<f32>(dot(a0 + a1, one), dot(a2 + a3, one), dot(a4 + a5, one), dot(a6 + a7, one)));
 }
 
-fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+// the x-independent half of chunk_dot: the slice's codes as floats (the v[] order) and scales
+struct WC {
+    q: array<vec4<f32>, 8>,
+    d: f32,
+    sc: vec4<f32>,
+}
+
+fn chunk_pre(b: u32, s: u32) -> WC {
     let n = s >> 2u;
     let l = 8u * (s & 3u);
     let a = wu2(b + 64u * n + l);
@@ -1185,9 +1220,18 @@ fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
     let h = wu2(b + 128u + 32u * n + l);
     let q0 = q6w(a.x, c.x, h.x);
     let q1 = q6w(a.y, c.y, h.y);
-    let v = vec4<f32>(dot(f4u(q0.x), xc.v[0]) + dot(f4u(q1.x), xc.v[1]), dot(f4u(q0.y), xc.v[2]) + dot(f4u(q1.y), xc.v[3]),
-                      dot(f4u(q0.z), xc.v[4]) + dot(f4u(q1.z), xc.v[5]), dot(f4u(q0.w), xc.v[6]) + dot(f4u(q1.w), xc.v[7]));
-    return wf16(b + 208u) * dot(q6_scales(b, n, l), v - 32.0 * xc.s);
+    return WC(array<vec4<f32>, 8>(f4u(q0.x), f4u(q1.x), f4u(q0.y), f4u(q1.y), f4u(q0.z), f4u(q1.z), f4u(q0.w), f4u(q1.w)),
+              wf16(b + 208u), q6_scales(b, n, l));
+}
+
+fn chunk_fin(w: WC, xc: XC) -> f32 {
+    let v = vec4<f32>(dot(w.q[0], xc.v[0]) + dot(w.q[1], xc.v[1]), dot(w.q[2], xc.v[2]) + dot(w.q[3], xc.v[3]),
+                      dot(w.q[4], xc.v[4]) + dot(w.q[5], xc.v[5]), dot(w.q[6], xc.v[6]) + dot(w.q[7], xc.v[7]));
+    return w.d * dot(w.sc, v - 32.0 * xc.s);
+}
+
+fn chunk_dot(b: u32, s: u32, xc: XC) -> f32 {
+    return chunk_fin(chunk_pre(b, s), xc);
 }
 #endif
 
@@ -1684,6 +1728,67 @@ fn mt_setup(k: u32) {
 #endif
 }
 
+#if MT_ONCE
+// MT_ONCE (types with a chunk_pre / chunk_fin split): each of the R rows' slices is decoded
+// once (chunk_pre) and dotted with every token's x slice (chunk_fin); chunk_dot is
+// chunk_fin(chunk_pre(..)), so each token's sums are the same operations as the one-token
+// kernel's. The token accumulators live in ma0..ma7.
+var<private> ma0: vec4<f32>;
+var<private> ma1: vec4<f32>;
+var<private> ma2: vec4<f32>;
+var<private> ma3: vec4<f32>;
+var<private> ma4: vec4<f32>;
+var<private> ma5: vec4<f32>;
+var<private> ma6: vec4<f32>;
+var<private> ma7: vec4<f32>;
+
+// token k's partial sums of the decoded rows w0..w3 over slice s of block blk
+fn mt_tok(k: u32, blk: u32, s: u32, w0: WC, w1: WC, w2: WC, w3: WC) -> vec4<f32> {
+    mt_use(k);
+    let xc = load_xc(mt_x(k) + blk * BS, s);
+    mt_keep(k);
+    var acc = vec4<f32>(0.0);
+    acc.x = chunk_fin(w0, xc);
+    if (R > 1u) {
+        acc.y = chunk_fin(w1, xc);
+    }
+    if (R > 2u) {
+        acc.z = chunk_fin(w2, xc);
+    }
+    if (R > 3u) {
+        acc.w = chunk_fin(w3, xc);
+    }
+    return acc;
+}
+
+fn mt_once(c: u32, rb: vec4<u32>) {
+    let blk = c / MV_CPB;
+    let s = c % MV_CPB;
+    let boff = blk * BB;
+    let w0 = chunk_pre(rb.x + boff, s);
+    var w1 = w0;
+    var w2 = w0;
+    var w3 = w0;
+    if (R > 1u) {
+        w1 = chunk_pre(rb.y + boff, s);
+    }
+    if (R > 2u) {
+        w2 = chunk_pre(rb.z + boff, s);
+    }
+    if (R > 3u) {
+        w3 = chunk_pre(rb.w + boff, s);
+    }
+    ma0 += mt_tok(0u, blk, s, w0, w1, w2, w3);
+    if (TT > 1u) { ma1 += mt_tok(1u, blk, s, w0, w1, w2, w3); }
+    if (TT > 2u) { ma2 += mt_tok(2u, blk, s, w0, w1, w2, w3); }
+    if (TT > 3u) { ma3 += mt_tok(3u, blk, s, w0, w1, w2, w3); }
+    if (TT > 4u) { ma4 += mt_tok(4u, blk, s, w0, w1, w2, w3); }
+    if (TT > 5u) { ma5 += mt_tok(5u, blk, s, w0, w1, w2, w3); }
+    if (TT > 6u) { ma6 += mt_tok(6u, blk, s, w0, w1, w2, w3); }
+    if (TT > 7u) { ma7 += mt_tok(7u, blk, s, w0, w1, w2, w3); }
+}
+#endif
+
 #if FSLOW
 // mv_partial's element step for token k
 fn mt_slow(acc: vec4<f32>, e: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
@@ -1758,6 +1863,27 @@ fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
 #else
     let n_items = ((p.cols + BS - 1u) / BS) * MV_CPB;
+#if MT_ONCE
+    ma0 = a0;
+    ma1 = a0;
+    ma2 = a0;
+    ma3 = a0;
+    ma4 = a0;
+    ma5 = a0;
+    ma6 = a0;
+    ma7 = a0;
+    for (var c = tl; c < n_items; c += TPR) {
+        mt_once(c, rb);
+    }
+    a0 = ma0;
+    a1 = ma1;
+    a2 = ma2;
+    a3 = ma3;
+    a4 = ma4;
+    a5 = ma5;
+    a6 = ma6;
+    a7 = ma7;
+#else
     for (var c = tl; c < n_items; c += TPR) {
         a0 += mt_step(c, rb, 0u);
         if (TT > 1u) { a1 += mt_step(c, rb, 1u); }
@@ -1768,6 +1894,7 @@ fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         if (TT > 6u) { a6 += mt_step(c, rb, 6u); }
         if (TT > 7u) { a7 += mt_step(c, rb, 7u); }
     }
+#endif
 #endif
 #if SUBGROUPS
     mt_store(a0, 0u, lid, sg_size, sg_lane, row0, first);

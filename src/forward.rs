@@ -267,11 +267,12 @@ pub struct LoadOptions {
     pub cpu_simd: Option<SimdLevel>,
     /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
     /// loads (`matvec::Prologue`, `--fused-loads`): fewer dispatches (Qwen3.5-9B 5.75 per
-    /// layer against ~10) and half the host time per token. On by default since the
-    /// prologues load their own operands as vectors (`PVEC`) and the big normed products
-    /// share each x load over 8 rows: on the H200 the fused 9B step then costs about what the
-    /// separate kernels did on the GPU (it was 1.65x before), the 35B-A3B step 10% less. The
-    /// fused products read f32 x (see `ActivationsChoice`).
+    /// layer against ~10) and about half the host time per token. Off by default: with the
+    /// prologues loading their operands as vectors (`PVEC`) the fused 9B step costs the GPU
+    /// 6.5 ms against 6.4 ms for the separate kernels on the H200 (1.65x before), the
+    /// 35B-A3B step 8.3 against 9.2 ms, but batches of several sequences read x through the
+    /// prologue once per token, and the server's 16-stream aggregate fell from 352 to 149
+    /// tok/s with it. The fused products read f32 x (see `ActivationsChoice`).
     pub fused_loads: bool,
     /// Several devices (`--devices`): the model's layers split over them in contiguous
     /// ranges (`models::chain`); empty or one: the single device of `adapter`.
@@ -463,7 +464,7 @@ impl Default for LoadOptions {
             expert_stream: Default::default(),
             cold_layers: Default::default(),
             cpu_simd: None,
-            fused_loads: true,
+            fused_loads: false,
             devices: Vec::new(),
             split: None,
             gpu_mems: Vec::new(),

@@ -172,7 +172,7 @@ fn flags_reach_the_bench_report() {
             .unwrap()
     };
     for (extra, act, fused) in [
-        (&[][..], "f32", true),
+        (&[][..], "f32", false),
         (
             &["--activations", "int8", "--fused-loads", "on"][..],
             "int8",

@@ -168,8 +168,9 @@ fn nine_b_pattern(n_layer: usize) -> Preset {
 /// Issue #14's measure: (dispatches of a decode step with 8 layers − with 4 layers) / 4, as
 /// `lathe bench -p 0 -n 2 --json` counts them (one per recorded dispatch) between
 /// `lathe synth --preset qwen3.5-9b --layers 8` and `--layers 4`. With the fused activation
-/// loads (`LoadOptions::fused_loads`, the default) decode stays at ≤ 6 dispatches per layer
-/// (12.5 before the fused kernels); without them it takes more.
+/// loads (`LoadOptions::fused_loads`) decode stays at ≤ 6 dispatches per layer (12.5 before
+/// the fused kernels); without them (the default: the server's batches are faster) it takes
+/// more.
 #[test]
 fn nine_b_decode_dispatches_per_layer() {
     let dir = std::env::temp_dir().join(format!("lathe-dispatch-{}", std::process::id()));

@@ -461,6 +461,15 @@ impl Plan {
             }
             if v.tt > 0 {
                 extra.push(("TT", &tt_def));
+                // the types whose slice decode is split from the x dot (chunk_pre / chunk_fin)
+                // and measured faster so: on the H200, 8 tokens of 12288 x 4096 took 81 against
+                // 138 µs (Q6_K) and 139 against 166 (Q8_0); Q4_K gained nothing (117 against 123)
+                // and lost at 2 tokens of 4096 x 12288 (111 against 38), so it keeps the
+                // per-token calls
+                let split = matches!(geo.dtype, DType::Q6_K | DType::Q8_0);
+                if split && !v.q8x && !geo.mv_slow() {
+                    extra.push(("MT_ONCE", "true"));
+                }
             }
             extra.extend_from_slice(v.user.0);
             self.spec(geo, entry, sg, xvec, &extra)
