@@ -1,0 +1,340 @@
+//! Speculative decoding in the server's engine thread: several requests at once, each
+//! drafting on its own sequence (MTP block or draft model) and all checked in shared verify
+//! passes. Greedy replies must be `run`'s (no speculation, one sequence alone) token for
+//! token, for Qwen3.5 and DeepSeek-V4 files with an MTP block (`--preset demo --mtp`,
+//! `--preset demo-deepseek4 --mtp`, written at test time) with `--draft 1..4`, and with a
+//! draft model; a sampled reply at a fixed seed must be `run`'s at that seed (the server
+//! samples each verify row as a decode step's and keeps a draft only when it is the token
+//! drawn: the rejection rule of greedy drafts).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use lathe::engine::{Engine, KvType, LoadOptions};
+use lathe::generate::{generate, GenerateOptions};
+use lathe::sample::SamplerConfig;
+use lathe::server::scheduler::{self, Event, Job, SchedulerConfig};
+use lathe::spec::{SpecMode, SpecOptions, SpecStats};
+use lathe::tokenizer::Tokenizer;
+
+/// Requests at once.
+const SLOTS: usize = 3;
+
+fn load_opts() -> LoadOptions {
+    LoadOptions {
+        kv_type: KvType::F32,
+        // Per slot its sequence and checkpoint, as `lathe serve` asks.
+        max_seqs: scheduler::SEQS_PER_SLOT * SLOTS,
+        ctx: 256,
+        ..Default::default()
+    }
+}
+
+/// A synthetic file of `preset` with an MTP block (vocabulary 512), in a temp dir the
+/// caller removes.
+fn synth_mtp(preset: &str) -> (PathBuf, PathBuf) {
+    use lathe::synth::{self, FileType, PlanOptions};
+    let dir =
+        std::env::temp_dir().join(format!("lathe-spec-server-{preset}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.gguf");
+    let opts = PlanOptions {
+        ftype: (preset == "demo").then_some(FileType::Q8_0),
+        n_vocab: Some(512),
+        mtp: true,
+        ..Default::default()
+    };
+    let plan = synth::plan(&synth::preset(preset).unwrap(), &opts, None).unwrap();
+    plan.write(&path, 1, None).unwrap();
+    (dir, path)
+}
+
+/// Prompts of different lengths and reply budgets, so that the requests join and leave
+/// the shared passes at different steps.
+fn requests() -> Vec<(Vec<u32>, usize)> {
+    vec![
+        (vec![3, 141, 59, 265, 358, 97, 93, 238, 462, 64, 33, 83], 20),
+        (vec![7, 9, 300, 12], 14),
+        ((0..40).map(|i| (i * 37 + 11) % 500).collect(), 17),
+    ]
+}
+
+/// `run`'s reply: one sequence alone, no speculation.
+fn run_reply(eng: &mut Engine, prompt: &[u32], n: usize, sampler: &SamplerConfig) -> Vec<u32> {
+    let opts = GenerateOptions {
+        max_tokens: Some(n),
+        sampler: sampler.clone(),
+        ignore_eog: true,
+        spec: SpecOptions {
+            mode: SpecMode::Off,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    generate(eng, prompt, &opts, |_| {}).unwrap().tokens
+}
+
+/// Every request of [`requests`] submitted at once to an engine thread speculating with
+/// `spec`; per request its sampled ids and speculation counts.
+fn serve(
+    path: &Path,
+    spec: SpecOptions,
+    draft_model: Option<&Path>,
+    sampler: &SamplerConfig,
+) -> Vec<(Vec<u32>, Option<SpecStats>)> {
+    let cfg = SchedulerConfig {
+        n_slots: SLOTS,
+        queue: 8,
+        prefill_chunk: 16,
+        ctx: 256,
+        spec,
+        draft_model: draft_model.map(|p| {
+            let o = LoadOptions {
+                max_seqs: SLOTS,
+                ..load_opts()
+            };
+            (p.to_path_buf(), o)
+        }),
+    };
+    let tok_dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/deepseek-v4");
+    let model = path.to_path_buf();
+    let (sched, thread) = scheduler::start(
+        cfg,
+        move || {
+            Ok((
+                Engine::load(&model, &load_opts())?,
+                Tokenizer::from_hf_dir(&tok_dir)?,
+            ))
+        },
+        |r| r.expect("the model loads"),
+    );
+    let rxs: Vec<_> = requests()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (prompt, n))| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let job = Job {
+                id: format!("r{i}"),
+                checkpoint: prompt.len(),
+                prompt,
+                max_tokens: n,
+                sampler: sampler.clone(),
+                stop: Vec::new(),
+                // The ids come back with the log-probabilities.
+                logprobs: Some(1),
+                logit_bias: Vec::new(),
+                ignore_eos: true,
+                deadline: Instant::now() + Duration::from_secs(600),
+                events: tx,
+            };
+            sched.submit(job).expect("queued");
+            rx
+        })
+        .collect();
+    let out = rxs
+        .into_iter()
+        .map(|mut rx| {
+            let mut ids = Vec::new();
+            while let Some(ev) = rx.blocking_recv() {
+                match ev {
+                    Event::Delta { logprob, .. } => ids.push(logprob.expect("logprobs").id),
+                    Event::Done { spec, .. } => return (ids, spec),
+                    Event::Error { message, .. } => panic!("{message}"),
+                    Event::Started { .. } => {}
+                }
+            }
+            panic!("the engine thread hung up");
+        })
+        .collect();
+    drop(sched);
+    thread.join().unwrap();
+    out
+}
+
+fn mtp(k: usize) -> SpecOptions {
+    SpecOptions {
+        mode: SpecMode::Mtp,
+        draft: k,
+        ..Default::default()
+    }
+}
+
+/// Greedy replies of concurrent speculating requests are `run`'s, for `--draft 1..4`.
+fn greedy_matches_run(preset: &str) {
+    let (dir, path) = synth_mtp(preset);
+    let greedy = SamplerConfig::greedy();
+    let want: Vec<Vec<u32>> = {
+        let mut eng = Engine::load(&path, &load_opts()).unwrap();
+        requests()
+            .iter()
+            .map(|(p, n)| run_reply(&mut eng, p, *n, &greedy))
+            .collect()
+    };
+    for k in 1..=4 {
+        let got = serve(&path, mtp(k), None, &greedy);
+        for (i, ((ids, st), want)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(ids, want, "{preset}: request {i}, --draft {k}");
+            let st = st.expect("the request speculated");
+            assert!(
+                st.verify_passes > 0 && st.drafted > 0,
+                "{preset} {i} k {k}: {st:?}"
+            );
+            assert!(st.accepted <= st.drafted);
+            eprintln!(
+                "{preset} request {i} --draft {k}: acceptance {:.2}, {:.2} tokens per pass",
+                st.acceptance(),
+                st.tokens_per_forward()
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn server_greedy_speculation_matches_run_qwen35() {
+    greedy_matches_run("demo");
+}
+
+#[test]
+fn server_greedy_speculation_matches_run_deepseek4() {
+    greedy_matches_run("demo-deepseek4");
+}
+
+/// The target as its own draft model in the server: every draft is accepted and the
+/// replies are `run`'s; sampled at a fixed seed with MTP drafts, the replies are `run`'s at
+/// that seed.
+#[test]
+fn server_draft_model_and_sampled_speculation() {
+    let (dir, path) = synth_mtp("demo");
+    let greedy = SamplerConfig::greedy();
+    let sampled = SamplerConfig {
+        temperature: 1.0,
+        seed: 11,
+        ..Default::default()
+    };
+    let (want, want_sampled): (Vec<Vec<u32>>, Vec<Vec<u32>>) = {
+        let mut eng = Engine::load(&path, &load_opts()).unwrap();
+        requests()
+            .iter()
+            .map(|(p, n)| {
+                (
+                    run_reply(&mut eng, p, *n, &greedy),
+                    run_reply(&mut eng, p, *n, &sampled),
+                )
+            })
+            .unzip()
+    };
+    let draft = SpecOptions {
+        mode: SpecMode::Draft,
+        draft: 3,
+        ..Default::default()
+    };
+    let got = serve(&path, draft, Some(&path), &greedy);
+    for (i, ((ids, st), want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(ids, want, "request {i} with a draft model");
+        let st = st.expect("the request speculated");
+        assert!(st.drafted > 0);
+        assert_eq!(
+            st.accepted, st.drafted,
+            "request {i}: the target drafts itself"
+        );
+    }
+    let got = serve(&path, mtp(3), None, &sampled);
+    for (i, ((ids, st), want)) in got.iter().zip(&want_sampled).enumerate() {
+        assert_eq!(ids, want, "request {i} sampled at seed 11");
+        assert!(st.expect("the request speculated").verify_passes > 0);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn bits(l: &[lathe::engine::Logits]) -> Vec<Vec<u32>> {
+    l.iter()
+        .map(|l| match l {
+            lathe::engine::Logits::Full(v) => v.iter().map(|x| x.to_bits()).collect(),
+            lathe::engine::Logits::Top(_) => panic!("full logits expected"),
+        })
+        .collect()
+}
+
+/// What the server asks of the model for each sequence, with `others` sequences taking
+/// the same steps in between (their passes overwrite every shared row buffer): the MTP
+/// logits over the prompt's rows, a verify pass batched with the others', the MTP logits
+/// over its rows, a rollback and the MTP logits over the kept row. Per step the bits.
+fn interleaved(eng: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<Vec<u32>>>> {
+    use lathe::engine::Want;
+    use lathe::models::spec::Hidden;
+    let mut seqs: Vec<_> = prompts.iter().map(|_| eng.new_seq().unwrap()).collect();
+    let s = eng.model.speculate().expect("the model speculates");
+    let mut out: Vec<Vec<Vec<Vec<u32>>>> = prompts.iter().map(|_| Vec::new()).collect();
+    for (seq, p) in seqs.iter_mut().zip(prompts) {
+        s.feed(seq, p, Want::None).unwrap();
+    }
+    let next = |p: &[u32], j: u32| (p[0] * 7 + j * 13) % 500;
+    for ((seq, p), o) in seqs.iter_mut().zip(prompts).zip(&mut out) {
+        let mut t = p[1..].to_vec();
+        t.push(next(p, 0));
+        o.push(bits(&s.mtp(seq, Hidden::Trunk, &t, Want::All).unwrap()));
+    }
+    let fed: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| (0..4).map(|j| next(p, j)).collect())
+        .collect();
+    let rows = {
+        let mut items: Vec<_> = seqs
+            .iter_mut()
+            .zip(&fed)
+            .map(|(s, f)| (s, f.as_slice(), Want::All))
+            .collect();
+        s.verify_batch(&mut items).unwrap()
+    };
+    for (((seq, f), r), o) in seqs.iter_mut().zip(&fed).zip(rows).zip(&mut out) {
+        o.push(bits(&r));
+        let mut t = f[1..].to_vec();
+        t.push(next(f, 9));
+        o.push(bits(&s.mtp(seq, Hidden::Trunk, &t, Want::All).unwrap()));
+    }
+    for ((seq, f), o) in seqs.iter_mut().zip(&fed).zip(&mut out) {
+        s.rollback(seq, &f[..2]).unwrap();
+        o.push(bits(
+            &s.mtp(seq, Hidden::Trunk, &[f[2]], Want::All).unwrap(),
+        ));
+    }
+    out
+}
+
+/// Each sequence's MTP rows read its own trunk rows and its verify rows have its lone run's
+/// bits while other sequences' passes run in between (per-sequence trunk storage,
+/// rollback state and batched verify).
+fn sequences_keep_their_own_trunks(preset: &str) {
+    let (dir, path) = synth_mtp(preset);
+    let mut eng = Engine::load(&path, &load_opts()).unwrap();
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![3, 141, 59, 265, 358, 97],
+        vec![7, 9, 300, 12, 44],
+        vec![100, 200, 300],
+    ];
+    let together = interleaved(&mut eng, &prompts);
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = interleaved(&mut eng, std::slice::from_ref(p));
+        for (step, (a, b)) in alone[0].iter().zip(&together[i]).enumerate() {
+            assert!(
+                a == b,
+                "{preset}: sequence {i}, step {step}: bits differ from its lone run"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn sequences_keep_their_own_trunks_qwen35() {
+    sequences_keep_their_own_trunks("demo");
+}
+
+#[test]
+fn sequences_keep_their_own_trunks_deepseek4() {
+    sequences_keep_their_own_trunks("demo-deepseek4");
+}
