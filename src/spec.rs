@@ -417,27 +417,49 @@ impl Speculator {
         seq: &mut Seq,
         on_fed: &mut dyn FnMut(&[u32]),
     ) -> Result<()> {
-        if self.used == 0 {
-            return Ok(());
+        for t in settle_many(engine, &mut [(self, seq)])? {
+            on_fed(&t);
         }
-        let keep = self.used;
-        if keep < self.fed.len() {
-            spec_of(engine)?.rollback(seq, &self.fed[..keep])?;
-        }
-        self.stats.tokens += keep - 1;
-        if let Some(d) = &mut self.draft {
-            match self.fed.len() {
-                // Nothing was drafted: the draft model has not read the token yet.
-                1 => d.pending.push(self.fed[0]),
-                _ => d.settle(&self.fed[1..], keep - 1)?,
-            }
-        }
-        on_fed(&self.fed[..keep]);
-        self.next = self.fed[1..keep].to_vec();
-        self.used = 0;
-        self.rows.clear();
         Ok(())
     }
+}
+
+/// [`Speculator::settle`] of several sequences, their rollbacks in shared passes
+/// ([`Speculate::rollback_batch`]); per item the tokens its sequence now holds for good.
+pub fn settle_many(
+    engine: &mut Engine,
+    items: &mut [(&mut Speculator, &mut Seq)],
+) -> Result<Vec<Vec<u32>>> {
+    let mut back: Vec<(&mut Seq, &[u32])> = items
+        .iter_mut()
+        .filter(|(s, _)| s.used > 0 && s.used < s.fed.len())
+        .map(|(s, seq)| (&mut **seq, &s.fed[..s.used]))
+        .collect();
+    if !back.is_empty() {
+        spec_of(engine)?.rollback_batch(&mut back)?;
+    }
+    drop(back);
+    let mut out = Vec::with_capacity(items.len());
+    for (s, _) in items.iter_mut() {
+        if s.used == 0 {
+            out.push(Vec::new());
+            continue;
+        }
+        let keep = s.used;
+        s.stats.tokens += keep - 1;
+        if let Some(d) = &mut s.draft {
+            match s.fed.len() {
+                // Nothing was drafted: the draft model has not read the token yet.
+                1 => d.pending.push(s.fed[0]),
+                _ => d.settle(&s.fed[1..], keep - 1)?,
+            }
+        }
+        out.push(s.fed[..keep].to_vec());
+        s.next = s.fed[1..keep].to_vec();
+        s.used = 0;
+        s.rows.clear();
+    }
+    Ok(out)
 }
 
 /// The verify pass of every item's prepared tokens ([`Speculator::prepare`]) in as few

@@ -77,18 +77,19 @@ fn run_reply(eng: &mut Engine, prompt: &[u32], n: usize, sampler: &SamplerConfig
 }
 
 /// Every request of [`requests`] submitted at once to an engine thread speculating with
-/// `spec`; per request its sampled ids and speculation counts.
+/// `spec` (slots of `ctx` positions); per request its sampled ids and speculation counts.
 fn serve(
     path: &Path,
     spec: SpecOptions,
     draft_model: Option<&Path>,
     sampler: &SamplerConfig,
+    ctx: usize,
 ) -> Vec<(Vec<u32>, Option<SpecStats>)> {
     let cfg = SchedulerConfig {
         n_slots: SLOTS,
         queue: 8,
         prefill_chunk: 16,
-        ctx: 256,
+        ctx,
         spec,
         draft_model: draft_model.map(|p| {
             let o = LoadOptions {
@@ -134,7 +135,7 @@ fn serve(
             rx
         })
         .collect();
-    let out = rxs
+    let out: Vec<(Vec<u32>, Option<SpecStats>)> = rxs
         .into_iter()
         .map(|mut rx| {
             let mut ids = Vec::new();
@@ -149,6 +150,10 @@ fn serve(
             panic!("the engine thread hung up");
         })
         .collect();
+    // The server's counts (/health) add the requests' up.
+    let total = sched.shared.spec.lock().unwrap().expect("counted");
+    let drafted: usize = out.iter().map(|o| o.1.map_or(0, |s| s.drafted)).sum();
+    assert_eq!(total.drafted, drafted);
     drop(sched);
     thread.join().unwrap();
     out
@@ -174,7 +179,7 @@ fn greedy_matches_run(preset: &str) {
             .collect()
     };
     for k in 1..=4 {
-        let got = serve(&path, mtp(k), None, &greedy);
+        let got = serve(&path, mtp(k), None, &greedy, 256);
         for (i, ((ids, st), want)) in got.iter().zip(&want).enumerate() {
             assert_eq!(ids, want, "{preset}: request {i}, --draft {k}");
             let st = st.expect("the request speculated");
@@ -232,7 +237,7 @@ fn server_draft_model_and_sampled_speculation() {
         draft: 3,
         ..Default::default()
     };
-    let got = serve(&path, draft, Some(&path), &greedy);
+    let got = serve(&path, draft, Some(&path), &greedy, 256);
     for (i, ((ids, st), want)) in got.iter().zip(&want).enumerate() {
         assert_eq!(ids, want, "request {i} with a draft model");
         let st = st.expect("the request speculated");
@@ -242,11 +247,24 @@ fn server_draft_model_and_sampled_speculation() {
             "request {i}: the target drafts itself"
         );
     }
-    let got = serve(&path, mtp(3), None, &sampled);
+    let got = serve(&path, mtp(3), None, &sampled, 256);
     for (i, ((ids, st), want)) in got.iter().zip(&want_sampled).enumerate() {
         assert_eq!(ids, want, "request {i} sampled at seed 11");
         assert!(st.expect("the request speculated").verify_passes > 0);
     }
+    // Slots of 48 positions: the 40-token prompt's reply stops at the context length (its
+    // drafts cut to fit), a prefix of `run`'s.
+    let got = serve(&path, mtp(4), None, &greedy, 48);
+    for (i, ((ids, _), want)) in got.iter().zip(&want).enumerate() {
+        let (p, _) = &requests()[i];
+        assert!(
+            p.len() + ids.len() <= 49,
+            "request {i}: {} tokens",
+            ids.len()
+        );
+        assert_eq!(ids[..], want[..ids.len()], "request {i} at --ctx 48");
+    }
+    assert!(got[2].0.len() < want[2].len());
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -48,6 +48,13 @@ pub trait Speculate {
     /// Back to the state before the sequence's last verify pass, then `keep` (its accepted
     /// tokens) fed again through the decode kernels.
     fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()>;
+    /// [`Speculate::rollback`] of several sequences, the kept tokens fed again in shared
+    /// passes where the model can.
+    fn rollback_batch(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<()> {
+        items
+            .iter_mut()
+            .try_for_each(|(s, keep)| self.rollback(s, keep))
+    }
     /// The MTP block over `tokens` at the positions `hidden` implies; `Want::Top`: the last
     /// row's best logits, `All`: every row's.
     fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want)

@@ -537,6 +537,7 @@ impl Worker {
             false => run_batch(&mut self.engine, &mut self.slots, &plain),
         };
         let mut plain_out = plain_out.into_iter();
+        let settle_err = self.settle_decoding(work).err();
         let mut out: Vec<Option<Result<Logits>>> = Vec::with_capacity(work.len());
         let mut prepared = Vec::new();
         for (i, w) in work.iter().enumerate() {
@@ -550,6 +551,12 @@ impl Worker {
             let room = self.cfg.ctx.saturating_sub(holds + 1);
             let left = a.job.max_tokens.saturating_sub(a.n_generated + 1);
             let r = match (w.spec, a.spec.as_mut()) {
+                (Some(SpecWork::Decode), Some(_)) if settle_err.is_some() => {
+                    Err(Error::Gpu(format!(
+                        "rolling back drafts failed: {}",
+                        settle_err.as_deref().unwrap_or("")
+                    )))
+                }
                 (None, _) => plain_out.next().unwrap_or_else(|| {
                     Err(Error::Gpu("the batch returned too few results".into()))
                 }),
@@ -619,6 +626,48 @@ impl Worker {
         out.into_iter()
             .map(|r| r.unwrap_or_else(|| Err(Error::Gpu("the verify pass skipped a slot".into()))))
             .collect()
+    }
+
+    /// Settles the verify passes in flight of this step's speculating decode slots, their
+    /// rollbacks in shared passes ([`crate::spec::settle_many`]). On failure the slots are
+    /// stale.
+    fn settle_decoding(&mut self, work: &[Work]) -> std::result::Result<(), String> {
+        let slots: Vec<usize> = work
+            .iter()
+            .filter(|w| matches!(w.spec, Some(SpecWork::Decode)))
+            .map(|w| w.slot)
+            .collect();
+        let mut items: Vec<(&mut Speculator, &mut Seq)> = Vec::new();
+        let mut order = Vec::new();
+        for (j, s) in self.slots.iter_mut().enumerate() {
+            let Slot { held, active, .. } = s;
+            if let (true, Some(sp)) = (
+                slots.contains(&j),
+                active.as_mut().and_then(|a| a.spec.as_mut()),
+            ) {
+                items.push((sp, held.seq_mut()));
+                order.push(j);
+            }
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let r = crate::spec::settle_many(&mut self.engine, &mut items);
+        drop(items);
+        match r {
+            Ok(fed) => {
+                for (j, t) in order.into_iter().zip(fed) {
+                    self.slots[j].held.fed(&t);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for j in order {
+                    self.slots[j].held.mark_stale();
+                }
+                Err(e.to_string())
+            }
+        }
     }
 
     /// The next row of slot `i`'s verify pass in flight when `id`, just sampled, is the

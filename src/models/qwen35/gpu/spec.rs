@@ -332,11 +332,14 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// Verify passes over several sequences (see [`Speculate::verify_batch`]): rounds of
-    /// up to [`MAX_VERIFY`] rows, the most rows whose products run decode's matvec.
-    fn verify_rounds(
+    /// Passes through the decode kernels over several sequences, in rounds of up to
+    /// [`MAX_VERIFY`] rows (the most rows whose products run decode's matvec); `save`:
+    /// each sequence's state is saved first, for a rollback (a verify pass,
+    /// [`Speculate::verify_batch`]).
+    fn rounds(
         &mut self,
         items: &mut [(&mut GpuSeq, &[u32], Want)],
+        save: bool,
     ) -> Result<Vec<Vec<Logits>>> {
         let max = self.max_verify();
         if let Some((_, t, _)) = items.iter().find(|(_, t, _)| t.is_empty() || t.len() > max) {
@@ -357,8 +360,11 @@ impl GpuModel {
                 })
                 .count();
             let (round, tail) = rest.split_at_mut(n);
-            let seqs: Vec<(u32, usize)> = round.iter().map(|(s, _, _)| (s.slot, s.pos)).collect();
-            self.save_states(&seqs)?;
+            if save {
+                let seqs: Vec<(u32, usize)> =
+                    round.iter().map(|(s, _, _)| (s.slot, s.pos)).collect();
+                self.save_states(&seqs)?;
+            }
             out.extend(self.spec_round(round, true)?);
             rest = tail;
         }
@@ -709,7 +715,7 @@ impl Speculate for GpuModel {
             Want::All | Want::Last => Want::All,
             w => w,
         };
-        let mut out = self.verify_rounds(&mut [(seq.get_mut()?, tokens, per_row)])?;
+        let mut out = self.rounds(&mut [(seq.get_mut()?, tokens, per_row)], true)?;
         Ok(out.pop().unwrap_or_default())
     }
     fn verify_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Vec<Logits>>> {
@@ -721,17 +727,22 @@ impl Speculate for GpuModel {
             };
             v.push((s.get_mut()?, *t, per_row));
         }
-        self.verify_rounds(&mut v)
+        self.rounds(&mut v, true)
     }
     fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()> {
-        let s = seq.get_mut()?;
-        self.restore_state(s)?;
-        self.spec.trunk = None;
-        if keep.is_empty() {
-            return Ok(());
+        self.rollback_batch(&mut [(seq, keep)])
+    }
+    fn rollback_batch(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<()> {
+        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (seq, keep) in items.iter_mut() {
+            let s = seq.get_mut()?;
+            self.restore_state(s)?;
+            if !keep.is_empty() {
+                v.push((s, *keep, Want::None));
+            }
         }
-        self.spec_round(&mut [(s, keep, Want::None)], true)
-            .map(drop)
+        self.spec.trunk = None;
+        self.rounds(&mut v, false).map(drop)
     }
     fn mtp(
         &mut self,
