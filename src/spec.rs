@@ -17,6 +17,13 @@
 //! Past the first rejected draft the target's state is rolled back (the recurrent state
 //! saved before the verify pass, the accepted tokens fed again); KV rows past the position
 //! are simply overwritten later.
+//!
+//! The server speculates for many sequences at once: each request has its own
+//! [`Speculator`] (the models keep each sequence's MTP trunk rows and rollback state apart),
+//! [`Speculator::advance`] takes the rows of a pass as long as the drafts hold,
+//! [`settle_many`] rolls every sequence back in shared passes, [`Speculator::prepare`]
+//! drafts per sequence and [`verify_many`] checks all sequences' drafts in shared verify
+//! passes (rows of several sequences, each with one-token bits).
 
 use crate::engine::{Engine, Logits, Want};
 use crate::models::spec::{Hidden, Speculate};

@@ -15,6 +15,12 @@
 //! assistant turn (templates drop its reasoning) restores it and feeds the rest. A slot whose
 //! tokens and checkpoint are both no prefix is reset. A slot thus holds two sequence states
 //! ([`SEQS_PER_SLOT`]); a slot that could not get its second one runs without checkpoint.
+//!
+//! With speculative decoding (`--spec`) each request drafts on its own sequence
+//! ([`crate::spec`]): a step settles every decoding slot's last verify pass (the rollbacks in
+//! shared passes), drafts per slot, and checks all slots' drafts in shared verify passes;
+//! a slot then samples on through its pass's rows for as long as each sampled token is the
+//! draft the next row was fed, so one step can stream several tokens of a request.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
