@@ -32,12 +32,14 @@ fn load_opts() -> LoadOptions {
     }
 }
 
-/// A synthetic file of `preset` with an MTP block (vocabulary 512), in a temp dir the
-/// caller removes.
-fn synth_mtp(preset: &str) -> (PathBuf, PathBuf) {
+/// A synthetic file of `preset` with an MTP block (vocabulary 512), in a temp dir (one per
+/// `tag`) the caller removes.
+fn synth_mtp(preset: &str, tag: &str) -> (PathBuf, PathBuf) {
     use lathe::synth::{self, FileType, PlanOptions};
-    let dir =
-        std::env::temp_dir().join(format!("lathe-spec-server-{preset}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "lathe-spec-server-{preset}-{tag}-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.gguf");
     let opts = PlanOptions {
@@ -169,7 +171,7 @@ fn mtp(k: usize) -> SpecOptions {
 
 /// Greedy replies of concurrent speculating requests are `run`'s, for `--draft 1..4`.
 fn greedy_matches_run(preset: &str) {
-    let (dir, path) = synth_mtp(preset);
+    let (dir, path) = synth_mtp(preset, "greedy");
     let greedy = SamplerConfig::greedy();
     let want: Vec<Vec<u32>> = {
         let mut eng = Engine::load(&path, &load_opts()).unwrap();
@@ -195,6 +197,19 @@ fn greedy_matches_run(preset: &str) {
             );
         }
     }
+    // `--spec auto` speculates while every speculating request's verify rows fit one pass
+    // (8 rows: two requests at --draft 3); the third decodes plainly, with the same reply.
+    let auto = SpecOptions {
+        mode: SpecMode::Auto,
+        draft: 3,
+        ..Default::default()
+    };
+    let got = serve(&path, auto, None, &greedy, 256);
+    for (i, ((ids, _), want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(ids, want, "{preset}: request {i}, --spec auto");
+    }
+    let n = got.iter().filter(|g| g.1.is_some()).count();
+    assert_eq!(n, 2, "{preset}: requests speculating under --spec auto");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -213,7 +228,7 @@ fn server_greedy_speculation_matches_run_deepseek4() {
 /// that seed.
 #[test]
 fn server_draft_model_and_sampled_speculation() {
-    let (dir, path) = synth_mtp("demo");
+    let (dir, path) = synth_mtp("demo", "draft");
     let greedy = SamplerConfig::greedy();
     let sampled = SamplerConfig {
         temperature: 1.0,
@@ -280,7 +295,8 @@ fn bits(l: &[lathe::engine::Logits]) -> Vec<Vec<u32>> {
 /// What the server asks of the model for each sequence, with `others` sequences taking
 /// the same steps in between (their passes overwrite every shared row buffer): the MTP
 /// logits over the prompt's rows, a verify pass batched with the others', the MTP logits
-/// over its rows, a rollback and the MTP logits over the kept row. Per step the bits.
+/// over its rows, a rollback batched with the others' and the MTP logits over the last kept
+/// row. Per step the bits.
 fn interleaved(eng: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<Vec<u32>>>> {
     use lathe::engine::Want;
     use lathe::models::spec::Hidden;
@@ -314,11 +330,20 @@ fn interleaved(eng: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<Vec<u32>>>
         t.push(next(f, 9));
         o.push(bits(&s.mtp(seq, Hidden::Trunk, &t, Want::All).unwrap()));
     }
-    for ((seq, f), o) in seqs.iter_mut().zip(&fed).zip(&mut out) {
-        s.rollback(seq, &f[..2]).unwrap();
-        o.push(bits(
-            &s.mtp(seq, Hidden::Trunk, &[f[2]], Want::All).unwrap(),
-        ));
+    // Rolled back together, keeping 1 + len % 3 tokens (several keep one: single rows).
+    let keep = |p: &[u32]| 1 + p.len() % 3;
+    {
+        let mut items: Vec<_> = seqs
+            .iter_mut()
+            .zip(&fed)
+            .zip(prompts)
+            .map(|((s, f), p)| (s, &f[..keep(p)]))
+            .collect();
+        s.rollback_batch(&mut items).unwrap();
+    }
+    for (((seq, f), p), o) in seqs.iter_mut().zip(&fed).zip(prompts).zip(&mut out) {
+        let t = [f[keep(p)]];
+        o.push(bits(&s.mtp(seq, Hidden::Trunk, &t, Want::All).unwrap()));
     }
     out
 }
@@ -327,12 +352,13 @@ fn interleaved(eng: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<Vec<u32>>>
 /// bits while other sequences' passes run in between (per-sequence trunk storage,
 /// rollback state and batched verify).
 fn sequences_keep_their_own_trunks(preset: &str) {
-    let (dir, path) = synth_mtp(preset);
+    let (dir, path) = synth_mtp(preset, "trunks");
     let mut eng = Engine::load(&path, &load_opts()).unwrap();
     let prompts: Vec<Vec<u32>> = vec![
         vec![3, 141, 59, 265, 358, 97],
         vec![7, 9, 300, 12, 44],
         vec![100, 200, 300],
+        vec![17, 18, 19, 20, 21, 22],
     ];
     let together = interleaved(&mut eng, &prompts);
     for (i, p) in prompts.iter().enumerate() {

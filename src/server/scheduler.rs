@@ -33,7 +33,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::engine::{Engine, Logits, Seq, TopLogits, Want};
 use crate::generate::{Checkpoint, HeldSeq};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
-use crate::spec::{SpecOptions, SpecStats, Speculator};
+use crate::spec::{SpecMode, SpecOptions, SpecStats, Speculator};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
 
@@ -402,6 +402,11 @@ impl Worker {
             .max_by_key(|(_, s)| (s.held.reusable(&job.prompt), std::cmp::Reverse(s.last_used)))
             .map(|(i, _)| i);
         let Some(i) = best else { return };
+        let speculating = self
+            .slots
+            .iter()
+            .filter(|s| s.active.as_ref().is_some_and(|a| a.spec.is_some()))
+            .count();
         self.clock += 1;
         let slot = &mut self.slots[i];
         slot.last_used = self.clock;
@@ -415,7 +420,8 @@ impl Worker {
                 return;
             }
         };
-        let spec = match new_speculator(&mut self.engine, &self.cfg.spec, &job.prompt[..n_cached]) {
+        let cached = &job.prompt[..n_cached];
+        let spec = match new_speculator(&mut self.engine, &self.cfg.spec, speculating, cached) {
             Ok(s) => s,
             Err(e) => {
                 slot.held.mark_stale();
@@ -859,13 +865,27 @@ fn end_spec(engine: &mut Engine, shared: &Shared, slot: &mut Slot) -> Option<Spe
     Some(st)
 }
 
-/// The speculation of a request whose slot holds `cached` already (`None`: speculation is
-/// off or the model cannot run it).
+/// The speculation of a request whose slot holds `cached` already, with `speculating`
+/// other requests speculating (`None`: speculation is off, the model cannot run it, or
+/// `--spec auto` and the server is busy).
+///
+/// `auto` speculates while the verify rows of all speculating requests fit one verify pass
+/// (`Speculate::max_verify`): past that, a plain batched decode step reads the weights once
+/// for every request, where verify passes read them once per that many rows (and each
+/// request drafts and rolls back on its own), so speculation would cost more than it saves.
+/// An explicit `--spec mtp` or `draft` always speculates.
 fn new_speculator(
     engine: &mut Engine,
     opts: &SpecOptions,
+    speculating: usize,
     cached: &[u32],
 ) -> Result<Option<Speculator>> {
+    if opts.mode == SpecMode::Auto {
+        let max = engine.model.speculate().map_or(0, |s| s.max_verify());
+        if (speculating + 1) * (opts.draft + 1) > max {
+            return Ok(None);
+        }
+    }
     let mut s = Speculator::new(engine, opts)?;
     if let Some(s) = &mut s {
         s.held(cached)?;

@@ -333,7 +333,8 @@ impl GpuModel {
     }
 
     /// Passes through the decode kernels over several sequences, in rounds of up to
-    /// [`MAX_VERIFY`] rows (the most rows whose products run decode's matvec); `save`:
+    /// [`MAX_VERIFY`] rows (the most rows whose products run decode's matvec), each row
+    /// with a one-token decode step's bits; `save`:
     /// each sequence's state is saved first, for a rollback (a verify pass,
     /// [`Speculate::verify_batch`]).
     fn rounds(
