@@ -63,9 +63,9 @@ fn requests() -> Vec<(Vec<u32>, usize)> {
     ]
 }
 
-/// `run`'s reply: one sequence alone, no speculation.
-fn run_reply(eng: &mut Engine, prompt: &[u32], n: usize, sampler: &SamplerConfig) -> Vec<u32> {
-    let opts = GenerateOptions {
+/// `run`'s options: `n` tokens, no speculation.
+fn run_opts(n: usize, sampler: &SamplerConfig) -> GenerateOptions {
+    GenerateOptions {
         max_tokens: Some(n),
         sampler: sampler.clone(),
         ignore_eog: true,
@@ -74,8 +74,14 @@ fn run_reply(eng: &mut Engine, prompt: &[u32], n: usize, sampler: &SamplerConfig
             ..Default::default()
         },
         ..Default::default()
-    };
-    generate(eng, prompt, &opts, |_| {}).unwrap().tokens
+    }
+}
+
+/// `run`'s reply: one sequence alone, no speculation.
+fn run_reply(eng: &mut Engine, prompt: &[u32], n: usize, sampler: &SamplerConfig) -> Vec<u32> {
+    generate(eng, prompt, &run_opts(n, sampler), |_| {})
+        .unwrap()
+        .tokens
 }
 
 /// Every request of [`requests`] submitted at once to an engine thread speculating with
@@ -87,6 +93,20 @@ fn serve(
     sampler: &SamplerConfig,
     ctx: usize,
 ) -> Vec<(Vec<u32>, Option<SpecStats>)> {
+    let waves = serve_waves(path, spec, draft_model, sampler, ctx, &[requests()]);
+    waves[0].iter().map(|r| (r.0.clone(), r.1)).collect()
+}
+
+/// [`serve`] of several waves of requests on one engine thread, each wave submitted at once
+/// after the last one finished; per request also the prompt tokens its slot held already.
+fn serve_waves(
+    path: &Path,
+    spec: SpecOptions,
+    draft_model: Option<&Path>,
+    sampler: &SamplerConfig,
+    ctx: usize,
+    waves: &[Vec<(Vec<u32>, usize)>],
+) -> Vec<Vec<(Vec<u32>, Option<SpecStats>, usize)>> {
     let cfg = SchedulerConfig {
         n_slots: SLOTS,
         queue: 8,
@@ -114,47 +134,56 @@ fn serve(
         },
         |r| r.expect("the model loads"),
     );
-    let rxs: Vec<_> = requests()
-        .into_iter()
-        .enumerate()
-        .map(|(i, (prompt, n))| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let job = Job {
-                id: format!("r{i}"),
-                checkpoint: prompt.len(),
-                prompt,
-                max_tokens: n,
-                sampler: sampler.clone(),
-                stop: Vec::new(),
-                // The ids come back with the log-probabilities.
-                logprobs: Some(1),
-                logit_bias: Vec::new(),
-                ignore_eos: true,
-                deadline: Instant::now() + Duration::from_secs(600),
-                events: tx,
-            };
-            sched.submit(job).expect("queued");
-            rx
-        })
-        .collect();
-    let out: Vec<(Vec<u32>, Option<SpecStats>)> = rxs
-        .into_iter()
-        .map(|mut rx| {
-            let mut ids = Vec::new();
-            while let Some(ev) = rx.blocking_recv() {
-                match ev {
-                    Event::Delta { logprob, .. } => ids.push(logprob.expect("logprobs").id),
-                    Event::Done { spec, .. } => return (ids, spec),
-                    Event::Error { message, .. } => panic!("{message}"),
-                    Event::Started { .. } => {}
-                }
-            }
-            panic!("the engine thread hung up");
-        })
-        .collect();
+    let mut out = Vec::new();
+    for wave in waves {
+        let rxs: Vec<_> = wave
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, (prompt, n))| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let job = Job {
+                    id: format!("r{i}"),
+                    checkpoint: prompt.len(),
+                    prompt,
+                    max_tokens: n,
+                    sampler: sampler.clone(),
+                    stop: Vec::new(),
+                    // The ids come back with the log-probabilities.
+                    logprobs: Some(1),
+                    logit_bias: Vec::new(),
+                    ignore_eos: true,
+                    deadline: Instant::now() + Duration::from_secs(600),
+                    events: tx,
+                };
+                sched.submit(job).expect("queued");
+                rx
+            })
+            .collect();
+        out.push(
+            rxs.into_iter()
+                .map(|mut rx| {
+                    let (mut ids, mut cached) = (Vec::new(), 0);
+                    while let Some(ev) = rx.blocking_recv() {
+                        match ev {
+                            Event::Delta { logprob, .. } => ids.push(logprob.expect("logprobs").id),
+                            Event::Done { spec, .. } => return (ids, spec, cached),
+                            Event::Error { message, .. } => panic!("{message}"),
+                            Event::Started { n_cached } => cached = n_cached,
+                        }
+                    }
+                    panic!("the engine thread hung up");
+                })
+                .collect::<Vec<_>>(),
+        );
+    }
     // The server's counts (/health) add the requests' up.
     let total = sched.shared.spec.lock().unwrap().expect("counted");
-    let drafted: usize = out.iter().map(|o| o.1.map_or(0, |s| s.drafted)).sum();
+    let drafted: usize = out
+        .iter()
+        .flatten()
+        .map(|o| o.1.map_or(0, |s| s.drafted))
+        .sum();
     assert_eq!(total.drafted, drafted);
     drop(sched);
     thread.join().unwrap();
@@ -252,15 +281,50 @@ fn server_draft_model_and_sampled_speculation() {
         draft: 3,
         ..Default::default()
     };
-    let got = serve(&path, draft, Some(&path), &greedy, 256);
-    for (i, ((ids, st), want)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(ids, want, "request {i} with a draft model");
-        let st = st.expect("the request speculated");
-        assert!(st.drafted > 0);
-        assert_eq!(
-            st.accepted, st.drafted,
-            "request {i}: the target drafts itself"
-        );
+    // Follow-ups (prompt, reply, three more tokens) reuse their slot's tokens: the draft
+    // model's fresh sequence reads them first. `run`'s: a session that keeps its sequence.
+    let follow: Vec<(Vec<u32>, usize)> = requests()
+        .iter()
+        .zip(&want)
+        .map(|((p, _), r)| ([&p[..], r, &[5, 6, 7]].concat(), 8))
+        .collect();
+    let want_follow: Vec<Vec<u32>> = {
+        let mut eng = Engine::load(&path, &load_opts()).unwrap();
+        requests()
+            .iter()
+            .zip(&follow)
+            .map(|((p, n), (q, m))| {
+                let mut s = lathe::generate::Session::new(&eng).unwrap();
+                s.generate(&mut eng, p, &run_opts(*n, &greedy), |_| {})
+                    .unwrap();
+                s.generate(&mut eng, q, &run_opts(*m, &greedy), |_| {})
+                    .unwrap()
+                    .tokens
+            })
+            .collect()
+    };
+    for spec in [draft.clone(), mtp(3)] {
+        let dm = (spec.mode == SpecMode::Draft).then_some(path.as_path());
+        let waves = [requests(), follow.clone()];
+        let got = serve_waves(&path, spec.clone(), dm, &greedy, 256, &waves);
+        for (i, (ids, st, _)) in got[0].iter().enumerate() {
+            assert_eq!(ids, &want[i], "request {i}, {:?}", spec.mode);
+            let st = st.expect("the request speculated");
+            assert!(st.drafted > 0);
+            if spec.mode == SpecMode::Draft {
+                assert_eq!(
+                    st.accepted, st.drafted,
+                    "request {i}: the target drafts itself"
+                );
+            }
+        }
+        for (i, (ids, _, cached)) in got[1].iter().enumerate() {
+            assert!(
+                *cached > requests()[i].0.len(),
+                "follow-up {i} reuses its slot"
+            );
+            assert_eq!(ids, &want_follow[i], "follow-up {i}, {:?}", spec.mode);
+        }
     }
     let got = serve(&path, mtp(3), None, &sampled, 256);
     for (i, ((ids, st), want)) in got.iter().zip(&want_sampled).enumerate() {
