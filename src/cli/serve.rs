@@ -91,10 +91,8 @@ pub struct ServeArgs {
     pub kv_type: KvType,
     #[command(flatten)]
     pub moe: super::run::MoeArgs,
-    /// Speculative decoding: every decoding request drafts tokens (the model's MTP block or
-    /// --draft-model) and the model checks all requests' drafts in shared verify passes.
-    /// `auto` speculates only while all speculating requests' drafts fit one verify pass
-    /// (beyond that, plain batched decode is cheaper); `mtp` and `draft` always do.
+    // Speculative decoding: every decoding request drafts tokens (the model's MTP block or
+    // --draft-model) and the model checks all requests' drafts in shared verify passes.
     #[command(flatten)]
     pub spec: super::run::SpecArgs,
     /// Testing aid: wait this many milliseconds before loading the model.
