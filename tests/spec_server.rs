@@ -97,6 +97,9 @@ fn serve(
     waves[0].iter().map(|r| (r.0.clone(), r.1)).collect()
 }
 
+/// A request's sampled ids, speculation counts and the prompt tokens its slot held.
+type Reply = (Vec<u32>, Option<SpecStats>, usize);
+
 /// [`serve`] of several waves of requests on one engine thread, each wave submitted at once
 /// after the last one finished; per request also the prompt tokens its slot held already.
 fn serve_waves(
@@ -106,7 +109,7 @@ fn serve_waves(
     sampler: &SamplerConfig,
     ctx: usize,
     waves: &[Vec<(Vec<u32>, usize)>],
-) -> Vec<Vec<(Vec<u32>, Option<SpecStats>, usize)>> {
+) -> Vec<Vec<Reply>> {
     let cfg = SchedulerConfig {
         n_slots: SLOTS,
         queue: 8,
