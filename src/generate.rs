@@ -139,7 +139,7 @@ pub struct Output {
 /// Tokens per prefill piece: the models' pass size (`DEFAULT_BATCH` of both GPU forwards),
 /// so feeding a long prompt piece by piece runs exactly the passes one call would, and a
 /// cancellation is seen between them.
-const PREFILL_CHUNK: usize = crate::models::qwen35::gpu::DEFAULT_BATCH;
+pub const PREFILL_CHUNK: usize = crate::models::qwen35::gpu::DEFAULT_BATCH;
 
 /// `held.len()` when `held` is a proper prefix of `prompt` (at least one prompt token must
 /// be fed to get logits), else 0.
@@ -343,12 +343,46 @@ impl HeldSeq {
     }
 
     /// Ends `spec`'s verify pass in flight (the state past the accepted tokens rolled back).
-    fn settle(&mut self, engine: &mut Engine, spec: &mut Speculator) -> Result<()> {
+    pub fn settle(&mut self, engine: &mut Engine, spec: &mut Speculator) -> Result<()> {
         self.stale = true;
         let tokens = &mut self.tokens;
         spec.settle(engine, &mut self.seq, &mut |t| tokens.extend_from_slice(t))?;
         self.stale = false;
         Ok(())
+    }
+
+    /// `id` was sampled and `spec` has no row for it: [`Speculator::prepare`] (at most
+    /// `limit` drafts) for a [`crate::spec::verify_many`] of several sequences. Stale until
+    /// settled.
+    pub fn spec_prepare(
+        &mut self,
+        engine: &mut Engine,
+        spec: &mut Speculator,
+        id: u32,
+        limit: usize,
+    ) -> Result<()> {
+        self.stale = true;
+        let tokens = &mut self.tokens;
+        spec.prepare(engine, &mut self.seq, id, limit, &mut |t| {
+            tokens.extend_from_slice(t)
+        })
+    }
+
+    /// Feeds one prompt piece through `spec` ([`Speculator::feed_prompt`]; `after`: the
+    /// prompt's next token when it goes on) and returns what `want` asks of its last
+    /// token's logits.
+    pub fn spec_feed_prompt(
+        &mut self,
+        engine: &mut Engine,
+        spec: &mut Speculator,
+        piece: &[u32],
+        after: Option<u32>,
+        want: Want,
+    ) -> Result<Logits> {
+        self.stale = true;
+        let l = spec.feed_prompt(engine, &mut self.seq, piece, after, want)?;
+        self.fed(piece);
+        Ok(l)
     }
 
     /// Feeds `tokens` (at least one) and returns what `want` asks of the last one's logits.
@@ -602,16 +636,8 @@ impl Session {
                 None => self.held.feed(engine, &prompt[at..end], piece_want)?,
                 Some(s) => {
                     let after = prompt.get(end).copied();
-                    self.held.stale = true;
-                    let l = s.feed_prompt(
-                        engine,
-                        &mut self.held.seq,
-                        &prompt[at..end],
-                        after,
-                        piece_want,
-                    )?;
-                    self.held.fed(&prompt[at..end]);
-                    l
+                    self.held
+                        .spec_feed_prompt(engine, s, &prompt[at..end], after, piece_want)?
                 }
             };
             at = end;

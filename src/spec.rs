@@ -17,6 +17,13 @@
 //! Past the first rejected draft the target's state is rolled back (the recurrent state
 //! saved before the verify pass, the accepted tokens fed again); KV rows past the position
 //! are simply overwritten later.
+//!
+//! The server speculates for many sequences at once: each request has its own
+//! [`Speculator`] (the models keep each sequence's MTP trunk rows and rollback state apart),
+//! [`Speculator::advance`] takes the rows of a pass as long as the drafts hold,
+//! [`settle_many`] rolls every sequence back in shared passes, [`Speculator::prepare`]
+//! drafts per sequence and [`verify_many`] checks all sequences' drafts in shared verify
+//! passes (rows of several sequences, each with one-token bits).
 
 use crate::engine::{Engine, Logits, Want};
 use crate::models::spec::{Hidden, Speculate};
@@ -273,6 +280,8 @@ impl Speculator {
 
     /// Feeds one prompt piece (`want` for its last token), keeping its hidden states for
     /// the MTP block; `after`: the token that follows the piece when the prompt goes on.
+    /// A piece longer than one pass goes in passes of [`Speculate::pass_rows`] tokens, as
+    /// the forward would split it.
     pub fn feed_prompt(
         &mut self,
         engine: &mut Engine,
@@ -281,20 +290,29 @@ impl Speculator {
         after: Option<u32>,
         want: Want,
     ) -> Result<Logits> {
-        let s = spec_of(engine)?;
-        let logits = s.feed(seq, piece, want)?;
-        if let Some(d) = &mut self.draft {
-            // The draft model reads the prompt in the same pieces.
-            d.model
-                .lock()
-                .forward_batch_with(&mut [(&mut d.seq, piece, Want::None)])?;
-        } else if let Some(t) = after {
-            self.next = piece[1..].to_vec();
-            self.next.push(t);
-            s.mtp(seq, Hidden::Trunk, &self.next, Want::None)?;
-            self.next.clear();
-        } else {
-            self.next = piece[1..].to_vec();
+        let rows = spec_of(engine)?.pass_rows().max(1);
+        let mut logits = Vec::new();
+        for (i, part) in piece.chunks(rows).enumerate() {
+            let end = (i + 1) * rows;
+            let last = end >= piece.len();
+            let s = spec_of(engine)?;
+            logits = s.feed(seq, part, if last { want } else { Want::None })?;
+            if let Some(d) = &mut self.draft {
+                // The draft model reads the prompt in the same pieces.
+                d.model
+                    .lock()
+                    .forward_batch_with(&mut [(&mut d.seq, part, Want::None)])?;
+            } else {
+                // The MTP rows over the part, each reading the token after its row.
+                // Without the next prompt token the last row's is not known yet: it reads
+                // the part's last token for now and is run again when the token is sampled
+                // (its KV row rewritten), from the sequence's saved trunk rows.
+                self.next = part[1..].to_vec();
+                let next = piece.get(end).copied().or(after);
+                self.next.push(next.unwrap_or(part[part.len() - 1]));
+                s.mtp(seq, Hidden::Trunk, &self.next, Want::None)?;
+                self.next.clear();
+            }
         }
         logits
             .into_iter()
@@ -302,9 +320,76 @@ impl Speculator {
             .ok_or_else(|| Error::Gpu("the forward returned nothing".into()))
     }
 
+    /// The sequence already holds `prefix` (a reused prompt cache): a draft model reads it
+    /// too, so that its sequence holds what the target's does.
+    pub fn held(&mut self, prefix: &[u32]) -> Result<()> {
+        if let Some(d) = &mut self.draft {
+            let mut eng = d.model.lock();
+            let rows = spec_of(&mut eng)?.pass_rows().max(1);
+            for part in prefix.chunks(rows) {
+                eng.forward_batch_with(&mut [(&mut d.seq, part, Want::None)])?;
+            }
+        }
+        Ok(())
+    }
+
     /// The draft the next unused row was fed, while a verify pass has rows left.
     fn expected(&self) -> Option<u32> {
         (self.used > 0 && self.used < self.fed.len()).then(|| self.fed[self.used])
+    }
+
+    /// The tokens of the verify pass in flight that the rows sampled so far followed: the
+    /// sequence holds them past what was settled (the context a sampler's penalties read).
+    pub fn in_flight(&self) -> &[u32] {
+        &self.fed[..self.used.min(self.fed.len())]
+    }
+
+    /// `id` was sampled from the last row taken: the next row's logits when the verify
+    /// pass in flight has it (the draft that row was fed is `id`; with `accept_all` any
+    /// draft), and the token that counts as sampled. `None`: a new pass is needed
+    /// ([`Speculator::prepare`], then [`verify_many`]).
+    pub fn advance(&mut self, id: u32) -> Option<(Logits, u32)> {
+        let d = self.expected()?;
+        let id = if self.accept_all { d } else { id };
+        if id != d {
+            return None;
+        }
+        self.stats.accepted += 1;
+        self.used += 1;
+        Some((self.rows[self.used - 1].clone(), id))
+    }
+
+    /// `id` was sampled and the verify pass in flight has no row for it: settles that pass
+    /// and drafts up to `limit` tokens after `id` (at most `--draft`; 0: the next pass
+    /// checks `id` alone) for [`verify_many`]. `on_fed` gets the tokens the sequence now
+    /// holds for good.
+    pub fn prepare(
+        &mut self,
+        engine: &mut Engine,
+        seq: &mut Seq,
+        id: u32,
+        limit: usize,
+        on_fed: &mut dyn FnMut(&[u32]),
+    ) -> Result<()> {
+        self.settle(engine, seq, on_fed)?;
+        let k = self.k.min(limit);
+        self.fed.clear();
+        self.fed.push(id);
+        if k == 0 {
+            self.next.clear();
+            return Ok(());
+        }
+        if let Some(dm) = &mut self.draft {
+            self.fed.extend(dm.draft(id, k)?);
+        } else {
+            // The MTP rows over the new trunk rows, the last one reading `id`: its draft is
+            // the first; the chain drafts the rest.
+            self.next.push(id);
+            let drafts = spec_of(engine)?.mtp_drafts(seq, &self.next, k)?;
+            self.next.clear();
+            self.fed.extend(drafts);
+        }
+        Ok(())
     }
 
     /// `id` was sampled (from the prompt's last logits or the previous row): the logits of
@@ -320,44 +405,14 @@ impl Speculator {
         want: Want,
         on_fed: &mut dyn FnMut(&[u32]),
     ) -> Result<(Logits, u32)> {
-        let mut id = id;
-        if let Some(d) = self.expected() {
-            if self.accept_all {
-                id = d;
-            }
-            if id == d {
-                self.stats.accepted += 1;
-                self.used += 1;
-                return Ok((self.rows[self.used - 1].clone(), id));
-            }
+        if let Some(r) = self.advance(id) {
+            return Ok(r);
         }
-        self.settle(engine, seq, on_fed)?;
-        self.fed.clear();
-        self.fed.push(id);
-        if let Some(dm) = &mut self.draft {
-            self.fed.extend(dm.draft(id, self.k)?);
-        } else {
-            // The MTP rows over the new trunk rows, the last one reading `id`: its draft is
-            // the first; the chain drafts the rest.
-            self.next.push(id);
-            let drafts = spec_of(engine)?.mtp_drafts(seq, &self.next, self.k)?;
-            self.next.clear();
-            self.fed.extend(drafts);
-        }
-        let s = spec_of(engine)?;
-        let per_row = match want {
-            Want::Top { .. } => want,
-            _ => Want::All,
-        };
-        self.rows = s.verify(seq, &self.fed, per_row)?;
-        if self.rows.len() != self.fed.len() {
-            return Err(Error::Gpu("the verify pass returned too few rows".into()));
-        }
-        self.stats.drafted += self.k;
-        self.stats.verify_passes += 1;
-        self.stats.tokens += 1;
-        self.used = 1;
-        Ok((self.rows[0].clone(), id))
+        self.prepare(engine, seq, id, self.k, on_fed)?;
+        let logits = verify_many(engine, &mut [(self, seq, want)])?
+            .pop()
+            .ok_or_else(|| Error::Gpu("the verify pass returned nothing".into()))?;
+        Ok((logits, id))
     }
 
     /// Ends the current verify pass: the rows sampled from say which of its tokens count;
@@ -369,23 +424,98 @@ impl Speculator {
         seq: &mut Seq,
         on_fed: &mut dyn FnMut(&[u32]),
     ) -> Result<()> {
-        if self.used == 0 {
-            return Ok(());
+        for t in settle_many(engine, &mut [(self, seq)])? {
+            on_fed(&t);
         }
-        let keep = self.used;
-        if keep < self.fed.len() {
-            spec_of(engine)?.rollback(seq, &self.fed[..keep])?;
-        }
-        self.stats.tokens += keep - 1;
-        if let Some(d) = &mut self.draft {
-            d.settle(&self.fed[1..], keep - 1)?;
-        }
-        on_fed(&self.fed[..keep]);
-        self.next = self.fed[1..keep].to_vec();
-        self.used = 0;
-        self.rows.clear();
         Ok(())
     }
+}
+
+/// [`Speculator::settle`] of several sequences, their rollbacks in shared passes
+/// ([`Speculate::rollback_batch`]); per item the tokens its sequence now holds for good.
+pub fn settle_many(
+    engine: &mut Engine,
+    items: &mut [(&mut Speculator, &mut Seq)],
+) -> Result<Vec<Vec<u32>>> {
+    let mut back: Vec<(&mut Seq, &[u32])> = items
+        .iter_mut()
+        .filter(|(s, _)| s.used > 0 && s.used < s.fed.len())
+        .map(|(s, seq)| (&mut **seq, &s.fed[..s.used]))
+        .collect();
+    if !back.is_empty() {
+        spec_of(engine)?.rollback_batch(&mut back)?;
+    }
+    drop(back);
+    let mut out = Vec::with_capacity(items.len());
+    for (s, _) in items.iter_mut() {
+        if s.used == 0 {
+            out.push(Vec::new());
+            continue;
+        }
+        let keep = s.used;
+        s.stats.tokens += keep - 1;
+        if let Some(d) = &mut s.draft {
+            match s.fed.len() {
+                // Nothing was drafted: the draft model has not read the token yet.
+                1 => d.pending.push(s.fed[0]),
+                _ => d.settle(&s.fed[1..], keep - 1)?,
+            }
+        }
+        out.push(s.fed[..keep].to_vec());
+        s.next = s.fed[1..keep].to_vec();
+        s.used = 0;
+        s.rows.clear();
+    }
+    Ok(out)
+}
+
+/// The verify pass of every item's prepared tokens ([`Speculator::prepare`]) in as few
+/// target passes as keep one-token bits ([`Speculate::verify_batch`]); per item the first
+/// row's logits (what `want` asks of each row). The other rows wait in each speculator for
+/// [`Speculator::advance`].
+pub fn verify_many(
+    engine: &mut Engine,
+    items: &mut [(&mut Speculator, &mut Seq, Want)],
+) -> Result<Vec<Logits>> {
+    if let Some((s, _, _)) = items
+        .iter()
+        .find(|(s, _, _)| s.fed.is_empty() || s.used > 0)
+    {
+        return Err(Error::Invalid(format!(
+            "a verify pass of {} prepared tokens ({} rows of the last one taken)",
+            s.fed.len(),
+            s.used
+        )));
+    }
+    let rows = {
+        let mut batch: Vec<(&mut Seq, &[u32], Want)> = items
+            .iter_mut()
+            .map(|(s, seq, want)| {
+                let per_row = match *want {
+                    Want::Top { .. } => *want,
+                    _ => Want::All,
+                };
+                (&mut **seq, s.fed.as_slice(), per_row)
+            })
+            .collect();
+        spec_of(engine)?.verify_batch(&mut batch)?
+    };
+    if rows.len() != items.len() {
+        return Err(Error::Gpu("the verify pass returned too few items".into()));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for ((s, _, _), r) in items.iter_mut().zip(rows) {
+        if r.len() != s.fed.len() {
+            return Err(Error::Gpu("the verify pass returned too few rows".into()));
+        }
+        s.rows = r;
+        s.stats.drafted += s.fed.len() - 1;
+        s.stats.verify_passes += 1;
+        s.stats.tokens += 1;
+        s.used = 1;
+        out.push(s.rows[0].clone());
+    }
+    Ok(out)
 }
 
 fn top1(l: &[Logits]) -> Result<u32> {

@@ -59,6 +59,11 @@ fn top_path_streams_what_full_logits_stream() {
         queue: 8,
         prefill_chunk: 64,
         ctx: 256,
+        spec: lathe::spec::SpecOptions {
+            mode: lathe::spec::SpecMode::Off,
+            ..Default::default()
+        },
+        draft_model: None,
     };
     let (sched, _thread) = scheduler::start(
         cfg,

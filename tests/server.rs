@@ -1345,3 +1345,64 @@ fn several_devices_serve_the_same_text() {
         }
     });
 }
+
+/// `--spec draft --draft-model`: two requests at once, each drafting with the model itself,
+/// stream what the server without speculation streams; the drafts show in each reply's
+/// usage (`completion_tokens_details`) and in /health. `--spec mtp` on a file without an
+/// MTP block is refused at load.
+#[test]
+fn speculation_flags_and_stats() {
+    let m = model().to_str().unwrap();
+    let prompts = ["The quick brown fox", "Once upon a time"];
+    let want: Vec<Value> = {
+        let plain = Server::start(&["--parallel", "2"]);
+        prompts
+            .iter()
+            .map(|p| plain.post("/v1/completions", &completion(p, 12)).1)
+            .collect()
+    };
+    let s = Server::start(&[
+        "--parallel",
+        "2",
+        "--spec",
+        "draft",
+        "--draft",
+        "3",
+        "--draft-model",
+        m,
+    ]);
+    let got: Vec<Value> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let s = &s;
+                sc.spawn(move || s.post("/v1/completions", &completion(p, 12)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().1).collect()
+    });
+    let mut drafted = 0;
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g["choices"][0]["text"], w["choices"][0]["text"], "{g}");
+        let d = &g["usage"]["completion_tokens_details"];
+        let (acc, rej) = (
+            d["accepted_prediction_tokens"].as_u64().unwrap(),
+            d["rejected_prediction_tokens"].as_u64().unwrap(),
+        );
+        assert!(acc > 0, "{g}");
+        drafted += acc + rej;
+    }
+    let (_, h) = s.get("/health");
+    assert_eq!(h["speculation"]["drafted"].as_u64(), Some(drafted), "{h}");
+    let a = h["speculation"]["acceptance"].as_f64().unwrap();
+    assert!(a > 0.0 && a <= 1.0, "{h}");
+    drop(s);
+
+    let out = Command::new(env!("CARGO_BIN_EXE_lathe"))
+        .args(["serve", "--model", m, "--port", "0", "--spec", "mtp"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no MTP block"), "{err}");
+}

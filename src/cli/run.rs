@@ -284,7 +284,8 @@ impl SamplingArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SpecArgs {
     /// Drafts from: mtp (the model's multi-token prediction block), draft (--draft-model),
-    /// off, or auto (mtp when the file has the block, else the draft model when given).
+    /// off, or auto (mtp when the file has the block, else the draft model when given; in
+    /// `serve` only while all speculating requests' drafts fit one verify pass).
     #[arg(long = "spec", value_name = "MODE", default_value = "auto")]
     pub mode: lathe::spec::SpecMode,
     /// Tokens drafted per verify pass.

@@ -91,6 +91,10 @@ pub struct ServeArgs {
     pub kv_type: KvType,
     #[command(flatten)]
     pub moe: super::run::MoeArgs,
+    // Speculative decoding: every decoding request drafts tokens (the model's MTP block or
+    // --draft-model) and the model checks all requests' drafts in shared verify passes.
+    #[command(flatten)]
+    pub spec: super::run::SpecArgs,
     /// Testing aid: wait this many milliseconds before loading the model.
     #[arg(long, hide = true, default_value_t = 0)]
     pub debug_load_delay_ms: u64,
@@ -147,5 +151,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.reasoning = a.reasoning_format == "auto";
     cfg.shutdown_grace = seconds("shutdown-grace", a.shutdown_grace)?;
     cfg.load_delay = Duration::from_millis(a.debug_load_delay_ms);
+    if let Some(p) = &a.spec.draft_model {
+        super::run::check_model_path(p)?;
+    }
+    cfg.spec = lathe::spec::SpecOptions {
+        mode: a.spec.mode,
+        draft: a.spec.draft,
+        accept_all: false,
+        draft_model: None,
+        draft_vocab: a.spec.draft_vocab,
+    };
+    cfg.draft_model = a.spec.draft_model;
     lathe::server::run(cfg)
 }

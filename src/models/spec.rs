@@ -10,9 +10,11 @@ use crate::Result;
 /// Which hidden states an MTP pass reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hidden {
-    /// Row `j` reads the hidden state of row `j` of the sequence's last [`Speculate::feed`],
-    /// [`Speculate::verify`] or [`Speculate::rollback`] pass (as many tokens as it had
-    /// rows; positions from its first).
+    /// The rows read the hidden states of the last rows (as many as the pass has tokens)
+    /// of the sequence's last [`Speculate::feed`], [`Speculate::verify`] or
+    /// [`Speculate::rollback`] pass, at their positions. The last
+    /// [`crate::gpu::matvec::MAX_TOKENS`] rows of each sequence's pass are kept per
+    /// sequence (other sequences' passes may run in between); more only until the next pass.
     Trunk,
     /// One token after the last MTP row of the sequence, reading that row's output: the
     /// next draft of a chain.
@@ -24,6 +26,9 @@ pub trait Speculate {
     fn has_mtp(&self) -> bool;
     /// Most tokens of one [`Speculate::verify`] pass.
     fn max_verify(&self) -> usize;
+    /// Most tokens of one pass: a longer [`Speculate::feed`] runs in several and keeps no
+    /// trunk rows beyond the saved ones.
+    fn pass_rows(&self) -> usize;
     /// Feed `tokens` as a forward does (the same passes; the logits `want` asks for, one
     /// item), keeping the rows for [`Hidden::Trunk`] when they fit one pass.
     fn feed(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
@@ -31,9 +36,25 @@ pub trait Speculate {
     /// logits (per row what `want` asks: `Top` or full) have the bits of a one-token decode
     /// step at that position.
     fn verify(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>>;
-    /// Back to the state before the last verify pass, then `keep` (its accepted tokens)
-    /// fed again through the decode kernels.
+    /// [`Speculate::verify`] of several sequences (each at most [`Speculate::max_verify`]
+    /// tokens), in as few passes as keep each row's one-token bits; each sequence can be
+    /// rolled back afterwards. Per item its rows' logits.
+    fn verify_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Vec<Logits>>> {
+        items
+            .iter_mut()
+            .map(|(s, t, w)| self.verify(s, t, *w))
+            .collect()
+    }
+    /// Back to the state before the sequence's last verify pass, then `keep` (its accepted
+    /// tokens) fed again through the decode kernels.
     fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()>;
+    /// [`Speculate::rollback`] of several sequences, the kept tokens fed again in shared
+    /// passes where the model can.
+    fn rollback_batch(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<()> {
+        items
+            .iter_mut()
+            .try_for_each(|(s, keep)| self.rollback(s, keep))
+    }
     /// The MTP block over `tokens` at the positions `hidden` implies; `Want::Top`: the last
     /// row's best logits, `All`: every row's.
     fn mtp(&mut self, seq: &Seq, hidden: Hidden, tokens: &[u32], want: Want)

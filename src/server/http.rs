@@ -24,6 +24,7 @@ use super::api::{self, json_response, ApiError, GenParams, Prompt};
 use super::output::{OutputParser, Piece, ToolCall};
 use super::random_id;
 use super::scheduler::{Event, Finish, Job, Loaded, Scheduler, SubmitError, TokenLogprob};
+use crate::spec::SpecStats;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 
 /// What the handlers need besides the scheduler.
@@ -136,14 +137,22 @@ async fn health(State(st): State<AppState>) -> Response {
             &json!({"status": "loading"}),
         );
     }
-    json_response(
-        StatusCode::OK,
-        &json!({"status": "ok", "slots": {
-            "total": st.cfg.n_slots,
-            "active": sh.active.load(Ordering::Relaxed),
-            "queued": sh.queued.load(Ordering::Relaxed),
-        }}),
-    )
+    let mut body = json!({"status": "ok", "slots": {
+        "total": st.cfg.n_slots,
+        "active": sh.active.load(Ordering::Relaxed),
+        "queued": sh.queued.load(Ordering::Relaxed),
+    }});
+    // Speculative decoding over the finished requests.
+    if let Some(s) = sh.spec.lock().ok().and_then(|s| *s) {
+        body["speculation"] = json!({
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "acceptance": s.acceptance(),
+            "verify_passes": s.verify_passes,
+            "tokens_per_forward": s.tokens_per_forward(),
+        });
+    }
+    json_response(StatusCode::OK, &body)
 }
 
 fn model_object(st: &AppState) -> Value {
@@ -446,13 +455,22 @@ async fn start(
     }
 }
 
-fn usage(n_prompt: usize, n_cached: usize, n_generated: usize) -> Value {
-    json!({
+/// The usage block; with speculative decoding, its drafts in OpenAI's predicted-output
+/// fields (`completion_tokens_details`: drafted tokens the reply kept, and those it did not).
+fn usage(n_prompt: usize, n_cached: usize, n_generated: usize, spec: Option<SpecStats>) -> Value {
+    let mut u = json!({
         "prompt_tokens": n_prompt,
         "completion_tokens": n_generated,
         "total_tokens": n_prompt + n_generated,
         "prompt_tokens_details": {"cached_tokens": n_cached},
-    })
+    });
+    if let Some(s) = spec {
+        u["completion_tokens_details"] = json!({
+            "accepted_prediction_tokens": s.accepted,
+            "rejected_prediction_tokens": s.drafted - s.accepted,
+        });
+    }
+    u
 }
 
 fn engine_error(message: String, code: &'static str) -> ApiError {
@@ -571,8 +589,9 @@ async fn collect(mut meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event
                 n_prompt,
                 n_cached,
                 n_generated,
+                spec,
             } => {
-                let usage = usage(n_prompt, n_cached, n_generated);
+                let usage = usage(n_prompt, n_cached, n_generated, spec);
                 let want_lp = meta.params.logprobs.is_some();
                 let t = &meta.tokenizer;
                 let body = match &mut kind {
@@ -763,6 +782,7 @@ impl Stream {
                     n_prompt,
                     n_cached,
                     n_generated,
+                    spec,
                 } => {
                     let last = match &mut self.kind {
                         Kind::Chat(p) => {
@@ -779,7 +799,7 @@ impl Stream {
                     };
                     Self::event(&mut out, &self.chunk(Some(last), None));
                     if self.meta.params.include_usage {
-                        let u = usage(n_prompt, n_cached, n_generated);
+                        let u = usage(n_prompt, n_cached, n_generated, spec);
                         Self::event(&mut out, &self.chunk(None, Some(u)));
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");

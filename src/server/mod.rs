@@ -67,6 +67,10 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Testing aid: sleep this long before loading (to observe the loading state).
     pub load_delay: Duration,
+    /// Speculative decoding (`--spec`, `--draft`, `--draft-vocab`).
+    pub spec: crate::spec::SpecOptions,
+    /// `--draft-model`: loaded on the model's adapter after the model.
+    pub draft_model: Option<PathBuf>,
 }
 
 impl ServerConfig {
@@ -95,6 +99,8 @@ impl ServerConfig {
             reasoning: true,
             shutdown_grace: Duration::from_secs(30),
             load_delay: Duration::ZERO,
+            spec: crate::spec::SpecOptions::default(),
+            draft_model: None,
         }
     }
 
@@ -298,6 +304,17 @@ async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
         queue: cfg.queue,
         prefill_chunk: cfg.prefill_chunk,
         ctx: cfg.ctx,
+        spec: cfg.spec.clone(),
+        // One draft sequence per slot.
+        draft_model: cfg.draft_model.clone().map(|p| {
+            let opts = LoadOptions {
+                max_seqs: cfg.parallel,
+                progress: None,
+                save_expert_stats: None,
+                ..cfg.load.clone()
+            };
+            (p, opts)
+        }),
     };
     let (lc, lt) = (cfg.clone(), template.clone());
     let (sched, engine_thread) = scheduler::start(

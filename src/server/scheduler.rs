@@ -15,6 +15,12 @@
 //! assistant turn (templates drop its reasoning) restores it and feeds the rest. A slot whose
 //! tokens and checkpoint are both no prefix is reset. A slot thus holds two sequence states
 //! ([`SEQS_PER_SLOT`]); a slot that could not get its second one runs without checkpoint.
+//!
+//! With speculative decoding (`--spec`) each request drafts on its own sequence
+//! ([`crate::spec`]): a step settles every decoding slot's last verify pass (the rollbacks in
+//! shared passes), drafts per slot, and checks all slots' drafts in shared verify passes;
+//! a slot then samples on through its pass's rows for as long as each sampled token is the
+//! draft the next row was fed, so one step can stream several tokens of a request.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -27,6 +33,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::engine::{Engine, Logits, Seq, TopLogits, Want};
 use crate::generate::{Checkpoint, HeldSeq};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
+use crate::spec::{SpecMode, SpecOptions, SpecStats, Speculator};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
 
@@ -90,6 +97,8 @@ pub enum Event {
         n_prompt: usize,
         n_cached: usize,
         n_generated: usize,
+        /// What speculative decoding did for the request; `None` without it.
+        spec: Option<SpecStats>,
     },
     Error {
         message: String,
@@ -106,6 +115,11 @@ pub struct SchedulerConfig {
     pub prefill_chunk: usize,
     /// Most tokens a slot may hold (prompt + generated).
     pub ctx: usize,
+    /// Speculative decoding (`--spec`, `--draft`): each decoding slot drafts tokens and
+    /// the target checks every slot's in shared verify passes.
+    pub spec: SpecOptions,
+    /// `--draft-model`: loaded after the model, with these options (one sequence per slot).
+    pub draft_model: Option<(std::path::PathBuf, crate::engine::LoadOptions)>,
 }
 
 /// Filled by the engine thread once the model is loaded.
@@ -122,6 +136,9 @@ pub struct Shared {
     pub failed: Mutex<Option<String>>,
     pub active: AtomicUsize,
     pub queued: AtomicUsize,
+    /// What speculative decoding did over the finished requests; `None` before any
+    /// speculated.
+    pub spec: Mutex<Option<SpecStats>>,
 }
 
 impl Shared {
@@ -178,7 +195,17 @@ pub fn start(
                 }
             };
             let setup = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                load().and_then(|(engine, tok)| {
+                load().and_then(|(mut engine, tok)| {
+                    let mut spec = cfg.spec.clone();
+                    if let Some((path, opts)) = &cfg.draft_model {
+                        let d = Engine::load(path, opts).map_err(|e| {
+                            Error::Invalid(format!("--draft-model {}: {e}", path.display()))
+                        })?;
+                        eprintln!("lathe serve: draft model {} loaded", path.display());
+                        spec.draft_model = Some(crate::spec::DraftModel::new(d));
+                    }
+                    // A wrong --spec fails here, not at each request.
+                    drop(Speculator::new(&mut engine, &spec)?);
                     let mut slots = (0..cfg.n_slots.max(1))
                         .map(|_| Slot::new(&engine))
                         .collect::<Result<Vec<_>>>()?;
@@ -191,11 +218,11 @@ pub fn start(
                             ),
                         }
                     }
-                    Ok((engine, Arc::new(tok), slots))
+                    Ok((engine, Arc::new(tok), slots, spec))
                 })
             }))
             .unwrap_or_else(|_| Err(Error::Invalid("loading crashed (internal error)".into())));
-            let (engine, tokenizer, slots) = match setup {
+            let (engine, tokenizer, slots, spec) = match setup {
                 Ok(x) => x,
                 Err(e) => {
                     fail(&sh, e.to_string());
@@ -209,6 +236,7 @@ pub fn start(
             });
             on_loaded(Ok(()));
             let mut cfg = cfg;
+            cfg.spec = spec;
             // Every slot's state shares one KV pool per layer, bounded by the adapter's
             // binding limit: a reply stops there ("length") instead of failing the forward.
             if let Some(m) = engine.max_context().filter(|&m| m < cfg.ctx) {
@@ -272,15 +300,34 @@ struct Active {
     decoder: StreamDecoder,
     started: Instant,
     first_token: Option<Duration>,
+    /// The request's speculation; `None`: plain decode.
+    spec: Option<Speculator>,
+}
+
+impl Active {
+    /// Tokens the slot's sequence holds past `held` (a verify pass's, while in flight).
+    fn in_flight(&self) -> &[u32] {
+        self.spec.as_ref().map_or(&[], |s| s.in_flight())
+    }
 }
 
 /// What a slot feeds this step.
+#[derive(Clone)]
 struct Work {
     slot: usize,
     tokens: Vec<u32>,
     /// What of the last token's logits the slot samples from ([`Want::None`] while its
     /// prompt goes on).
     want: Want,
+    /// Through the slot's speculator: its prompt pieces (`after`: the prompt's next
+    /// token) or its sampled token (drafts and a verify pass).
+    spec: Option<SpecWork>,
+}
+
+#[derive(Clone, Copy)]
+enum SpecWork {
+    Prompt { after: Option<u32> },
+    Decode,
 }
 
 struct Worker {
@@ -304,7 +351,7 @@ impl Worker {
             if work.is_empty() {
                 continue;
             }
-            let results = run_batch(&mut self.engine, &mut self.slots, &work);
+            let results = self.run_step(&work);
             self.absorb(work, results);
         }
     }
@@ -355,6 +402,11 @@ impl Worker {
             .max_by_key(|(_, s)| (s.held.reusable(&job.prompt), std::cmp::Reverse(s.last_used)))
             .map(|(i, _)| i);
         let Some(i) = best else { return };
+        let speculating = self
+            .slots
+            .iter()
+            .filter(|s| s.active.as_ref().is_some_and(|a| a.spec.is_some()))
+            .count();
         self.clock += 1;
         let slot = &mut self.slots[i];
         slot.last_used = self.clock;
@@ -363,6 +415,18 @@ impl Worker {
             Err(e) => {
                 let _ = job.events.send(Event::Error {
                     message: format!("preparing the sequence failed: {e}"),
+                    code: "internal",
+                });
+                return;
+            }
+        };
+        let cached = &job.prompt[..n_cached];
+        let spec = match new_speculator(&mut self.engine, &self.cfg.spec, speculating, cached) {
+            Ok(s) => s,
+            Err(e) => {
+                slot.held.mark_stale();
+                let _ = job.events.send(Event::Error {
+                    message: format!("preparing speculative decoding failed: {e}"),
                     code: "internal",
                 });
                 return;
@@ -384,6 +448,7 @@ impl Worker {
             decoder: StreamDecoder::new(),
             started: Instant::now(),
             first_token: None,
+            spec,
             job,
         });
         self.shared.active.fetch_add(1, Ordering::Relaxed);
@@ -399,6 +464,7 @@ impl Worker {
                 continue;
             }
             // Free the slot before telling the client, as `emit` does.
+            end_spec(&mut self.engine, &self.shared, slot);
             let a = slot.active.take().expect("active slot");
             self.shared.active.fetch_sub(1, Ordering::Relaxed);
             if gone {
@@ -423,6 +489,7 @@ impl Worker {
                         slot: i,
                         tokens: a.feed.clone(),
                         want: want_of(a),
+                        spec: a.spec.as_ref().map(|_| SpecWork::Decode),
                     });
                 }
             }
@@ -462,9 +529,179 @@ impl Worker {
                 } else {
                     Want::None
                 },
+                spec: a.spec.as_ref().map(|_| SpecWork::Prompt {
+                    after: feed.get(n).copied(),
+                }),
             });
         }
         work
+    }
+
+    /// Runs one step's work: the plain items in one batched forward ([`run_batch`]); the
+    /// prompt pieces of speculating slots one at a time through their speculators (the MTP
+    /// block reads each piece's rows); the sampled tokens of speculating slots drafted on,
+    /// then checked together in shared verify passes ([`verify_many`]). Per item what its
+    /// `want` asks of its next logits.
+    fn run_step(&mut self, work: &[Work]) -> Vec<Result<Logits>> {
+        let plain: Vec<Work> = work.iter().filter(|w| w.spec.is_none()).cloned().collect();
+        let plain_out = match plain.is_empty() {
+            true => Vec::new(),
+            false => run_batch(&mut self.engine, &mut self.slots, &plain),
+        };
+        let mut plain_out = plain_out.into_iter();
+        let settle_err = self.settle_decoding(work).err();
+        let mut out: Vec<Option<Result<Logits>>> = Vec::with_capacity(work.len());
+        let mut prepared = Vec::new();
+        for (i, w) in work.iter().enumerate() {
+            let Slot { held, active, .. } = &mut self.slots[w.slot];
+            let Some(a) = active.as_mut() else {
+                out.push(Some(Err(Error::Invalid("the slot has no request".into()))));
+                continue;
+            };
+            // The tokens the sequence will hold once what is in flight settles.
+            let holds = held.tokens().len() + a.in_flight().len();
+            let room = self.cfg.ctx.saturating_sub(holds + 1);
+            let left = a.job.max_tokens.saturating_sub(a.n_generated + 1);
+            let r = match (w.spec, a.spec.as_mut()) {
+                (Some(SpecWork::Decode), Some(_)) if settle_err.is_some() => {
+                    Err(Error::Gpu(format!(
+                        "rolling back drafts failed: {}",
+                        settle_err.as_deref().unwrap_or("")
+                    )))
+                }
+                (None, _) => plain_out.next().unwrap_or_else(|| {
+                    Err(Error::Gpu("the batch returned too few results".into()))
+                }),
+                (Some(SpecWork::Prompt { after }), Some(s)) => {
+                    held.spec_feed_prompt(&mut self.engine, s, &w.tokens, after, w.want)
+                }
+                (Some(SpecWork::Decode), Some(s)) => {
+                    match held.spec_prepare(&mut self.engine, s, w.tokens[0], room.min(left)) {
+                        Ok(()) => {
+                            prepared.push(i);
+                            out.push(None);
+                            continue;
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                (Some(_), None) => Err(Error::Invalid("the slot does not speculate".into())),
+            };
+            if r.is_err() && w.spec.is_some() {
+                held.mark_stale();
+            }
+            out.push(Some(r));
+        }
+        if !prepared.is_empty() {
+            let in_step: Vec<usize> = prepared.iter().map(|&i| work[i].slot).collect();
+            let mut want = vec![Want::None; self.slots.len()];
+            for &i in &prepared {
+                want[work[i].slot] = work[i].want;
+            }
+            let mut items: Vec<(&mut Speculator, &mut Seq, Want)> = Vec::new();
+            let mut order = Vec::new();
+            for (j, s) in self.slots.iter_mut().enumerate() {
+                if !in_step.contains(&j) {
+                    continue;
+                }
+                let Slot { held, active, .. } = s;
+                if let Some(sp) = active.as_mut().and_then(|a| a.spec.as_mut()) {
+                    items.push((sp, held.seq_mut(), want[j]));
+                    order.push(j);
+                }
+            }
+            let r = crate::spec::verify_many(&mut self.engine, &mut items);
+            drop(items);
+            let mut by_slot: Vec<Option<Result<Logits>>> =
+                (0..self.slots.len()).map(|_| None).collect();
+            match r {
+                Ok(ls) if ls.len() == order.len() => {
+                    for (j, l) in order.into_iter().zip(ls) {
+                        by_slot[j] = Some(Ok(l));
+                    }
+                }
+                r => {
+                    let msg = match r {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "the verify pass returned too few results".into(),
+                    };
+                    for &j in &in_step {
+                        self.slots[j].held.mark_stale();
+                        by_slot[j] = Some(Err(Error::Gpu(msg.clone())));
+                    }
+                }
+            }
+            for &i in &prepared {
+                out[i] = by_slot[work[i].slot].take();
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::Gpu("the verify pass skipped a slot".into()))))
+            .collect()
+    }
+
+    /// Settles the verify passes in flight of this step's speculating decode slots, their
+    /// rollbacks in shared passes ([`crate::spec::settle_many`]). On failure the slots are
+    /// stale.
+    fn settle_decoding(&mut self, work: &[Work]) -> std::result::Result<(), String> {
+        let slots: Vec<usize> = work
+            .iter()
+            .filter(|w| matches!(w.spec, Some(SpecWork::Decode)))
+            .map(|w| w.slot)
+            .collect();
+        let mut items: Vec<(&mut Speculator, &mut Seq)> = Vec::new();
+        let mut order = Vec::new();
+        for (j, s) in self.slots.iter_mut().enumerate() {
+            let Slot { held, active, .. } = s;
+            if let (true, Some(sp)) = (
+                slots.contains(&j),
+                active.as_mut().and_then(|a| a.spec.as_mut()),
+            ) {
+                items.push((sp, held.seq_mut()));
+                order.push(j);
+            }
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let r = crate::spec::settle_many(&mut self.engine, &mut items);
+        drop(items);
+        match r {
+            Ok(fed) => {
+                for (j, t) in order.into_iter().zip(fed) {
+                    self.slots[j].held.fed(&t);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for j in order {
+                    self.slots[j].held.mark_stale();
+                }
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// The next row of slot `i`'s verify pass in flight when `id`, just sampled, is the
+    /// draft it was fed; a request whose row cannot be sampled ends with an error.
+    fn advance(&mut self, i: usize, id: u32) -> Option<Logits> {
+        let a = self.slots[i].active.as_mut()?;
+        let (logits, _) = a.spec.as_mut()?.advance(id)?;
+        match crate::generate::check_finite(&self.engine, &logits, a.n_generated) {
+            Ok(()) => Some(logits),
+            Err(e) => {
+                let slot = &mut self.slots[i];
+                slot.held.mark_stale();
+                let a = slot.active.take().expect("active slot");
+                self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                eprintln!("lathe serve: {}: {e}", a.job.id);
+                let _ = a.job.events.send(Event::Error {
+                    message: e.to_string(),
+                    code: "internal",
+                });
+                None
+            }
+        }
     }
 
     /// Takes the step's logits: advances prompts, samples, streams, finishes.
@@ -478,7 +715,9 @@ impl Worker {
             };
             match r {
                 Ok(logits) => {
-                    slot.held.fed(&w.tokens);
+                    if w.spec.is_none() {
+                        slot.held.fed(&w.tokens);
+                    }
                     a.feed.drain(..w.tokens.len());
                     if a.prefilling && slot.held.tokens().len() == a.job.checkpoint {
                         // A failed copy leaves no checkpoint; the request goes on.
@@ -515,26 +754,40 @@ impl Worker {
                 }
             }
         }
-        // Sampling full logits costs O(vocab) per slot: in parallel over slots.
-        let mut logits_of: Vec<Option<Logits>> = (0..self.slots.len()).map(|_| None).collect();
-        for (i, l) in to_sample {
-            logits_of[i] = Some(l);
-        }
-        // rayon's collect keeps the slots' order.
-        let picks: Vec<(usize, u32, Option<TokenLogprob>)> = self
-            .slots
-            .par_iter_mut()
-            .zip(logits_of.par_iter_mut())
-            .enumerate()
-            .filter_map(|(i, (s, l))| {
-                let mut logits = l.take()?;
-                let a = s.active.as_mut()?;
-                let (id, lp) = sample_one(a, s.held.tokens(), &mut logits);
-                Some((i, id, lp))
-            })
-            .collect();
-        for (i, id, logprob) in picks {
-            self.emit(i, id, logprob);
+        // Sampling full logits costs O(vocab) per slot: in parallel over slots. A speculating
+        // slot whose sampled token is the draft its verify pass's next row was fed samples
+        // again from that row, in the next round.
+        let mut round = to_sample;
+        while !round.is_empty() {
+            let mut logits_of: Vec<Option<Logits>> = (0..self.slots.len()).map(|_| None).collect();
+            for (i, l) in round {
+                logits_of[i] = Some(l);
+            }
+            // rayon's collect keeps the slots' order.
+            let picks: Vec<(usize, u32, Option<TokenLogprob>)> = self
+                .slots
+                .par_iter_mut()
+                .zip(logits_of.par_iter_mut())
+                .enumerate()
+                .filter_map(|(i, (s, l))| {
+                    let mut logits = l.take()?;
+                    let a = s.active.as_mut()?;
+                    // The penalties' history: what the sequence holds, in flight included.
+                    let history = match a.in_flight() {
+                        [] => std::borrow::Cow::Borrowed(s.held.tokens()),
+                        f => std::borrow::Cow::Owned([s.held.tokens(), f].concat()),
+                    };
+                    let (id, lp) = sample_one(a, &history, &mut logits);
+                    Some((i, id, lp))
+                })
+                .collect();
+            round = Vec::new();
+            for (i, id, logprob) in picks {
+                self.emit(i, id, logprob);
+                if let Some(l) = self.advance(i, id) {
+                    round.push((i, l));
+                }
+            }
         }
     }
 
@@ -557,7 +810,7 @@ impl Worker {
             _ => Finish::Stop,
         });
         // The next forward would pass the context length.
-        if finish.is_none() && slot.held.tokens().len() >= ctx {
+        if finish.is_none() && slot.held.tokens().len() + a.in_flight().len() >= ctx {
             text.push_str(&a.stop.finish());
             finish = Some(Finish::Length);
         }
@@ -569,6 +822,7 @@ impl Worker {
             Some(finish) => {
                 // Free the slot before saying so: a client that reads `Done` and asks
                 // /health sees it free.
+                let spec = end_spec(&mut self.engine, &self.shared, slot);
                 let a = slot.active.take().expect("active slot");
                 self.shared.active.fetch_sub(1, Ordering::Relaxed);
                 log_done(&a, finish);
@@ -577,10 +831,12 @@ impl Worker {
                     n_prompt: a.job.prompt.len(),
                     n_cached: a.n_cached,
                     n_generated: a.n_generated,
+                    spec,
                 });
             }
             None if !sent => {
                 eprintln!("lathe serve: {} cancelled (client gone)", a.job.id);
+                end_spec(&mut self.engine, &self.shared, slot);
                 slot.active = None;
                 self.shared.active.fetch_sub(1, Ordering::Relaxed);
             }
@@ -589,15 +845,71 @@ impl Worker {
     }
 }
 
+/// Settles the speculation of the request in `slot` (the sequence then holds exactly the
+/// tokens its slot says; on failure it is marked stale) and adds its counts to the server's.
+fn end_spec(engine: &mut Engine, shared: &Shared, slot: &mut Slot) -> Option<SpecStats> {
+    let Slot { held, active, .. } = slot;
+    let s = active.as_mut()?.spec.as_mut()?;
+    if let Err(e) = held.settle(engine, s) {
+        eprintln!("lathe serve: settling speculation failed: {e}");
+        held.mark_stale();
+    }
+    let st = s.stats;
+    if let Ok(mut all) = shared.spec.lock() {
+        let t = all.get_or_insert_with(SpecStats::default);
+        t.drafted += st.drafted;
+        t.accepted += st.accepted;
+        t.verify_passes += st.verify_passes;
+        t.tokens += st.tokens;
+    }
+    Some(st)
+}
+
+/// The speculation of a request whose slot holds `cached` already, with `speculating`
+/// other requests speculating (`None`: speculation is off, the model cannot run it, or
+/// `--spec auto` and the server is busy).
+///
+/// `auto` speculates while the verify rows of all speculating requests fit one verify pass
+/// (`Speculate::max_verify`): past that, a plain batched decode step reads the weights once
+/// for every request, where verify passes read them once per that many rows (and each
+/// request drafts and rolls back on its own), so speculation would cost more than it saves.
+/// An explicit `--spec mtp` or `draft` always speculates.
+fn new_speculator(
+    engine: &mut Engine,
+    opts: &SpecOptions,
+    speculating: usize,
+    cached: &[u32],
+) -> Result<Option<Speculator>> {
+    if opts.mode == SpecMode::Auto {
+        let max = engine.model.speculate().map_or(0, |s| s.max_verify());
+        if (speculating + 1) * (opts.draft + 1) > max {
+            return Ok(None);
+        }
+    }
+    let mut s = Speculator::new(engine, opts)?;
+    if let Some(s) = &mut s {
+        s.held(cached)?;
+    }
+    Ok(s)
+}
+
 fn log_done(a: &Active, finish: Finish) {
     let total = a.started.elapsed();
     let ttft = a.first_token.unwrap_or(total);
     let decode = total.saturating_sub(ttft).as_secs_f64();
-    let rate = if a.n_generated > 1 && decode > 0.0 {
+    let mut rate = if a.n_generated > 1 && decode > 0.0 {
         format!(" ({:.1} tok/s)", (a.n_generated - 1) as f64 / decode)
     } else {
         String::new()
     };
+    if let Some(s) = &a.spec {
+        rate.push_str(&format!(
+            ", drafts accepted {:.1}% ({} of {})",
+            100.0 * s.stats.acceptance(),
+            s.stats.accepted,
+            s.stats.drafted
+        ));
+    }
     eprintln!(
         "lathe serve: {} prompt {} ({} cached), generated {}{rate}, first token {:.0} ms, {:?}",
         a.job.id,

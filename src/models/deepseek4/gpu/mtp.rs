@@ -54,8 +54,11 @@ pub(super) struct SpecState {
     /// (sequence, first position, rows) of the last pass fed through [`Speculate`] whose
     /// rows `MtpGpu::trunk` holds.
     pub trunk: Option<(u64, usize, usize)>,
-    /// (sequence, position) before the last verify pass.
-    pub verify: Option<(u64, usize)>,
+    /// Per sequence: `[MAX_VERIFY, hc·n_embd]` rows, their first position and count: the
+    /// last trunk rows of its last [`Speculate`] pass, kept while other sequences run.
+    pub saved: std::collections::HashMap<u64, (wgpu::Buffer, usize, usize)>,
+    /// Per sequence its position before its last verify pass.
+    pub verify: std::collections::HashMap<u64, usize>,
     pub mtp: Option<MtpGpu>,
 }
 
@@ -106,8 +109,64 @@ impl GpuModel {
         let out = r?.pop().unwrap_or_default();
         if self.spec.mtp.is_some() && n <= self.scratch.rows {
             self.spec.trunk = Some((id, pos0, n));
+            self.save_trunk(id, pos0, n)?;
         }
         Ok(out)
+    }
+
+    /// Copies the last (up to [`MAX_VERIFY`]) rows of `MtpGpu::trunk` (a pass of `n` rows
+    /// of sequence `id` from `pos0`) to the sequence's own rows.
+    fn save_trunk(&mut self, id: u64, pos0: usize, n: usize) -> Result<()> {
+        let Some(m) = &self.spec.mtp else {
+            return Ok(());
+        };
+        let w = (self.hp.hc * self.hp.n_embd * 4) as u64;
+        if !self.spec.saved.contains_key(&id) {
+            let b = self.gpu.buffer(MAX_VERIFY as u64 * w, "mtp.saved")?;
+            self.spec.saved.insert(id, (b, 0, 0));
+        }
+        let keep = n.min(MAX_VERIFY);
+        let saved = self.spec.saved.get_mut(&id).expect("made above");
+        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(
+            &m.trunk,
+            (n - keep) as u64 * w,
+            &saved.0,
+            0,
+            keep as u64 * w,
+        );
+        self.gpu.queue.submit([enc.finish()]);
+        (saved.1, saved.2) = (pos0 + n - keep, keep);
+        Ok(())
+    }
+
+    /// The trunk rows an MTP pass over `n` tokens of `seq` reads: the last `n` rows of its
+    /// last [`Speculate`] pass, which must have ended at its position. Returns their first
+    /// position, whether they are in `MtpGpu::trunk` (else the sequence's saved rows) and
+    /// their first row there.
+    fn trunk_src(&self, seq: &GpuSeq, n: usize) -> Option<(usize, bool, u32)> {
+        self.spec.mtp.as_ref()?;
+        let ends_here = |p0: usize, r: usize| n > 0 && n <= r && p0 + r == seq.pos;
+        if let Some((_, p0, r)) = self.spec.saved.get(&seq.id) {
+            if ends_here(*p0, *r) {
+                return Some((p0 + r - n, false, (r - n) as u32));
+            }
+        }
+        match self.spec.trunk {
+            Some((id, p0, r)) if id == seq.id && ends_here(p0, r) => {
+                Some((p0 + r - n, true, (r - n) as u32))
+            }
+            _ => None,
+        }
+    }
+
+    /// The buffer [`GpuModel::trunk_src`] names.
+    fn trunk_buf(&self, seq: &GpuSeq, scratch: bool) -> &wgpu::Buffer {
+        let m = self.spec.mtp.as_ref().expect("trunk_src checked the block");
+        match self.spec.saved.get(&seq.id) {
+            Some((b, _, _)) if !scratch => b,
+            _ => &m.trunk,
+        }
     }
 
     /// Records the MTP block over `n` rows at positions `pos0..` reading the hidden rows at
@@ -198,18 +257,18 @@ impl GpuModel {
         let (Some(m), Some(_)) = (&self.spec.mtp, &seq.mtp) else {
             return Err(Error::Invalid("the model has no MTP block".into()));
         };
-        // (first position, read the trunk (else the last output), source row)
-        let (pos0, trunk, src_row) = match hidden {
-            Hidden::Trunk => match self.spec.trunk {
-                Some((id, p0, rows)) if id == seq.id && rows == n && n > 0 => (p0, true, 0),
-                _ => {
-                    return Err(Error::Invalid(format!(
-                        "MTP over {n} trunk rows: the last pass of this sequence fed another number"
-                    )))
-                }
-            },
+        // (first position, read trunk rows (else the last output), in `MtpGpu::trunk`, row)
+        let (pos0, trunk, scratch, src_row) = match hidden {
+            Hidden::Trunk => {
+                let (p0, scratch, row) = self.trunk_src(seq, n).ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "MTP over {n} trunk rows: the last pass of this sequence fed fewer"
+                    ))
+                })?;
+                (p0, true, scratch, row)
+            }
             Hidden::Chain => match m.last {
-                Some((id, p, row)) if id == seq.id && n == 1 => (p + 1, false, row),
+                Some((id, p, row)) if id == seq.id && n == 1 => (p + 1, false, false, row),
                 _ => {
                     return Err(Error::Invalid(
                         "a chained MTP draft needs one token after an MTP row of this sequence"
@@ -234,7 +293,11 @@ impl GpuModel {
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(tokens));
         let st = seq.mtp.as_ref().expect("checked above");
         let m = self.spec.mtp.as_ref().expect("checked above");
-        let src = if trunk { &m.trunk } else { &m.out };
+        let src = if trunk {
+            self.trunk_buf(seq, scratch)
+        } else {
+            &m.out
+        };
         let mut pass = gpu.pass();
         self.record_mtp(&mut pass, st, pos0, n, src, src_row)?;
         let mut top = TopReq::default();
@@ -266,7 +329,8 @@ impl GpuModel {
         let (hh, norm) = (&m.w.hc_head, &m.w.norm);
         let (logits, tops) = self.head(pass, hh, norm, &out, n as u32, &wants, &top, &mut None)?;
         let v = out.n_vocab;
-        // Where Trunk rows were read, the trunk is used up (another MTP pass needs a new one).
+        // Where `MtpGpu::trunk` rows were read, they are used up (another MTP pass needs a
+        // new one); the sequence's saved rows stay.
         self.spec.trunk = None;
         let m = self.spec.mtp.as_mut().expect("checked above");
         m.last = Some((seq.id, pos0 + n - 1, n as u32 - 1));
@@ -328,12 +392,12 @@ impl GpuModel {
             return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
         }
         let n = tokens.len();
-        let pos0 = match (self.spec.trunk, &self.spec.mtp, &seq.mtp) {
-            (Some((id, p0, rows)), Some(_), Some(_)) if id == seq.id && rows == n && n > 0 => p0,
+        let (pos0, scratch, src_row) = match (self.trunk_src(seq, n), &seq.mtp) {
+            (Some(t), Some(_)) => t,
             _ => {
                 return Err(Error::Invalid(format!(
-                    "MTP drafts over {n} trunk rows: the last pass of this sequence fed another \
-                     number, or the model has no MTP block"
+                    "MTP drafts over {n} trunk rows: the last pass of this sequence fed fewer, \
+                     or the model has no MTP block"
                 )))
             }
         };
@@ -356,7 +420,14 @@ impl GpuModel {
         let m = self.spec.mtp.as_ref().expect("checked above");
         let sc = &self.scratch;
         let mut pass = gpu.pass();
-        self.record_mtp(&mut pass, st, pos0, n, &m.trunk, 0)?;
+        self.record_mtp(
+            &mut pass,
+            st,
+            pos0,
+            n,
+            self.trunk_buf(seq, scratch),
+            src_row,
+        )?;
         self.record_draft_top(&mut pass, n as u32, n as u32 - 1, 0)?;
         let mut row = n as u32 - 1;
         for j in 1..k {
@@ -389,6 +460,9 @@ impl Speculate for GpuModel {
     fn max_verify(&self) -> usize {
         MAX_VERIFY
     }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
+    }
 
     fn feed(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
         Ok(vec![self
@@ -405,7 +479,7 @@ impl Speculate for GpuModel {
                 "a verify pass of {n} tokens (1..={MAX_VERIFY})"
             )));
         }
-        self.spec.verify = Some((s.id, s.pos));
+        self.spec.verify.insert(s.id, s.pos);
         let per_row = match want {
             Want::Top { .. } | Want::None => want,
             Want::All | Want::Last => Want::All,
@@ -428,8 +502,9 @@ impl Speculate for GpuModel {
 
     fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()> {
         let s: &mut GpuSeq = seq.get_mut()?;
-        match self.spec.verify {
-            Some((id, p0)) if id == s.id && p0 + keep.len() <= s.pos => {
+        match self.spec.verify.get(&s.id).copied() {
+            Some(p0) if p0 + keep.len() <= s.pos => {
+                let id = s.id;
                 s.pos = p0 + keep.len();
                 // The trunk's first rows are the kept tokens' (the verify pass's rows).
                 self.spec.trunk = match self.spec.trunk {
@@ -438,6 +513,13 @@ impl Speculate for GpuModel {
                     }
                     _ => None,
                 };
+                if let Some(saved) = self.spec.saved.get_mut(&id) {
+                    if saved.1 != p0 || keep.is_empty() {
+                        self.spec.saved.remove(&id);
+                    } else {
+                        saved.2 = keep.len();
+                    }
+                }
                 Ok(())
             }
             _ => Err(Error::Invalid(

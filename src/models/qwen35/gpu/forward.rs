@@ -793,8 +793,9 @@ impl GpuModel {
                 },
             )
         };
-        // Verify rows (`spec.exact`): each row as the one-token decode call at its position.
-        for p in parts.iter().filter(|p| p.n > 1 && self.spec.exact) {
+        // Verify rows (`spec.exact`, single tokens too): each row as the one-token decode
+        // call at its position.
+        for p in parts.iter().filter(|_| self.spec.exact) {
             for j in 0..p.n as u32 {
                 let q = p.pos0 as u32 + j;
                 let keys = Keys::Causal {
@@ -818,7 +819,10 @@ impl GpuModel {
             call(pass, p.row as u32, np, keys, pos0 + np, false)?;
         }
         // Decode rows (contiguous at the end of the pass): one call for all of them.
-        let singles: Vec<&Part> = parts.iter().filter(|p| p.n == 1).collect();
+        let singles: Vec<&Part> = parts
+            .iter()
+            .filter(|p| p.n == 1 && !self.spec.exact)
+            .collect();
         if let [p] = singles[..] {
             let keys = Keys::Causal {
                 row0: p.slot * cap,

@@ -40,6 +40,20 @@ pub(super) struct MtpGpu {
     top: topk::LogitsTop,
     /// [2·MAX_VERIFY] u32: position and KV row of each chained draft row.
     stage: wgpu::Buffer,
+    /// [slots·MAX_VERIFY, n_embd]: per sequence slot the last trunk rows of its last pass
+    /// (`SpecState::saved`), so that other sequences' passes can run before its drafts.
+    saved: wgpu::Buffer,
+}
+
+/// Where the hidden states of an MTP pass come from.
+#[derive(Clone, Copy)]
+enum Src {
+    /// Rows of `Scratch::x` from this row on: the trunk's last pass.
+    Scratch(u32),
+    /// Rows of `MtpGpu::saved` from this row on.
+    Saved(u32),
+    /// Row of `MtpGpu::out`: the last MTP pass's output (a chained draft).
+    Out(u32),
 }
 
 /// One slot's recurrent state saved before a verify pass: per layer (conv, GDN state).
@@ -58,7 +72,11 @@ pub struct SpecState {
     /// (slot, first position, rows) of the last pass fed through [`Speculate`]: the rows
     /// `Scratch::x` still holds, whose hidden states the MTP block reads.
     pub(super) trunk: Option<(u32, usize, usize)>,
-    snap: Option<Snap>,
+    /// Per slot (first position, rows) of the trunk rows `MtpGpu::saved` holds: the last
+    /// (up to [`MAX_VERIFY`]) rows of the slot's last [`Speculate`] pass.
+    saved: Vec<Option<(usize, usize)>>,
+    /// Per slot its state before its last verify pass.
+    snaps: std::collections::HashMap<u32, Snap>,
     pub(super) mtp: Option<MtpGpu>,
 }
 
@@ -104,54 +122,57 @@ impl GpuModel {
             draft_head: None,
             top: topk::LogitsTop::new(&self.gpu, MAX_VERIFY as u32, self.hp.n_vocab as u32)?,
             stage: self.gpu.buffer(2 * MAX_VERIFY as u64 * 4, "mtp.stage")?,
+            saved: self
+                .gpu
+                .buffer(p.slots as u64 * MAX_VERIFY as u64 * e * 4, "mtp.saved")?,
         });
+        self.spec.saved = vec![None; p.slots];
         Ok(())
     }
 
-    /// Saves `seq`'s conv and GDN state (one submission of copies).
-    fn save_state(&mut self, seq: &GpuSeq) -> Result<()> {
+    /// Saves each slot's conv and GDN state and position (one submission of copies), each
+    /// into its own [`Snap`].
+    fn save_states(&mut self, seqs: &[(u32, usize)]) -> Result<()> {
         let hp = &self.hp;
         let conv_len = ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
         let ssm_len = (hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
-        if self.spec.snap.is_none() {
-            let mut bufs = Vec::new();
-            for l in 0..self.pools.conv.len() {
-                bufs.push(match self.pools.conv[l] {
-                    Some(_) => Some((
-                        self.gpu.buffer(conv_len, "spec.conv")?,
-                        self.gpu.buffer(ssm_len, "spec.ssm")?,
-                    )),
-                    None => None,
-                });
-            }
-            self.spec.snap = Some(Snap {
-                slot: 0,
-                pos: 0,
-                bufs,
-            });
-        }
-        let snap = self.spec.snap.as_mut().expect("made above");
-        let s = seq.slot as u64;
         let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-        for (l, b) in snap.bufs.iter().enumerate() {
-            if let (Some((c, h)), Some(pc), Some(ph)) = (b, &self.pools.conv[l], &self.pools.ssm[l])
-            {
-                enc.copy_buffer_to_buffer(pc, s * conv_len, c, 0, conv_len);
-                enc.copy_buffer_to_buffer(ph, s * ssm_len, h, 0, ssm_len);
+        for &(slot, pos) in seqs {
+            if !self.spec.snaps.contains_key(&slot) {
+                let mut bufs = Vec::new();
+                for l in 0..self.pools.conv.len() {
+                    bufs.push(match self.pools.conv[l] {
+                        Some(_) => Some((
+                            self.gpu.buffer(conv_len, "spec.conv")?,
+                            self.gpu.buffer(ssm_len, "spec.ssm")?,
+                        )),
+                        None => None,
+                    });
+                }
+                self.spec.snaps.insert(slot, Snap { slot, pos, bufs });
             }
+            let snap = self.spec.snaps.get_mut(&slot).expect("made above");
+            let s = slot as u64;
+            for (l, b) in snap.bufs.iter().enumerate() {
+                if let (Some((c, h)), Some(pc), Some(ph)) =
+                    (b, &self.pools.conv[l], &self.pools.ssm[l])
+                {
+                    enc.copy_buffer_to_buffer(pc, s * conv_len, c, 0, conv_len);
+                    enc.copy_buffer_to_buffer(ph, s * ssm_len, h, 0, ssm_len);
+                }
+            }
+            snap.pos = pos;
         }
         self.gpu.queue.submit([enc.finish()]);
-        snap.slot = seq.slot;
-        snap.pos = seq.pos;
         Ok(())
     }
 
-    /// Puts back what [`GpuModel::save_state`] saved of `seq`; its position returns too.
+    /// Puts back what [`GpuModel::save_states`] saved of `seq`; its position returns too.
     fn restore_state(&mut self, seq: &mut GpuSeq) -> Result<()> {
         let hp = &self.hp;
         let conv_len = ((hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
         let ssm_len = (hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
-        let snap = match &self.spec.snap {
+        let snap = match self.spec.snaps.get(&seq.slot) {
             Some(s) if s.slot == seq.slot && s.pos <= seq.pos => s,
             _ => {
                 return Err(Error::Invalid(
@@ -173,61 +194,182 @@ impl GpuModel {
         Ok(())
     }
 
-    /// One pass over `tokens` of `seq` in one round; `exact`: through the decode kernels.
-    /// Per row the logits `want` asks for (`Top` and `All` per row; `Last` as `All`).
-    /// Any [`Speculate`] pass but `feed` comes here.
-    fn spec_pass(
+    /// Copies the last (up to [`MAX_VERIFY`]) trunk rows of each `(slot, first row, first
+    /// position, rows)` of the last round from `Scratch::x` to the slot's rows of
+    /// `MtpGpu::saved` (one submission).
+    fn save_trunks(&mut self, parts: &[(u32, usize, usize, usize)]) {
+        let Some(m) = &self.spec.mtp else {
+            return;
+        };
+        let w = self.hp.n_embd as u64 * 4;
+        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        for &(slot, row, pos0, n) in parts {
+            let keep = n.min(MAX_VERIFY);
+            let from = (row + n - keep) as u64 * w;
+            let to = (slot as usize * MAX_VERIFY) as u64 * w;
+            enc.copy_buffer_to_buffer(&self.scratch.x, from, &m.saved, to, keep as u64 * w);
+            self.spec.saved[slot as usize] = Some((pos0 + n - keep, keep));
+        }
+        self.gpu.queue.submit([enc.finish()]);
+    }
+
+    /// The trunk rows an MTP pass over `n` tokens of `seq` reads: the last `n` rows of its
+    /// last [`Speculate`] pass, which must have ended at its position. Returns their first
+    /// position and where they are.
+    fn trunk_src(&self, seq: &GpuSeq, n: usize) -> Option<(usize, Src)> {
+        self.spec.mtp.as_ref()?;
+        let ends_here = |p0: usize, r: usize| n > 0 && n <= r && p0 + r == seq.pos;
+        if let Some(&Some((p0, r))) = self.spec.saved.get(seq.slot as usize) {
+            if ends_here(p0, r) {
+                let row = seq.slot as usize * MAX_VERIFY + r - n;
+                return Some((p0 + r - n, Src::Saved(row as u32)));
+            }
+        }
+        match self.spec.trunk {
+            Some((slot, p0, r)) if slot == seq.slot && ends_here(p0, r) => {
+                Some((p0 + r - n, Src::Scratch((r - n) as u32)))
+            }
+            _ => None,
+        }
+    }
+
+    /// One pass over several sequences' tokens (`items`, each at most [`MAX_VERIFY`]
+    /// tokens when `exact`; the rows together at most `Scratch::rows`) in one round;
+    /// `exact`: through the decode kernels. Per row the logits its `want` asks for (`Top`
+    /// and `All` per row; `Last` as `All`). Keeps each sequence's last trunk rows.
+    fn spec_round(
         &mut self,
-        seq: &mut GpuSeq,
-        tokens: &[u32],
-        want: Want,
+        items: &mut [(&mut GpuSeq, &[u32], Want)],
         exact: bool,
-    ) -> Result<Vec<Logits>> {
-        self.check_tokens(tokens)?;
-        crate::forward::check_want(want)?;
-        let n = tokens.len();
-        if n == 0 || n > self.scratch.rows {
+    ) -> Result<Vec<Vec<Logits>>> {
+        let mut total = 0;
+        for (_, t, w) in items.iter() {
+            self.check_tokens(t)?;
+            crate::forward::check_want(*w)?;
+            if t.is_empty() {
+                return Err(Error::Invalid("a speculative pass of 0 tokens".into()));
+            }
+            total += t.len();
+        }
+        if total > self.scratch.rows {
             return Err(Error::Invalid(format!(
-                "a speculative pass of {n} tokens (1..={} in one pass)",
+                "a speculative pass of {total} tokens (1..={} in one pass)",
                 self.scratch.rows
             )));
         }
         self.spec.trunk = None;
-        let parts = [Part {
-            item: 0,
-            start: 0,
-            n,
-            row: 0,
-            slot: seq.slot,
-            pos0: seq.pos,
-        }];
+        // Multi-token parts first, single tokens at the end (the batched decode attention
+        // call covers those).
+        let mut order: Vec<usize> = (0..items.len()).collect();
+        order.sort_by_key(|&i| items[i].1.len() == 1);
+        let mut parts = Vec::with_capacity(items.len());
+        let mut toks = Vec::with_capacity(total);
         let mut top = TopReq::default();
         let mut wants = Vec::new();
-        match want {
-            Want::Top { k, lse } => {
-                top = TopReq {
-                    rows: (0..n).collect(),
-                    k,
-                    lse,
+        for &i in &order {
+            let (seq, t, want) = &items[i];
+            let (row, n) = (toks.len(), t.len());
+            parts.push(Part {
+                item: i,
+                start: 0,
+                n,
+                row,
+                slot: seq.slot,
+                pos0: seq.pos,
+            });
+            toks.extend_from_slice(t);
+            match *want {
+                Want::Top { k, lse } => {
+                    top.rows.extend(row..row + n);
+                    top.k = top.k.max(k);
+                    top.lse |= lse;
                 }
+                Want::All | Want::Last => wants.push((row, n)),
+                Want::None => {}
             }
-            Want::All | Want::Last => wants.push((0, n)),
-            Want::None => {}
         }
         self.spec.exact = exact;
-        let r = self.run_round(&parts, tokens, &wants, &top);
+        let r = self.run_round(&parts, &toks, &wants, &top);
         self.spec.exact = false;
         let (logits, tops) = r?;
-        self.spec.trunk = Some((seq.slot, seq.pos, n));
-        seq.pos += n;
-        Ok(match want {
-            Want::Top { .. } => tops.into_iter().map(Logits::Top).collect(),
-            Want::None => Vec::new(),
-            _ => logits
-                .chunks_exact(self.hp.n_vocab)
-                .map(|r| Logits::Full(r.to_vec()))
-                .collect(),
-        })
+        let v = self.hp.n_vocab;
+        let mut out: Vec<Vec<Logits>> = items.iter().map(|_| Vec::new()).collect();
+        let (mut logits, mut tops) = (logits.chunks_exact(v), tops.into_iter());
+        for p in &parts {
+            let o = &mut out[p.item];
+            match items[p.item].2 {
+                Want::Top { k, lse } => {
+                    for _ in 0..p.n {
+                        let mut t = tops.next().ok_or_else(|| {
+                            Error::Gpu("the round returned too few top-logits rows".into())
+                        })?;
+                        t.cands.truncate(k as usize);
+                        if !lse {
+                            t.lse = None;
+                        }
+                        o.push(Logits::Top(t));
+                    }
+                }
+                Want::All | Want::Last => {
+                    for _ in 0..p.n {
+                        let r = logits.next().ok_or_else(|| {
+                            Error::Gpu("the round returned too few logits rows".into())
+                        })?;
+                        o.push(Logits::Full(r.to_vec()));
+                    }
+                }
+                Want::None => {}
+            }
+        }
+        let kept: Vec<_> = parts.iter().map(|p| (p.slot, p.row, p.pos0, p.n)).collect();
+        self.save_trunks(&kept);
+        if let [p] = &parts[..] {
+            self.spec.trunk = Some((p.slot, p.pos0, p.n));
+        }
+        for (seq, t, _) in items.iter_mut() {
+            seq.pos += t.len();
+        }
+        Ok(out)
+    }
+
+    /// Passes through the decode kernels over several sequences, in rounds of up to
+    /// [`MAX_VERIFY`] rows (the most rows whose products run decode's matvec), each row
+    /// with a one-token decode step's bits; `save`:
+    /// each sequence's state is saved first, for a rollback (a verify pass,
+    /// [`Speculate::verify_batch`]).
+    fn rounds(
+        &mut self,
+        items: &mut [(&mut GpuSeq, &[u32], Want)],
+        save: bool,
+    ) -> Result<Vec<Vec<Logits>>> {
+        let max = self.max_verify();
+        if let Some((_, t, _)) = items.iter().find(|(_, t, _)| t.is_empty() || t.len() > max) {
+            return Err(Error::Invalid(format!(
+                "a verify pass of {} tokens (1..={max})",
+                t.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut rest = items;
+        while !rest.is_empty() {
+            let mut rows = 0;
+            let n = rest
+                .iter()
+                .take_while(|(_, t, _)| {
+                    rows += t.len();
+                    rows <= max
+                })
+                .count();
+            let (round, tail) = rest.split_at_mut(n);
+            if save {
+                let seqs: Vec<(u32, usize)> =
+                    round.iter().map(|(s, _, _)| (s.slot, s.pos)).collect();
+                self.save_states(&seqs)?;
+            }
+            out.extend(self.spec_round(round, true)?);
+            rest = tail;
+        }
+        Ok(out)
     }
 
     /// The MTP block over `tokens` (see the module doc). `Hidden::Trunk`: row `j` reads
@@ -247,17 +389,14 @@ impl GpuModel {
         let Some(m) = &self.spec.mtp else {
             return Err(Error::Invalid("the model has no MTP block".into()));
         };
-        let (pos0, src_row) = match hidden {
-            Hidden::Trunk => match self.spec.trunk {
-                Some((slot, p0, rows)) if slot == seq.slot && rows == n => (p0, None),
-                _ => {
-                    return Err(Error::Invalid(format!(
-                        "MTP over {n} trunk rows: the last pass of this sequence fed another number"
-                    )))
-                }
-            },
+        let (pos0, src) = match hidden {
+            Hidden::Trunk => self.trunk_src(seq, n).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "MTP over {n} trunk rows: the last pass of this sequence fed fewer"
+                ))
+            })?,
             Hidden::Chain => match m.last {
-                Some((slot, p, row)) if slot == seq.slot && n == 1 => (p + 1, Some(row)),
+                Some((slot, p, row)) if slot == seq.slot && n == 1 => (p + 1, Src::Out(row)),
                 _ => {
                     return Err(Error::Invalid(
                         "a chained MTP draft needs one token after an MTP row of this sequence"
@@ -272,13 +411,13 @@ impl GpuModel {
         {
             return Err(Error::Invalid(format!("MTP pass of {n} rows")));
         }
-        // This pass overwrites the trunk's rows.
-        self.spec.trunk = None;
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         self.reserve(&mut pass, pos0 + n as usize)?;
         self.write_rows(seq.slot, pos0, tokens);
-        self.record_mtp(&mut pass, seq.slot, pos0, n, src_row)?;
+        self.record_mtp(&mut pass, seq.slot, pos0, n, src)?;
+        // This pass overwrites the rows of `Scratch::x` (`MtpGpu::saved` keeps its own).
+        self.spec.trunk = None;
         let hp = &self.hp;
         let e = hp.n_embd as u32;
         let sc = &self.scratch;
@@ -326,19 +465,15 @@ impl GpuModel {
     fn mtp_drafts_pass(&mut self, seq: &GpuSeq, tokens: &[u32], k: usize) -> Result<Vec<u32>> {
         self.check_tokens(tokens)?;
         let n = tokens.len();
-        let pos0 = match (self.spec.trunk, &self.spec.mtp) {
-            (Some((slot, p0, rows)), Some(_)) if slot == seq.slot && rows == n => p0,
-            _ => {
-                return Err(Error::Invalid(format!(
-                    "MTP drafts over {n} trunk rows: the last pass of this sequence fed another \
-                     number, or the model has no MTP block"
-                )))
-            }
-        };
+        let (pos0, src) = self.trunk_src(seq, n).ok_or_else(|| {
+            Error::Invalid(format!(
+                "MTP drafts over {n} trunk rows: the last pass of this sequence fed fewer, or \
+                 the model has no MTP block"
+            ))
+        })?;
         if k == 0 || k > MAX_VERIFY {
             return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
         }
-        self.spec.trunk = None;
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         self.reserve(&mut pass, pos0 + n + k)?;
@@ -360,7 +495,7 @@ impl GpuModel {
             .or(self.w.output.as_ref())
             .unwrap_or(&self.w.tok_embd);
         let sc = &self.scratch;
-        self.record_mtp(&mut pass, seq.slot, pos0, n as u32, None)?;
+        self.record_mtp(&mut pass, seq.slot, pos0, n as u32, src)?;
         let mut row = n as u32 - 1;
         for j in 0..k as u32 {
             if j > 0 {
@@ -368,7 +503,7 @@ impl GpuModel {
                 pass.copy(ids, off, &sc.ids, 0, 4);
                 pass.copy(&m.stage, (2 * (j - 1) * 4) as u64, &sc.pos, 0, 4);
                 pass.copy(&m.stage, ((2 * (j - 1) + 1) * 4) as u64, &sc.kv_rows, 0, 4);
-                self.record_mtp(&mut pass, seq.slot, (last + j) as usize, 1, Some(row))?;
+                self.record_mtp(&mut pass, seq.slot, (last + j) as usize, 1, Src::Out(row))?;
                 row = 0;
             }
             matmul::matmul(&mut pass, head, &m.out, row * e, &sc.logits, 0, 1)?;
@@ -376,6 +511,7 @@ impl GpuModel {
                 .record(&mut pass, View::new(&sc.logits, 0), 1, j, 1, false)?;
         }
         pass.submit()?;
+        self.spec.trunk = None;
         let picks = m.top.read(&gpu, k as u32, 1, false)?;
         let ids = picks
             .iter()
@@ -437,16 +573,16 @@ impl GpuModel {
     }
 
     /// Records the MTP block over `n` rows of slot `slot` at `pos0..` whose ids, positions
-    /// and KV rows are in the scratch: hidden states from the trunk's rows (`src_row` None,
-    /// normed as the head saw them) or from row `src_row` of the block's last output; the
-    /// output (after the block's norm) into `MtpGpu::out`.
+    /// and KV rows are in the scratch: hidden states from trunk rows (normed as the head saw
+    /// them) or from a row of the block's last output (`src`); the output (after the
+    /// block's norm) into `MtpGpu::out`.
     fn record_mtp(
         &self,
         pass: &mut Pass<'_>,
         slot: u32,
         pos0: usize,
         n: u32,
-        src_row: Option<u32>,
+        src: Src,
     ) -> Result<()> {
         let sc = &self.scratch;
         let hp = &self.hp;
@@ -456,18 +592,25 @@ impl GpuModel {
             .mtp
             .as_ref()
             .expect("the callers check for the block");
-        match src_row {
+        let trunk = match src {
+            Src::Scratch(r) => Some(View::new(&sc.x, r * e)),
+            Src::Saved(r) => Some(View::new(&m.saved, r * e)),
+            Src::Out(r) => {
+                ew::copy(pass, 1, e, View::new(&m.hid, 0), View::new(&m.out, r * e))?;
+                None
+            }
+        };
+        if let Some(rows) = trunk {
             // The trunk's rows as its head saw them.
-            None => norm::rms_norm(
+            norm::rms_norm(
                 pass,
                 n,
                 e,
-                View::new(&sc.x, 0),
+                rows,
                 Some(View::new(&m.hid, 0)),
                 Some(&self.w.output_norm),
                 hp.eps,
-            )?,
-            Some(r) => ew::copy(pass, 1, e, View::new(&m.hid, 0), View::new(&m.out, r * e))?,
+            )?;
         }
         let embd = m.embd.as_ref().unwrap_or(&self.w.tok_embd);
         embed::embed(pass, embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
@@ -554,6 +697,9 @@ impl Speculate for GpuModel {
     fn max_verify(&self) -> usize {
         MAX_VERIFY.min(self.scratch.rows)
     }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
+    }
     fn feed(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
         let s: &mut GpuSeq = seq.get_mut()?;
         let pos0 = s.pos;
@@ -561,29 +707,43 @@ impl Speculate for GpuModel {
         // One round of the model's pass size leaves every row in the scratch.
         if tokens.len() <= self.scratch.rows {
             self.spec.trunk = Some((s.slot, pos0, tokens.len()));
+            self.save_trunks(&[(s.slot, 0, pos0, tokens.len())]);
         }
         Ok(out)
     }
     fn verify(&mut self, seq: &mut Seq, tokens: &[u32], want: Want) -> Result<Vec<Logits>> {
-        if tokens.len() > self.max_verify() {
-            return Err(Error::Invalid(format!(
-                "a verify pass of {} tokens (at most {})",
-                tokens.len(),
-                self.max_verify()
-            )));
+        let per_row = match want {
+            Want::All | Want::Last => Want::All,
+            w => w,
+        };
+        let mut out = self.rounds(&mut [(seq.get_mut()?, tokens, per_row)], true)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+    fn verify_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Vec<Logits>>> {
+        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (s, t, w) in items.iter_mut() {
+            let per_row = match *w {
+                Want::All | Want::Last => Want::All,
+                w => w,
+            };
+            v.push((s.get_mut()?, *t, per_row));
         }
-        let s = seq.get_mut()?;
-        self.save_state(s)?;
-        self.spec_pass(s, tokens, want, true)
+        self.rounds(&mut v, true)
     }
     fn rollback(&mut self, seq: &mut Seq, keep: &[u32]) -> Result<()> {
-        let s = seq.get_mut()?;
-        self.restore_state(s)?;
-        self.spec.trunk = None;
-        if keep.is_empty() {
-            return Ok(());
+        self.rollback_batch(&mut [(seq, keep)])
+    }
+    fn rollback_batch(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<()> {
+        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (seq, keep) in items.iter_mut() {
+            let s = seq.get_mut()?;
+            self.restore_state(s)?;
+            if !keep.is_empty() {
+                v.push((s, *keep, Want::None));
+            }
         }
-        self.spec_pass(s, keep, Want::None, true).map(drop)
+        self.spec.trunk = None;
+        self.rounds(&mut v, false).map(drop)
     }
     fn mtp(
         &mut self,
