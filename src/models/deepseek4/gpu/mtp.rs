@@ -16,7 +16,7 @@
 //! rewritten before a later one reads it. So a rollback moves the position back; the kept
 //! rows' state, written by rows with decode's bits, is what re-feeding them would write.
 
-use super::forward::{HeadOut, Part, TopReq};
+use super::forward::{HeadOut, Part, RowTabs, TopReq};
 use super::*;
 use crate::models::spec::{Hidden, Speculate};
 
@@ -110,18 +110,18 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// Records the MTP block over `n` rows at positions `pos0..` reading the hidden rows at
-    /// row `src_row` of `src` (`[rows, hc·n_embd]`) and the token ids in `Scratch::ids`;
-    /// leaves the output copies in `Scratch::x` and `MtpGpu::out`.
+    /// Records the MTP block over the rows of `part` (its tables `tabs`) reading the hidden
+    /// rows at row `src_row` of `src` (`[rows, hc·n_embd]`) and the token ids in
+    /// `Scratch::ids`; leaves the output copies in `Scratch::x` and `MtpGpu::out`.
     fn record_mtp(
         &self,
         pass: &mut Pass<'_>,
-        st: &LayerState,
-        pos0: usize,
-        n: usize,
+        part: &Part,
+        tabs: &RowTabs,
         src: &wgpu::Buffer,
         src_row: u32,
     ) -> Result<()> {
+        let n = part.n;
         let hp = &self.hp;
         let sc = &self.scratch;
         let m = self.spec.mtp.as_ref().expect("the model has an MTP block");
@@ -159,18 +159,11 @@ impl GpuModel {
             )?;
         }
         let (l, lw) = (hp.n_layer, &m.w.layer);
-        let parts = [Part {
-            item: 0,
-            start: 0,
-            n,
-            row: 0,
-            pos0,
-            rowwise: n == 1,
-        }];
+        let st = self.pools.mtp.as_ref().expect("the model has an MTP block");
         let hs = self.hc_shape();
         self.route_groups(pass, nt)?;
         self.hc_pre(pass, &lw.hc_attn, &lw.attn_norm, nt)?;
-        self.attn_block(pass, &[st], &parts, l, &lw.attn, nt)?;
+        self.attn_block(pass, st, std::slice::from_ref(part), tabs, l, &lw.attn, nt)?;
         hc::post(pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
         self.hc_pre(pass, &lw.hc_ffn, &lw.ffn_norm, nt)?;
         self.moe_block(pass, l, &lw.moe, nt)?;
@@ -195,7 +188,7 @@ impl GpuModel {
         self.check_tokens(tokens)?;
         crate::forward::check_want(want)?;
         let n = tokens.len();
-        let (Some(m), Some(_)) = (&self.spec.mtp, &seq.mtp) else {
+        let (Some(m), Some(_)) = (&self.spec.mtp, &self.pools.mtp) else {
             return Err(Error::Invalid("the model has no MTP block".into()));
         };
         // (first position, read the trunk (else the last output), source row)
@@ -229,14 +222,14 @@ impl GpuModel {
             row: 0,
             pos0,
             rowwise: n == 1,
+            slot: seq.slot,
         }];
-        self.ensure_lists(&parts, &[self.hp.n_layer])?;
+        let tabs = self.row_tabs(&[(&parts, &[self.hp.n_layer])])?.remove(0);
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(tokens));
-        let st = seq.mtp.as_ref().expect("checked above");
         let m = self.spec.mtp.as_ref().expect("checked above");
         let src = if trunk { &m.trunk } else { &m.out };
         let mut pass = gpu.pass();
-        self.record_mtp(&mut pass, st, pos0, n, src, src_row)?;
+        self.record_mtp(&mut pass, &parts[0], &tabs, src, src_row)?;
         let mut top = TopReq::default();
         let mut wants = Vec::new();
         match want {
@@ -328,7 +321,7 @@ impl GpuModel {
             return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
         }
         let n = tokens.len();
-        let pos0 = match (self.spec.trunk, &self.spec.mtp, &seq.mtp) {
+        let pos0 = match (self.spec.trunk, &self.spec.mtp, &self.pools.mtp) {
             (Some((id, p0, rows)), Some(_), Some(_)) if id == seq.id && rows == n && n > 0 => p0,
             _ => {
                 return Err(Error::Invalid(format!(
@@ -348,21 +341,30 @@ impl GpuModel {
             row: 0,
             pos0,
             rowwise: n == 1,
+            slot: seq.slot,
         };
-        self.ensure_lists(&[part(n, pos0), part(1, last + k)], &[self.hp.n_layer])?;
+        // One table per MTP row run: the trunk's rows, then each chained row.
+        let parts: Vec<Part> = std::iter::once(part(n, pos0))
+            .chain((1..k).map(|j| part(1, last + j)))
+            .collect();
+        let layers = [self.hp.n_layer];
+        let groups: Vec<(&[Part], &[usize])> = parts
+            .iter()
+            .map(|p| (std::slice::from_ref(p), &layers[..]))
+            .collect();
+        let tabs = self.row_tabs(&groups)?;
         let gpu = self.gpu.clone();
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(tokens));
-        let st = seq.mtp.as_ref().expect("checked above");
         let m = self.spec.mtp.as_ref().expect("checked above");
         let sc = &self.scratch;
         let mut pass = gpu.pass();
-        self.record_mtp(&mut pass, st, pos0, n, &m.trunk, 0)?;
+        self.record_mtp(&mut pass, &parts[0], &tabs[0], &m.trunk, 0)?;
         self.record_draft_top(&mut pass, n as u32, n as u32 - 1, 0)?;
         let mut row = n as u32 - 1;
         for j in 1..k {
             let (ids, off) = self.draft_head().top.id_at(j as u32 - 1, 1);
             pass.copy(ids, off, &sc.ids, 0, 4);
-            self.record_mtp(&mut pass, st, last + j, 1, &m.out, row)?;
+            self.record_mtp(&mut pass, &parts[j], &tabs[j], &m.out, row)?;
             self.record_draft_top(&mut pass, 1, 0, j as u32)?;
             row = 0;
         }
