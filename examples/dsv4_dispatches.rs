@@ -34,7 +34,9 @@ fn measure(
 
 fn main() -> lathe::Result<()> {
     let a: Vec<String> = std::env::args().collect();
-    let ctx: usize = a.get(2).map_or(40, |s| s.parse().expect("CONTEXT: a number"));
+    let ctx: usize = a
+        .get(2)
+        .map_or(40, |s| s.parse().expect("CONTEXT: a number"));
     let f = ModelFile::open(&a[1])?;
     let gpu = Arc::new(Gpu::new(&AdapterChoice::Auto)?);
     eprintln!("{}", gpu.report());
@@ -47,7 +49,9 @@ fn main() -> lathe::Result<()> {
     let n_layer = m.hp.n_layer as f64;
     let v = m.hp.n_vocab as u32;
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| (i * 7 + 3) % v).collect();
-    println!("| pass | rows | dispatches | per layer | GPU µs (profiled) | wall µs | wall µs/row |");
+    println!(
+        "| pass | rows | dispatches | per layer | GPU µs (profiled) | wall µs | wall µs/row |"
+    );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for n in [1usize, 4, 16] {
         let mut seqs = Vec::new();

@@ -1145,7 +1145,11 @@ pub fn attention_rows(gpu: &Gpu, (nh, hd): (u32, u32), lens: &[u32], seed: u64) 
             }
         }
         let alone = run(&[t])?;
-        if g.iter().zip(&alone).any(|(a, b)| a.to_bits() != b.to_bits()) && detail.is_empty() {
+        if g.iter()
+            .zip(&alone)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+            && detail.is_empty()
+        {
             detail = format!("token {t}: not the bits of the token alone");
         }
     }
@@ -1356,9 +1360,12 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
         );
     }
     // DeepSeek-V4's decode rows: head 512 (Flash's), lists of one and of many splits; odd heads
-    for (i, (shape, lens)) in [((8, 512), &[1u32, 640, 37][..]), ((3, 40), &[5, 300, 66, 2][..])]
-        .into_iter()
-        .enumerate()
+    for (i, (shape, lens)) in [
+        ((8, 512), &[1u32, 640, 37][..]),
+        ((3, 40), &[5, 300, 66, 2][..]),
+    ]
+    .into_iter()
+    .enumerate()
     {
         push(
             &format!("attention rows {shape:?}"),

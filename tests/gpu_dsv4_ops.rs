@@ -7,10 +7,10 @@
 //! f32 math against the f64 references unless stated; ids and index lists exactly.
 
 use lathe::cpu;
+use lathe::gpu::attention::{INVALID, SRC_B};
 use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use lathe::gpu::elementwise::View;
 use lathe::gpu::hc::{self, HcShape, HcWeights};
-use lathe::gpu::attention::{INVALID, SRC_B};
 use lathe::gpu::rope::RopeTable;
 use lathe::gpu::router::{self, ScoreFn, Select};
 use lathe::gpu::{AdapterChoice, Gpu, GpuTensor, Pass};
@@ -369,7 +369,9 @@ fn compressor_case(
         assert_close(&format!("{what}: packed"), &got, &step_want, 1e-4);
     }
     for (k, wk) in want.iter().enumerate() {
-        let got = gpu.read_f32(&cache, (k * cap_e * d) as u64, wk.len()).unwrap();
+        let got = gpu
+            .read_f32(&cache, (k * cap_e * d) as u64, wk.len())
+            .unwrap();
         let what = format!("compressor ratio {ratio} d {d} overlap {overlap} slot {k}");
         assert_close(&what, &got, wk, 1e-4);
     }
@@ -464,7 +466,17 @@ fn indexer_case(
     };
     submit(gpu, |p| {
         compress::index_scores(
-            p, &s, n as u32, rows, 1, n_ent as u32, cap_e as u32, &qb, &wb, &kb, &scores,
+            p,
+            &s,
+            n as u32,
+            rows,
+            1,
+            n_ent as u32,
+            cap_e as u32,
+            &qb,
+            &wb,
+            &kb,
+            &scores,
         )
         .unwrap();
         compress::select_topk(
@@ -537,12 +549,20 @@ fn index_list_matches_reference() {
     let guard = 0x0bad_f00du32;
     let cap_e = 300usize;
     // (rows as (pos, slot), window, ring, ratio, fill, top_k)
-    let cases: [(Vec<(usize, usize)>, usize, usize, usize, bool, usize); 5] = [
+    type Case = (Vec<(usize, usize)>, usize, usize, usize, bool, usize);
+    let cases: [Case; 5] = [
         ((0..5).map(|p| (p, 0)).collect(), 8, 12, 4, true, 0),
         (vec![(3, 1), (9, 0), (10, 0), (0, 2)], 8, 8, 4, false, 2),
         ((126..135).map(|p| (p, 1)).collect(), 128, 383, 128, true, 0),
         (vec![(1000, 0), (2, 1)], 128, 383, 0, false, 0),
-        ((500..517).map(|p| (p, p % 3)).collect(), 128, 383, 4, false, 16),
+        (
+            (500..517).map(|p| (p, p % 3)).collect(),
+            128,
+            383,
+            4,
+            false,
+            16,
+        ),
     ];
     for (rows, window, ring, ratio, fill, top_k) in cases {
         let n = rows.len();
@@ -559,7 +579,10 @@ fn index_list_matches_reference() {
         let pu: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
         let su: Vec<u32> = rows.iter().map(|r| r.1 as u32).collect();
         let tb = gpu
-            .upload(bytemuck::cast_slice(&compress::Rows::words(&pu, &su)), "tab")
+            .upload(
+                bytemuck::cast_slice(&compress::Rows::words(&pu, &su)),
+                "tab",
+            )
             .unwrap();
         let l = IndexList {
             window: window as u32,
@@ -589,7 +612,7 @@ fn index_list_matches_reference() {
             for i in 0..stride {
                 let want = match one.get(i) {
                     Some(Some(v)) if i < nw => slot as u32 * ring as u32 + v,
-                    Some(Some(v)) => SRC_B | (slot * cap_e) as u32 + (v & !SRC_B),
+                    Some(Some(v)) => SRC_B | ((slot * cap_e) as u32 + (v & !SRC_B)),
                     Some(None) => guard,
                     None => INVALID,
                 };

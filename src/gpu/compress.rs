@@ -213,7 +213,7 @@ impl CmpShape {
     /// A store pool: whole slots, at least one.
     fn check_store(&self, what: &str, store: &wgpu::Buffer) -> Result<()> {
         let slot = self.store_bytes();
-        if store.size() < slot || store.size() % slot != 0 {
+        if store.size() < slot || !store.size().is_multiple_of(slot) {
             return Err(Error::Invalid(format!(
                 "{what}: a store pool of {} bytes is not whole slots of {slot}",
                 store.size()

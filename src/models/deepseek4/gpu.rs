@@ -172,10 +172,7 @@ struct Pools {
 
 impl Pools {
     fn cap_e(&self, ratio: usize) -> usize {
-        self.cap_e
-            .iter()
-            .find(|c| c.0 == ratio)
-            .map_or(0, |c| c.1)
+        self.cap_e.iter().find(|c| c.0 == ratio).map_or(0, |c| c.1)
     }
 }
 

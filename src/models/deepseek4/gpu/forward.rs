@@ -279,7 +279,10 @@ impl GpuModel {
             let pos = tab.len() as u32;
             tab.extend(rows.iter().map(|r| r.0));
             tab.extend(rows.iter().map(|r| r.1));
-            tab.extend(rows.iter().map(|r| r.1 * self.ring as u32 + r.0 % self.ring as u32));
+            tab.extend(
+                rows.iter()
+                    .map(|r| r.1 * self.ring as u32 + r.0 % self.ring as u32),
+            );
             let mut kinds: Vec<(usize, bool)> = layers.iter().map(|&l| self.kind(l)).collect();
             kinds.sort_unstable();
             kinds.dedup();
@@ -930,7 +933,7 @@ impl GpuModel {
             }
             false => {
                 let n_win = hp.window.min(pos_end);
-                let n_ent = if ratio > 0 { pos_end / ratio } else { 0 };
+                let n_ent = pos_end.checked_div(ratio).unwrap_or(0);
                 ((n_win + self.comp_slots(l, pos_end)) as u32, n_ent as u32)
             }
         };
