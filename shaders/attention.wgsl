@@ -89,6 +89,7 @@ const PS = HD + 2;                  // split partial stride: o[HD], m, l
 const MODE_CAUSAL = 0u;
 const MODE_RANGES = 1u;
 const MODE_INDEX = 2u;
+const MODE_ROWS = 3u;
 const FLAG_SINK = 1u;
 const FLAG_SHARED_KV = 2u;
 const FLAG_SPLIT = 4u;
@@ -108,7 +109,8 @@ struct Params {
     n_keys: u32,         // causal: rows written (positions 0..n_keys); index: list length n_idx
     window: u32,         // causal: 0 = unlimited, else key j visible iff pos - j < window
     aux_off: u32,        // in u32 elements: ranges: desc[t] = (first row, n) at aux_off + 2t;
-                         // index: idx[t][i] at aux_off + t*n_keys + i
+                         // index: idx[t][i] at aux_off + t*n_keys + i; rows: desc[t] =
+                         // (n_idx, n_split, split_len, list) at aux_off + 4t, idx[i] at list + i
     sink_off: u32,       // in elements: sink of q head h at sinks[sink_off + h]
     flags: u32,          // FLAG_*
     n_split: u32,        // key splits (1 = none)
@@ -159,6 +161,7 @@ fn key_row(i: u32, hi: u32, t: u32, first: u32) -> u32 {
     if (i >= hi) { return INVALID; }
     if (p.mode == MODE_CAUSAL) { return p.row0 + i; }
     if (p.mode == MODE_RANGES) { return first + i; }
+    if (p.mode == MODE_ROWS) { return aux[first + i]; }
     return aux[p.aux_off + t * p.n_keys + i];
 }
 
@@ -230,10 +233,21 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
             let tt = tile / p.tiles_per_tok;
             first = aux[p.aux_off + 2u * tt];
             hi = aux[p.aux_off + 2u * tt + 1u];
+        } else if (p.mode == MODE_ROWS) {
+            // The token's own list length and split, as a one-token call would pick them;
+            // splits past its own count are left empty (the combine reads its count).
+            let d = p.aux_off + 4u * (tile / p.tiles_per_tok);
+            let n_split = aux[d + 1u];
+            let split_len = aux[d + 2u];
+            first = aux[d + 3u];
+            if (split < n_split) {
+                lo = split * split_len;
+                hi = min(aux[d], (split + 1u) * split_len);
+            }
         } else {
             hi = p.n_keys;
         }
-        if (p.n_split > 1u) {
+        if (p.n_split > 1u && p.mode != MODE_ROWS) {
             lo = max(lo, split * p.split_len);
             hi = min(hi, (split + 1u) * p.split_len);
         }
@@ -408,13 +422,18 @@ struct CParams {
     o_tok_stride: u32,  // in elements
     sink_off: u32,      // in elements
     has_sink: u32,
-    pad: u32,
+    desc_off: u32,      // in u32 elements: per-token splits at desc[desc_off + 4t + 1] (rows mode)
+    use_desc: u32,      // 1: token t combines its own split count, else n_split
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: CParams;
 @group(0) @binding(1) var<storage, read> part: array<f32>;   // [n_rows][n_split][PS]
 @group(0) @binding(2) var<storage, read> sinks: array<f32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<storage, read> desc: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 var<workgroup> w: array<f32, MAX_SPLIT>;   // e^(m_s - M), 0 for empty splits
 var<workgroup> red_c: array<f32, WG_C>;
@@ -429,7 +448,8 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let t = row / p.n_head;
     let head = row % p.n_head;
     let base = row * p.n_split * PS;
-    let n_split = min(p.n_split, MAX_SPLIT);
+    var n_split = min(p.n_split, MAX_SPLIT);
+    if (p.use_desc != 0u) { n_split = min(desc[p.desc_off + 4u * t + 1u], n_split); }
     var sk = NEG;
     if (p.has_sink != 0u) { sk = sinks[p.sink_off + head]; }
     var mx = NEG;

@@ -4,24 +4,36 @@
 //
 // A compressor of ratio m turns every window of m tokens into one entry of d channels. Its
 // per-token rows (kv | score, each `width` = coff·d wide, coff = 2 when windows overlap) live
-// in a per-sequence ring `store` [cap][2·width]: position q in row q % cap.
+// in a store ring of `cap` rows [cap][2·width] per sequence slot: slot s, position q in row
+// s·cap + q % cap of a pool shared by the sequences of a pass. A slot's compressed entries
+// are rows s·cap_e + i of the cache pool, its window ring rows s·ring + q % ring.
+//
+// Row table `tab` (u32): row r of a pass is at position tab[r], in slot tab[tab_rows + r], so
+// rows of many sequences (and a verify pass's rows at consecutive positions) go through one
+// dispatch, each with the bits it has alone.
 //
 // Entry points (one flag each):
-//   STORE   one thread per (token, element): store[(pos0+t) % cap] = src row t, the score
-//           half plus ape[(pos0+t) % m] (the absolute position bias inside the window).
-//   POOL    one workgroup per completed window w = w0 + k: per channel c, a softmax over the
-//           window's scores weighs its kv values (overlapping: the previous window's channels
-//           [0, d) and this window's [d, 2d), 2m rows; window 0 has no previous one), then
-//           RMSNorm · norm and RoPE (interleaved pairs on the last 2·n_freq channels) at the
-//           window's first position w·m. Out: f32 rows of d at out_off + k·d.
+//   STORE   one thread per (token, element): the row of token t = table row row0 + t at
+//           position pos goes to store row slot·cap + pos % cap, the score half plus
+//           ape[pos % m] (the absolute position bias inside the window).
+//   POOL    one workgroup per completed window k of a window table (w, slot, cache row):
+//           per channel c, a softmax over the window's scores weighs its kv values
+//           (overlapping: the previous window's channels [0, d) and this window's [d, 2d), 2m
+//           rows; window 0 has no previous one), then RMSNorm · norm and RoPE (interleaved
+//           pairs on the last 2·n_freq channels) at the window's first position w·m. Out: f32
+//           rows of d at out_off + k·d, or (direct) at the window's cache row.
 //   SCORE   indexer scores: one workgroup per (token, 64 entries): for entry i visible to the
-//           token (i < (pos+1)/m) s = scale · Σ_h relu(q_h · k_i) · w_h, else −1e30.
+//           token (i < (pos+1)/m) s = scale · Σ_h relu(q_h · k_i) · w_h (k_i: cache row
+//           slot·cap_e + i), else −1e30.
 //   SELECT  one workgroup per token: the top k of the visible scores (ties to the lower
-//           index) into index-list slots [idx_off, idx_off + n_slots) as SRC_B | entry in
-//           entry order, the slots beyond min(k, visible) INVALID.
-//   INDEX   one thread per (token, slot) of the attention's key list: slots [0, n_win) are the
-//           window, newest first (ring row (pos − i) % ring, INVALID before position 0);
-//           with `fill_comp` the rest are the compressed entries i < (pos+1)/m in order.
+//           index) into the token's index-list slots from n_win = min(window, pos+1) on, as
+//           SRC_B | (slot·cap_e + entry) in entry order; min(k, visible) slots.
+//   INDEX   one thread per (token, slot) of the attention's key list (rows of n_idx slots): a
+//           token at pos sees n_win = min(window, pos+1) window slots, newest first (ring row
+//           slot·ring + (pos − i) % ring), then its compressed slots: with `fill_comp` the
+//           entries c < (pos+1)/m in order (SRC_B | slot·cap_e + c), else min(top_k,
+//           (pos+1)/m) slots the indexer's SELECT writes; INVALID after them. Each token's
+//           list is the one-token decode step's list at its position, padded.
 //
 // Grid: linear workgroup id = wid.x + wid.y * nwg.x (see gpu::grid).
 
@@ -34,18 +46,19 @@ const NEG = -1.0e30;
 const WG = 256u;
 struct Params {
     n_tok: u32,
-    pos0: u32,        // position of token 0
+    row0: u32,        // table row of token 0
     ratio: u32,       // m
-    cap: u32,         // store rows
+    cap: u32,         // store rows per slot
     width: u32,       // coff·d: kv (and score) elements per row
     src_off: u32,     // in elements
     src_stride: u32,  // elements between tokens of src (rows of kv | score)
-    _pad: u32,
+    tab_rows: u32,    // rows of the table (slots follow the positions)
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read> ape: array<f32>;
-@group(0) @binding(3) var<storage, read_write> store: array<f32>;
+@group(0) @binding(3) var<storage, read> tab: array<u32>;
+@group(0) @binding(4) var<storage, read_write> store: array<f32>;
 
 @compute @workgroup_size(WG)
 fn store_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -55,34 +68,36 @@ fn store_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (i >= p.n_tok * row) { return; }
     let t = i / row;
     let c = i - t * row;
-    let pos = p.pos0 + t;
+    let pos = tab[p.row0 + t];
+    let slot = tab[p.tab_rows + p.row0 + t];
     var v = src[p.src_off + t * p.src_stride + c];
     if (c >= p.width) { v += ape[(pos % p.ratio) * p.width + c - p.width]; }
-    store[(pos % p.cap) * row + c] = v;
+    store[(slot * p.cap + pos % p.cap) * row + c] = v;
 }
 #endif
 
 #if POOL
 const WG = 128u;
 struct Params {
-    w0: u32,          // first window
     n_win: u32,
     ratio: u32,
-    cap: u32,         // store rows
+    cap: u32,         // store rows per slot
     d: u32,           // channels of an entry (= D)
     width: u32,       // coff·d
     overlap: u32,     // 1: ratio-4 style overlapping windows
     n_freq: u32,      // rotated pairs at the end of the entry
     out_off: u32,     // in elements
     eps: f32,
-    _pad0: u32,
-    _pad1: u32,
+    win_off: u32,     // in u32 elements: windows[n_win] | slots[n_win] | cache rows[n_win]
+    direct: u32,      // 1: window k goes to out row (its cache row), else out_off + k·d
+    _pad: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> store: array<f32>;
 @group(0) @binding(2) var<storage, read> norm_w: array<f32>;
 @group(0) @binding(3) var<storage, read> table: array<u32>;
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<storage, read> wins: array<u32>;
+@group(0) @binding(5) var<storage, read_write> out: array<f32>;
 
 var<workgroup> ent: array<f32, D>;
 var<workgroup> red: array<f32, WG>;
@@ -118,16 +133,17 @@ fn cos_sin_turns(u: u32) -> vec2<f32> {
     }
 }
 
-// Score and kv of position q, channel c of the store row.
-fn sc_at(q: u32, c: u32) -> f32 { return store[(q % p.cap) * 2u * p.width + p.width + c]; }
-fn kv_at(q: u32, c: u32) -> f32 { return store[(q % p.cap) * 2u * p.width + c]; }
+// Score and kv of position q, channel c of the store row (slot base row sb).
+fn sc_at(sb: u32, q: u32, c: u32) -> f32 { return store[(sb + q % p.cap) * 2u * p.width + p.width + c]; }
+fn kv_at(sb: u32, q: u32, c: u32) -> f32 { return store[(sb + q % p.cap) * 2u * p.width + c]; }
 
 @compute @workgroup_size(WG)
 fn pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let k = wid.x + wid.y * nwg.x;
     if (k >= p.n_win) { return; }
-    let w = p.w0 + k;
+    let w = wins[p.win_off + k];
+    let sb = wins[p.win_off + p.n_win + k] * p.cap;
     let m = p.ratio;
     let d = p.d;
     let overlap = p.overlap != 0u;
@@ -139,23 +155,23 @@ fn pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var c = lid; c < d; c += WG) {
         var mx = NEG;
         if (has_prev) {
-            for (var r = 0u; r < m; r++) { mx = max(mx, sc_at((w - 1u) * m + r, c)); }
+            for (var r = 0u; r < m; r++) { mx = max(mx, sc_at(sb, (w - 1u) * m + r, c)); }
         }
-        for (var r = 0u; r < m; r++) { mx = max(mx, sc_at(w * m + r, cur_off + c)); }
+        for (var r = 0u; r < m; r++) { mx = max(mx, sc_at(sb, w * m + r, cur_off + c)); }
         var num = 0.0;
         var den = 0.0;
         if (has_prev) {
             for (var r = 0u; r < m; r++) {
                 let q = (w - 1u) * m + r;
-                let e = exp(sc_at(q, c) - mx);
-                num += e * kv_at(q, c);
+                let e = exp(sc_at(sb, q, c) - mx);
+                num += e * kv_at(sb, q, c);
                 den += e;
             }
         }
         for (var r = 0u; r < m; r++) {
             let q = w * m + r;
-            let e = exp(sc_at(q, cur_off + c) - mx);
-            num += e * kv_at(q, cur_off + c);
+            let e = exp(sc_at(sb, q, cur_off + c) - mx);
+            num += e * kv_at(sb, q, cur_off + c);
             den += e;
         }
         let v = num / den;
@@ -183,7 +199,8 @@ fn pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         ent[rot + 2u * f + 1u] = b * cs.x + a * cs.y;
     }
     workgroupBarrier();
-    for (var c = lid; c < d; c += WG) { out[p.out_off + k * d + c] = ent[c]; }
+    let ob = select(p.out_off + k * d, wins[p.win_off + 2u * p.n_win + k] * d, p.direct != 0u);
+    for (var c = lid; c < d; c += WG) { out[ob + c] = ent[c]; }
 }
 #endif
 
@@ -193,19 +210,24 @@ fn pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 const WG = 64u;
 struct Params {
     n_tok: u32,
-    pos0: u32,
+    row0: u32,        // table row of token 0
     ratio: u32,
     n_ent: u32,       // entries per score row
     n_head: u32,
     d: u32,           // indexer head size (= D)
     scale: f32,       // d^-½ · n_head^-½
-    row0: u32,        // q / w row of token 0 (a sequence's rows inside a batch)
+    tab_rows: u32,
+    cap_e: u32,       // cache entries per slot
+    q_row0: u32,      // q / w row of token 0
+    _pad0: u32,
+    _pad1: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> wts: array<f32>;
 @group(0) @binding(3) var<storage, read> keys: array<f32>;
-@group(0) @binding(4) var<storage, read_write> scores: array<f32>;
+@group(0) @binding(4) var<storage, read> tab: array<u32>;
+@group(0) @binding(5) var<storage, read_write> scores: array<f32>;
 
 var<workgroup> qs: array<f32, HG * D>;
 
@@ -218,13 +240,15 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     if (t >= p.n_tok) { return; }
     let i = (gid % tiles) * WG + lid;
     let nh = p.n_head;
-    let n_vis = min((p.pos0 + t + 1u) / p.ratio, p.n_ent);
+    let pos = tab[p.row0 + t];
+    let slot = tab[p.tab_rows + p.row0 + t];
+    let n_vis = min((pos + 1u) / p.ratio, p.n_ent);
     let live = i < n_vis;
-    let kb = select(0u, i, live) * D;
+    let kb = (slot * p.cap_e + select(0u, i, live)) * D;
     var acc = 0.0;
     for (var h0 = 0u; h0 < nh; h0 += HG) {
         let hn = min(HG, nh - h0);
-        for (var c = lid; c < hn * D; c += WG) { qs[c] = q[((p.row0 + t) * nh + h0) * D + c]; }
+        for (var c = lid; c < hn * D; c += WG) { qs[c] = q[((p.q_row0 + t) * nh + h0) * D + c]; }
         workgroupBarrier();
         if (live) {
             var dots: array<f32, HG>;
@@ -232,7 +256,7 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
                 let kc = keys[kb + c];
                 for (var j = 0u; j < HG; j++) { dots[j] += qs[j * D + c] * kc; }
             }
-            for (var j = 0u; j < hn; j++) { acc += max(dots[j], 0.0) * wts[(p.row0 + t) * nh + h0 + j]; }
+            for (var j = 0u; j < hn; j++) { acc += max(dots[j], 0.0) * wts[(p.q_row0 + t) * nh + h0 + j]; }
         }
         workgroupBarrier();
     }
@@ -248,19 +272,25 @@ fn score(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
 const WG = 256u;
 struct Params {
     n_tok: u32,
-    pos0: u32,
+    row0: u32,        // table row of token 0
     ratio: u32,
     n_ent: u32,       // entries per score row
     k: u32,
     idx_stride: u32,  // slots per token of the index list
-    idx_off: u32,     // first slot this kernel owns
-    n_slots: u32,     // slots it owns (≥ min(k, visible entries))
+    idx_off: u32,     // in u32 elements: token 0's list
+    window: u32,      // the token's slots start after its min(window, pos+1) window slots
+    tab_rows: u32,
+    cap_e: u32,       // cache entries per slot
+    _pad0: u32,
+    _pad1: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> scores: array<f32>;
-@group(0) @binding(2) var<storage, read_write> idx: array<u32>;
+@group(0) @binding(2) var<storage, read> tab: array<u32>;
+@group(0) @binding(3) var<storage, read_write> idx: array<u32>;
 
 var<workgroup> red: array<u32, WG>;
+var<workgroup> wg_row: vec2<u32>;   // the token's (position, slot)
 
 // Larger float ↔ larger key (negative floats: all bits flipped; others: sign bit set).
 fn key(v: f32) -> u32 {
@@ -301,14 +331,17 @@ fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                @builtin(local_invocation_index) lid: u32) {
     let t = wid.x + wid.y * nwg.x;
     if (t >= p.n_tok) { return; }
-    let n_vis = min((p.pos0 + t + 1u) / p.ratio, p.n_ent);
+    // Through workgroup memory: the loops below hold barriers, so their bounds must be uniform.
+    if (lid == 0u) { wg_row = vec2<u32>(tab[p.row0 + t], tab[p.tab_rows + p.row0 + t]); }
+    let pt = workgroupUniformLoad(&wg_row);
+    let pos = pt.x;
+    let base = SRC_B | (pt.y * p.cap_e);
+    let n_vis = min((pos + 1u) / p.ratio, p.n_ent);
     let k = p.k;
     let row = t * p.n_ent;
-    let out = t * p.idx_stride + p.idx_off;
+    let out = p.idx_off + t * p.idx_stride + min(p.window, pos + 1u);
     if (n_vis <= k) {
-        for (var s = lid; s < p.n_slots; s += WG) {
-            idx[out + s] = select(INVALID, SRC_B | s, s < n_vis);
-        }
+        for (var s = lid; s < n_vis; s += WG) { idx[out + s] = base + s; }
         return;
     }
     // T = the largest key with at least k keys ≥ T: the k-th largest.
@@ -322,7 +355,7 @@ fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     var c = 0u;
     for (var i = lid; i < n_vis; i += WG) { c += select(0u, 1u, key(scores[row + i]) > thr); }
     let quota = k - wg_sum(c, lid);   // entries equal to T to take, lowest index first
-    var base = 0u;
+    var done = 0u;
     var eq_seen = 0u;
     for (var c0 = 0u; c0 < n_vis; c0 += WG) {
         let i = c0 + lid;
@@ -333,8 +366,8 @@ fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let e = wg_scan(select(0u, 1u, eq), lid);
         let take = gt || (eq && eq_seen + e.x < quota);
         let tk = wg_scan(select(0u, 1u, take), lid);
-        if (take) { idx[out + base + tk.x] = SRC_B | i; }
-        base += tk.y;
+        if (take) { idx[out + done + tk.x] = base + i; }
+        done += tk.y;
         eq_seen += e.y;
     }
 }
@@ -344,16 +377,21 @@ fn select_topk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 const WG = 256u;
 struct Params {
     n_tok: u32,
-    pos0: u32,
+    row0: u32,        // table row of token 0
     n_idx: u32,       // slots per token
-    n_win: u32,       // window slots (≤ window)
+    idx_off: u32,     // in u32 elements: token 0's list
     window: u32,
-    ring: u32,        // rows of the window ring
+    ring: u32,        // rows of a slot's window ring
     ratio: u32,       // compressed entries: i < (pos+1)/ratio (0: none)
     fill_comp: u32,   // 1: write the compressed slots too (else the indexer owns them)
+    top_k: u32,       // the indexer's picks (fill_comp 0)
+    tab_rows: u32,
+    cap_e: u32,       // cache entries per slot
+    _pad: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> idx: array<u32>;
+@group(0) @binding(1) var<storage, read> tab: array<u32>;
+@group(0) @binding(2) var<storage, read_write> idx: array<u32>;
 
 @compute @workgroup_size(WG)
 fn index_list(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -362,16 +400,20 @@ fn index_list(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (g >= p.n_tok * p.n_idx) { return; }
     let t = g / p.n_idx;
     let i = g - t * p.n_idx;
-    let pos = p.pos0 + t;
+    let pos = tab[p.row0 + t];
+    let slot = tab[p.tab_rows + p.row0 + t];
+    let n_win = min(p.window, pos + 1u);
+    var n_comp = 0u;
+    if (p.ratio > 0u) { n_comp = (pos + 1u) / p.ratio; }
     var v = INVALID;
-    if (i < p.n_win) {
-        if (i <= pos && i < p.window) { v = (pos - i) % p.ring; }
+    if (i < n_win) {
+        v = slot * p.ring + (pos - i) % p.ring;
     } else if (p.fill_comp != 0u) {
-        let c = i - p.n_win;
-        if (p.ratio > 0u && c < (pos + 1u) / p.ratio) { v = SRC_B | c; }
-    } else {
+        let c = i - n_win;
+        if (c < n_comp) { v = SRC_B | (slot * p.cap_e + c); }
+    } else if (i - n_win < min(p.top_k, n_comp)) {
         return;
     }
-    idx[g] = v;
+    idx[p.idx_off + g] = v;
 }
 #endif

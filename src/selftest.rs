@@ -1019,6 +1019,149 @@ pub fn qk_norm_rope(
     })
 }
 
+/// DeepSeek-V4's decode rows in one attention call (`attention::Keys::Rows`): tokens with
+/// their own index lists (window ring rows in source A, compressed entries in B, masked
+/// slots) of the given lengths, each with its own split, one K = V head, sinks; f32 cache.
+/// Against the CPU reference over each token's list (bound `1e-5 · (1 + max |ref|)`), and
+/// each token's output bit for bit against a call of that token alone (what a one-token
+/// decode step computes).
+pub fn attention_rows(gpu: &Gpu, (nh, hd): (u32, u32), lens: &[u32], seed: u64) -> Result<Check> {
+    use crate::cpu::attention::{self as cref, Dims, KvRef, Visible};
+    use crate::gpu::attention::{
+        self as ga, Attention, Keys, KvShape, KvSource, KvType, OutView, QView, INVALID, SRC_B,
+    };
+    let mut rng = Rng(seed);
+    let kv = KvShape {
+        dtype: KvType::F32,
+        n_head_kv: 1,
+        head_dim: hd,
+    };
+    let (n_a, n_b, w) = (11u32, 23u32, (nh * hd) as usize);
+    let ka = rng.normals(n_a as usize * hd as usize, 1.0);
+    let kb = rng.normals(n_b as usize * hd as usize, 1.0);
+    let sinks = rng.normals(nh as usize, 1.0);
+    let q = rng.normals(lens.len() * w, 1.0);
+    let lists: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| match rng.next() % 6 {
+                    0 => INVALID,
+                    1 | 2 => (rng.next() % n_a as u64) as u32,
+                    _ => SRC_B | (rng.next() % n_b as u64) as u32,
+                })
+                .collect()
+        })
+        .collect();
+    let ab = gpu.upload_f32(&ka, "selftest.ring")?;
+    let bb = gpu.upload_f32(&kb, "selftest.entries")?;
+    let sb = gpu.upload_f32(&sinks, "selftest.sinks")?;
+    // One call over tokens `ts`: aux = [descriptors][lists], the outputs come back.
+    let run = |ts: &[usize]| -> Result<Vec<f32>> {
+        let mut aux = Vec::new();
+        let mut at = 4 * ts.len() as u32;
+        let mut max_split = 1;
+        for &t in ts {
+            let (ns, sl) = ga::row_split(gpu, nh, kv, lens[t])?;
+            aux.extend([lens[t], ns, sl, at]);
+            at += lens[t];
+            max_split = max_split.max(ns);
+        }
+        for &t in ts {
+            aux.extend(&lists[t]);
+        }
+        let nq = ts.len() as u32;
+        let qs: Vec<f32> = ts.iter().flat_map(|&t| q[t * w..][..w].to_vec()).collect();
+        let auxb = gpu.upload(bytemuck::cast_slice(&aux), "selftest.aux")?;
+        let qb = gpu.upload_f32(&qs, "selftest.q")?;
+        let out = gpu.buffer(qs.len() as u64 * 4, "selftest.out")?;
+        let scratch = gpu.buffer(
+            ga::scratch_elems(nq, nh, hd, max_split) * 4,
+            "selftest.split",
+        )?;
+        let mut pass = gpu.pass();
+        ga::attention(
+            &mut pass,
+            &Attention {
+                n_q: nq,
+                n_head: nh,
+                kv,
+                scale: 1.0 / (hd as f32).sqrt(),
+                q: QView {
+                    buf: &qb,
+                    off: 0,
+                    tok_stride: nh * hd,
+                    head_stride: hd,
+                },
+                out: OutView {
+                    buf: &out,
+                    off: 0,
+                    tok_stride: nh * hd,
+                },
+                a: KvSource { k: &ab, v: None },
+                b: Some(KvSource { k: &bb, v: None }),
+                keys: Keys::Rows {
+                    aux: &auxb,
+                    off: 0,
+                    max_keys: lens.iter().copied().max().unwrap_or(0),
+                },
+                sinks: Some((&sb, 0)),
+                split: Some((&scratch, max_split)),
+            },
+        )?;
+        pass.submit()?;
+        gpu.read_f32(&out, 0, qs.len())
+    };
+    let all: Vec<usize> = (0..lens.len()).collect();
+    let got = run(&all)?;
+    let (mut worst, mut e2, mut v2) = (0f64, 0f64, 0f64);
+    let mut detail = String::new();
+    for (t, list) in lists.iter().enumerate() {
+        let d = Dims {
+            n_q: 1,
+            n_head: nh as usize,
+            n_head_kv: 1,
+            head_dim: hd as usize,
+        };
+        let vis = Visible::Index {
+            idx: list,
+            n_idx: list.len(),
+        };
+        let (a, b) = (KvRef { k: &ka, v: &ka }, KvRef { k: &kb, v: &kb });
+        let scale = 1.0 / (hd as f32).sqrt();
+        let want = cref::attention(d, &q[t * w..][..w], a, Some(b), vis, Some(&sinks), scale);
+        let g = &got[t * w..][..w];
+        let top = want.iter().fold(0f64, |m, &x| m.max(x.abs() as f64));
+        for (i, (&gv, &wv)) in g.iter().zip(&want).enumerate() {
+            let err = (gv as f64 - wv as f64).abs() / (1e-5 * (1.0 + top));
+            let err = if err.is_nan() { f64::INFINITY } else { err };
+            e2 += (gv as f64 - wv as f64).powi(2);
+            v2 += (wv as f64).powi(2);
+            if err > worst {
+                worst = err;
+                if worst > 1.0 {
+                    detail = format!("token {t} value {i} = {gv}, want {wv}");
+                }
+            }
+        }
+        let alone = run(&[t])?;
+        if g.iter()
+            .zip(&alone)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+            && detail.is_empty()
+        {
+            detail = format!("token {t}: not the bits of the token alone");
+        }
+    }
+    Ok(Check {
+        name: format!("attention rows {nh}x{hd} lists {lens:?}"),
+        passed: detail.is_empty(),
+        worst,
+        rel_rms: (e2 / v2.max(1e-300)).sqrt(),
+        detail,
+    })
+}
+
 /// The GDN decode step with Qwen3.5's gated output norm (`gdn::recurrent_normed`) for three
 /// one-token sequences in slots 2, 0, 1 of a pool of four, from a nonzero state, against the
 /// CPU (`cpu::gdn::gates`, `cpu::gdn::recurrent` in f64, `cpu::ops::gated_rms_norm`): output
@@ -1214,6 +1357,19 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
         push(
             &format!("qk_norm_rope {shape:?}"),
             qk_norm_rope(gpu, shape, 650 + i as u64),
+        );
+    }
+    // DeepSeek-V4's decode rows: head 512 (Flash's), lists of one and of many splits; odd heads
+    for (i, (shape, lens)) in [
+        ((8, 512), &[1u32, 640, 37][..]),
+        ((3, 40), &[5, 300, 66, 2][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        push(
+            &format!("attention rows {shape:?}"),
+            attention_rows(gpu, shape, lens, 670 + i as u64),
         );
     }
     {

@@ -921,6 +921,157 @@ fn index_lists_with_sinks() {
     index_sink_case(64, 20, 4, 37, KvType::F16, 2, true);
 }
 
+/// Per-row lists (`Keys::Rows`): tokens with their own list lengths (short ones in one
+/// split, long ones in several) and lists placed anywhere in the aux buffer, in one call;
+/// each row against the reference over its own list, and bit for bit against a one-row call.
+fn rows_case(hd: u32, nh: u32, lens: &[u32], dtype: KvType) {
+    let g = gpu();
+    let kv = KvShape {
+        dtype,
+        n_head_kv: 1,
+        head_dim: hd,
+    };
+    let n_q = lens.len() as u32;
+    let (n_a, n_b) = (13u32, 29u32);
+    let row = hd as usize;
+    let ka = rand_vec(n_a as usize * row, 91, 2.0);
+    let kb = rand_vec(n_b as usize * row, 92, 2.0);
+    let sinks = rand_vec(nh as usize, 95, 3.0);
+    let q = rand_vec((n_q * nh * hd) as usize, 96, 1.0);
+    let mut lists: Vec<Vec<u32>> = Vec::new();
+    let mut s = 11u32;
+    for &n in lens {
+        lists.push(
+            (0..n)
+                .map(|_| {
+                    s = s.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    match (s >> 16) % 7 {
+                        0 => INVALID,
+                        1..=3 => (s >> 8) % n_a,
+                        _ => SRC_B | ((s >> 8) % n_b),
+                    }
+                })
+                .collect(),
+        );
+    }
+    // aux: [3 unused][descriptors of the call][lists, last token's first]
+    let desc = |t: usize, list: u32| -> Result<[u32; 4], lathe::Error> {
+        let (ns, sl) = ga::row_split(g, nh, kv, lens[t])?;
+        Ok([lens[t], ns, sl, list])
+    };
+    let build = |ts: &[usize]| -> (Vec<u32>, u32) {
+        let mut aux = vec![7u32; 3];
+        let mut at = 3 + 4 * ts.len() as u32;
+        let mut max_split = 1;
+        let mut words = Vec::new();
+        let mut body = Vec::new();
+        for &t in ts.iter().rev() {
+            let d = desc(t, at).unwrap();
+            max_split = max_split.max(d[1]);
+            words.push(d);
+            body.extend(&lists[t]);
+            at += lens[t] + 1;
+            body.push(0xdead);
+        }
+        words.reverse();
+        aux.extend(words.iter().flatten());
+        aux.extend(body);
+        (aux, max_split)
+    };
+    let kca = make_cache(g, kv, &ka, n_a, 0);
+    let kcb = make_cache(g, kv, &kb, n_b, 0);
+    let sb = g.upload_f32(&sinks, "sinks").unwrap();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let run = |ts: &[usize]| -> Vec<f32> {
+        let (aux, max_split) = build(ts);
+        let ab = upload_u32(g, &aux, "aux");
+        let nq = ts.len() as u32;
+        let qs: Vec<f32> = ts
+            .iter()
+            .flat_map(|&t| q[t * (nh * hd) as usize..][..(nh * hd) as usize].to_vec())
+            .collect();
+        let qb = g.upload_f32(&qs, "q").unwrap();
+        let out = g.buffer((nq * nh * hd) as u64 * 4, "out").unwrap();
+        let scratch = g
+            .buffer(ga::scratch_elems(nq, nh, hd, max_split) * 4, "scratch")
+            .unwrap();
+        let mut pass = g.pass();
+        ga::attention(
+            &mut pass,
+            &Attention {
+                n_q: nq,
+                n_head: nh,
+                kv,
+                scale,
+                q: QView {
+                    buf: &qb,
+                    off: 0,
+                    tok_stride: nh * hd,
+                    head_stride: hd,
+                },
+                out: OutView {
+                    buf: &out,
+                    off: 0,
+                    tok_stride: nh * hd,
+                },
+                a: KvSource { k: &kca, v: None },
+                b: Some(KvSource { k: &kcb, v: None }),
+                keys: Keys::Rows {
+                    aux: &ab,
+                    off: 3,
+                    max_keys: *lens.iter().max().unwrap(),
+                },
+                sinks: Some((&sb, 0)),
+                split: Some((&scratch, max_split)),
+            },
+        )
+        .unwrap();
+        pass.submit().unwrap();
+        g.read_f32(&out, 0, (nq * nh * hd) as usize).unwrap()
+    };
+    let all: Vec<usize> = (0..lens.len()).collect();
+    let got = run(&all);
+    let r = |x: &[f32]| match dtype {
+        KvType::F16 => cref::round_f16(x),
+        KvType::F32 => x.to_vec(),
+    };
+    let (ka, kb) = (r(&ka), r(&kb));
+    let w = (nh * hd) as usize;
+    for (t, list) in lists.iter().enumerate() {
+        let d = Dims {
+            n_q: 1,
+            n_head: nh as usize,
+            n_head_kv: 1,
+            head_dim: hd as usize,
+        };
+        let want = cref::attention(
+            d,
+            &q[t * w..][..w],
+            KvRef { k: &ka, v: &ka },
+            Some(KvRef { k: &kb, v: &kb }),
+            Visible::Index {
+                idx: list,
+                n_idx: list.len(),
+            },
+            Some(&sinks),
+            scale,
+        );
+        let what = format!("rows hd {hd} heads {nh} {dtype:?}: token {t} of {lens:?}");
+        assert_close(&got[t * w..][..w], &want, 1e-5, &what);
+        let alone = run(&[t]);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got[t * w..][..w]), bits(&alone), "{what}: alone");
+    }
+}
+
+#[test]
+fn row_lists_match_reference_and_lone_rows() {
+    let _serial = serial();
+    rows_case(32, 4, &[21, 1, 300, 64, 33], KvType::F32);
+    rows_case(512, 3, &[40, 700, 7], KvType::F16);
+    rows_case(64, 20, &[129, 2, 90], KvType::F32);
+}
+
 #[test]
 fn causal_with_sinks_split_and_not() {
     let _serial = serial();

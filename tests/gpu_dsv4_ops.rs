@@ -7,6 +7,7 @@
 //! f32 math against the f64 references unless stated; ids and index lists exactly.
 
 use lathe::cpu;
+use lathe::gpu::attention::{INVALID, SRC_B};
 use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use lathe::gpu::elementwise::View;
 use lathe::gpu::hc::{self, HcShape, HcWeights};
@@ -250,14 +251,17 @@ fn router_matches_reference() {
 
 // ---------------------------------------------------------------------------- compressor
 
-/// Feed `total` tokens in chunks through store + pool on both sides; every entry matches.
+/// Sequences in the slots of one store pool, fed in steps (`steps[i][s]`: tokens of slot s
+/// in step i, 0 for none), every step's rows of all slots through one store and one pool
+/// dispatch (row table at an offset); every entry matches the CPU reference run per
+/// sequence, in the cache pool (entries written at their cache rows) and in packed staging.
 fn compressor_case(
     gpu: &Gpu,
     rng: &mut Rng,
     ratio: usize,
     d: usize,
     overlap: bool,
-    chunks: &[usize],
+    steps: &[&[usize]],
 ) {
     let n_rot = 8.min(d);
     let inv_freq: Vec<f32> = (0..n_rot / 2)
@@ -265,7 +269,8 @@ fn compressor_case(
         .collect();
     let table = RopeTable::new(gpu, &inv_freq, "rope").unwrap();
     let width = if overlap { 2 * d } else { d };
-    let max_chunk = *chunks.iter().max().unwrap();
+    let slots = steps[0].len();
+    let max_chunk = steps.iter().flat_map(|s| s.iter()).copied().max().unwrap();
     let s = CmpShape {
         ratio: ratio as u32,
         d: d as u32,
@@ -277,91 +282,153 @@ fn compressor_case(
     let norm = rng.vec(d, 1.0);
     let tape = tensor(gpu, &[ratio as u64, width as u64], &ape);
     let tnorm = tensor(gpu, &[d as u64], &norm);
-    let store = gpu.buffer(s.store_bytes(), "store").unwrap();
-    let total: usize = chunks.iter().sum();
-    let n_ent = total / ratio;
-    let out = gpu
-        .buffer((n_ent.max(1) * d * 4) as u64, "entries")
+    let store = gpu.buffer(s.store_bytes() * slots as u64, "store").unwrap();
+    let totals: Vec<usize> = (0..slots)
+        .map(|k| steps.iter().map(|st| st[k]).sum())
+        .collect();
+    let cap_e = totals.iter().max().unwrap() / ratio + 3;
+    let cache = gpu
+        .buffer((slots * cap_e * d * 4) as u64, "entries")
         .unwrap();
-    let mut cpu_store = vec![0f32; cap * 2 * width];
-    let mut want = Vec::new();
-    let mut pos0 = 0;
-    for &n in chunks {
+    let mut cpu_store = vec![vec![0f32; cap * 2 * width]; slots];
+    let mut want: Vec<Vec<f32>> = vec![Vec::new(); slots];
+    let mut pos = vec![0usize; slots];
+    for step in steps {
         // src rows of kv | score with a stride wider than 2·width (an offset view).
         let stride = 2 * width + 3;
+        let n: usize = step.iter().sum();
         let src = rng.vec(n * stride + 1, 1.0);
         let sb = gpu.upload_f32(&src, "src").unwrap();
-        let (w0, w_end) = (pos0 / ratio, (pos0 + n) / ratio);
-        submit(gpu, |p| {
-            compress::store(
-                p,
-                &s,
-                n as u32,
-                pos0 as u32,
-                &sb,
-                1,
-                stride as u32,
-                &tape,
-                &store,
-            )
-            .unwrap();
-            compress::pool(
-                p,
-                &s,
-                w0 as u32,
-                (w_end - w0) as u32,
-                &tnorm,
-                &table,
-                1e-6,
-                &store,
-                &out,
-                (w0 * d) as u32,
-            )
-            .unwrap();
-        });
-        cpu::compress::store(
-            &mut cpu_store,
-            cap,
-            ratio,
-            width,
-            pos0,
-            &src[1..],
-            stride,
-            n,
-            &ape,
-        );
-        for w in w0..w_end {
-            want.extend(cpu::compress::pool(
-                &cpu_store, cap, ratio, d, overlap, w, &norm, &inv_freq, 1e-6,
-            ));
+        let (mut rp, mut rs, mut wins) = (Vec::new(), Vec::new(), Vec::new());
+        let mut step_want = Vec::new();
+        let mut row = 0;
+        for (k, &nk) in step.iter().enumerate() {
+            rp.extend((0..nk).map(|j| (pos[k] + j) as u32));
+            rs.extend((0..nk).map(|_| k as u32));
+            cpu::compress::store(
+                &mut cpu_store[k],
+                cap,
+                ratio,
+                width,
+                pos[k],
+                &src[1 + row * stride..],
+                stride,
+                nk,
+                &ape,
+            );
+            for w in pos[k] / ratio..(pos[k] + nk) / ratio {
+                wins.push((w as u32, k as u32));
+                let e = cpu::compress::pool(
+                    &cpu_store[k],
+                    cap,
+                    ratio,
+                    d,
+                    overlap,
+                    w,
+                    &norm,
+                    &inv_freq,
+                    1e-6,
+                );
+                want[k].extend_from_slice(&e);
+                step_want.extend(e);
+            }
+            pos[k] += nk;
+            row += nk;
         }
-        pos0 += n;
+        let mut tab = vec![7u32; 5];
+        tab.extend(compress::Rows::words(&rp, &rs));
+        let win_off = tab.len() as u32;
+        tab.extend(compress::Windows::words(&wins, cap_e as u32));
+        let tb = gpu.upload(bytemuck::cast_slice(&tab), "tab").unwrap();
+        let n_win = wins.len();
+        let stage = gpu
+            .buffer(((3 + n_win.max(1) * d) * 4) as u64, "stage")
+            .unwrap();
+        let wv = compress::Windows {
+            buf: &tb,
+            off: win_off,
+            n_win: n_win as u32,
+        };
+        let rows = compress::Rows {
+            tab: &tb,
+            tab_rows: n as u32,
+            row0: 5,
+        };
+        submit(gpu, |p| {
+            compress::store(p, &s, n as u32, rows, &sb, 1, stride as u32, &tape, &store).unwrap();
+            let out = compress::PoolOut::CacheRows { buf: &cache };
+            compress::pool(p, &s, wv, &tnorm, &table, 1e-6, &store, out).unwrap();
+            let out = compress::PoolOut::Packed {
+                buf: &stage,
+                off: 3,
+            };
+            compress::pool(p, &s, wv, &tnorm, &table, 1e-6, &store, out).unwrap();
+        });
+        let what = format!("compressor ratio {ratio} d {d} overlap {overlap} step {step:?}");
+        let got = gpu.read_f32(&stage, 3, n_win * d).unwrap();
+        assert_close(&format!("{what}: packed"), &got, &step_want, 1e-4);
     }
-    let got = gpu.read_f32(&out, 0, n_ent * d).unwrap();
-    let what = format!("compressor ratio {ratio} d {d} overlap {overlap} chunks {chunks:?}");
-    assert_close(&what, &got, &want, 1e-4);
+    for (k, wk) in want.iter().enumerate() {
+        let got = gpu
+            .read_f32(&cache, (k * cap_e * d) as u64, wk.len())
+            .unwrap();
+        let what = format!("compressor ratio {ratio} d {d} overlap {overlap} slot {k}");
+        assert_close(&what, &got, wk, 1e-4);
+    }
 }
 
 #[test]
 fn compressor_matches_reference() {
     let gpu = gpu();
     let mut rng = Rng(3);
-    compressor_case(&gpu, &mut rng, 4, 16, true, &[5, 1, 1, 1, 9, 2, 4]);
-    compressor_case(&gpu, &mut rng, 3, 20, true, &[1, 1, 1, 1, 7, 11]);
-    compressor_case(&gpu, &mut rng, 5, 12, false, &[13, 1, 1, 6]);
-    compressor_case(&gpu, &mut rng, 4, 512, true, &[37, 1, 1, 1, 1]);
-    compressor_case(&gpu, &mut rng, 128, 512, false, &[200, 1, 55, 1, 1]);
+    let one = |v: &[usize]| v.iter().map(|&n| vec![n]).collect::<Vec<_>>();
+    let run = |rng: &mut Rng, ratio, d, overlap, steps: Vec<Vec<usize>>| {
+        let st: Vec<&[usize]> = steps.iter().map(|v| &v[..]).collect();
+        compressor_case(&gpu, rng, ratio, d, overlap, &st);
+    };
+    run(&mut rng, 4, 16, true, one(&[5, 1, 1, 1, 9, 2, 4]));
+    run(&mut rng, 3, 20, true, one(&[1, 1, 1, 1, 7, 11]));
+    run(&mut rng, 5, 12, false, one(&[13, 1, 1, 6]));
+    run(&mut rng, 4, 512, true, one(&[37, 1, 1, 1, 1]));
+    run(&mut rng, 128, 512, false, one(&[200, 1, 55, 1, 1]));
+    // Three sequences in one pool: prefill chunks beside decode rows, idle slots.
+    let steps = vec![
+        vec![5, 9, 0],
+        vec![1, 2, 7],
+        vec![1, 1, 1],
+        vec![0, 1, 1],
+        vec![3, 1, 1],
+        vec![1, 1, 6],
+    ];
+    run(&mut rng, 4, 16, true, steps.clone());
+    run(&mut rng, 3, 20, false, steps);
 }
 
 // ---------------------------------------------------------------------------- indexer, key lists
 
-fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: usize, n: usize) {
+/// Tokens of `slots` sequences (token t in slot t % slots) in one scoring and one selection
+/// call: scores against each slot's keys in a pool of `cap_e` entries per slot, picks after
+/// each token's window slots in lists of one stride (row table and q rows at offsets).
+#[allow(clippy::too_many_arguments)]
+fn indexer_case(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    nh: usize,
+    d: usize,
+    k: usize,
+    n_ent: usize,
+    n: usize,
+    slots: usize,
+) {
     let ratio = 4usize;
+    let window = 3usize;
+    let cap_e = n_ent + 2;
     // Tokens whose visible entry counts run up to n_ent.
-    let pos0 = n_ent * ratio - n;
-    let q = rng.vec(n * nh * d, 1.0);
-    let w = rng.vec(n * nh, 1.0);
-    let keys = rng.vec(n_ent * d, 1.0);
+    let pos: Vec<usize> = (0..n).map(|t| n_ent * ratio - n + t).collect();
+    let slot: Vec<usize> = (0..n).map(|t| t % slots).collect();
+    let q = rng.vec((n + 1) * nh * d, 1.0);
+    let w = rng.vec((n + 1) * nh, 1.0);
+    let keys = rng.vec(slots * cap_e * d, 1.0);
     let (qb, wb, kb) = (
         gpu.upload_f32(&q, "q").unwrap(),
         gpu.upload_f32(&w, "w").unwrap(),
@@ -374,23 +441,40 @@ fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: 
         ratio: ratio as u32,
         top_k: k as u32,
     };
-    // Index list: 3 window slots owned by someone else (guards), then k compressed slots.
-    let (n_win, n_slots) = (3usize, k.min(n_ent));
-    let stride = n_win + n_slots;
+    let mut tab = vec![0u32; 2];
+    let pu: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
+    let su: Vec<u32> = slot.iter().map(|&p| p as u32).collect();
+    tab.extend(compress::Rows::words(&pu, &su));
+    let tb = gpu.upload(bytemuck::cast_slice(&tab), "tab").unwrap();
+    let rows = compress::Rows {
+        tab: &tb,
+        tab_rows: n as u32,
+        row0: 2,
+    };
+    // Lists: window slots owned by someone else (guards), the picks, guards after them.
+    let n_win = |t: usize| window.min(pos[t] + 1);
+    let vis = |t: usize| ((pos[t] + 1) / ratio).min(n_ent);
+    let stride = (0..n).map(|t| n_win(t) + k.min(vis(t))).max().unwrap() + 1;
     let guard = 0x1234_5678u32;
     let idx = gpu
-        .upload(bytemuck::cast_slice(&vec![guard; n * stride]), "idx")
+        .upload(bytemuck::cast_slice(&vec![guard; 4 + n * stride]), "idx")
         .unwrap();
+    let list = compress::ListView {
+        buf: &idx,
+        off: 4,
+        n_idx: stride as u32,
+    };
     submit(gpu, |p| {
         compress::index_scores(
             p,
             &s,
             n as u32,
-            pos0 as u32,
+            rows,
+            1,
             n_ent as u32,
+            cap_e as u32,
             &qb,
             &wb,
-            0,
             &kb,
             &scores,
         )
@@ -399,19 +483,25 @@ fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: 
             p,
             &s,
             n as u32,
-            pos0 as u32,
+            rows,
             n_ent as u32,
+            cap_e as u32,
+            window as u32,
             &scores,
-            &idx,
-            stride as u32,
-            n_win as u32,
-            n_slots as u32,
+            list,
         )
         .unwrap();
     });
     let got = gpu.read_f32(&scores, 0, n * n_ent).unwrap();
-    let want = cpu::compress::index_scores(&q, &w, &keys, n, pos0, n_ent, nh, d, ratio);
-    let what = format!("indexer {nh}×{d} top-{k} of {n_ent}");
+    let mut want = Vec::new();
+    for t in 0..n {
+        let kk = &keys[slot[t] * cap_e * d..][..n_ent * d];
+        let (qt, wt) = (&q[(1 + t) * nh * d..][..nh * d], &w[(1 + t) * nh..][..nh]);
+        want.extend(cpu::compress::index_scores(
+            qt, wt, kk, 1, pos[t], n_ent, nh, d, ratio,
+        ));
+    }
+    let what = format!("indexer {nh}×{d} top-{k} of {n_ent}, {slots} slots");
     // Masked entries are -1e30 on both sides: compare them exactly, scores with the tolerance.
     for (i, (&g, &wv)) in got.iter().zip(&want).enumerate() {
         if wv <= -1e29 {
@@ -419,17 +509,22 @@ fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: 
         }
     }
     assert_close(&format!("{what}: scores"), &got, &want, 1e-4);
-    let got_idx = gpu.read_u32(&idx, 0, n * stride).unwrap();
+    let got_idx = gpu.read_u32(&idx, 4, n * stride).unwrap();
     for t in 0..n {
         let row = &got_idx[t * stride..(t + 1) * stride];
+        let (nw, np) = (n_win(t), k.min(vis(t)));
         assert!(
-            row[..n_win].iter().all(|&v| v == guard),
-            "{what}: window slots touched"
+            row[..nw].iter().chain(&row[nw + np..]).all(|&v| v == guard),
+            "{what}: token {t}: slots outside its picks touched"
         );
         // Selection from the GPU's own scores (a near-tie of f32 vs f64 sums must not decide).
-        let vis = ((pos0 + t + 1) / ratio).min(n_ent);
-        let mut sel = cpu::compress::select_topk(&got[t * n_ent..(t + 1) * n_ent], vis, k, n_slots);
-        let mut g = row[n_win..].to_vec();
+        let base = (slot[t] * cap_e) as u32;
+        let mut sel: Vec<u32> =
+            cpu::compress::select_topk(&got[t * n_ent..(t + 1) * n_ent], vis(t), k, np)
+                .into_iter()
+                .map(|v| v + base)
+                .collect();
+        let mut g = row[nw..nw + np].to_vec();
         sel.sort_unstable();
         g.sort_unstable();
         assert_eq!(g, sel, "{what}: token {t} selection");
@@ -440,46 +535,91 @@ fn indexer_case(gpu: &Gpu, rng: &mut Rng, nh: usize, d: usize, k: usize, n_ent: 
 fn indexer_matches_reference() {
     let gpu = gpu();
     let mut rng = Rng(5);
-    indexer_case(&gpu, &mut rng, 4, 16, 2, 13, 6);
-    indexer_case(&gpu, &mut rng, 3, 40, 5, 3, 9);
-    indexer_case(&gpu, &mut rng, 64, 128, 512, 1000, 2);
+    indexer_case(&gpu, &mut rng, 4, 16, 2, 13, 6, 1);
+    indexer_case(&gpu, &mut rng, 3, 40, 5, 3, 9, 2);
+    indexer_case(&gpu, &mut rng, 5, 24, 7, 11, 10, 3);
+    indexer_case(&gpu, &mut rng, 64, 128, 512, 1000, 2, 2);
 }
 
+/// Each token's list (rows of several sequences in one call) is the one-token decode step's
+/// list at its position in its slot's rows, `INVALID` after it, the indexer's slots left.
 #[test]
 fn index_list_matches_reference() {
     let gpu = gpu();
     let guard = 0x0bad_f00du32;
-    for (pos0, n, window, ring, ratio, fill, comp) in [
-        (0usize, 5usize, 8usize, 12usize, 4usize, true, 1usize),
-        (3, 1, 8, 8, 4, false, 2),
-        (126, 9, 128, 383, 128, true, 1),
-        (1000, 1, 128, 383, 0, false, 0),
-        (500, 17, 128, 383, 4, false, 16),
-    ] {
-        let n_win = window.min(pos0 + n);
-        let n_idx = n_win + comp;
+    let cap_e = 300usize;
+    // (rows as (pos, slot), window, ring, ratio, fill, top_k)
+    type Case = (Vec<(usize, usize)>, usize, usize, usize, bool, usize);
+    let cases: [Case; 5] = [
+        ((0..5).map(|p| (p, 0)).collect(), 8, 12, 4, true, 0),
+        (vec![(3, 1), (9, 0), (10, 0), (0, 2)], 8, 8, 4, false, 2),
+        ((126..135).map(|p| (p, 1)).collect(), 128, 383, 128, true, 0),
+        (vec![(1000, 0), (2, 1)], 128, 383, 0, false, 0),
+        (
+            (500..517).map(|p| (p, p % 3)).collect(),
+            128,
+            383,
+            4,
+            false,
+            16,
+        ),
+    ];
+    for (rows, window, ring, ratio, fill, top_k) in cases {
+        let n = rows.len();
+        let n_win = |p: usize| window.min(p + 1);
+        let comp = |p: usize| match ratio {
+            0 => 0,
+            r if fill => (p + 1) / r,
+            r => top_k.min((p + 1) / r),
+        };
+        let stride = rows.iter().map(|r| n_win(r.0) + comp(r.0)).max().unwrap() + 2;
         let buf = gpu
-            .upload(bytemuck::cast_slice(&vec![guard; n * n_idx]), "idx")
+            .upload(bytemuck::cast_slice(&vec![guard; 1 + n * stride]), "idx")
+            .unwrap();
+        let pu: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+        let su: Vec<u32> = rows.iter().map(|r| r.1 as u32).collect();
+        let tb = gpu
+            .upload(
+                bytemuck::cast_slice(&compress::Rows::words(&pu, &su)),
+                "tab",
+            )
             .unwrap();
         let l = IndexList {
-            n_idx: n_idx as u32,
-            n_win: n_win as u32,
             window: window as u32,
             ring: ring as u32,
             ratio: ratio as u32,
             fill_comp: fill,
+            top_k: top_k as u32,
+            cap_e: cap_e as u32,
+        };
+        let rv = compress::Rows {
+            tab: &tb,
+            tab_rows: n as u32,
+            row0: 0,
+        };
+        let list = compress::ListView {
+            buf: &buf,
+            off: 1,
+            n_idx: stride as u32,
         };
         submit(&gpu, |p| {
-            compress::index_list(p, &l, n as u32, pos0 as u32, &buf).unwrap()
+            compress::index_list(p, &l, n as u32, rv, list).unwrap()
         });
-        let got = gpu.read_u32(&buf, 0, n * n_idx).unwrap();
-        for t in 0..n {
-            let want = cpu::compress::index_list(pos0 + t, n_idx, n_win, window, ring, ratio, fill);
-            for (i, w) in want.iter().enumerate() {
+        let got = gpu.read_u32(&buf, 1, n * stride).unwrap();
+        for (t, &(pos, slot)) in rows.iter().enumerate() {
+            let (nw, n_idx) = (n_win(pos), n_win(pos) + comp(pos));
+            let one = cpu::compress::index_list(pos, n_idx, nw, window, ring, ratio, fill);
+            for i in 0..stride {
+                let want = match one.get(i) {
+                    Some(Some(v)) if i < nw => slot as u32 * ring as u32 + v,
+                    Some(Some(v)) => SRC_B | ((slot * cap_e) as u32 + (v & !SRC_B)),
+                    Some(None) => guard,
+                    None => INVALID,
+                };
                 assert_eq!(
-                    got[t * n_idx + i],
-                    w.unwrap_or(guard),
-                    "{l:?} pos0 {pos0}: token {t} slot {i}"
+                    got[t * stride + i],
+                    want,
+                    "{l:?}: token {t} (pos {pos}, slot {slot}) slot {i}"
                 );
             }
         }
@@ -509,18 +649,34 @@ fn select_topk_breaks_ties_like_a_sort() {
             ratio: ratio as u32,
             top_k: k as u32,
         };
+        let pos: Vec<u32> = (0..n).map(|t| (pos0 + t) as u32).collect();
+        let tb = gpu
+            .upload(
+                bytemuck::cast_slice(&compress::Rows::words(&pos, &[0; 3])),
+                "tab",
+            )
+            .unwrap();
+        let rows = compress::Rows {
+            tab: &tb,
+            tab_rows: n as u32,
+            row0: 0,
+        };
+        let list = compress::ListView {
+            buf: &idx,
+            off: 0,
+            n_idx: n_slots as u32,
+        };
         submit(&gpu, |p| {
             compress::select_topk(
                 p,
                 &s,
                 n as u32,
-                pos0 as u32,
+                rows,
                 n_ent as u32,
-                &sb,
-                &idx,
-                n_slots as u32,
+                n_ent as u32,
                 0,
-                n_slots as u32,
+                &sb,
+                list,
             )
             .unwrap()
         });
@@ -530,7 +686,7 @@ fn select_topk_breaks_ties_like_a_sort() {
             let mut want =
                 cpu::compress::select_topk(&scores[t * n_ent..(t + 1) * n_ent], vis, k, n_slots);
             let mut g = got[t * n_slots..(t + 1) * n_slots].to_vec();
-            // Entry order on the GPU: already sorted apart from the INVALID padding.
+            // Entry order on the GPU: already sorted.
             want.sort_unstable();
             g.sort_unstable();
             assert_eq!(g, want, "top-{k} of {vis}, token {t}");

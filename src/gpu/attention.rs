@@ -16,7 +16,8 @@
 //!   with an online softmax. Which keys a query sees is [`Keys`]: causal over one
 //!   sequence's rows (chunked prefill continuing a cache, optional sliding window), a
 //!   per-query row range (batched decode over several sequences), or a per-query index
-//!   list over two sources (DeepSeek-V4: window ring in A, compressed entries in B).
+//!   list over two sources (DeepSeek-V4: window ring in A, compressed entries in B), each
+//!   token's own list with its own length and split ([`Keys::Rows`]).
 //!   Optional per-head sinks (softmax over `[scores…, sink]`), K = V (one shared tensor),
 //!   and split-K: `n_split` workgroups per row tile each take a slice of the keys and write
 //!   `(o, m, l)` partials, merged by a combine kernel with the log-sum-exp rule.
@@ -227,6 +228,17 @@ pub enum Keys<'a> {
         off: u32,
         n_idx: u32,
     },
+    /// Token `t` sees its own list: `(n_idx, n_split, split_len, list) = aux[off + 4t ..]`
+    /// (u32), keys `aux[list + i]`, `i < n_idx`, tagged as in [`Keys::Index`], split as
+    /// [`row_split`] splits a one-token call of that length. Always split: [`Attention::split`]
+    /// gives the scratch and the most splits of any token; each token's output has the bits
+    /// of a one-token `Rows` call, whatever the other tokens (DeepSeek-V4's decode rows of
+    /// many sequences, and its verify rows, in one call).
+    Rows {
+        aux: &'a wgpu::Buffer,
+        off: u32,
+        max_keys: u32,
+    },
 }
 
 /// One attention call. Output `[n_q][n_head][head_dim]` f32; query token `t`'s q head `h`
@@ -253,6 +265,17 @@ pub struct Attention<'a> {
     /// Split-K: `(scratch, n_split)` with `2 ≤ n_split ≤` [`MAX_SPLIT`] and a scratch of at least
     /// [`scratch_elems`] f32; `None` (or `n_split` 1) writes the output in one pass.
     pub split: Option<(&'a wgpu::Buffer, u32)>,
+}
+
+/// The split of one token's [`Keys::Rows`] list of `n_idx` keys: `(n_split, split_len)`, as
+/// [`pick_n_split`] picks for a one-token call, split lengths a multiple of the key tile.
+pub fn row_split(gpu: &Gpu, n_head: u32, kv: KvShape, n_idx: u32) -> Result<(u32, u32)> {
+    kv.check()?;
+    let g = (n_head / kv.n_head_kv.max(1)).max(1);
+    let tiles = Tiles::choose(gpu, kv.head_dim, g)?;
+    let n_split = pick_n_split(1, n_head, kv, n_idx, true);
+    let split_len = n_idx.div_ceil(n_split).max(1).next_multiple_of(tiles.bk);
+    Ok((n_split, split_len))
 }
 
 /// f32 elements of the split-K scratch: `[n_q * n_head][n_split][head_dim + 2]`.
@@ -331,9 +354,11 @@ struct CParams {
     o_tok_stride: u32, // in elements
     sink_off: u32,     // in elements
     has_sink: u32,
-    pad: u32,
+    desc_off: u32, // in u32 elements
+    use_desc: u32,
+    pad: [u32; 3],
 }
-const _: () = assert!(std::mem::size_of::<CParams>() == 32);
+const _: () = assert!(std::mem::size_of::<CParams>() == 48);
 
 const FLAG_SINK: u32 = 1;
 const FLAG_SHARED_KV: u32 = 2;
@@ -396,9 +421,9 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
                 "attention: sources A and B must both have V or both share K as V".into(),
             ));
         }
-        if !matches!(at.keys, Keys::Index { .. }) {
+        if !matches!(at.keys, Keys::Index { .. } | Keys::Rows { .. }) {
             return Err(Error::Invalid(
-                "attention: source B is only read by Keys::Index".into(),
+                "attention: source B is only read by Keys::Index and Keys::Rows".into(),
             ));
         }
     }
@@ -410,7 +435,14 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
         Keys::Causal { n_kv, .. } => (0, false, n_kv),
         Keys::Ranges { max_keys, .. } => (1, true, max_keys),
         Keys::Index { n_idx, .. } => (2, true, n_idx),
+        Keys::Rows { max_keys, .. } => (3, true, max_keys),
     };
+    let rows = matches!(at.keys, Keys::Rows { .. });
+    if rows && at.split.is_none() {
+        return Err(Error::Invalid(
+            "attention: Keys::Rows needs the split scratch".into(),
+        ));
+    }
     let useful_rows = if per_tok { g } else { at.n_q * g };
     let tiles = Tiles::choose(pass.gpu(), hd, useful_rows)?;
     let (tiles_per_tok, n_tiles) = if per_tok {
@@ -440,7 +472,7 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
     if shared_kv {
         flags |= FLAG_SHARED_KV;
     }
-    if n_split > 1 {
+    if n_split > 1 || rows {
         flags |= FLAG_SPLIT;
     }
     let (row0, pos0, window) = match at.keys {
@@ -456,11 +488,12 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
         Keys::Causal { .. } => (dummy, 0),
         Keys::Ranges { desc, off, .. } => (desc, off),
         Keys::Index { idx, off, .. } => (idx, off),
+        Keys::Rows { aux, off, .. } => (aux, off),
     };
     let (sinks, sink_off) = at.sinks.unwrap_or((dummy, 0));
     let b = at.b.unwrap_or(at.a);
-    let dst = if n_split > 1 {
-        let (scratch, _) = at.split.expect("n_split > 1 comes from split");
+    let dst = if n_split > 1 || rows {
+        let (scratch, _) = at.split.expect("checked: split is set");
         let need = scratch_elems(at.n_q, at.n_head, hd, n_split) * 4;
         if scratch.size() < need {
             return Err(Error::Invalid(format!(
@@ -538,7 +571,7 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
         ],
         grid(n_groups as u32),
     );
-    if n_split > 1 {
+    if n_split > 1 || rows {
         let cp = CParams {
             n_rows: at.n_q * at.n_head,
             n_head: at.n_head,
@@ -547,7 +580,9 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
             o_tok_stride: at.out.tok_stride,
             sink_off,
             has_sink: at.sinks.is_some() as u32,
-            pad: 0,
+            desc_off: aux_off,
+            use_desc: rows as u32,
+            pad: [0; 3],
         };
         /// Typed key: the head width.
         #[derive(PartialEq, Eq, Hash)]
@@ -562,7 +597,7 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
             &pl,
             "combine",
             &cp,
-            &[dst.into(), sinks.into(), at.out.buf.into()],
+            &[dst.into(), sinks.into(), aux.into(), at.out.buf.into()],
             grid(at.n_q * at.n_head * hd.div_ceil(64)),
         );
     }

@@ -1,19 +1,24 @@
 //! DeepSeek-V4 KV compressors, lightning indexer and attention key lists
 //! (`shaders/compress.wgsl`). CPU reference: `cpu::compress`.
 //!
-//! A compressor of ratio m keeps its per-token rows in a per-sequence ring `store`
-//! [cap][2·width] f32 (kv | ape-biased score, `width` = coff·d, coff 2 when windows overlap):
-//! [`store`] appends a chunk's rows, [`pool`] turns each window completed by the chunk into an
-//! entry (softmax pooling per channel, RMSNorm, RoPE at the window's first position). The
-//! ring must span every row a pooled window reads: `cap ≥ coff·m + tokens per chunk`
+//! A compressor of ratio m keeps its per-token rows in a store ring [cap][2·width] f32 per
+//! sequence slot (kv | ape-biased score, `width` = coff·d, coff 2 when windows overlap); the
+//! slots of all sequences are one pool buffer, so one dispatch serves every row of a pass:
+//! [`store`] appends rows, [`pool`] turns each window the pass completes into an entry
+//! (softmax pooling per channel, RMSNorm, RoPE at the window's first position). The ring
+//! must span every row a pooled window reads: `cap ≥ coff·m + tokens per chunk`
 //! ([`CmpShape::store_rows`]).
 //!
-//! Attention reads window ∪ compressed keys through an index list ([`attention::Keys::Index`]):
-//! [`index_list`] writes the window slots (ring rows, newest first) and, on layers without
-//! an indexer, every visible compressed entry; on ratio-4 layers [`index_scores`] and
-//! [`select_topk`] fill the compressed slots with the indexer's top-k.
+//! Which sequence and position each row of a pass has is a [`Rows`] table; window rings and
+//! compressed caches are pools too (slot s: ring rows `s·ring ..`, entries `s·cap_e ..`).
+//! Attention reads window ∪ compressed keys through an index list per token
+//! ([`attention::Keys::Index`], [`attention::Keys::Rows`]), laid out as a one-token decode
+//! step's: [`index_list`] writes the window slots (ring rows, newest first) and, on layers
+//! without an indexer, every visible compressed entry; on ratio-4 layers [`index_scores`]
+//! and [`select_topk`] fill the compressed slots with the indexer's top-k.
 //!
 //! [`attention::Keys::Index`]: super::attention::Keys::Index
+//! [`attention::Keys::Rows`]: super::attention::Keys::Rows
 
 use super::attention::{INVALID, SRC_B};
 use super::rope::RopeTable;
@@ -30,14 +35,14 @@ const _: () = assert!(INVALID == 0xffff_ffff && SRC_B == 0x8000_0000);
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct StoreParams {
     n_tok: u32,
-    pos0: u32,
+    row0: u32,
     ratio: u32,
     cap: u32,
     width: u32,
     /// In elements.
     src_off: u32,
     src_stride: u32,
-    _pad: u32,
+    tab_rows: u32,
 }
 const _: () = assert!(std::mem::size_of::<StoreParams>() == 32);
 
@@ -45,7 +50,6 @@ const _: () = assert!(std::mem::size_of::<StoreParams>() == 32);
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct PoolParams {
-    w0: u32,
     n_win: u32,
     ratio: u32,
     cap: u32,
@@ -56,7 +60,10 @@ struct PoolParams {
     /// In elements.
     out_off: u32,
     eps: f32,
-    _pad: [u32; 2],
+    /// In u32 elements.
+    win_off: u32,
+    direct: u32,
+    _pad: u32,
 }
 const _: () = assert!(std::mem::size_of::<PoolParams>() == 48);
 
@@ -65,46 +72,109 @@ const _: () = assert!(std::mem::size_of::<PoolParams>() == 48);
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct ScoreParams {
     n_tok: u32,
-    pos0: u32,
+    /// Table row of token 0.
+    row0: u32,
     ratio: u32,
     n_ent: u32,
     n_head: u32,
     d: u32,
     scale: f32,
+    tab_rows: u32,
+    cap_e: u32,
     /// q / w row of token 0.
-    row0: u32,
+    q_row0: u32,
+    _pad: [u32; 2],
 }
-const _: () = assert!(std::mem::size_of::<ScoreParams>() == 32);
+const _: () = assert!(std::mem::size_of::<ScoreParams>() == 48);
 
 /// Uniforms of `select_topk`.
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct SelectParams {
     n_tok: u32,
-    pos0: u32,
+    row0: u32,
     ratio: u32,
     n_ent: u32,
     k: u32,
     idx_stride: u32,
+    /// In u32 elements.
     idx_off: u32,
-    n_slots: u32,
+    window: u32,
+    tab_rows: u32,
+    cap_e: u32,
+    _pad: [u32; 2],
 }
-const _: () = assert!(std::mem::size_of::<SelectParams>() == 32);
+const _: () = assert!(std::mem::size_of::<SelectParams>() == 48);
 
 /// Uniforms of `index_list`.
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct IndexParams {
     n_tok: u32,
-    pos0: u32,
+    row0: u32,
     n_idx: u32,
-    n_win: u32,
+    /// In u32 elements.
+    idx_off: u32,
     window: u32,
     ring: u32,
     ratio: u32,
     fill_comp: u32,
+    top_k: u32,
+    tab_rows: u32,
+    cap_e: u32,
+    _pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<IndexParams>() == 32);
+const _: () = assert!(std::mem::size_of::<IndexParams>() == 48);
+
+/// The rows of a call in a pass's row table: `tab` (u32) gives row `r` the position `tab[r]`
+/// and the sequence slot `tab[tab_rows + r]`; the call's token `t` is row `row0 + t` (a
+/// table of `tab_rows` rows may start at an offset: `row0` counts from the buffer's start).
+#[derive(Clone, Copy, Debug)]
+pub struct Rows<'a> {
+    pub tab: &'a wgpu::Buffer,
+    pub tab_rows: u32,
+    pub row0: u32,
+}
+
+impl Rows<'_> {
+    /// The table's words for rows at `pos` in `slots`.
+    pub fn words(pos: &[u32], slots: &[u32]) -> Vec<u32> {
+        debug_assert_eq!(pos.len(), slots.len());
+        pos.iter().chain(slots).copied().collect()
+    }
+    fn check(&self, what: &str, n_tok: u32) -> Result<()> {
+        let end = self.row0 as u64 + self.tab_rows as u64 + n_tok as u64;
+        check_len(what, "row table", self.tab, end)
+    }
+}
+
+/// Windows a pass completes, for [`pool`]: u32 `[3·n_win]` from `off` in `buf`: the windows,
+/// their sequence slots, their cache rows (`slot·cap_e + window`).
+#[derive(Clone, Copy, Debug)]
+pub struct Windows<'a> {
+    pub buf: &'a wgpu::Buffer,
+    pub off: u32,
+    pub n_win: u32,
+}
+
+impl Windows<'_> {
+    /// The table's words for `(window, slot)` pairs of a pool with `cap_e` entries per slot.
+    pub fn words(wins: &[(u32, u32)], cap_e: u32) -> Vec<u32> {
+        let w = wins.iter().map(|p| p.0);
+        let s = wins.iter().map(|p| p.1);
+        let r = wins.iter().map(|p| p.1 * cap_e + p.0);
+        w.chain(s).chain(r).collect()
+    }
+}
+
+/// Where [`pool`] writes window `k`'s entry (f32 rows of d).
+#[derive(Clone, Copy, Debug)]
+pub enum PoolOut<'a> {
+    /// At `off + k·d` (elements): staging before a conversion.
+    Packed { buf: &'a wgpu::Buffer, off: u32 },
+    /// At its cache row of the [`Windows`] table.
+    CacheRows { buf: &'a wgpu::Buffer },
+}
 
 /// One compressor: ratio m, entries of `d` channels, overlapping windows (ratio-4 style,
 /// 2·d-wide projections) or not, and a store ring of `cap` rows.
@@ -140,17 +210,28 @@ impl CmpShape {
         }
         Ok(())
     }
+    /// A store pool: whole slots, at least one.
+    fn check_store(&self, what: &str, store: &wgpu::Buffer) -> Result<()> {
+        let slot = self.store_bytes();
+        if store.size() < slot || !store.size().is_multiple_of(slot) {
+            return Err(Error::Invalid(format!(
+                "{what}: a store pool of {} bytes is not whole slots of {slot}",
+                store.size()
+            )));
+        }
+        Ok(())
+    }
 }
 
-/// Append `n_tok` tokens at positions `pos0..` to the store: `src` rows of kv | score
-/// (`width` each) at `src_off + t·src_stride`; the score half gets `ape` (F32 [m, width])
-/// row `pos % m` added.
+/// Append `n_tok` rows (each at its position, into its slot's ring of the `store` pool) to
+/// the store: `src` rows of kv | score (`width` each) at `src_off + t·src_stride`; the score
+/// half gets `ape` (F32 [m, width]) row `pos % m` added.
 #[allow(clippy::too_many_arguments)]
 pub fn store(
     pass: &mut Pass<'_>,
     s: &CmpShape,
     n_tok: u32,
-    pos0: u32,
+    rows: Rows<'_>,
     src: &wgpu::Buffer,
     src_off: u32,
     src_stride: u32,
@@ -163,10 +244,12 @@ pub fn store(
     if n_tok == 0 {
         return Ok(());
     }
-    if n_tok > s.cap || src_stride < 2 * w {
+    // (Each slot's rows of one call must fit its ring, `cap`: the caller's invariant, as
+    // the rows of a slot are only known to the table.)
+    if src_stride < 2 * w {
         return Err(Error::Invalid(format!(
-            "compress_store: {n_tok} tokens into a ring of {}, src stride {src_stride}",
-            s.cap
+            "compress_store: src stride {src_stride} below a row of {}",
+            2 * w
         )));
     }
     check_len(
@@ -175,12 +258,8 @@ pub fn store(
         src,
         src_off as u64 + (n_tok as u64 - 1) * src_stride as u64 + 2 * w as u64,
     )?;
-    check_len(
-        "compress_store",
-        "store",
-        store,
-        s.cap as u64 * 2 * w as u64,
-    )?;
+    rows.check("compress_store", n_tok)?;
+    s.check_store("compress_store", store)?;
     let threads = n_tok as u64 * 2 * w as u64;
     if threads > (u32::MAX - 256) as u64 {
         return Err(Error::Invalid("compress_store: too many elements".into()));
@@ -190,13 +269,13 @@ pub fn store(
         .pipeline(&PipelineSpec::new("compress_store", SRC, "store_rows").define("STORE", true))?;
     let prm = StoreParams {
         n_tok,
-        pos0,
+        row0: rows.row0,
         ratio: s.ratio,
         cap: s.cap,
         width: w,
         src_off,
         src_stride,
-        _pad: 0,
+        tab_rows: rows.tab_rows,
     };
     pass.dispatch(
         &pl,
@@ -205,6 +284,7 @@ pub fn store(
         &[
             Binding::from(src),
             (&ape.parts[0].buffer).into(),
+            rows.tab.into(),
             store.into(),
         ],
         grid((threads as u32).div_ceil(256)),
@@ -212,22 +292,21 @@ pub fn store(
     Ok(())
 }
 
-/// Pool windows `w0 .. w0 + n_win` (all complete in the store) into entries: f32 rows of `d`
-/// at `out[out_off + k·d]`, RMSNorm with `norm` (F32 [d], epsilon `eps`) and RoPE from
+/// Pool the windows of `wins` (each complete in its slot's store ring) into entries: f32
+/// rows of `d` where `out` says, RMSNorm with `norm` (F32 [d], epsilon `eps`) and RoPE from
 /// `table` on the last `2·table.n_freq` channels at position `w·m`.
 #[allow(clippy::too_many_arguments)]
 pub fn pool(
     pass: &mut Pass<'_>,
     s: &CmpShape,
-    w0: u32,
-    n_win: u32,
+    wins: Windows<'_>,
     norm: &GpuTensor,
     table: &RopeTable,
     eps: f32,
     store: &wgpu::Buffer,
-    out: &wgpu::Buffer,
-    out_off: u32,
+    out: PoolOut<'_>,
 ) -> Result<()> {
+    let n_win = wins.n_win;
     s.check()?;
     check_f32("compress_pool", norm, s.d as u64)?;
     if 2 * table.n_freq > s.d {
@@ -240,25 +319,34 @@ pub fn pool(
     if n_win == 0 {
         return Ok(());
     }
+    s.check_store("compress_pool", store)?;
     check_len(
         "compress_pool",
-        "store",
-        store,
-        s.cap as u64 * 2 * s.width() as u64,
+        "windows",
+        wins.buf,
+        wins.off as u64 + 3 * n_win as u64,
     )?;
-    check_len(
-        "compress_pool",
-        "out",
-        out,
-        out_off as u64 + n_win as u64 * s.d as u64,
-    )?;
+    let (out, out_off, direct) = match out {
+        PoolOut::Packed { buf, off } => {
+            check_len(
+                "compress_pool",
+                "out",
+                buf,
+                off as u64 + n_win as u64 * s.d as u64,
+            )?;
+            (buf, off, 0)
+        }
+        PoolOut::CacheRows { buf } => {
+            check_len("compress_pool", "out", buf, s.d as u64)?;
+            (buf, 0, 1)
+        }
+    };
     let pl = pass.gpu().pipeline(
         &PipelineSpec::new(format!("compress_pool_d{}", s.d), SRC, "pool")
             .define("POOL", true)
             .define("D", format!("{}u", s.d)),
     )?;
     let prm = PoolParams {
-        w0,
         n_win,
         ratio: s.ratio,
         cap: s.cap,
@@ -268,7 +356,9 @@ pub fn pool(
         n_freq: table.n_freq,
         out_off,
         eps,
-        _pad: [0; 2],
+        win_off: wins.off,
+        direct,
+        _pad: 0,
     };
     pass.dispatch(
         &pl,
@@ -278,6 +368,7 @@ pub fn pool(
             Binding::from(store),
             (&norm.parts[0].buffer).into(),
             (&table.buffer).into(),
+            wins.buf.into(),
             out.into(),
         ],
         grid(n_win),
@@ -295,21 +386,23 @@ pub struct IndexerShape {
     pub top_k: u32,
 }
 
-/// Indexer scores of `n_tok` tokens at `pos0..` against the first `n_ent` entries of `keys`
-/// (f32 rows of d): `scores[t·n_ent + i] = scale·Σ_h relu(q[r,h]·keys[i])·w[r,h]` with
-/// `r = row0 + t`, for the entries the token sees (`i < (pos+1)/m`), −1e30 for the rest.
-/// `q` [rows, n_head, d] and `w` [rows, n_head] packed (`row0`: one sequence's rows inside a
-/// batch); `scale` = d^-½·n_head^-½ (model.py's weights scaling).
+/// Indexer scores of `n_tok` rows (each at its position, in its slot) against the first
+/// `n_ent` entries of their slot in `keys` (a pool of f32 rows of d, `cap_e` per slot):
+/// `scores[t·n_ent + i] = scale·Σ_h relu(q[r,h]·keys[slot·cap_e + i])·w[r,h]` with
+/// `r = q_row0 + t`, for the entries the token sees (`i < (pos+1)/m`), −1e30 for the rest.
+/// `q` [rows, n_head, d] and `w` [rows, n_head] packed; `scale` = d^-½·n_head^-½ (model.py's
+/// weights scaling).
 #[allow(clippy::too_many_arguments)]
 pub fn index_scores(
     pass: &mut Pass<'_>,
     s: &IndexerShape,
     n_tok: u32,
-    pos0: u32,
+    rows: Rows<'_>,
+    q_row0: u32,
     n_ent: u32,
+    cap_e: u32,
     q: &wgpu::Buffer,
     w: &wgpu::Buffer,
-    row0: u32,
     keys: &wgpu::Buffer,
     scores: &wgpu::Buffer,
 ) -> Result<()> {
@@ -319,11 +412,17 @@ pub fn index_scores(
     if n_tok == 0 || n_ent == 0 {
         return Ok(());
     }
+    if n_ent > cap_e {
+        return Err(Error::Invalid(format!(
+            "index_scores: {n_ent} entries in slots of {cap_e}"
+        )));
+    }
+    rows.check("index_scores", n_tok)?;
     let n = n_tok as u64;
-    let rows = n + row0 as u64;
-    check_len("index_scores", "q", q, rows * (s.n_head * s.d) as u64)?;
-    check_len("index_scores", "w", w, rows * s.n_head as u64)?;
-    check_len("index_scores", "keys", keys, n_ent as u64 * s.d as u64)?;
+    let end = n + q_row0 as u64;
+    check_len("index_scores", "q", q, end * (s.n_head * s.d) as u64)?;
+    check_len("index_scores", "w", w, end * s.n_head as u64)?;
+    check_len("index_scores", "keys", keys, cap_e as u64 * s.d as u64)?;
     check_len("index_scores", "scores", scores, n * n_ent as u64)?;
     let tiles = n_ent.div_ceil(64) as u64 * n;
     if tiles > u32::MAX as u64 / 2 {
@@ -339,126 +438,164 @@ pub fn index_scores(
     )?;
     let prm = ScoreParams {
         n_tok,
-        pos0,
+        row0: rows.row0,
         ratio: s.ratio,
         n_ent,
         n_head: s.n_head,
         d: s.d,
         scale: 1.0 / ((s.d as f64) * (s.n_head as f64)).sqrt() as f32,
-        row0,
+        tab_rows: rows.tab_rows,
+        cap_e,
+        q_row0,
+        _pad: [0; 2],
     };
     pass.dispatch(
         &pl,
         "index_scores",
         &prm,
-        &[Binding::from(q), w.into(), keys.into(), scores.into()],
+        &[
+            Binding::from(q),
+            w.into(),
+            keys.into(),
+            rows.tab.into(),
+            scores.into(),
+        ],
         grid(tiles as u32),
     );
     Ok(())
 }
 
 /// Per token, the top `k` of its visible scores (rows of `n_ent` from [`index_scores`]) into
-/// `idx[t·idx_stride + idx_off ..][..n_slots]` as `SRC_B | entry` in entry order, ties to
-/// the lower entry; slots beyond `min(k, visible)` get `INVALID`. `n_slots ≥ min(k, entries
-/// the last token sees)`.
+/// its index list (`idx[list.off + t·list.n_idx ..]`) after its `min(window, pos+1)` window
+/// slots, as `SRC_B | (slot·cap_e + entry)` in entry order, ties to the lower entry:
+/// `min(k, visible)` slots, the rest of the list is [`index_list`]'s. `list.n_idx` must
+/// hold every token's window and picks.
 #[allow(clippy::too_many_arguments)]
 pub fn select_topk(
     pass: &mut Pass<'_>,
     s: &IndexerShape,
     n_tok: u32,
-    pos0: u32,
+    rows: Rows<'_>,
     n_ent: u32,
+    cap_e: u32,
+    window: u32,
     scores: &wgpu::Buffer,
-    idx: &wgpu::Buffer,
-    idx_stride: u32,
-    idx_off: u32,
-    n_slots: u32,
+    list: ListView<'_>,
 ) -> Result<()> {
-    if n_tok == 0 || n_slots == 0 {
+    if n_tok == 0 || s.top_k == 0 {
         return Ok(());
     }
-    if s.ratio == 0 || idx_off + n_slots > idx_stride || n_slots > s.top_k {
+    if s.ratio == 0 || s.top_k.min(n_ent) > list.n_idx {
         return Err(Error::Invalid(format!(
-            "select_topk: slots {idx_off}+{n_slots} of {idx_stride}, {s:?}"
+            "select_topk: {} picks in lists of {}, {s:?}",
+            s.top_k.min(n_ent),
+            list.n_idx
         )));
     }
+    rows.check("select_topk", n_tok)?;
     let n = n_tok as u64;
     check_len("select_topk", "scores", scores, n * n_ent.max(1) as u64)?;
-    check_len("select_topk", "idx", idx, n * idx_stride as u64)?;
+    let idx = list.buf;
+    check_len(
+        "select_topk",
+        "idx",
+        idx,
+        list.off as u64 + n * list.n_idx as u64,
+    )?;
     let pl = pass.gpu().pipeline(
         &PipelineSpec::new("compress_select", SRC, "select_topk").define("SELECT", true),
     )?;
     let prm = SelectParams {
         n_tok,
-        pos0,
+        row0: rows.row0,
         ratio: s.ratio,
         n_ent,
         k: s.top_k,
-        idx_stride,
-        idx_off,
-        n_slots,
+        idx_stride: list.n_idx,
+        idx_off: list.off,
+        window,
+        tab_rows: rows.tab_rows,
+        cap_e,
+        _pad: [0; 2],
     };
     pass.dispatch(
         &pl,
         "select_topk",
         &prm,
-        &[Binding::from(scores), idx.into()],
+        &[Binding::from(scores), rows.tab.into(), idx.into()],
         grid(n_tok),
     );
     Ok(())
 }
 
-/// The attention key list of a chunk: per token `n_idx` u32 slots, the first `n_win` the
-/// window (newest first: ring row `(pos − i) % ring` for `i ≤ pos`, `i < window`), then
-/// (with `fill_comp`) the compressed entries `i < (pos+1)/ratio` as `SRC_B | i`.
+/// Index lists: token `t`'s `n_idx` u32 slots at `buf[off + t·n_idx ..]`.
+#[derive(Clone, Copy, Debug)]
+pub struct ListView<'a> {
+    pub buf: &'a wgpu::Buffer,
+    pub off: u32,
+    pub n_idx: u32,
+}
+
+/// The attention key list of a token at `pos` in sequence slot `s` (the list of a one-token
+/// decode step there): `n_win = min(window, pos+1)` window slots, newest first (ring row
+/// `s·ring + (pos − i) % ring`), then its compressed slots: with `fill_comp` the entries
+/// `c < (pos+1)/ratio` as `SRC_B | (s·cap_e + c)`, else `min(top_k, (pos+1)/ratio)` slots
+/// [`select_topk`] fills; `INVALID` after them.
 #[derive(Clone, Copy, Debug)]
 pub struct IndexList {
-    pub n_idx: u32,
-    pub n_win: u32,
     pub window: u32,
     pub ring: u32,
     pub ratio: u32,
     pub fill_comp: bool,
+    pub top_k: u32,
+    /// Compressed entries per slot.
+    pub cap_e: u32,
 }
 
-/// Write the slots [`IndexList`] describes for `n_tok` tokens at `pos0..` into `idx`
-/// (rows of `n_idx`); compressed slots are left alone unless `fill_comp`.
+/// Write the slots [`IndexList`] describes for `n_tok` rows into `list` (the indexer's picks
+/// are left alone unless `fill_comp`).
 pub fn index_list(
     pass: &mut Pass<'_>,
     l: &IndexList,
     n_tok: u32,
-    pos0: u32,
-    idx: &wgpu::Buffer,
+    rows: Rows<'_>,
+    list: ListView<'_>,
 ) -> Result<()> {
-    if l.n_win > l.window || l.ring < l.window || l.n_win > l.n_idx {
+    if l.ring < l.window || l.window == 0 {
         return Err(Error::Invalid(format!("index_list: {l:?}")));
     }
-    let threads = n_tok as u64 * l.n_idx as u64;
+    let threads = n_tok as u64 * list.n_idx as u64;
     if threads == 0 {
         return Ok(());
     }
     if threads > (u32::MAX - 256) as u64 {
         return Err(Error::Invalid("index_list: too many slots".into()));
     }
-    check_len("index_list", "idx", idx, threads)?;
+    rows.check("index_list", n_tok)?;
+    let idx = list.buf;
+    check_len("index_list", "idx", idx, list.off as u64 + threads)?;
     let pl = pass
         .gpu()
         .pipeline(&PipelineSpec::new("compress_index", SRC, "index_list").define("INDEX", true))?;
     let prm = IndexParams {
         n_tok,
-        pos0,
-        n_idx: l.n_idx,
-        n_win: l.n_win,
+        row0: rows.row0,
+        n_idx: list.n_idx,
+        idx_off: list.off,
         window: l.window,
         ring: l.ring,
         ratio: l.ratio,
         fill_comp: l.fill_comp as u32,
+        top_k: l.top_k,
+        tab_rows: rows.tab_rows,
+        cap_e: l.cap_e,
+        _pad: 0,
     };
     pass.dispatch(
         &pl,
         "index_list",
         &prm,
-        &[Binding::from(idx)],
+        &[Binding::from(rows.tab), idx.into()],
         grid((threads as u32).div_ceil(256)),
     );
     Ok(())

@@ -72,14 +72,18 @@ struct Scratch {
     mid: wgpu::Buffer,
     /// [rows, 2·width]: a compressor's kv | score rows (width = coff·d, the widest layer).
     cmp: wgpu::Buffer,
-    /// [windows per chunk, head_dim]: pooled entries before they enter the (f16) cache.
+    /// [rows, head_dim]: pooled entries (at most one window per row completes) before they
+    /// enter the (f16) cache.
     ent: wgpu::Buffer,
     /// [rows, n_ix_head·ix_head_dim] indexer queries, [rows, n_ix_head] its head weights.
     ixq: wgpu::Buffer,
     ixw: wgpu::Buffer,
-    /// [rows, entries] indexer scores; [rows, n_idx] u32 attention key lists.
+    /// [rows, entries] indexer scores; u32 per-row attention descriptors, then [rows, n_idx]
+    /// attention key lists.
     scores: Grown,
     idx: Grown,
+    /// u32 row tables of a pass (`forward::RowTabs`): positions, slots, ring rows, windows.
+    tab: Grown,
     /// [rows, n_expert] router logits; [rows, n_used] ids (u32) and weights.
     router: wgpu::Buffer,
     moe_ids: wgpu::Buffer,
@@ -95,8 +99,8 @@ struct Scratch {
     /// their route for prefill.
     wo_ids: wgpu::Buffer,
     wo_route: MoeRoute,
-    /// Split-K attention partials for decode.
-    attn_split: wgpu::Buffer,
+    /// Split-K attention partials of the decode rows.
+    attn_split: Grown,
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
@@ -129,39 +133,66 @@ impl Grown {
     }
 }
 
-/// One compressor's per-sequence state: its store ring and its cache of pooled entries.
+/// One compressor of a layer for every sequence slot: store rings and caches of pooled
+/// entries (slot s: store rows `s·cap ..`, entries `s·cap_e ..` with `Pools::cap_e`).
 struct CmpState {
     shape: CmpShape,
-    /// [cap][2·width] f32 (see `gpu::compress`).
+    /// [slots·cap][2·width] f32 (see `gpu::compress`).
     store: wgpu::Buffer,
-    /// Entries [cap_entries][d]: the KV type for the attention's compressor (it is source B
+    /// Entries [slots·cap_e][d]: the KV type for the attention's compressor (it is source B
     /// of the attention), f32 for the indexer's.
     cache: wgpu::Buffer,
-    cap_entries: usize,
     /// Bytes of one cached entry.
     entry_bytes: u64,
 }
 
-/// Per-layer state of a sequence.
+/// Per-layer state of every sequence slot.
 struct LayerState {
-    /// [ring, head_dim] K=V rows: position p in row p % ring.
+    /// [slots·ring, head_dim] K=V rows: slot s, position p in row s·ring + p % ring.
     ring: wgpu::Buffer,
     cmp: Option<CmpState>,
     ix: Option<CmpState>,
 }
 
-/// The per-sequence state: window rings, compressor stores (the partial windows, and the
-/// previous window for overlapping compressors) and compressed caches, so that decode
-/// continues exactly where a prefill of any length stopped. Caches grow by doubling (a copy
-/// on the GPU).
+/// The state of all sequences, one pool per layer: window rings, compressor stores (the
+/// partial windows, and the previous window for overlapping compressors) and compressed
+/// caches, so that decode continues exactly where a prefill of any length stopped, and one
+/// dispatch per kernel serves the rows of every sequence of a pass.
+struct Pools {
+    slots: usize,
+    /// The model's part's layers, first held layer first.
+    layers: Vec<LayerState>,
+    /// The MTP block's window rings (models with one).
+    mtp: Option<LayerState>,
+    /// Compressed entries per slot of the caches of each ratio, `(ratio, cap_e)`; they grow
+    /// by doubling (copied on the GPU).
+    cap_e: Vec<(usize, usize)>,
+    free: Arc<std::sync::Mutex<Vec<u32>>>,
+}
+
+impl Pools {
+    fn cap_e(&self, ratio: usize) -> usize {
+        self.cap_e.iter().find(|c| c.0 == ratio).map_or(0, |c| c.1)
+    }
+}
+
+/// One sequence: a slot in the model's state pools and the number of tokens it has seen.
+/// Dropping it returns the slot.
 pub struct GpuSeq {
     pos: usize,
-    /// The state of the model's part's layers, first held layer first.
-    layers: Vec<LayerState>,
-    /// The MTP block's window ring (models with one).
-    mtp: Option<LayerState>,
+    slot: u32,
     /// Unique among the model's sequences: which one the speculation state belongs to.
     id: u64,
+    free: Arc<std::sync::Mutex<Vec<u32>>>,
+}
+
+impl Drop for GpuSeq {
+    fn drop(&mut self) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.slot);
+    }
 }
 
 impl GpuSeq {
@@ -190,6 +221,7 @@ pub struct GpuModel {
     /// Rows of every window ring: window + chunk − 1 keeps a chunk's own rows from
     /// overwriting positions its first tokens still see.
     ring: usize,
+    pools: Pools,
     scratch: Scratch,
     /// Debugging: capture this intermediate in every pass (a copy inside the pass, read back
     /// after it) and append it, `[n_tokens, width]`, to `traced`.
@@ -340,7 +372,16 @@ impl GpuModel {
             },
             ..Default::default()
         };
-        Ok(GpuModel {
+        let mut model = GpuModel {
+            pools: Pools {
+                slots: opts.max_seqs.max(1),
+                layers: Vec::new(),
+                mtp: None,
+                cap_e: Vec::new(),
+                free: Arc::new(std::sync::Mutex::new(
+                    (0..opts.max_seqs.max(1) as u32).rev().collect(),
+                )),
+            },
             spec,
             next_id: Default::default(),
             part,
@@ -359,7 +400,9 @@ impl GpuModel {
             trace_buf: None,
             profile: None,
             offload,
-        })
+        };
+        model.new_pools()?;
+        Ok(model)
     }
 
     fn hc_shape(&self) -> HcShape {
@@ -373,37 +416,53 @@ impl GpuModel {
     }
 
     fn new_cmp(&self, ratio: usize, d: usize, overlap: bool, f32_cache: bool) -> Result<CmpState> {
+        let slots = self.pools.slots as u64;
         let shape = CmpShape {
             ratio: ratio as u32,
             d: d as u32,
             overlap,
             cap: CmpShape::store_rows(ratio as u32, overlap, self.scratch.rows as u32),
         };
-        let cap_entries = (self.ctx / ratio).max(16).next_power_of_two();
         let entry_bytes = if f32_cache {
             d as u64 * 4
         } else {
             kv_shape(self.kv_type, d).row_bytes()
         };
+        let cap_e = self.pools.cap_e(ratio) as u64;
         Ok(CmpState {
-            store: self.gpu.buffer(shape.store_bytes(), "seq.cmp_store")?,
+            store: self
+                .gpu
+                .buffer(shape.store_bytes() * slots, "pool.cmp_store")?,
             cache: self
                 .gpu
-                .buffer(entry_bytes * cap_entries as u64, "seq.cmp_cache")?,
+                .buffer(entry_bytes * cap_e * slots, "pool.cmp_cache")?,
             shape,
-            cap_entries,
             entry_bytes,
         })
     }
 
-    pub fn new_seq(&self) -> Result<GpuSeq> {
+    /// Every slot's state: window rings, compressor stores and caches sized for the context.
+    fn new_pools(&mut self) -> Result<()> {
         let hp = &self.hp;
-        let ks = kv_shape(self.kv_type, hp.head_dim);
+        let mut cap_e: Vec<(usize, usize)> = Vec::new();
+        for l in self.part.layers.clone() {
+            let r = hp.compress_ratio[l];
+            if r > 0 && !cap_e.iter().any(|c| c.0 == r) {
+                cap_e.push((r, (self.ctx / r).max(16).next_power_of_two()));
+            }
+        }
+        self.pools.cap_e = cap_e;
+        let ring = |m: &GpuModel, label| {
+            let ks = kv_shape(m.kv_type, m.hp.head_dim);
+            m.gpu
+                .buffer(ks.bytes((m.ring * m.pools.slots) as u64), label)
+        };
         let mut layers = Vec::with_capacity(self.part.layers.len());
         for l in self.part.layers.clone() {
+            let hp = &self.hp;
             let ratio = hp.compress_ratio[l];
             layers.push(LayerState {
-                ring: self.gpu.buffer(ks.bytes(self.ring as u64), "seq.ring")?,
+                ring: ring(self, "pool.ring")?,
                 cmp: if ratio > 0 {
                     Some(self.new_cmp(ratio, hp.head_dim, hp.overlap(l), false)?)
                 } else {
@@ -416,24 +475,40 @@ impl GpuModel {
                 },
             });
         }
-        let mtp = match &self.spec.mtp {
+        self.pools.layers = layers;
+        self.pools.mtp = match &self.spec.mtp {
             Some(_) => Some(LayerState {
-                ring: self
-                    .gpu
-                    .buffer(ks.bytes(self.ring as u64), "seq.mtp_ring")?,
+                ring: ring(self, "pool.mtp_ring")?,
                 cmp: None,
                 ix: None,
             }),
             None => None,
         };
+        Ok(())
+    }
+
+    /// A new sequence in a free slot (at most `LoadOptions::max_seqs` live at once).
+    pub fn new_seq(&self) -> Result<GpuSeq> {
+        let p = &self.pools;
+        let slot = p
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
+                    p.slots
+                ))
+            })?;
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(GpuSeq {
             pos: 0,
-            layers,
-            mtp,
+            slot,
             id,
+            free: p.free.clone(),
         })
     }
 
@@ -447,63 +522,75 @@ impl GpuModel {
 
     /// Make `dst` a copy of `src` (a checkpoint, or its restore), on the GPU in one
     /// submission: every layer's window ring and compressor stores whole (their rows are
-    /// addressed by position modulo their size, the same for every sequence of the model),
-    /// and the compressed entries `src` has pooled so far; `dst`'s caches grow to hold them.
+    /// addressed by position modulo their size), and the compressed entries `src` has pooled
+    /// so far. Both slots live in the same pool buffers and WebGPU forbids a copy within one
+    /// buffer, so each region goes through a staging buffer (wgpu orders the copies).
     pub fn copy_seq(&self, src: &GpuSeq, dst: &mut GpuSeq) -> Result<()> {
-        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-        if let (Some(s), Some(d)) = (&src.mtp, &dst.mtp) {
-            enc.copy_buffer_to_buffer(&s.ring, 0, &d.ring, 0, s.ring.size());
-        }
-        for (s, d) in src.layers.iter().zip(dst.layers.iter_mut()) {
-            debug_assert_eq!(s.ring.size(), d.ring.size());
-            enc.copy_buffer_to_buffer(&s.ring, 0, &d.ring, 0, s.ring.size());
-            for (sc, dc) in [(&s.cmp, &mut d.cmp), (&s.ix, &mut d.ix)] {
-                let (Some(sc), Some(dc)) = (sc, dc.as_mut()) else {
-                    continue;
-                };
-                debug_assert_eq!(sc.store.size(), dc.store.size());
-                enc.copy_buffer_to_buffer(&sc.store, 0, &dc.store, 0, sc.store.size());
-                let entries = src.pos / sc.shape.ratio as usize;
-                if entries > dc.cap_entries {
-                    // `src` grew to hold them: its capacity is enough.
-                    dc.cache = self
-                        .gpu
-                        .buffer(dc.entry_bytes * sc.cap_entries as u64, "seq.cmp_cache")?;
-                    dc.cap_entries = sc.cap_entries;
-                }
-                if entries > 0 {
-                    let used = sc.entry_bytes * entries as u64;
-                    enc.copy_buffer_to_buffer(&sc.cache, 0, &dc.cache, 0, used);
+        let p = &self.pools;
+        let (s, d) = (src.slot as u64, dst.slot as u64);
+        let mut regions: Vec<(&wgpu::Buffer, u64, u64, u64)> = Vec::new();
+        let ring_len = kv_shape(self.kv_type, self.hp.head_dim).bytes(self.ring as u64);
+        for st in p.layers.iter().chain(&p.mtp) {
+            regions.push((&st.ring, s * ring_len, d * ring_len, ring_len));
+            for c in [&st.cmp, &st.ix].into_iter().flatten() {
+                let store_len = c.shape.store_bytes();
+                regions.push((&c.store, s * store_len, d * store_len, store_len));
+                let ratio = c.shape.ratio as usize;
+                let slot_len = c.entry_bytes * p.cap_e(ratio) as u64;
+                let used = c.entry_bytes * (src.pos / ratio) as u64;
+                if used > 0 {
+                    regions.push((&c.cache, s * slot_len, d * slot_len, used));
                 }
             }
         }
-        self.gpu.queue.submit([enc.finish()]);
-        self.gpu.check()?;
+        let stage_len = regions.iter().map(|r| r.3).max().unwrap_or(0);
+        if s != d && stage_len > 0 {
+            let stage = self.gpu.buffer(stage_len, "seq.copy_stage")?;
+            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+            for (buf, from, to, len) in regions {
+                enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
+                enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
+            }
+            self.gpu.queue.submit([enc.finish()]);
+            self.gpu.check()?;
+        }
         dst.pos = src.pos;
         Ok(())
     }
 
-    /// Grow the compressed caches to hold the entries of `need` positions (doubling; old
-    /// entries copied on the GPU).
-    fn reserve(&self, pass: &mut Pass<'_>, seq: &mut GpuSeq, need: usize) -> Result<()> {
-        for st in &mut seq.layers {
-            for c in [st.cmp.as_mut(), st.ix.as_mut()].into_iter().flatten() {
-                let ratio = c.shape.ratio as usize;
-                let want = need / ratio;
-                if want <= c.cap_entries {
-                    continue;
-                }
-                let cap = want.max(2 * c.cap_entries).next_power_of_two();
-                let cache = self
-                    .gpu
-                    .buffer(c.entry_bytes * cap as u64, "seq.cmp_cache")?;
-                let used = c.entry_bytes * (seq.pos / ratio) as u64;
-                if used > 0 {
-                    pass.copy(&c.cache, 0, &cache, 0, used);
-                }
-                c.cache = cache;
-                c.cap_entries = cap;
+    /// Grow every slot's compressed caches to hold the entries of `need` positions
+    /// (doubling; old entries copied on the GPU).
+    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
+        let slots = self.pools.slots as u64;
+        let max = self.gpu.max_binding();
+        for i in 0..self.pools.cap_e.len() {
+            let (ratio, cap) = self.pools.cap_e[i];
+            let want = need / ratio;
+            if want <= cap {
+                continue;
             }
+            let new_cap = want.max(2 * cap).next_power_of_two();
+            for st in &mut self.pools.layers {
+                for c in [st.cmp.as_mut(), st.ix.as_mut()].into_iter().flatten() {
+                    if c.shape.ratio as usize != ratio {
+                        continue;
+                    }
+                    let (old, new) = (c.entry_bytes * cap as u64, c.entry_bytes * new_cap as u64);
+                    if new * slots > max {
+                        return Err(Error::Invalid(format!(
+                            "compressed caches of {need} positions x {slots} sequences exceed \
+                             the adapter's binding limit ({max} bytes): use fewer sequences \
+                             (`--parallel`) or a shorter context"
+                        )));
+                    }
+                    let cache = self.gpu.buffer(new * slots, "pool.cmp_cache")?;
+                    for slot in 0..slots {
+                        pass.copy(&c.cache, slot * old, &cache, slot * new, old);
+                    }
+                    c.cache = cache;
+                }
+            }
+            self.pools.cap_e[i].1 = new_cap;
         }
         Ok(())
     }
@@ -656,7 +743,7 @@ impl Dims {
         let ff = (hp.n_ff_exp * k).max(hp.n_ff_shexp);
         let att = hp.n_head * hp.head_dim;
         let mut width = 0;
-        let mut max_win = 0;
+        let mut compressed = false;
         for l in 0..hp.n_layer {
             let ratio = hp.compress_ratio[l];
             if ratio == 0 {
@@ -667,7 +754,7 @@ impl Dims {
             if hp.has_indexer(l) {
                 width = width.max(coff * hp.ix_head_dim);
             }
-            max_win = max_win.max(r / ratio + 1);
+            compressed = true;
         }
         let ix = hp.n_ix_head * hp.ix_head_dim;
         Dims {
@@ -683,7 +770,7 @@ impl Dims {
             kv: r * hp.head_dim,
             mid: r * og * hp.o_lora,
             cmp: r * 2 * width,
-            ent: max_win * hp.head_dim,
+            ent: if compressed { r * hp.head_dim } else { 0 },
             ixq: r * ix,
             ixw: r * hp.n_ix_head,
             scores: r * 64,
@@ -740,7 +827,8 @@ impl Dims {
     }
 }
 
-/// Split-K attention partials for decode (one sequence): elements.
+/// Split-K attention partials of one decode row at the most splits: elements (the scratch
+/// grows with the decode rows of a pass).
 fn attn_split_elems(hp: &Hparams) -> u64 {
     attention::scratch_elems(
         1,
@@ -755,7 +843,7 @@ impl Scratch {
         let f = |n: usize, label: &str| gpu.buffer((n.max(1) * 4) as u64, label);
         let r = rows;
         let (k, og) = (hp.n_used, hp.o_groups);
-        let attn_split = gpu.buffer(attn_split_elems(hp) * 4, "attn.split")?;
+        let attn_split = Grown::new(gpu, attn_split_elems(hp) as usize, "attn.split")?;
         let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, r);
         let d = Dims::new(hp, r, logit_rows);
         let wo_ids: Vec<u32> = (0..d.wo_ids).map(|q| (q % og) as u32).collect();
@@ -778,6 +866,7 @@ impl Scratch {
             ixw: f(d.ixw, "ixw")?,
             scores: Grown::new(gpu, d.scores, "ix_scores")?,
             idx: Grown::new(gpu, d.idx, "attn_idx")?,
+            tab: Grown::new(gpu, 8 * r, "row_tab")?,
             router: f(d.router, "router")?,
             moe_ids: f(d.moe_ids, "moe_ids")?,
             moe_w: f(d.moe_w, "moe_w")?,
@@ -801,6 +890,7 @@ impl Scratch {
         let (k, og) = (hp.n_used, hp.o_groups);
         Dims::new(hp, rows, rows).bytes()
             + attn_split_elems(hp) * 4
+            + 8 * rows as u64 * 4
             + MoeRoute::bytes(hp.n_expert as u32, (rows * k) as u32)
             + MoeRoute::bytes(og as u32, (rows * og) as u32)
             + topk::LogitsTop::bytes(rows as u32, hp.n_vocab as u32)
@@ -897,9 +987,16 @@ impl Forward for GpuModel {
     fn speculate(&mut self) -> Option<&mut dyn crate::models::spec::Speculate> {
         Some(self)
     }
-    /// No binding limit bounds the compressed caches below what memory allows.
+    /// Each compressed cache pool (every slot's entries) is one binding.
     fn max_context(&self) -> Option<usize> {
-        None
+        let p = &self.pools;
+        let max = self.gpu.max_binding();
+        p.layers
+            .iter()
+            .flat_map(|st| [&st.cmp, &st.ix])
+            .flatten()
+            .map(|c| (max / (c.entry_bytes * p.slots as u64)) as usize * c.shape.ratio as usize)
+            .min()
     }
 }
 

@@ -1,13 +1,15 @@
 //! The forward: passes shared by several sequences (each its own positions, window rings,
 //! compressor stores and compressed caches), and the logits each sequence wants.
 //!
-//! Every product reads its weights once for all rows of a pass; what depends on a
-//! sequence's positions or state (RoPE, ring and store writes, pooling, the indexer's
-//! scores, the index lists and the attention) runs per sequence. A part of a pass is
-//! either a chunk (one index list and attention call over its rows, as a prefill) or
-//! row-wise: each row attends exactly as a one-token decode step at its position (its own
-//! index list, indexer top-k and split-K attention), so a verify pass of k + 1 rows, and
-//! every single-token row of a batch, has a decode step's bits.
+//! Every product reads its weights once for all rows of a pass, and so does every kernel
+//! that depends on a sequence's positions or state (RoPE, ring and store writes, pooling):
+//! a row table ([`RowTabs`]) gives each row its position and its sequence's slot in the
+//! state pools. A part of a pass is either a chunk (one index list and attention call over
+//! its rows, as a prefill) or row-wise: each row attends exactly as a one-token decode step
+//! at its position (its own index list, indexer top-k and split-K attention), and the
+//! row-wise rows of all parts share one dispatch per kernel, so a verify pass of k + 1
+//! rows, and every single-token row of a batch, has a decode step's bits at the dispatch
+//! count of one row.
 
 use super::*;
 
@@ -24,6 +26,54 @@ pub(super) struct Part {
     pub pos0: usize,
     /// Each row attends as a one-token decode step at its position.
     pub rowwise: bool,
+    /// Its sequence's slot in the state pools.
+    pub slot: u32,
+}
+
+/// Where the host tables of the rows of one [`GpuModel::attn_block`] call lie (offsets in
+/// u32 elements): positions, slots and window-ring rows of every row, the windows each
+/// compressor ratio completes, and the per-row attention descriptors of the row-wise rows
+/// (`attention::Keys::Rows`) per layer kind. Row-wise parts come after the chunk parts.
+pub(super) struct RowTabs {
+    /// In `Scratch::tab`: positions [n] | slots [n] | ring rows [n].
+    pub pos: u32,
+    pub n: u32,
+    /// Completed windows per ratio: (ratio, offset in `Scratch::tab`, count).
+    wins: Vec<(usize, u32, u32)>,
+    /// The row-wise rows are `rw0..n`.
+    rw0: usize,
+    descs: Vec<RowDesc>,
+    /// In `Scratch::idx`: the index lists (after every group's descriptors).
+    lists: u32,
+}
+
+/// The row-wise rows' attention of one layer kind (compress ratio, indexer).
+struct RowDesc {
+    ratio: usize,
+    ix: bool,
+    /// In `Scratch::idx`: (n_idx, n_split, split_len, list) per row.
+    off: u32,
+    /// Slots per row of the index lists; the most splits and indexer entries of a row.
+    stride: u32,
+    max_split: u32,
+    n_ent: u32,
+}
+
+impl RowTabs {
+    fn windows<'a>(&self, buf: &'a wgpu::Buffer, ratio: usize) -> compress::Windows<'a> {
+        let &(_, off, n_win) = self
+            .wins
+            .iter()
+            .find(|w| w.0 == ratio)
+            .expect("the tables cover the group's ratios");
+        compress::Windows { buf, off, n_win }
+    }
+    fn desc(&self, ratio: usize, ix: bool) -> &RowDesc {
+        self.descs
+            .iter()
+            .find(|d| d.ratio == ratio && d.ix == ix)
+            .expect("the tables cover the group's layer kinds")
+    }
 }
 
 /// The output head a pass ends with (the model's, or a draft's first rows only, see
@@ -130,6 +180,7 @@ impl GpuModel {
                         row: rows,
                         pos0: seq.pos,
                         rowwise: rowwise || n == 1,
+                        slot: seq.slot,
                     });
                     rows += n;
                 }
@@ -200,25 +251,148 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// Grow the index-list and indexer-score scratch for `parts` (each attention call
-    /// reuses them from the start).
-    pub(super) fn ensure_lists(&mut self, parts: &[Part], layers: &[usize]) -> Result<()> {
+    /// The layer kind of layer `l` for the attention's key lists: (compress ratio, indexer).
+    fn kind(&self, l: usize) -> (usize, bool) {
+        (self.hp.compress_ratio[l], self.hp.has_indexer(l))
+    }
+
+    /// Build the row tables of one pass's [`Self::attn_block`] calls, `groups` of (parts,
+    /// layers), write them (row tables and descriptors: before the pass is submitted) and
+    /// grow the index-list, indexer-score and split scratch. Chunk parts must precede
+    /// row-wise ones in each group; the compressed caches must be reserved first (their
+    /// rows are in the tables).
+    pub(super) fn row_tabs(&mut self, groups: &[(&[Part], &[usize])]) -> Result<Vec<RowTabs>> {
         let hp = &self.hp;
-        let (mut idx, mut scores) = (0, 0);
-        for p in parts {
-            let pos_end = p.pos0 + p.n;
-            let per_call = if p.rowwise { 1 } else { p.n };
-            let n_win = hp.window.min(pos_end);
-            for &l in layers {
-                idx = idx.max(per_call * (n_win + self.comp_slots(l, pos_end)));
-                if hp.has_indexer(l) {
-                    scores = scores.max(per_call * (pos_end / hp.compress_ratio[l]));
+        let ks = kv_shape(self.kv_type, hp.head_dim);
+        let nh = hp.n_head as u32;
+        let (mut tab, mut descs) = (Vec::<u32>::new(), Vec::<u32>::new());
+        let (mut list_len, mut scores, mut split) = (0usize, 0usize, 0u64);
+        let mut out = Vec::with_capacity(groups.len());
+        for &(parts, layers) in groups {
+            let rows: Vec<(u32, u32)> = parts
+                .iter()
+                .flat_map(|p| (0..p.n).map(move |j| ((p.pos0 + j) as u32, p.slot)))
+                .collect();
+            let n = rows.len();
+            let rw0 = parts.iter().find(|p| p.rowwise).map_or(n, |p| p.row);
+            debug_assert!(parts.iter().all(|p| p.rowwise == (p.row >= rw0)));
+            let pos = tab.len() as u32;
+            tab.extend(rows.iter().map(|r| r.0));
+            tab.extend(rows.iter().map(|r| r.1));
+            tab.extend(
+                rows.iter()
+                    .map(|r| r.1 * self.ring as u32 + r.0 % self.ring as u32),
+            );
+            let mut kinds: Vec<(usize, bool)> = layers.iter().map(|&l| self.kind(l)).collect();
+            kinds.sort_unstable();
+            kinds.dedup();
+            let mut wins = Vec::new();
+            for &(ratio, _) in &kinds {
+                if ratio == 0 || wins.iter().any(|w: &(usize, u32, u32)| w.0 == ratio) {
+                    continue;
+                }
+                // Window w closes at position (w+1)·m − 1: those closing in each part.
+                let done: Vec<(u32, u32)> = parts
+                    .iter()
+                    .flat_map(|p| {
+                        let w0 = p.pos0 / ratio;
+                        (w0..(p.pos0 + p.n) / ratio).map(move |w| (w as u32, p.slot))
+                    })
+                    .collect();
+                let cap_e = self.pools.cap_e(ratio) as u32;
+                wins.push((ratio, tab.len() as u32, done.len() as u32));
+                tab.extend(compress::Windows::words(&done, cap_e));
+            }
+            // Chunk parts: one list (and score) row per token, its lists as long as the last
+            // token's.
+            for p in parts.iter().filter(|p| !p.rowwise) {
+                let pos_end = p.pos0 + p.n;
+                let n_win = hp.window.min(pos_end);
+                for &l in layers {
+                    list_len = list_len.max(p.n * (n_win + self.comp_slots(l, pos_end)));
+                    if hp.has_indexer(l) {
+                        scores = scores.max(p.n * (pos_end / hp.compress_ratio[l]));
+                    }
                 }
             }
+            let mut row_descs = Vec::new();
+            for &(ratio, ix) in kinds.iter().filter(|_| rw0 < n) {
+                let l = *layers
+                    .iter()
+                    .find(|&&l| self.kind(l) == (ratio, ix))
+                    .expect("kinds come from the layers");
+                let lens: Vec<u32> = rows[rw0..]
+                    .iter()
+                    .map(|r| {
+                        let pos_end = r.0 as usize + 1;
+                        (hp.window.min(pos_end) + self.comp_slots(l, pos_end)) as u32
+                    })
+                    .collect();
+                let stride = lens.iter().copied().max().unwrap_or(0);
+                let off = descs.len() as u32;
+                let mut max_split = 1;
+                for (j, &n_idx) in lens.iter().enumerate() {
+                    let (n_split, split_len) = attention::row_split(&self.gpu, nh, ks, n_idx)?;
+                    max_split = max_split.max(n_split);
+                    // The list offset is relative to the lists until they are placed.
+                    descs.extend([n_idx, n_split, split_len, j as u32 * stride]);
+                }
+                let m = n - rw0;
+                let n_ent = match ix {
+                    true => rows[rw0..]
+                        .iter()
+                        .map(|r| (r.0 as usize + 1) / ratio)
+                        .max()
+                        .unwrap_or(0) as u32,
+                    false => 0,
+                };
+                list_len = list_len.max(m * stride as usize);
+                scores = scores.max(m * n_ent as usize);
+                split = split.max(attention::scratch_elems(
+                    m as u32,
+                    nh,
+                    hp.head_dim as u32,
+                    max_split,
+                ));
+                row_descs.push(RowDesc {
+                    ratio,
+                    ix,
+                    off,
+                    stride,
+                    max_split,
+                    n_ent,
+                });
+            }
+            out.push(RowTabs {
+                pos,
+                n: n as u32,
+                wins,
+                rw0,
+                descs: row_descs,
+                lists: 0,
+            });
+        }
+        // Lists after every descriptor: place them, and point the descriptors at them.
+        let lists = descs.len() as u32;
+        for d in descs.chunks_exact_mut(4) {
+            d[3] += lists;
+        }
+        for t in &mut out {
+            t.lists = lists;
         }
         let gpu = self.gpu.clone();
-        self.scratch.idx.ensure(&gpu, idx)?;
-        self.scratch.scores.ensure(&gpu, scores)
+        let sc = &mut self.scratch;
+        sc.idx.ensure(&gpu, descs.len() + list_len)?;
+        sc.scores.ensure(&gpu, scores)?;
+        sc.attn_split.ensure(&gpu, split as usize)?;
+        sc.tab.ensure(&gpu, tab.len())?;
+        if !descs.is_empty() {
+            gpu.write(&sc.idx.buf, 0, bytemuck::cast_slice(&descs));
+        }
+        if !tab.is_empty() {
+            gpu.write(&sc.tab.buf, 0, bytemuck::cast_slice(&tab));
+        }
+        Ok(out)
     }
 
     /// One pass over the rows of `parts`; returns the logits of the `wants` row runs and the
@@ -234,7 +408,11 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let n = toks.len();
         let held = self.part.layers.clone();
-        self.ensure_lists(parts, &held.clone().collect::<Vec<_>>())?;
+        let mut pass = gpu.pass();
+        let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        self.reserve(&mut pass, need)?;
+        let layers: Vec<usize> = held.clone().collect();
+        let tabs = self.row_tabs(&[(parts, &layers)])?.remove(0);
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(toks));
         let hp = &self.hp;
         if self.trace.is_some() && self.trace_buf.is_none() {
@@ -243,14 +421,9 @@ impl GpuModel {
         }
         let mut trace_len = 0;
 
-        let mut pass = gpu.pass();
         if self.profile.is_some() || self.trace.is_some() {
             pass.hold();
         }
-        for p in parts {
-            self.reserve(&mut pass, items[p.item].0, p.pos0 + p.n)?;
-        }
-        let seqs: Vec<&GpuSeq> = parts.iter().map(|p| &*items[p.item].0).collect();
         let hp = &self.hp;
         let sc = &self.scratch;
         let hs = self.hc_shape();
@@ -297,11 +470,11 @@ impl GpuModel {
             .take(held.end)
             .skip(held.start)
         {
-            let states: Vec<&LayerState> = seqs.iter().map(|s| &s.layers[l - held.start]).collect();
+            let st = &self.pools.layers[l - held.start];
             let (blk, x) = (&sc.blk, &sc.x);
             self.hc_pre(&mut pass, &lw.hc_attn, &lw.attn_norm, nt)?;
             trace_point!("attn_in", l, &sc.h, hp.n_embd);
-            self.attn_block(&mut pass, &states, parts, l, &lw.attn, nt)?;
+            self.attn_block(&mut pass, st, parts, &tabs, l, &lw.attn, nt)?;
             trace_point!("attn_out", l, blk, hp.n_embd);
             hc::post(&mut pass, &hs, nt, x, blk, &sc.pc)?;
             self.hc_pre(&mut pass, &lw.hc_ffn, &lw.ffn_norm, nt)?;
@@ -543,60 +716,55 @@ impl GpuModel {
         matmul::matmul_opts(pass, &c.wgate, &sc.h, 0, &sc.cmp, width, n, &opts)
     }
 
-    /// Append one part's projected rows to its compressor store and pool the windows they
-    /// complete into `out` rows of d at `out_off` (relative to the part's first completed
-    /// window). Returns (first window, windows).
+    /// Append the projected rows of the pass to a compressor's store pool (each row into its
+    /// sequence's ring) and pool the windows they complete into `out`.
     #[allow(clippy::too_many_arguments)]
-    fn compress_part(
+    fn compress_rows(
         &self,
         pass: &mut Pass<'_>,
         c: &Compressor<GpuTensor>,
         cs: &CmpState,
         table: &RopeTable,
-        p: &Part,
-        out: &wgpu::Buffer,
-        out_off: u32,
-    ) -> Result<(u32, u32)> {
+        tabs: &RowTabs,
+        out: compress::PoolOut<'_>,
+    ) -> Result<compress::Windows<'_>> {
         let s = cs.shape;
         let w = s.width();
-        let (n, pos0) = (p.n as u32, p.pos0);
+        let tab = &self.scratch.tab.buf;
         compress::store(
             pass,
             &s,
-            n,
-            pos0 as u32,
+            tabs.n,
+            self.rows(tabs, 0),
             &self.scratch.cmp,
-            p.row as u32 * 2 * w,
+            0,
             2 * w,
             &c.ape,
             &cs.store,
         )?;
-        // Window w closes at position (w+1)·m − 1: those closing in [pos0, pos0 + n).
-        let m = s.ratio as usize;
-        let w0 = pos0 / m;
-        let n_win = (pos0 + p.n) / m - w0;
-        compress::pool(
-            pass,
-            &s,
-            w0 as u32,
-            n_win as u32,
-            &c.norm,
-            table,
-            self.hp.eps,
-            &cs.store,
-            out,
-            out_off,
-        )?;
-        Ok((w0 as u32, n_win as u32))
+        let wins = tabs.windows(tab, s.ratio as usize);
+        compress::pool(pass, &s, wins, &c.norm, table, self.hp.eps, &cs.store, out)?;
+        Ok(wins)
     }
 
-    /// Layer `l`'s attention over the rows of `parts` (`states[i]` is part i's layer state):
-    /// `h` in, `blk` out.
+    /// The rows of `tabs` from row `row` on, for the compressor kernels.
+    fn rows<'a>(&'a self, tabs: &RowTabs, row: usize) -> compress::Rows<'a> {
+        compress::Rows {
+            tab: &self.scratch.tab.buf,
+            tab_rows: tabs.n,
+            row0: tabs.pos + row as u32,
+        }
+    }
+
+    /// Layer `l`'s attention over the rows of `parts` (`st`: the layer's state pools, `tabs`:
+    /// the rows' tables): `h` in, `blk` out.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attn_block(
         &self,
         pass: &mut Pass<'_>,
-        states: &[&LayerState],
+        st: &LayerState,
         parts: &[Part],
+        tabs: &RowTabs,
         l: usize,
         a: &Attn<GpuTensor>,
         n: u32,
@@ -605,6 +773,10 @@ impl GpuModel {
         let sc = &self.scratch;
         let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
         let table = &self.rope[l];
+        let positions = Positions::Buffer {
+            buf: &sc.tab.buf,
+            off: tabs.pos,
+        };
         // Queries: low rank, weighted norm, up-projection, unweighted norm per head, RoPE.
         self.linear(pass, &a.wq_a, &sc.h, &sc.qr, n)?;
         let ql = hp.q_lora as u32;
@@ -619,16 +791,14 @@ impl GpuModel {
         )?;
         self.linear(pass, &a.wq_b, &sc.qr, &sc.q, n)?;
         norm::rms_norm(pass, n * nh, hd, View::new(&sc.q, 0), None, None, hp.eps)?;
-        for p in parts {
-            rope::rope_interleaved(
-                pass,
-                &RopeView::packed(&sc.q, p.row as u32 * nh * hd, p.n as u32, nh, hd),
-                table,
-                Positions::From(p.pos0 as u32),
-                false,
-            )?;
-        }
-        // The one K=V head, into each sequence's window ring (two writes when it wraps).
+        rope::rope_interleaved(
+            pass,
+            &RopeView::packed(&sc.q, 0, n, nh, hd),
+            table,
+            positions,
+            false,
+        )?;
+        // The one K=V head, each row into its sequence's window ring.
         self.linear(pass, &a.wkv, &sc.h, &sc.kv, n)?;
         norm::rms_norm(
             pass,
@@ -640,93 +810,71 @@ impl GpuModel {
             hp.eps,
         )?;
         let ks = kv_shape(self.kv_type, hp.head_dim);
-        for (p, st) in parts.iter().zip(states) {
-            let (row, np) = (p.row as u32, p.n as u32);
-            rope::rope_interleaved(
-                pass,
-                &RopeView::packed(&sc.kv, row * hd, np, 1, hd),
-                table,
-                Positions::From(p.pos0 as u32),
-                false,
-            )?;
-            let slot = p.pos0 % self.ring;
-            let n1 = p.n.min(self.ring - slot) as u32;
+        rope::rope_interleaved(
+            pass,
+            &RopeView::packed(&sc.kv, 0, n, 1, hd),
+            table,
+            positions,
+            false,
+        )?;
+        attention::write_kv(
+            pass,
+            ks,
+            &sc.kv,
+            0,
+            hd,
+            n,
+            &st.ring,
+            DstRows::List {
+                rows: &sc.tab.buf,
+                off: tabs.pos + 2 * tabs.n,
+            },
+        )?;
+
+        // Compressed entries of the windows the rows complete.
+        if let (Some(c), Some(cs)) = (&a.cmp, &st.cmp) {
+            self.compress_proj(pass, c, cs.shape.width(), n)?;
+            let out = compress::PoolOut::Packed {
+                buf: &sc.ent,
+                off: 0,
+            };
+            let wins = self.compress_rows(pass, c, cs, table, tabs, out)?;
             attention::write_kv(
                 pass,
                 ks,
-                &sc.kv,
-                row * hd,
+                &sc.ent,
+                0,
                 hd,
-                n1,
-                &st.ring,
-                DstRows::Range { row0: slot as u32 },
+                wins.n_win,
+                &cs.cache,
+                DstRows::List {
+                    rows: wins.buf,
+                    off: wins.off + 2 * wins.n_win,
+                },
             )?;
-            if n1 < np {
-                attention::write_kv(
-                    pass,
-                    ks,
-                    &sc.kv,
-                    (row + n1) * hd,
-                    hd,
-                    np - n1,
-                    &st.ring,
-                    DstRows::Range { row0: 0 },
-                )?;
-            }
         }
-
-        // Compressed entries of the windows each part completes.
-        let ratio = hp.compress_ratio[l];
-        if let (Some(c), Some(cs0)) = (&a.cmp, &states[0].cmp) {
-            self.compress_proj(pass, c, cs0.shape.width(), n)?;
-            for (p, st) in parts.iter().zip(states) {
-                let cs = st
-                    .cmp
-                    .as_ref()
-                    .expect("the layer's states have a compressor");
-                let (w0, n_win) = self.compress_part(pass, c, cs, table, p, &sc.ent, 0)?;
-                attention::write_kv(
-                    pass,
-                    ks,
-                    &sc.ent,
-                    0,
-                    hd,
-                    n_win,
-                    &cs.cache,
-                    DstRows::Range { row0: w0 },
-                )?;
-            }
-        }
-        if let (Some(ix), Some(is0)) = (&a.ix, &states[0].ix) {
+        if let (Some(ix), Some(is)) = (&a.ix, &st.ix) {
             let d = hp.ix_head_dim as u32;
-            self.compress_proj(pass, &ix.cmp, is0.shape.width(), n)?;
-            for (p, st) in parts.iter().zip(states) {
-                let is = st.ix.as_ref().expect("the layer's states have an indexer");
-                let off = (p.pos0 / ratio) as u32 * d;
-                self.compress_part(pass, &ix.cmp, is, table, p, &is.cache, off)?;
-            }
+            self.compress_proj(pass, &ix.cmp, is.shape.width(), n)?;
+            let out = compress::PoolOut::CacheRows { buf: &is.cache };
+            self.compress_rows(pass, &ix.cmp, is, table, tabs, out)?;
             let nih = hp.n_ix_head as u32;
             self.linear_exact(pass, &ix.wq_b, &sc.qr, &sc.ixq, n)?;
-            for p in parts {
-                rope::rope_interleaved(
-                    pass,
-                    &RopeView::packed(&sc.ixq, p.row as u32 * nih * d, p.n as u32, nih, d),
-                    table,
-                    Positions::From(p.pos0 as u32),
-                    false,
-                )?;
-            }
+            rope::rope_interleaved(
+                pass,
+                &RopeView::packed(&sc.ixq, 0, n, nih, d),
+                table,
+                positions,
+                false,
+            )?;
             self.linear_exact(pass, &ix.proj, &sc.h, &sc.ixw, n)?;
         }
-        // Per part, one attention call over its rows, or one per row (a decode step's).
-        for (p, st) in parts.iter().zip(states) {
-            if p.rowwise {
-                for j in 0..p.n {
-                    self.attend(pass, st, l, a, p.row + j, p.pos0 + j, 1)?;
-                }
-            } else {
-                self.attend(pass, st, l, a, p.row, p.pos0, p.n)?;
-            }
+        // One attention call per chunk part, one for all row-wise rows (a decode step's each).
+        for p in parts.iter().filter(|p| !p.rowwise) {
+            self.attend(pass, st, tabs, l, a, p.row, p.n, p.pos0 + p.n)?;
+        }
+        if tabs.rw0 < n as usize {
+            self.attend(pass, st, tabs, l, a, tabs.rw0, n as usize - tabs.rw0, 0)?;
         }
         // Grouped low-rank output: wo_a as a stack of o_groups matrices, token t's group g
         // (pair t·o_groups + g) reading its slice of the heads; then wo_b.
@@ -754,48 +902,65 @@ impl GpuModel {
         self.linear(pass, &a.wo_b, &sc.mid, &sc.blk, n)
     }
 
-    /// The attention of `cnt` rows from `row` on, one sequence's positions `pos0..`: the
-    /// indexer's top-k (ratio-4 layers), the index list, one flash-attention call with sinks
-    /// (split-K for a single row), the inverse RoPE of its output.
+    /// The attention of `cnt` rows from `row` on: the indexer's top-k (ratio-4 layers), the
+    /// index lists, one flash-attention call with sinks, the inverse RoPE of its output.
+    /// `pos_end` > 0: one chunk of a sequence ending there (one list length for all its
+    /// rows); 0: row-wise rows, each attending as a one-token decode step (its own list and
+    /// split, from the tables' descriptors).
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         pass: &mut Pass<'_>,
         st: &LayerState,
+        tabs: &RowTabs,
         l: usize,
         a: &Attn<GpuTensor>,
         row: usize,
-        pos0: usize,
         cnt: usize,
+        pos_end: usize,
     ) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
         let table = &self.rope[l];
-        let ratio = hp.compress_ratio[l];
-        let (p0, n) = (pos0 as u32, cnt as u32);
-        let pos_end = pos0 + cnt;
-        let n_win = hp.window.min(pos_end) as u32;
-        let n_idx = n_win + self.comp_slots(l, pos_end) as u32;
-        let mut fill_comp = ratio > 0;
+        let (ratio, has_ix) = self.kind(l);
+        let n = cnt as u32;
+        let rowwise = pos_end == 0;
+        let (n_idx, n_ent) = match rowwise {
+            true => {
+                let d = tabs.desc(ratio, has_ix);
+                (d.stride, d.n_ent)
+            }
+            false => {
+                let n_win = hp.window.min(pos_end);
+                let n_ent = pos_end.checked_div(ratio).unwrap_or(0);
+                ((n_win + self.comp_slots(l, pos_end)) as u32, n_ent as u32)
+            }
+        };
+        let list = compress::ListView {
+            buf: &sc.idx.buf,
+            off: tabs.lists,
+            n_idx,
+        };
+        let rows = self.rows(tabs, row);
+        let cap_e = self.pools.cap_e(ratio) as u32;
         if let (Some(_), Some(is)) = (&a.ix, &st.ix) {
-            fill_comp = false;
             let ish = IndexerShape {
                 n_head: hp.n_ix_head as u32,
                 d: hp.ix_head_dim as u32,
                 ratio: ratio as u32,
                 top_k: hp.ix_topk as u32,
             };
-            let n_ent = (pos_end / ratio) as u32;
             compress::index_scores(
                 pass,
                 &ish,
                 n,
-                p0,
+                rows,
+                row as u32,
                 n_ent,
+                cap_e,
                 &sc.ixq,
                 &sc.ixw,
-                row as u32,
                 &is.cache,
                 &sc.scores.buf,
             )?;
@@ -803,35 +968,48 @@ impl GpuModel {
                 pass,
                 &ish,
                 n,
-                p0,
+                rows,
                 n_ent,
+                cap_e,
+                hp.window as u32,
                 &sc.scores.buf,
-                &sc.idx.buf,
-                n_idx,
-                n_win,
-                n_idx - n_win,
+                list,
             )?;
         }
         compress::index_list(
             pass,
             &IndexList {
-                n_idx,
-                n_win,
                 window: hp.window as u32,
                 ring: self.ring as u32,
                 ratio: ratio as u32,
-                fill_comp,
+                fill_comp: ratio > 0 && !has_ix,
+                top_k: if has_ix { hp.ix_topk as u32 } else { 0 },
+                cap_e,
             },
             n,
-            p0,
-            &sc.idx.buf,
+            rows,
+            list,
         )?;
         // Window ∪ compressed keys (K = V), per-head sinks.
         let ks = kv_shape(self.kv_type, hp.head_dim);
-        let n_split = if n == 1 {
-            attention::pick_n_split(1, nh, ks, n_idx, true)
-        } else {
-            1
+        let (keys, split) = match rowwise {
+            true => {
+                let d = tabs.desc(ratio, has_ix);
+                let keys = Keys::Rows {
+                    aux: &sc.idx.buf,
+                    off: d.off,
+                    max_keys: d.stride,
+                };
+                (keys, Some((&sc.attn_split.buf, d.max_split)))
+            }
+            false => {
+                let keys = Keys::Index {
+                    idx: &sc.idx.buf,
+                    off: tabs.lists,
+                    n_idx,
+                };
+                (keys, None)
+            }
         };
         let q_off = row as u32 * nh * hd;
         attention::attention(
@@ -860,13 +1038,9 @@ impl GpuModel {
                     k: &c.cache,
                     v: None,
                 }),
-                keys: Keys::Index {
-                    idx: &sc.idx.buf,
-                    off: 0,
-                    n_idx,
-                },
+                keys,
                 sinks: Some((&a.sink.parts[0].buffer, 0)),
-                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+                split,
             },
         )?;
         // The values carry the keys' rotation: undo it at the query position.
@@ -874,7 +1048,10 @@ impl GpuModel {
             pass,
             &RopeView::packed(&sc.att, q_off, n, nh, hd),
             table,
-            Positions::From(p0),
+            Positions::Buffer {
+                buf: &sc.tab.buf,
+                off: tabs.pos + row as u32,
+            },
             true,
         )
     }

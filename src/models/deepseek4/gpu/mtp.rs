@@ -16,7 +16,7 @@
 //! rewritten before a later one reads it. So a rollback moves the position back; the kept
 //! rows' state, written by rows with decode's bits, is what re-feeding them would write.
 
-use super::forward::{HeadOut, Part, TopReq};
+use super::forward::{HeadOut, Part, RowTabs, TopReq};
 use super::*;
 use crate::models::spec::{Hidden, Speculate};
 
@@ -169,18 +169,18 @@ impl GpuModel {
         }
     }
 
-    /// Records the MTP block over `n` rows at positions `pos0..` reading the hidden rows at
-    /// row `src_row` of `src` (`[rows, hc·n_embd]`) and the token ids in `Scratch::ids`;
-    /// leaves the output copies in `Scratch::x` and `MtpGpu::out`.
+    /// Records the MTP block over the rows of `part` (its tables `tabs`) reading the hidden
+    /// rows at row `src_row` of `src` (`[rows, hc·n_embd]`) and the token ids in
+    /// `Scratch::ids`; leaves the output copies in `Scratch::x` and `MtpGpu::out`.
     fn record_mtp(
         &self,
         pass: &mut Pass<'_>,
-        st: &LayerState,
-        pos0: usize,
-        n: usize,
+        part: &Part,
+        tabs: &RowTabs,
         src: &wgpu::Buffer,
         src_row: u32,
     ) -> Result<()> {
+        let n = part.n;
         let hp = &self.hp;
         let sc = &self.scratch;
         let m = self.spec.mtp.as_ref().expect("the model has an MTP block");
@@ -218,18 +218,11 @@ impl GpuModel {
             )?;
         }
         let (l, lw) = (hp.n_layer, &m.w.layer);
-        let parts = [Part {
-            item: 0,
-            start: 0,
-            n,
-            row: 0,
-            pos0,
-            rowwise: n == 1,
-        }];
+        let st = self.pools.mtp.as_ref().expect("the model has an MTP block");
         let hs = self.hc_shape();
         self.route_groups(pass, nt)?;
         self.hc_pre(pass, &lw.hc_attn, &lw.attn_norm, nt)?;
-        self.attn_block(pass, &[st], &parts, l, &lw.attn, nt)?;
+        self.attn_block(pass, st, std::slice::from_ref(part), tabs, l, &lw.attn, nt)?;
         hc::post(pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
         self.hc_pre(pass, &lw.hc_ffn, &lw.ffn_norm, nt)?;
         self.moe_block(pass, l, &lw.moe, nt)?;
@@ -254,7 +247,7 @@ impl GpuModel {
         self.check_tokens(tokens)?;
         crate::forward::check_want(want)?;
         let n = tokens.len();
-        let (Some(m), Some(_)) = (&self.spec.mtp, &seq.mtp) else {
+        let (Some(m), Some(_)) = (&self.spec.mtp, &self.pools.mtp) else {
             return Err(Error::Invalid("the model has no MTP block".into()));
         };
         // (first position, read trunk rows (else the last output), in `MtpGpu::trunk`, row)
@@ -288,10 +281,10 @@ impl GpuModel {
             row: 0,
             pos0,
             rowwise: n == 1,
+            slot: seq.slot,
         }];
-        self.ensure_lists(&parts, &[self.hp.n_layer])?;
+        let tabs = self.row_tabs(&[(&parts, &[self.hp.n_layer])])?.remove(0);
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(tokens));
-        let st = seq.mtp.as_ref().expect("checked above");
         let m = self.spec.mtp.as_ref().expect("checked above");
         let src = if trunk {
             self.trunk_buf(seq, scratch)
@@ -299,7 +292,7 @@ impl GpuModel {
             &m.out
         };
         let mut pass = gpu.pass();
-        self.record_mtp(&mut pass, st, pos0, n, src, src_row)?;
+        self.record_mtp(&mut pass, &parts[0], &tabs, src, src_row)?;
         let mut top = TopReq::default();
         let mut wants = Vec::new();
         match want {
@@ -392,7 +385,7 @@ impl GpuModel {
             return Err(Error::Invalid(format!("{k} drafts (1..={MAX_VERIFY})")));
         }
         let n = tokens.len();
-        let (pos0, scratch, src_row) = match (self.trunk_src(seq, n), &seq.mtp) {
+        let (pos0, scratch, src_row) = match (self.trunk_src(seq, n), &self.pools.mtp) {
             (Some(t), Some(_)) => t,
             _ => {
                 return Err(Error::Invalid(format!(
@@ -412,19 +405,27 @@ impl GpuModel {
             row: 0,
             pos0,
             rowwise: n == 1,
+            slot: seq.slot,
         };
-        self.ensure_lists(&[part(n, pos0), part(1, last + k)], &[self.hp.n_layer])?;
+        // One table per MTP row run: the trunk's rows, then each chained row.
+        let parts: Vec<Part> = std::iter::once(part(n, pos0))
+            .chain((1..k).map(|j| part(1, last + j)))
+            .collect();
+        let layers = [self.hp.n_layer];
+        let groups: Vec<(&[Part], &[usize])> = parts
+            .iter()
+            .map(|p| (std::slice::from_ref(p), &layers[..]))
+            .collect();
+        let tabs = self.row_tabs(&groups)?;
         let gpu = self.gpu.clone();
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(tokens));
-        let st = seq.mtp.as_ref().expect("checked above");
         let m = self.spec.mtp.as_ref().expect("checked above");
         let sc = &self.scratch;
         let mut pass = gpu.pass();
         self.record_mtp(
             &mut pass,
-            st,
-            pos0,
-            n,
+            &parts[0],
+            &tabs[0],
             self.trunk_buf(seq, scratch),
             src_row,
         )?;
@@ -433,7 +434,7 @@ impl GpuModel {
         for j in 1..k {
             let (ids, off) = self.draft_head().top.id_at(j as u32 - 1, 1);
             pass.copy(ids, off, &sc.ids, 0, 4);
-            self.record_mtp(&mut pass, st, last + j, 1, &m.out, row)?;
+            self.record_mtp(&mut pass, &parts[j], &tabs[j], &m.out, row)?;
             self.record_draft_top(&mut pass, 1, 0, j as u32)?;
             row = 0;
         }
