@@ -184,6 +184,12 @@ impl Engine {
         self.model.max_context()
     }
 
+    /// Rows of one pass: a longer prompt runs in passes of this many tokens (longer for a
+    /// MoE model whose prompts stream cold experts: `moe::offload::STREAM_ROWS`).
+    pub fn pass_rows(&self) -> usize {
+        self.model.pass_rows()
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.model.vocab_size()
     }

@@ -136,11 +136,6 @@ pub struct Output {
     pub spec: Option<SpecStats>,
 }
 
-/// Tokens per prefill piece: the models' pass size (`DEFAULT_BATCH` of both GPU forwards),
-/// so feeding a long prompt piece by piece runs exactly the passes one call would, and a
-/// cancellation is seen between them.
-pub const PREFILL_CHUNK: usize = crate::models::qwen35::gpu::DEFAULT_BATCH;
-
 /// `held.len()` when `held` is a proper prefix of `prompt` (at least one prompt token must
 /// be fed to get logits), else 0.
 pub fn reusable_prefix(held: &[u32], prompt: &[u32]) -> usize {
@@ -611,7 +606,8 @@ impl Session {
         Ok(out)
     }
 
-    /// Feeds `prompt[from..]` (at least one token) in pieces of [`PREFILL_CHUNK`], saving
+    /// Feeds `prompt[from..]` (at least one token) in pieces of the model's pass size
+    /// (`Engine::pass_rows`: one call's passes exactly, a cancellation seen between them), saving
     /// the checkpoint once `checkpoint_at` tokens are held, and returns what `want` asks of
     /// the last token's logits; `None` when `cancelled` turned true between two pieces.
     /// With `spec` the pieces go through it (the MTP block reads their hidden states).
@@ -625,8 +621,9 @@ impl Session {
         mut spec: Option<&mut Speculator>,
     ) -> Result<Option<Logits>> {
         let mut at = from;
+        let piece = engine.pass_rows().max(1);
         loop {
-            let mut end = (at + PREFILL_CHUNK).min(prompt.len());
+            let mut end = (at + piece).min(prompt.len());
             if at < checkpoint_at && checkpoint_at < end {
                 end = checkpoint_at;
             }

@@ -420,6 +420,87 @@ fn check_stream(name: &str, file: &str) {
     assert!(s.max_abs < 1e-3, "{name}: CPU max_abs {:.3e}", s.max_abs);
 }
 
+/// A prompt longer than the family's pass under `--expert-stream always` with some experts
+/// cold: the pass grows (`moe::offload::STREAM_ROWS`) so the whole prompt is one pass, and
+/// each cold expert the prompt selects crosses the link once: `streamed_bytes` is exactly
+/// the bytes of the distinct selected cold experts (the residency cache held still, so the
+/// cold set is the placement's). In passes of the family's batch it would be up to a copy
+/// per pass. Logits match the all-GPU run's at the long-prefill bar: the all-GPU run
+/// takes the prompt in passes of its batch, and the pass length moves rounding (its
+/// attention tiles), so the streaming bar of equal passes does not apply.
+fn check_stream_long(name: &str, file: &str) {
+    let (path, _, ids) = fixture(name, file);
+    let long: Vec<u32> = ids.iter().cycle().take(1100).copied().collect();
+    let run = |opts: &LoadOptions| {
+        let mut e = Engine::load(&path, opts).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let out = e.forward(&mut seq, &long, true).unwrap();
+        (out, e)
+    };
+    let (base, e) = run(&LoadOptions::default());
+    let batch = e.pass_rows();
+    assert!(
+        batch < long.len(),
+        "{name}: the all-GPU pass is {batch} rows"
+    );
+    let (got, e) = run(&LoadOptions {
+        gpu_experts: Some(0.25),
+        gpu_mem: Some(256 << 20),
+        expert_stream: lathe::engine::ExpertStream::Always,
+        expert_cache: Some(CacheConfig {
+            max_uploads_per_step: 0,
+            ..Default::default()
+        }),
+        collect_expert_stats: true,
+        ..Default::default()
+    });
+    assert!(
+        e.pass_rows() >= long.len(),
+        "{name}: pass of {}",
+        e.pass_rows()
+    );
+    let off = e.offload().expect("a partial placement has an offload");
+    let stats = off.stats().expect("statistics collected");
+    let mut want = 0u64;
+    for lp in &off.placement.layers {
+        let counts = &stats
+            .layer(lp.layer)
+            .expect("a MoE layer's statistics")
+            .counts;
+        let cold = (0..lp.n_expert)
+            .filter(|&x| counts[x] > 0 && lp.remap[x] == lathe::moe::COLD)
+            .count() as u64;
+        want += cold * off.placement.groups[lp.group].slot_bytes();
+    }
+    let rep = e.placement_report().unwrap();
+    let s = score(&got, &base, base.len() / long.len());
+    eprintln!(
+        "{name} {}-token prompt in one pass of {}: streamed {} bytes, selected cold {want}, \
+         max_abs {:.3e}",
+        long.len(),
+        e.pass_rows(),
+        rep.streamed_bytes,
+        s.max_abs
+    );
+    assert!(want > 0 && rep.cold_pairs == 0, "{rep:?}");
+    assert_eq!(rep.streamed_bytes, want, "{rep:?}");
+    assert!(
+        s.max_abs < 1e-3 && s.top1 == 1.0,
+        "{name}: streamed max_abs {:.3e}",
+        s.max_abs
+    );
+}
+
+#[test]
+fn qwen35moe_tiny_stream_long() {
+    check_stream_long("qwen35moe-tiny", "model-q8_0.gguf");
+}
+
+#[test]
+fn dsv4_tiny_stream_long() {
+    check_stream_long("dsv4-tiny", "model-q8_0.gguf");
+}
+
 #[test]
 fn qwen35moe_tiny_stream() {
     check_stream("qwen35moe-tiny", "model-q8_0.gguf");

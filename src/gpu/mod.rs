@@ -30,7 +30,7 @@ pub use device::{
     MatmulChoice, MatmulPath,
 };
 pub use memory::{adapter_memory, device_memory, DeviceMemory};
-pub use pass::{grid, Binding, Pass, FLUSH_OPS, MAX_GROUPS};
+pub use pass::{grid, Binding, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
 
 /// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.

@@ -286,13 +286,29 @@ impl<'g> Pass<'g> {
     /// (begin) and `2i+1` (end), resolved into `resolve`) and submit it, all under the
     /// recorder's lock.
     fn encode_submit(self, timing: Timing<'_>) -> Result<wgpu::SubmissionIndex> {
+        let gpu = self.gpu;
+        let mut rec = gpu.recorder.inner.lock().unwrap();
+        let enc = self.encode_locked(&mut rec, timing)?;
+        Ok(enc.submit_locked())
+    }
+
+    /// Encode everything recorded into a command buffer now, to submit later
+    /// ([`Encoded::submit`]): the host's encoding can overlap other host work (the MoE
+    /// offload encodes the next layer while the CPU computes cold experts). Submissions
+    /// made in between run before it (queue order); its uniform bytes are written to the
+    /// arena at its own submission.
+    pub fn encode(self) -> Result<Encoded<'g>> {
+        let gpu = self.gpu;
+        let mut rec = gpu.recorder.inner.lock().unwrap();
+        self.encode_locked(&mut rec, Timing::None)
+    }
+
+    fn encode_locked(self, rec: &mut RecorderInner, timing: Timing<'_>) -> Result<Encoded<'g>> {
         let profile = match timing {
             Timing::PerDispatch(qs, resolve) => Some((qs, resolve)),
             _ => None,
         };
         let gpu = self.gpu;
-        let mut rec = gpu.recorder.inner.lock().unwrap();
-        let rec = &mut *rec;
         let need = (self.uniforms.len() as u64).max(256);
         if need > gpu.limits.max_buffer_size {
             return Err(Error::Gpu(format!(
@@ -315,11 +331,8 @@ impl<'g> Pass<'g> {
             }));
         }
         let arena = rec.arena.clone().expect("arena made above");
-        if !self.uniforms.is_empty() {
-            let mut bytes = self.uniforms;
-            bytes.resize(bytes.len().next_multiple_of(4), 0);
-            gpu.queue.write_buffer(&arena, 0, &bytes);
-        }
+        let mut uniforms = self.uniforms;
+        uniforms.resize(uniforms.len().next_multiple_of(4), 0);
         rec.epoch += 1;
         let epoch = rec.epoch;
         if epoch.is_multiple_of(KEEP_SUBMITS) {
@@ -392,12 +405,15 @@ impl<'g> Pass<'g> {
             enc.write_timestamp(qs, first + 1);
         }
         let cb = enc.finish();
-        // Counted up to the submit call: lavapipe runs compute inside `queue.submit` at times
-        // (the CPU is the device), which is GPU time, not host overhead.
         gpu.recorder
             .host_ns
             .fetch_add(self.since.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(gpu.queue.submit([cb]))
+        Ok(Encoded {
+            gpu,
+            arena,
+            uniforms,
+            cb,
+        })
     }
 
     /// Submit with a GPU timestamp pair around every dispatch (each in its own compute
@@ -482,6 +498,44 @@ impl Pass<'_> {
         let idx = self.encode_submit(Timing::Around(qs, first))?;
         gpu.check()?;
         Ok(idx)
+    }
+}
+
+/// A pass encoded ahead of its submission ([`Pass::encode`]).
+pub struct Encoded<'g> {
+    gpu: &'g Gpu,
+    /// The arena its bind groups read, and the bytes to write there before it runs.
+    arena: wgpu::Buffer,
+    uniforms: Vec<u8>,
+    cb: wgpu::CommandBuffer,
+}
+
+impl Encoded<'_> {
+    /// Write its uniforms and submit it, under the recorder's lock (no other pass's bytes
+    /// land in the arena between the two). Does not wait.
+    pub fn submit(self) -> Result<wgpu::SubmissionIndex> {
+        let gpu = self.gpu;
+        let idx = {
+            let _rec = gpu.recorder.inner.lock().unwrap();
+            self.submit_locked()
+        };
+        gpu.check()?;
+        Ok(idx)
+    }
+
+    /// With the recorder's lock held by the caller.
+    fn submit_locked(self) -> wgpu::SubmissionIndex {
+        let gpu = self.gpu;
+        let t = Instant::now();
+        if !self.uniforms.is_empty() {
+            gpu.queue.write_buffer(&self.arena, 0, &self.uniforms);
+        }
+        // Counted up to the submit call: lavapipe runs compute inside `queue.submit` at times
+        // (the CPU is the device), which is GPU time, not host overhead.
+        gpu.recorder
+            .host_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        gpu.queue.submit([self.cb])
     }
 }
 

@@ -673,6 +673,9 @@ impl Forward for Chain {
     fn max_context(&self) -> Option<usize> {
         self.parts.iter().filter_map(|p| p.max_context()).min()
     }
+    fn pass_rows(&self) -> usize {
+        self.parts.iter().map(|p| p.pass_rows()).min().unwrap_or(1)
+    }
     fn hops(&self) -> Option<HopReport> {
         Some(Chain::hops(self))
     }

@@ -84,6 +84,8 @@ pub trait Forward: Send {
     fn routed_experts(&self) -> usize;
     /// Longest context the KV caches can grow to where a binding limit bounds it.
     fn max_context(&self) -> Option<usize>;
+    /// Rows of one pass: a longer call runs in passes of this many tokens.
+    fn pass_rows(&self) -> usize;
     /// Speculative decoding's passes, where the family has them.
     fn speculate(&mut self) -> Option<&mut dyn spec::Speculate> {
         None

@@ -74,6 +74,13 @@
 //!    pairs.len(), n_embd, &moe_out, 0, n_embd, n·k)`. Then the unchanged combine: one
 //!    dispatch that adds the top-k slots in order per row (`ew::moe_combine`,
 //!    `router::combine`), the shared expert added after.
+//!    `cold_ffn`'s `after` lets the model record the combine and the next layer up to its
+//!    router on the host thread while the CPU's workers compute the cold rows; that pass
+//!    is encoded then and submitted as soon as the rows are written (queue order keeps the
+//!    scatter before the combine).
+//!    A prompt whose cold experts may stream runs in longer passes (`Plan::rows`, up to
+//!    `offload::STREAM_ROWS`, bounded by the budget), so each selected cold expert crosses
+//!    the link once per pass.
 //! 8. `for u in cache.observe(L, &ids)`: `write_expert(&arena, &gpu, g, u.slot,
 //!    &weights[index of u.layer], u.expert)`; then `remaps.write(&gpu, L', cache.remap(L'))`
 //!    for `u.layer` and for `u.evicted`'s layer. These writes land before the next

@@ -27,6 +27,18 @@ use std::time::Instant;
 /// on the GPU: 8 rounds, each filled while the GPU copies and runs the previous one.
 pub const STREAM_SLOTS: usize = 16;
 
+/// Longest pass of a model whose prompts may stream cold experts (`--expert-stream` other
+/// than `never`, some experts cold): a streamed expert crosses the host link once per pass
+/// that selects it, so a prompt of `p` tokens moves each selected cold expert `p / rows`
+/// times. A few thousand rows, as the issue's target; longer passes would also make other
+/// sequences' decode steps wait behind one pass. Fewer where the scratch does not fit
+/// ([`stream_rows`]).
+pub const STREAM_ROWS: usize = 4096;
+
+/// Under a byte budget, the longest pass may take at most this share (1/N) of the bytes left
+/// for expert slots: every byte of scratch is a byte of slots decode no longer has.
+const STREAM_ROWS_SHARE: u64 = 4;
+
 /// Host → GPU copy speed `auto` streaming assumes (bytes/s): PCIe 4.0 x16 moves ~25 GB/s
 /// in practice, less through wgpu's staging copy.
 pub const LINK_BYTES_PER_S: f64 = 20e9;
@@ -138,6 +150,9 @@ pub struct Plan {
     pub stats: Option<ExpertStats>,
     pub budget: Option<Budget>,
     pub memory: Option<AdapterMemory>,
+    /// Rows of one pass: the family's batch, or up to [`STREAM_ROWS`] when a prompt's cold
+    /// experts may stream ([`stream_rows`]); the loader sizes its scratch for this.
+    pub rows: usize,
 }
 
 impl Plan {
@@ -152,7 +167,8 @@ impl Plan {
         gpu: &Gpu,
         file: &ModelFile,
         opts: &LoadOptions,
-        needs: &Needs,
+        needs: &dyn Fn(usize) -> Needs,
+        batch: usize,
     ) -> Result<Option<Plan>> {
         let mut info = MoeInfo::from_file(file)?;
         if info.layers.is_empty() {
@@ -173,38 +189,81 @@ impl Plan {
                 return Ok(None);
             }
         }
-        let (fill, budget, memory) = match opts.gpu_experts {
+        let mem = AdapterMemory::detect(&gpu.info, gpu.memory.as_ref(), opts.gpu_mem);
+        let ctx = opts.ctx as u64;
+        let base = budget_for(&info, mem.bytes, ctx, &needs(batch));
+        let (fill, mut budget, memory) = match opts.gpu_experts {
             Some(f) => (Fill::Fraction(f), None, None),
             None => {
-                let mem = AdapterMemory::detect(&gpu.info, gpu.memory.as_ref(), opts.gpu_mem);
-                let b = budget_for(&info, mem.bytes, opts.ctx as u64, needs);
-                if !b.fits() {
+                if !base.fits() {
                     eprintln!(
                         "warning: {} needs {} beside its routed experts, {} more than the GPU \
                          memory planned for ({}): every expert runs on the CPU and the rest \
                          may not fit (--gpu-mem SIZE)",
                         file.path().display(),
-                        crate::inspect::human_bytes(b.beside_experts()),
-                        crate::inspect::human_bytes(b.shortfall),
+                        crate::inspect::human_bytes(base.beside_experts()),
+                        crate::inspect::human_bytes(base.shortfall),
                         mem.describe()
                     );
                 }
-                (Fill::Budget(b.experts), Some(b), Some(mem))
+                (
+                    Fill::Budget(base.experts),
+                    Some(base.clone()),
+                    Some(mem.clone()),
+                )
             }
         };
-        let placement = place_streaming(
-            &info,
-            fill,
-            stats.as_ref(),
-            opts.cold_layers,
-            opts.expert_stream,
-        )?;
+        let place = |fill| {
+            place_streaming(
+                &info,
+                fill,
+                stats.as_ref(),
+                opts.cold_layers,
+                opts.expert_stream,
+            )
+        };
+        let mut placement = place(fill)?;
+        // A longer pass for prompts whose cold experts may stream (one device only: a split
+        // model's parts hand rows on in passes of the family's batch).
+        let mut rows = batch;
+        let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
+        if opts.expert_stream != ExpertStream::Never && opts.part.is_none() && !all_hot {
+            // Bytes a pass of `r` rows needs beyond one of `batch` rows: the family's
+            // scratch and state (its budget shrinks by them) and the offload's own.
+            let extra = |r: usize| {
+                let b = budget_for(&info, mem.bytes, ctx, &needs(r));
+                base.experts.saturating_sub(b.experts)
+                    + offload_scratch(&info, &placement, r)
+                        .saturating_sub(offload_scratch(&info, &placement, batch))
+            };
+            // Under a budget, a share of the slots' bytes; under `--gpu-experts`, what the
+            // budget leaves beside the share's arena and the streaming slots.
+            let spare = match fill {
+                Fill::Budget(b) => b / STREAM_ROWS_SHARE,
+                Fill::Fraction(_) => base
+                    .experts
+                    .saturating_sub(placement.arena_bytes() + stream_bytes(&placement)),
+            };
+            rows = stream_rows(batch, spare, extra);
+            if rows > batch {
+                if let Fill::Budget(b) = fill {
+                    let e = extra(rows);
+                    let nb = budget_for(&info, mem.bytes, ctx, &needs(rows));
+                    placement = place(Fill::Budget(b.saturating_sub(e)))?;
+                    budget = Some(Budget {
+                        experts: b.saturating_sub(e),
+                        ..nb
+                    });
+                }
+            }
+        }
         let plan = Plan {
             info,
             placement,
             stats,
             budget,
             memory,
+            rows,
         };
         if plan.all_hot() && !collects(opts) {
             return Ok(None);
@@ -290,6 +349,30 @@ pub fn place_streaming(
     }
 }
 
+/// `batch` doubled while the pass's extra bytes (`extra(rows)`, beyond a pass of `batch`
+/// rows) fit in `spare`, up to [`STREAM_ROWS`]; `batch` when no longer pass fits.
+pub fn stream_rows(batch: usize, spare: u64, extra: impl Fn(usize) -> u64) -> usize {
+    let mut rows = batch;
+    while rows * 2 <= STREAM_ROWS && extra(rows * 2) <= spare {
+        rows *= 2;
+    }
+    rows
+}
+
+/// GPU bytes of the [`Offload`]'s per-pass scratch for passes of `rows` rows: slot ids, the
+/// CPU's rows and their index, the streaming ids, and the routes of the arena's and the
+/// streaming slots' groups.
+fn offload_scratch(info: &MoeInfo, placement: &Placement, rows: usize) -> u64 {
+    let pairs = (rows * info.n_used).max(1) as u64;
+    let n_embd = info.layers.first().map_or(0, |l| l.n_embd());
+    let routes: u64 = (0..placement.groups.len())
+        .flat_map(|g| [placement.groups[g].n_slots, stream_slots(placement, g)])
+        .filter(|&n| n > 0)
+        .map(|n| MoeRoute::bytes(n, pairs as u32))
+        .sum();
+    pairs * 4 * (n_embd + 3) + routes
+}
+
 /// Slots of each arena group for streamed experts: [`STREAM_SLOTS`], or fewer when the
 /// group's layers have fewer experts.
 fn stream_slots(placement: &Placement, g: usize) -> u32 {
@@ -313,6 +396,9 @@ pub fn stream_bytes(placement: &Placement) -> u64 {
 fn collects(opts: &LoadOptions) -> bool {
     opts.collect_expert_stats || opts.save_expert_stats.is_some()
 }
+
+/// Records what follows a MoE layer's routed rows in the model's pass ([`Offload::cold_ffn`]).
+pub type After<'a> = &'a mut dyn FnMut(&mut Pass<'_>) -> Result<()>;
 
 /// A MoE layer's cold work, from [`Offload::route`] to [`Offload::cold_ffn`]: the
 /// submission whose end brings the readback, and the buffers the layer reads.
@@ -454,6 +540,7 @@ impl Offload {
             stats,
             budget,
             memory,
+            rows: _,
         } = plan;
         let weights = info
             .layers
@@ -774,16 +861,30 @@ impl Offload {
     /// experts stream (`--expert-stream`) runs them on the GPU instead, through the streaming
     /// slots, with the same kernels as the hot ones. Then the residency cache sees the
     /// layer's picks and makes its uploads (they land after the submitted work, before the
-    /// next submission). The caller combines after this.
+    /// next submission).
+    ///
+    /// `after` records what follows the layer's rows in `pass` (the model's combine, and
+    /// the next layer up to its router); when given, it is called exactly once, after the
+    /// scatter (without it the caller records that after this returns). With
+    /// cold pairs on the CPU it runs on this thread while the CPU's workers compute them,
+    /// and the pass it recorded is encoded then and submitted as soon as the rows are
+    /// written (queue order puts the copy and the scatter before the combine that reads
+    /// them), so the host's recording and encoding of the next layer leave the wait.
     pub fn cold_ffn(
         &self,
         pass: &mut Pass<'_>,
         cold: Option<Cold>,
         b: &FfnBufs<'_>,
         limit: Option<f32>,
+        mut after: Option<After<'_>>,
     ) -> Result<()> {
+        let has_after = after.is_some();
+        let mut after = |pass: &mut Pass<'_>| match after.take() {
+            Some(f) => f(pass),
+            None => Ok(()),
+        };
         let Some(c) = cold else {
-            return Ok(());
+            return after(pass);
         };
         let gpu = pass.gpu();
         let li = self
@@ -866,42 +967,9 @@ impl Offload {
             experts.dedup();
             let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], &experts)?;
             let rows_len = pairs.len() * e * 4;
-            {
-                let mut st = self.state();
-                let buf = &mut st.rows;
-                buf.clear();
-                buf.resize(pairs.len() * (e + 1), 0);
-                let (rows, index) = buf.split_at_mut(pairs.len() * e);
-                // int8 activations exactly where the GPU's experts take them (its indexed
-                // matvec, up to `matvec::MAX_TOKENS` rows, under `--activations int8`), so
-                // placement does not change the sums
-                let opts = ColdOptions {
-                    activations: if n <= crate::gpu::matvec::MAX_TOKENS && gpu.int8_decode() {
-                        Activations::Int8
-                    } else {
-                        Activations::F32
-                    },
-                    ..self.cold
-                };
-                crate::cpu::moe::expert_rows_with(
-                    &w,
-                    &h,
-                    &pairs,
-                    limit,
-                    &opts,
-                    bytemuck::cast_slice_mut(rows),
-                )?;
-                for (i, p) in index.iter_mut().zip(&pairs) {
-                    *i = p.token * self.n_used + p.slot;
-                }
-                let mut data = write
-                    .get_mapped_range_mut()
-                    .map_err(|e| Error::Gpu(format!("moe upload: {e:?}")))?;
-                data.slice(..buf.len() * 4)
-                    .copy_from_slice(bytemuck::cast_slice(&buf[..]));
-            }
-            self.upload.unmap();
             let np = pairs.len() as u64;
+            // Recorded before the rows exist: the upload buffer is unmapped before this pass
+            // is submitted, and the copies run then.
             pass.copy(&self.upload, 0, &self.cold_rows, 0, rows_len as u64);
             pass.copy(&self.upload, rows_len as u64, &self.cold_index, 0, np * 4);
             scatter_rows(
@@ -917,6 +985,67 @@ impl Offload {
                 self.n_embd,
                 n * self.n_used,
             )?;
+            // int8 activations exactly where the GPU's experts take them (its indexed
+            // matvec, up to `matvec::MAX_TOKENS` rows, under `--activations int8`), so
+            // placement does not change the sums
+            let opts = ColdOptions {
+                activations: if n <= crate::gpu::matvec::MAX_TOKENS && gpu.int8_decode() {
+                    Activations::Int8
+                } else {
+                    Activations::F32
+                },
+                ..self.cold
+            };
+            // Timed runs (profile, timeline) keep one recording thread and their own
+            // submissions.
+            let overlap = has_after && tl.is_none() && self.profile_lock().is_none();
+            let mut buf = std::mem::take(&mut self.state().rows);
+            buf.clear();
+            buf.resize(pairs.len() * (e + 1), 0);
+            let (rows, index) = buf.split_at_mut(pairs.len() * e);
+            let mut cpu = Ok(());
+            let mut ahead = Ok(None);
+            rayon::in_place_scope(|s| {
+                s.spawn(|_| {
+                    cpu = crate::cpu::moe::expert_rows_with(
+                        &w,
+                        &h,
+                        &pairs,
+                        limit,
+                        &opts,
+                        bytemuck::cast_slice_mut(rows),
+                    );
+                });
+                if overlap {
+                    ahead = after(pass).and_then(|()| {
+                        let next = std::mem::replace(pass, gpu.pass());
+                        next.encode().map(Some)
+                    });
+                }
+            });
+            cpu?;
+            let ahead = ahead?;
+            for (i, p) in index.iter_mut().zip(&pairs) {
+                *i = p.token * self.n_used + p.slot;
+            }
+            {
+                let mut data = write
+                    .get_mapped_range_mut()
+                    .map_err(|e| Error::Gpu(format!("moe upload: {e:?}")))?;
+                data.slice(..buf.len() * 4)
+                    .copy_from_slice(bytemuck::cast_slice(&buf[..]));
+            }
+            self.upload.unmap();
+            self.state().rows = buf;
+            match ahead {
+                Some(enc) => {
+                    enc.submit()?;
+                }
+                None => after(pass)?,
+            }
+        }
+        if pairs.is_empty() || streamed {
+            after(pass)?;
         }
         let cpu_ms = t_cpu.elapsed().as_secs_f64() * 1e3;
         let gpu_done_first = gpu_done.is_some_and(|f| {
@@ -1244,5 +1373,21 @@ impl Drop for Offload {
             Ok(None) => {}
             Err(e) => eprintln!("error: expert statistics not written: {e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_rows_doubles_while_the_scratch_fits() {
+        let extra = |r: usize| (r as u64 - 512) * 1000;
+        assert_eq!(stream_rows(512, 0, extra), 512);
+        assert_eq!(stream_rows(512, 512_000, extra), 1024);
+        assert_eq!(stream_rows(512, 1_535_999, extra), 1024);
+        assert_eq!(stream_rows(512, 1_536_000, extra), 2048);
+        assert_eq!(stream_rows(512, u64::MAX, extra), STREAM_ROWS);
+        assert_eq!(stream_rows(256, u64::MAX, |_| 0), STREAM_ROWS);
     }
 }

@@ -310,12 +310,10 @@ impl GpuModel {
             .clone()
             .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
-        let plan = Plan::new(
-            &gpu,
-            file,
-            opts,
-            &needs_part(&hp, RunShape::new(opts, DEFAULT_BATCH), &part),
-        )?;
+        let needs = |rows| needs_part(&hp, RunShape::new(opts, rows), &part);
+        let plan = Plan::new(&gpu, file, opts, &needs, DEFAULT_BATCH)?;
+        // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
+        let rows = plan.as_ref().map_or(DEFAULT_BATCH, |p| p.rows);
         let embedding = name(W::TokEmbd);
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             let held = part.holds(PartSpec::role(w.name(), hp.n_layer, &embedding, false));
@@ -358,16 +356,16 @@ impl GpuModel {
             // f32 by default: see `KvType`.
             KvType::Auto | KvType::F32 => attention::KvType::F32,
         };
-        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
+        let scratch = Scratch::new(&gpu, &hp, rows)?;
         let offload = match plan {
-            Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, rows)?),
             None => None,
         };
-        let handoff = (!part.last)
-            .then(|| Readback::new(&gpu, (DEFAULT_BATCH * hp.hc * hp.n_embd * 4) as u64));
+        let handoff =
+            (!part.last).then(|| Readback::new(&gpu, (rows * hp.hc * hp.n_embd * 4) as u64));
         let spec = mtp::SpecState {
             mtp: match mtp_w {
-                Some(m) => Some(mtp::MtpGpu::new(&gpu, &hp, m, DEFAULT_BATCH)?),
+                Some(m) => Some(mtp::MtpGpu::new(&gpu, &hp, m, rows)?),
                 None => None,
             },
             ..Default::default()
@@ -387,7 +385,7 @@ impl GpuModel {
             part,
             link: Link::default(),
             handoff,
-            ring: hp.window + DEFAULT_BATCH - 1,
+            ring: hp.window + rows - 1,
             gpu,
             hp,
             w,
@@ -653,7 +651,7 @@ impl GpuModel {
             let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
             off.hot_ffn(pass, l, &sc.h, n, &bufs, limit(hp.swiglu_limit[l]))?;
             self.shared_expert(pass, l, m, n)?;
-            off.cold_ffn(pass, cold, &bufs, limit(hp.swiglu_limit[l]))?;
+            off.cold_ffn(pass, cold, &bufs, limit(hp.swiglu_limit[l]), None)?;
             return router::combine(pass, n, e, k, &sc.blk, &sc.moe_w, &sc.moe_out);
         }
         let stacks = ExpertStacks {
@@ -997,6 +995,9 @@ impl Forward for GpuModel {
             .flatten()
             .map(|c| (max / (c.entry_bytes * p.slots as u64)) as usize * c.shape.ratio as usize)
             .min()
+    }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
     }
 }
 

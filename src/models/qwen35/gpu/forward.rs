@@ -208,23 +208,25 @@ impl GpuModel {
         // The trunk's layers this device holds (an MTP block's layer follows the trunk,
         // `spec.rs`).
         let held = self.part.layers.clone();
-        for (l, lw) in self
-            .w
-            .layers
-            .iter()
-            .enumerate()
-            .take(held.end)
-            .skip(held.start)
-        {
-            let pre = self.normed(&mut pass, n, &lw.attn_norm, false)?;
-            match &lw.mixer {
-                Mixer::Gdn(g) => self.gdn_block(&mut pass, parts, l, g, n, pre)?,
-                Mixer::Attn(a) => self.attn_block(&mut pass, parts, l, a, n, pre)?,
+        // A layer's head recorded early: an offloaded MoE layer records the next layer's
+        // while the CPU runs its cold experts (`Offload::cold_ffn`).
+        let mut ahead = None;
+        for l in held.clone() {
+            let lw = &self.w.layers[l];
+            let pre = match ahead.take() {
+                Some(pre) => pre,
+                None => self.layer_head(&mut pass, parts, l, n)?,
+            };
+            match &lw.ffn {
+                Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
+                    // Not past the layers held, nor past a traced layer (its output is read
+                    // before the next layer runs).
+                    let next = (l + 1 < held.end && self.trace_layer != Some(l)).then_some(l + 1);
+                    ahead =
+                        self.moe_offload_block(&mut pass, l, m, n, pre, next.map(|l| (l, parts)))?;
+                }
+                f => self.ffn_block(&mut pass, l, f, n, pre)?,
             }
-            // MoE layers read `h` beyond their product set (the experts' input).
-            let keep = !matches!(lw.ffn, Ffn::Dense { .. });
-            let pre = self.normed(&mut pass, n, &lw.post_norm, keep)?;
-            self.ffn_block(&mut pass, l, &lw.ffn, n, pre)?;
             if self.trace_layer == Some(l) {
                 pass.submit()?;
                 let x = gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd)?;
@@ -900,17 +902,40 @@ impl GpuModel {
         ew::sigmoid_mul_row_inplace(pass, n, e, View::new(out, 0), self.col(set, 3))
     }
 
+    /// Layer `l` up to its FFN: the mixer's norm, GDN or attention (added to the residual
+    /// stream), and the FFN's norm (as [`normed`](Self::normed) returns it).
+    pub(super) fn layer_head<'w>(
+        &'w self,
+        pass: &mut Pass<'_>,
+        parts: &[Part],
+        l: usize,
+        n: u32,
+    ) -> Result<Option<Prologue<'w>>> {
+        let lw = &self.w.layers[l];
+        let pre = self.normed(pass, n, &lw.attn_norm, false)?;
+        match &lw.mixer {
+            Mixer::Gdn(g) => self.gdn_block(pass, parts, l, g, n, pre)?,
+            Mixer::Attn(a) => self.attn_block(pass, parts, l, a, n, pre)?,
+        }
+        // MoE layers read `h` beyond their product set (the experts' input).
+        let keep = !matches!(lw.ffn, Ffn::Dense { .. });
+        self.normed(pass, n, &lw.post_norm, keep)
+    }
+
     /// A MoE layer whose experts live in the offload's arena (recipe in `moe/mod.rs`): the
     /// same router, per-pair outputs, slot-order combine and shared expert as the stacked
-    /// path below, with cold pairs computed on the CPU between passes.
-    pub(super) fn moe_offload_block(
-        &self,
+    /// path below, with cold pairs computed on the CPU between passes. With `next` (a
+    /// layer and the round's parts), that layer's head is recorded after the combine,
+    /// while the CPU computes (`Offload::cold_ffn`); its FFN norm is returned.
+    pub(super) fn moe_offload_block<'w>(
+        &'w self,
         pass: &mut Pass<'_>,
         l: usize,
         m: &weights::Moe<GpuTensor>,
         n: u32,
         pre: Option<Prologue<'_>>,
-    ) -> Result<()> {
+        next: Option<(usize, &[Part])>,
+    ) -> Result<Option<Option<Prologue<'w>>>> {
         let off = self.offload.as_ref().expect("offload layer");
         let hp = &self.hp;
         let sc = &self.scratch;
@@ -930,20 +955,27 @@ impl GpuModel {
         if let Some((g, _, d, _)) = &m.shared {
             self.shared_expert(pass, set, g, d, &sc.sh_out, n)?;
         }
-        off.cold_ffn(pass, cold, &bufs, None)?;
-        ew::moe_combine(
-            pass,
-            n,
-            e,
-            k,
-            View::new(&sc.x, 0),
-            View::new(&sc.moe_w, 0),
-            View::new(&sc.moe_out, 0),
-        )?;
-        if m.shared.is_some() {
-            ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.sh_out, 0))?;
-        }
-        Ok(())
+        let mut ahead = None;
+        let mut tail = |p: &mut Pass<'_>| -> Result<()> {
+            ew::moe_combine(
+                p,
+                n,
+                e,
+                k,
+                View::new(&sc.x, 0),
+                View::new(&sc.moe_w, 0),
+                View::new(&sc.moe_out, 0),
+            )?;
+            if m.shared.is_some() {
+                ew::add_inplace(p, n, e, View::new(&sc.x, 0), View::new(&sc.sh_out, 0))?;
+            }
+            if let Some((nl, parts)) = next {
+                ahead = Some(self.layer_head(p, parts, nl, n)?);
+            }
+            Ok(())
+        };
+        off.cold_ffn(pass, cold, &bufs, None, Some(&mut tail))?;
+        Ok(ahead)
     }
 
     pub(super) fn ffn_block(
@@ -986,7 +1018,7 @@ impl GpuModel {
                 self.linear(pass, down, &sc.o, &sc.x, n, true)
             }
             Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
-                self.moe_offload_block(pass, l, m, n, pre)
+                self.moe_offload_block(pass, l, m, n, pre, None).map(drop)
             }
             Ffn::Moe(m) => {
                 let set = self.moe_router(pass, l, n, pre)?;

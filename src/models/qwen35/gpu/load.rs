@@ -208,12 +208,10 @@ impl GpuModel {
             .clone()
             .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
-        let plan = Plan::new(
-            &gpu,
-            file,
-            opts,
-            &state::needs_part(&hp, RunShape::new(opts, DEFAULT_BATCH), &part),
-        )?;
+        let needs = |rows| state::needs_part(&hp, RunShape::new(opts, rows), &part);
+        let plan = Plan::new(&gpu, file, opts, &needs, DEFAULT_BATCH)?;
+        // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
+        let rows = plan.as_ref().map_or(DEFAULT_BATCH, |p| p.rows);
         let ld = crate::models::Loader::<weights::W>::new(file);
         let embedding = ld.name(weights::W::TokEmbd);
         let tied = ld.get(weights::W::Output).is_none();
@@ -237,7 +235,7 @@ impl GpuModel {
             KvType::Auto | KvType::F16 => attention::KvType::F16,
             KvType::F32 => attention::KvType::F32,
         };
-        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH, opts.max_seqs.max(1))?;
+        let scratch = Scratch::new(&gpu, &hp, rows, opts.max_seqs.max(1))?;
         let pools = Pools::new(
             &gpu,
             &hp,
@@ -247,11 +245,10 @@ impl GpuModel {
             opts.ctx.clamp(16, 4096),
         )?;
         let offload = match plan {
-            Some(p) => Some(Offload::new(&gpu, file, p, opts, DEFAULT_BATCH)?),
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, rows)?),
             None => None,
         };
-        let handoff =
-            (!part.last).then(|| Readback::new(&gpu, (DEFAULT_BATCH * hp.n_embd * 4) as u64));
+        let handoff = (!part.last).then(|| Readback::new(&gpu, (rows * hp.n_embd * 4) as u64));
         let mut m = GpuModel {
             gpu,
             hp,

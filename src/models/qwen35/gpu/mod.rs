@@ -297,6 +297,9 @@ impl Forward for GpuModel {
     fn max_context(&self) -> Option<usize> {
         Some(self.max_positions())
     }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
+    }
     fn speculate(&mut self) -> Option<&mut dyn crate::models::spec::Speculate> {
         Some(self)
     }
