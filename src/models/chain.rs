@@ -91,7 +91,9 @@ impl HopReport {
 /// first part embeds tokens instead) and where it goes (the last part runs the head).
 #[derive(Default)]
 pub struct Link {
-    pub input: Option<Receiver<Hidden>>,
+    /// Behind a lock only so that a part's model is `Sync` (the MoE offload records a
+    /// layer on a worker thread while the host thread computes cold experts).
+    pub input: Option<std::sync::Mutex<Receiver<Hidden>>>,
     pub output: Option<SyncSender<Hidden>>,
     pub counters: Arc<HopCounters>,
 }
@@ -106,7 +108,11 @@ impl Link {
             .input
             .as_ref()
             .ok_or_else(|| Error::Invalid("a middle part of a chain run alone".into()))?;
-        let h = rx.recv().map_err(|_| Error::Gpu(LINK_BROKEN.into()))?;
+        let h = rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .recv()
+            .map_err(|_| Error::Gpu(LINK_BROKEN.into()))?;
         if h.rows != rows || h.data.len() != rows * width {
             return Err(Error::Gpu(format!(
                 "chain parts disagree on a round: {} rows of {} values came, {rows} x {width} \
@@ -543,7 +549,7 @@ impl Chain {
                     let counters = counters.clone();
                     s.spawn(move || {
                         part.link(Link {
-                            input,
+                            input: input.map(std::sync::Mutex::new),
                             output,
                             counters,
                         });

@@ -75,8 +75,8 @@
 //!    dispatch that adds the top-k slots in order per row (`ew::moe_combine`,
 //!    `router::combine`), the shared expert added after.
 //!    `cold_ffn`'s `after` lets the model record the combine and the next layer up to its
-//!    router on the host thread while the CPU's workers compute the cold rows; that pass
-//!    is encoded then and submitted as soon as the rows are written (queue order keeps the
+//!    router on a rayon worker while the host thread computes the cold rows; that pass is
+//!    encoded there and submitted as soon as the rows are written (queue order keeps the
 //!    scatter before the combine).
 //!    A prompt whose cold experts may stream runs in longer passes (`Plan::rows`, up to
 //!    `offload::STREAM_ROWS`, bounded by the budget), so each selected cold expert crosses

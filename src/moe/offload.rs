@@ -229,12 +229,21 @@ impl Plan {
         let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
         if opts.expert_stream != ExpertStream::Never && opts.part.is_none() && !all_hot {
             // Bytes a pass of `r` rows needs beyond one of `batch` rows: the family's
-            // scratch and state (its budget shrinks by them) and the offload's own.
+            // scratch and state (its budget shrinks by them) and the offload's own; `None`
+            // where one of its buffers would outgrow the binding limit.
             let extra = |r: usize| {
-                let b = budget_for(&info, mem.bytes, ctx, &needs(r));
-                base.experts.saturating_sub(b.experts)
-                    + offload_scratch(&info, &placement, r)
-                        .saturating_sub(offload_scratch(&info, &placement, batch))
+                let nd = needs(r);
+                let k = info.n_used as u64;
+                let n_embd = info.layers[0].n_embd();
+                // The offload's widest: the CPU's rows (bound) and the upload (a buffer).
+                let fits = nd.largest_buffer.max(r as u64 * k * n_embd * 4) <= gpu.max_binding()
+                    && r as u64 * k * (n_embd + 1) * 4 <= gpu.limits.max_buffer_size;
+                let b = budget_for(&info, mem.bytes, ctx, &nd);
+                fits.then(|| {
+                    base.experts.saturating_sub(b.experts)
+                        + offload_scratch(&info, &placement, r)
+                            .saturating_sub(offload_scratch(&info, &placement, batch))
+                })
             };
             // Under a budget, a share of the slots' bytes; under `--gpu-experts`, what the
             // budget leaves beside the share's arena and the streaming slots.
@@ -247,7 +256,7 @@ impl Plan {
             rows = stream_rows(batch, spare, extra);
             if rows > batch {
                 if let Fill::Budget(b) = fill {
-                    let e = extra(rows);
+                    let e = extra(rows).expect("stream_rows takes rows that fit");
                     let nb = budget_for(&info, mem.bytes, ctx, &needs(rows));
                     placement = place(Fill::Budget(b.saturating_sub(e)))?;
                     budget = Some(Budget {
@@ -350,10 +359,11 @@ pub fn place_streaming(
 }
 
 /// `batch` doubled while the pass's extra bytes (`extra(rows)`, beyond a pass of `batch`
-/// rows) fit in `spare`, up to [`STREAM_ROWS`]; `batch` when no longer pass fits.
-pub fn stream_rows(batch: usize, spare: u64, extra: impl Fn(usize) -> u64) -> usize {
+/// rows; `None`: its buffers outgrow the device's limits) fit in `spare`, up to
+/// [`STREAM_ROWS`]; `batch` when no longer pass fits.
+pub fn stream_rows(batch: usize, spare: u64, extra: impl Fn(usize) -> Option<u64>) -> usize {
     let mut rows = batch;
-    while rows * 2 <= STREAM_ROWS && extra(rows * 2) <= spare {
+    while rows * 2 <= STREAM_ROWS && extra(rows * 2).is_some_and(|e| e <= spare) {
         rows *= 2;
     }
     rows
@@ -398,7 +408,7 @@ fn collects(opts: &LoadOptions) -> bool {
 }
 
 /// Records what follows a MoE layer's routed rows in the model's pass ([`Offload::cold_ffn`]).
-pub type After<'a> = &'a mut dyn FnMut(&mut Pass<'_>) -> Result<()>;
+pub type After<'a> = &'a mut (dyn FnMut(&mut Pass<'_>) -> Result<()> + Send);
 
 /// A MoE layer's cold work, from [`Offload::route`] to [`Offload::cold_ffn`]: the
 /// submission whose end brings the readback, and the buffers the layer reads.
@@ -866,10 +876,10 @@ impl Offload {
     /// `after` records what follows the layer's rows in `pass` (the model's combine, and
     /// the next layer up to its router); when given, it is called exactly once, after the
     /// scatter (without it the caller records that after this returns). With
-    /// cold pairs on the CPU it runs on this thread while the CPU's workers compute them,
-    /// and the pass it recorded is encoded then and submitted as soon as the rows are
+    /// cold pairs on the CPU it runs on a rayon worker while this thread computes them, and
+    /// the pass it recorded is encoded there too and submitted as soon as the rows are
     /// written (queue order puts the copy and the scatter before the combine that reads
-    /// them), so the host's recording and encoding of the next layer leave the wait.
+    /// them), so the host's recording and encoding of the next layer leave the critical path.
     pub fn cold_ffn(
         &self,
         pass: &mut Pass<'_>,
@@ -912,7 +922,7 @@ impl Offload {
         // `pre` or before). Both mapped at that one wait.
         let t_wait = Instant::now();
         // The CPU's workers stay awake through the wait (they run the cold pairs next).
-        let warm = crate::cpu::moe::Warm::start(WARM_MOST);
+        let mut warm = Some(crate::cpu::moe::Warm::start(WARM_MOST));
         let nk = n as usize * k;
         let (ilen, xlen) = (nk as u64 * 4, (n as usize * e) as u64 * 4);
         let up_len = (nk * (e + 1)) as u64 * 4;
@@ -948,7 +958,6 @@ impl Offload {
         };
         self.staging.unmap();
         let wait_ms = t_wait.elapsed().as_secs_f64() * 1e3;
-        drop(warm);
         let pairs = {
             let st = self.state();
             let table = st.cache.remap(c.layer).unwrap_or(&[]);
@@ -958,6 +967,7 @@ impl Offload {
         let streamed = !pairs.is_empty() && self.streams_batch(li, n, &pairs);
         if pairs.is_empty() || streamed {
             self.upload.unmap();
+            drop(warm.take());
         }
         if streamed {
             self.stream_layer(pass, li, &c, &pairs, b, limit)?;
@@ -996,32 +1006,33 @@ impl Offload {
                 },
                 ..self.cold
             };
-            // Timed runs (profile, timeline) keep one recording thread and their own
-            // submissions.
-            let overlap = has_after && tl.is_none() && self.profile_lock().is_none();
+            // A profiled run times every dispatch of its own held submissions.
+            let overlap = has_after && self.profile_lock().is_none();
             let mut buf = std::mem::take(&mut self.state().rows);
             buf.clear();
             buf.resize(pairs.len() * (e + 1), 0);
             let (rows, index) = buf.split_at_mut(pairs.len() * e);
-            let mut cpu = Ok(());
             let mut ahead = Ok(None);
-            rayon::in_place_scope(|s| {
-                s.spawn(|_| {
-                    cpu = crate::cpu::moe::expert_rows_with(
-                        &w,
-                        &h,
-                        &pairs,
-                        limit,
-                        &opts,
-                        bytemuck::cast_slice_mut(rows),
-                    );
-                });
+            // The recording on a worker (one of those `warm` keeps awake: it starts at once),
+            // the cold rows on this thread as without it (its scratch is thread-local).
+            let cpu = rayon::in_place_scope(|s| {
                 if overlap {
-                    ahead = after(pass).and_then(|()| {
-                        let next = std::mem::replace(pass, gpu.pass());
-                        next.encode().map(Some)
+                    s.spawn(|_| {
+                        ahead = after(pass).and_then(|()| {
+                            let next = std::mem::replace(pass, gpu.pass());
+                            next.encode().map(Some)
+                        });
                     });
                 }
+                drop(warm.take());
+                crate::cpu::moe::expert_rows_with(
+                    &w,
+                    &h,
+                    &pairs,
+                    limit,
+                    &opts,
+                    bytemuck::cast_slice_mut(rows),
+                )
             });
             cpu?;
             let ahead = ahead?;
@@ -1382,12 +1393,15 @@ mod tests {
 
     #[test]
     fn stream_rows_doubles_while_the_scratch_fits() {
-        let extra = |r: usize| (r as u64 - 512) * 1000;
+        let extra = |r: usize| Some((r as u64 - 512) * 1000);
         assert_eq!(stream_rows(512, 0, extra), 512);
         assert_eq!(stream_rows(512, 512_000, extra), 1024);
         assert_eq!(stream_rows(512, 1_535_999, extra), 1024);
         assert_eq!(stream_rows(512, 1_536_000, extra), 2048);
         assert_eq!(stream_rows(512, u64::MAX, extra), STREAM_ROWS);
-        assert_eq!(stream_rows(256, u64::MAX, |_| 0), STREAM_ROWS);
+        assert_eq!(stream_rows(256, u64::MAX, |_| Some(0)), STREAM_ROWS);
+        // A binding limit stops it even with memory to spare.
+        let bound = |r: usize| (r <= 2048).then_some(0);
+        assert_eq!(stream_rows(512, u64::MAX, bound), 2048);
     }
 }

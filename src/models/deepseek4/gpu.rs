@@ -786,6 +786,20 @@ impl Dims {
     }
 
     /// Bytes of all of them (each at least one element, as allocated).
+    /// Bytes of the largest of them, logits aside (their rows follow the binding limit).
+    fn largest(&self) -> u64 {
+        let d = self;
+        [
+            d.ids, d.x, d.h, d.blk, d.mixes, d.pc, d.qr, d.q, d.att, d.kv, d.mid, d.cmp, d.ent,
+            d.ixq, d.ixw, d.scores, d.idx, d.router, d.moe_ids, d.moe_w, d.f_gate, d.f_up, d.f_act,
+            d.moe_out, d.wo_ids,
+        ]
+        .iter()
+        .map(|&n| n as u64 * 4)
+        .max()
+        .unwrap_or(0)
+    }
+
     fn bytes(&self) -> u64 {
         let Dims {
             ids,
@@ -884,6 +898,15 @@ impl Scratch {
 
     /// Bytes [`Scratch::new`] allocates for `rows` rows, counting logits for every row (the
     /// binding limit may hold fewer): the activation part of [`needs`].
+    /// Bytes of the largest buffer [`Scratch::new`] binds for `rows` rows, logits aside.
+    fn largest(hp: &Hparams, rows: usize) -> u64 {
+        let (k, og) = (hp.n_used, hp.o_groups);
+        Dims::new(hp, rows, 1)
+            .largest()
+            .max(MoeRoute::bytes(hp.n_expert as u32, (rows * k) as u32))
+            .max(MoeRoute::bytes(og as u32, (rows * og) as u32))
+    }
+
     fn bytes(hp: &Hparams, rows: usize) -> u64 {
         let (k, og) = (hp.n_used, hp.o_groups);
         Dims::new(hp, rows, rows).bytes()
@@ -934,6 +957,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
         activations,
+        largest_buffer: Scratch::largest(hp, batch as usize),
         kv_elem,
         note: None,
     }

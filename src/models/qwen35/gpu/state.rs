@@ -110,6 +110,19 @@ impl Dims {
         }
     }
 
+    /// Bytes of the largest of them, logits aside (their rows follow the binding limit).
+    pub(super) fn largest(&self) -> u64 {
+        let d = self;
+        [
+            d.ids, d.pos, d.kv_rows, d.ranges, d.x, d.h, d.proj, d.qkv, d.z, d.o, d.qg, d.k, d.att,
+            d.att_g, d.f_gate, d.f_up, d.moe_out, d.moe_ids, d.moe_w, d.sh_out,
+        ]
+        .iter()
+        .map(|&n| n as u64 * 4)
+        .max()
+        .unwrap_or(0)
+    }
+
     /// Bytes of all of them (each at least one element, as allocated).
     pub(super) fn bytes(&self) -> u64 {
         let Dims {
@@ -235,6 +248,20 @@ impl Scratch {
     /// Bytes [`Scratch::new`] allocates for `rows` rows and `max_seqs` sequences, counting
     /// logits for every row (the binding limit may hold fewer): the activation part of
     /// [`needs`]. The one-sequence GDN batch table (16 bytes) is left out.
+    /// Bytes of the largest buffer [`Scratch::new`] binds for `rows` rows, logits aside.
+    pub(super) fn largest(hp: &Hparams, rows: usize, max_seqs: usize) -> u64 {
+        let route = hp.moe.as_ref().map_or(0, |m| {
+            MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
+        });
+        Dims::new(hp, rows, 1)
+            .largest()
+            .max(gdn::scratch_bytes(
+                &gdn_shape(hp),
+                gdn_chunks(rows, max_seqs),
+            ))
+            .max(route)
+    }
+
     pub(super) fn bytes(hp: &Hparams, rows: usize, max_seqs: usize) -> u64 {
         let route = hp.moe.as_ref().map_or(0, |m| {
             MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
@@ -272,6 +299,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
         activations: Scratch::bytes(hp, run.batch.max(1) as usize, seqs as usize),
+        largest_buffer: Scratch::largest(hp, run.batch.max(1) as usize, seqs as usize),
         kv_elem,
         note: None,
     }
