@@ -82,11 +82,13 @@ pub enum ActivationsChoice {
     /// f32 activations everywhere (exactness checks).
     F32,
     /// One-token products (decode matvec, the MoE indexed matvec) of the weight types with an
-    /// integer-dot kernel (`gpu::matvec::int8_x_supported`) quantize x to int8 blocks of 32
-    /// (ggml's `block_q8_1` numerics). Float weights stay f32, as do products that feed a
-    /// discrete choice (`MatvecOpts::exact`), products of several tokens (prefill chunks,
-    /// batched decode) and products reading x through a fused prologue
-    /// (`LoadOptions::fused_loads`).
+    /// integer-dot kernel (`gpu::matvec::int8_x_supported`) quantize x to blocks of 32 in two
+    /// int8 levels (ggml's `block_q8_1` numerics, then its residual the same way: within
+    /// max|x|/64516 of x; one level alone missed every quantized fixture bar). The cold
+    /// experts of an offloaded MoE take the same two levels (`cpu::q8dot`). Float weights stay
+    /// f32, as do products that feed a discrete choice (`MatvecOpts::exact`), prefill's
+    /// many-token products (batched decode rows take int8 as a lone decode does, so their bits
+    /// match) and products reading x through a fused prologue (`LoadOptions::fused_loads`).
     Int8,
 }
 
