@@ -524,11 +524,7 @@ fn indexed(
     let x = rng.normals(xr * cols, 1.0);
     let xb = gpu.upload_f32(&x, "selftest.x")?;
     // int8 x: the reference takes x as the kernel rounds it (two levels)
-    let x = if int8 {
-        two_level(&x, cols)
-    } else {
-        x
-    };
+    let x = if int8 { two_level(&x, cols) } else { x };
     let n_out = np * rows;
     let yb = out_buffer(gpu, n_out)?;
     let opts = MatvecOpts {

@@ -83,7 +83,10 @@ fn check(name: &str) {
         ActivationsChoice::Auto.int8(false),
         "auto takes int8 (it meets every bar)"
     );
-    assert!(!ActivationsChoice::Auto.int8(true), "f32 with the fused loads");
+    assert!(
+        !ActivationsChoice::Auto.int8(true),
+        "f32 with the fused loads"
+    );
     assert!(!ActivationsChoice::F32.int8(false) && ActivationsChoice::Int8.int8(true));
     for (label, s, llama) in run(name, ActivationsChoice::Int8) {
         assert_bar(&label, &s, llama);

@@ -74,7 +74,11 @@ impl Q8Rows {
             cols,
             d: a.scales.iter().map(|s| s[0]).collect(),
             d2: b.scales.iter().map(|s| s[0]).collect(),
-            s: a.scales.iter().zip(&b.scales).map(|(s, t)| s[1] + t[1]).collect(),
+            s: a.scales
+                .iter()
+                .zip(&b.scales)
+                .map(|(s, t)| s[1] + t[1])
+                .collect(),
             qs: a.qs,
             qs2: b.qs,
         }

@@ -176,7 +176,9 @@ mod tests {
                 .map(|c| u32::from_le_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8]))
                 .collect()
         };
-        let words2: Vec<u32> = (0..2).flat_map(|k| [pack(&a, k), pack(&b, k)].concat()).collect();
+        let words2: Vec<u32> = (0..2)
+            .flat_map(|k| [pack(&a, k), pack(&b, k)].concat())
+            .collect();
         let flat2: Vec<f32> = (0..2)
             .flat_map(|k| [a.scales[k], b.scales[k]].concat())
             .collect();
