@@ -1,9 +1,10 @@
 //! `--activations int8` (two int8 levels per block of 32) against the fixture bar
 //! (../shared/fixtures/README.md, "What matching means") on every model file committed under
 //! tests/fixtures/models: every token runs through the decode path (a prefill of one token,
-//! then one token per step), so every one-token product of a type with an int8 kernel takes
-//! int8 activations. `--activations auto` is int8 (f32 with `--fused-loads on`), so it must
-//! meet the bar too.
+//! then one token per step), with the fused loads off (every one-token product of a type with
+//! an int8 kernel takes int8 activations) and on (the products reading x through a prologue
+//! stay f32). `--activations auto` is int8 with the fused loads off (the default) and f32 with
+//! them on, so it meets the bar either way.
 //!
 //! Measured on lavapipe (RMS against the reference, int8 two levels / f32 / the earlier one
 //! level): qwen35-dims Q4_K_M 3.5e-4 / 1.9e-4 / 6.6e-2, qwen35moe-dims Q4_K_M 4.7e-4 /
@@ -48,13 +49,15 @@ fn reference(dir: &Path, path: &Path) -> Vec<f32> {
     lathe::npy::read_f32(reference_for(dir, f)).unwrap().data
 }
 
-/// Scores every file of `name` decoded token by token with `act`.
-fn run(name: &str, act: ActivationsChoice) -> Vec<(String, Score, Option<f64>)> {
+/// Scores every file of `name` decoded token by token with `act`, with or without the fused
+/// loads (without: every one-token product of an int8 type takes `act`).
+fn run(name: &str, act: ActivationsChoice, fused: bool) -> Vec<(String, Score, Option<f64>)> {
     let opts = LoadOptions {
         activations: act,
+        fused_loads: fused,
         ..Default::default()
     };
-    run_with(name, &opts, &format!("activations {act:?}"))
+    run_with(name, &opts, &format!("activations {act:?} fused {fused}"))
 }
 
 /// Scores every file of `name` decoded token by token with `opts`.
@@ -88,8 +91,10 @@ fn check(name: &str) {
         "f32 with the fused loads"
     );
     assert!(!ActivationsChoice::F32.int8(false) && ActivationsChoice::Int8.int8(true));
-    for (label, s, llama) in run(name, ActivationsChoice::Int8) {
-        assert_bar(&label, &s, llama);
+    for fused in [false, true] {
+        for (label, s, llama) in run(name, ActivationsChoice::Int8, fused) {
+            assert_bar(&label, &s, llama);
+        }
     }
 }
 
