@@ -27,10 +27,13 @@
 // lanes striding over the row's slices, then reducing (subgroups or workgroup memory).
 
 // int8 activations (Q8X, src/gpu/matvec.rs `matvec_q8x`): x is first quantized per 32-element
-// block as ggml's block_q8_1 (kernel `quantize_x`, QUANT_X below); the Q8X variants of the
-// Q4_0, Q8_0, Q4_K, Q5_K and Q6_K matvec multiply the integer weight codes with the int8 x four
-// at a time (dot4I8Packed: weight codes 0..63 are valid signed bytes too) and apply the block
-// scales once per integer sum, trading f32 precision of x for far fewer instructions per weight.
+// block in two int8 levels (kernel `quantize_x` with X2, QUANT_X below: x̂ = d·q + d₂·q₂, the
+// second level the residual of ggml's block_q8_1); the Q8X variants of the Q4_0, Q8_0, Q4_K,
+// Q5_K and Q6_K matvec multiply the integer weight codes with both levels' codes four at a time
+// (dot4I8Packed: weight codes 0..63 are valid signed bytes too; each weight word is decoded once
+// for both) and apply the block scales once per integer sum: d·Σq_w·q + d₂·Σq_w·q₂. One level
+// alone (error d/2 ≈ max|x|/254 per element) missed every quantized fixture bar; two are within
+// max|x|/64516 and hold them (tests/activations.rs).
 
 #if QUANT_X
 // x rows (f32) to int8 blocks of 32, ggml's quantize_row_q8_1: d = max|x| / 127, q = round(x / d)
@@ -187,8 +190,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> W: array<u32>;
 @group(0) @binding(2) var<storage, read> W4: array<vec4<u32>>;
 #if Q8X
-// int8 x from quantize_x: codes [rows, blocks of 32, 2] (vec4 of 16 codes), scales
-// [rows, blocks] (d, d * sum q); matvec_id's ids move to binding 6
+// int8 x from quantize_x (matvec: with X2): codes [rows, blocks of 32, levels, 2] (vec4 of 16
+// codes), scales [rows, blocks, levels] (d, d * sum q); matvec_id's ids move to binding 6
 @group(0) @binding(3) var<storage, read> QX: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read> XS: array<vec2<f32>>;
 #else
@@ -210,30 +213,55 @@ fn no_rows() -> bool {
 // ---- activations ----
 
 #if Q8X
-// the four words (16 codes) h of x block blk, integer dot of 16 codes
-fn qx(blk: u32, h: u32) -> vec4<u32> {
-    return QX[2u * blk + h];
+// the four words (16 codes) h of level lv of two-level x block blk
+fn qx(blk: u32, lv: u32, h: u32) -> vec4<u32> {
+    return QX[4u * blk + 2u * lv + h];
+}
+
+// (d, d₂, Σx̂) of two-level x block blk: the levels' scales and s + s₂ = Σ(d·q + d₂·q₂), what
+// the offsets and mins of a block multiply
+fn xsc(blk: u32) -> vec3<f32> {
+    let a = XS[2u * blk];
+    let b = XS[2u * blk + 1u];
+    return vec3<f32>(a.x, b.x, a.y + b.y);
 }
 
 fn dot16(a: vec4<u32>, b: vec4<u32>) -> i32 {
     return dot4I8Packed(a.x, b.x) + dot4I8Packed(a.y, b.y) + dot4I8Packed(a.z, b.z) + dot4I8Packed(a.w, b.w);
 }
 
+// d·i + d₂·i₂: a block's dot from its two levels' integer sums i = (i, i₂) and scales d = (d, d₂)
+fn lv2(d: vec2<f32>, i: vec2<i32>) -> f32 {
+    return d.x * f32(i.x) + d.y * f32(i.y);
+}
+
 // two consecutive x blocks: the slice of the Q4_K / Q5_K lanes (two 32-element sub-blocks)
 struct QX2 {
-    q: array<vec4<u32>, 4>,   // block blk (words 0..8), then blk+1
-    d: vec4<f32>,             // (d, s) of block blk, then of blk+1
+    q: array<vec4<u32>, 4>,   // level 1: block blk (words 0..8), then blk+1
+    q2: array<vec4<u32>, 4>,  // level 2, the same
+    d: vec4<f32>,             // (d, d₂) of block blk, then of blk+1
+    s: vec2<f32>,             // Σx̂ of block blk, of blk+1
 }
 
 fn load_qx2(blk: u32) -> QX2 {
-    return QX2(array<vec4<u32>, 4>(qx(blk, 0u), qx(blk, 1u), qx(blk + 1u, 0u), qx(blk + 1u, 1u)),
-               vec4<f32>(XS[blk], XS[blk + 1u]));
+    let a = xsc(blk);
+    let c = xsc(blk + 1u);
+    return QX2(array<vec4<u32>, 4>(qx(blk, 0u, 0u), qx(blk, 0u, 1u), qx(blk + 1u, 0u, 0u), qx(blk + 1u, 0u, 1u)),
+               array<vec4<u32>, 4>(qx(blk, 1u, 0u), qx(blk, 1u, 1u), qx(blk + 1u, 1u, 0u), qx(blk + 1u, 1u, 1u)),
+               vec4<f32>(a.xy, c.xy), vec2<f32>(a.z, c.z));
 }
 
-// sum over two 32-weight sub-blocks of d * sc * q * x - dmin * m * x (scales and mins as
-// k4_scales gives them) from the integer sums lo (sub-block 2c) and hi (2c+1)
-fn k_sub2(dm: vec2<f32>, sm: vec4<f32>, lo: i32, hi: i32, xc: QX2) -> f32 {
-    return dm.x * (sm.x * xc.d.x * f32(lo) + sm.z * xc.d.z * f32(hi)) - dm.y * (sm.y * xc.d.y + sm.w * xc.d.w);
+// both levels' integer sums of a 32-weight sub-block, words w0 (elements 0..16) and w1
+// (16..32), against level-1 x words a0, a1 and level-2 ones b0, b1 (array elements picked by
+// literal indices at the call)
+fn sums2(w0: vec4<u32>, w1: vec4<u32>, a0: vec4<u32>, a1: vec4<u32>, b0: vec4<u32>, b1: vec4<u32>) -> vec2<i32> {
+    return vec2<i32>(dot16(w0, a0) + dot16(w1, a1), dot16(w0, b0) + dot16(w1, b1));
+}
+
+// sum over two 32-weight sub-blocks of d * sc * q * x̂ - dmin * m * x̂ (scales and mins as
+// k4_scales gives them) from the integer sums lo (sub-block 2c, both levels) and hi (2c+1)
+fn k_sub2(dm: vec2<f32>, sm: vec4<f32>, lo: vec2<i32>, hi: vec2<i32>, xc: QX2) -> f32 {
+    return dm.x * (sm.x * lv2(xc.d.xy, lo) + sm.z * lv2(xc.d.zw, hi)) - dm.y * (sm.y * xc.s.x + sm.w * xc.s.y);
 }
 #else
 // x[e..e+4] as stored (e a multiple of 4 when X is bound as vectors)
@@ -686,29 +714,32 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
 
 #if Q8X
 // matvec, int8 x: 2 lanes per block, lane k = qs bytes 8k..8k+8: low nibbles = elements 8k..
-// (x words 2k, 2k+1), high = 16+8k.. (x words 4+2k, 5+2k). The -8 offset of the whole block
-// is -8 d_x sum(q_x) = -8 s_x, taken by lane 0 alone.
+// (x words 2k, 2k+1), high = 16+8k.. (x words 4+2k, 5+2k), against both levels. The -8 offset
+// of the whole block is -8 Σx̂, taken by lane 0 alone.
 const MV_CPB = 2u;
 
 struct XC {
-    q: vec4<u32>,   // x words of the low nibbles (.xy) and of the high ones (.zw)
-    d: vec2<f32>,   // d_x, and s_x for lane 0 (0 for lane 1)
+    q: vec4<u32>,   // level-1 x words of the low nibbles (.xy) and of the high ones (.zw)
+    q2: vec4<u32>,  // level 2, the same
+    d: vec3<f32>,   // d, d₂, and Σx̂ for lane 0 (0 for lane 1)
 }
 
 fn load_xc(xe: u32, k: u32) -> XC {
     let blk = xe / 32u;
-    let u = qx(blk, 0u);
-    let v = qx(blk, 1u);
     let h = k == 1u;
-    let sc = XS[blk];
-    return XC(vec4<u32>(select(u.xy, u.zw, h), select(v.xy, v.zw, h)), vec2<f32>(sc.x, select(sc.y, 0.0, h)));
+    let u = qx(blk, 0u, 0u);
+    let v = qx(blk, 0u, 1u);
+    let u2 = qx(blk, 1u, 0u);
+    let v2 = qx(blk, 1u, 1u);
+    let sc = xsc(blk);
+    return XC(vec4<u32>(select(u.xy, u.zw, h), select(v.xy, v.zw, h)),
+              vec4<u32>(select(u2.xy, u2.zw, h), select(v2.xy, v2.zw, h)), vec3<f32>(sc.xy, select(sc.z, 0.0, h)));
 }
 
 fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
     let q = wu2(b + 2u + 8u * k);
-    let i = dot4I8Packed(q.x & M4, xc.q.x) + dot4I8Packed(q.y & M4, xc.q.y)
-          + dot4I8Packed((q.x >> 4u) & M4, xc.q.z) + dot4I8Packed((q.y >> 4u) & M4, xc.q.w);
-    return wf16(b) * (xc.d.x * f32(i) - 8.0 * xc.d.y);
+    let w = vec4<u32>(q.x & M4, q.y & M4, (q.x >> 4u) & M4, (q.y >> 4u) & M4);
+    return wf16(b) * (lv2(xc.d.xy, vec2<i32>(dot16(w, xc.q), dot16(w, xc.q2))) - 8.0 * xc.d.z);
 }
 #else
 // matvec: 2 lanes per block, lane k = qs bytes 8k..8k+8 (elements 8k.. and 16+8k..)
@@ -804,21 +835,23 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
 
 #if Q8X
 // matvec, int8 x: 2 lanes per block, lane k = codes 16k..16k+16 (one 5-word read) against x
-// words 4k..4k+4
+// words 4k..4k+4 of both levels
 const MV_CPB = 2u;
 
 struct XC {
     q: vec4<u32>,
-    d: f32,
+    q2: vec4<u32>,
+    d: vec2<f32>,   // d, d₂
 }
 
 fn load_xc(xe: u32, k: u32) -> XC {
     let blk = xe / 32u;
-    return XC(qx(blk, k), XS[blk].x);
+    return XC(qx(blk, 0u, k), qx(blk, 1u, k), xsc(blk).xy);
 }
 
 fn chunk_dot(b: u32, k: u32, xc: XC) -> f32 {
-    return wf16(b) * xc.d * f32(dot16(wu4(b + 2u + 16u * k), xc.q));
+    let w = wu4(b + 2u + 16u * k);
+    return wf16(b) * lv2(xc.d, vec2<i32>(dot16(w, xc.q), dot16(w, xc.q2)));
 }
 #else
 // matvec: 2 lanes per block, lane k = qs bytes 16k..16k+16 (one 5-word read)
@@ -931,8 +964,8 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
 
 #if Q8X
 // matvec, int8 x: 4 lanes per block, lane c = qs bytes 32c..32c+32 (two 16-byte loads): low
-// nibbles = sub-block 2c against x block 2c, high = sub-block 2c+1 against x block 2c+1; the
-// mins as dmin * m * s_x per sub-block (ggml's vec_dot_q4_K_q8_1).
+// nibbles = sub-block 2c against x block 2c, high = sub-block 2c+1 against x block 2c+1 (both
+// levels); the mins as dmin * m * Σx̂ per sub-block (ggml's vec_dot_q4_K_q8_1).
 const MV_CPB = 4u;
 
 alias XC = QX2;
@@ -947,8 +980,9 @@ fn chunk_dot(b: u32, c: u32, xc: XC) -> f32 {
     let q0 = W4[bi + 1u + 2u * c];
     let q1 = W4[bi + 2u + 2u * c];
     let m4 = vec4<u32>(M4);
-    let lo = dot16(q0 & m4, xc.q[0]) + dot16(q1 & m4, xc.q[1]);
-    let hi = dot16((q0 >> vec4<u32>(4u)) & m4, xc.q[2]) + dot16((q1 >> vec4<u32>(4u)) & m4, xc.q[3]);
+    let f = vec4<u32>(4u);
+    let lo = sums2(q0 & m4, q1 & m4, xc.q[0], xc.q[1], xc.q2[0], xc.q2[1]);
+    let hi = sums2((q0 >> f) & m4, (q1 >> f) & m4, xc.q[2], xc.q[3], xc.q2[2], xc.q2[3]);
     return k_sub2(unpack2x16float(hd.x), k4_scales(hd.y, hd.z, hd.w, c), lo, hi, xc);
 }
 #else
@@ -1064,9 +1098,10 @@ fn chunk_dot(b: u32, c: u32, xc: XC) -> f32 {
     let sl = vec4<u32>(2u * c);
     let sh = vec4<u32>(2u * c + 1u);
     let f = vec4<u32>(4u);
-    let lo = dot16((q0 & m4) | (((qh0 >> sl) & one) << f), xc.q[0]) + dot16((q1 & m4) | (((qh1 >> sl) & one) << f), xc.q[1]);
-    let hi = dot16(((q0 >> f) & m4) | (((qh0 >> sh) & one) << f), xc.q[2])
-           + dot16(((q1 >> f) & m4) | (((qh1 >> sh) & one) << f), xc.q[3]);
+    let lo = sums2((q0 & m4) | (((qh0 >> sl) & one) << f), (q1 & m4) | (((qh1 >> sl) & one) << f),
+                   xc.q[0], xc.q[1], xc.q2[0], xc.q2[1]);
+    let hi = sums2(((q0 >> f) & m4) | (((qh0 >> sh) & one) << f), ((q1 >> f) & m4) | (((qh1 >> sh) & one) << f),
+                   xc.q[2], xc.q[3], xc.q2[2], xc.q2[3]);
     return k_sub2(unpack2x16float(hd.x), k4_scales(hd.y, hd.z, hd.w, c), lo, hi, xc);
 }
 #else
@@ -1144,27 +1179,40 @@ fn chunk_w(b: u32, s: u32) -> array<vec4<f32>, 8> {
 #if Q8X
 // matvec, int8 x: 4 lanes per block, lane j = half n = j/2, l = 16(j%2)..+16, all four k:
 // elements 128n + 32k + l.. = words 4(j%2)..+4 of x block 4n+k, one scale per k. The 6-bit
-// levels (0..63, valid signed bytes) dot x, and the -32 offset is -32 sum(q_x) over the same
-// 16 codes, summed once in load_xc for the R rows.
+// levels (0..63, valid signed bytes) dot both levels of x, and the -32 offset is -32 Σq per
+// level over the same 16 codes, summed once in load_xc for the R rows (exact integers in f32).
 const MV_CPB = 4u;
 
 struct XC {
-    q: array<vec4<u32>, 4>,   // per k
-    d: vec4<f32>,             // d_x per k
-    s: vec4<f32>,             // 32 * sum(q_x) per k
+    q: array<vec4<u32>, 4>,   // level 1 per k
+    q2: array<vec4<u32>, 4>,  // level 2 per k
+    d: vec4<f32>,             // d per k
+    d2: vec4<f32>,            // d₂ per k
+    s: vec4<f32>,             // 32 * Σq per k
+    s2: vec4<f32>,            // 32 * Σq₂ per k
 }
 
 fn load_xc(xe: u32, j: u32) -> XC {
     let blk = xe / 32u + 4u * (j >> 1u);
     let h = j & 1u;
-    let a0 = qx(blk, h);
-    let a1 = qx(blk + 1u, h);
-    let a2 = qx(blk + 2u, h);
-    let a3 = qx(blk + 3u, h);
+    let a0 = qx(blk, 0u, h);
+    let a1 = qx(blk + 1u, 0u, h);
+    let a2 = qx(blk + 2u, 0u, h);
+    let a3 = qx(blk + 3u, 0u, h);
+    let b0 = qx(blk, 1u, h);
+    let b1 = qx(blk + 1u, 1u, h);
+    let b2 = qx(blk + 2u, 1u, h);
+    let b3 = qx(blk + 3u, 1u, h);
+    let c0 = xsc(blk);
+    let c1 = xsc(blk + 1u);
+    let c2 = xsc(blk + 2u);
+    let c3 = xsc(blk + 3u);
     let one = vec4<u32>(0x01010101u);
     let s = vec4<i32>(dot16(a0, one), dot16(a1, one), dot16(a2, one), dot16(a3, one));
-    return XC(array<vec4<u32>, 4>(a0, a1, a2, a3),
-              vec4<f32>(XS[blk].x, XS[blk + 1u].x, XS[blk + 2u].x, XS[blk + 3u].x), 32.0 * vec4<f32>(s));
+    let s2 = vec4<i32>(dot16(b0, one), dot16(b1, one), dot16(b2, one), dot16(b3, one));
+    return XC(array<vec4<u32>, 4>(a0, a1, a2, a3), array<vec4<u32>, 4>(b0, b1, b2, b3),
+              vec4<f32>(c0.x, c1.x, c2.x, c3.x), vec4<f32>(c0.y, c1.y, c2.y, c3.y),
+              32.0 * vec4<f32>(s), 32.0 * vec4<f32>(s2));
 }
 
 fn chunk_dot(b: u32, j: u32, xc: XC) -> f32 {
@@ -1177,9 +1225,13 @@ fn chunk_dot(b: u32, j: u32, xc: XC) -> f32 {
     let v1 = q6w(a.y, c.y, h.y);
     let v2 = q6w(a.z, c.z, h.z);
     let v3 = q6w(a.w, c.w, h.w);
-    let i = vec4<i32>(dot16(vec4<u32>(v0.x, v1.x, v2.x, v3.x), xc.q[0]), dot16(vec4<u32>(v0.y, v1.y, v2.y, v3.y), xc.q[1]),
-                      dot16(vec4<u32>(v0.z, v1.z, v2.z, v3.z), xc.q[2]), dot16(vec4<u32>(v0.w, v1.w, v2.w, v3.w), xc.q[3]));
-    return wf16(b + 208u) * dot(q6_scales(b, n, l), xc.d * (vec4<f32>(i) - xc.s));
+    let w0 = vec4<u32>(v0.x, v1.x, v2.x, v3.x);
+    let w1 = vec4<u32>(v0.y, v1.y, v2.y, v3.y);
+    let w2 = vec4<u32>(v0.z, v1.z, v2.z, v3.z);
+    let w3 = vec4<u32>(v0.w, v1.w, v2.w, v3.w);
+    let i = vec4<i32>(dot16(w0, xc.q[0]), dot16(w1, xc.q[1]), dot16(w2, xc.q[2]), dot16(w3, xc.q[3]));
+    let i2 = vec4<i32>(dot16(w0, xc.q2[0]), dot16(w1, xc.q2[1]), dot16(w2, xc.q2[2]), dot16(w3, xc.q2[3]));
+    return wf16(b + 208u) * dot(q6_scales(b, n, l), xc.d * (vec4<f32>(i) - xc.s) + xc.d2 * (vec4<f32>(i2) - xc.s2));
 }
 #else
 // matvec: matmul's chunks, 8 lanes per block, 32 weights each (three 8-byte reads)

@@ -73,27 +73,41 @@ impl std::str::FromStr for MatmulChoice {
 /// Which activations the decode products take (`--activations`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ActivationsChoice {
-    /// f32 for now: int8 activations miss the fixture bar on the quantized fixtures of
-    /// every family (tests/activations.rs: qwen35-dims Q4_K_M RMS 0.066, qwen35-tiny Q4_0
-    /// 0.031, against the 0.02 bar; the random-weight fixtures amplify the rounding, as their
-    /// README warns), so `auto` keeps f32 until a model family shows it holds the bar.
+    /// int8 (two levels, as [`ActivationsChoice::Int8`]; f32 with `--fused-loads on`, see
+    /// [`ActivationsChoice::int8`]) on every adapter (`dot4I8Packed` is
+    /// core WGSL, lowered to plain integer ops where a backend lacks the instruction, as for
+    /// `--matmul int8x2`): it meets every fixture bar, models that route on values included
+    /// (tests/activations.rs; lavapipe, RMS against the reference: qwen35-dims Q4_K_M 3.5e-4
+    /// with int8 against 1.9e-4 with f32, qwen35moe-dims Q4_K_M 4.7e-4, DeepSeek-V4 dims
+    /// Q4_K_M 1.6e-4, every top-1 ≥ 0.997, against the 0.02 bar), where one level missed every
+    /// quantized file (RMS 0.03-0.16).
     #[default]
     Auto,
     /// f32 activations everywhere (exactness checks).
     F32,
     /// One-token products (decode matvec, the MoE indexed matvec) of the weight types with an
-    /// integer-dot kernel (`gpu::matvec::int8_x_supported`) quantize x to int8 blocks of 32
-    /// (ggml's `block_q8_1` numerics). Float weights stay f32, as do products that feed a
-    /// discrete choice (`MatvecOpts::exact`), products of several tokens (prefill chunks,
-    /// batched decode) and products reading x through a fused prologue
-    /// (`LoadOptions::fused_loads`).
+    /// integer-dot kernel (`gpu::matvec::int8_x_supported`) quantize x to blocks of 32 in two
+    /// int8 levels (ggml's `block_q8_1` numerics, then its residual the same way: within
+    /// max|x|/64516 of x; one level alone missed every quantized fixture bar). The cold
+    /// experts of an offloaded MoE take the same two levels (`cpu::q8dot`). Float weights stay
+    /// f32, as do products that feed a discrete choice (`MatvecOpts::exact`), prefill's
+    /// many-token products (batched decode rows take int8 as a lone decode does, so their bits
+    /// match) and products reading x through a fused prologue (`LoadOptions::fused_loads`).
     Int8,
 }
 
 impl ActivationsChoice {
-    /// Whether one-token products take int8 activations.
-    pub fn int8(self) -> bool {
-        self == ActivationsChoice::Int8
+    /// Whether one-token products take int8 activations, given `fused_loads`
+    /// (`LoadOptions::fused_loads`): `auto` keeps f32 with the fused loads, whose products
+    /// read f32 x through their prologues and whose remaining products would each add a
+    /// quantize pass to the dispatches per layer the fused loads exist to cut (Qwen3.5-9B
+    /// pattern: 6.5 per layer against 6.0, tests/qwen35_dispatch.rs).
+    pub fn int8(self, fused_loads: bool) -> bool {
+        match self {
+            ActivationsChoice::F32 => false,
+            ActivationsChoice::Int8 => true,
+            ActivationsChoice::Auto => !fused_loads,
+        }
     }
 }
 

@@ -10,9 +10,9 @@
 //! The fused decode kernels are checked the same way against a CPU reference of the steps they
 //! fuse (`cpu::ops`, `cpu::gdn`): the matvec prologues (RMSNorm, SwiGLU, the sigmoid gates),
 //! the GDN conv step in the qkv product's store, `qk_norm_rope`, the GDN step with its gated
-//! norm, and the int8-activation matvec (against the product of the
-//! dequantized weights with x quantized by `cpu::q8x`, the kernel's own rounding of x, so the
-//! f32 bound applies); see [`fused`].
+//! norm, and the int8-activation matvec (two levels, against the product of the
+//! dequantized weights with x quantized by `cpu::q8x::quantize_x2`, the kernel's own rounding
+//! of x, so the f32 bound applies); see [`fused`].
 //!
 //! Bounds, per output with `a = Σ_c |w_rc x_c|`:
 //! - f32 paths (matvec, tiled, and the matrix path for F16/BF16 weights with split
@@ -523,12 +523,8 @@ fn indexed(
     let xr = if per_pair { np } else { nt };
     let x = rng.normals(xr * cols, 1.0);
     let xb = gpu.upload_f32(&x, "selftest.x")?;
-    // int8 x: the reference takes x as the kernel rounds it
-    let x = if int8 {
-        crate::cpu::q8x::quantize_x(&x, cols).dequantize()
-    } else {
-        x
-    };
+    // int8 x: the reference takes x as the kernel rounds it (two levels)
+    let x = if int8 { two_level(&x, cols) } else { x };
     let n_out = np * rows;
     let yb = out_buffer(gpu, n_out)?;
     let opts = MatvecOpts {
@@ -858,9 +854,15 @@ pub fn conv_step(gpu: &Gpu, dt: DType, (rows, cols): (u64, u64), seed: u64) -> R
     Ok(chk)
 }
 
-/// The int8-activation matvec (`MatvecOpts::int8_x`: `quantize_x`, then the integer-dot
-/// kernel), dense or (`indexed`) the MoE form, against the product with x quantized on the CPU
-/// (`cpu::q8x::quantize_x`, the same rounding), at the f32 bound.
+/// x̂ = d·q + d₂·q₂ of `x` in rows of `cols`, as `matvec::quantize_x2` rounds it.
+fn two_level(x: &[f32], cols: usize) -> Vec<f32> {
+    let (a, b) = crate::cpu::q8x::quantize_x2(x, cols);
+    crate::cpu::q8x::dequantize2(&a, &b)
+}
+
+/// The int8-activation matvec (`MatvecOpts::int8_x`: `quantize_x2`, then the integer-dot
+/// kernel over both levels), dense or (`indexed`) the MoE form, against the product with x
+/// quantized on the CPU (`cpu::q8x::quantize_x2`, the same rounding), at the f32 bound.
 pub fn int8(
     gpu: &Gpu,
     dt: DType,
@@ -871,7 +873,7 @@ pub fn int8(
     let w = Weight::random(dt, &[rows, cols], seed)?;
     let (r, c) = (rows as usize, cols as usize);
     let x = Rng(seed ^ 0x18).normals(nt * c, 1.0);
-    let xq = crate::cpu::q8x::quantize_x(&x, c).dequantize();
+    let xq = two_level(&x, c);
     let wt = w.upload(gpu)?;
     let xb = gpu.upload_f32(&x, "selftest.x")?;
     let n_out = nt * r;

@@ -4,8 +4,8 @@
 //!   types through `cpu::q8dot`, whose f32 steps are fixed; the others through the f32 dots,
 //!   whose AVX2 form every x86 level shares, compared among those levels);
 //! - f32 activations: the vector levels agree bit for bit; scalar within f32 rounding;
-//! - both against an f64 reference FFN (int8: with x and the SwiGLU output quantized as the
-//!   GPU's `quantize_x` does, relative RMS ≤ 1e-3).
+//! - both against an f64 reference FFN (int8: with x and the SwiGLU output quantized in two
+//!   levels as the GPU's `quantize_x2` does, relative RMS ≤ 1e-3).
 //!
 //! Shapes have row counts that are not multiples of the task or vector sizes, and several
 //! tokens per expert (a prefill group) beside a lone token.
@@ -76,7 +76,7 @@ fn weights<'a>(bytes: &'a [Vec<u8>], shapes: &[MatShape; 3]) -> ExpertWeights<'a
 }
 
 /// The f64 FFN of expert `e` on `x`, from the dequantized matrices; `int8`: x and the SwiGLU
-/// output go through `q8x::quantize_x` first (the latter rounded to f32, as the kernels
+/// output go through `q8x::quantize_x2` first (the latter rounded to f32, as the kernels
 /// hold it).
 fn reference(w: &ExpertWeights<'_>, e: usize, x: &[f32], int8: bool) -> Vec<f64> {
     let deq = |m: &ExpertMats<'_>| {
@@ -87,7 +87,8 @@ fn reference(w: &ExpertWeights<'_>, e: usize, x: &[f32], int8: bool) -> Vec<f64>
     let (ne, ff) = (w.n_embd(), w.n_ff());
     let q = |v: &[f32]| {
         if int8 {
-            q8x::quantize_x(v, v.len()).dequantize()
+            let (a, b) = q8x::quantize_x2(v, v.len());
+            q8x::dequantize2(&a, &b)
         } else {
             v.to_vec()
         }

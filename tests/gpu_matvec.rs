@@ -809,13 +809,14 @@ fn variants_translate_to_every_backend() {
     assert!(n >= 16 * 4, "expected every type's variants, got {n}");
 }
 
-// ---- int8 activations (matvec::quantize_x + matvec_q8x) ----
+// ---- int8 activations (matvec::quantize_x2 + matvec_q8x) ----
 //
-// Two references per output: (1) the product with the x̂ = d·q the GPU quantized (read back, so
-// a rounding tie decided differently by the GPU's 1/d cannot fail the test): the integer sums are
-// exact and only f32 rounding of scales remains, tolerance 1e-4·(1 + Σ|w x̂|) as above; (2) the
-// product with the f32 x: off by at most Σ_blocks d/2·Σ|w| (each |x − x̂| ≤ d/2, d = max|x|/127
-// of the block) plus the same f32 tolerance.
+// Two references per output: (1) the product with the two-level x̂ = d·q + d₂·q₂ the GPU
+// quantized (read back, so a rounding tie decided differently by the GPU's 1/d cannot fail the
+// test): the integer sums are exact and only f32 rounding of scales remains, tolerance
+// 1e-4·(1 + Σ|w x̂|) as above; (2) the product with the f32 x: off by at most
+// Σ_blocks d₂/2·Σ|w| (each |x − x̂| ≤ d₂/2, d₂ = max|x − d·q|/127 of the block) plus the same
+// f32 tolerance, a bound one level (d/2) exceeds by ~250x.
 
 const Q8X_TYPES: [DType; 5] = [
     DType::Q8_0,
@@ -855,6 +856,18 @@ fn read_quant_x(g: &Gpu, qx: &matvec::QuantX) -> lathe::cpu::q8x::QuantizedX {
     let words = g.read_u32(&qx.qs, 0, nb * 8).unwrap();
     let sc = g.read_f32(&qx.scales, 0, nb * 2).unwrap();
     lathe::cpu::q8x::QuantizedX::from_gpu(&words, &sc, qx.cols as usize)
+}
+
+/// Reads back both levels of what `qx` holds (`matvec::quantize_x2`).
+fn read_quant_x2(
+    g: &Gpu,
+    qx: &matvec::QuantX,
+) -> (lathe::cpu::q8x::QuantizedX, lathe::cpu::q8x::QuantizedX) {
+    assert!(qx.two);
+    let nb = (qx.n_tokens * qx.cols / 32) as usize;
+    let words = g.read_u32(&qx.qs, 0, nb * 16).unwrap();
+    let sc = g.read_f32(&qx.scales, 0, nb * 4).unwrap();
+    lathe::cpu::q8x::QuantizedX::from_gpu2(&words, &sc, qx.cols as usize)
 }
 
 #[test]
@@ -921,7 +934,7 @@ fn int8_x_quantize_matches_cpu() {
     }
 }
 
-/// quantize_x + matvec_q8x of a [rows, cols] weight for n tokens, against both references.
+/// quantize_x2 + matvec_q8x of a [rows, cols] weight for n tokens, against both references.
 fn run_q8x(dt: DType, rows: u64, cols: u64, n_tokens: usize, seed: u64) {
     let g = gpu();
     let w = Weight::random(dt, &[rows, cols], seed);
@@ -931,9 +944,9 @@ fn run_q8x(dt: DType, rows: u64, cols: u64, n_tokens: usize, seed: u64) {
     let wt = w.upload(g);
     let xb = g.upload_f32(&x, "x").unwrap();
     let yb = out_buffer(g, n_tokens * r);
-    let mut qx = matvec::QuantX::new(g, n_tokens as u32, cols as u32).unwrap();
+    let mut qx = matvec::QuantX::new(g, 2 * n_tokens as u32, cols as u32).unwrap();
     let mut pass = g.pass();
-    matvec::quantize_x(&mut pass, &xb, 0, 0, n_tokens as u32, cols as u32, &mut qx).unwrap();
+    matvec::quantize_x2(&mut pass, &xb, 0, 0, n_tokens as u32, cols as u32, &mut qx).unwrap();
     matvec::matvec_q8x(
         &mut pass,
         &wt,
@@ -945,8 +958,8 @@ fn run_q8x(dt: DType, rows: u64, cols: u64, n_tokens: usize, seed: u64) {
     .unwrap();
     submit(pass);
     let got = g.read_f32(&yb, 0, n_tokens * r + 2 * GUARD).unwrap();
-    let q = read_quant_x(g, &qx);
-    let xh = q.dequantize();
+    let (q1, q) = read_quant_x2(g, &qx);
+    let xh = lathe::cpu::q8x::dequantize2(&q1, &q);
     let what = format!("q8x {dt} {rows}x{cols} nt{n_tokens}");
     let want: Vec<_> = (0..n_tokens * r)
         .map(|i| Some(w.dot(i % r, &xh[(i / r) * c..][..c])))
@@ -1039,8 +1052,8 @@ fn int8_x_one_step_options_and_parts() {
         let rows_x: Vec<f32> = (0..nt)
             .flat_map(|t| x[x_off + t * x_stride..][..c].to_vec())
             .collect();
-        let q = lathe::cpu::q8x::quantize_x(&rows_x, c);
-        let xh = q.dequantize();
+        let (q1, q) = lathe::cpu::q8x::quantize_x2(&rows_x, c);
+        let xh = lathe::cpu::q8x::dequantize2(&q1, &q);
         for i in 0..n_out + 2 * GUARD {
             let o = i.wrapping_sub(GUARD);
             let (t, row) = (o / y_stride, o % y_stride);
@@ -1056,8 +1069,9 @@ fn int8_x_one_step_options_and_parts() {
                 continue;
             }
             let (v, a) = w.dot(row, &xh[t * c..][..c]);
-            // near-tie codes may round the other way on the GPU: one code step d·|w| each
-            let tie = q.error_bound(t, &w.deq[row * c..][..c]) * 2.0 / 1000.0;
+            // near-tie codes may round the other way on the GPU: both x̂ stay within their second
+            // level's d₂/2 of x (the GPU's d₂ within rounding of the CPU's)
+            let tie = q.error_bound(t, &w.deq[row * c..][..c]) * 2.01;
             let bound = 1e-4 * (1.0 + a) + tie;
             let e1 = (got[i] as f64 - init[i] as f64 - v).abs();
             let e2 = (got2[i] as f64 - v).abs();
@@ -1085,14 +1099,23 @@ fn int8_x_errors_and_fallback() {
     assert!(matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 48, &mut qx).is_err());
     assert!(matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 512, &mut qx).is_err());
     assert!(matvec::quantize_x(&mut pass, &xb, 900, 0, 1, 256, &mut qx).is_err());
+    // two levels need twice the blocks
+    assert!(matvec::quantize_x2(&mut pass, &xb, 0, 0, 1, 256, &mut qx).is_err());
     // nothing quantized yet, then columns that do not match the weight
     assert!(matvec::matvec_q8x(&mut pass, &w, &qx, &yb, 0, &MatvecOpts::default()).is_err());
     matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 256, &mut qx).unwrap();
     assert!(matvec::matvec_q8x(&mut pass, &w, &qx, &yb, 0, &MatvecOpts::default()).is_err());
+    // one level where the kernels read two: refused
+    let w256 = Weight::random(DType::Q4_K, &[8, 256], 1).upload(g);
+    let err = matvec::matvec_q8x(&mut pass, &w256, &qx, &yb, 0, &MatvecOpts::default());
+    assert!(format!("{}", err.unwrap_err()).contains("two"));
+    let mut q2x = matvec::QuantX::new(g, 2, 256).unwrap();
+    matvec::quantize_x2(&mut pass, &xb, 0, 0, 1, 256, &mut q2x).unwrap();
+    matvec::matvec_q8x(&mut pass, &w256, &q2x, &yb, 0, &MatvecOpts::default()).unwrap();
     // a type without an int8 kernel: an error from matvec_q8x, the f32 path under int8_x
     let ft = f.upload(g);
-    let mut q2 = matvec::QuantX::new(g, 1, 512).unwrap();
-    matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 512, &mut q2).unwrap();
+    let mut q2 = matvec::QuantX::new(g, 2, 512).unwrap();
+    matvec::quantize_x2(&mut pass, &xb, 0, 0, 1, 512, &mut q2).unwrap();
     assert!(!matvec::int8_x_supported(DType::F16));
     assert!(matvec::matvec_q8x(&mut pass, &ft, &q2, &yb, 0, &MatvecOpts::default()).is_err());
     let o = MatvecOpts {
@@ -1121,9 +1144,9 @@ fn int8_x_variants_translate_to_every_backend() {
             let wt = Weight::random(dt, &[8, cols as u64], 3).upload(g);
             let xb = g.upload_f32(&vec![0.5; 2 * cols as usize], "x").unwrap();
             let yb = g.buffer(16 * 4, "y").unwrap();
-            let mut qx = matvec::QuantX::new(g, 2, cols).unwrap();
+            let mut qx = matvec::QuantX::new(g, 4, cols).unwrap();
             let mut pass = g.pass();
-            matvec::quantize_x(&mut pass, &xb, 0, 0, 2, cols, &mut qx).unwrap();
+            matvec::quantize_x2(&mut pass, &xb, 0, 0, 2, cols, &mut qx).unwrap();
             let w3 = Weight::random(dt, &[2, 4, cols as u64], 3).upload(g);
             let ids = g.upload(bytemuck::cast_slice(&[1u32, 0]), "ids").unwrap();
             for portable in [false, true]
@@ -1447,9 +1470,9 @@ fn int8_x_indexed_moe() {
             let x = q8x_input(xr * cols, 7 + i as u64);
             let xb = g.upload_f32(&x, "x").unwrap();
             let (y1, y2) = (out_buffer(g, np * rows), out_buffer(g, np * rows));
-            let mut qx = matvec::QuantX::new(g, xr as u32, cols as u32).unwrap();
+            let mut qx = matvec::QuantX::new(g, 2 * xr as u32, cols as u32).unwrap();
             let mut pass = g.pass();
-            matvec::quantize_x(&mut pass, &xb, 0, 0, xr as u32, cols as u32, &mut qx).unwrap();
+            matvec::quantize_x2(&mut pass, &xb, 0, 0, xr as u32, cols as u32, &mut qx).unwrap();
             let o = MatvecOpts::default();
             let (nu, n) = (n_used as u32, nt as u32);
             matvec::matvec_indexed_q8x(
@@ -1483,8 +1506,8 @@ fn int8_x_indexed_moe() {
             )
             .unwrap();
             submit(pass);
-            let q = read_quant_x(g, &qx);
-            let xh = q.dequantize();
+            let (q1, q2) = read_quant_x2(g, &qx);
+            let xh = lathe::cpu::q8x::dequantize2(&q1, &q2);
             let want: Vec<_> = (0..np * rows)
                 .map(|k| {
                     let (p, r) = (k / rows, k % rows);

@@ -71,8 +71,8 @@ struct Args {
     /// Shader define sets to compare (repeatable): `NAME[=VALUE],...`; `-` for none.
     #[arg(long)]
     variant: Vec<String>,
-    /// Also time the int8-activation matvec (`MatvecOpts::int8_x`: x quantized, then the
-    /// integer-dot product) for the types that have one: quantize + product per matvec, and the
+    /// Also time the int8-activation matvec (`MatvecOpts::int8_x`: x quantized in two levels,
+    /// then the integer-dot product) for the types that have one: quantize + product per matvec, and the
     /// product alone with x quantized once per pass (x shared by several weights).
     #[arg(long)]
     int8_x: bool,
@@ -404,9 +404,9 @@ fn bench_shape(
             );
             if int8_x {
                 // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
-                let mut qx = matvec::QuantX::new(gpu, nt, cols as u32)?;
+                let mut qx = matvec::QuantX::new(gpu, 2 * nt, cols as u32)?;
                 let mut rec = |pass: &mut Pass<'_>| {
-                    matvec::quantize_x(pass, &x, 0, 0, nt, cols as u32, &mut qx)?;
+                    matvec::quantize_x2(pass, &x, 0, 0, nt, cols as u32, &mut qx)?;
                     for i in 0..per_pass {
                         matvec::matvec_q8x(pass, &ws[i % ws.len()], &qx, &y, 0, &opts)?;
                     }

@@ -1,7 +1,8 @@
 //! Row dots against int8 activations, the CPU side of `--activations int8` for the cold
-//! experts: x quantized per 32 values exactly as the GPU's `quantize_x` does ([`super::q8x`],
-//! ggml's `block_q8_1`), weight levels times int8 codes summed in integers, block scales
-//! applied once per 32 values, as ggml's `ggml_vec_dot_*_q8_*` do. The weight types are the
+//! experts: x quantized per 32 values in two levels exactly as the GPU's `quantize_x2` does
+//! ([`super::q8x::quantize_x2`]: ggml's `block_q8_1`, then its residual the same way,
+//! x̂ = dx·q + dx₂·q₂), weight levels times each level's int8 codes summed in integers, block
+//! scales applied once per 32 values and level, as ggml's `ggml_vec_dot_*_q8_*` do per level. The weight types are the
 //! GPU's int8 matvec (`gpu::matvec::int8_x_supported`; tests/cpu_moe_simd.rs checks they agree): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K.
 //!
 //! **One result at every SIMD level.** A block's integer sum is exact whatever order its
@@ -12,12 +13,13 @@
 //! (`maddubs`) and AVX-512 VNNI (`vpdpbusd`) kernels all do exactly this, so their results are
 //! equal bit for bit (`tests` below force every level the machine has).
 //!
-//! Per 32-value block b with x scale `dx`, `sx = dx·Σq_x`, integer sum `i` of levels × codes:
-//! - Q8_0: `c = (d·dx)·i` (signed levels);
-//! - Q4_0: `c = d·(dx·i − 8·sx)` (levels 0..15, the −8 offset through Σx);
-//! - Q4_K, Q5_K: `c = (d·sc_j)·(dx·i) − (dmin·m_j)·sx` (sub-block j of 32 is one x block);
-//! - Q6_K: `c = d·(dx·i)`, `i = sc_a·Σ(q−32)·x + sc_b·Σ(q−32)·x` over the block's two
-//!   16-value halves (their i8 scales folded into the integer sum).
+//! Per 32-value block b with x scales `dx`, `dx₂`, `sx = dx·Σq + dx₂·Σq₂` (Σx̂), integer sums
+//! `i`, `i₂` of weight levels × each level's codes, and `xi = dx·i + dx₂·i₂`:
+//! - Q8_0: `c = d·xi` (signed levels);
+//! - Q4_0: `c = d·(xi − 8·sx)` (levels 0..15, the −8 offset through Σx̂);
+//! - Q4_K, Q5_K: `c = (d·sc_j)·xi − (dmin·m_j)·sx` (sub-block j of 32 is one x block);
+//! - Q6_K: `c = d·xi`, `i = sc_a·Σ(q−32)·x + sc_b·Σ(q−32)·x` over the block's two 16-value
+//!   halves per level (their i8 scales folded into the integer sums).
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
@@ -38,15 +40,18 @@ pub fn supported(dtype: DType) -> bool {
     )
 }
 
-/// Rows of x as int8 blocks, laid out for the dots: codes, and per block `d` and `s = d·Σq`
-/// in separate arrays (eight blocks' scales are one vector load).
+/// Rows of x as two-level int8 blocks, laid out for the dots: each level's codes, and per
+/// block `d`, `d₂` and `s = d·Σq + d₂·Σq₂` in separate arrays (eight blocks' scales are one
+/// vector load).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Q8Rows {
     pub cols: usize,
-    /// [rows, cols]
+    /// [rows, cols] each level
     pub qs: Vec<i8>,
+    pub qs2: Vec<i8>,
     /// [rows, cols / 32] each
     pub d: Vec<f32>,
+    pub d2: Vec<f32>,
     pub s: Vec<f32>,
 }
 
@@ -54,19 +59,28 @@ pub struct Q8Rows {
 #[derive(Clone, Copy, Debug)]
 pub struct Q8Row<'a> {
     pub qs: &'a [i8],
+    pub qs2: &'a [i8],
     pub d: &'a [f32],
+    pub d2: &'a [f32],
     pub s: &'a [f32],
 }
 
 impl Q8Rows {
-    /// `x` ([rows, cols], cols a multiple of 32) quantized as the GPU's `quantize_x`.
+    /// `x` ([rows, cols], cols a multiple of 32) quantized as the GPU's `quantize_x2`; `s` is
+    /// the f32 sum of the levels' `d·Σq`, as the GPU's kernels take it.
     pub fn quantize(x: &[f32], cols: usize) -> Q8Rows {
-        let q = q8x::quantize_x(x, cols);
+        let (a, b) = q8x::quantize_x2(x, cols);
         Q8Rows {
             cols,
-            d: q.scales.iter().map(|s| s[0]).collect(),
-            s: q.scales.iter().map(|s| s[1]).collect(),
-            qs: q.qs,
+            d: a.scales.iter().map(|s| s[0]).collect(),
+            d2: b.scales.iter().map(|s| s[0]).collect(),
+            s: a.scales
+                .iter()
+                .zip(&b.scales)
+                .map(|(s, t)| s[1] + t[1])
+                .collect(),
+            qs: a.qs,
+            qs2: b.qs,
         }
     }
 
@@ -78,7 +92,9 @@ impl Q8Rows {
         let (c, nb) = (self.cols, self.cols / BLOCK);
         Q8Row {
             qs: &self.qs[t * c..(t + 1) * c],
+            qs2: &self.qs2[t * c..(t + 1) * c],
             d: &self.d[t * nb..(t + 1) * nb],
+            d2: &self.d2[t * nb..(t + 1) * nb],
             s: &self.s[t * nb..(t + 1) * nb],
         }
     }
@@ -118,8 +134,11 @@ pub fn dot_many(level: SimdLevel, dtype: DType, row: &[u8], xs: &[Q8Row<'_>], ou
             x.qs.len()
         );
         assert!(
-            x.d.len() * BLOCK == x.qs.len() && x.s.len() == x.d.len(),
-            "q8dot: scales"
+            x.d.len() * BLOCK == x.qs.len()
+                && x.qs2.len() == x.qs.len()
+                && x.s.len() == x.d.len()
+                && x.d2.len() == x.d.len(),
+            "q8dot: levels and scales"
         );
     }
     // MANY tokens at a time, their lanes on the stack
@@ -164,6 +183,13 @@ fn finish(a: [f32; 8]) -> f32 {
     ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
 }
 
+/// `xi = dx·i + dx₂·i₂` of one block: both levels' integer sums scaled (plain multiplies and
+/// an add, as the vector kernels do them).
+#[inline(always)]
+fn lv2(dx: f32, i: i32, dx2: f32, i2: i32) -> f32 {
+    dx * i as f32 + dx2 * i2 as f32
+}
+
 #[inline(always)]
 fn h16(b: [u8; 2]) -> f32 {
     crate::quant::f16_to_f32(u16::from_le_bytes(b))
@@ -206,25 +232,28 @@ mod scalar {
         w.zip(x).map(|(w, &x)| w * x as i32).sum()
     }
 
+    /// xi of block b of `x` from the block's 32 weight levels `lv`.
+    fn xi_of(x: &Q8Row<'_>, b: usize, lv: impl Fn(usize) -> i32) -> f32 {
+        let r = BLOCK * b..BLOCK * (b + 1);
+        let i = isum((0..BLOCK).map(&lv), &x.qs[r.clone()]);
+        let i2 = isum((0..BLOCK).map(&lv), &x.qs2[r]);
+        lv2(x.d[b], i, x.d2[b], i2)
+    }
+
     pub(super) fn dot(dtype: DType, row: &[u8], x: Q8Row<'_>) -> [f32; 8] {
-        let xb = |b: usize| &x.qs[BLOCK * b..BLOCK * (b + 1)];
         let nb = x.d.len();
+        let xi = |b: usize, lv: &dyn Fn(usize) -> i32| xi_of(&x, b, lv);
         match dtype {
             DType::Q8_0 => {
                 let bl: &[BlockQ8_0] = bytemuck::cast_slice(row);
-                lanes(nb, |b| {
-                    let i = isum(bl[b].qs.iter().map(|&q| q as i8 as i32), xb(b));
-                    (h16(bl[b].d) * x.d[b]) * i as f32
-                })
+                lanes(nb, |b| h16(bl[b].d) * xi(b, &|j| bl[b].qs[j] as i8 as i32))
             }
             DType::Q4_0 => {
                 let bl: &[BlockQ4_0] = bytemuck::cast_slice(row);
                 lanes(nb, |b| {
                     let q = &bl[b].qs;
-                    let lv =
-                        (0..32).map(|j| (if j < 16 { q[j] & 15 } else { q[j - 16] >> 4 }) as i32);
-                    let i = isum(lv, xb(b));
-                    h16(bl[b].d) * (x.d[b] * i as f32 - 8.0 * x.s[b])
+                    let lv = |j: usize| (if j < 16 { q[j] & 15 } else { q[j - 16] >> 4 }) as i32;
+                    h16(bl[b].d) * (xi(b, &lv) - 8.0 * x.s[b])
                 })
             }
             DType::Q4_K | DType::Q5_K => {
@@ -241,14 +270,13 @@ mod scalar {
                 lanes(nb, |b| {
                     let (j, c) = (b % 8, b % 8 / 2);
                     let (qs, qh, (ds, dm)) = sb(b / 8);
-                    let lv = (0..32).map(|l| {
+                    let lv = |l: usize| {
                         let q = qs[32 * c + l];
                         let nib = if j % 2 == 0 { q & 15 } else { q >> 4 };
                         let fifth = qh.map_or(0, |h| ((h[l] >> j) & 1) << 4);
                         (nib | fifth) as i32
-                    });
-                    let i = isum(lv, xb(b));
-                    ds[j] * (x.d[b] * i as f32) - dm[j] * x.s[b]
+                    };
+                    ds[j] * xi(b, &lv) - dm[j] * x.s[b]
                 })
             }
             DType::Q6_K => {
@@ -262,14 +290,20 @@ mod scalar {
                         let hi = (blk.qh[32 * n + l] >> (2 * k)) & 3;
                         (lo | (hi << 4)) as i32 - 32
                     };
-                    let xs = xb(b);
-                    let half = |h: usize| {
-                        let s = blk.scales[8 * n + 2 * k + h] as i8 as i32;
-                        s * (16 * h..16 * h + 16)
-                            .map(|l| lv(l) * xs[l] as i32)
+                    // both halves of one level's codes xs, each times its i8 scale
+                    let isc = |xs: &[i8]| {
+                        (0..2)
+                            .map(|h| {
+                                let s = blk.scales[8 * n + 2 * k + h] as i8 as i32;
+                                s * (16 * h..16 * h + 16)
+                                    .map(|l| lv(l) * xs[l] as i32)
+                                    .sum::<i32>()
+                            })
                             .sum::<i32>()
                     };
-                    h16(blk.d) * (x.d[b] * (half(0) + half(1)) as f32)
+                    let r = BLOCK * b..BLOCK * (b + 1);
+                    let (i, i2) = (isc(&x.qs[r.clone()]), isc(&x.qs2[r]));
+                    h16(blk.d) * lv2(x.d[b], i, x.d2[b], i2)
                 })
             }
             _ => unreachable!("q8dot::dot checked the type"),
@@ -343,6 +377,22 @@ mod x86 {
     #[inline(always)]
     unsafe fn load(p: *const i8) -> __m256i {
         _mm256_loadu_si256(p.cast())
+    }
+
+    /// `xi = dx·i + dx₂·i₂` of eight blocks (lane l: block l of `x`'s blocks `r`) from both
+    /// levels' i32 lane partials (`lv2`, in vectors).
+    #[inline(always)]
+    unsafe fn xi8(
+        x: &Q8Row<'_>,
+        r: std::ops::Range<usize>,
+        v: &[__m256i; 8],
+        v2: &[__m256i; 8],
+    ) -> __m256 {
+        let i = _mm256_cvtepi32_ps(reduce8(v));
+        let i2 = _mm256_cvtepi32_ps(reduce8(v2));
+        let dx = load8(&x.d[r.clone()]);
+        let dx2 = load8(&x.d2[r]);
+        _mm256_add_ps(_mm256_mul_ps(dx, i), _mm256_mul_ps(dx2, i2))
     }
 
     /// Eight f32 lanes from up to eight values (the rest 0).
@@ -465,20 +515,18 @@ mod x86 {
             let r = 8 * g..(8 * g + 8).min(nb);
             for (a, x) in acc.iter_mut().zip(xs) {
                 let mut v = [_mm256_setzero_si256(); 8];
+                let mut v2 = [_mm256_setzero_si256(); 8];
                 for (l, b) in grp.iter().enumerate() {
                     v[l] = f(b, x.qs.as_ptr().add(BLOCK * (8 * g + l)));
+                    v2[l] = f(b, x.qs2.as_ptr().add(BLOCK * (8 * g + l)));
                 }
-                let i = _mm256_cvtepi32_ps(reduce8(&v));
-                let dx = load8(&x.d[r.clone()]);
+                let xi = xi8(x, r.clone(), &v, &v2);
                 let c = if OFFSET8 {
                     let sx = load8(&x.s[r.clone()]);
                     let eight = _mm256_set1_ps(8.0);
-                    _mm256_mul_ps(
-                        dw,
-                        _mm256_sub_ps(_mm256_mul_ps(dx, i), _mm256_mul_ps(eight, sx)),
-                    )
+                    _mm256_mul_ps(dw, _mm256_sub_ps(xi, _mm256_mul_ps(eight, sx)))
                 } else {
-                    _mm256_mul_ps(_mm256_mul_ps(dw, dx), i)
+                    _mm256_mul_ps(dw, xi)
                 };
                 *a = _mm256_add_ps(*a, c);
             }
@@ -535,22 +583,39 @@ mod x86 {
                 }
             }
             for (a, x) in acc.iter_mut().zip(xs) {
-                let xp = x.qs.as_ptr().add(256 * i);
+                let (xp, xp2) = (x.qs.as_ptr().add(256 * i), x.qs2.as_ptr().add(256 * i));
                 let mut v = [_mm256_setzero_si256(); 8];
+                let mut v2 = [_mm256_setzero_si256(); 8];
                 for j in 0..8 {
                     v[j] = dot4::<VNNI>(w[j], load(xp.add(32 * j)));
+                    v2[j] = dot4::<VNNI>(w[j], load(xp2.add(32 * j)));
                 }
-                let isum = _mm256_cvtepi32_ps(reduce8(&v));
-                let dx = _mm256_loadu_ps(x.d.as_ptr().add(8 * i));
+                let xi = xi8(x, 8 * i..8 * i + 8, &v, &v2);
                 let sx = _mm256_loadu_ps(x.s.as_ptr().add(8 * i));
-                let c = _mm256_sub_ps(
-                    _mm256_mul_ps(ds, _mm256_mul_ps(dx, isum)),
-                    _mm256_mul_ps(dm, sx),
-                );
+                let c = _mm256_sub_ps(_mm256_mul_ps(ds, xi), _mm256_mul_ps(dm, sx));
                 *a = _mm256_add_ps(*a, c);
             }
         }
         acc
+    }
+
+    /// Σ sc·(q − 32)·x of one Q6_K block (levels `w`, scales `sc` as `q6_k` lays them out,
+    /// `off` = 32 per byte) against the codes `xv`, as i32 lane partials.
+    #[inline(always)]
+    unsafe fn q6_part<const VNNI: bool>(
+        w: __m256i,
+        sc: __m256i,
+        off: __m256i,
+        xv: __m256i,
+    ) -> __m256i {
+        if VNNI {
+            let p = _mm256_sub_epi32(dot4::<true>(w, xv), dot4::<true>(off, xv));
+            _mm256_mullo_epi32(p, sc)
+        } else {
+            // i16 pairs: |(q − 32)·x| pairs < 2^13
+            let p = _mm256_sub_epi16(_mm256_maddubs_epi16(w, xv), _mm256_maddubs_epi16(off, xv));
+            _mm256_madd_epi16(p, sc)
+        }
     }
 
     /// Q6_K: per super-block the eight 32-value blocks' levels (0..63) and their two i8
@@ -597,25 +662,15 @@ mod x86 {
             }
             let d = _mm256_set1_ps(h16x(b.d));
             for (a, x) in acc.iter_mut().zip(xs) {
-                let xp = x.qs.as_ptr().add(256 * i);
+                let (xp, xp2) = (x.qs.as_ptr().add(256 * i), x.qs2.as_ptr().add(256 * i));
                 let mut v = [_mm256_setzero_si256(); 8];
+                let mut v2 = [_mm256_setzero_si256(); 8];
                 for j in 0..8 {
-                    let xv = load(xp.add(32 * j));
-                    v[j] = if VNNI {
-                        let p = _mm256_sub_epi32(dot4::<true>(w[j], xv), dot4::<true>(off, xv));
-                        _mm256_mullo_epi32(p, sc[j])
-                    } else {
-                        // i16 pairs: |(q − 32)·x| pairs < 2^13
-                        let p = _mm256_sub_epi16(
-                            _mm256_maddubs_epi16(w[j], xv),
-                            _mm256_maddubs_epi16(off, xv),
-                        );
-                        _mm256_madd_epi16(p, sc[j])
-                    };
+                    v[j] = q6_part::<VNNI>(w[j], sc[j], off, load(xp.add(32 * j)));
+                    v2[j] = q6_part::<VNNI>(w[j], sc[j], off, load(xp2.add(32 * j)));
                 }
-                let isum = _mm256_cvtepi32_ps(reduce8(&v));
-                let dx = _mm256_loadu_ps(x.d.as_ptr().add(8 * i));
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(d, _mm256_mul_ps(dx, isum)));
+                let xi = xi8(x, 8 * i..8 * i + 8, &v, &v2);
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(d, xi));
             }
         }
         acc
@@ -670,7 +725,8 @@ mod tests {
                 x[3] = 0.0;
                 x[cols - 1] *= 9.0; // one large value per row: a coarse block scale
                 let qx = Q8Rows::quantize(&x, cols);
-                let xh = q8x::quantize_x(&x, cols).dequantize();
+                let (x1, x2) = q8x::quantize_x2(&x, cols);
+                let xh = q8x::dequantize2(&x1, &x2);
                 // 11 tokens: a full pass of MANY and a partial one
                 let xs: Vec<f32> = (0..11).flat_map(|t| data(100 + t, cols)).collect();
                 let qxs = Q8Rows::quantize(&xs, cols);

@@ -44,9 +44,10 @@ pub fn quantize_x(x: &[f32], cols: usize) -> QuantizedX {
     QuantizedX { qs, scales, cols }
 }
 
-/// Two levels (the GPU's `X2` quantizer, `--matmul int8x2`): the first as [`quantize_x`], the
-/// second the residual `x − d·q` quantized the same way, so x̂ = d·q + d₂·q₂ and the error
-/// bound is the second level's [`QuantizedX::error_bound`].
+/// Two levels (the GPU's `X2` quantizer: `--matmul int8x2`, `--activations int8`): the first
+/// as [`quantize_x`], the second the residual `x − d·q` quantized the same way, so
+/// x̂ = d·q + d₂·q₂ ([`dequantize2`]) and the error bound is the second level's
+/// [`QuantizedX::error_bound`].
 pub fn quantize_x2(x: &[f32], cols: usize) -> (QuantizedX, QuantizedX) {
     let one = quantize_x(x, cols);
     let r: Vec<f32> = x.iter().zip(one.dequantize()).map(|(v, h)| v - h).collect();
@@ -54,7 +55,33 @@ pub fn quantize_x2(x: &[f32], cols: usize) -> (QuantizedX, QuantizedX) {
     (one, two)
 }
 
+/// x̂ = d·q + d₂·q₂ of two levels ([`quantize_x2`]), [rows, cols].
+pub fn dequantize2(one: &QuantizedX, two: &QuantizedX) -> Vec<f32> {
+    one.dequantize()
+        .iter()
+        .zip(two.dequantize())
+        .map(|(a, b)| a + b)
+        .collect()
+}
+
 impl QuantizedX {
+    /// Rebuilds both levels from the GPU's two-level layout (`quantize_x2`): `words`
+    /// [rows, cols/32, 2 levels, 8] and `scales` [rows, cols/32, 2 levels, 2].
+    pub fn from_gpu2(words: &[u32], scales: &[f32], cols: usize) -> (QuantizedX, QuantizedX) {
+        let level = |l: usize| {
+            let w: Vec<u32> = words
+                .chunks_exact(16)
+                .flat_map(|b| b[8 * l..8 * l + 8].to_vec())
+                .collect();
+            let s: Vec<f32> = scales
+                .chunks_exact(4)
+                .flat_map(|b| b[2 * l..2 * l + 2].to_vec())
+                .collect();
+            QuantizedX::from_gpu(&w, &s, cols)
+        };
+        (level(0), level(1))
+    }
+
     /// Rebuilds the blocks from the GPU layout: `words` [rows, cols/32, 8] (4 codes per u32,
     /// little-endian) and `scales` [rows, cols/32, 2].
     pub fn from_gpu(words: &[u32], scales: &[f32], cols: usize) -> QuantizedX {
@@ -132,5 +159,29 @@ mod tests {
         let exact: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
         let approx: f64 = w.iter().zip(&xh).map(|(a, b)| *a as f64 * *b as f64).sum();
         assert!((exact - approx).abs() <= q.error_bound(0, &w) * 1.0001);
+        // two levels: the residual's scale is at most d/254, x̂ within its bound, and the GPU's
+        // interleaved layout round-trips
+        let (a, b) = quantize_x2(&x, 64);
+        assert_eq!(a, q);
+        for (s1, s2) in a.scales.iter().zip(&b.scales) {
+            assert!(s2[0] <= s1[0] / 254.0 * 1.0001, "{s1:?} {s2:?}");
+        }
+        let xh2 = dequantize2(&a, &b);
+        let approx2: f64 = w.iter().zip(&xh2).map(|(a, b)| *a as f64 * *b as f64).sum();
+        assert!((exact - approx2).abs() <= b.error_bound(0, &w) * 1.001 + 1e-9);
+        assert!((exact - approx2).abs() <= q.error_bound(0, &w) / 200.0);
+        let pack = |q: &QuantizedX, blk: usize| -> Vec<u32> {
+            q.qs[32 * blk..32 * blk + 32]
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8]))
+                .collect()
+        };
+        let words2: Vec<u32> = (0..2)
+            .flat_map(|k| [pack(&a, k), pack(&b, k)].concat())
+            .collect();
+        let flat2: Vec<f32> = (0..2)
+            .flat_map(|k| [a.scales[k], b.scales[k]].concat())
+            .collect();
+        assert_eq!(QuantizedX::from_gpu2(&words2, &flat2, 64), (a, b));
     }
 }

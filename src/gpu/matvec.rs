@@ -18,13 +18,16 @@
 //! bound by instruction issue (decode, int->float converts), not memory: see the bench.
 //!
 //! int8 activations ([`matvec_q8x`], [`matvec_indexed_q8x`], opt-in through
-//! [`MatvecOpts::int8_x`]): x is quantized once per product (or once for
-//! several products sharing it, [`quantize_x`]) to blocks of 32 int8 codes with an f32 scale,
-//! ggml's `block_q8_1` numerics (CPU reference `cpu::q8x::quantize_x`); the Q4_0, Q8_0, Q4_K,
-//! Q5_K and Q6_K kernels then multiply integer codes four at a time (`dot4I8Packed`) and convert
-//! once per block. The result carries x's quantization error, |x - x̂| <= d/2 per element with
-//! d = max|x|/127 of its block. (MXFP4 has none: its e2m1 codes need a table to become
-//! integers, which costs about what the f32 path's conversion does.)
+//! [`MatvecOpts::int8_x`], or `--activations int8`): x is quantized once per product (or once
+//! for several products sharing it, [`quantize_x2`]) to blocks of 32 values in two int8 levels,
+//! x̂ = d·q + d₂·q₂: ggml's `block_q8_1` numerics for the first, the same for its residual
+//! (CPU reference `cpu::q8x::quantize_x2`); the Q4_0, Q8_0, Q4_K, Q5_K and Q6_K kernels then
+//! multiply integer codes four at a time (`dot4I8Packed`, each weight word against both levels)
+//! and convert once per block and level. The result carries x's quantization error,
+//! |x - x̂| <= d₂/2 per element with d₂ <= max|x|/254/127 of its block. One level alone (d/2 =
+//! max|x|/254) missed every quantized fixture bar (RMS 0.03-0.16 against 0.02), so the decode
+//! kernels take two. (MXFP4 has none: its e2m1 codes need a table to become integers, which
+//! costs about what the f32 path's conversion does.)
 
 use super::pipeline::{StaticDefines, StaticName};
 use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart, MAX_GROUPS};
@@ -83,9 +86,10 @@ pub struct MatvecOpts {
     /// Extra shader defines `(NAME, value)` for `#if` variants tried in the kernel lab
     /// (`bench_kernels --variant`); the shipped shaders have none, normal use leaves this empty.
     pub defines: &'static [(&'static str, &'static str)],
-    /// Quantize x to int8 blocks and take the integer-dot kernels ([`matvec_q8x`],
-    /// [`matvec_indexed_q8x`]) for the weight types that have one ([`int8_x_supported`]); other
-    /// types and the tiled matmuls ignore it. Off by default: it adds x's int8 rounding error.
+    /// Quantize x to two-level int8 blocks ([`quantize_x2`]) and take the integer-dot kernels
+    /// ([`matvec_q8x`], [`matvec_indexed_q8x`]) for the weight types that have one
+    /// ([`int8_x_supported`]); other types and the tiled matmuls ignore it. Off by default: it
+    /// adds x's int8 rounding error.
     /// One-token products also take it on a device that decodes with int8 activations
     /// (`--activations`, [`Gpu::int8_decode`]) unless `exact`.
     pub int8_x: bool,
@@ -627,8 +631,8 @@ pub fn matvec_opts(
     let geo = Geometry::of(w, false)?;
     let (x_stride, y_stride) = dense_spans(w, &geo, (x, x_off), (y, y_off), n_tokens, opts)?;
     if takes_int8(gpu, &geo, opts, n_tokens) {
-        let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
-        quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
+        let mut qx = QuantX::cached(gpu, 2 * n_tokens, geo.cols)?;
+        quantize_x2(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
         return matvec_q8x(pass, w, &qx, y, y_off, opts);
     }
     let pl = Plan::new(&geo, opts)?;
@@ -756,8 +760,8 @@ pub fn matvec_multi(
     let (x_stride, y_stride) = dense_spans(w, &geo, (x, x_off), (y, y_off), n_tokens, opts)?;
     // int8 x exactly when a lone decode of each token would take it: the bits must match
     if takes_int8(gpu, &geo, opts, 1) {
-        let mut qx = QuantX::cached(gpu, n_tokens, geo.cols)?;
-        quantize_x(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
+        let mut qx = QuantX::cached(gpu, 2 * n_tokens, geo.cols)?;
+        quantize_x2(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
         return matvec_q8x_multi(pass, w, &qx, y, y_off, opts);
     }
     let pl = Plan::new(&geo, opts)?.multi(opts);
@@ -1129,14 +1133,16 @@ pub fn matvec_fused(
     Ok(())
 }
 
-/// Activations quantized to int8 blocks of 32 values (ggml's `block_q8_1` numerics): the x of
-/// [`matvec_q8x`]. A scratch made once ([`QuantX::new`]) and filled by [`quantize_x`]; clones
-/// share the buffers.
+/// Activations quantized to int8 blocks of 32 values (ggml's `block_q8_1` numerics, in one
+/// level or two): the x of [`matvec_q8x`] (two levels) and of the int8 matmul. A scratch made
+/// once ([`QuantX::new`]) and filled by [`quantize_x`] or [`quantize_x2`]; clones share the
+/// buffers.
 #[derive(Clone, Debug)]
 pub struct QuantX {
-    /// [tokens, cols / 32, 8] u32: each block's 32 codes, 4 per word (i8, little-endian).
+    /// [tokens, cols / 32, levels, 8] u32: each block's 32 codes per level, 4 per word (i8,
+    /// little-endian).
     pub qs: wgpu::Buffer,
-    /// [tokens, cols / 32] f32 pairs (d, d · Σq): x̂ = d · q.
+    /// [tokens, cols / 32, levels] f32 pairs (d, d · Σq): x̂ = d · q (+ d₂ · q₂).
     pub scales: wgpu::Buffer,
     /// Blocks of 32 the buffers hold.
     capacity: u64,
@@ -1144,6 +1150,8 @@ pub struct QuantX {
     pub cols: u32,
     /// Tokens of the x last quantized into it (0: none yet).
     pub n_tokens: u32,
+    /// Whether that x has the second level ([`quantize_x2`]).
+    pub two: bool,
 }
 
 /// Uniforms of `quantize_x` (matvec.wgsl `QParams`).
@@ -1161,7 +1169,8 @@ const _: () = assert!(std::mem::size_of::<QParams>() == 16);
 pub const Q8X_BLOCK: u32 = 32;
 
 impl QuantX {
-    /// A scratch for up to `max_tokens` rows of `max_cols` values.
+    /// A scratch for up to `max_tokens` rows of `max_cols` values in one level (half as many
+    /// in two).
     pub fn new(gpu: &Gpu, max_tokens: u32, max_cols: u32) -> Result<QuantX> {
         let blocks = max_tokens as u64 * max_cols.div_ceil(Q8X_BLOCK) as u64;
         QuantX::with_blocks(gpu, blocks.max(1))
@@ -1181,6 +1190,7 @@ impl QuantX {
             capacity: blocks,
             cols: 0,
             n_tokens: 0,
+            two: false,
         })
     }
 
@@ -1212,6 +1222,7 @@ impl QuantX {
             capacity,
             cols: 0,
             n_tokens: 0,
+            two: false,
         })
     }
 }
@@ -1231,6 +1242,22 @@ pub fn quantize_x(
     qx: &mut QuantX,
 ) -> Result<()> {
     quantize_x_levels(pass, x, x_off, x_stride, n_tokens, cols, qx, false)
+}
+
+/// [`quantize_x`] in two levels, the x of [`matvec_q8x`]: each block also holds its residual
+/// `x − d·q` quantized the same way (d₂, q₂), so x̂ = d·q + d₂·q₂. `qx` needs room for
+/// `2 · n_tokens` rows. CPU reference: `cpu::q8x::quantize_x2`.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_x2(
+    pass: &mut Pass<'_>,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    x_stride: u32,
+    n_tokens: u32,
+    cols: u32,
+    qx: &mut QuantX,
+) -> Result<()> {
+    quantize_x_levels(pass, x, x_off, x_stride, n_tokens, cols, qx, true)
 }
 
 /// [`quantize_x`], with `two`: each block also holds its residual `x − d·q` quantized the same
@@ -1291,11 +1318,13 @@ pub(crate) fn quantize_x_levels(
     );
     qx.cols = cols;
     qx.n_tokens = n_tokens;
+    qx.two = two;
     Ok(())
 }
 
-/// `y[t] = W x̂[t]` for the `qx.n_tokens` rows quantized into `qx` ([`quantize_x`]); `w` of a
-/// type with an int8 kernel ([`int8_x_supported`]) and `qx.cols` columns; y as [`matvec`].
+/// `y[t] = W x̂[t]` for the `qx.n_tokens` rows quantized into `qx` in two levels
+/// ([`quantize_x2`]); `w` of a type with an int8 kernel ([`int8_x_supported`]) and `qx.cols`
+/// columns; y as [`matvec`].
 /// Of `opts`, accumulate, y_stride, portable, tune and defines apply.
 pub fn matvec_q8x(
     pass: &mut Pass<'_>,
@@ -1336,10 +1365,14 @@ fn q8x_product(
         Error::Unsupported(format!("{}: int8-x matvec of {} weights", w.name, w.dtype))
     })?;
     let n_tokens = qx.n_tokens;
-    if qx.cols != geo.cols || n_tokens == 0 {
+    if qx.cols != geo.cols || n_tokens == 0 || !qx.two {
         return Err(Error::Invalid(format!(
-            "{}: int8 x holds {n_tokens} rows of {} values, the weight has {} columns",
-            w.name, qx.cols, geo.cols
+            "{}: int8 x holds {n_tokens} rows of {} values in {} level(s), the weight needs two \
+             levels of {} columns",
+            w.name,
+            qx.cols,
+            1 + qx.two as u32,
+            geo.cols
         )));
     }
     let y_stride = if opts.y_stride == 0 {
@@ -1427,8 +1460,8 @@ pub fn matvec_indexed(
     // each pair is a one-token product: int8 x exactly when a lone decode's pairs take it (a
     // speculative verify step's rows must have a lone decode's bits)
     if takes_int8(pass.gpu(), &geo, opts, 1) {
-        let mut qx = QuantX::cached(pass.gpu(), x_rows, geo.cols)?;
-        quantize_x(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx)?;
+        let mut qx = QuantX::cached(pass.gpu(), 2 * x_rows, geo.cols)?;
+        quantize_x2(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx)?;
         return matvec_indexed_q8x(
             pass, w, &qx, x_per_pair, ids, ids_off, n_used, y, y_off, n_tokens, opts,
         );
@@ -1451,8 +1484,8 @@ pub fn matvec_indexed(
     dispatch_indexed(pass, w, &geo, &pl, &pipe, &xb, None, &ind, y, y_off, opts)
 }
 
-/// [`matvec_indexed`] with x already quantized ([`quantize_x`]): `qx` holds the x rows (one per
-/// pair when `x_per_pair`, else one per token) of `w`'s columns; `w` of a type with an int8
+/// [`matvec_indexed`] with x already quantized in two levels ([`quantize_x2`]): `qx` holds the
+/// x rows (one per pair when `x_per_pair`, else one per token) of `w`'s columns; `w` of a type with an int8
 /// kernel ([`int8_x_supported`]). Of `opts`, accumulate, y_stride, portable, tune and defines
 /// apply.
 #[allow(clippy::too_many_arguments)]
@@ -1476,10 +1509,15 @@ pub fn matvec_indexed_q8x(
     })?;
     let n_pairs = check_pairs(w, n_tokens, n_used)?;
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
-    if qx.cols != geo.cols || qx.n_tokens < x_rows {
+    if qx.cols != geo.cols || qx.n_tokens < x_rows || !qx.two {
         return Err(Error::Invalid(format!(
-            "{}: int8 x holds {} rows of {} values, the product needs {x_rows} of {}",
-            w.name, qx.n_tokens, qx.cols, geo.cols
+            "{}: int8 x holds {} rows of {} values in {} level(s), the product needs {x_rows} \
+             of {} in two",
+            w.name,
+            qx.n_tokens,
+            qx.cols,
+            1 + qx.two as u32,
+            geo.cols
         )));
     }
     let pl = Plan::with_items(&geo, opts, geo.n_blocks * lanes)?;
