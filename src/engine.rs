@@ -74,7 +74,7 @@ impl Engine {
             let adapter = opts.devices.first().unwrap_or(&opts.adapter);
             let gpu = Arc::new(
                 Gpu::with_matmul(adapter, opts.matmul, exact)?
-                    .with_int8_decode(opts.activations.int8(opts.fused_loads)),
+                    .with_int8_decode(opts.activations.int8()),
             );
             let gpu_mem = opts.gpu_mems.first().copied().or(opts.gpu_mem);
             let o = LoadOptions {

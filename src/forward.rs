@@ -73,14 +73,13 @@ impl std::str::FromStr for MatmulChoice {
 /// Which activations the decode products take (`--activations`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ActivationsChoice {
-    /// int8 (two levels, as [`ActivationsChoice::Int8`]; f32 with `--fused-loads on`, see
-    /// [`ActivationsChoice::int8`]) on every adapter (`dot4I8Packed` is
-    /// core WGSL, lowered to plain integer ops where a backend lacks the instruction, as for
-    /// `--matmul int8x2`): it meets every fixture bar, models that route on values included
+    /// f32 (as [`ActivationsChoice::F32`]). The two-level int8 path meets every fixture bar
     /// (tests/activations.rs; lavapipe, RMS against the reference: qwen35-dims Q4_K_M 3.5e-4
     /// with int8 against 1.9e-4 with f32, qwen35moe-dims Q4_K_M 4.7e-4, DeepSeek-V4 dims
-    /// Q4_K_M 1.6e-4, every top-1 ≥ 0.997, against the 0.02 bar), where one level missed every
-    /// quantized file (RMS 0.03-0.16).
+    /// Q4_K_M 1.6e-4, every top-1 ≥ 0.997, against the 0.02 bar), but on the H200 it decodes
+    /// slower: Qwen3.5-9B Q4_K_M 147.3 against 169.1 tok/s (GPU 7.6 against 6.3 ms per
+    /// token: a quantize pass per product, and each weight word dotted with two levels of
+    /// codes), so auto keeps f32 until an adapter where int8 wins is measured.
     #[default]
     Auto,
     /// f32 activations everywhere (exactness checks).
@@ -97,16 +96,12 @@ pub enum ActivationsChoice {
 }
 
 impl ActivationsChoice {
-    /// Whether one-token products take int8 activations, given `fused_loads`
-    /// (`LoadOptions::fused_loads`): `auto` keeps f32 with the fused loads, whose products
-    /// read f32 x through their prologues and whose remaining products would each add a
-    /// quantize pass to the dispatches per layer the fused loads exist to cut (Qwen3.5-9B
-    /// pattern: 6.5 per layer against 6.0, tests/qwen35_dispatch.rs).
-    pub fn int8(self, fused_loads: bool) -> bool {
+    /// Whether one-token products take int8 activations (those reading x through a fused
+    /// prologue stay f32 either way, see [`ActivationsChoice::Int8`]).
+    pub fn int8(self) -> bool {
         match self {
-            ActivationsChoice::F32 => false,
+            ActivationsChoice::F32 | ActivationsChoice::Auto => false,
             ActivationsChoice::Int8 => true,
-            ActivationsChoice::Auto => !fused_loads,
         }
     }
 }

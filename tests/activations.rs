@@ -3,8 +3,8 @@
 //! tests/fixtures/models: every token runs through the decode path (a prefill of one token,
 //! then one token per step), with the fused loads off (every one-token product of a type with
 //! an int8 kernel takes int8 activations) and on (the products reading x through a prologue
-//! stay f32). `--activations auto` is int8 with the fused loads off (the default) and f32 with
-//! them on, so it meets the bar either way.
+//! stay f32). `--activations auto` is f32 (int8 meets the bars but decodes slower on the
+//! H200).
 //!
 //! Measured on lavapipe (RMS against the reference, int8 two levels / f32 / the earlier one
 //! level): qwen35-dims Q4_K_M 3.5e-4 / 1.9e-4 / 6.6e-2, qwen35moe-dims Q4_K_M 4.7e-4 /
@@ -83,14 +83,10 @@ fn run_with(name: &str, opts: &LoadOptions, what: &str) -> Vec<(String, Score, O
 /// int8 meets the bar on every file of `name`.
 fn check(name: &str) {
     assert!(
-        ActivationsChoice::Auto.int8(false),
-        "auto takes int8 (it meets every bar)"
+        !ActivationsChoice::Auto.int8(),
+        "auto keeps f32 (int8 decodes slower on the H200)"
     );
-    assert!(
-        !ActivationsChoice::Auto.int8(true),
-        "f32 with the fused loads"
-    );
-    assert!(!ActivationsChoice::F32.int8(false) && ActivationsChoice::Int8.int8(true));
+    assert!(!ActivationsChoice::F32.int8() && ActivationsChoice::Int8.int8());
     for fused in [false, true] {
         for (label, s, llama) in run(name, ActivationsChoice::Int8, fused) {
             assert_bar(&label, &s, llama);
@@ -160,7 +156,7 @@ fn flags_reach_the_bench_report() {
             .unwrap()
     };
     for (extra, act, fused) in [
-        (&[][..], "int8", false),
+        (&[][..], "f32", false),
         (&["--fused-loads", "on"][..], "f32", true),
         (
             &["--activations", "int8", "--fused-loads", "on"][..],

@@ -473,7 +473,7 @@ impl Chain {
             .iter()
             .map(|d| {
                 Gpu::with_matmul(d, opts.matmul, exact)
-                    .map(|g| Arc::new(g.with_int8_decode(opts.activations.int8(opts.fused_loads))))
+                    .map(|g| Arc::new(g.with_int8_decode(opts.activations.int8())))
             })
             .collect::<Result<Vec<_>>>()?;
         let (ranges, mems) = plan_split(file, &gpus, opts)?;
