@@ -4,7 +4,8 @@
 //! TFLOP/s.
 //!
 //! `cargo run --release --bin bench_kernels -- [--types q4_k,q6_k] [--rows N --cols N]
-//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x4] [--prefill N] [--int8-x] [--adapter NAME]
+//!  [--mb TOTAL] [--tokens N] [--tune 128x2,256x8x64 (WGxROWS[xLANES])] [--prefill N]
+//!  [--int8-x] [--adapter NAME]
 //!  [--shapes 4096x12288,12288x4096] [--batch 1,2,4,8,16,24,32] [--no-matvec]`
 //!
 //! `--batch` compares, per token count, the token-group matvec (`multi`, one weight read per
