@@ -1533,12 +1533,6 @@ fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> vec4<f32> {
     }
 #else
     let n_items = ((p.cols + BS - 1u) / BS) * MV_CPB;
-    if (RQ == 1u) {
-        for (var c = tl; c < n_items; c += TPR) {
-            acc += mv_step(c, rb, xbase);
-        }
-        return acc;
-    }
     mq1 = vec4<f32>(0.0);
     mq2 = vec4<f32>(0.0);
     mq3 = vec4<f32>(0.0);
@@ -1551,7 +1545,9 @@ fn mv_partial(row0: u32, tl: u32, wbase: u32, xbase: u32) -> vec4<f32> {
         let boff = vec4<u32>(blk * BB);
         let xc = load_xc(xbase + blk * BS, s);
         acc += quad_dot(rb + boff, s, xc);
-        mq1 += quad_dot(rb1 + boff, s, xc);
+        if (RQ > 1u) {
+            mq1 += quad_dot(rb1 + boff, s, xc);
+        }
         if (RQ > 2u) {
             mq2 += quad_dot(rb2 + boff, s, xc);
         }

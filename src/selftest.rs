@@ -355,10 +355,7 @@ fn dense(
     if let Some(levels) = path.int8_levels() {
         // x̂ is within d/2 of x per element (d of the last level): the product moves by at
         // most Σ_blocks d/2 · Σ|w| (the GPU's own rounding of ties or of 1/d stays inside it)
-        let q = match levels {
-            matmul::Int8Levels::One => crate::cpu::q8x::quantize_x(&x, c),
-            matmul::Int8Levels::Two => crate::cpu::q8x::quantize_x2(&x, c).1,
-        };
+        let q = last_level(levels, &x, c);
         return Ok(compare_with(name, &got, &want, n_out, false, |i, a| {
             let (t, row) = (i / r, i % r);
             q.error_bound(t, &w.deq[row * c..][..c]) * 1.01 + 1e-4 * (1.0 + a)
@@ -366,6 +363,15 @@ fn dense(
     }
     let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
     Ok(compare(name, &got, &want, n_out, f16))
+}
+
+/// The CPU reference of x quantized in `levels`, as its last level (whose rounding bounds x̂'s
+/// error).
+fn last_level(levels: matmul::Int8Levels, x: &[f32], cols: usize) -> crate::cpu::q8x::QuantizedX {
+    match levels {
+        matmul::Int8Levels::One => crate::cpu::q8x::quantize_x(x, cols),
+        matmul::Int8Levels::Two => crate::cpu::q8x::quantize_x2(x, cols).1,
+    }
 }
 
 /// The token-group matvec (`matvec::matvec_multi`, int8 x with `int8`) against the one-token
@@ -580,10 +586,7 @@ fn indexed(
     );
     if let Some(levels) = path.int8_levels() {
         // as `dense`: within the quantization bound of x's last level
-        let q = match levels {
-            matmul::Int8Levels::One => crate::cpu::q8x::quantize_x(&x, cols),
-            matmul::Int8Levels::Two => crate::cpu::q8x::quantize_x2(&x, cols).1,
-        };
+        let q = last_level(levels, &x, cols);
         return Ok(compare_with(name, &got, &want, n_out, false, |i, a| {
             let (pq, r) = (i / rows, i % rows);
             let xq = if per_pair { pq } else { pq / n_used };

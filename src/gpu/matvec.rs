@@ -689,6 +689,18 @@ fn token_groups(n_tokens: u32) -> Vec<(u32, u32, u32)> {
 }
 
 impl Plan {
+    /// The one-token split of a product reading x through the RMSNorm prologue: from
+    /// [`NORM_QUAD_ROWS`] rows on, 4 rows per quad and two quads per thread group.
+    fn normed(mut self, geo: &Geometry, opts: &MatvecOpts) -> Plan {
+        if opts.tune.is_none() && geo.rows >= NORM_QUAD_ROWS {
+            self.r = 4;
+            if !geo.mv_slow() {
+                self.rq = 2;
+            }
+        }
+        self
+    }
+
     /// The multi-token kernel's split: matvec's lanes per row (what keeps each token's sums
     /// those of the one-token kernel), [`MULTI_ROWS`] rows unless tuned.
     fn multi(mut self, opts: &MatvecOpts) -> Plan {
@@ -1066,23 +1078,10 @@ pub fn matvec_fused(
         extra.push((11, (&c.batch.table).into()));
         variant.conv_k = c.k;
     }
-    let quads;
-    let plan_opts = if opts.tune.is_none()
-        && matches!(pro, Prologue::RmsNorm { .. })
-        && geo.rows >= NORM_QUAD_ROWS
-    {
-        quads = MatvecOpts {
-            tune: Some(Tune {
-                rows: 8,
-                ..Tune::default()
-            }),
-            ..*opts
-        };
-        &quads
-    } else {
-        opts
-    };
-    let pl = Plan::new(&geo, plan_opts)?;
+    let mut pl = Plan::new(&geo, opts)?;
+    if matches!(pro, Prologue::RmsNorm { .. }) {
+        pl = pl.normed(&geo, opts);
+    }
     let sg = use_subgroups(gpu, opts);
     if n_tokens > 1 {
         // the token-group kernel: each token's bits are those of its one-token product
