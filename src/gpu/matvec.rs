@@ -668,11 +668,15 @@ pub fn matvec_opts(
 /// accumulators are unrolled by hand up to 8); more tokens take more grid columns.
 pub const MULTI_GROUP: u32 = 8;
 
-/// Rows per thread group of [`matvec_multi`] without an explicit [`Tune`]: each row holds a
-/// token group's accumulators and its decoded slice while the x slices of the tokens stream
-/// by, so fewer rows than the one-token kernel's 4 keep register pressure down. (Unmeasured:
-/// `bench_kernels --batch ... --tune 128x1,128x2,128x4` compares them.)
-const MULTI_ROWS: u32 = 2;
+/// Rows per thread group of [`matvec_multi`] without an explicit [`Tune`]: 4, one quad. Each
+/// token's x slice is loaded once for the quad's rows, and a fused prologue (RMSNorm, SwiGLU)
+/// is computed once for them. H200, `bench_kernels --batch 2,4,8,16 --tune 128x2,128x4,...`,
+/// 12288 x 4096: Q4_K 29 / 51 / 75 / 140 µs at 2 / 4 / 8 / 16 tokens against 35 / 71 / 117 /
+/// 228 with 2 rows, Q8_0 29 / 47 / 80 / 152 against 40 / 69 / 138 / 246 (4096 x 12288 alike;
+/// Q6_K within 5% at 2 tokens, 14% faster at 8-16). More quads per thread group (8 or 16 rows
+/// sharing each x load) were 1.2-25x slower from 4 tokens on: a token group's accumulators for
+/// every quad do not fit the registers.
+const MULTI_ROWS: u32 = 4;
 
 /// The token runs of a multi-token product: `(first token, tokens per group, groups)`, groups
 /// of at most [`MULTI_GROUP`] tokens whose sizes differ by at most one (13 tokens: one group
