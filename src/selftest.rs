@@ -9,8 +9,8 @@
 //!
 //! The fused decode kernels are checked the same way against a CPU reference of the steps they
 //! fuse (`cpu::ops`, `cpu::gdn`): the matvec prologues (RMSNorm, SwiGLU, the sigmoid gates),
-//! the GDN conv step in the qkv product's store, `qk_norm_rope`, the GDN step with its gated
-//! norm, and the int8-activation matvec (two levels, against the product of the
+//! the GDN conv step in the qkv product's store, `qk_norm_rope`, the residual add + RMSNorm
+//! at the model widths, the GDN step with its gated norm, and the int8-activation matvec (two levels, against the product of the
 //! dequantized weights with x quantized by `cpu::q8x::quantize_x2`, the kernel's own rounding
 //! of x, so the f32 bound applies); see [`fused`].
 //!
@@ -1024,6 +1024,85 @@ pub fn qk_norm_rope(
     })
 }
 
+/// The residual add + RMSNorm of decode and prefill (`norm::add_rms_norm`, f32 weight) on
+/// `rows` rows of `dim` whose x, residual and y rows start at element `off` (and `off + 4`,
+/// `off + 8`) with a stride of `dim + off`. Against the CPU (`ops::rms_norm` of x + r); the
+/// sum written back to x must be the f32 sum exactly. Bound per value `1e-5 · (1 + |v|)`.
+pub fn add_rms_norm(gpu: &Gpu, (rows, dim, off): (u32, u32, u32), seed: u64) -> Result<Check> {
+    use crate::cpu::ops;
+    use crate::gpu::elementwise::View;
+    use crate::gpu::norm;
+    let mut rng = Rng(seed);
+    let (r, d, o) = (rows as usize, dim as usize, off as usize);
+    let stride = d + o;
+    let len = o + 8 + r * stride + 4;
+    let x = rng.normals(len, 2.0);
+    let z = rng.normals(len, 1.0);
+    let w = rng.normals(d, 1.0);
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let zb = gpu.upload_f32(&z, "selftest.z")?;
+    let yb = gpu.upload_f32(&vec![SENTINEL; len], "selftest.y")?;
+    let wt = gpu.upload_tensor(&TensorRef {
+        name: "selftest.norm",
+        dtype: DType::F32,
+        shape: &[d as u64],
+        data: bytemuck::cast_slice(&w),
+        path: Path::new("selftest"),
+    })?;
+    let (xo, zo, yo) = (o, o + 4, o + 8);
+    let view = |b, at: usize| View::strided(b, at as u32, stride as u32);
+    let mut pass = gpu.pass();
+    norm::add_rms_norm(
+        &mut pass,
+        rows,
+        dim,
+        view(&xb, xo),
+        view(&zb, zo),
+        view(&yb, yo),
+        Some(&wt),
+        1e-6,
+    )?;
+    pass.submit()?;
+    let got_x = gpu.read_f32(&xb, 0, len)?;
+    let got_y = gpu.read_f32(&yb, 0, len)?;
+    let mut worst = 0f64;
+    let mut detail = String::new();
+    let (mut e2, mut v2) = (0f64, 0f64);
+    for i in 0..r {
+        let h: Vec<f32> = (0..d)
+            .map(|j| x[xo + i * stride + j] + z[zo + i * stride + j])
+            .collect();
+        if (0..d).any(|j| got_x[xo + i * stride + j] != h[j]) && detail.is_empty() {
+            detail = format!("row {i}: residual sum written back differs");
+        }
+        let want = ops::rms_norm(&h, d, Some(&w), 1e-6);
+        for (j, &v) in want.iter().enumerate() {
+            let g = got_y[yo + i * stride + j];
+            e2 += (g as f64 - v as f64).powi(2);
+            v2 += (v as f64).powi(2);
+            let err = (g as f64 - v as f64).abs() / (1e-5 * (1.0 + v.abs() as f64));
+            let ratio = if err.is_nan() { f64::INFINITY } else { err };
+            if ratio > worst {
+                worst = ratio;
+                if worst > 1.0 {
+                    detail = format!("row {i} value {j} = {g}, want {v}");
+                }
+            }
+        }
+    }
+    let outside = (0..len).filter(|&k| k < yo || (k - yo) % stride >= d || (k - yo) / stride >= r);
+    if let Some(k) = outside.into_iter().find(|&k| got_y[k] != SENTINEL) {
+        detail = format!("y element {k} outside the rows was written");
+    }
+    Ok(Check {
+        name: format!("add_rms_norm {rows}x{dim} offset {off}"),
+        passed: detail.is_empty(),
+        worst,
+        rel_rms: (e2 / v2.max(1e-300)).sqrt(),
+        detail,
+    })
+}
+
 /// DeepSeek-V4's decode rows in one attention call (`attention::Keys::Rows`): tokens with
 /// their own index lists (window ring rows in source A, compressed entries in B, masked
 /// slots) of the given lengths, each with its own split, one K = V head, sinks; f32 cache.
@@ -1301,7 +1380,7 @@ const FUSED_TYPES: [DType; 8] = [
 
 /// The fused decode kernels: every prologue over [`FUSED_TYPES`] at odd sizes (1 and 3
 /// tokens), the conv step, the int8-activation matvec (dense, accumulating and indexed) for
-/// every type that has one, `qk_norm_rope` and the GDN step with its gated norm at
+/// every type that has one, `qk_norm_rope`, `add_rms_norm` and the GDN step with its gated norm at
 /// Qwen3.5's head sizes and odd ones; with `full` the 9B's product shapes (norm into
 /// 12288x4096, SwiGLU into 4096x12288, int8 at both).
 pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
@@ -1362,6 +1441,23 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
         push(
             &format!("qk_norm_rope {shape:?}"),
             qk_norm_rope(gpu, shape, 650 + i as u64),
+        );
+    }
+    // the model widths (Qwen3.5-9B, 35B-A3B, DeepSeek-V4-Flash; 9216: past the elements
+    // the threads keep in registers), and odd rows
+    for (i, shape) in [
+        (1, 4096, 0),
+        (3, 2048, 4),
+        (2, 7168, 8),
+        (2, 9216, 4),
+        (3, 1001, 3),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        push(
+            &format!("add_rms_norm {shape:?}"),
+            add_rms_norm(gpu, shape, 640 + i as u64),
         );
     }
     // DeepSeek-V4's decode rows: head 512 (Flash's), lists of one and of many splits; odd heads

@@ -300,25 +300,42 @@ fn elementwise_rejects_out_of_bounds_views() {
 // ---------------------------------------------------------------------------------------
 
 /// RMSNorm (F32 / F16 / BF16 / no weight, out of place and in place, fused residual), L2
-/// (both modes, scaled) and gated RMSNorm. Tolerance: 1e-6 abs + 1e-5 relative against the
-/// f64 reference.
+/// (both modes, scaled) and gated RMSNorm, with rows off the 4-element grid (the scalar
+/// kernel) and on it (the vec4 kernel for ungated rows longer than 256); rows longer than
+/// the vec4s the threads keep in registers (8192 elements) take the loop past them.
+/// Tolerance: 1e-6 abs + 1e-5 relative against the f64 reference.
 #[test]
 fn norms_match_cpu() {
     let gpu = gpu();
     let mut rng = Rng(0xabcdef);
     let eps = 1e-6f32;
-    for &(rows, dim) in &[
-        (3, 1),
-        (2, 7),
-        (3, 33),
-        (2, 255),
-        (3, 1000),
-        (2, 2048),
-        (2, 4096),
-    ] {
-        let lx = Layout::new(rows, dim, 2, dim + 3);
-        let ly = Layout::new(rows, dim, 5, dim + 1);
-        let lz = Layout::new(rows, dim, 1, dim);
+    let shapes = [
+        (3, 1, false),
+        (2, 7, false),
+        (3, 33, false),
+        (2, 255, false),
+        (3, 1000, false),
+        (2, 2048, false),
+        (2, 4096, false),
+        (3, 12, true),
+        (2, 1000, true),
+        (3, 4096, true),
+        (2, 9216, true),
+    ];
+    for &(rows, dim, aligned) in &shapes {
+        let (lx, ly, lz) = if aligned {
+            (
+                Layout::new(rows, dim, 4, dim + 4),
+                Layout::new(rows, dim, 8, dim),
+                Layout::new(rows, dim, 0, dim + 12),
+            )
+        } else {
+            (
+                Layout::new(rows, dim, 2, dim + 3),
+                Layout::new(rows, dim, 5, dim + 1),
+                Layout::new(rows, dim, 1, dim),
+            )
+        };
         let x: Vec<f32> = rng.vec(rows * dim, 2.0).iter().map(|v| v + 0.5).collect();
         let z = rng.vec(rows * dim, 3.0);
         let w = rng
@@ -337,7 +354,7 @@ fn norms_match_cpu() {
                 }
                 None => (None, None),
             };
-            let what = format!("rms_norm {rows}x{dim} w {wt:?}");
+            let what = format!("rms_norm {rows}x{dim} aligned {aligned} w {wt:?}");
             let want = ops::rms_norm(&x, dim, wref.as_deref(), eps);
             // Out of place.
             let before = vec![GUARD; ly.len()];
@@ -416,7 +433,7 @@ fn norms_match_cpu() {
             .unwrap()
         });
         let h: Vec<f32> = x.iter().zip(&z).map(|(a, b)| a + b).collect();
-        let what = format!("add_rms_norm {rows}x{dim}");
+        let what = format!("add_rms_norm {rows}x{dim} aligned {aligned}");
         assert_guards(&what, &ly, &full, &before);
         assert_close(
             &what,
@@ -447,7 +464,7 @@ fn norms_match_cpu() {
                 )
                 .unwrap()
             });
-            let what = format!("l2_norm {mode:?} {rows}x{dim}");
+            let what = format!("l2_norm {mode:?} {rows}x{dim} aligned {aligned}");
             assert_guards(&what, &ly, &full, &before);
             assert_close(&what, &ly.gather(&full), &want, 1e-6, 1e-5);
         }
@@ -948,24 +965,31 @@ fn topk_needs_scratch_for_long_rows() {
 
 /// Fused MoE router (softmax → top-k → renormalise) against the CPU reference: ids exact,
 /// weights 1e-7 abs + 1e-5 relative. Expert counts of Qwen3.5 (256, top-8), DeepSeek-V4 Pro
-/// (384, top-6) and odd ones.
+/// (384, top-6) and odd ones, and rows of logits on a coarse grid (many ties: the lower
+/// index must win).
 #[test]
 fn router_matches_cpu() {
     let gpu = gpu();
     let mut rng = Rng(11);
     let n_tok = 5usize;
-    for &(n_exp, k) in &[
-        (8usize, 2usize),
-        (60, 4),
-        (128, 8),
-        (256, 8),
-        (384, 6),
-        (512, 10),
-        (2048, 16),
-        (16, 16),
+    for &(n_exp, k, ties) in &[
+        (8usize, 2usize, false),
+        (60, 4, false),
+        (128, 8, false),
+        (256, 8, false),
+        (256, 8, true),
+        (384, 6, false),
+        (512, 10, false),
+        (1024, 8, true),
+        (1025, 8, true),
+        (2048, 16, false),
+        (16, 16, false),
     ] {
         let lx = Layout::new(n_tok, n_exp, 1, n_exp + 2);
-        let logits = rng.vec(n_tok * n_exp, 3.0);
+        let mut logits = rng.vec(n_tok * n_exp, 3.0);
+        if ties {
+            logits.iter_mut().for_each(|v| *v = (*v * 0.5).round());
+        }
         let xbuf = gpu.upload_f32(&lx.place(&logits), "logits").unwrap();
         for renorm in [true, false] {
             let li = Layout::new(n_tok, k, 2, k);
@@ -987,7 +1011,7 @@ fn router_matches_cpu() {
             pass.submit().unwrap();
             let ifull = gpu.read_f32(&ibuf, 0, li.len()).unwrap();
             let wfull = gpu.read_f32(&wbuf, 0, lw.len()).unwrap();
-            let what = format!("router {n_exp} experts top-{k} renorm {renorm}");
+            let what = format!("router {n_exp} experts top-{k} renorm {renorm} ties {ties}");
             assert_guards(&what, &li, &ifull, &vec![GUARD; li.len()]);
             assert_guards(&what, &lw, &wfull, &vec![GUARD; lw.len()]);
             let (wi, ww) = ops::router_softmax_topk(&logits, n_exp, k, renorm);

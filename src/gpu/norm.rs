@@ -12,6 +12,8 @@ use crate::cpu::ops::L2Mode;
 use crate::{DType, Error, Result};
 
 const SRC: &str = include_str!("../../shaders/norm.wgsl");
+/// Threads per workgroup of `norm.wgsl` (`WG`).
+const WG: u32 = 256;
 
 /// Uniforms of `norm.wgsl` (same fields, same order).
 #[repr(C)]
@@ -110,17 +112,28 @@ fn run(
         Mode::L2(L2Mode::Hf) => 1,
         Mode::L2(L2Mode::Ggml) => 2,
     };
-    /// Typed key: (mode, weight type, in place, gated, residual).
+    let yv = y.unwrap_or(x);
+    let zv = z.unwrap_or(x);
+    // vec4 items (`V4`, see norm.wgsl) for ungated rows longer than a workgroup whose x, y
+    // and z rows all start on a multiple of 4 elements
+    let v4 = !gated
+        && dim > WG
+        && dim.is_multiple_of(4)
+        && [x, yv, zv]
+            .iter()
+            .all(|v| v.off.is_multiple_of(4) && v.stride_for(dim).is_multiple_of(4));
+    /// Typed key: (mode, weight type, in place, gated, residual, vec4 items).
     #[derive(PartialEq, Eq, Hash)]
-    struct Norm(u32, Option<DType>, bool, bool, bool);
-    let key = Norm(mode_id, wdt, inplace, gated, residual);
+    struct Norm(u32, Option<DType>, bool, bool, bool, bool);
+    let key = Norm(mode_id, wdt, inplace, gated, residual, v4);
     let pl = pass.gpu().pipeline_for(key, || {
         let label = format!(
-            "norm_m{mode_id}_w{}{}{}{}",
+            "norm_m{mode_id}_w{}{}{}{}{}",
             wdt.map_or("none", |t| t.name()),
             if inplace { "_inplace" } else { "" },
             if gated { "_gated" } else { "" },
             if residual { "_residual" } else { "" },
+            if v4 { "_v4" } else { "" },
         );
         let mut spec = PipelineSpec::new(label, SRC, "main")
             .define("MODE", format!("{mode_id}u"))
@@ -128,14 +141,13 @@ fn run(
             .define("RESIDUAL", residual)
             .define("GATED", gated)
             .define("HAS_Z", gated || residual)
-            .define("HAS_W", wdt.is_some());
+            .define("HAS_W", wdt.is_some())
+            .define("V4", v4);
         if let Some(t) = wdt {
             spec = spec.define(&format!("W_{}", t.name()), true);
         }
         spec
     })?;
-    let yv = y.unwrap_or(x);
-    let zv = z.unwrap_or(x);
     let params = Params {
         dim,
         n_rows,
