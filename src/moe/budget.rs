@@ -7,12 +7,14 @@
 //! therefore takes the size from, in order ([`AdapterMemory::detect`]):
 //! 1. `--gpu-mem SIZE` (also lets a big GPU behave like a small one, for testing);
 //! 2. what the backend reports under wgpu (`gpu::memory`: Vulkan's largest device-local
-//!    heap, and its `VK_EXT_memory_budget` budget when the driver offers one); for an
+//!    heap, and its `VK_EXT_memory_budget` budget when the driver offers one; DXGI's
+//!    dedicated video memory and `QueryVideoMemoryInfo` budget; Metal's recommended
+//!    working set); for an
 //!    integrated GPU at most half of the system RAM (`MemTotal` of /proc/meminfo): "VRAM"
 //!    is host memory there, and the other half stays for the OS page cache that backs the
 //!    mmap'd cold experts. A CPU adapter (lavapipe, llvmpipe, SwiftShader) gets half the
 //!    RAM whatever its driver reports (lavapipe reports a 2 GiB heap on any machine);
-//! 3. without a report (Metal, DX12, GL today), stated guesses: half the system RAM for a
+//! 3. without a report (GL, or a backend query that failed), stated guesses: half the system RAM for a
 //!    CPU or integrated adapter; a size in the adapter name (`NVIDIA A100-SXM4-80GB`,
 //!    `... 48GB` → that many GiB), or a short table of data-centre GPUs whose names carry
 //!    none ([`KNOWN_ADAPTERS`]);
