@@ -48,9 +48,8 @@ pub struct MoeArgs {
     /// llama.cpp) or tiled (the f32 kernel, exact f32 activations).
     #[arg(long, value_name = "PATH", default_value = "auto")]
     pub matmul: lathe::gpu::MatmulChoice,
-    /// Activations of one-token (decode) products: auto (int8: it meets the fixture bars; f32
-    /// with --fused-loads on, whose dispatch count a quantize pass per product would raise),
-    /// f32, or int8 (x quantized per 32 values in two int8 levels, within max|x|/64516, for
+    /// Activations of one-token (decode) products: auto (f32: the int8 path meets the fixture
+    /// bars but decodes slower on the GPUs measured), f32, or int8 (x quantized per 32 values in two int8 levels, within max|x|/64516, for
     /// the Q4_0, Q8_0, Q4_K, Q5_K and Q6_K products; not for products with --fused-loads on).
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub activations: lathe::engine::ActivationsChoice,
