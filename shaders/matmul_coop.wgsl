@@ -22,6 +22,11 @@
 //   from the staged X (L2-resident) and B fragments from Wh. Results leave through a per-
 //   subgroup 16x16 f32 tile in workgroup memory, so the epilogue (scale, accumulate, MoE
 //   scatter, bounds) is the tiled kernel's.
+// - XSTAGE (products with one f16 accumulator per fragment, quantized and FP8 weights at f16
+//   precision, on 8-subgroup tiles): X goes through workgroup memory too, in steps of one chunk (32
+//   weights): per step threads 0..CBM each decode one weight row's chunk (8 vector stores) and
+//   the others copy the tile's CBN x rows' 64 bytes (16-byte loads), both into the other of
+//   two buffers while the current one multiplies, so no fragment load waits on L2.
 // - WSPLIT (quantized and FP8 weights on the `coop-split` path): the decoded weight w keeps its
 //   top 11 significant bits as hi (truncation, as coop_x splits x), and the remainder goes to a
 //   second staged tile as lo = f16((w - hi) * 2^11)
@@ -33,9 +38,12 @@
 //   their double buffers fill the workgroup memory of 8 subgroups).
 //
 // Kernel-lab variants (`bench_kernels --variant`, never compiled otherwise): LAB_NODECODE skips
-// the weight staging, LAB_NOMMA the products, so the two parts of a step can be timed apart.
+// the weight staging, LAB_NOMMA the products, so the two parts of a step can be timed apart;
+// LAB_NOXSTAGE (src/gpu/coopmat.rs) keeps the x fragments loaded from L2.
 //
-// Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB + 1 KiB of token tables;
+// Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB (+ 0.5 KiB of token
+// tables for MoE); XSTAGE: Ws and Xs 2 x 128 x 80 B = 20 KiB each + Cs 8 KiB = 48 KiB (the
+// dense kernel computes its token rows instead of keeping tables);
 // WSPLIT (NSG 4): Wh and Wl 2 x 64 x 72 x 2 B = 18 KiB each + Cs 4 KiB + 0.5 KiB.
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -70,18 +78,26 @@ const CNONE = 0xffffffffu;
 #endif
 
 // matmul_coop: the staged rows as f16, row stride p.cols_pad halves; their scales
+#if XSTAGE
+// (XSTAGE) the same rows in 16-byte pieces of 8 halves (two vec4 columns), copied into
+// workgroup memory
+@group(0) @binding(7) var<storage, read> XH: array<mat2x4<f16>>;
+#else
 @group(0) @binding(7) var<storage, read> XH: array<f16>;
+#endif
 @group(0) @binding(8) var<storage, read> SC: array<f32>;
 #if SPLIT
 @group(0) @binding(12) var<storage, read> XL: array<f16>;
 #endif
 
-var<workgroup> xmax: array<f32, 64>;
-
 // halves per staged row: chunks rounded up to whole steps
 fn staged_halves() -> u32 {
     return ((p.n_chunks + 1u) / 2u) * CK;
 }
+
+#if XSTAGE
+#else
+var<workgroup> xmax: array<f32, 64>;
 
 fn pack4h(v: vec4<f32>) -> vec2<u32> {
     return vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
@@ -148,15 +164,85 @@ fn coop_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     }
 }
 
+#endif
+
+#if XSTAGE
+#else
 var<workgroup> Wh: array<f16, WBUF * CBM * CKP>;  // WBUF buffers of [CBM rows][CKP]
 #if WSPLIT
 var<workgroup> Wl: array<f16, WBUF * CBM * CKP>;  // the remainders (x 2^11), same layout
 const LO_SCALE = 2048.0;
 #endif
+#endif
 var<workgroup> Cs: array<f32, 256u * NSG>;      // [subgroup][16 tokens][16 rows]
+#if ID
 var<workgroup> cty: array<u32, CBN>;   // y element of tile token n's row 0, CNONE if absent
 var<workgroup> cts: array<f32, CBN>;   // its inverse x scale
+fn tok_y(n: u32) -> u32 { return cty[n]; }
+fn tok_s(n: u32) -> f32 { return cts[n]; }
+#else
+// dense: tile token n is token tile_g0 + n (no tables: the XSTAGE tile fills 48 KiB without)
+var<private> tile_g0: u32;
+fn tok_y(n: u32) -> u32 {
+    let t = tile_g0 + n;
+    return select(CNONE, p.y_off + t * p.y_stride, t < p.n_tokens);
+}
+fn tok_s(n: u32) -> f32 { return SC[min(tile_g0 + n, p.n_tokens - 1u)]; }
+#endif
 
+#if XSTAGE
+// XSTAGE: both operands go through workgroup memory, one 32-weight chunk per step. Rows of CKQ
+// vec4<f16> (32 halves + 8 of padding: 80 bytes, so every fragment row starts 16-byte aligned
+// and the 8 rows of a fragment load fall in distinct banks); double-buffered.
+// 8 subgroups: 2 x 128 x 80 B of weights + 2 x 128 x 80 B of x + Cs 8 KiB = 48 KiB.
+const CKQ = 10u;
+var<workgroup> Ws: array<vec4<f16>, 2u * CBM * CKQ>;  // [buffer][CBM rows][CKQ]
+var<workgroup> Xs: array<vec4<f16>, 2u * CBN * CKQ>;  // [buffer][CBN tokens][CKQ]
+
+// chunk c of the row at byte rb into row m of the weight buffer at wb (8 vector stores)
+fn stage_w(rb: u32, c: u32, m: u32, wb: u32) {
+    let base = wb + m * CKQ;
+#if LAB_NODECODE
+    return;
+#endif
+    if (c >= p.n_chunks) {
+        for (var j = 0u; j < 8u; j++) {
+            Ws[base + j] = vec4<f16>(0.0);
+        }
+        return;
+    }
+    let w = chunk_w(rb + (c / CPB) * BB, c % CPB);
+    for (var j = 0u; j < 8u; j++) {
+        Ws[base + j] = vec4<f16>(w[j]);
+    }
+}
+
+// Step c's operands into buffer b: CBM weight rows (decoded) and 4 pieces of 8 halves of each of
+// the tile's CBN staged x rows from g0 (copied; coop_x wrote them in chunk order).
+// With at least twice CBM threads, threads 0..CBM only decode and the others only copy (the
+// decode is the longer part of a step).
+fn stage_step(lid: u32, row_base: u32, wbase: u32, g0: u32, c: u32, b: u32) {
+    for (var m = lid; m < CBM; m += CWG) {
+        let rb = wbase + min(row_base + m, p.rows - 1u) * p.row_bytes;
+        stage_w(rb, c, m, b * CBM * CKQ);
+    }
+    let split = CWG >= 2u * CBM;
+    if (split && lid < CBM) {
+        return;
+    }
+    let u0 = select(lid, lid - CBM, split);
+    let du = select(CWG, CWG - CBM, split);
+    let rv = staged_halves() / 8u;
+    for (var u = u0; u < 4u * CBN; u += du) {
+        let n = u / 4u;
+        let q = u % 4u;
+        let v = XH[(g0 + n) * rv + 4u * c + q];
+        let o = b * CBN * CKQ + n * CKQ + 2u * q;
+        Xs[o] = v[0];
+        Xs[o + 1u] = v[1];
+    }
+}
+#else
 // chunk c of the row at byte rb (clamped into the part) into row m of Wh buffer wb, halves 32h..
 fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
     let base = wb + m * CKP + 32u * h;
@@ -212,6 +298,8 @@ fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
     }
 }
 
+#endif
+
 // Tile token n of this subgroup's fragment tf, rows of fragment rf: scale, bounds, store.
 // With WSPLIT, `d` holds the products with the weights' remainders (x 2^11).
 #if WSPLIT
@@ -233,12 +321,12 @@ fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
         let i = lane + 32u * u;
         let n = n0 + i / 16u;
         let row = r0 + i % 16u;
-        let yb = cty[n];
+        let yb = tok_y(n);
         if (yb != CNONE && row < p.rows) {
 #if WSPLIT
-            let v = (Cs[sg * 256u + i] + lo[u]) * cts[n];
+            let v = (Cs[sg * 256u + i] + lo[u]) * tok_s(n);
 #else
-            let v = Cs[sg * 256u + i] * cts[n];
+            let v = Cs[sg * 256u + i] * tok_s(n);
 #endif
             if (p.accumulate != 0u) {
                 Y[yb + row] += v;
@@ -250,6 +338,69 @@ fn coop_out(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, n0: u32, r0: u32) {
     workgroupBarrier();
 }
 
+#if XSTAGE
+// The tile (XSTAGE): as below, with the x fragments from workgroup memory instead of L2. Per
+// step every thread stages its share of the next step (weights decoded by threads 0..CBM, x
+// copied by all), then each subgroup multiplies its 64 rows x 16 * TT tokens over the step's
+// two k sub-steps.
+fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
+    let sr = 64u * (sg % (NSG / 4u));
+    let st = 16u * TT * (sg / (NSG / 4u));
+    var c00: coop_mat16x16<f32, C>;
+    var c01: coop_mat16x16<f32, C>;
+    var c02: coop_mat16x16<f32, C>;
+    var c03: coop_mat16x16<f32, C>;
+#if TT2
+    var c10: coop_mat16x16<f32, C>;
+    var c11: coop_mat16x16<f32, C>;
+    var c12: coop_mat16x16<f32, C>;
+    var c13: coop_mat16x16<f32, C>;
+#endif
+    let n_steps = p.n_chunks;
+    stage_step(lid, row_base, wbase, g0, 0u, 0u);
+    workgroupBarrier();
+    for (var step = 0u; step < n_steps; step++) {
+        let cur = step % 2u;
+        if (step + 1u < n_steps) {
+            stage_step(lid, row_base, wbase, g0, step + 1u, 1u - cur);
+        }
+#ifndef LAB_NOMMA
+        let wq = (cur * CBM + sr) * CKQ;
+        let xq = (cur * CBN + st) * CKQ;
+        for (var k4 = 0u; k4 < 8u; k4 += 4u) {
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Ws[wq + k4], CKQ);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Ws[wq + 16u * CKQ + k4], CKQ);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Ws[wq + 32u * CKQ + k4], CKQ);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Ws[wq + 48u * CKQ + k4], CKQ);
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&Xs[xq + k4], CKQ);
+            c00 = coopMultiplyAdd(a0, b0, c00);
+            c01 = coopMultiplyAdd(a0, b1, c01);
+            c02 = coopMultiplyAdd(a0, b2, c02);
+            c03 = coopMultiplyAdd(a0, b3, c03);
+#if TT2
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&Xs[xq + 16u * CKQ + k4], CKQ);
+            c10 = coopMultiplyAdd(a1, b0, c10);
+            c11 = coopMultiplyAdd(a1, b1, c11);
+            c12 = coopMultiplyAdd(a1, b2, c12);
+            c13 = coopMultiplyAdd(a1, b3, c13);
+#endif
+        }
+#endif
+        workgroupBarrier();
+    }
+    let r = row_base + sr;
+    coop_out(c00, sg, lane, st, r);
+    coop_out(c01, sg, lane, st, r + 16u);
+    coop_out(c02, sg, lane, st, r + 32u);
+    coop_out(c03, sg, lane, st, r + 48u);
+#if TT2
+    coop_out(c10, sg, lane, st + 16u, r);
+    coop_out(c11, sg, lane, st + 16u, r + 16u);
+    coop_out(c12, sg, lane, st + 16u, r + 32u);
+    coop_out(c13, sg, lane, st + 16u, r + 48u);
+#endif
+}
+#else
 // The tile: rows row_base.. of the expert at byte wbase, staged X rows g0.. Fragments of
 // tokens past the valid ones are computed all the same (naga requires cooperative operations in
 // uniform control flow, and a per-subgroup skip is not uniform); the epilogue drops them.
@@ -379,6 +530,8 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
 #endif
 }
 
+#endif
+
 #if ID
 // MoE over the route of matmul.wgsl (tiles of RBN = 64 pairs): tile slot wid.y = (expert e,
 // tile j), staged rows start[e] + 64j.. (coop_x staged the pairs in the route's grouped order).
@@ -428,13 +581,7 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>,
         return;
     }
     let g0 = wid.y * CBN;
-    if (lid < CBN) {
-        let t = g0 + lid;
-        let ok = t < p.n_tokens;
-        cty[lid] = select(CNONE, p.y_off + t * p.y_stride, ok);
-        cts[lid] = select(0.0, SC[min(t, p.n_tokens - 1u)], ok);
-    }
-    workgroupBarrier();
+    tile_g0 = g0;
     coop_tile(lid, sg, lane, wid.x * CBM, 0u, g0);
 }
 #endif

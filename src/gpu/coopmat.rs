@@ -37,10 +37,10 @@ pub(crate) const SRC: &str = concat!(
 /// tiles would leave the GPU short of workgroups.
 const NSG_BIG: u32 = 8;
 const NSG_SMALL: u32 = 4;
-/// Workgroups of 128-row tiles below which a dense product takes 64-row tiles: two per
-/// multiprocessor of an H200 (132), so 4096-row products at 256 tokens (64 big tiles) run on
-/// every multiprocessor.
-const FILL: u32 = 256;
+/// Workgroups of 128-row tiles below which a dense product takes 64-row tiles: one per
+/// multiprocessor of an H200 (132). H200, 4096 x 12288 Q4_K at 512 tokens (128 big tiles): 0.48 ms
+/// on 128-row tiles (x staged in workgroup memory) against 0.72 on 64-row ones.
+const FILL: u32 = 128;
 
 /// MoE products with fewer pairs per expert than this on average take [`THIN`] tiles
 /// (measured on the H200: DeepSeek-V4's 6 pairs per expert ran 2.5x faster on them, the
@@ -180,12 +180,19 @@ fn spec(
     let slow = geo.misaligned();
     let sp = split_x(geo.dtype, t.prec);
     let sw = split_w(geo.dtype, t.prec) && entry != "coop_x";
+    // products of f16 operands in one accumulator on 8-subgroup tiles stage x through
+    // workgroup memory too: H200, 512 tokens, 12288 x 4096 Q4_K 0.52 ms against 0.83 with x
+    // fragments from L2; 4-subgroup tiles (64 rows share each copy) ran 4096 x 12288 in 1.04
+    // against 0.72 ms, so they keep L2. The kernel lab's LAB_NOXSTAGE keeps L2 for comparison.
+    let lab_l2 = extra.iter().any(|(n, _)| *n == "LAB_NOXSTAGE");
+    let xs = entry != "coop_x" && !sp && !sw && !t.thin() && t.nsg == NSG_BIG && !lab_l2;
     let mut label = format!(
-        "{entry}_{}{}{}{}_n{}_g{}",
+        "{entry}_{}{}{}{}{}_n{}_g{}",
         geo.label(xvec, slow),
         if t.id { "_id" } else { "" },
         if sp { "_split" } else { "" },
         if sw { "_wsplit" } else { "" },
+        if xs { "_xstage" } else { "" },
         t.cbn,
         t.nsg
     );
@@ -201,6 +208,7 @@ fn spec(
         .define("THIN", t.thin())
         .define("SPLIT", sp)
         .define("WSPLIT", sw)
+        .define("XSTAGE", xs)
         .define("ID", t.id);
     for (n, v) in extra {
         s = s.define(n, v);
@@ -366,7 +374,9 @@ pub fn matmul_coop(
     base.x_stride = x_stride;
     let st = stage(pass, w, &geo, x, base, xvec, n_tokens, None, prec)?;
     let big_tiles = n_tokens.div_ceil(CBN_DENSE);
-    let nsg = if geo.rows.div_ceil(STAGE.rows()) * big_tiles < FILL {
+    // the kernel lab's LAB_NSG8 takes 128-row tiles whatever the product's size
+    let lab_big = opts.defines.iter().any(|(n, _)| *n == "LAB_NSG8");
+    let nsg = if geo.rows.div_ceil(STAGE.rows()) * big_tiles < FILL && !lab_big {
         NSG_SMALL
     } else {
         NSG_BIG

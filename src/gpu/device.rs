@@ -104,12 +104,12 @@ impl MatmulPath {
 }
 
 /// Workgroup memory the cooperative-matrix kernels declare (matmul_coop.wgsl).
-const COOP_WG_MEMORY: u32 = 46 * 1024;
+const COOP_WG_MEMORY: u32 = 48 * 1024;
 
 /// Whether the adapter can run lathe's cooperative-matrix kernels: they need f16 16x16x16
 /// with f32 accumulation at subgroup scope (wgpu-hal's Vulkan adapter lists what
 /// VK_KHR_cooperative_matrix reports), subgroups of exactly 32 lanes (the kernels lay 8
-/// subgroups over a 256-thread workgroup), f16 shaders and 46 KiB of workgroup memory.
+/// subgroups over a 256-thread workgroup), f16 shaders and 48 KiB of workgroup memory.
 pub fn coop_supported(
     adapter: &wgpu::Adapter,
     limits: &wgpu::Limits,
