@@ -742,11 +742,18 @@ pub fn prologue(
     Ok(chk)
 }
 
-/// The GDN conv step in the store of a normed qkv product (`matvec::ConvStep`, width 4) for
-/// three one-token sequences in slots 2, 0, 1: the first `channels` rows become
-/// silu(Σ_j cw_j · state_j + cw_3 · y) and the states roll, the rest are the plain product;
-/// against the CPU (`cpu::ops::rms_norm`, the product in f64, the conv in f64).
-pub fn conv_step(gpu: &Gpu, dt: DType, (rows, cols): (u64, u64), seed: u64) -> Result<Check> {
+/// The GDN conv step in the store of a qkv product (`matvec::ConvStep`, width 4), normed
+/// (`matvec_fused`) or plain (`matvec_conv`), for three one-token sequences in slots 2, 0, 1:
+/// the first `channels` rows become silu(Σ_j cw_j · state_j + cw_3 · y) and the states roll,
+/// the rest are the product; against the CPU (`cpu::ops::rms_norm`, the product in f64, the
+/// conv in f64).
+pub fn conv_step(
+    gpu: &Gpu,
+    dt: DType,
+    (rows, cols): (u64, u64),
+    normed: bool,
+    seed: u64,
+) -> Result<Check> {
     use crate::cpu::ops;
     use crate::gpu::gdn::{SeqBatch, SeqSpan};
     let (k, nt) = (4usize, 3usize);
@@ -795,25 +802,36 @@ pub fn conv_step(gpu: &Gpu, dt: DType, (rows, cols): (u64, u64), seed: u64) -> R
         ));
     }
     let mut pass = gpu.pass();
-    matvec::matvec_fused(
-        &mut pass,
-        &wt,
-        &xb,
-        0,
-        &yb,
-        GUARD as u32,
-        nt as u32,
-        &MatvecOpts::default(),
-        &pro,
-        Some(&step),
-    )?;
+    let opts = MatvecOpts::default();
+    if normed {
+        matvec::matvec_fused(
+            &mut pass,
+            &wt,
+            &xb,
+            0,
+            &yb,
+            GUARD as u32,
+            nt as u32,
+            &opts,
+            &pro,
+            Some(&step),
+        )?;
+    } else {
+        let y_off = GUARD as u32;
+        matvec::matvec_conv(&mut pass, &wt, &xb, 0, &yb, y_off, nt as u32, &opts, &step)?;
+    }
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
     let st = gpu.read_f32(&stb, 0, st0.len())?;
     let mut want = Vec::with_capacity(n_out);
     let mut st_want: Vec<(f32, f64)> = st0.iter().map(|&v| (v, 0.0)).collect();
     for (t, &slot) in slots.iter().enumerate() {
-        let h = ops::rms_norm(&x[t * c..][..c], c, Some(&nw), 1e-6);
+        let xt = &x[t * c..][..c];
+        let h = if normed {
+            ops::rms_norm(xt, c, Some(&nw), 1e-6)
+        } else {
+            xt.to_vec()
+        };
         let sb = slot * (k - 1) * channels;
         for row in 0..r {
             let (v, a) = w.dot(row, &h);
@@ -839,7 +857,10 @@ pub fn conv_step(gpu: &Gpu, dt: DType, (rows, cols): (u64, u64), seed: u64) -> R
         }
     }
     let mut chk = compare(
-        format!("matvec conv step {dt} {rows}x{cols} channels {channels}"),
+        format!(
+            "matvec conv step {dt} {rows}x{cols} channels {channels}{}",
+            if normed { " normed" } else { "" }
+        ),
         &got,
         &want,
         n_out,
@@ -1407,10 +1428,12 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
         .into_iter()
         .enumerate()
     {
-        push(
-            &format!("matvec conv step {dt}"),
-            conv_step(gpu, dt, (49, odd_cols(dt)), 600 + i as u64),
-        );
+        for normed in [true, false] {
+            push(
+                &format!("matvec conv step {dt}"),
+                conv_step(gpu, dt, (49, odd_cols(dt)), normed, 600 + i as u64),
+            );
+        }
     }
     for (i, dt) in FUSED_TYPES.into_iter().enumerate() {
         if !matvec::int8_x_supported(dt) {

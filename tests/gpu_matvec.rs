@@ -1725,8 +1725,9 @@ fn matvec_prologues() {
 }
 
 /// The GDN conv step fused into the qkv product's store (`matvec::ConvStep`): the outputs of
-/// the conv channels and the rolled conv states are the bits of the normed product followed
-/// by `conv::conv1d_silu` at decode; the rows past the channels are the plain product. Three
+/// the conv channels and the rolled conv states are the bits of the product followed by
+/// `conv::conv1d_silu` at decode; the rows past the channels are the product itself. With the
+/// RMSNorm prologue (`matvec_fused`) and without (`matvec_conv`, the default decode). Three
 /// sequences of one token each, in slots 2, 0, 1; Q4_K and F32 weights.
 #[test]
 fn matvec_conv_step_matches_unfused() {
@@ -1736,7 +1737,10 @@ fn matvec_conv_step_matches_unfused() {
     let g = gpu();
     let (channels, extra_rows, cols, k) = (40u32, 9u32, 256u64, 4u32);
     let rows = (channels + extra_rows) as usize;
-    for (i, dt) in [DType::Q4_K, DType::F32].into_iter().enumerate() {
+    let cases = [DType::Q4_K, DType::F32]
+        .into_iter()
+        .flat_map(|dt| [(dt, true), (dt, false)]);
+    for (i, (dt, normed)) in cases.enumerate() {
         let w = Weight::random(dt, &[rows as u64, cols], 70 + i as u64);
         let mut rng = Rng::new(71 + i as u64);
         let n = 3usize;
@@ -1778,28 +1782,36 @@ fn matvec_conv_step_matches_unfused() {
             batch: &batch,
         };
         let mut pass = g.pass();
-        matvec::matvec_fused(
-            &mut pass,
-            &wt,
-            &xb,
-            0,
-            &y_f,
-            0,
-            n as u32,
-            &opts,
-            &pro,
-            Some(&step),
-        )
-        .unwrap();
+        if normed {
+            matvec::matvec_fused(
+                &mut pass,
+                &wt,
+                &xb,
+                0,
+                &y_f,
+                0,
+                n as u32,
+                &opts,
+                &pro,
+                Some(&step),
+            )
+            .unwrap();
+        } else {
+            matvec::matvec_conv(&mut pass, &wt, &xb, 0, &y_f, 0, n as u32, &opts, &step).unwrap();
+        }
         submit(pass);
-        // unfused: the normed product, then the conv kernel into its own rows
+        // unfused: the product, then the conv kernel into its own rows
         let st_u = g.upload_f32(&st0, "state").unwrap();
         let y_u = g.upload_f32(&vec![0.0; n * rows], "y").unwrap();
         let conv_y = g
             .upload_f32(&vec![0.0; n * channels as usize], "conv")
             .unwrap();
         let mut pass = g.pass();
-        matvec::matvec_pro(&mut pass, &wt, &xb, 0, &y_u, 0, n as u32, &opts, &pro).unwrap();
+        if normed {
+            matvec::matvec_pro(&mut pass, &wt, &xb, 0, &y_u, 0, n as u32, &opts, &pro).unwrap();
+        } else {
+            matvec::matvec_opts(&mut pass, &wt, &xb, 0, &y_u, 0, n as u32, &opts).unwrap();
+        }
         let io = ConvIo {
             x: &y_u,
             x_off: 0,
@@ -1828,7 +1840,7 @@ fn matvec_conv_step_matches_unfused() {
                 assert_eq!(
                     yf[t * rows + r].to_bits(),
                     want.to_bits(),
-                    "{dt} token {t} row {r}"
+                    "{dt} normed {normed} token {t} row {r}"
                 );
             }
         }

@@ -170,7 +170,7 @@ fn nine_b_pattern(n_layer: usize) -> Preset {
 /// `lathe synth --preset qwen3.5-9b --layers 8` and `--layers 4`. With the fused activation
 /// loads (`LoadOptions::fused_loads`) decode stays at ≤ 6 dispatches per layer (12.5 before
 /// the fused kernels); without them (the default: the server's batches are faster) it takes
-/// more.
+/// more, but the GDN conv step still joins the qkv product's store (8.75: 9.5 before).
 #[test]
 fn nine_b_decode_dispatches_per_layer() {
     let dir = std::env::temp_dir().join(format!("lathe-dispatch-{}", std::process::id()));
@@ -196,7 +196,7 @@ fn nine_b_decode_dispatches_per_layer() {
     eprintln!("decode dispatches: {count:?}, {per_layer} per layer ({unfused} unfused)");
     assert!(per_layer <= 6.0, "{per_layer} dispatches per layer");
     assert!(
-        unfused > per_layer,
+        unfused > per_layer && unfused <= 8.75,
         "{unfused} unfused against {per_layer} fused"
     );
 }

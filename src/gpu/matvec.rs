@@ -968,6 +968,57 @@ pub fn matvec_fused(
     pro: &Prologue<'_>,
     conv: Option<&ConvStep<'_>>,
 ) -> Result<()> {
+    fused(
+        pass,
+        w,
+        (x, x_off),
+        (y, y_off),
+        n_tokens,
+        opts,
+        Some(pro),
+        conv,
+    )
+}
+
+/// The plain f32-activation product ([`matvec_opts`] without int8 x) with the GDN conv step
+/// on its first rows: the bits of [`matvec_opts`] followed by `conv::conv1d_silu` at decode,
+/// one dispatch fewer. Same conditions as [`matvec_fused`]'s conv step.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_conv(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    x_off: u32,
+    y: &wgpu::Buffer,
+    y_off: u32,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+    conv: &ConvStep<'_>,
+) -> Result<()> {
+    fused(
+        pass,
+        w,
+        (x, x_off),
+        (y, y_off),
+        n_tokens,
+        opts,
+        None,
+        Some(conv),
+    )
+}
+
+/// [`matvec_fused`] with the prologue optional (`None`: x as stored).
+#[allow(clippy::too_many_arguments)]
+fn fused(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    (x, x_off): (&wgpu::Buffer, u32),
+    (y, y_off): (&wgpu::Buffer, u32),
+    n_tokens: u32,
+    opts: &MatvecOpts,
+    pro: Option<&Prologue<'_>>,
+    conv: Option<&ConvStep<'_>>,
+) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
     if !(1..=MAX_GROUPS).contains(&n_tokens) || !opts.defines.is_empty() {
@@ -982,8 +1033,9 @@ pub fn matvec_fused(
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
     // (binding number, buffer) beyond the plain product's, and the prologue words
     let mut extra: Vec<(u32, Binding)> = Vec::new();
-    let word = match *pro {
-        Prologue::RmsNorm { w: nw, eps, keep } => {
+    let word = match pro {
+        None => [0, 0, 0],
+        Some(&Prologue::RmsNorm { w: nw, eps, keep }) => {
             check_span(&w.name, "norm weight", nw, 0u32, 0u32, 1u32, geo.cols)?;
             extra.push((6, nw.into()));
             if let Some(h) = keep {
@@ -1000,27 +1052,27 @@ pub fn matvec_fused(
             }
             [eps.to_bits(), 0, 0]
         }
-        Prologue::SwiGlu { up } => {
+        Some(&Prologue::SwiGlu { up }) => {
             check_span(&w.name, "up", x, x_off + up, x_stride, n_tokens, geo.cols)?;
             [up, 0, 0]
         }
-        Prologue::SwiGluGated {
+        Some(&Prologue::SwiGluGated {
             up,
             gate,
             off,
             stride,
-        } => {
+        }) => {
             check_span(&w.name, "up", x, x_off + up, x_stride, n_tokens, geo.cols)?;
             check_span(&w.name, "gate", gate, off, stride, n_tokens, 1u32)?;
             extra.push((8, gate.into()));
             [up, off, stride]
         }
-        Prologue::SigmoidGate {
+        Some(&Prologue::SigmoidGate {
             gate,
             off,
             head_dim,
             head_stride,
-        } => {
+        }) => {
             if n_tokens != 1 || head_dim == 0 || !geo.cols.is_multiple_of(head_dim) {
                 return Err(Error::Invalid(format!(
                     "{}: gated matvec of {n_tokens} tokens, head_dim {head_dim}",
@@ -1034,16 +1086,19 @@ pub fn matvec_fused(
         }
     };
     let mut word = word;
-    let pro_defs = match pro.vec_defines(geo.cols) {
-        Some(d) if xvec => d,
-        _ => pro.defines(),
+    let pro_defs = match pro {
+        None => &[],
+        Some(pro) => match pro.vec_defines(geo.cols) {
+            Some(d) if xvec => d,
+            _ => pro.defines(),
+        },
     };
     let mut variant = Variant {
         pro: StaticDefines(pro_defs),
         ..Variant::plain(opts)
     };
     if let Some(c) = conv {
-        let plain_norm = matches!(pro, Prologue::RmsNorm { keep: None, .. });
+        let plain_norm = matches!(pro, None | Some(Prologue::RmsNorm { keep: None, .. }));
         if !plain_norm || c.k < 2 || c.channels > geo.rows || opts.accumulate {
             return Err(Error::Invalid(format!(
                 "{}: conv step after this product ({} channels, K {})",
@@ -1083,7 +1138,7 @@ pub fn matvec_fused(
         variant.conv_k = c.k;
     }
     let mut pl = Plan::new(&geo, opts)?;
-    if matches!(pro, Prologue::RmsNorm { .. }) {
+    if matches!(pro, Some(Prologue::RmsNorm { .. })) {
         pl = pl.normed(&geo, opts);
     }
     let sg = use_subgroups(gpu, opts);

@@ -509,22 +509,27 @@ impl GpuModel {
             .as_ref()
             .expect("GDN layer has recurrent state");
         // Decode: the conv step in the qkv product's store; its output stays in `proj`.
+        let conv_fits = g.conv.dtype == DType::F32
+            && hp.conv_kernel >= 2
+            && set.first_group_holds(cd)
+            && matvec::conv_step_fits(&self.gpu, &sc.batch, n, 1);
+        let step = matvec::ConvStep {
+            channels: cd,
+            k: hp.conv_kernel as u32,
+            w: &g.conv.parts[0].buffer,
+            state: conv_state,
+            state_off: 0,
+            batch: &sc.batch,
+        };
         let fused_conv = match pre {
-            Some(p @ Prologue::RmsNorm { keep: None, .. })
-                if g.conv.dtype == DType::F32
-                    && hp.conv_kernel >= 2
-                    && set.first_group_holds(cd)
-                    && matvec::conv_step_fits(&self.gpu, &sc.batch, n, 1) =>
-            {
-                let step = matvec::ConvStep {
-                    channels: cd,
-                    k: hp.conv_kernel as u32,
-                    w: &g.conv.parts[0].buffer,
-                    state: conv_state,
-                    state_off: 0,
-                    batch: &sc.batch,
-                };
+            Some(p @ Prologue::RmsNorm { keep: None, .. }) if conv_fits => {
                 set.run_fused(pass, &sc.x, &sc.proj, n, &p, Some(&step))?;
+                true
+            }
+            // Without int8 x the plain products are f32 matvecs: the conv step joins their
+            // store as it joins the fused ones'.
+            None if conv_fits && matvec::prologue_fits(n) && !self.gpu.int8_decode() => {
+                set.run_conv(pass, &sc.h, &sc.proj, n, &step)?;
                 true
             }
             _ => {

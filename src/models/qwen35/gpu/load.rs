@@ -40,6 +40,31 @@ impl ProjSet {
         Ok(())
     }
 
+    /// [`ProjSet::run`] with the GDN conv step in the store of the group at column 0
+    /// ([`matvec::matvec_conv`]: the bits of the plain product and `conv1d_silu`, one dispatch
+    /// fewer); only for the token counts [`matvec::prologue_fits`] takes, without int8 x.
+    pub(super) fn run_conv(
+        &self,
+        pass: &mut Pass<'_>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: u32,
+        conv: &matvec::ConvStep<'_>,
+    ) -> Result<()> {
+        let opts = MatvecOpts {
+            y_stride: self.width,
+            ..Default::default()
+        };
+        for (w, col) in &self.groups {
+            if *col == 0 {
+                matvec::matvec_conv(pass, w, x, 0, y, 0, n, &opts, conv)?;
+            } else {
+                matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the group at column 0 holds the first member and `channels` rows, in one part.
     pub(super) fn first_group_holds(&self, channels: u32) -> bool {
         self.off.first() == Some(&0)
