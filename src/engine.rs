@@ -62,7 +62,7 @@ impl Engine {
         let tokenizer = load_tokenizer(&file)?;
         let decode_bytes = crate::inspect::decode_bytes(&file);
         let model_bytes = file.tensors().map(|t| t.data.len() as u64).sum();
-        let exact = crate::models::routes_on_values(&file);
+        let exact = crate::models::auto_products(&file);
         let opts = &LoadOptions {
             progress: opts.progress.as_ref().map(monotone),
             ..opts.clone()

@@ -34,8 +34,8 @@ impl std::str::FromStr for AdapterChoice {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulChoice {
     /// The matrix units where the adapter has them, else the two-level int8 path (`Int8x2`);
-    /// models that route on values (MoE routers, DeepSeek-V4's indexer) keep f32 products
-    /// (tiled).
+    /// models that route on values take less rounding (`gpu::AutoProducts`): Qwen3.5 MoE
+    /// `CoopSplitX` (tiled without matrix units), DeepSeek-V4 f32 products (tiled).
     #[default]
     Auto,
     /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
@@ -43,6 +43,9 @@ pub enum MatmulChoice {
     /// Cooperative matrices with weights and activations each split into two f16 parts
     /// (f32-level products at three times the multiply-adds); an error where absent.
     CoopSplit,
+    /// Cooperative matrices with f16 weights and activations split into two f16 parts (the
+    /// weights' rounding alone, at twice the multiply-adds); an error where absent.
+    CoopSplitX,
     /// The portable tiled f32 kernel.
     Tiled,
     /// The tiled kernel with activations quantized to int8 per block of 32 (ggml's q8_1) for
@@ -53,6 +56,21 @@ pub enum MatmulChoice {
     Int8x2,
 }
 
+impl MatmulChoice {
+    /// The `--matmul` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulChoice::Auto => "auto",
+            MatmulChoice::Coop => "coop",
+            MatmulChoice::CoopSplit => "coop-split",
+            MatmulChoice::CoopSplitX => "coop-splitx",
+            MatmulChoice::Tiled => "tiled",
+            MatmulChoice::Int8 => "int8",
+            MatmulChoice::Int8x2 => "int8x2",
+        }
+    }
+}
+
 impl std::str::FromStr for MatmulChoice {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
@@ -60,11 +78,12 @@ impl std::str::FromStr for MatmulChoice {
             "auto" => Ok(MatmulChoice::Auto),
             "coop" => Ok(MatmulChoice::Coop),
             "coop-split" => Ok(MatmulChoice::CoopSplit),
+            "coop-splitx" => Ok(MatmulChoice::CoopSplitX),
             "tiled" | "f32" => Ok(MatmulChoice::Tiled),
             "int8" => Ok(MatmulChoice::Int8),
             "int8x2" => Ok(MatmulChoice::Int8x2),
             _ => Err(format!(
-                "--matmul {s}: expected auto, coop, coop-split, tiled, int8 or int8x2"
+                "--matmul {s}: expected auto, coop, coop-split, coop-splitx, tiled, int8 or int8x2"
             )),
         }
     }

@@ -187,7 +187,8 @@ fn run(cli: Cli) -> lathe::Result<()> {
             let mut reports = Vec::new();
             let (mut passed, mut failed) = (0, 0);
             for (i, choice) in choices.iter().enumerate() {
-                let gpu = lathe::gpu::Gpu::with_matmul(choice, matmul, false)?;
+                let gpu =
+                    lathe::gpu::Gpu::with_matmul(choice, matmul, lathe::gpu::AutoProducts::Any)?;
                 eprintln!("{}", gpu.report());
                 if choices.len() > 1 && !json {
                     println!("device {i}: {}", gpu.info.name);

@@ -67,6 +67,8 @@ pub enum KernelPath {
     Coop,
     /// Cooperative matrices with split operands (f32-level: checked at the f32 bound).
     CoopSplit,
+    /// Cooperative matrices with f16 weights and split activations (checked at the f16 bound).
+    CoopSplitX,
     /// The tiled kernel with int8 activations (the types with integer codes; checked at the
     /// quantization bound of x).
     Int8,
@@ -81,6 +83,7 @@ impl KernelPath {
             KernelPath::Tiled => "tiled",
             KernelPath::Coop => "coop",
             KernelPath::CoopSplit => "coop-split",
+            KernelPath::CoopSplitX => "coop-splitx",
             KernelPath::Int8 => "int8",
             KernelPath::Int8x2 => "int8x2",
         }
@@ -98,6 +101,7 @@ impl KernelPath {
         match self {
             KernelPath::Coop => Some(coopmat::Precision::F16),
             KernelPath::CoopSplit => Some(coopmat::Precision::Split),
+            KernelPath::CoopSplitX => Some(coopmat::Precision::SplitX),
             _ => None,
         }
     }
@@ -332,7 +336,7 @@ fn dense(
             let levels = path.int8_levels().expect("int8 path");
             matmul::matmul_int8(&mut pass, levels, &wt, &xb, 0, &yb, y_off, n, &opts)?
         }
-        KernelPath::Coop | KernelPath::CoopSplit => {
+        KernelPath::Coop | KernelPath::CoopSplit | KernelPath::CoopSplitX => {
             let prec = path.precision().expect("coop path");
             coopmat::matmul_coop(&mut pass, prec, &wt, &xb, 0, &yb, y_off, n, &opts)?
         }
@@ -361,7 +365,8 @@ fn dense(
             q.error_bound(t, &w.deq[row * c..][..c]) * 1.01 + 1e-4 * (1.0 + a)
         }));
     }
-    let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
+    let f16 = matches!(path, KernelPath::Coop | KernelPath::CoopSplitX)
+        && !matches!(dt, DType::F16 | DType::BF16);
     Ok(compare(name, &got, &want, n_out, f16))
 }
 
@@ -546,6 +551,7 @@ fn indexed(
         KernelPath::Tiled
         | KernelPath::Coop
         | KernelPath::CoopSplit
+        | KernelPath::CoopSplitX
         | KernelPath::Int8
         | KernelPath::Int8x2 => {
             let route = MoeRoute::new(gpu, ne as u32, np as u32)?;
@@ -594,7 +600,8 @@ fn indexed(
             q.error_bound(xq, &w.deq[(e * rows + r) * cols..][..cols]) * 1.01 + 1e-4 * (1.0 + a)
         }));
     }
-    let f16 = path == KernelPath::Coop && !matches!(dt, DType::F16 | DType::BF16);
+    let f16 = matches!(path, KernelPath::Coop | KernelPath::CoopSplitX)
+        && !matches!(dt, DType::F16 | DType::BF16);
     Ok(compare(name, &got, &want, n_out, f16))
 }
 
@@ -1569,6 +1576,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
     if gpu.matmul_path().is_coop() {
         paths.push(KernelPath::Coop);
         paths.push(KernelPath::CoopSplit);
+        paths.push(KernelPath::CoopSplitX);
     }
     // the int8 path only for the types with integer codes, and no MoE form
     let runs = |p: KernelPath, dt: DType| {

@@ -81,7 +81,7 @@ fn matmul_flag_is_checked_and_reported() {
     let out = lathe(&["selftest", "--matmul", "fast"]);
     assert_eq!(out.status.code(), Some(2), "clap rejects an unknown path");
     assert!(String::from_utf8_lossy(&out.stderr)
-        .contains("auto, coop, coop-split, tiled, int8 or int8x2"));
+        .contains("auto, coop, coop-split, coop-splitx, tiled, int8 or int8x2"));
 
     let model = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/models/qwen35-tiny/model-q8_0.gguf");
@@ -95,21 +95,14 @@ fn matmul_flag_is_checked_and_reported() {
         ]);
         assert_eq!(out.status.code(), Some(1));
         assert!(String::from_utf8_lossy(&out.stderr).contains("no cooperative-matrix path"));
-        let out = lathe(&[
-            "bench",
-            "-m",
-            model,
-            "-p",
-            "40",
-            "-n",
-            "0",
-            "-r",
-            "1",
-            "--matmul",
-            "coop-split",
-        ]);
-        assert_eq!(out.status.code(), Some(1));
-        assert!(String::from_utf8_lossy(&out.stderr).contains("--matmul coop-split"));
+        for path in ["coop-split", "coop-splitx"] {
+            let out = lathe(&[
+                "bench", "-m", model, "-p", "40", "-n", "0", "-r", "1", "--matmul", path,
+            ]);
+            assert_eq!(out.status.code(), Some(1));
+            let err = String::from_utf8_lossy(&out.stderr).to_string();
+            assert!(err.contains(&format!("--matmul {path}:")), "{err}");
+        }
     }
     // bench names the path its prefill ran (40 tokens: past the matvec batch size)
     let out = lathe(&[
@@ -133,19 +126,20 @@ fn matmul_flag_is_checked_and_reported() {
     }
 }
 
-/// `--matmul auto` keeps f32-level products for the models that pick a top-k from computed
-/// values (MoE routers, DeepSeek-V4's indexer) and no others.
+/// `--matmul auto` takes less rounding for the models that pick a top-k from computed values
+/// (MoE routers: split activations; DeepSeek-V4's indexer: f32 level) and no others.
 #[test]
 fn models_that_route_on_values_are_known() {
+    use lathe::gpu::AutoProducts::{Any, SplitX, F32};
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
-    for (model, routes) in [
-        ("qwen35-tiny/model-q8_0.gguf", false),
-        ("qwen35-dims/model-q4_k_m.gguf", false),
-        ("qwen35moe-tiny/model-q8_0.gguf", true),
-        ("qwen3next-tiny/model-q8_0.gguf", true),
-        ("dsv4-tiny/model-q4_0.gguf", true),
+    for (model, auto) in [
+        ("qwen35-tiny/model-q8_0.gguf", Any),
+        ("qwen35-dims/model-q4_k_m.gguf", Any),
+        ("qwen35moe-tiny/model-q8_0.gguf", SplitX),
+        ("qwen3next-tiny/model-q8_0.gguf", SplitX),
+        ("dsv4-tiny/model-q4_0.gguf", F32),
     ] {
         let f = lathe::model_file::ModelFile::open(dir.join(model)).expect(model);
-        assert_eq!(lathe::models::routes_on_values(&f), routes, "{model}");
+        assert_eq!(lathe::models::auto_products(&f), auto, "{model}");
     }
 }

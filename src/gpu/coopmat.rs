@@ -14,8 +14,11 @@
 //! bits each; three products into two accumulators), so quantized weights too get f32-level
 //! products: a MoE router or DeepSeek's indexer picks its top-k from values that f16 rounding
 //! upstream moves across near-ties (the fixture bars of the MoE and DeepSeek-V4 files hold on
-//! it, not on [`Precision::F16`]). On the H200 it runs at the tiled kernel's speed, so `auto`
-//! takes the tiled kernel for such models.
+//! it, not on [`Precision::F16`]). On the H200 it runs at the tiled kernel's speed.
+//! [`Precision::SplitX`] (`--matmul coop-splitx`) splits the activations only: two products
+//! per step on f16 weights. It holds the Qwen3.5 MoE fixture bars (not DeepSeek-V4's), and
+//! `auto` takes it for Qwen3.5 MoE models (H200, 35B-A3B pp512: 3132 tok/s against 2916
+//! tiled).
 //!
 //! Staging lives in device scratch buffers (`Gpu::scratch`): X as f16,
 //! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,
@@ -66,6 +69,9 @@ pub enum Precision {
     F16,
     /// Weights and activations each split into two f16 parts (f32-level products).
     Split,
+    /// Weights round to f16, activations split into two f16 parts (two products per step):
+    /// the weights' rounding alone.
+    SplitX,
 }
 
 impl Precision {
@@ -74,6 +80,7 @@ impl Precision {
         match gpu.matmul_path() {
             MatmulPath::Coop => Some(Precision::F16),
             MatmulPath::CoopSplit => Some(Precision::Split),
+            MatmulPath::CoopSplitX => Some(Precision::SplitX),
             _ => None,
         }
     }
@@ -82,7 +89,7 @@ impl Precision {
 /// F16 and BF16 weights are exact in f16: their products, and every product at
 /// [`Precision::Split`], take the split (hi + lo) activations.
 fn split_x(dtype: DType, prec: Precision) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16) || prec == Precision::Split
+    matches!(dtype, DType::F16 | DType::BF16) || prec != Precision::F16
 }
 
 /// Weights that f16 does not hold exactly split too at [`Precision::Split`] (`WSPLIT`).
@@ -245,7 +252,7 @@ pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
         };
         let geo = Geometry::of(&w, id)?;
         for xvec in [false, true] {
-            for prec in [Precision::F16, Precision::Split] {
+            for prec in [Precision::F16, Precision::Split, Precision::SplitX] {
                 v.push(spec(&geo, "coop_x", xvec, Tile { id, prec, ..STAGE }, &[]));
                 if id {
                     for t in [MOE, THIN] {
@@ -491,5 +498,6 @@ fn path(prec: Precision) -> MatmulPath {
     match prec {
         Precision::F16 => MatmulPath::Coop,
         Precision::Split => MatmulPath::CoopSplit,
+        Precision::SplitX => MatmulPath::CoopSplitX,
     }
 }

@@ -83,6 +83,8 @@ pub enum MatmulPath {
     Int8 = 4,
     /// As `Int8` with a second int8 level for the residual of x (f32-level products).
     Int8x2 = 5,
+    /// Cooperative matrices with f16 weights and activations split into two f16 parts.
+    CoopSplitX = 6,
 }
 
 impl MatmulPath {
@@ -94,13 +96,30 @@ impl MatmulPath {
             MatmulPath::CoopSplit => "coop-split",
             MatmulPath::Int8 => "int8",
             MatmulPath::Int8x2 => "int8x2",
+            MatmulPath::CoopSplitX => "coop-splitx",
         }
     }
 
     /// Whether products run on the matrix units.
     pub fn is_coop(self) -> bool {
-        matches!(self, MatmulPath::Coop | MatmulPath::CoopSplit)
+        matches!(
+            self,
+            MatmulPath::Coop | MatmulPath::CoopSplit | MatmulPath::CoopSplitX
+        )
     }
+}
+
+/// What `--matmul auto` may run a model's many-token products with ([`Gpu::with_matmul`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutoProducts {
+    /// Any path: the matrix units with f16 operands where the adapter has them.
+    Any,
+    /// A model that picks a top-k from computed values whose fixture bars hold with f16
+    /// weights and split activations (Qwen3.5 MoE: `coop-splitx`); tiled f32 on adapters
+    /// without matrix units.
+    SplitX,
+    /// f32-level products only (DeepSeek-V4: router, indexer and hyper-connection mixes): tiled.
+    F32,
 }
 
 /// Workgroup memory the cooperative-matrix kernels declare (matmul_coop.wgsl).
@@ -162,6 +181,7 @@ pub fn matmul_paths(index: usize) -> Vec<(MatmulPath, std::result::Result<(), St
         (MatmulPath::Tiled, Ok(())),
         (MatmulPath::Coop, coop_supported(&a, &limits)),
         (MatmulPath::CoopSplit, coop_supported(&a, &limits)),
+        (MatmulPath::CoopSplitX, coop_supported(&a, &limits)),
         (MatmulPath::Int8, Ok(())),
         (MatmulPath::Int8x2, Ok(())),
     ]
@@ -170,22 +190,24 @@ pub fn matmul_paths(index: usize) -> Vec<(MatmulPath, std::result::Result<(), St
 impl Gpu {
     /// The device of `choice` with the automatic product path.
     pub fn new(choice: &AdapterChoice) -> Result<Gpu> {
-        Gpu::with_matmul(choice, MatmulChoice::Auto, false)
+        Gpu::with_matmul(choice, MatmulChoice::Auto, AutoProducts::Any)
     }
 
     /// The device of `choice`, running many-token products on `matmul`. `auto` takes the
     /// matrix units where the adapter has them, else the two-level int8 path (`Int8x2`; types
-    /// without integer codes run tiled beside it). With `auto_exact` (models that route on
-    /// values, whose top-k choices any rounding upstream can flip at a near-tie) it keeps f32
-    /// products on the tiled kernel: on DeepSeek-V4's dims fixture (300 tokens) int8x2 (error
+    /// without integer codes run tiled beside it), within what `auto` allows for the model
+    /// (models that route on values, whose top-k choices rounding upstream can flip at a
+    /// near-tie, take less): on DeepSeek-V4's dims fixture (300 tokens) int8x2 (error
     /// ≤ max|x|/64516 per block) moves the logits by RMS 2.9e-2, past the 0.02 bar, where the
-    /// tiled kernel is at 4e-6. Measured on the H200, 12288x4096 Q4_K x 512 tokens: coop
-    /// 0.83 ms, int8 0.95, int8x2 1.68, tiled 2.22, coop-split 2.24; on lavapipe int8x2 runs
-    /// at 1.4x the tiled kernel.
+    /// tiled kernel is at 4e-6; on the H200 `coop-splitx` holds every Qwen3.5 fixture bar
+    /// (qwen35moe-dims Q4_K_M 1.75e-3 where plain coop is at 3.45e-2) but not dsv4-tiny Q4_0's
+    /// (8.3e-3 against 1e-3). Measured on the H200, 12288x4096 Q4_K x 512 tokens: coop
+    /// 0.45 ms, int8 0.95, int8x2 1.68, tiled 2.22, coop-split 2.24; 35B-A3B pp512 coop 5131
+    /// tok/s, coop-splitx 3132, tiled 2916; on lavapipe int8x2 runs at 1.4x the tiled kernel.
     pub fn with_matmul(
         choice: &AdapterChoice,
         matmul: MatmulChoice,
-        auto_exact: bool,
+        auto: AutoProducts,
     ) -> Result<Gpu> {
         let adapters = all_adapters();
         if adapters.is_empty() {
@@ -225,19 +247,18 @@ impl Gpu {
             (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
             (MatmulChoice::Int8, _) => MatmulPath::Int8,
             (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
-            (MatmulChoice::Auto, _) if auto_exact => MatmulPath::Tiled,
+            (MatmulChoice::Auto, _) if auto == AutoProducts::F32 => MatmulPath::Tiled,
+            (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::SplitX => MatmulPath::CoopSplitX,
+            (MatmulChoice::Auto, Err(_)) if auto == AutoProducts::SplitX => MatmulPath::Tiled,
             (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
             (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
+            (MatmulChoice::CoopSplitX, Ok(())) => MatmulPath::CoopSplitX,
             (MatmulChoice::Auto, Err(_)) => MatmulPath::Int8x2,
-            (MatmulChoice::Coop | MatmulChoice::CoopSplit, Err(why)) => {
+            (MatmulChoice::Coop | MatmulChoice::CoopSplit | MatmulChoice::CoopSplitX, Err(why)) => {
                 return Err(Error::Gpu(format!(
                     "{}: --matmul {}: no cooperative-matrix path ({why})",
                     info.name,
-                    if matmul == MatmulChoice::Coop {
-                        "coop"
-                    } else {
-                        "coop-split"
-                    }
+                    matmul.name()
                 )))
             }
         };
@@ -344,6 +365,8 @@ impl Gpu {
             MatmulPath::Coop
         } else if used & (1 << MatmulPath::CoopSplit as u8) != 0 {
             MatmulPath::CoopSplit
+        } else if used & (1 << MatmulPath::CoopSplitX as u8) != 0 {
+            MatmulPath::CoopSplitX
         } else if used & (1 << MatmulPath::Int8 as u8) != 0 {
             MatmulPath::Int8
         } else if used & (1 << MatmulPath::Int8x2 as u8) != 0 {

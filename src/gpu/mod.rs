@@ -26,8 +26,8 @@ pub mod topk;
 
 pub use buffer::{check_f32, check_len, check_span, GpuTensor, TensorPart};
 pub use device::{
-    coop_supported, list_adapters, matmul_paths, ActivationsChoice, AdapterChoice, Gpu,
-    MatmulChoice, MatmulPath,
+    coop_supported, list_adapters, matmul_paths, ActivationsChoice, AdapterChoice, AutoProducts,
+    Gpu, MatmulChoice, MatmulPath,
 };
 pub use memory::{adapter_memory, device_memory, DeviceMemory};
 pub use pass::{grid, Binding, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};

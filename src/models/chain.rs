@@ -454,11 +454,11 @@ pub fn plan_split(
 
 impl Chain {
     /// Load the model in `file` over the devices of `opts.devices`, one part per device;
-    /// `exact` as `Gpu::with_matmul`'s `auto_exact` (each device picks its own path).
+    /// `exact` as `Gpu::with_matmul`'s `auto` (each device picks its own path).
     pub fn load(
         file: &ModelFile,
         opts: &LoadOptions,
-        exact: bool,
+        exact: crate::gpu::AutoProducts,
     ) -> Result<(Vec<Arc<Gpu>>, Chain)> {
         if opts.collect_expert_stats || opts.save_expert_stats.is_some() {
             // Each part counts the layers it holds; one file of all of them is not written.

@@ -11,7 +11,7 @@ pub mod qwen35;
 pub mod spec;
 
 use crate::forward::{LoadOptions, Logits, Want};
-use crate::gpu::Gpu;
+use crate::gpu::{AutoProducts, Gpu};
 pub use crate::model_file::ModelFile;
 use crate::moe::{budget_for, Budget, MoeInfo, Needs, Offload, RunShape};
 use crate::tensor::TensorRef;
@@ -152,14 +152,22 @@ pub(crate) fn head_runs(wants: &[(usize, usize)], cap: usize) -> Vec<(usize, usi
     runs
 }
 
-/// Whether the model in `f` makes top-k choices on computed values (MoE routers, DeepSeek-V4's
-/// indexer): f16 rounding anywhere upstream can move such a value across a near-tie and change
-/// the output, so its many-token products stay at f32 level by default (`--matmul auto`).
-pub fn routes_on_values(f: &ModelFile) -> bool {
+/// What `--matmul auto` may run the model in `f` with. Models that make top-k choices on
+/// computed values (MoE routers, DeepSeek-V4's indexer) take less rounding: f16 rounding
+/// upstream can move such a value across a near-tie and change the output. Qwen3.5 MoE holds
+/// its fixture bars with f16 weights and split activations, DeepSeek-V4 only at f32 level.
+pub fn auto_products(f: &ModelFile) -> AutoProducts {
     if let Ok(hp) = qwen35::Hparams::from_file(f) {
-        return hp.moe.is_some();
+        return if hp.moe.is_some() {
+            AutoProducts::SplitX
+        } else {
+            AutoProducts::Any
+        };
     }
-    deepseek4::Hparams::from_file(f).is_ok()
+    if deepseek4::Hparams::from_file(f).is_ok() {
+        return AutoProducts::F32;
+    }
+    AutoProducts::Any
 }
 
 /// What the model in `f` needs beside its weights for `run`: its family's `needs` (the one
