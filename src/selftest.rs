@@ -750,7 +750,7 @@ pub fn prologue(
 }
 
 /// The GDN conv step in the store of a qkv product (`matvec::ConvStep`, width 4), normed
-/// (`matvec_fused`) or plain (`matvec_conv`), for three one-token sequences in slots 2, 0, 1:
+/// or plain (`matvec_fused` with and without the RMSNorm prologue), for three one-token sequences in slots 2, 0, 1:
 /// the first `channels` rows become silu(Σ_j cw_j · state_j + cw_3 · y) and the states roll,
 /// the rest are the product; against the CPU (`cpu::ops::rms_norm`, the product in f64, the
 /// conv in f64).
@@ -809,24 +809,18 @@ pub fn conv_step(
         ));
     }
     let mut pass = gpu.pass();
-    let opts = MatvecOpts::default();
-    if normed {
-        matvec::matvec_fused(
-            &mut pass,
-            &wt,
-            &xb,
-            0,
-            &yb,
-            GUARD as u32,
-            nt as u32,
-            &opts,
-            &pro,
-            Some(&step),
-        )?;
-    } else {
-        let y_off = GUARD as u32;
-        matvec::matvec_conv(&mut pass, &wt, &xb, 0, &yb, y_off, nt as u32, &opts, &step)?;
-    }
+    matvec::matvec_fused(
+        &mut pass,
+        &wt,
+        &xb,
+        0,
+        &yb,
+        GUARD as u32,
+        nt as u32,
+        &MatvecOpts::default(),
+        normed.then_some(&pro),
+        Some(&step),
+    )?;
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
     let st = gpu.read_f32(&stb, 0, st0.len())?;

@@ -1727,7 +1727,7 @@ fn matvec_prologues() {
 /// The GDN conv step fused into the qkv product's store (`matvec::ConvStep`): the outputs of
 /// the conv channels and the rolled conv states are the bits of the product followed by
 /// `conv::conv1d_silu` at decode; the rows past the channels are the product itself. With the
-/// RMSNorm prologue (`matvec_fused`) and without (`matvec_conv`, the default decode). Three
+/// RMSNorm prologue and without (the default decode), both through `matvec_fused`. Three
 /// sequences of one token each, in slots 2, 0, 1; Q4_K and F32 weights.
 #[test]
 fn matvec_conv_step_matches_unfused() {
@@ -1782,23 +1782,19 @@ fn matvec_conv_step_matches_unfused() {
             batch: &batch,
         };
         let mut pass = g.pass();
-        if normed {
-            matvec::matvec_fused(
-                &mut pass,
-                &wt,
-                &xb,
-                0,
-                &y_f,
-                0,
-                n as u32,
-                &opts,
-                &pro,
-                Some(&step),
-            )
-            .unwrap();
-        } else {
-            matvec::matvec_conv(&mut pass, &wt, &xb, 0, &y_f, 0, n as u32, &opts, &step).unwrap();
-        }
+        matvec::matvec_fused(
+            &mut pass,
+            &wt,
+            &xb,
+            0,
+            &y_f,
+            0,
+            n as u32,
+            &opts,
+            normed.then_some(&pro),
+            Some(&step),
+        )
+        .unwrap();
         submit(pass);
         // unfused: the product, then the conv kernel into its own rows
         let st_u = g.upload_f32(&st0, "state").unwrap();

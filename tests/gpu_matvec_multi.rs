@@ -594,7 +594,7 @@ fn conv_step_matches_lone_sequences() {
                 yo,
                 nt,
                 &opts,
-                &pro,
+                Some(&pro),
                 Some(&step),
             )
             .unwrap();

@@ -948,11 +948,13 @@ pub fn matvec_pro(
     opts: &MatvecOpts,
     pro: &Prologue<'_>,
 ) -> Result<()> {
-    matvec_fused(pass, w, x, x_off, y, y_off, n_tokens, opts, pro, None)
+    matvec_fused(pass, w, x, x_off, y, y_off, n_tokens, opts, Some(pro), None)
 }
 
-/// [`matvec_pro`], and with `conv` the GDN conv step on its first rows ([`ConvStep`]; only
-/// with [`Prologue::RmsNorm`] without `keep`).
+/// [`matvec_opts`] (f32 x) reading x through `pro` (`None`: x as stored), and with `conv` the
+/// GDN conv step on its first rows ([`ConvStep`]; only without a prologue or with
+/// [`Prologue::RmsNorm`] without `keep`): the bits of the product followed by
+/// `conv::conv1d_silu` at decode, one dispatch fewer.
 /// Two or more tokens take the token-group kernel ([`matvec_multi`]): each token's outputs
 /// have the bits of the same call for that token alone.
 #[allow(clippy::too_many_arguments)]
@@ -963,57 +965,6 @@ pub fn matvec_fused(
     x_off: u32,
     y: &wgpu::Buffer,
     y_off: u32,
-    n_tokens: u32,
-    opts: &MatvecOpts,
-    pro: &Prologue<'_>,
-    conv: Option<&ConvStep<'_>>,
-) -> Result<()> {
-    fused(
-        pass,
-        w,
-        (x, x_off),
-        (y, y_off),
-        n_tokens,
-        opts,
-        Some(pro),
-        conv,
-    )
-}
-
-/// The plain f32-activation product ([`matvec_opts`] without int8 x) with the GDN conv step
-/// on its first rows: the bits of [`matvec_opts`] followed by `conv::conv1d_silu` at decode,
-/// one dispatch fewer. Same conditions as [`matvec_fused`]'s conv step.
-#[allow(clippy::too_many_arguments)]
-pub fn matvec_conv(
-    pass: &mut Pass<'_>,
-    w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
-    n_tokens: u32,
-    opts: &MatvecOpts,
-    conv: &ConvStep<'_>,
-) -> Result<()> {
-    fused(
-        pass,
-        w,
-        (x, x_off),
-        (y, y_off),
-        n_tokens,
-        opts,
-        None,
-        Some(conv),
-    )
-}
-
-/// [`matvec_fused`] with the prologue optional (`None`: x as stored).
-#[allow(clippy::too_many_arguments)]
-fn fused(
-    pass: &mut Pass<'_>,
-    w: &GpuTensor,
-    (x, x_off): (&wgpu::Buffer, u32),
-    (y, y_off): (&wgpu::Buffer, u32),
     n_tokens: u32,
     opts: &MatvecOpts,
     pro: Option<&Prologue<'_>>,

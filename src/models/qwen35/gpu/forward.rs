@@ -405,7 +405,7 @@ impl GpuModel {
     ) -> Result<()> {
         let sc = &self.scratch;
         match pre {
-            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, &p, None),
+            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, Some(&p), None),
             None => set.run(pass, &sc.h, &sc.proj, n),
         }
     }
@@ -430,7 +430,7 @@ impl GpuModel {
         let mp = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
         let set = self.set(&self.w.layers[l].ffn_set);
         match pre {
-            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, &p, None)?,
+            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, Some(&p), None)?,
             None => set.run_opts(pass, &sc.h, &sc.proj, n, true)?,
         }
         topk::router_softmax_topk(
@@ -523,13 +523,13 @@ impl GpuModel {
         };
         let fused_conv = match pre {
             Some(p @ Prologue::RmsNorm { keep: None, .. }) if conv_fits => {
-                set.run_fused(pass, &sc.x, &sc.proj, n, &p, Some(&step))?;
+                set.run_fused(pass, &sc.x, &sc.proj, n, Some(&p), Some(&step))?;
                 true
             }
             // Without int8 x the plain products are f32 matvecs: the conv step joins their
             // store as it joins the fused ones'.
             None if conv_fits && matvec::prologue_fits(n) && !self.gpu.int8_decode() => {
-                set.run_conv(pass, &sc.h, &sc.proj, n, &step)?;
+                set.run_fused(pass, &sc.h, &sc.proj, n, None, Some(&step))?;
                 true
             }
             _ => {

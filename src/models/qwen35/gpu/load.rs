@@ -19,14 +19,15 @@ impl ProjSet {
     /// [`ProjSet::run`] reading `x` through `pro` (see [`matvec::matvec_fused`]), and with
     /// `conv` the GDN conv step fused into the group that starts at column 0 (its first
     /// `conv.channels` rows: the qkv member); only for the token counts
-    /// [`matvec::prologue_fits`] takes.
+    /// [`matvec::prologue_fits`] takes, without int8 x. Groups with neither run as in
+    /// [`ProjSet::run`].
     pub(super) fn run_fused(
         &self,
         pass: &mut Pass<'_>,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
         n: u32,
-        pro: &Prologue<'_>,
+        pro: Option<&Prologue<'_>>,
         conv: Option<&matvec::ConvStep<'_>>,
     ) -> Result<()> {
         let opts = MatvecOpts {
@@ -34,32 +35,9 @@ impl ProjSet {
             ..Default::default()
         };
         for (w, col) in &self.groups {
-            let c = conv.filter(|_| *col == 0);
-            matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, pro, c)?;
-        }
-        Ok(())
-    }
-
-    /// [`ProjSet::run`] with the GDN conv step in the store of the group at column 0
-    /// ([`matvec::matvec_conv`]: the bits of the plain product and `conv1d_silu`, one dispatch
-    /// fewer); only for the token counts [`matvec::prologue_fits`] takes, without int8 x.
-    pub(super) fn run_conv(
-        &self,
-        pass: &mut Pass<'_>,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        n: u32,
-        conv: &matvec::ConvStep<'_>,
-    ) -> Result<()> {
-        let opts = MatvecOpts {
-            y_stride: self.width,
-            ..Default::default()
-        };
-        for (w, col) in &self.groups {
-            if *col == 0 {
-                matvec::matvec_conv(pass, w, x, 0, y, 0, n, &opts, conv)?;
-            } else {
-                matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?;
+            match (pro, conv.filter(|_| *col == 0)) {
+                (None, None) => matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?,
+                (p, c) => matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, p, c)?,
             }
         }
         Ok(())
