@@ -93,8 +93,12 @@ fn split_x(dtype: DType, prec: Precision) -> bool {
 }
 
 /// Weights that f16 does not hold exactly split too at [`Precision::Split`] (`WSPLIT`).
+/// MXFP4 values are E2M1 codes times a power of two (OCP MX spec: 3 significant bits), exact
+/// in f16 for scales 2^-23..2^13 (every real weight): their low part would be zero, so they
+/// skip the third product.
 fn split_w(dtype: DType, prec: Precision) -> bool {
-    prec == Precision::Split && !matches!(dtype, DType::F16 | DType::BF16 | DType::F32)
+    prec == Precision::Split
+        && !matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::MXFP4)
 }
 
 /// Staged activations of one product.
