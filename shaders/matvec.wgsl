@@ -286,16 +286,20 @@ fn xraw1(e: u32) -> f32 {
 // so the fused product gives the bits of that kernel followed by the plain product.
 //   PRO_NORM  x' = x · r · w (norm.wgsl's RMSNorm of the token's row, weight w [cols] f32 at
 //             binding 6, r = rsqrt(Σx²/cols + eps), pro0 = eps as f32 bits), computed as
-//             r · (W (x · w)): each lane sums the squares of the x values it loads anyway (every
-//             thread group loads the token's row once), and r scales the lanes' sums after
-//             the loop (pro_norm_r). No extra pass over x, so the product costs what the plain
-//             one does; the order of operations differs from the separate norm's, so the bits
-//             differ from rms_norm + matvec by rounding (a few ulps of y).
+//             r · (W (x · w)): after the loop, one pass of the workgroup over the row gives r
+//             (norm_r: Σx² in SSP fixed partitions and a fixed tree, whatever the split, so
+//             matvec and matvec_multi give a token the same r), which scales the lanes' sums. The order of operations differs from the separate norm's, so
+//             the bits differ from rms_norm + matvec by rounding (a few ulps of y).
 //   PRO_SWIGLU x' = silu(x[e]) · x[e + pro0] (elementwise.wgsl's swiglu without a limit: gate
 //             at x, up pro0 elements later in the same buffer).
 //   PRO_SIGMUL x' = sigmoid(g) · x with g = G[pro0 + (c / pro1) · pro2 + c % pro1] (binding 6;
 //             elementwise.wgsl's sigmoid_mul: Qwen3.5's attention output gate, pro1 = head_dim,
 //             pro2 = the gate's head stride) for column c of the token's row.
+//   NORM_R    the r machinery of PRO_NORM (defined with it): the lanes' sums scaled by r.
+//   NORM_RAW  (with NORM_R, without PRO_NORM) x is already x · w (written by a product's
+//             EPI_NW store), read as stored, and r comes from the raw rows at binding 12
+//             (same layout as x): the bits of PRO_NORM over the raw rows, without its weight
+//             loads and multiplies in every thread group.
 //   PVEC      (with XVEC) the prologue's own operands load as vectors too: the norm weight
 //             (bound as vec4s; cols a multiple of 4) and SwiGLU's up values (pro0 a multiple of
 //             4). Same operations per element, so the same bits; 4x fewer loads per x vector.
@@ -307,9 +311,6 @@ fn nw1(i: u32) -> f32 { return NW[i >> 2u][i & 3u]; }
 @group(0) @binding(6) var<storage, read> NW: array<f32>;
 fn nw1(i: u32) -> f32 { return NW[i]; }
 #endif
-// this lane's Σx² over the x values it loaded
-var<private> pro_ss: f32;
-var<workgroup> pro_red: array<f32, TPR>;
 #endif
 #if PRO_SIGMUL
 @group(0) @binding(6) var<storage, read> G: array<f32>;
@@ -324,8 +325,29 @@ var<workgroup> pro_red: array<f32, TPR>;
 //   EPI_SIGROW epilogue y += sigmoid(s) · (W x') with s = EG[pro1 + token · pro2] (binding 8;
 //             elementwise.wgsl's sigmoid_mul_row_inplace then add_inplace: Qwen's shared
 //             expert gate).
+//   EPI_NW    the stored (or accumulated) value v of row c is also written times the next
+//             norm's weight, HN[o] = v · NWN[c] (bindings 13, 14; one weight part), at the
+//             same element o as in Y: the x · w that a NORM_RAW product reads, in the f32
+//             multiply PRO_NORM's load does.
+//   EPI_GLU   SwiGLU of a gate+up product (rows 0..ff the gate, ff..2ff the up; p.rows = 2ff):
+//             the split's rows are taken in pairs, logical row 2o the gate row o and 2o + 1 the
+//             up row o (row_of), so a thread group holds both and writes y[o] = silu(g) · u
+//             (elementwise.wgsl's swiglu without a limit) instead of the two values. A row's
+//             sum never depends on which thread group computes it, so y has the bits of the
+//             plain product followed by swiglu. R is 2 or 4 (whole pairs per quad).
 #if NORM_OUT
 @group(0) @binding(7) var<storage, read_write> H: array<f32>;
+#endif
+#if NORM_RAW
+#if XVEC
+@group(0) @binding(12) var<storage, read> XR: array<vec4<f32>>;
+#else
+@group(0) @binding(12) var<storage, read> XR: array<f32>;
+#endif
+#endif
+#if EPI_NW
+@group(0) @binding(13) var<storage, read> NWN: array<f32>;
+@group(0) @binding(14) var<storage, read_write> HN: array<f32>;
 #endif
 #if EPI_SIGROW
 @group(0) @binding(8) var<storage, read> EG: array<f32>;
@@ -369,31 +391,76 @@ fn pro_setup(xbase: u32, t: u32) {
 #endif
 }
 
-#if PRO_NORM
-// r of the token's row from the lanes' Σx² partials, in every thread: thread group 0's TPR
-// partials cover the row once (every group's are the same), summed by lane pairs at strides
-// TPR/2, TPR/4, ... 1. Every thread of the workgroup calls it (it has barriers).
-fn pro_norm_r(lid: u32) -> f32 {
-    if (lid < TPR) {
-        pro_red[lid] = pro_ss;
+#if NORM_R
+// the raw row's values at e.. for norm_r
+fn ss4(e: u32) -> vec4<f32> {
+#if NORM_RAW
+#if XVEC
+    return XR[e >> 2u];
+#else
+    return vec4<f32>(XR[e], XR[e + 1u], XR[e + 2u], XR[e + 3u]);
+#endif
+#else
+    return xraw4(e);
+#endif
+}
+
+fn ss1(e: u32) -> f32 {
+#if NORM_RAW
+#if XVEC
+    return XR[e >> 2u][e & 3u];
+#else
+    return XR[e];
+#endif
+#else
+    return xraw1(e);
+#endif
+}
+
+// Partitions of norm_r's Σx²: vector v of the row (4 elements, summed in order) belongs to
+// partition v % SSP, each partition sums its vectors in order, then a fixed tree sums the
+// partitions (the tail elements of a row of cols % 4 != 0 join partitions 0..3).
+const SSP = 64u;
+var<workgroup> ss_red: array<f32, SSP>;
+
+// r = rsqrt(Σx²/cols + eps) of the row at element xbase, in every thread; every thread of the
+// workgroup calls it (barriers), and its result depends on the row alone.
+fn norm_r(lid: u32, xbase: u32) -> f32 {
+    let nv = p.cols / 4u;
+    for (var j = lid; j < SSP; j += WG) {
+        var s = 0.0;
+        for (var v = j; v < nv; v += SSP) {
+            let a = ss4(xbase + 4u * v);
+            s += a.x * a.x;
+            s += a.y * a.y;
+            s += a.z * a.z;
+            s += a.w * a.w;
+        }
+        for (var e = 4u * nv + j; e < p.cols; e += SSP) {
+            let a = ss1(xbase + e);
+            s += a * a;
+        }
+        ss_red[j] = s;
     }
     workgroupBarrier();
-    for (var st = TPR / 2u; st > 0u; st >>= 1u) {
-        if (lid < st) {
-            pro_red[lid] += pro_red[lid + st];
+    for (var st = SSP / 2u; st > 0u; st >>= 1u) {
+        for (var j = lid; j < st; j += WG) {
+            ss_red[j] += ss_red[j + st];
         }
         workgroupBarrier();
     }
-    return inverseSqrt(pro_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+    let r = inverseSqrt(ss_red[0] / f32(p.cols) + bitcast<f32>(p.pro0));
+    // the next call (matvec_multi's next token) writes ss_red again
+    workgroupBarrier();
+    return r;
 }
 
-// r of the last pro_finish, for the thread group's other row quads
+// r of the current token (norm_r, before the product)
 var<private> pro_r: f32;
 
 // acc · r, and with NORM_OUT the normed row written by the first row group's workgroup.
 fn pro_finish(acc: vec4<f32>, lid: u32, t: u32, first: bool) -> vec4<f32> {
-    let r = pro_norm_r(lid);
-    pro_r = r;
+    let r = pro_r;
 #if NORM_OUT
     if (first) {
         for (var j = lid; j < p.cols; j += WG) {
@@ -407,7 +474,6 @@ fn pro_finish(acc: vec4<f32>, lid: u32, t: u32, first: bool) -> vec4<f32> {
 
 fn pro1(e: u32, a: f32) -> f32 {
 #if PRO_NORM
-    pro_ss += a * a;
     return a * nw1(e - pro_x0);
 #else
 #if PRO_SWIGLU
@@ -424,14 +490,11 @@ fn pro1(e: u32, a: f32) -> f32 {
 #endif
 }
 
-fn x4(e: u32) -> vec4<f32> {
+// x' at e..e+4 (the prologue applied to the stored x)
+fn pro4(e: u32) -> vec4<f32> {
     let a = xraw4(e);
 #if PVEC
 #if PRO_NORM
-    pro_ss += a.x * a.x;
-    pro_ss += a.y * a.y;
-    pro_ss += a.z * a.z;
-    pro_ss += a.w * a.w;
     return a * NW[(e - pro_x0) >> 2u];
 #else
     let u = xraw4(e + p.pro0);
@@ -444,6 +507,10 @@ fn x4(e: u32) -> vec4<f32> {
     return a;
 #endif
 #endif
+}
+
+fn x4(e: u32) -> vec4<f32> {
+    return pro4(e);
 }
 
 fn x1(e: u32) -> f32 {
@@ -1499,8 +1566,18 @@ fn mv_step(c: u32, rb: vec4<u32>, xbase: u32) -> vec4<f32> {
 
 // Bytes of the 4 rows of quad q from row0 (clamped to the last row; their writes are skipped).
 fn quad_rb(wbase: u32, row0: u32, q: u32) -> vec4<u32> {
-    let last = p.rows - 1u;
-    return vec4<u32>(wbase) + min(vec4<u32>(row0 + 4u * q) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
+    return vec4<u32>(wbase) + rows_of(row0 + 4u * q) * p.row_bytes;
+}
+
+// The stored rows of logical rows l..l+4 (clamped to the last): themselves, or with EPI_GLU
+// gate row o for 2o and up row o for 2o + 1.
+fn rows_of(l: u32) -> vec4<u32> {
+    let r = min(vec4<u32>(l) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(p.rows - 1u));
+#if EPI_GLU
+    return (r >> vec4<u32>(1u)) + (r & vec4<u32>(1u)) * (p.rows / 2u);
+#else
+    return r;
+#endif
 }
 
 // Quads 1..RQ of mv_partial's rows (rows row0 + 4q..): with RQ > 1 each slice's x values are
@@ -1605,15 +1682,42 @@ fn store1(row: u32, ybase: u32, v: f32) {
 #if EPI_SIGROW
         Y[o] = Y[o] + epi_s * v;
 #else
+#if EPI_NW
+        var h = v;
+        if (p.accumulate != 0u) {
+            h = Y[o] + v;
+        }
+        Y[o] = h;
+        HN[o] = h * NWN[row];
+#else
         if (p.accumulate != 0u) {
             Y[o] += v;
         } else {
             Y[o] = v;
         }
 #endif
+#endif
     }
 }
 
+#if EPI_GLU
+// elementwise.wgsl's swiglu with its limit at f32's largest value
+fn glu(g: f32, u: f32) -> f32 {
+    let a = 3.40282347e38;
+    let gc = min(g, a);
+    return gc / (1.0 + exp(-gc)) * clamp(u, -a, a);
+}
+
+// logical rows row0.. hold (gate, up) pairs: y[row0 / 2 + i] = swiglu of pair i
+fn store_rows(row0: u32, ybase: u32, v: vec4<f32>) {
+    if (row0 < p.rows) {
+        Y[ybase + row0 / 2u] = glu(v.x, v.y);
+    }
+    if (R > 2u && row0 + 2u < p.rows) {
+        Y[ybase + row0 / 2u + 1u] = glu(v.z, v.w);
+    }
+}
+#else
 fn store_rows(row0: u32, ybase: u32, v: vec4<f32>) {
     store1(row0, ybase, v.x);
     if (R > 1u) {
@@ -1626,6 +1730,7 @@ fn store_rows(row0: u32, ybase: u32, v: vec4<f32>) {
         store1(row0 + 3u, ybase, v.w);
     }
 }
+#endif
 
 // Sum over the TPR lanes of each thread group (aligned runs of lanes), lane 0 writes.
 #if SUBGROUPS
@@ -1695,7 +1800,9 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 #endif
     var acc = mv_partial(row0, lid % TPR, 0u, p.x_off + t * p.x_stride);
     var f = 1.0;
-#if PRO_NORM
+#if NORM_R
+    // after the product: the weight stream does not wait for the row's pass
+    pro_r = norm_r(lid, pro_x0);
     acc = pro_finish(acc, lid, t, rg == 0u);
     f = pro_r;
 #endif
@@ -1720,18 +1827,13 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 // slices in the same order, `mv_step` / the FSLOW loop accumulate as `mv_partial` does,
 // `pro_setup` runs per token and `reduce_store` sums as it does, so each token's outputs have
 // matvec's bits whatever the rows per thread group (R) and workgroup size (each row's sum only
-// ever involves its own lanes; PRO_NORM's Σx² partials are kept per token and finished per
-// token as matvec finishes its token's). Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT;
+// ever involves its own lanes; NORM_R's r is norm_r of the token's row, as matvec's is). Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT;
 // rows as matvec. Tokens are unrolled by hand with literal k (a local array indexed at run time
 // would go to local memory on NVIDIA, see the top of this file).
 
-// first token of the group; the prologue / epilogue state of token k (PRO_NORM: its lanes'
-// running Σx², swapped in and out around its steps)
+// first token of the group; the epilogue state of token k
 var<private> mt_t0: u32;
 #ifndef Q8X
-#if PRO_NORM
-var<private> mt_ss: array<f32, 8>;
-#endif
 #if EPI_SIGROW
 var<private> mt_s: array<f32, 8>;
 #endif
@@ -1746,23 +1848,11 @@ fn mt_x(k: u32) -> u32 {
 fn mt_use(k: u32) {
 #ifndef Q8X
     pro_x0 = mt_x(k);
-#if PRO_NORM
-    pro_ss = mt_ss[k];
-#endif
 #if EPI_SIGROW
     epi_s = mt_s[k];
 #endif
 #if EPI_CONV
     epi_t = mt_t0 + k;
-#endif
-#endif
-}
-
-// The rest of token k's step: its running Σx² back to its slot.
-fn mt_keep(k: u32) {
-#ifndef Q8X
-#if PRO_NORM
-    mt_ss[k] = pro_ss;
 #endif
 #endif
 }
@@ -1794,7 +1884,6 @@ var<private> ma7: vec4<f32>;
 fn mt_tok(k: u32, blk: u32, s: u32, w0: WC, w1: WC, w2: WC, w3: WC) -> vec4<f32> {
     mt_use(k);
     let xc = load_xc(mt_x(k) + blk * BS, s);
-    mt_keep(k);
     var acc = vec4<f32>(0.0);
     acc.x = chunk_fin(w0, xc);
     if (R > 1u) {
@@ -1843,7 +1932,6 @@ fn mt_slow(acc: vec4<f32>, e: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
     mt_use(k);
     let xe = x1(mt_x(k) + e);
     var a = acc;
-    mt_keep(k);
     a.x += welem(rb.x, e) * xe;
     if (R > 1u) {
         a.y += welem(rb.y, e) * xe;
@@ -1861,7 +1949,6 @@ fn mt_slow(acc: vec4<f32>, e: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
 fn mt_step(c: u32, rb: vec4<u32>, k: u32) -> vec4<f32> {
     mt_use(k);
     let v = mv_step(c, rb, mt_x(k));
-    mt_keep(k);
     return v;
 }
 #endif
@@ -1888,8 +1975,7 @@ fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (TT > 5u) { mt_setup(5u); }
     if (TT > 6u) { mt_setup(6u); }
     if (TT > 7u) { mt_setup(7u); }
-    let last = p.rows - 1u;
-    let rb = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last)) * p.row_bytes;
+    let rb = rows_of(row0) * p.row_bytes;
     var a0 = vec4<f32>(0.0);
     var a1 = vec4<f32>(0.0);
     var a2 = vec4<f32>(0.0);
@@ -1965,12 +2051,13 @@ fn matvec_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 #endif
 }
 
-// Token k's accumulators finished (PRO_NORM) as matvec's and stored by reduce_store (both
+// Token k's accumulators finished (NORM_R) as matvec's and stored by reduce_store (both
 // take every thread: barriers); the closing barrier keeps the next token's from overwriting
 // workgroup memory still being read.
 fn mt_finish(acc: vec4<f32>, k: u32, lid: u32, first: bool) -> vec4<f32> {
     mt_use(k);
-#if PRO_NORM
+#if NORM_R
+    pro_r = norm_r(lid, pro_x0);
     return pro_finish(acc, lid, mt_t0 + k, first);
 #else
     return acc;

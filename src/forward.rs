@@ -293,14 +293,11 @@ pub struct LoadOptions {
     /// Instruction set of the cold experts' CPU kernels (`--cpu-simd`); `None`: the widest
     /// the CPU has.
     pub cpu_simd: Option<SimdLevel>,
-    /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
-    /// loads (`matvec::Prologue`, `--fused-loads`): fewer dispatches (Qwen3.5-9B 5.75 per
-    /// layer against ~10) and about half the host time per token. Off by default: with the
-    /// prologues loading their operands as vectors (`PVEC`) the fused 9B step costs the GPU
-    /// 6.5 ms against 6.4 ms for the separate kernels on the H200 (1.65x before), the
-    /// 35B-A3B step 8.3 against 9.2 ms, but batches of several sequences read x through the
-    /// prologue once per token, and the server's 16-stream aggregate fell from 352 to 149
-    /// tok/s with it. The fused products read f32 x (see `ActivationsChoice`).
+    /// Decode folds the RMSNorms and the output gates into the next product's activation load
+    /// (`matvec::Prologue`; r from one pass over the row per workgroup after the product),
+    /// `--fused-loads`, on by default. Qwen3.5-9B decode takes 5.75 dispatches per layer
+    /// against 7.75 with it off (SwiGLU joins the gate+up product's store either way,
+    /// `matvec::Epilogue::SwiGlu`). The fused products read f32 x (see `ActivationsChoice`).
     pub fused_loads: bool,
     /// Several devices (`--devices`): the model's layers split over them in contiguous
     /// ranges (`models::chain`); empty or one: the single device of `adapter`.
@@ -492,7 +489,7 @@ impl Default for LoadOptions {
             expert_stream: Default::default(),
             cold_layers: Default::default(),
             cpu_simd: None,
-            fused_loads: false,
+            fused_loads: true,
             devices: Vec::new(),
             split: None,
             gpu_mems: Vec::new(),

@@ -749,6 +749,174 @@ pub fn prologue(
     Ok(chk)
 }
 
+/// SwiGLU as the store of a gate+up product (`matvec::Epilogue::SwiGlu`, rows `0..ff` the
+/// gate's and `ff..2ff` the up's), plain or through the RMSNorm prologue, for `nt` tokens (2+:
+/// the token-group kernel), against the CPU: `cpu::ops::swiglu` of the products in f64, within
+/// the products' bound carried through silu (slope ≤ 1.1) and the other factor.
+pub fn swiglu_store(
+    gpu: &Gpu,
+    dt: DType,
+    (ff, cols, nt): (u64, u64, usize),
+    normed: bool,
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    let w = Weight::random(dt, &[2 * ff, cols], seed)?;
+    let (f, c) = (ff as usize, cols as usize);
+    let mut rng = Rng(seed ^ 0x61a);
+    let x = rng.normals(nt * c, 1.5);
+    let nw = rng.normals(c, 1.0);
+    let eps = 1e-6;
+    let wt = w.upload(gpu)?;
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let nwb = gpu.upload_f32(&nw, "selftest.nw")?;
+    let n_out = nt * f;
+    let yb = out_buffer(gpu, n_out)?;
+    let pro = matvec::Prologue::RmsNorm {
+        w: &nwb,
+        eps,
+        keep: None,
+    };
+    let mut pass = gpu.pass();
+    matvec::matvec_fused(
+        &mut pass,
+        &wt,
+        &xb,
+        0,
+        &yb,
+        GUARD as u32,
+        nt as u32,
+        &MatvecOpts::default(),
+        normed.then_some(&pro),
+        matvec::Epilogue::SwiGlu,
+    )?;
+    pass.submit()?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let h: Vec<Vec<f32>> = (0..nt)
+        .map(|t| {
+            let xt = &x[t * c..][..c];
+            if normed {
+                ops::rms_norm(xt, c, Some(&nw), eps)
+            } else {
+                xt.to_vec()
+            }
+        })
+        .collect();
+    // per output: the swiglu of the f64 products, and its bound as the `a` of compare_with
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| {
+            let (t, o) = (i / f, i % f);
+            let (g, ga) = w.dot(o, &h[t]);
+            let (u, ua) = w.dot(f + o, &h[t]);
+            let v = ops::swiglu(&[g as f32], &[u as f32], None)[0] as f64;
+            let (eg, eu) = (1e-4 * (1.0 + ga), 1e-4 * (1.0 + ua));
+            let bound = 1.1 * eg * (u.abs() + eu) + eu * (g.abs() + eg) + 1e-6 * (1.0 + v.abs());
+            (i, Some((v, bound)))
+        })
+        .collect();
+    let name = format!(
+        "matvec swiglu store{} {dt} {}x{cols} tokens {nt}",
+        if normed { " normed" } else { "" },
+        2 * ff
+    );
+    Ok(compare_with(name, &got, &want, n_out, false, |_, b| b))
+}
+
+/// A residual product storing x · w too (`matvec::Epilogue::Normed`: `x += P a` over `c`
+/// rows) and a product reading that through `matvec::Prologue::RmsNormRaw`, for `nt` tokens
+/// (2+: the token-group kernel): the residual and the consumer against the CPU
+/// (`cpu::ops::rms_norm`, products in f64), the stored x · w against the read-back residual
+/// times w (one f32 multiply: exact).
+pub fn normed_store(
+    gpu: &Gpu,
+    dt: DType,
+    (rows, c, k, nt): (u64, u64, u64, usize),
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    use matvec::{Epilogue, Prologue};
+    let pw = Weight::random(dt, &[c, k], seed)?;
+    let cw = Weight::random(dt, &[rows, c], seed + 1)?;
+    let (r, cu, ku) = (rows as usize, c as usize, k as usize);
+    let mut rng = Rng(seed ^ 0x7e5);
+    let a = rng.normals(nt * ku, 1.0);
+    let x0 = rng.normals(nt * cu, 2.0);
+    let nw = rng.normals(cu, 1.0);
+    let (pt, ct) = (pw.upload(gpu)?, cw.upload(gpu)?);
+    let ab = gpu.upload_f32(&a, "selftest.a")?;
+    let xb = gpu.upload_f32(&x0, "selftest.x")?;
+    let nwb = gpu.upload_f32(&nw, "selftest.nw")?;
+    let hn = gpu.upload_f32(&vec![SENTINEL; nt * cu], "selftest.hn")?;
+    let n_out = nt * r;
+    let yb = out_buffer(gpu, n_out)?;
+    let acc = MatvecOpts {
+        accumulate: true,
+        ..Default::default()
+    };
+    let raw = Prologue::RmsNormRaw {
+        raw: &xb,
+        eps: 1e-6,
+    };
+    let mut pass = gpu.pass();
+    let epi = Epilogue::Normed { w: &nwb, out: &hn };
+    matvec::matvec_fused(&mut pass, &pt, &ab, 0, &xb, 0, nt as u32, &acc, None, epi)?;
+    let (o, st) = (MatvecOpts::default(), Epilogue::Store);
+    let y0 = GUARD as u32;
+    matvec::matvec_fused(
+        &mut pass,
+        &ct,
+        &hn,
+        0,
+        &yb,
+        y0,
+        nt as u32,
+        &o,
+        Some(&raw),
+        st,
+    )?;
+    pass.submit()?;
+    let xs = gpu.read_f32(&xb, 0, nt * cu)?;
+    let hv = gpu.read_f32(&hn, 0, nt * cu)?;
+    let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
+    let name = format!("matvec normed store {dt} {c}x{k} -> {rows}x{c} tokens {nt}");
+    // the residual rows against the CPU, and x · w exactly
+    for t in 0..nt {
+        for j in 0..cu {
+            let (v, s) = pw.dot(j, &a[t * ku..][..ku]);
+            let want = x0[t * cu + j] as f64 + v;
+            let got_x = xs[t * cu + j] as f64;
+            if (got_x - want).abs() > 1e-4 * (1.0 + s + x0[t * cu + j].abs() as f64) {
+                return Ok(fail(
+                    name,
+                    format!("residual {t}/{j} = {got_x}, want {want}"),
+                ));
+            }
+            if hv[t * cu + j].to_bits() != (xs[t * cu + j] * nw[j]).to_bits() {
+                return Ok(fail(name, format!("x · w {t}/{j} = {}", hv[t * cu + j])));
+            }
+        }
+    }
+    let h: Vec<Vec<f32>> = (0..nt)
+        .map(|t| ops::rms_norm(&xs[t * cu..][..cu], cu, Some(&nw), 1e-6))
+        .collect();
+    let want: Vec<_> = picks(n_out)
+        .into_iter()
+        .map(|i| (i, Some(cw.dot(i % r, &h[i / r]))))
+        .collect();
+    Ok(compare(name, &got, &want, n_out, false))
+}
+
+fn fail(name: String, detail: String) -> Check {
+    Check {
+        name,
+        passed: false,
+        worst: f64::INFINITY,
+        rel_rms: f64::NAN,
+        detail,
+    }
+}
+
 /// The GDN conv step in the store of a qkv product (`matvec::ConvStep`, width 4), normed
 /// or plain (`matvec_fused` with and without the RMSNorm prologue), for three one-token sequences in slots 2, 0, 1:
 /// the first `channels` rows become silu(Σ_j cw_j · state_j + cw_3 · y) and the states roll,
@@ -819,7 +987,7 @@ pub fn conv_step(
         nt as u32,
         &MatvecOpts::default(),
         normed.then_some(&pro),
-        Some(&step),
+        matvec::Epilogue::Conv(&step),
     )?;
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
@@ -1425,6 +1593,33 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
             }
         }
     }
+    for (i, dt) in FUSED_TYPES.into_iter().enumerate() {
+        for (nt, normed) in [(1, true), (1, false), (3, true)] {
+            push(
+                &format!("matvec swiglu store {dt}"),
+                swiglu_store(gpu, dt, (19, odd_cols(dt), nt), normed, 560 + i as u64),
+            );
+        }
+    }
+    for (i, dt) in FUSED_TYPES.into_iter().enumerate() {
+        for nt in [1, 3] {
+            let (k, c) = (odd_cols(dt), odd_cols(dt) + dt.block_size() as u64);
+            push(
+                &format!("matvec normed store {dt}"),
+                normed_store(gpu, dt, (29, c, k, nt), 620 + i as u64),
+            );
+        }
+    }
+    // Qwen3.5-9B's ffn_down feeding the next layer's qkv at decode
+    push(
+        "matvec normed store Q4_K 9B",
+        normed_store(gpu, DType::Q4_K, (12352, 4096, 12288, 1), 595),
+    );
+    // Qwen3.5-9B's gate+up at decode (the normed split of the big products)
+    push(
+        "matvec swiglu store Q4_K 9B",
+        swiglu_store(gpu, DType::Q4_K, (12288, 4096, 1), true, 590),
+    );
     for (i, dt) in [DType::Q4_K, DType::F32, DType::Q8_0]
         .into_iter()
         .enumerate()
@@ -1537,6 +1732,10 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
             push(
                 &format!("matvec swiglu {dt} 4096x12288"),
                 prologue(gpu, dt, ProKind::SwiGlu, (4096, 12288, 1), seed + 1),
+            );
+            push(
+                &format!("matvec swiglu store normed {dt} 24576x4096"),
+                swiglu_store(gpu, dt, (12288, 4096, 1), true, seed + 5),
             );
             if matvec::int8_x_supported(dt) {
                 for (k, &(rows, cols)) in REAL[..2].iter().enumerate() {

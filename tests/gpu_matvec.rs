@@ -760,6 +760,29 @@ fn variants_translate_to_every_backend() {
                 matvec::matvec_indexed(&mut pass, &wt, &xb, 0, true, &ids, 0, 2, &yb, 0, 2, o)
                     .unwrap();
             }
+            // the fused forms: RMSNorm prologue with the SwiGLU store, one token and a token
+            // group
+            let nwb = g.upload_f32(&vec![1.0; cols as usize], "nw").unwrap();
+            let pro = matvec::Prologue::RmsNorm {
+                w: &nwb,
+                eps: 1e-6,
+                keep: None,
+            };
+            let raw = matvec::Prologue::RmsNormRaw {
+                raw: &xb,
+                eps: 1e-6,
+            };
+            let nwr = g.upload_f32(&[1.0; 8], "nw rows").unwrap();
+            let hn = g.buffer(16 * 16 * 4, "hn").unwrap();
+            let normed = matvec::Epilogue::Normed { w: &nwr, out: &hn };
+            for nt in [1, 2] {
+                let (o, epi) = (&MatvecOpts::default(), matvec::Epilogue::SwiGlu);
+                matvec::matvec_fused(&mut pass, &wt2, &xb, 0, &yb, 0, nt, o, Some(&pro), epi)
+                    .unwrap();
+                // the residual product's normed store, read by the next through RmsNormRaw
+                matvec::matvec_fused(&mut pass, &wt2, &xb, 0, &yb, 0, nt, o, Some(&raw), normed)
+                    .unwrap();
+            }
             matmul::matmul_tiled(&mut pass, &wt2, &xb, 0, &yb, 0, 9, &MatvecOpts::default())
                 .unwrap();
             matmul::route(&mut pass, &route, &ids, 0, 2, 2).unwrap();
@@ -1724,6 +1747,201 @@ fn matvec_prologues() {
     }
 }
 
+/// A residual product's normed store (`matvec::Epilogue::Normed`) and the product reading
+/// it through `Prologue::RmsNormRaw`: the residual rows are the plain accumulating product's
+/// bits, the extra rows are those times the norm weight (one f32 multiply), and the next
+/// product has the bits of `Prologue::RmsNorm` over the residual rows; one token and a
+/// token group, every type as the producer and the consumer.
+#[test]
+fn normed_store_feeds_raw_norm() {
+    use matvec::{Epilogue, Prologue};
+    let g = gpu();
+    for (i, dt) in ALL.into_iter().enumerate() {
+        let k = *odd_cols(dt).last().unwrap();
+        let c = *odd_cols(dt).first().unwrap();
+        let seed = 2100 + i as u64;
+        let pw = Weight::random(dt, &[c, k], seed);
+        let cw = Weight::random(dt, &[23, c], seed + 1);
+        let mut rng = Rng::new(seed ^ 3);
+        for n in [1usize, 3] {
+            let (k, c) = (k as usize, c as usize);
+            let a = rng.normals(n * k, 1.0);
+            let x0 = rng.normals(n * c, 2.0);
+            let nw = rng.normals(c, 1.0);
+            let _l = serial();
+            let (pt, ct) = (pw.upload(g), cw.upload(g));
+            let ab = g.upload_f32(&a, "a").unwrap();
+            let nwb = g.upload_f32(&nw, "nw").unwrap();
+            let (xf, xp) = (
+                g.upload_f32(&x0, "x").unwrap(),
+                g.upload_f32(&x0, "x").unwrap(),
+            );
+            // x · w lands at the residual's elements (offset 0 here, no guard)
+            let hn = g.upload_f32(&vec![SENTINEL; n * c], "hn").unwrap();
+            let acc = MatvecOpts {
+                accumulate: true,
+                ..Default::default()
+            };
+            let nt = n as u32;
+            let mut pass = g.pass();
+            let epi = Epilogue::Normed { w: &nwb, out: &hn };
+            matvec::matvec_fused(&mut pass, &pt, &ab, 0, &xf, 0, nt, &acc, None, epi).unwrap();
+            matvec::matvec_opts(&mut pass, &pt, &ab, 0, &xp, 0, nt, &acc).unwrap();
+            submit(pass);
+            let (xs, xr) = (
+                g.read_f32(&xf, 0, n * c).unwrap(),
+                g.read_f32(&xp, 0, n * c).unwrap(),
+            );
+            let hv = g.read_f32(&hn, 0, n * c).unwrap();
+            for j in 0..n * c {
+                assert_eq!(xs[j].to_bits(), xr[j].to_bits(), "{dt} nt{n}: residual {j}");
+                let w = (xs[j] * nw[j % c]).to_bits();
+                assert_eq!(hv[j].to_bits(), w, "{dt} nt{n}: normed value {j}");
+            }
+            // the consumer: RmsNorm over the residual rows against RmsNormRaw over hn
+            let (y1, y2) = (out_buffer(g, n * 23), out_buffer(g, n * 23));
+            let mut pass = g.pass();
+            let pro = Prologue::RmsNorm {
+                w: &nwb,
+                eps: 1e-6,
+                keep: None,
+            };
+            let raw = Prologue::RmsNormRaw {
+                raw: &xf,
+                eps: 1e-6,
+            };
+            let o = MatvecOpts::default();
+            let st = Epilogue::Store;
+            let y0 = GUARD as u32;
+            matvec::matvec_fused(&mut pass, &ct, &xf, 0, &y1, y0, nt, &o, Some(&pro), st).unwrap();
+            matvec::matvec_fused(&mut pass, &ct, &hn, 0, &y2, y0, nt, &o, Some(&raw), st).unwrap();
+            submit(pass);
+            let (v1, v2) = (
+                g.read_f32(&y1, 0, n * 23 + 2 * GUARD).unwrap(),
+                g.read_f32(&y2, 0, n * 23 + 2 * GUARD).unwrap(),
+            );
+            for j in 0..v1.len() {
+                assert_eq!(
+                    v1[j].to_bits(),
+                    v2[j].to_bits(),
+                    "{dt} nt{n}: consumer output {j}: {} / {}",
+                    v1[j],
+                    v2[j]
+                );
+            }
+            assert_ne!(v1[GUARD], SENTINEL, "{dt} nt{n}: nothing written");
+        }
+    }
+}
+
+/// SwiGLU as a gate+up product's store (`matvec::Epilogue::SwiGlu`), on every type with odd
+/// and real sizes, plain and through the RMSNorm prologue, for one token and token groups:
+/// each token's values are the bits of the same product stored plainly followed by
+/// `elementwise::swiglu` (the unfused decode), the token groups' those of each token alone,
+/// and both match the CPU's swiglu of the CPU products.
+#[test]
+fn matvec_swiglu_store() {
+    use lathe::cpu::ops;
+    use lathe::gpu::elementwise::{self as ew, View};
+    use matvec::{Epilogue, Prologue};
+    let g = gpu();
+    for (i, dt) in ALL.into_iter().enumerate() {
+        let cols = *odd_cols(dt).last().unwrap();
+        let c = cols as usize;
+        // an odd ff; one real width (Qwen3.5-9B's ffn at 4096 columns) for Q4_K
+        let ffs: &[usize] = if dt == DType::Q4_K {
+            &[19, 12288]
+        } else {
+            &[19]
+        };
+        for &ff in ffs {
+            let cols = if ff > 19 { 4096 } else { cols };
+            let c = if ff > 19 { 4096 } else { c };
+            let seed = 1700 + i as u64 + ff as u64;
+            let w = Weight::random(dt, &[2 * ff as u64, cols], seed);
+            let mut rng = Rng::new(seed ^ 9);
+            let n = 9usize;
+            let x = rng.normals(n * c, 1.5);
+            let nw = rng.normals(c, 1.0);
+            let _l = serial();
+            let wt = w.upload(g);
+            let xb = g.upload_f32(&x, "x").unwrap();
+            let nwb = g.upload_f32(&nw, "nw").unwrap();
+            let pro = Prologue::RmsNorm {
+                w: &nwb,
+                eps: 1e-6,
+                keep: None,
+            };
+            let opts = MatvecOpts::default();
+            for normed in [false, true] {
+                let pro = normed.then_some(&pro);
+                // fused: all n tokens (token groups of 5 and 4), then each alone
+                let ym = out_buffer(g, n * ff);
+                let yl = out_buffer(g, n * ff);
+                let mut pass = g.pass();
+                let nt = n as u32;
+                let epi = Epilogue::SwiGlu;
+                matvec::matvec_fused(&mut pass, &wt, &xb, 0, &ym, 5, nt, &opts, pro, epi).unwrap();
+                for t in 0..n as u32 {
+                    let (xo, yo) = (t * cols as u32, 5 + t * ff as u32);
+                    matvec::matvec_fused(&mut pass, &wt, &xb, xo, &yl, yo, 1, &opts, pro, epi)
+                        .unwrap();
+                }
+                // unfused: the product stored plainly, then swiglu
+                let yp = out_buffer(g, n * 2 * ff);
+                let yu = out_buffer(g, n * ff);
+                let (st, f) = (Epilogue::Store, ff as u32);
+                for t in 0..n as u32 {
+                    let (xo, yo) = (t * cols as u32, t * 2 * f);
+                    matvec::matvec_fused(&mut pass, &wt, &xb, xo, &yp, yo, 1, &opts, pro, st)
+                        .unwrap();
+                }
+                let (gv, uv) = (View::strided(&yp, 0, 2 * f), View::strided(&yp, f, 2 * f));
+                ew::swiglu(&mut pass, nt, f, View::new(&yu, 5), gv, uv, None).unwrap();
+                submit(pass);
+                let multi = g.read_f32(&ym, 5, n * ff).unwrap();
+                let lone = g.read_f32(&yl, 5, n * ff).unwrap();
+                let unfused = g.read_f32(&yu, 5, n * ff).unwrap();
+                let what = format!("{dt} {}x{cols} normed {normed}", 2 * ff);
+                for j in 0..n * ff {
+                    assert_eq!(
+                        (multi[j].to_bits(), lone[j].to_bits()),
+                        (unfused[j].to_bits(), unfused[j].to_bits()),
+                        "{what}: token {} value {}: group {} / lone {} / unfused {}",
+                        j / ff,
+                        j % ff,
+                        multi[j],
+                        lone[j],
+                        unfused[j]
+                    );
+                }
+                // against the CPU: swiglu of the CPU products (the bound of the product's
+                // rounding, through silu's slope ≤ 1.1 and the other factor)
+                for t in 0..n {
+                    let xt = &x[t * c..][..c];
+                    let h = if normed {
+                        ops::rms_norm(xt, c, Some(&nw), 1e-6)
+                    } else {
+                        xt.to_vec()
+                    };
+                    for o in 0..ff {
+                        let (gd, ud) = (w.dot(o, &h), w.dot(ff + o, &h));
+                        let (gw, uw) = (gd.0 as f32, ud.0 as f32);
+                        let want = ops::swiglu(&[gw], &[uw], None)[0] as f64;
+                        let got = lone[t * ff + o] as f64;
+                        let tol = 1e-4 * (1.0 + gd.1) * (1.0 + ud.0.abs() + ud.1) * 1.1
+                            + 1e-4 * (1.0 + ud.1) * (1.0 + gd.0.abs());
+                        assert!(
+                            (got - want).abs() <= tol,
+                            "{what}: token {t} value {o}: {got} against {want} (±{tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The GDN conv step fused into the qkv product's store (`matvec::ConvStep`): the outputs of
 /// the conv channels and the rolled conv states are the bits of the product followed by
 /// `conv::conv1d_silu` at decode; the rows past the channels are the product itself. With the
@@ -1792,7 +2010,7 @@ fn matvec_conv_step_matches_unfused() {
             n as u32,
             &opts,
             normed.then_some(&pro),
-            Some(&step),
+            matvec::Epilogue::Conv(&step),
         )
         .unwrap();
         submit(pass);

@@ -595,7 +595,7 @@ fn conv_step_matches_lone_sequences() {
                 nt,
                 &opts,
                 Some(&pro),
-                Some(&step),
+                matvec::Epilogue::Conv(&step),
             )
             .unwrap();
             pass.submit().unwrap();

@@ -55,7 +55,7 @@ struct Args {
     /// Tokens per matvec (1..=8).
     #[arg(long, default_value_t = 1)]
     tokens: u32,
-    /// Work splits to compare, `WGxROWS` (default: the wrapper's choice).
+    /// Work splits to compare, `WGxROWS[xLANES]` or `auto` (default: the wrapper's choice).
     #[arg(long)]
     tune: Option<String>,
     /// Also time the tiled matmul with this many tokens (0: skip).
@@ -77,6 +77,10 @@ struct Args {
     /// product alone with x quantized once per pass (x shared by several weights).
     #[arg(long)]
     int8_x: bool,
+    /// Time the one-token matvec reading x through the RMSNorm prologue
+    /// (`matvec::Prologue::RmsNorm`, as the fused decode), instead of the plain product.
+    #[arg(long)]
+    norm: bool,
     /// Adapter index or name substring.
     #[arg(long, default_value = "auto")]
     adapter: String,
@@ -249,6 +253,9 @@ fn parse_tunes(s: &Option<String>) -> Vec<Option<Tune>> {
         Some(s) => s
             .split(',')
             .filter_map(|t| {
+                if t.trim() == "auto" {
+                    return Some(None);
+                }
                 let mut f = t.split('x').map(|v| v.trim().parse::<u32>());
                 let wg = f.next()?.ok()?;
                 let rows = f.next()?.ok()?;
@@ -356,6 +363,12 @@ fn bench_shape(
             .collect::<Result<_>>()?;
         let x = gpu.upload_f32(&vec![0.01; (cols * nt as u64) as usize], "x")?;
         let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
+        let nw = gpu.upload_f32(&vec![1.0; cols as usize], "nw")?;
+        let norm = matvec::Prologue::RmsNorm {
+            w: &nw,
+            eps: 1e-6,
+            keep: None,
+        };
         gpu.wait()?;
         let setup = t0.elapsed();
         let modes: &[bool] = if args.int8_x && matvec::int8_x_supported(dt) {
@@ -382,7 +395,16 @@ fn bench_shape(
             };
             let mut rec = |pass: &mut Pass<'_>| {
                 for i in 0..per_pass {
-                    matvec::matvec_opts(pass, &ws[i % ws.len()], &x, 0, &y, 0, nt, &opts)?;
+                    let w = &ws[i % ws.len()];
+                    if args.norm && !int8_x {
+                        let o = MatvecOpts {
+                            defines: &[],
+                            ..opts
+                        };
+                        matvec::matvec_pro(pass, w, &x, 0, &y, 0, nt, &o, &norm)?;
+                    } else {
+                        matvec::matvec_opts(pass, w, &x, 0, &y, 0, nt, &opts)?;
+                    }
                 }
                 Ok(())
             };
@@ -395,7 +417,7 @@ fn bench_shape(
                 dt.name(),
                 (one * n_mat) >> 20,
                 tune.map(|t| format!("wg{}x{}{}", t.wg, t.rows, t.lanes.map(|l| format!("x{l}")).unwrap_or_default())).unwrap_or_else(|| "auto".into()),
-                if int8_x { " int8-x" } else { "" },
+                if int8_x { " int8-x" } else if args.norm { " norm" } else { "" },
                 dl.join(","),
                 s * 1e6,
                 gbs,

@@ -474,6 +474,12 @@ impl Plan {
                 extra.push(("EPI_CONV", "true"));
                 extra.push(("CONV_K", &k_def));
             }
+            if v.glu {
+                extra.push(("EPI_GLU", "true"));
+            }
+            if v.nw {
+                extra.push(("EPI_NW", "true"));
+            }
             if v.tt > 0 {
                 extra.push(("TT", &tt_def));
                 // the types whose slice decode is split from the x dot (chunk_pre / chunk_fin)
@@ -539,6 +545,10 @@ struct Variant {
     conv_k: u32,
     /// Tokens per workgroup of `matvec_multi` (`TT`; 0 for the other entry points).
     tt: u32,
+    /// SwiGLU of gate and up rows as the store (`EPI_GLU`).
+    glu: bool,
+    /// The stored rows also written times a norm weight (`EPI_NW`).
+    nw: bool,
 }
 
 impl Variant {
@@ -549,6 +559,8 @@ impl Variant {
             q8x: false,
             conv_k: 0,
             tt: 0,
+            glu: false,
+            nw: false,
         }
     }
 }
@@ -828,6 +840,10 @@ pub enum Prologue<'a> {
         eps: f32,
         keep: Option<&'a wgpu::Buffer>,
     },
+    /// [`Prologue::RmsNorm`] over the rows of `raw` (x's layout) when x already holds
+    /// `raw · w` (a product's [`Epilogue::Normed`] store): x is read as stored and r comes
+    /// from `raw`; the bits of `RmsNorm` over `raw` without its weight loads.
+    RmsNormRaw { raw: &'a wgpu::Buffer, eps: f32 },
     /// x' = silu(x[c]) · x[c + up] (`elementwise::swiglu` without a limit: the up values sit
     /// `up` elements after the gate values of the same row, e.g. two columns of one product).
     SwiGlu { up: u32 },
@@ -854,10 +870,16 @@ pub enum Prologue<'a> {
 impl Prologue<'_> {
     fn defines(&self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Prologue::RmsNorm { keep: None, .. } => &[("PRO", "true"), ("PRO_NORM", "true")],
-            Prologue::RmsNorm { keep: Some(_), .. } => {
-                &[("PRO", "true"), ("PRO_NORM", "true"), ("NORM_OUT", "true")]
+            Prologue::RmsNorm { keep: None, .. } => {
+                &[("PRO", "true"), ("PRO_NORM", "true"), ("NORM_R", "true")]
             }
+            Prologue::RmsNorm { keep: Some(_), .. } => &[
+                ("PRO", "true"),
+                ("PRO_NORM", "true"),
+                ("NORM_R", "true"),
+                ("NORM_OUT", "true"),
+            ],
+            Prologue::RmsNormRaw { .. } => &[("NORM_R", "true"), ("NORM_RAW", "true")],
             Prologue::SwiGlu { .. } => &[("PRO", "true"), ("PRO_SWIGLU", "true")],
             Prologue::SwiGluGated { .. } => &[
                 ("PRO", "true"),
@@ -874,17 +896,18 @@ impl Prologue<'_> {
     fn vec_defines(&self, cols: u32) -> Option<&'static [(&'static str, &'static str)]> {
         const P: (&str, &str) = ("PRO", "true");
         const V: (&str, &str) = ("PVEC", "true");
+        const R: (&str, &str) = ("NORM_R", "true");
         if !cols.is_multiple_of(4) {
             return None;
         }
         match *self {
             Prologue::RmsNorm { w, keep: None, .. } if w.size().is_multiple_of(16) => {
-                Some(&[P, ("PRO_NORM", "true"), V])
+                Some(&[P, ("PRO_NORM", "true"), R, V])
             }
             Prologue::RmsNorm {
                 w, keep: Some(_), ..
             } if w.size().is_multiple_of(16) => {
-                Some(&[P, ("PRO_NORM", "true"), ("NORM_OUT", "true"), V])
+                Some(&[P, ("PRO_NORM", "true"), R, ("NORM_OUT", "true"), V])
             }
             Prologue::SwiGlu { up } if up.is_multiple_of(4) => {
                 Some(&[P, ("PRO_SWIGLU", "true"), V])
@@ -948,15 +971,44 @@ pub fn matvec_pro(
     opts: &MatvecOpts,
     pro: &Prologue<'_>,
 ) -> Result<()> {
-    matvec_fused(pass, w, x, x_off, y, y_off, n_tokens, opts, Some(pro), None)
+    let epi = Epilogue::Store;
+    matvec_fused(pass, w, x, x_off, y, y_off, n_tokens, opts, Some(pro), epi)
 }
 
-/// [`matvec_opts`] (f32 x) reading x through `pro` (`None`: x as stored), and with `conv` the
-/// GDN conv step on its first rows ([`ConvStep`]; only without a prologue or with
-/// [`Prologue::RmsNorm`] without `keep`): the bits of the product followed by
-/// `conv::conv1d_silu` at decode, one dispatch fewer.
-/// Two or more tokens take the token-group kernel ([`matvec_multi`]): each token's outputs
-/// have the bits of the same call for that token alone.
+/// What a fused product ([`matvec_fused`]) writes.
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a> {
+    /// The product, stored or added (`opts.accumulate`).
+    Store,
+    /// The GDN conv step on the first rows ([`ConvStep`]).
+    Conv(&'a ConvStep<'a>),
+    /// The product stored (or added, `opts.accumulate`) as [`Epilogue::Store`], and each
+    /// value v of row c also written as `v · w[c]` to `out` at the same element (`EPI_NW` in
+    /// matvec.wgsl; `w` f32 `[rows]`, one weight part): the input of a next product that
+    /// reads it through [`Prologue::RmsNormRaw`] with the stored rows as `raw` (a residual
+    /// stream's next RMSNorm weight).
+    Normed {
+        w: &'a wgpu::Buffer,
+        out: &'a wgpu::Buffer,
+    },
+    /// SwiGLU of a gate+up product (`EPI_GLU` in matvec.wgsl): rows `0..ff` of the weight are
+    /// the gate's, `ff..2ff` the up's (one part), and token t's `y[t][o] = silu(g_o) · u_o`
+    /// (`elementwise::swiglu` without a limit: its bits), `ff` values per token (y's stride
+    /// defaults to ff). Not with `opts.accumulate`.
+    SwiGlu,
+}
+
+/// Whether a gate+up weight of `rows` rows in `parts` parts takes [`Epilogue::SwiGlu`].
+pub fn glu_fits(rows: u64, parts: usize) -> bool {
+    rows > 0 && rows.is_multiple_of(2) && parts == 1
+}
+
+/// [`matvec_opts`] (f32 x) reading x through `pro` (`None`: x as stored) and writing through
+/// `epi`: with [`Epilogue::Conv`] (only without a prologue or with [`Prologue::RmsNorm`]
+/// without `keep`) the bits of the product followed by `conv::conv1d_silu` at decode, with
+/// [`Epilogue::SwiGlu`] those of the product followed by `elementwise::swiglu`, one dispatch
+/// fewer. Two or more tokens take the token-group kernel ([`matvec_multi`]): each token's
+/// outputs have the bits of the same call for that token alone.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_fused(
     pass: &mut Pass<'_>,
@@ -968,7 +1020,7 @@ pub fn matvec_fused(
     n_tokens: u32,
     opts: &MatvecOpts,
     pro: Option<&Prologue<'_>>,
-    conv: Option<&ConvStep<'_>>,
+    epi: Epilogue<'_>,
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
@@ -978,9 +1030,53 @@ pub fn matvec_fused(
             w.name
         )));
     }
-    let (x_stride, y_stride) = geo.strides(opts);
+    let glu = matches!(epi, Epilogue::SwiGlu);
+    if glu && (!glu_fits(geo.rows as u64, w.parts.len()) || opts.accumulate) {
+        return Err(Error::Invalid(format!(
+            "{}: SwiGLU store of {} rows in {} parts{}",
+            w.name,
+            geo.rows,
+            w.parts.len(),
+            if opts.accumulate {
+                ", accumulating"
+            } else {
+                ""
+            }
+        )));
+    }
+    // SwiGLU writes one value per row pair
+    let y_len = if glu { geo.rows / 2 } else { geo.rows };
+    let x_stride = geo.strides(opts).0;
+    let y_stride = if opts.y_stride == 0 {
+        y_len
+    } else {
+        opts.y_stride
+    };
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, y_len)?;
+    let conv = match epi {
+        Epilogue::Conv(c) => Some(c),
+        _ => None,
+    };
+    if let Epilogue::Normed { w: nw, out } = epi {
+        if w.parts.len() != 1 {
+            return Err(Error::Invalid(format!(
+                "{}: normed store of a weight in {} parts",
+                w.name,
+                w.parts.len()
+            )));
+        }
+        check_span(&w.name, "next norm weight", nw, 0u32, 0u32, 1u32, geo.rows)?;
+        check_span(
+            &w.name,
+            "normed out",
+            out,
+            y_off,
+            y_stride,
+            n_tokens,
+            geo.rows,
+        )?;
+    }
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
     // (binding number, buffer) beyond the plain product's, and the prologue words
     let mut extra: Vec<(u32, Binding)> = Vec::new();
@@ -1001,6 +1097,13 @@ pub fn matvec_fused(
                 )?;
                 extra.push((7, h.into()));
             }
+            [eps.to_bits(), 0, 0]
+        }
+        Some(&Prologue::RmsNormRaw { raw, eps }) => {
+            check_span(
+                &w.name, "raw rows", raw, x_off, x_stride, n_tokens, geo.cols,
+            )?;
+            extra.push((12, raw.into()));
             [eps.to_bits(), 0, 0]
         }
         Some(&Prologue::SwiGlu { up }) => {
@@ -1049,7 +1152,10 @@ pub fn matvec_fused(
         ..Variant::plain(opts)
     };
     if let Some(c) = conv {
-        let plain_norm = matches!(pro, None | Some(Prologue::RmsNorm { keep: None, .. }));
+        let plain_norm = matches!(
+            pro,
+            None | Some(Prologue::RmsNorm { keep: None, .. } | Prologue::RmsNormRaw { .. })
+        );
         if !plain_norm || c.k < 2 || c.channels > geo.rows || opts.accumulate {
             return Err(Error::Invalid(format!(
                 "{}: conv step after this product ({} channels, K {})",
@@ -1092,6 +1198,20 @@ pub fn matvec_fused(
     if matches!(pro, Some(Prologue::RmsNorm { .. })) {
         pl = pl.normed(&geo, opts);
     }
+    if let Epilogue::Normed { w: nw, out } = epi {
+        extra.push((13, nw.into()));
+        extra.push((14, out.into()));
+        variant.nw = true;
+    }
+    if glu {
+        if pl.r % 2 != 0 {
+            return Err(Error::Invalid(format!(
+                "{}: SwiGLU store needs an even number of rows per quad, not {}",
+                w.name, pl.r
+            )));
+        }
+        variant.glu = true;
+    }
     let sg = use_subgroups(gpu, opts);
     if n_tokens > 1 {
         // the token-group kernel: each token's bits are those of its one-token product
@@ -1107,6 +1227,12 @@ pub fn matvec_fused(
         let mut slots = vec![(3, x.into()), (4, Binding::from(y))];
         slots.extend(extra.iter().cloned());
         let pl = pl.multi(opts);
+        if glu && pl.r % 2 != 0 {
+            return Err(Error::Invalid(format!(
+                "{}: SwiGLU store needs an even number of rows per quad, not {}",
+                w.name, pl.r
+            )));
+        }
         return dispatch_multi(
             pass,
             w,

@@ -211,12 +211,16 @@ impl GpuModel {
         // A layer's head recorded early: an offloaded MoE layer records the next layer's
         // while the CPU runs its cold experts (`Offload::cold_ffn`).
         let mut ahead = None;
+        // Whether the last residual product also wrote x · (this layer's attention norm
+        // weight) into `h` (`Epilogue::Normed`).
+        let mut weighted = false;
         for l in held.clone() {
             let lw = &self.w.layers[l];
             let pre = match ahead.take() {
                 Some(pre) => pre,
-                None => self.layer_head(&mut pass, parts, l, n)?,
+                None => self.layer_head(&mut pass, parts, l, n, weighted)?,
             };
+            weighted = false;
             match &lw.ffn {
                 Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
                     // Not past the layers held, nor past a traced layer (its output is read
@@ -225,7 +229,12 @@ impl GpuModel {
                     ahead =
                         self.moe_offload_block(&mut pass, l, m, n, pre, next.map(|l| (l, parts)))?;
                 }
-                f => self.ffn_block(&mut pass, l, f, n, pre)?,
+                f => {
+                    // not past the layers held, nor past a traced layer
+                    let next = (l + 1 < held.end && self.trace_layer != Some(l))
+                        .then(|| &self.w.layers[l + 1].attn_norm);
+                    weighted = self.ffn_block(&mut pass, l, f, n, pre, next)?;
+                }
             }
             if self.trace_layer == Some(l) {
                 pass.submit()?;
@@ -368,14 +377,23 @@ impl GpuModel {
     /// RMSNorm of the residual stream with weight `w`, as the input of the next product set:
     /// fused into the products' activation load (returned) where they run as matvec, else
     /// written to `h` (`None`: the set reads `h`). `keep`: the fused products write `h` too.
+    /// `weighted`: the residual product before wrote x · w into `h` ([`Self::residual`]), which
+    /// the products then read ([`Self::pre_x`]).
     pub(super) fn normed<'w>(
         &'w self,
         pass: &mut Pass<'_>,
         n: u32,
         w: &'w GpuTensor,
         keep: bool,
+        weighted: bool,
     ) -> Result<Option<Prologue<'w>>> {
         let sc = &self.scratch;
+        if weighted && !keep {
+            return Ok(Some(Prologue::RmsNormRaw {
+                raw: &sc.x,
+                eps: self.hp.eps,
+            }));
+        }
         if self.fused(n) && w.dtype == DType::F32 && w.parts.len() == 1 {
             return Ok(Some(Prologue::RmsNorm {
                 w: &w.parts[0].buffer,
@@ -395,6 +413,16 @@ impl GpuModel {
         Ok(None)
     }
 
+    /// The buffer a product reading the layer's input through `pre` reads: the residual
+    /// stream, or `h` (the normed rows, or x · w for [`Prologue::RmsNormRaw`]).
+    pub(super) fn pre_x(&self, pre: Option<&Prologue<'_>>) -> &wgpu::Buffer {
+        let sc = &self.scratch;
+        match pre {
+            None | Some(Prologue::RmsNormRaw { .. }) => &sc.h,
+            Some(_) => &sc.x,
+        }
+    }
+
     /// `set` over the layer's input: `h`, or the residual stream through `pre`.
     pub(super) fn run_set(
         &self,
@@ -404,10 +432,51 @@ impl GpuModel {
         pre: Option<Prologue<'_>>,
     ) -> Result<()> {
         let sc = &self.scratch;
+        let x = self.pre_x(pre.as_ref());
         match pre {
-            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, Some(&p), None),
-            None => set.run(pass, &sc.h, &sc.proj, n),
+            Some(p) => set.run_fused(pass, x, &sc.proj, n, Some(&p), None),
+            None => set.run(pass, x, &sc.proj, n),
         }
+    }
+
+    /// `x += W a` (a residual product of `n` rows of `a`, read through `pro`), and with `next`
+    /// (the next RMSNorm's weight) x · next written into `h` too where the fused decode takes
+    /// it (`Epilogue::Normed`): returns whether it did, for that norm ([`Self::normed`]).
+    pub(super) fn residual(
+        &self,
+        pass: &mut Pass<'_>,
+        w: &GpuTensor,
+        a: &wgpu::Buffer,
+        n: u32,
+        pro: Option<&Prologue<'_>>,
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
+        let sc = &self.scratch;
+        let opts = MatvecOpts {
+            accumulate: true,
+            ..Default::default()
+        };
+        let e = self.hp.n_embd as u64;
+        let fits = |nw: &&GpuTensor| {
+            self.fused(n)
+                && nw.dtype == DType::F32
+                && nw.parts.len() == 1
+                && nw.shape == [e]
+                && w.parts.len() == 1
+        };
+        if let Some(nw) = next.filter(fits) {
+            let epi = matvec::Epilogue::Normed {
+                w: &nw.parts[0].buffer,
+                out: &sc.h,
+            };
+            matvec::matvec_fused(pass, w, a, 0, &sc.x, 0, n, &opts, pro, epi)?;
+            return Ok(true);
+        }
+        match pro {
+            Some(p) => matvec::matvec_pro(pass, w, a, 0, &sc.x, 0, n, &opts, p)?,
+            None => self.linear(pass, w, a, &sc.x, n, true)?,
+        }
+        Ok(false)
     }
 
     /// The layer's product set (the GPU sink makes one for every set).
@@ -430,7 +499,7 @@ impl GpuModel {
         let mp = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
         let set = self.set(&self.w.layers[l].ffn_set);
         match pre {
-            Some(p) => set.run_fused(pass, &sc.x, &sc.proj, n, Some(&p), None)?,
+            Some(p) => set.run_fused(pass, self.pre_x(Some(&p)), &sc.proj, n, Some(&p), None)?,
             None => set.run_opts(pass, &sc.h, &sc.proj, n, true)?,
         }
         topk::router_softmax_topk(
@@ -485,6 +554,7 @@ impl GpuModel {
         matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn gdn_block(
         &self,
         pass: &mut Pass<'_>,
@@ -493,7 +563,8 @@ impl GpuModel {
         g: &weights::Gdn<GpuTensor>,
         n: u32,
         pre: Option<Prologue<'_>>,
-    ) -> Result<()> {
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let cd = hp.conv_dim() as u32;
@@ -522,8 +593,17 @@ impl GpuModel {
             batch: &sc.batch,
         };
         let fused_conv = match pre {
-            Some(p @ Prologue::RmsNorm { keep: None, .. }) if conv_fits => {
-                set.run_fused(pass, &sc.x, &sc.proj, n, Some(&p), Some(&step))?;
+            Some(p @ (Prologue::RmsNorm { keep: None, .. } | Prologue::RmsNormRaw { .. }))
+                if conv_fits =>
+            {
+                set.run_fused(
+                    pass,
+                    self.pre_x(Some(&p)),
+                    &sc.proj,
+                    n,
+                    Some(&p),
+                    Some(&step),
+                )?;
                 true
             }
             // Without int8 x the plain products are f32 matvecs: the conv step joins their
@@ -598,7 +678,7 @@ impl GpuModel {
                     eps: hp.eps,
                 };
                 gdn::recurrent_normed(pass, &shape, &sc.batch, &io, &gn)?;
-                return self.linear(pass, &g.out, &sc.o, &sc.x, n, true);
+                return self.residual(pass, &g.out, &sc.o, n, None, next);
             }
             gdn::recurrent(pass, &shape, &sc.batch, &io)?;
         } else {
@@ -617,9 +697,10 @@ impl GpuModel {
             Some(&g.norm),
             hp.eps,
         )?;
-        self.linear(pass, &g.out, &sc.o, &sc.x, n, true)
+        self.residual(pass, &g.out, &sc.o, n, None, next)
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attn_block(
         &self,
         pass: &mut Pass<'_>,
@@ -628,7 +709,8 @@ impl GpuModel {
         a: &weights::Attn<GpuTensor>,
         n: u32,
         pre: Option<Prologue<'_>>,
-    ) -> Result<()> {
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
@@ -671,7 +753,7 @@ impl GpuModel {
         } else {
             self.qk_prep(pass, set, a, n, (qg, qg_off), (kc, vc))?;
         }
-        self.attend(pass, parts, a, n, (qg, qg_off), (kc, vc))
+        self.attend(pass, parts, a, n, (qg, qg_off), (kc, vc), next)
     }
 
     /// Per-head q/k RMSNorm, RoPE, and k and v into the KV cache (several tokens, or norms
@@ -743,6 +825,7 @@ impl GpuModel {
 
     /// Attention over the cache for every part, the output gate and the o product (added to
     /// the residual stream).
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         pass: &mut Pass<'_>,
@@ -751,7 +834,8 @@ impl GpuModel {
         n: u32,
         (qg, qg_off): (&wgpu::Buffer, u32),
         (kc, vc): (&wgpu::Buffer, &wgpu::Buffer),
-    ) -> Result<()> {
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
@@ -857,17 +941,13 @@ impl GpuModel {
         // Output gate: attn ⊙ sigmoid(gate), the gate being the second half of each head's q
         // row; one token's in the o product's activation load.
         if n == 1 {
-            let opts = MatvecOpts {
-                accumulate: true,
-                ..Default::default()
-            };
             let gate = Prologue::SigmoidGate {
                 gate: qg,
                 off: qg_off + hd,
                 head_dim: hd,
                 head_stride: 2 * hd,
             };
-            return matvec::matvec_pro(pass, &a.o, &sc.att, 0, &sc.x, 0, 1, &opts, &gate);
+            return self.residual(pass, &a.o, &sc.att, 1, Some(&gate), next);
         }
         ew::sigmoid_mul(
             pass,
@@ -877,7 +957,7 @@ impl GpuModel {
             View::strided(qg, qg_off + hd, 2 * hd),
             View::new(&sc.att, 0),
         )?;
-        self.linear(pass, &a.o, &sc.att_g, &sc.x, n, true)
+        self.residual(pass, &a.o, &sc.att_g, n, None, next)
     }
 
     /// The shared expert of a MoE layer into `out` `[n, n_embd]`: SwiGLU of its gate and up
@@ -915,16 +995,19 @@ impl GpuModel {
         parts: &[Part],
         l: usize,
         n: u32,
+        weighted: bool,
     ) -> Result<Option<Prologue<'w>>> {
         let lw = &self.w.layers[l];
-        let pre = self.normed(pass, n, &lw.attn_norm, false)?;
-        match &lw.mixer {
-            Mixer::Gdn(g) => self.gdn_block(pass, parts, l, g, n, pre)?,
-            Mixer::Attn(a) => self.attn_block(pass, parts, l, a, n, pre)?,
-        }
-        // MoE layers read `h` beyond their product set (the experts' input).
+        let pre = self.normed(pass, n, &lw.attn_norm, false, weighted)?;
+        // MoE layers read `h` beyond their product set (the experts' input): the normed
+        // rows, not x · w.
         let keep = !matches!(lw.ffn, Ffn::Dense { .. });
-        self.normed(pass, n, &lw.post_norm, keep)
+        let next = (!keep).then_some(&lw.post_norm);
+        let weighted = match &lw.mixer {
+            Mixer::Gdn(g) => self.gdn_block(pass, parts, l, g, n, pre, next)?,
+            Mixer::Attn(a) => self.attn_block(pass, parts, l, a, n, pre, next)?,
+        };
+        self.normed(pass, n, &lw.post_norm, keep, weighted)
     }
 
     /// A MoE layer whose experts live in the offload's arena (recipe in `moe/mod.rs`): the
@@ -975,7 +1058,7 @@ impl GpuModel {
                 ew::add_inplace(p, n, e, View::new(&sc.x, 0), View::new(&sc.sh_out, 0))?;
             }
             if let Some((nl, parts)) = next {
-                ahead = Some(self.layer_head(p, parts, nl, n)?);
+                ahead = Some(self.layer_head(p, parts, nl, n, false)?);
             }
             Ok(())
         };
@@ -990,7 +1073,8 @@ impl GpuModel {
         f: &Ffn<GpuTensor>,
         n: u32,
         pre: Option<Prologue<'_>>,
-    ) -> Result<()> {
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let e = hp.n_embd as u32;
@@ -999,6 +1083,17 @@ impl GpuModel {
                 let ff = gate.shape[0] as u32;
                 // gate and up: one product when they share a stored type, into `proj`.
                 let set = self.set(&self.w.layers[l].ffn_set);
+                // Decode with f32 x: SwiGLU as that product's store, into `o`.
+                let glu = set
+                    .glu_weight()
+                    .filter(|_| matvec::prologue_fits(n) && !self.gpu.int8_decode());
+                if let Some(gu) = glu {
+                    let x = self.pre_x(pre.as_ref());
+                    let opts = MatvecOpts::default();
+                    let epi = matvec::Epilogue::SwiGlu;
+                    matvec::matvec_fused(pass, gu, x, 0, &sc.o, 0, n, &opts, pre.as_ref(), epi)?;
+                    return self.residual(pass, down, &sc.o, n, None, next);
+                }
                 self.run_set(pass, set, n, pre)?;
                 // SwiGLU in the down product's activation load where it runs as matvec.
                 let (g0, u0) = (set.off[0], set.off[1]);
@@ -1009,7 +1104,8 @@ impl GpuModel {
                         ..Default::default()
                     };
                     let glu = Prologue::SwiGlu { up: u0 - g0 };
-                    return matvec::matvec_pro(pass, down, &sc.proj, g0, &sc.x, 0, n, &opts, &glu);
+                    matvec::matvec_pro(pass, down, &sc.proj, g0, &sc.x, 0, n, &opts, &glu)?;
+                    return Ok(false);
                 }
                 ew::swiglu(
                     pass,
@@ -1020,11 +1116,11 @@ impl GpuModel {
                     self.col(set, 1),
                     None,
                 )?;
-                self.linear(pass, down, &sc.o, &sc.x, n, true)
+                self.residual(pass, down, &sc.o, n, None, next)
             }
-            Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
-                self.moe_offload_block(pass, l, m, n, pre, None).map(drop)
-            }
+            Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => self
+                .moe_offload_block(pass, l, m, n, pre, None)
+                .map(|_| false),
             Ffn::Moe(m) => {
                 let set = self.moe_router(pass, l, n, pre)?;
                 let k = hp.moe.as_ref().expect("MoE layer in a MoE model").n_used as u32;
@@ -1071,13 +1167,14 @@ impl GpuModel {
                         off: set.off[3],
                         stride: set.width,
                     };
-                    return matvec::matvec_pro(pass, d, &sc.proj, g0, &sc.x, 0, n, &opts, &glu);
+                    matvec::matvec_pro(pass, d, &sc.proj, g0, &sc.x, 0, n, &opts, &glu)?;
+                    return Ok(false);
                 }
                 if let Some((g, _, d, _)) = &m.shared {
                     self.shared_expert(pass, set, g, d, &sc.moe_out, n)?;
                     ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.moe_out, 0))?;
                 }
-                Ok(())
+                Ok(false)
             }
         }
     }

@@ -37,10 +37,24 @@ impl ProjSet {
         for (w, col) in &self.groups {
             match (pro, conv.filter(|_| *col == 0)) {
                 (None, None) => matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?,
-                (p, c) => matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, p, c)?,
+                (p, c) => {
+                    let epi = c.map_or(matvec::Epilogue::Store, matvec::Epilogue::Conv);
+                    matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, p, epi)?
+                }
             }
         }
         Ok(())
+    }
+
+    /// The set's weight when it is one group of two equal members (gate, then up) that takes
+    /// the SwiGLU store ([`matvec::Epilogue::SwiGlu`]).
+    pub(super) fn glu_weight(&self) -> Option<&GpuTensor> {
+        match (&self.groups[..], &self.off[..]) {
+            ([(w, 0)], [0, u]) if 2 * *u as u64 == w.n_rows() => {
+                matvec::glu_fits(w.n_rows(), w.parts.len()).then_some(w)
+            }
+            _ => None,
+        }
     }
 
     /// Whether the group at column 0 holds the first member and `channels` rows, in one part.

@@ -655,7 +655,7 @@ impl GpuModel {
         let Mixer::Attn(a) = &lw.mixer else {
             unreachable!("the MTP layer is full attention")
         };
-        self.attn_block(pass, &parts, l, a, n, None)?;
+        self.attn_block(pass, &parts, l, a, n, None, None)?;
         norm::rms_norm(
             pass,
             n,
@@ -665,7 +665,7 @@ impl GpuModel {
             Some(&lw.post_norm),
             hp.eps,
         )?;
-        self.ffn_block(pass, l, &lw.ffn, n, None)?;
+        self.ffn_block(pass, l, &lw.ffn, n, None, None)?;
         norm::rms_norm(
             pass,
             n,
