@@ -298,6 +298,8 @@ pub struct LoadOptions {
     /// `--fused-loads`, on by default. Qwen3.5-9B decode takes 5.75 dispatches per layer
     /// against 7.75 with it off (SwiGLU joins the gate+up product's store either way,
     /// `matvec::Epilogue::SwiGlu`). The fused products read f32 x (see `ActivationsChoice`).
+    /// `lathe serve` with several sequences at once takes it off by default: its batches
+    /// pay the norm's pass over each token's row in every product workgroup.
     pub fused_loads: bool,
     /// Several devices (`--devices`): the model's layers split over them in contiguous
     /// ranges (`models::chain`); empty or one: the single device of `adapter`.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use lathe::bench::{self, BenchOptions};
-use lathe::engine::KvType;
+use lathe::engine::{KvType, LoadOptions};
 use lathe::gpu::AdapterChoice;
 use lathe::Result;
 
@@ -98,7 +98,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         save_expert_stats: a.moe.save_expert_stats.clone(),
         matmul: a.moe.matmul,
         activations: a.moe.activations,
-        fused_loads: a.moe.fused_loads,
+        fused_loads: a
+            .moe
+            .fused_loads
+            .unwrap_or(LoadOptions::default().fused_loads),
         spec: a.spec.map(|mode| lathe::spec::SpecOptions {
             mode,
             draft: a.draft,

@@ -54,16 +54,11 @@ pub struct MoeArgs {
     /// the Q4_0, Q8_0, Q4_K, Q5_K and Q6_K products; not for products with --fused-loads on).
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub activations: lathe::engine::ActivationsChoice,
-    /// Decode folds RMSNorm, SwiGLU and the output gates into the products' activation
-    /// loads (fewer dispatches): on or off.
-    #[arg(
-        long,
-        value_name = "ON|OFF",
-        action = clap::ArgAction::Set,
-        value_parser = on_off,
-        default_value = if LoadOptions::default().fused_loads { "on" } else { "off" }
-    )]
-    pub fused_loads: bool,
+    /// Decode folds the RMSNorms and the output gates into the products (fewer dispatches):
+    /// on, off, or auto (on; `lathe serve` with --parallel above 1 takes off: its batches of
+    /// sequences pay the norm's pass over each token's row in every product's workgroups).
+    #[arg(long, value_name = "ON|OFF|AUTO", value_parser = on_off_auto, default_value = "auto")]
+    pub fused_loads: Option<bool>,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
     /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
     /// With --devices one size per device (24GiB,16GiB) or one for each. Default: detected
@@ -142,6 +137,14 @@ fn on_off(s: &str) -> std::result::Result<bool, String> {
     }
 }
 
+/// `on` / `off`, or `auto` (`None`: the command's default).
+fn on_off_auto(s: &str) -> std::result::Result<Option<bool>, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "auto" => Ok(None),
+        _ => on_off(s).map(Some),
+    }
+}
+
 fn fraction_arg(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
@@ -188,7 +191,9 @@ impl MoeArgs {
         opts.save_expert_stats = self.save_expert_stats.clone();
         opts.matmul = self.matmul;
         opts.activations = self.activations;
-        opts.fused_loads = self.fused_loads;
+        if let Some(f) = self.fused_loads {
+            opts.fused_loads = f;
+        }
         opts.expert_stream = self.expert_stream;
         opts.cold_layers = self.cold_layers;
         opts.cpu_simd = self.cpu_simd;
@@ -314,7 +319,10 @@ impl SpecArgs {
                     max_seqs: 1,
                     matmul: model.moe.matmul,
                     activations: model.moe.activations,
-                    fused_loads: model.moe.fused_loads,
+                    fused_loads: model
+                        .moe
+                        .fused_loads
+                        .unwrap_or(LoadOptions::default().fused_loads),
                     ..Default::default()
                 };
                 let e = Engine::load(path, &opts).map_err(|e| explain_load_error(e, path))?;
