@@ -101,6 +101,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         fused_loads: a
             .moe
             .fused_loads
+            .get()
             .unwrap_or(LoadOptions::default().fused_loads),
         spec: a.spec.map(|mode| lathe::spec::SpecOptions {
             mode,

@@ -57,8 +57,8 @@ pub struct MoeArgs {
     /// Decode folds the RMSNorms and the output gates into the products (fewer dispatches):
     /// on, off, or auto (on; `lathe serve` with --parallel above 1 takes off: its batches of
     /// sequences pay the norm's pass over each token's row in every product's workgroups).
-    #[arg(long, value_name = "ON|OFF|AUTO", value_parser = on_off_auto, default_value = "auto")]
-    pub fused_loads: Option<bool>,
+    #[arg(long, value_name = "ON|OFF|AUTO", default_value = "auto")]
+    pub fused_loads: OnOffAuto,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
     /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
     /// With --devices one size per device (24GiB,16GiB) or one for each. Default: detected
@@ -129,19 +129,23 @@ fn size_arg(s: &str) -> std::result::Result<u64, String> {
     lathe::moe::parse_size(s).map_err(|e| e.to_string())
 }
 
-fn on_off(s: &str) -> std::result::Result<bool, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("`{s}`: on or off")),
-    }
+/// A switch whose `auto` leaves the choice to the command.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOffAuto {
+    On,
+    Off,
+    #[default]
+    Auto,
 }
 
-/// `on` / `off`, or `auto` (`None`: the command's default).
-fn on_off_auto(s: &str) -> std::result::Result<Option<bool>, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "auto" => Ok(None),
-        _ => on_off(s).map(Some),
+impl OnOffAuto {
+    /// `Some(on)`, or `None` for auto.
+    pub fn get(self) -> Option<bool> {
+        match self {
+            OnOffAuto::On => Some(true),
+            OnOffAuto::Off => Some(false),
+            OnOffAuto::Auto => None,
+        }
     }
 }
 
@@ -191,7 +195,7 @@ impl MoeArgs {
         opts.save_expert_stats = self.save_expert_stats.clone();
         opts.matmul = self.matmul;
         opts.activations = self.activations;
-        if let Some(f) = self.fused_loads {
+        if let Some(f) = self.fused_loads.get() {
             opts.fused_loads = f;
         }
         opts.expert_stream = self.expert_stream;
@@ -322,6 +326,7 @@ impl SpecArgs {
                     fused_loads: model
                         .moe
                         .fused_loads
+                        .get()
                         .unwrap_or(LoadOptions::default().fused_loads),
                     ..Default::default()
                 };
