@@ -1558,8 +1558,8 @@ fn int8_x_indexed_moe() {
 /// The fused activation loads (`matvec::Prologue`) against the CPU (the step's reference,
 /// then the product in f64) for every stored type at odd sizes and 1 and 3 tokens; RMSNorm
 /// also against the two GPU kernels it replaces (`norm::rms_norm`, then `matvec`), which it
-/// matches to rounding: it computes r · (W (x · w)) with Σx² summed from the loads the product
-/// makes anyway, where they compute W ((x · r) · w) with the norm kernel's own sum.
+/// matches to rounding: it computes r · (W (x · w)) with its own fixed-order Σx², where they
+/// compute W ((x · r) · w) with the norm kernel's sum.
 #[test]
 fn matvec_prologues() {
     use lathe::cpu::ops;

@@ -828,8 +828,8 @@ const NORM_QUAD_ROWS: u32 = 16384;
 /// product reads x through it instead of a separate kernel writing its result first. SwiGLU and
 /// the sigmoid gates are the same f32 arithmetic as the kernels they replace, so those fused
 /// products equal that kernel followed by the plain product; RMSNorm is computed as
-/// r · (W (x · w)) with Σx² summed from the product's own x loads (no extra pass over the row
-/// per workgroup), equal to the separate norm and product to rounding.
+/// r · (W (x · w)), r from one pass of each workgroup over the row after the product (a fixed
+/// summation order, whatever the split), equal to the separate norm and product to rounding.
 #[derive(Clone, Copy, Debug)]
 pub enum Prologue<'a> {
     /// x' = RMSNorm(x) · w (`norm::rms_norm` of each token's row to rounding; `w` f32
