@@ -288,8 +288,9 @@ fn xraw1(e: u32) -> f32 {
 //             binding 6, r = rsqrt(Σx²/cols + eps), pro0 = eps as f32 bits), computed as
 //             r · (W (x · w)): after the loop, one pass of the workgroup over the row gives r
 //             (norm_r: Σx² in SSP fixed partitions and a fixed tree, whatever the split, so
-//             matvec and matvec_multi give a token the same r), which scales the lanes' sums. The order of operations differs from the separate norm's, so
-//             the bits differ from rms_norm + matvec by rounding (a few ulps of y).
+//             matvec and matvec_multi give a token the same r), which scales the lanes' sums.
+//             The order of operations differs from the separate norm's, so the bits differ
+//             from rms_norm + matvec by rounding (a few ulps of y).
 //   PRO_SWIGLU x' = silu(x[e]) · x[e + pro0] (elementwise.wgsl's swiglu without a limit: gate
 //             at x, up pro0 elements later in the same buffer).
 //   PRO_SIGMUL x' = sigmoid(g) · x with g = G[pro0 + (c / pro1) · pro2 + c % pro1] (binding 6;
@@ -455,7 +456,7 @@ fn norm_r(lid: u32, xbase: u32) -> f32 {
     return r;
 }
 
-// r of the current token (norm_r, before the product)
+// r of the current token (norm_r, after the product)
 var<private> pro_r: f32;
 
 // acc · r, and with NORM_OUT the normed row written by the first row group's workgroup.
@@ -1827,8 +1828,8 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 // slices in the same order, `mv_step` / the FSLOW loop accumulate as `mv_partial` does,
 // `pro_setup` runs per token and `reduce_store` sums as it does, so each token's outputs have
 // matvec's bits whatever the rows per thread group (R) and workgroup size (each row's sum only
-// ever involves its own lanes; NORM_R's r is norm_r of the token's row, as matvec's is). Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT;
-// rows as matvec. Tokens are unrolled by hand with literal k (a local array indexed at run time
+// ever involves its own lanes; NORM_R's r is norm_r of the token's row, as matvec's is).
+// Grid: wid.x = group, tokens p.pair_off + TT * wid.x + k, k < TT; rows as matvec. Tokens are unrolled by hand with literal k (a local array indexed at run time
 // would go to local memory on NVIDIA, see the top of this file).
 
 // first token of the group; the epilogue state of token k

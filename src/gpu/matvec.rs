@@ -1004,11 +1004,12 @@ pub fn glu_fits(rows: u64, parts: usize) -> bool {
 }
 
 /// [`matvec_opts`] (f32 x) reading x through `pro` (`None`: x as stored) and writing through
-/// `epi`: with [`Epilogue::Conv`] (only without a prologue or with [`Prologue::RmsNorm`]
-/// without `keep`) the bits of the product followed by `conv::conv1d_silu` at decode, with
+/// `epi`: with [`Epilogue::Conv`] (only without a prologue or with a norm prologue without
+/// `keep`) the bits of the product followed by `conv::conv1d_silu` at decode, with
 /// [`Epilogue::SwiGlu`] those of the product followed by `elementwise::swiglu`, one dispatch
-/// fewer. Two or more tokens take the token-group kernel ([`matvec_multi`]): each token's
-/// outputs have the bits of the same call for that token alone.
+/// fewer; [`Epilogue::Normed`] adds the next norm's input. Two or more tokens take the
+/// token-group kernel ([`matvec_multi`]): each token's outputs have the bits of the same call
+/// for that token alone.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_fused(
     pass: &mut Pass<'_>,
@@ -1054,33 +1055,10 @@ pub fn matvec_fused(
     };
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, y_len)?;
-    let conv = match epi {
-        Epilogue::Conv(c) => Some(c),
-        _ => None,
-    };
-    if let Epilogue::Normed { w: nw, out } = epi {
-        if w.parts.len() != 1 {
-            return Err(Error::Invalid(format!(
-                "{}: normed store of a weight in {} parts",
-                w.name,
-                w.parts.len()
-            )));
-        }
-        check_span(&w.name, "next norm weight", nw, 0u32, 0u32, 1u32, geo.rows)?;
-        check_span(
-            &w.name,
-            "normed out",
-            out,
-            y_off,
-            y_stride,
-            n_tokens,
-            geo.rows,
-        )?;
-    }
     let xvec = x_vec(x, x_off, x_stride, n_tokens);
     // (binding number, buffer) beyond the plain product's, and the prologue words
     let mut extra: Vec<(u32, Binding)> = Vec::new();
-    let word = match pro {
+    let mut word = match pro {
         None => [0, 0, 0],
         Some(&Prologue::RmsNorm { w: nw, eps, keep }) => {
             check_span(&w.name, "norm weight", nw, 0u32, 0u32, 1u32, geo.cols)?;
@@ -1139,7 +1117,6 @@ pub fn matvec_fused(
             [off, head_dim, head_stride]
         }
     };
-    let mut word = word;
     let pro_defs = match pro {
         None => &[],
         Some(pro) => match pro.vec_defines(geo.cols) {
@@ -1151,66 +1128,51 @@ pub fn matvec_fused(
         pro: StaticDefines(pro_defs),
         ..Variant::plain(opts)
     };
-    if let Some(c) = conv {
-        let plain_norm = matches!(
-            pro,
-            None | Some(Prologue::RmsNorm { keep: None, .. } | Prologue::RmsNormRaw { .. })
-        );
-        if !plain_norm || c.k < 2 || c.channels > geo.rows || opts.accumulate {
-            return Err(Error::Invalid(format!(
-                "{}: conv step after this product ({} channels, K {})",
-                w.name, c.channels, c.k
-            )));
+    match epi {
+        Epilogue::Store => {}
+        Epilogue::SwiGlu => variant.glu = true,
+        Epilogue::Normed { w: nw, out } => {
+            if w.parts.len() != 1 {
+                return Err(Error::Invalid(format!(
+                    "{}: normed store of a weight in {} parts",
+                    w.name,
+                    w.parts.len()
+                )));
+            }
+            check_span(&w.name, "next norm weight", nw, 0u32, 0u32, 1u32, geo.rows)?;
+            check_span(
+                &w.name,
+                "normed out",
+                out,
+                y_off,
+                y_stride,
+                n_tokens,
+                geo.rows,
+            )?;
+            extra.push((13, nw.into()));
+            extra.push((14, out.into()));
+            variant.nw = true;
         }
-        if !conv_step_fits(gpu, c.batch, n_tokens, w.parts.len()) {
-            return Err(Error::Invalid(format!(
-                "{}: conv step needs one token per sequence and one weight part",
-                w.name
-            )));
+        Epilogue::Conv(c) => {
+            check_conv(gpu, w, &geo, pro, c, n_tokens, opts)?;
+            word[1] = c.channels;
+            word[2] = c.state_off;
+            extra.push((9, c.w.into()));
+            extra.push((10, c.state.into()));
+            extra.push((11, (&c.batch.table).into()));
+            variant.conv_k = c.k;
         }
-        check_span(
-            &w.name,
-            "conv weight",
-            c.w,
-            0u32,
-            0u32,
-            1u32,
-            c.channels * c.k,
-        )?;
-        let st_len = (c.k - 1) * c.channels;
-        check_span(
-            &w.name,
-            "conv state",
-            c.state,
-            c.state_off,
-            st_len,
-            1u32,
-            st_len,
-        )?;
-        word[1] = c.channels;
-        word[2] = c.state_off;
-        extra.push((9, c.w.into()));
-        extra.push((10, c.state.into()));
-        extra.push((11, (&c.batch.table).into()));
-        variant.conv_k = c.k;
     }
     let mut pl = Plan::new(&geo, opts)?;
     if matches!(pro, Some(Prologue::RmsNorm { .. })) {
         pl = pl.normed(&geo, opts);
     }
-    if let Epilogue::Normed { w: nw, out } = epi {
-        extra.push((13, nw.into()));
-        extra.push((14, out.into()));
-        variant.nw = true;
-    }
-    if glu {
-        if pl.r % 2 != 0 {
-            return Err(Error::Invalid(format!(
-                "{}: SwiGLU store needs an even number of rows per quad, not {}",
-                w.name, pl.r
-            )));
-        }
-        variant.glu = true;
+    let pl = if n_tokens > 1 { pl.multi(opts) } else { pl };
+    if variant.glu && pl.r % 2 != 0 {
+        return Err(Error::Invalid(format!(
+            "{}: SwiGLU store needs an even number of rows per quad, not {}",
+            w.name, pl.r
+        )));
     }
     let sg = use_subgroups(gpu, opts);
     if n_tokens > 1 {
@@ -1226,13 +1188,6 @@ pub fn matvec_fused(
         };
         let mut slots = vec![(3, x.into()), (4, Binding::from(y))];
         slots.extend(extra.iter().cloned());
-        let pl = pl.multi(opts);
-        if glu && pl.r % 2 != 0 {
-            return Err(Error::Invalid(format!(
-                "{}: SwiGLU store needs an even number of rows per quad, not {}",
-                w.name, pl.r
-            )));
-        }
         return dispatch_multi(
             pass,
             w,
@@ -1266,6 +1221,54 @@ pub fn matvec_fused(
         pass.dispatch_slots(&pipe, &w.name, &prm, b, [n_tokens, gy, gz]);
     }
     Ok(())
+}
+
+/// Whether a GDN conv step can follow a fused product of `w` read through `pro` (see
+/// [`ConvStep`]): an error naming what does not fit.
+fn check_conv(
+    gpu: &Gpu,
+    w: &GpuTensor,
+    geo: &Geometry,
+    pro: Option<&Prologue<'_>>,
+    c: &ConvStep<'_>,
+    n_tokens: u32,
+    opts: &MatvecOpts,
+) -> Result<()> {
+    let plain_norm = matches!(
+        pro,
+        None | Some(Prologue::RmsNorm { keep: None, .. } | Prologue::RmsNormRaw { .. })
+    );
+    if !plain_norm || c.k < 2 || c.channels > geo.rows || opts.accumulate {
+        return Err(Error::Invalid(format!(
+            "{}: conv step after this product ({} channels, K {})",
+            w.name, c.channels, c.k
+        )));
+    }
+    if !conv_step_fits(gpu, c.batch, n_tokens, w.parts.len()) {
+        return Err(Error::Invalid(format!(
+            "{}: conv step needs one token per sequence and one weight part",
+            w.name
+        )));
+    }
+    check_span(
+        &w.name,
+        "conv weight",
+        c.w,
+        0u32,
+        0u32,
+        1u32,
+        c.channels * c.k,
+    )?;
+    let st_len = (c.k - 1) * c.channels;
+    check_span(
+        &w.name,
+        "conv state",
+        c.state,
+        c.state_off,
+        st_len,
+        1u32,
+        st_len,
+    )
 }
 
 /// Activations quantized to int8 blocks of 32 values (ggml's `block_q8_1` numerics, in one
