@@ -12,7 +12,7 @@
 //! adapter's stream bandwidth says how close decode runs to the hardware's limit. The
 //! bandwidth comes from [`stream_bandwidth`], a read-only kernel of 16-byte coalesced loads.
 
-use crate::engine::{Engine, KvType, LoadOptions, GREEDY};
+use crate::engine::{Engine, KvType, LoadOptions, Seq, GREEDY};
 use crate::gpu::{grid, AdapterChoice, Binding, Gpu, PipelineSpec};
 use crate::inspect::human_bytes;
 use crate::{Error, Result};
@@ -56,6 +56,10 @@ pub struct BenchOptions {
     pub cpu_simd: Option<crate::cpu::simd::SimdLevel>,
     /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
     pub timeline: bool,
+    /// Sequences decoded together (`--parallel`): every decode step is one batched pass of
+    /// one token of each, as `lathe serve --parallel N` runs its requests; the decode speed
+    /// is then the aggregate over all of them.
+    pub parallel: usize,
     /// Several devices and their shares (`LoadOptions` fields of the same names).
     pub devices: Vec<AdapterChoice>,
     pub split: Option<Vec<f64>>,
@@ -83,6 +87,7 @@ impl Default for BenchOptions {
             expert_stream: Default::default(),
             cpu_simd: None,
             timeline: false,
+            parallel: 1,
             devices: Vec::new(),
             split: None,
             gpu_mems: Vec::new(),
@@ -151,10 +156,13 @@ pub struct BenchReport {
     pub bytes_per_token: u64,
     pub depth: usize,
     pub reps: usize,
+    /// Sequences of each decode step ([`BenchOptions::parallel`]).
+    pub parallel: usize,
     pub load_s: f64,
     pub prefill: Option<Stat>,
     pub decode: Option<Stat>,
-    /// Host time per decoded token spent recording and encoding passes up to their submit
+    /// Host time per decode step (one token of each of [`BenchReport::parallel`] sequences)
+    /// spent recording and encoding passes up to their submit
     /// ([`Gpu::host_ns`](crate::gpu::Gpu::host_ns) over the timed decode steps, in µs): what
     /// the GPU waits for when the host is slower than the kernels. `queue.submit` itself is
     /// left out (lavapipe runs compute inside it).
@@ -232,7 +240,9 @@ impl BenchReport {
     /// Decode's weight-read rate over the stream bandwidth.
     pub fn roofline_fraction(&self) -> Option<f64> {
         let d = self.decode.as_ref()?;
-        Some(d.tok_s * self.bytes_per_token as f64 / self.bandwidth.bytes_per_s)
+        // a batched step reads the weights once for all of its sequences
+        let steps_s = d.tok_s / self.parallel.max(1) as f64;
+        Some(steps_s * self.bytes_per_token as f64 / self.bandwidth.bytes_per_s)
     }
 
     /// One JSON object (the `--json` output).
@@ -246,6 +256,7 @@ impl BenchReport {
             "bytes": self.bytes,
             "bytes_per_token": self.bytes_per_token,
             "depth": self.depth,
+            "parallel": self.parallel,
             "reps": self.reps,
             "load_s": self.load_s,
             "prefill": self.prefill.as_ref().map(Stat::json),
@@ -313,7 +324,10 @@ impl BenchReport {
             row(format!("pp{}", p.tokens), p);
         }
         if let Some(d) = &self.decode {
-            row(format!("tg{}", d.tokens), d);
+            match self.parallel {
+                1 => row(format!("tg{}", d.tokens), d),
+                n => row(format!("tg{} x{n}", d.tokens / n), d),
+            }
         }
         writeln!(
             s,
@@ -327,12 +341,13 @@ impl BenchReport {
                 s,
                 "decode runs at {:.1}% of the bandwidth roofline ({:.1} tok/s possible)",
                 100.0 * f,
-                self.bandwidth.bytes_per_s / self.bytes_per_token.max(1) as f64
+                self.parallel as f64 * self.bandwidth.bytes_per_s
+                    / self.bytes_per_token.max(1) as f64
             )
             .ok();
         }
         if let Some(h) = self.host_us_per_token {
-            writeln!(s, "host time per decoded token (record, encode): {h:.1} µs").ok();
+            writeln!(s, "host time per decode step (record, encode): {h:.1} µs").ok();
         }
         match &self.kernels {
             Some(k) => {
@@ -427,6 +442,9 @@ impl Ids {
 /// Tokens per forward when filling the context before a test.
 const FILL_CHUNK: usize = 512;
 
+/// Most sequences `--parallel` decodes together.
+const MAX_PARALLEL: usize = 256;
+
 /// Loads `path` and measures it.
 pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     if opts.reps == 0 {
@@ -437,6 +455,17 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             "nothing to measure: -p and -n are both 0".into(),
         ));
     }
+    if opts.parallel == 0 || opts.parallel > MAX_PARALLEL {
+        return Err(Error::Invalid(format!(
+            "--parallel {}: 1..={MAX_PARALLEL} sequences",
+            opts.parallel
+        )));
+    }
+    if opts.parallel > 1 && (opts.spec.is_some() || opts.timeline) {
+        return Err(Error::Invalid(
+            "--parallel decodes several sequences without speculation or a timeline".into(),
+        ));
+    }
     let file = crate::model_file::ModelFile::open(path)?;
     let arch = file.architecture()?;
     drop(file);
@@ -444,6 +473,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         adapter: opts.adapter.clone(),
         kv_type: opts.kv_type,
         ctx: opts.depth + opts.n_prompt.max(opts.n_gen) + 16,
+        max_seqs: opts.parallel.max(LoadOptions::default().max_seqs),
         gpu_mem: opts.gpu_mem,
         gpu_experts: opts.gpu_experts,
         expert_stats: opts.expert_stats.clone(),
@@ -464,6 +494,10 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     let vocab = e.vocab_size();
     let mut ids = Ids(opts.seed ^ 0x006c_6174_6865);
     let mut seq = e.new_seq()?;
+    // the other sequences of a batched decode test
+    let mut others = (1..opts.parallel)
+        .map(|_| e.new_seq())
+        .collect::<Result<Vec<_>>>()?;
 
     // Warm-up: compile every pipeline the tests use and touch the buffers.
     if opts.n_prompt > 0 {
@@ -472,6 +506,12 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     }
     for t in ids.take(2, vocab) {
         e.forward_batch_with(&mut [(&mut seq, &[t], GREEDY)])?;
+    }
+    // and the batched decode's variants (token-group products, batched attention)
+    if opts.parallel > 1 && opts.n_gen > 0 {
+        for step in ids.take(2 * opts.parallel, vocab).chunks(opts.parallel) {
+            batch_step(&mut e, &mut seq, &mut others, step)?;
+        }
     }
 
     let fill = |e: &mut Engine, seq: &mut crate::engine::Seq, ids: &mut Ids| -> Result<()> {
@@ -539,14 +579,15 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         let mut crossed = crate::models::chain::HopReport::default();
         for _ in 0..opts.reps {
             fill(&mut e, &mut seq, &mut ids)?;
-            let t = ids.take(opts.n_gen, vocab);
+            for o in &mut others {
+                fill(&mut e, o, &mut ids)?;
+            }
+            let t = ids.take(opts.n_gen * opts.parallel, vocab);
             let h0 = e.gpu.host_ns();
             let before = e.hops();
             let s = Instant::now();
-            for &tok in &t {
-                // Each step as greedy generation runs it: the argmax found on the GPU,
-                // 12 bytes read back.
-                e.forward_batch_with(&mut [(&mut seq, &[tok], GREEDY)])?;
+            for step in t.chunks(opts.parallel) {
+                batch_step(&mut e, &mut seq, &mut others, step)?;
             }
             secs.push(s.elapsed().as_secs_f64());
             host_ns += e.gpu.host_ns() - h0;
@@ -557,16 +598,21 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         if let Some(h) = &mut hops {
             h.decode = Some(HopStep::new(&crossed, opts.reps * opts.n_gen));
         }
-        Some(Stat::new(opts.n_gen, &secs))
+        Some(Stat::new(opts.n_gen * opts.parallel, &secs))
     } else {
         None
     };
+    // per decode step (a step decodes one token of each sequence)
     let host_us_per_token =
         (opts.n_gen > 0).then(|| host_ns as f64 / 1e3 / (opts.n_gen * opts.reps) as f64);
     // One more decode step with a timestamp pair around every dispatch.
     let kernels = if opts.n_gen > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
-        let tok = ids.take(1, vocab)[0];
-        match e.profile_step(&mut seq, tok) {
+        let t = ids.take(opts.parallel, vocab);
+        let mut items = vec![(&mut seq, &t[..1])];
+        for (o, tok) in others.iter_mut().zip(&t[1..]) {
+            items.push((o, std::slice::from_ref(tok)));
+        }
+        match e.profile_batch(&mut items) {
             Ok(k) => Some(aggregate(&k)),
             Err(err) => {
                 eprintln!("note: no per-kernel breakdown: {err}");
@@ -599,6 +645,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             None
         };
     drop(seq);
+    drop(others);
     e.finish_expert_stats()?;
     let placement = e.placement_report();
     let bandwidth = stream_bandwidth(&e.gpu)?;
@@ -613,6 +660,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         bytes_per_token: e.decode_bytes,
         depth: opts.depth,
         reps: opts.reps,
+        parallel: opts.parallel,
         load_s,
         prefill,
         decode,
@@ -631,6 +679,17 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         timeline,
         hops,
     })
+}
+
+/// One decode step of `seq` and `others` together, token `step[i]` for sequence i, as greedy
+/// generation runs it: the argmax found on the GPU, 12 bytes read back per sequence.
+fn batch_step(e: &mut Engine, seq: &mut Seq, others: &mut [Seq], step: &[u32]) -> Result<()> {
+    let mut items = vec![(seq, &step[..1], GREEDY)];
+    for (o, tok) in others.iter_mut().zip(&step[1..]) {
+        items.push((o, std::slice::from_ref(tok), GREEDY));
+    }
+    e.forward_batch_with(&mut items)?;
+    Ok(())
 }
 
 /// A dispatch label without its layer (`blk.7.ffn_up.weight` → `blk.*.ffn_up.weight`), so

@@ -265,7 +265,7 @@ impl Engine {
     /// One decode step of `token` timed per kernel with GPU timestamps: `(label, ns)` per
     /// dispatch, in order (a breakdown for `lathe bench`; slower than a normal step).
     pub fn profile_step(&mut self, seq: &mut Seq, token: u32) -> Result<Vec<(String, f64)>> {
-        self.profile_pass(seq, &[token])
+        self.profile_batch(&mut [(seq, &[token])])
     }
 
     /// One greedy decode step of `token` with the expert offload's per-layer timeline (host
@@ -289,15 +289,23 @@ impl Engine {
 
     /// GPU time of every dispatch of one prefill of `tokens` (as [`Engine::profile_step`]).
     pub fn profile_prefill(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
-        self.profile_pass(seq, tokens)
+        self.profile_batch(&mut [(seq, tokens)])
     }
 
-    fn profile_pass(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+    /// One greedy pass over several sequences' tokens together (a batched decode step, as
+    /// `lathe serve` runs them), timed per dispatch as [`Engine::profile_step`].
+    pub fn profile_batch(
+        &mut self,
+        items: &mut [(&mut Seq, &[u32])],
+    ) -> Result<Vec<(String, f64)>> {
+        if items.is_empty() || items.iter().any(|i| i.1.is_empty()) {
+            return Err(Error::Invalid("no tokens to run".into()));
+        }
         // The expert offload submits inside the layer loop: its passes are timed too.
         if let Some(o) = self.offload() {
             o.start_profile();
         }
-        let mut prof = self.model.profile(seq, tokens)?;
+        let mut prof = self.model.profile(items)?;
         if let Some(o) = self.offload() {
             prof.extend(o.take_profile());
         }

@@ -180,6 +180,38 @@ fn flags_reach_the_bench_report() {
         assert_eq!(v["activations"], act, "{extra:?}");
         assert_eq!(v["fused_loads"], fused, "{extra:?}");
     }
+    // --parallel: one batched step per token of each sequence, aggregate speed; auto fused
+    // loads as `lathe serve` takes them for several sequences
+    for (extra, fused) in [
+        (&["--parallel", "3"][..], false),
+        (&["--parallel", "3", "--fused-loads", "on"][..], true),
+    ] {
+        let out = bench(extra);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["parallel"], 3, "{extra:?}");
+        assert_eq!(
+            v["decode"]["tokens"], 6,
+            "{extra:?}: 2 steps of 3 sequences"
+        );
+        assert_eq!(v["fused_loads"], fused, "{extra:?}");
+    }
+    for bad in [
+        &["--parallel", "0"][..],
+        &["--parallel", "2", "--moe-timeline"][..],
+    ] {
+        let out = bench(bad);
+        assert!(!out.status.success(), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--parallel"),
+            "{bad:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     for (flag, bad) in [("--activations", "int4"), ("--fused-loads", "yes")] {
         let out = bench(&[flag, bad]);
         assert!(!out.status.success());

@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// the CPU (stderr; `"timeline"` in --json): host waits, CPU time, GPU busy per layer.
     #[arg(long)]
     pub moe_timeline: bool,
+    /// Decode this many sequences together, one token of each per batched step (as `lathe
+    /// serve --parallel N` runs its requests); the decode speed is their aggregate.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub parallel: usize,
     /// Seed of the random token ids.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
@@ -98,11 +102,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         save_expert_stats: a.moe.save_expert_stats.clone(),
         matmul: a.moe.matmul,
         activations: a.moe.activations,
+        // auto: as `lathe serve` decides for the same number of sequences
         fused_loads: a
             .moe
             .fused_loads
             .get()
-            .unwrap_or(LoadOptions::default().fused_loads),
+            .unwrap_or(LoadOptions::default().fused_loads && a.parallel == 1),
         spec: a.spec.map(|mode| lathe::spec::SpecOptions {
             mode,
             draft: a.draft,
@@ -113,6 +118,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         expert_stream: a.moe.expert_stream,
         cpu_simd: a.moe.cpu_simd,
         timeline: a.moe_timeline,
+        parallel: a.parallel,
     };
     let r = bench::run(&a.model, &opts)?;
     eprintln!(

@@ -655,10 +655,21 @@ impl Forward for Chain {
         let mut out = self.forward_batch(&mut [(seq, tokens, want)])?;
         Ok(out.pop().map(Logits::into_full).unwrap_or_default())
     }
-    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
-        let cs = seq.get_mut::<ChainSeq>()?;
-        let per_part = self.per_part(vec![cs]);
-        let job = |part: &mut dyn Part, seqs: &mut [&mut Seq]| part.profile(&mut *seqs[0], tokens);
+    fn profile(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
+        let toks: Vec<&[u32]> = items.iter().map(|i| i.1).collect();
+        let mut seqs = Vec::with_capacity(items.len());
+        for (s, _) in items.iter_mut() {
+            seqs.push(s.get_mut::<ChainSeq>()?);
+        }
+        let per_part = self.per_part(seqs);
+        let job = |part: &mut dyn Part, seqs: &mut [&mut Seq]| {
+            let mut its: Vec<(&mut Seq, &[u32])> = seqs
+                .iter_mut()
+                .zip(&toks)
+                .map(|(s, t)| (&mut **s, *t))
+                .collect();
+            part.profile(&mut its)
+        };
         let profs = self.run_linked(per_part, &job)?;
         Ok(profs
             .into_iter()

@@ -75,9 +75,10 @@ pub trait Forward: Send {
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>>;
     /// Feed `tokens`; logits of every token (`all`) or of the last one, `[n, vocab]`.
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>>;
-    /// One greedy pass over `tokens` (a decode step or a prefill), timed per dispatch:
-    /// `(label, ns)` in order.
-    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>>;
+    /// One greedy pass over each item's tokens (a decode step or a prefill; several items:
+    /// one batched pass as `forward_batch` runs it), timed per dispatch: `(label, ns)` in
+    /// order.
+    fn profile(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>>;
     /// The expert offload, when the model has one.
     fn offload(&self) -> Option<&Offload>;
     /// Routed experts over all MoE layers (0 for a dense model).

@@ -996,11 +996,14 @@ impl Forward for GpuModel {
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         GpuModel::forward(self, seq.get_mut()?, tokens, all)
     }
-    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+    fn profile(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
         // The step a greedy generation takes: argmax on the GPU, a few bytes back.
-        let s = seq.get_mut()?;
+        let mut v = items
+            .iter_mut()
+            .map(|(s, t)| Ok((s.get_mut::<GpuSeq>()?, *t, GREEDY)))
+            .collect::<Result<Vec<_>>>()?;
         self.profile = Some(Vec::new());
-        let r = GpuModel::forward_want(self, s, tokens, GREEDY);
+        let r = GpuModel::forward_batch(self, &mut v);
         let prof = self.profile.take().unwrap_or_default();
         r.map(|_| prof)
     }

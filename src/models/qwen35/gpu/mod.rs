@@ -277,11 +277,14 @@ impl Forward for GpuModel {
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         GpuModel::forward(self, seq.get_mut()?, tokens, all)
     }
-    fn profile(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+    fn profile(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
         // The step a greedy generation takes: argmax on the GPU, a few bytes back.
-        let s = seq.get_mut()?;
+        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (s, t) in items.iter_mut() {
+            v.push((s.get_mut()?, *t, GREEDY));
+        }
         self.profile = Some(Vec::new());
-        let r = GpuModel::forward_batch(self, &mut [(s, tokens, GREEDY)]);
+        let r = GpuModel::forward_batch(self, &mut v);
         let prof = self.profile.take().unwrap_or_default();
         r.map(|_| prof)
     }
