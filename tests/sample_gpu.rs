@@ -407,6 +407,54 @@ fn dsv4_tiny_top_path_matches_full_logits() {
     check_model("dsv4-tiny");
 }
 
+/// A batched decode step (one token of each of 5 sequences, as `lathe serve` and `lathe bench
+/// --parallel` run them) gives every sequence the bits a lone decode step gives it: its
+/// products and its head run the token-group matvec, whose rows have one-token bits.
+fn check_batched_decode_bits(model: &str) {
+    let path = common::fixtures().join(model).join("model-f32.gguf");
+    let opts = LoadOptions {
+        max_seqs: 10,
+        ..LoadOptions::default()
+    };
+    let mut e = Engine::load(&path, &opts).unwrap();
+    let p = prompt(model);
+    let want = Want::Top { k: 5, lse: true };
+    let mut batch: Vec<_> = (0..5).map(|_| e.new_seq().unwrap()).collect();
+    let mut alone: Vec<_> = (0..5).map(|_| e.new_seq().unwrap()).collect();
+    // different prefixes, so each sequence attends over its own context
+    for (i, (b, a)) in batch.iter_mut().zip(alone.iter_mut()).enumerate() {
+        e.forward(b, &p[..4 + i], false).unwrap();
+        e.forward(a, &p[..4 + i], false).unwrap();
+    }
+    for step in 0..3u32 {
+        let toks: Vec<u32> = (0..5).map(|i| 3 + 7 * i + step).collect();
+        let mut items: Vec<_> = batch
+            .iter_mut()
+            .zip(&toks)
+            .map(|(s, t)| (s, std::slice::from_ref(t), want))
+            .collect();
+        let out = e.forward_batch_with(&mut items).unwrap();
+        for (i, (a, t)) in alone.iter_mut().zip(&toks).enumerate() {
+            let lone = e.forward_top(a, &[*t], 5, true).unwrap();
+            assert_eq!(
+                out[i],
+                Logits::Top(lone),
+                "{model} step {step} seq {i}: batched against alone"
+            );
+        }
+    }
+}
+
+#[test]
+fn qwen35_batched_decode_has_lone_bits() {
+    check_batched_decode_bits("qwen35-tiny");
+}
+
+#[test]
+fn dsv4_batched_decode_has_lone_bits() {
+    check_batched_decode_bits("dsv4-tiny");
+}
+
 /// One batched forward with items wanting different things (top-k with lse, top-1, full
 /// logits, nothing) gives each what a forward of its own would.
 #[test]

@@ -138,6 +138,46 @@ impl Seq {
     }
 }
 
+/// Runs of consecutive indices in `rows` (a pass's top rows: a batch's decode rows, a
+/// verify pass): `(position in rows, first row, length)`.
+pub(crate) fn row_runs(rows: &[usize]) -> Vec<(usize, usize, usize)> {
+    let mut runs = Vec::new();
+    let mut j = 0;
+    while j < rows.len() {
+        let mut m = 1;
+        while j + m < rows.len() && rows[j + m] == rows[j] + m {
+            m += 1;
+        }
+        runs.push((j, rows[j], m));
+        j += m;
+    }
+    runs
+}
+
+/// The head's logits of `n` consecutive rows of `x` (`[rows, cols]` from row `row`) into `y`
+/// (`[n, vocab]` at row `j`), each row with the bits of a lone decode's: one row through
+/// the one-token matvec, more through the token-group matvec (each weight slice read once
+/// per group of 8 rows, every row's sums the one-token kernel's).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_rows(
+    pass: &mut crate::gpu::Pass<'_>,
+    head: &crate::gpu::GpuTensor,
+    x: &wgpu::Buffer,
+    (row, cols): (usize, usize),
+    y: &wgpu::Buffer,
+    (j, vocab): (usize, usize),
+    n: usize,
+) -> Result<()> {
+    use crate::gpu::matvec;
+    let (x_off, y_off) = ((row * cols) as u32, (j * vocab) as u32);
+    let opts = matvec::MatvecOpts::default();
+    if n == 1 {
+        matvec::matvec_opts(pass, head, x, x_off, y, y_off, 1, &opts)
+    } else {
+        matvec::matvec_multi(pass, head, x, x_off, y, y_off, n as u32, &opts)
+    }
+}
+
 /// The wanted row ranges `(first row, rows)` of a batch cut into runs of at most `cap` rows,
 /// in order: the output head of the GPU forwards takes one run per product.
 pub(crate) fn head_runs(wants: &[(usize, usize)], cap: usize) -> Vec<(usize, usize)> {

@@ -599,26 +599,17 @@ impl GpuModel {
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {
             // One product per run of consecutive rows (a verify pass, a batch's decode
-            // rows), at most matvec's rows: those have one-token bits.
-            let mut j = 0;
-            while j < chunk.len() {
-                let mut m = 1;
-                while j + m < chunk.len()
-                    && chunk[j + m] == chunk[j] + m
-                    && m < matvec::MAX_TOKENS as usize
-                {
-                    m += 1;
-                }
-                matmul::matmul(
+            // rows), each row with one-token bits.
+            for (j, r, m) in crate::models::row_runs(chunk) {
+                crate::models::head_rows(
                     &mut pass,
                     out.w,
                     &sc.h,
-                    (chunk[j] * hp.n_embd) as u32,
+                    (r, hp.n_embd),
                     &sc.logits,
-                    (j * v) as u32,
-                    m as u32,
+                    (j, v),
+                    m,
                 )?;
-                j += m;
             }
             let rows = chunk.len() as u32;
             out.top.record(

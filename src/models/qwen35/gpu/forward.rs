@@ -305,20 +305,21 @@ impl GpuModel {
         )?;
         let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
         let v = hp.n_vocab;
-        // Top rows first, in this pass: each row's head (one row per call, as for full
-        // logits, so the values are bit-identical) into the logits buffer, then their top-k
-        // into `sc.top`; the full-logits runs below reuse the buffer after them.
+        // Top rows first, in this pass: their head into the logits buffer, one product per
+        // run of consecutive rows with each row's bits a lone decode's (a batch's decode rows
+        // read the head's weights once per 8), then their top-k into `sc.top`; the
+        // full-logits runs below reuse the buffer after them.
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {
-            for (j, &r) in chunk.iter().enumerate() {
-                matmul::matmul(
+            for (j, r, m) in crate::models::row_runs(chunk) {
+                crate::models::head_rows(
                     &mut pass,
                     head,
                     &sc.h,
-                    (r * hp.n_embd) as u32,
+                    (r, hp.n_embd),
                     &sc.logits,
-                    (j * v) as u32,
-                    1,
+                    (j, v),
+                    m,
                 )?;
             }
             let rows = chunk.len() as u32;
