@@ -11,7 +11,7 @@ pub mod qwen35;
 pub mod spec;
 
 use crate::forward::{LoadOptions, Logits, Want};
-use crate::gpu::{AutoProducts, Gpu};
+use crate::gpu::{matmul, AutoProducts, Gpu};
 pub use crate::model_file::ModelFile;
 use crate::moe::{budget_for, Budget, MoeInfo, Needs, Offload, RunShape};
 use crate::tensor::TensorRef;
@@ -155,10 +155,10 @@ pub(crate) fn row_runs(rows: &[usize]) -> Vec<(usize, usize, usize)> {
 }
 
 /// The head's logits of `n` consecutive rows of `x` (`[rows, cols]` from row `row`) into `y`
-/// (`[n, vocab]` at row `j`), each row with the bits of a lone decode's: one row through
-/// the one-token matvec, more through the token-group matvec (each weight slice read once
-/// per group of 8 rows, every row's sums the one-token kernel's).
-#[allow(clippy::too_many_arguments)]
+/// (`[n, vocab]` at row `j`) in one product ([`matmul::matmul`]): up to
+/// [`matmul::DENSE_MATVEC_TOKENS`] rows through matvec, so each row has the bits of a lone
+/// decode's (the token-group kernel reads each weight slice once per 8 rows), more through
+/// the many-token kernels, as the layers' products of such a pass.
 pub(crate) fn head_rows(
     pass: &mut crate::gpu::Pass<'_>,
     head: &crate::gpu::GpuTensor,
@@ -168,14 +168,8 @@ pub(crate) fn head_rows(
     (j, vocab): (usize, usize),
     n: usize,
 ) -> Result<()> {
-    use crate::gpu::matvec;
     let (x_off, y_off) = ((row * cols) as u32, (j * vocab) as u32);
-    let opts = matvec::MatvecOpts::default();
-    if n == 1 {
-        matvec::matvec_opts(pass, head, x, x_off, y, y_off, 1, &opts)
-    } else {
-        matvec::matvec_multi(pass, head, x, x_off, y, y_off, n as u32, &opts)
-    }
+    matmul::matmul(pass, head, x, x_off, y, y_off, n as u32)
 }
 
 /// The wanted row ranges `(first row, rows)` of a batch cut into runs of at most `cap` rows,

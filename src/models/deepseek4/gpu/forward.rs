@@ -599,7 +599,7 @@ impl GpuModel {
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {
             // One product per run of consecutive rows (a verify pass, a batch's decode
-            // rows), each row with one-token bits.
+            // rows; `head_rows`: up to 24 rows each with a lone decode's bits).
             for (j, r, m) in crate::models::row_runs(chunk) {
                 crate::models::head_rows(
                     &mut pass,

@@ -306,8 +306,8 @@ impl GpuModel {
         let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
         let v = hp.n_vocab;
         // Top rows first, in this pass: their head into the logits buffer, one product per
-        // run of consecutive rows with each row's bits a lone decode's (a batch's decode rows
-        // read the head's weights once per 8), then their top-k into `sc.top`; the
+        // run of consecutive rows (`head_rows`: a batch's decode rows, a verify pass; up to
+        // 24 rows each with a lone decode's bits), then their top-k into `sc.top`; the
         // full-logits runs below reuse the buffer after them.
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {
