@@ -59,8 +59,9 @@ pub struct PlanArgs {
     /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
     #[arg(long, value_name = "FILE")]
     pub stats: Option<PathBuf>,
-    /// Tokens per prefill pass the activations are sized for (the loaders' pass size).
-    #[arg(long, value_name = "N", default_value_t = 256)]
+    /// Tokens per prefill pass the activations are sized for (the loaders' pass size: 512
+    /// for both families).
+    #[arg(long, value_name = "N", default_value_t = 512)]
     pub batch: u64,
     /// Sequences live at once, each with its own KV cache and state (`lathe run`: 1, `lathe
     /// chat`: 2, `lathe serve`: 2 per `--parallel` slot, its sequence and its checkpoint).
