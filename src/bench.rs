@@ -608,11 +608,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     // One more decode step with a timestamp pair around every dispatch.
     let kernels = if opts.n_gen > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
         let t = ids.take(opts.parallel, vocab);
-        let mut items = vec![(&mut seq, &t[..1])];
-        for (o, tok) in others.iter_mut().zip(&t[1..]) {
-            items.push((o, std::slice::from_ref(tok)));
-        }
-        match e.profile_batch(&mut items) {
+        match e.profile_batch(&mut batch(&mut seq, &mut others, &t)) {
             Ok(k) => Some(aggregate(&k)),
             Err(err) => {
                 eprintln!("note: no per-kernel breakdown: {err}");
@@ -681,13 +677,25 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     })
 }
 
-/// One decode step of `seq` and `others` together, token `step[i]` for sequence i, as greedy
-/// generation runs it: the argmax found on the GPU, 12 bytes read back per sequence.
+/// One token of each of `seq` and `others`: `step[i]` for sequence i.
+fn batch<'a>(
+    seq: &'a mut Seq,
+    others: &'a mut [Seq],
+    step: &'a [u32],
+) -> Vec<(&'a mut Seq, &'a [u32])> {
+    std::iter::once(seq)
+        .chain(others)
+        .zip(step.chunks(1))
+        .collect()
+}
+
+/// One decode step of `seq` and `others` together ([`batch`]), as greedy generation runs it:
+/// the argmax found on the GPU, 12 bytes read back per sequence.
 fn batch_step(e: &mut Engine, seq: &mut Seq, others: &mut [Seq], step: &[u32]) -> Result<()> {
-    let mut items = vec![(seq, &step[..1], GREEDY)];
-    for (o, tok) in others.iter_mut().zip(&step[1..]) {
-        items.push((o, std::slice::from_ref(tok), GREEDY));
-    }
+    let mut items: Vec<_> = batch(seq, others, step)
+        .into_iter()
+        .map(|(s, t)| (s, t, GREEDY))
+        .collect();
     e.forward_batch_with(&mut items)?;
     Ok(())
 }

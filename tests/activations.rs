@@ -155,6 +155,15 @@ fn flags_reach_the_bench_report() {
             .output()
             .unwrap()
     };
+    let report = |extra: &[&str]| -> serde_json::Value {
+        let out = bench(extra);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
     for (extra, act, fused) in [
         (&[][..], "f32", true),
         (&["--fused-loads", "auto"][..], "f32", true),
@@ -170,13 +179,7 @@ fn flags_reach_the_bench_report() {
             false,
         ),
     ] {
-        let out = bench(extra);
-        assert!(
-            out.status.success(),
-            "{extra:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = report(extra);
         assert_eq!(v["activations"], act, "{extra:?}");
         assert_eq!(v["fused_loads"], fused, "{extra:?}");
     }
@@ -186,13 +189,7 @@ fn flags_reach_the_bench_report() {
         (&["--parallel", "3"][..], false),
         (&["--parallel", "3", "--fused-loads", "on"][..], true),
     ] {
-        let out = bench(extra);
-        assert!(
-            out.status.success(),
-            "{extra:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = report(extra);
         assert_eq!(v["parallel"], 3, "{extra:?}");
         assert_eq!(
             v["decode"]["tokens"], 6,

@@ -140,18 +140,19 @@ impl Seq {
 
 /// Runs of consecutive indices in `rows` (a pass's top rows: a batch's decode rows, a
 /// verify pass): `(position in rows, first row, length)`.
-pub(crate) fn row_runs(rows: &[usize]) -> Vec<(usize, usize, usize)> {
-    let mut runs = Vec::new();
+pub(crate) fn row_runs(rows: &[usize]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
     let mut j = 0;
-    while j < rows.len() {
-        let mut m = 1;
-        while j + m < rows.len() && rows[j + m] == rows[j] + m {
-            m += 1;
-        }
-        runs.push((j, rows[j], m));
+    std::iter::from_fn(move || {
+        let r = *rows.get(j)?;
+        let m = 1 + rows[j + 1..]
+            .iter()
+            .zip(1..)
+            .take_while(|&(&x, k)| x == r + k)
+            .count();
+        let run = (j, r, m);
         j += m;
-    }
-    runs
+        Some(run)
+    })
 }
 
 /// The head's logits of `n` consecutive rows of `x` (`[rows, cols]` from row `row`) into `y`

@@ -279,12 +279,12 @@ impl Forward for GpuModel {
     }
     fn profile(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
         // The step a greedy generation takes: argmax on the GPU, a few bytes back.
-        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
-        for (s, t) in items.iter_mut() {
-            v.push((s.get_mut()?, *t, GREEDY));
-        }
+        let mut v: Vec<_> = items
+            .iter_mut()
+            .map(|(s, t)| (&mut **s, *t, GREEDY))
+            .collect();
         self.profile = Some(Vec::new());
-        let r = GpuModel::forward_batch(self, &mut v);
+        let r = Forward::forward_batch(self, &mut v);
         let prof = self.profile.take().unwrap_or_default();
         r.map(|_| prof)
     }
