@@ -190,6 +190,46 @@ impl Engine {
         self.model.pass_rows()
     }
 
+    /// Runs, on scratch sequences, the passes whose pipelines a session would otherwise
+    /// compile on first use (hundreds of ms each on a GPU, seconds on a CPU adapter), so that
+    /// neither the speeds reported afterwards nor a server's first requests pay for them
+    /// (llama.cpp warms up the same way). Passes of the row counts whose products take
+    /// different kernels: the token-group matvec's group sizes (2..=9 rows), the first
+    /// many-token product (`DENSE_MATVEC_TOKENS + 1`) and the largest; as prompt passes up to
+    /// `prompt_rows` (capped by [`Engine::pass_rows`]), then as batched decode steps of up to
+    /// `max_batch` sequences, one of them holding the longest prompt (a longer context splits
+    /// the attention); and the GPU samplers (greedy; top-k with log-sum-exp).
+    pub fn warm_up(&mut self, max_batch: usize, prompt_rows: usize) -> Result<()> {
+        let rows = prompt_rows.min(self.pass_rows()).max(2);
+        let many = crate::gpu::matmul::DENSE_MATVEC_TOKENS as usize + 1;
+        let sizes = |top: usize| -> Vec<usize> {
+            let mut v: Vec<usize> = (2..=9).chain([many, top]).filter(|&n| n <= top).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let mut seqs = (0..max_batch.max(1))
+            .map(|_| self.new_seq())
+            .collect::<Result<Vec<_>>>()?;
+        for n in sizes(rows) {
+            self.reset(&mut seqs[0])?;
+            self.forward(&mut seqs[0], &vec![0; n], false)?;
+        }
+        self.forward(&mut seqs[0], &[0], false)?;
+        self.forward_top(&mut seqs[0], &[0], 1, false)?;
+        self.forward_top(&mut seqs[0], &[0], 40, true)?;
+        let top = Want::Top { k: 40, lse: true };
+        for n in sizes(max_batch) {
+            let mut items: Vec<(&mut Seq, &[u32], Want)> = seqs
+                .iter_mut()
+                .take(n)
+                .map(|s| (s, &[0u32][..], top))
+                .collect();
+            self.forward_batch_with(&mut items)?;
+        }
+        Ok(())
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.model.vocab_size()
     }

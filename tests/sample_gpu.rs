@@ -588,3 +588,57 @@ fn long_prompt_top() {
         assert_eq!(a.pos(), b.pos());
     }
 }
+
+/// After `Engine::warm_up(n, rows)` (as `lathe serve --parallel n` runs it), what such a
+/// server's steps take (prompt passes of `rows` tokens and fewer, batched decode steps of 1
+/// to n sequences) compiles no pipeline of its own, so its first requests wait for none;
+/// with fused loads (one stream) and without (serve's default for several).
+#[test]
+fn warm_up_compiles_what_server_steps_take() {
+    for (model, fused_loads) in [
+        ("qwen35-tiny", true),
+        ("qwen35-tiny", false),
+        ("dsv4-tiny", false),
+    ] {
+        let path = common::fixtures().join(model).join("model-f32.gguf");
+        let opts = LoadOptions {
+            max_seqs: 12,
+            fused_loads,
+            ..LoadOptions::default()
+        };
+        let mut e = Engine::load(&path, &opts).unwrap();
+        e.warm_up(12, 30).unwrap();
+        let before: Vec<String> = e
+            .gpu
+            .compiled_specs()
+            .into_iter()
+            .map(|s| s.label)
+            .collect();
+        let p = prompt(model);
+        let long: Vec<u32> = p.iter().copied().cycle().take(30).collect();
+        let mut seqs: Vec<_> = (0..12).map(|_| e.new_seq().unwrap()).collect();
+        e.forward(&mut seqs[0], &long, false).unwrap();
+        e.forward(&mut seqs[1], &p, false).unwrap();
+        let want = Want::Top { k: 40, lse: true };
+        for n in 1..=12usize {
+            let toks: Vec<u32> = (0..n as u32).map(|i| 5 + 3 * i).collect();
+            let mut items: Vec<_> = seqs
+                .iter_mut()
+                .zip(&toks)
+                .map(|(s, t)| (s, std::slice::from_ref(t), want))
+                .collect();
+            e.forward_batch_with(&mut items).unwrap();
+        }
+        let new: Vec<String> = e
+            .gpu
+            .compiled_specs()
+            .into_iter()
+            .map(|s| s.label)
+            .filter(|l| !before.contains(l))
+            .collect();
+        assert!(
+            new.is_empty(),
+            "{model}, fused loads {fused_loads}: compiled after the warm-up: {new:?}"
+        );
+    }
+}

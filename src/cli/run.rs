@@ -437,7 +437,7 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     let loaded = t.elapsed();
     bar.set_style(spinner);
     bar.set_message("warming up (compiling kernels)");
-    let warm = warm_up(&mut engine);
+    let warm = engine.warm_up(1, 2);
     bar.finish_and_clear();
     warm?;
     eprintln!(
@@ -450,19 +450,6 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
         engine.gpu.info.backend,
     );
     Ok(engine)
-}
-
-/// Runs a two-token prefill and one decode step on a scratch sequence, so that compiling the
-/// pipelines (hundreds of ms, seconds on a CPU adapter) does not count as prompt time in the
-/// speeds reported afterwards (llama.cpp warms up the same way).
-fn warm_up(engine: &mut Engine) -> Result<()> {
-    let mut seq = engine.new_seq()?;
-    engine.forward(&mut seq, &[0, 0], false)?;
-    engine.forward(&mut seq, &[0], false)?;
-    // The sampling paths on the GPU (greedy; top-k with log-sum-exp) have kernels of their own.
-    engine.forward_top(&mut seq, &[0], 1, false)?;
-    engine.forward_top(&mut seq, &[0], 40, true)?;
-    Ok(())
 }
 
 /// A missing path gets its own message before anything opens it.
