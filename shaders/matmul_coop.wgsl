@@ -168,9 +168,12 @@ fn coop_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 
 #if XSTAGE
 #else
-var<workgroup> Wh: array<f16, WBUF * CBM * CKP>;  // WBUF buffers of [CBM rows][CKP]
+// as vec4<f16>, so a chunk takes 8 vector stores rather than 32 scalar ones; indices and
+// fragment strides count vec4s
+const CKV = CKP / 4u;
+var<workgroup> Wh: array<vec4<f16>, WBUF * CBM * CKV>;  // WBUF buffers of [CBM rows][CKV]
 #if WSPLIT
-var<workgroup> Wl: array<f16, WBUF * CBM * CKP>;  // the remainders (x 2^11), same layout
+var<workgroup> Wl: array<vec4<f16>, WBUF * CBM * CKV>;  // the remainders (x 2^11), same layout
 const LO_SCALE = 2048.0;
 #endif
 #endif
@@ -243,17 +246,18 @@ fn stage_step(lid: u32, row_base: u32, wbase: u32, g0: u32, c: u32, b: u32) {
     }
 }
 #else
-// chunk c of the row at byte rb (clamped into the part) into row m of Wh buffer wb, halves 32h..
+// chunk c of the row at byte rb (clamped into the part) into row m of Wh buffer wb (in vec4s),
+// halves 32h..
 fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
-    let base = wb + m * CKP + 32u * h;
+    let base = wb + m * CKV + 8u * h;
 #if LAB_NODECODE
     return;
 #endif
     if (c >= p.n_chunks) {
-        for (var i = 0u; i < 32u; i++) {
-            Wh[base + i] = f16(0.0);
+        for (var j = 0u; j < 8u; j++) {
+            Wh[base + j] = vec4<f16>(0.0);
 #if WSPLIT
-            Wl[base + i] = f16(0.0);
+            Wl[base + j] = vec4<f16>(0.0);
 #endif
         }
         return;
@@ -263,14 +267,14 @@ fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
 #if FLOAT
     if (slow_chunk(blk)) {
         for (var j = 0u; j < 8u; j++) {
+            var v = vec4<f32>(0.0);
             for (var i = 0u; i < 4u; i++) {
                 let e = blk * BS + xmap(s, j) + i;
-                var v = 0.0;
                 if (e < p.cols) {
-                    v = welem(rb, e);
+                    v[i] = welem(rb, e);
                 }
-                Wh[base + 4u * j + i] = f16(v);
             }
+            Wh[base + j] = vec4<f16>(v);
         }
         return;
     }
@@ -284,16 +288,9 @@ fn stage_chunk(rb: u32, c: u32, m: u32, h: u32, wb: u32) {
 #else
         let v = vec4<f16>(w[j]);
 #endif
-        Wh[base + 4u * j] = v.x;
-        Wh[base + 4u * j + 1u] = v.y;
-        Wh[base + 4u * j + 2u] = v.z;
-        Wh[base + 4u * j + 3u] = v.w;
+        Wh[base + j] = v;
 #if WSPLIT
-        let l = vec4<f16>((w[j] - t) * LO_SCALE);
-        Wl[base + 4u * j] = l.x;
-        Wl[base + 4u * j + 1u] = l.y;
-        Wl[base + 4u * j + 2u] = l.z;
-        Wl[base + 4u * j + 3u] = l.w;
+        Wl[base + j] = vec4<f16>((w[j] - t) * LO_SCALE);
 #endif
     }
 }
@@ -457,19 +454,19 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
     stage_chunk(rb, h, m, h, 0u);
     workgroupBarrier();
     for (var step = 0u; step < n_steps; step++) {
-        let cur = (step % 2u) * CBM * CKP;
+        let cur = (step % 2u) * CBM * CKV;
         if (step + 1u < n_steps) {
-            stage_chunk(rb, 2u * step + 2u + h, m, h, CBM * CKP - cur);
+            stage_chunk(rb, 2u * step + 2u + h, m, h, CBM * CKV - cur);
         }
 #endif
         let kx = xa + step * CK;
 #ifndef LAB_NOMMA
         for (var kk = 0u; kk < CK; kk += 16u) {
-            let wk = cur + sr * CKP + kk;
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk], CKP);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 16u * CKP], CKP);
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 32u * CKP], CKP);
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 48u * CKP], CKP);
+            let wk = cur + sr * CKV + kk / 4u;
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk], CKV);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 16u * CKV], CKV);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 32u * CKV], CKV);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&Wh[wk + 48u * CKV], CKV);
             let a0 = coopLoadT<coop_mat16x16<f16, A>>(&XH[kx + kk], halves);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
@@ -483,10 +480,10 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
             c03 = coopMultiplyAdd(l0, b3, c03);
 #endif
 #if WSPLIT
-            let e0 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk], CKP);
-            let e1 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 16u * CKP], CKP);
-            let e2 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 32u * CKP], CKP);
-            let e3 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 48u * CKP], CKP);
+            let e0 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk], CKV);
+            let e1 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 16u * CKV], CKV);
+            let e2 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 32u * CKV], CKV);
+            let e3 = coopLoad<coop_mat16x16<f16, B>>(&Wl[wk + 48u * CKV], CKV);
             d00 = coopMultiplyAdd(a0, e0, d00);
             d01 = coopMultiplyAdd(a0, e1, d01);
             d02 = coopMultiplyAdd(a0, e2, d02);

@@ -47,8 +47,10 @@ const FILL: u32 = 128;
 
 /// MoE products with fewer pairs per expert than this on average take [`THIN`] tiles
 /// (measured on the H200: DeepSeek-V4's 6 pairs per expert ran 2.5x faster on them, the
-/// 35B-A3B's 16 per expert 1.3x slower: two thin workgroups decode the same weights).
-const THIN_PAIRS: u32 = 12;
+/// 35B-A3B's 16 per expert 1.3x slower: two thin workgroups decode the same weights; at
+/// DeepSeek-V4's 12 of a 512-row pass the 64-pair tiles multiply fragments three quarters
+/// empty: its 8-layer experts took 42 ms on thin tiles with vector weight stores against 74).
+const THIN_PAIRS: u32 = 14;
 /// Tokens per workgroup of the dense kernel (`CBN`); the MoE kernel takes the route's tiles of
 /// [`super::matmul`]'s 64 pairs.
 const CBN_DENSE: u32 = 128;
@@ -145,7 +147,11 @@ const SPLIT_W: Tile = Tile {
 /// Few pairs per expert (MoE prefill of a few hundred tokens over hundreds of experts): 16
 /// pairs per workgroup, 2 subgroups of 64 rows, so the route's mostly empty 64-pair tiles
 /// cost no multiply-adds for their empty part (one staged buffer: the split weights' two
-/// tiles of 128 rows fill the workgroup memory).
+/// tiles of 128 rows fill the workgroup memory). The tile is bound by workgroups in flight,
+/// not by the decode: H200, DeepSeek-V4 8 layers at 512 rows, the MXFP4 experts' three
+/// products took 120 ms as this, 179 with the tile's x staged in workgroup memory too, 199
+/// double-buffered (38 KiB a workgroup), 136 on 4 subgroups of 32 rows (124 with x staged),
+/// 244 on 8 subgroups of 16.
 const THIN: Tile = Tile {
     id: true,
     cbn: 16,
