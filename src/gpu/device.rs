@@ -118,7 +118,9 @@ pub enum AutoProducts {
     /// weights and split activations (Qwen3.5 MoE: `coop-splitx`); tiled f32 on adapters
     /// without matrix units.
     SplitX,
-    /// f32-level products only (DeepSeek-V4: router, indexer and hyper-connection mixes): tiled.
+    /// f32-level products only (DeepSeek-V4: router, indexer and hyper-connection mixes):
+    /// `coop-split` on the matrix units (H200, 8-layer DeepSeek-V4-Flash pp512: 2388 tok/s
+    /// against 2416 tiled, every product within 3% of its tiled time), tiled without them.
     F32,
 }
 
@@ -247,7 +249,8 @@ impl Gpu {
             (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
             (MatmulChoice::Int8, _) => MatmulPath::Int8,
             (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
-            (MatmulChoice::Auto, _) if auto == AutoProducts::F32 => MatmulPath::Tiled,
+            (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::F32 => MatmulPath::CoopSplit,
+            (MatmulChoice::Auto, Err(_)) if auto == AutoProducts::F32 => MatmulPath::Tiled,
             (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::SplitX => MatmulPath::CoopSplitX,
             (MatmulChoice::Auto, Err(_)) if auto == AutoProducts::SplitX => MatmulPath::Tiled,
             (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
