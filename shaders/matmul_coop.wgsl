@@ -168,8 +168,7 @@ fn coop_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 
 #if XSTAGE
 #else
-// as vec4<f16>, so a chunk takes 8 vector stores rather than 32 scalar ones; indices and
-// fragment strides count vec4s
+// as vec4<f16>, so a chunk takes 8 vector stores; indices and fragment strides count vec4s
 const CKV = CKP / 4u;
 var<workgroup> Wh: array<vec4<f16>, WBUF * CBM * CKV>;  // WBUF buffers of [CBM rows][CKV]
 #if WSPLIT

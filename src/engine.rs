@@ -194,12 +194,25 @@ impl Engine {
     /// compile on first use (hundreds of ms each on a GPU, seconds on a CPU adapter), so that
     /// neither the speeds reported afterwards nor a server's first requests pay for them
     /// (llama.cpp warms up the same way). Passes of the row counts whose products take
-    /// different kernels: the token-group matvec's group sizes (2..=9 rows), the first
-    /// many-token product (`DENSE_MATVEC_TOKENS + 1`) and the largest; as prompt passes up to
-    /// `prompt_rows` (capped by [`Engine::pass_rows`]), then as batched decode steps of up to
-    /// `max_batch` sequences, one of them holding the longest prompt (a longer context splits
-    /// the attention); and the GPU samplers (greedy; top-k with log-sum-exp).
+    /// different kernels: the token-group matvec's group sizes (2..=8 rows) and the MoE
+    /// products' first many-token one (9), the first dense many-token product
+    /// (`DENSE_MATVEC_TOKENS + 1`) and the largest; as prompt passes up to `prompt_rows`
+    /// (capped by [`Engine::pass_rows`]), then as batched decode steps of up to `max_batch`
+    /// sequences, one of them holding the longest prompt (a long enough context splits the
+    /// attention); and the GPU samplers (greedy; top-k with log-sum-exp). Not warmed:
+    /// passes mixing a prompt chunk with decode rows past those counts, full-logits batched
+    /// steps, speculative decoding's passes. An expert offload's statistics and counters
+    /// forget these passes.
     pub fn warm_up(&mut self, max_batch: usize, prompt_rows: usize) -> Result<()> {
+        let counts: Vec<_> = self.model.offloads().iter().map(|o| o.counts()).collect();
+        self.warm_passes(max_batch, prompt_rows)?;
+        for (o, c) in self.model.offloads().into_iter().zip(counts) {
+            o.restore_counts(c);
+        }
+        Ok(())
+    }
+
+    fn warm_passes(&mut self, max_batch: usize, prompt_rows: usize) -> Result<()> {
         let rows = prompt_rows.min(self.pass_rows()).max(2);
         let many = crate::gpu::matmul::DENSE_MATVEC_TOKENS as usize + 1;
         let sizes = |top: usize| -> Vec<usize> {

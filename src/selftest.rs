@@ -505,6 +505,12 @@ fn multi_norm(
 }
 
 /// A MoE product over a route: 6 experts of 45 rows, 3 slots per token, one invalid id.
+/// Tokens of the few-pairs MoE checks: with `indexed`'s 3 of 6 experts per token, 10 pairs
+/// per expert on average, under `coopmat::THIN_PAIRS`, so the matrix paths run their thin
+/// tiles (an expert picked by more tokens than a thin tile's 16 takes two of them).
+const FEW_PAIRS_TOKENS: usize = 20;
+const _: () = assert!(FEW_PAIRS_TOKENS * 3 < coopmat::THIN_PAIRS as usize * 6);
+
 fn indexed(
     gpu: &Gpu,
     path: KernelPath,
@@ -1846,7 +1852,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             // few pairs per expert: thin tiles
             push(
                 &format!("{} indexed {dt} few pairs", p.name()),
-                indexed(gpu, p, dt, 40, i % 2 == 0, false, seed + 50),
+                indexed(gpu, p, dt, FEW_PAIRS_TOKENS, i % 2 == 0, false, seed + 50),
             );
         }
     }

@@ -89,7 +89,7 @@ fn tiny_q4_0() {
 
 /// The two-level int8 path (`--matmul int8x2`) on the quantized tiny files keeps the bar
 /// (RMS ~6e-5 against 1e-3; on the 300-token dims file it does not, so `auto` keeps
-/// DeepSeek-V4 on the tiled kernel).
+/// DeepSeek-V4 on f32-level products: coop-split, or tiled without matrix units).
 #[test]
 fn tiny_int8x2_matmul() {
     check_with(

@@ -1706,3 +1706,30 @@ fn whole_cold_layers_take_fewer_hops() {
     let hot: Vec<usize> = f.layers.iter().map(|l| l.n_slots()).collect();
     assert_eq!(hot, vec![0, 0, 0, 0, 16, 16, 16, 16]);
 }
+
+/// `Engine::warm_up`'s scratch passes leave an offload's routing statistics and traffic
+/// counters as load left them; the passes after it count as before.
+#[test]
+fn warm_up_leaves_expert_counts_as_loaded() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models/dsv4-tiny/model-q8_0.gguf");
+    let opts = lathe::engine::LoadOptions {
+        gpu_experts: Some(0.5),
+        collect_expert_stats: true,
+        max_seqs: 4,
+        ..Default::default()
+    };
+    let mut e = lathe::engine::Engine::load(&path, &opts).unwrap();
+    let picks = |e: &lathe::engine::Engine| -> u64 {
+        let s = e.offload().unwrap().stats().unwrap();
+        s.layers.iter().flat_map(|l| l.counts.iter()).sum()
+    };
+    assert_eq!(picks(&e), 0);
+    e.warm_up(4, 30).unwrap();
+    let r = e.placement_report().unwrap();
+    assert_eq!(picks(&e), 0, "warm-up picks counted");
+    assert_eq!((r.cold_pairs, r.streamed_pairs), (0, 0), "{r:?}");
+    let mut seq = e.new_seq().unwrap();
+    e.forward(&mut seq, &[1, 2, 3, 4, 5], false).unwrap();
+    assert!(picks(&e) > 0, "a real pass's picks");
+}

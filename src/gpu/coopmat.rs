@@ -49,8 +49,9 @@ const FILL: u32 = 128;
 /// (measured on the H200: DeepSeek-V4's 6 pairs per expert ran 2.5x faster on them, the
 /// 35B-A3B's 16 per expert 1.3x slower: two thin workgroups decode the same weights; at
 /// DeepSeek-V4's 12 of a 512-row pass the 64-pair tiles multiply fragments three quarters
-/// empty: its 8-layer experts took 42 ms on thin tiles with vector weight stores against 74).
-const THIN_PAIRS: u32 = 14;
+/// empty: each of its three 8-layer expert products took 42 ms on thin tiles with vector
+/// weight stores, against 74 on 64-pair tiles with scalar ones).
+pub const THIN_PAIRS: u32 = 14;
 /// Tokens per workgroup of the dense kernel (`CBN`); the MoE kernel takes the route's tiles of
 /// [`super::matmul`]'s 64 pairs.
 const CBN_DENSE: u32 = 128;

@@ -119,8 +119,9 @@ pub enum AutoProducts {
     /// without matrix units.
     SplitX,
     /// f32-level products only (DeepSeek-V4: router, indexer and hyper-connection mixes):
-    /// `coop-split` on the matrix units (H200, 8-layer DeepSeek-V4-Flash pp512: 2388 tok/s
-    /// against 2416 tiled, every product within 3% of its tiled time), tiled without them.
+    /// `coop-split` on the matrix units, tiled without them. On the H200 they run at the
+    /// same speed (8-layer DeepSeek-V4-Flash pp512: 2388 tok/s against 2416 tiled, every
+    /// product within 3% of its tiled time); the matrix path is where the tile work goes.
     F32,
 }
 

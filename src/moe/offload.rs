@@ -462,6 +462,14 @@ struct OffloadState {
     rows: Vec<u32>,
 }
 
+/// A snapshot of an offload's counts ([`Offload::counts`]): the routing statistics, and the
+/// cold pairs, seen pairs, streamed bytes, streamed pairs, uploaded bytes and tokens.
+#[derive(Clone, Debug)]
+pub struct Counts {
+    stats: Option<ExpertStats>,
+    traffic: [u64; 6],
+}
+
 /// Placement report for speed reports (`lathe bench`).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct PlacementReport {
@@ -1310,6 +1318,39 @@ impl Offload {
             }
         }
         Ok(())
+    }
+
+    /// What the offload has counted so far: routing statistics and the traffic counters of
+    /// its report.
+    pub fn counts(&self) -> Counts {
+        let st = self.state();
+        Counts {
+            stats: st.stats.clone(),
+            traffic: [
+                st.cold_pairs,
+                st.seen_pairs,
+                st.streamed_bytes,
+                st.streamed_pairs,
+                st.uploaded_bytes,
+                st.tokens,
+            ],
+        }
+    }
+
+    /// Puts back what [`Offload::counts`] returned, forgetting what passes since counted
+    /// (`Engine::warm_up`'s scratch passes are no traffic to learn routing from or to
+    /// report); the residency cache keeps its state: it adapts to what follows.
+    pub fn restore_counts(&self, c: Counts) {
+        let mut st = self.state();
+        st.stats = c.stats;
+        [
+            st.cold_pairs,
+            st.seen_pairs,
+            st.streamed_bytes,
+            st.streamed_pairs,
+            st.uploaded_bytes,
+            st.tokens,
+        ] = c.traffic;
     }
 
     /// Routing statistics collected so far (`LoadOptions::collect_expert_stats`).

@@ -250,15 +250,6 @@ fn load(
     let t0 = std::time::Instant::now();
     let mut engine = Engine::load(&cfg.model, &cfg.load)?;
     eprintln!("{}", engine.report());
-    // Without it, the first concurrent requests compile the batched passes' pipelines: the
-    // first 15 s of 16 streams on an H200 served 17 requests, one waiting 5.1 s for its first
-    // token.
-    let tw = std::time::Instant::now();
-    engine.warm_up(cfg.parallel, cfg.prefill_chunk)?;
-    eprintln!(
-        "lathe serve: warmed up in {:.1} s",
-        tw.elapsed().as_secs_f64()
-    );
     let tokenizer = match given.tokenizer {
         Some(t) => t,
         None => engine.tokenizer.take().ok_or_else(|| {
@@ -289,6 +280,15 @@ fn load(
         }
     };
     let _ = template.set(Arc::new(compiled));
+    // After the checks above, so bad input fails at once. Without it, the first concurrent
+    // requests compile the batched passes' pipelines: the first 15 s of 16 streams on an
+    // H200 served 17 requests, one waiting 5.1 s for its first token.
+    let tw = std::time::Instant::now();
+    engine.warm_up(cfg.parallel, cfg.prefill_chunk)?;
+    eprintln!(
+        "lathe serve: warmed up in {:.1} s",
+        tw.elapsed().as_secs_f64()
+    );
     eprintln!(
         "lathe serve: loaded {} in {:.1} s",
         cfg.model.display(),
