@@ -1523,8 +1523,15 @@ fn plan_command_prints_a_sane_table() {
     assert!(all.contains("host reads: 0 B"), "{all}");
     assert!(all.contains("tok/s"), "{all}");
     assert!(all.contains("(--gpu-mem)"), "{all}");
+    // every expert fits: no prefill estimate for cold ones; the batch is the loader's
+    assert!(all.contains("no cold experts"), "{all}");
+    assert!(all.contains("batch 512,"), "{all}");
 
     let quarter = plan(&["--gpu-experts", "0.25", "--ctx", "128"]);
+    assert!(
+        quarter.contains("cold experts of a 512-token batch"),
+        "{quarter}"
+    );
     let t = table(&quarter);
     assert!(t.iter().all(|&(_, _, s)| s == 2), "{quarter}");
     assert!(!quarter.contains("host reads: 0 B"), "{quarter}");

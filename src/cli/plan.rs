@@ -59,10 +59,10 @@ pub struct PlanArgs {
     /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
     #[arg(long, value_name = "FILE")]
     pub stats: Option<PathBuf>,
-    /// Tokens per prefill pass the activations are sized for (the loaders' pass size: 512
-    /// for both families).
-    #[arg(long, value_name = "N", default_value_t = 512)]
-    pub batch: u64,
+    /// Tokens per prefill pass the activations are sized for (default: the model's own
+    /// loader's pass rows).
+    #[arg(long, value_name = "N")]
+    pub batch: Option<u64>,
     /// Sequences live at once, each with its own KV cache and state (`lathe run`: 1, `lathe
     /// chat`: 2, `lathe serve`: 2 per `--parallel` slot, its sequence and its checkpoint).
     #[arg(long, value_name = "N", default_value_t = 1)]
@@ -147,7 +147,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         }
     };
     let stats = load_stats(a, &info)?;
-    let run = run_shape(a);
+    let run = run_shape(a, &file);
     // The loaders' own budget (`models::model_budget`), for this run shape.
     let (budget, nd) = model_budget(&file, &info, mem.bytes, run);
     let mut s = String::new();
@@ -162,7 +162,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     )
     .ok();
     writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
-    placement_report(&mut s, a, &info, stats.as_ref(), &budget, &nd)?;
+    placement_report(&mut s, a, run, &info, stats.as_ref(), &budget, &nd)?;
     Ok(s)
 }
 
@@ -177,11 +177,14 @@ fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
     }
 }
 
-fn run_shape(a: &PlanArgs) -> RunShape {
+fn run_shape(a: &PlanArgs, file: &ModelFile) -> RunShape {
     RunShape {
         kv: a.kv_type,
         ctx: a.ctx,
-        batch: a.batch.max(1),
+        batch: a
+            .batch
+            .unwrap_or_else(|| lathe::models::pass_rows(file) as u64)
+            .max(1),
         seqs: a.seqs.max(1),
     }
 }
@@ -246,7 +249,7 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
         }
     };
     let stats = load_stats(a, &info)?;
-    let run = run_shape(a);
+    let run = run_shape(a, file);
     let mut s = String::new();
     writeln!(
         s,
@@ -282,7 +285,7 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
             mems[i].describe()
         )
         .ok();
-        cold += placement_report(&mut s, a, &pi, stats.as_ref(), &budget, &nd)?;
+        cold += placement_report(&mut s, a, run, &pi, stats.as_ref(), &budget, &nd)?;
     }
     writeln!(
         s,
@@ -299,9 +302,11 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
 
 /// The budget, placement and decode-step bytes of `info`'s experts (a whole model, or one
 /// device's part) under `budget`. Returns the experts left on the CPU.
+#[allow(clippy::too_many_arguments)]
 fn placement_report(
     s: &mut String,
     a: &PlanArgs,
+    run: RunShape,
     info: &MoeInfo,
     stats: Option<&ExpertStats>,
     budget: &lathe::moe::Budget,
@@ -313,7 +318,6 @@ fn placement_report(
     };
     let placement =
         lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
-    let run = run_shape(a);
     let hb = human_bytes;
     if let Some(n) = &nd.note {
         writeln!(s, "note: {n}").ok();
@@ -334,7 +338,7 @@ fn placement_report(
         } else {
             ""
         },
-        a.batch,
+        run.batch,
         run.seqs
     )
     .ok();
@@ -477,7 +481,7 @@ fn placement_report(
         }
     )
     .ok();
-    expected_speed(s, a, info, fill, stats, vram - hot)?;
+    expected_speed(s, a, run.batch, info, fill, stats, vram - hot)?;
     Ok(placement
         .layers
         .iter()
@@ -488,9 +492,11 @@ fn placement_report(
 /// Expected decode and prefill speed of the routed experts for each way of keeping experts
 /// off the GPU, from the measured link, CPU and GPU speeds (`--hop-ms`, `--host-bw`,
 /// `--vram-bw`, `--link-bw`), and the flag that picks each.
+#[allow(clippy::too_many_arguments)]
 fn expected_speed(
     s: &mut String,
     a: &PlanArgs,
+    batch: u64,
     info: &MoeInfo,
     fill: Fill,
     stats: Option<&ExpertStats>,
@@ -536,7 +542,7 @@ fn expected_speed(
     let (mut cpu, mut link) = (0f64, 0f64);
     for (lp, m) in p.layers.iter().zip(&info.layers) {
         let cold = (lp.n_expert - lp.n_slots()) as f64;
-        let pairs = a.batch as f64 * info.n_used as f64 * cold / lp.n_expert.max(1) as f64;
+        let pairs = batch as f64 * info.n_used as f64 * cold / lp.n_expert.max(1) as f64;
         // Distinct cold experts that `pairs` uniform picks among `cold` reach.
         let picked = if cold > 0.0 {
             cold * (1.0 - (1.0 - 1.0 / cold).powf(pairs))
@@ -546,14 +552,18 @@ fn expected_speed(
         cpu += pairs * (3 * m.n_ff() * m.n_embd()) as f64 / rate;
         link += picked * m.expert_bytes() as f64 / (a.link_bw * 1e9);
     }
+    if cpu == 0.0 {
+        writeln!(s, "expected prefill: no cold experts to compute or stream").ok();
+        return Ok(());
+    }
     writeln!(
         s,
         "expected prefill, cold experts of a {}-token batch: {:.1} tok/s on {cores} CPU cores \
          (--expert-stream never), {:.1} tok/s streamed at {} GB/s (--expert-stream always); \
          auto takes the faster per layer",
-        a.batch,
-        a.batch as f64 / cpu.max(1e-12),
-        a.batch as f64 / link.max(1e-12),
+        batch,
+        batch as f64 / cpu,
+        batch as f64 / link.max(1e-12),
         a.link_bw
     )
     .ok();

@@ -206,6 +206,16 @@ pub fn auto_products(f: &ModelFile) -> AutoProducts {
     AutoProducts::Any
 }
 
+/// Rows of one prefill pass the loader of the model in `f` sizes its activations for (its
+/// family's `DEFAULT_BATCH`; an offload streaming cold experts may take longer ones).
+pub fn pass_rows(f: &ModelFile) -> usize {
+    if deepseek4::Hparams::from_file(f).is_ok() {
+        deepseek4::gpu::DEFAULT_BATCH
+    } else {
+        qwen35::gpu::DEFAULT_BATCH
+    }
+}
+
 /// What the model in `f` needs beside its weights for `run`: its family's `needs` (the one
 /// its loader budgets with). Architectures without one count nothing (see `Needs::note`).
 pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
