@@ -200,8 +200,9 @@ impl Engine {
     /// (capped by [`Engine::pass_rows`]), then as batched decode steps of up to `max_batch`
     /// sequences, one of them holding the longest prompt (a long enough context splits the
     /// attention); and the GPU samplers (greedy; top-k with log-sum-exp). Not warmed:
-    /// passes mixing a prompt chunk with decode rows past those counts, full-logits batched
-    /// steps, speculative decoding's passes. An expert offload's statistics and counters
+    /// passes mixing a prompt chunk with decode rows past those counts, speculative
+    /// decoding's passes (full-logits rows in a batched step compile nothing of their own:
+    /// tests/sample_gpu.rs). An expert offload's statistics and counters
     /// forget these passes.
     pub fn warm_up(&mut self, max_batch: usize, prompt_rows: usize) -> Result<()> {
         let counts: Vec<_> = self.model.offloads().iter().map(|o| o.counts()).collect();

@@ -591,7 +591,8 @@ fn long_prompt_top() {
 
 /// After `Engine::warm_up(n, rows)` (as `lathe serve --parallel n` runs it), what such a
 /// server's steps take (prompt passes of `rows` tokens and fewer, batched decode steps of 1
-/// to n sequences) compiles no pipeline of its own, so its first requests wait for none;
+/// to n sequences, one of them wanting full logits) compiles no pipeline of its own, so its
+/// first requests wait for none;
 /// with fused loads (one stream) and without (serve's default for several).
 #[test]
 fn warm_up_compiles_what_server_steps_take() {
@@ -623,10 +624,15 @@ fn warm_up_compiles_what_server_steps_take() {
         let want = Want::Top { k: 40, lse: true };
         for n in 1..=12usize {
             let toks: Vec<u32> = (0..n as u32).map(|i| 5 + 3 * i).collect();
+            // full logits (penalties, logit_bias) for one sequence of each step
             let mut items: Vec<_> = seqs
                 .iter_mut()
                 .zip(&toks)
-                .map(|(s, t)| (s, std::slice::from_ref(t), want))
+                .enumerate()
+                .map(|(i, (s, t))| {
+                    let w = if i == 1 { Want::Last } else { want };
+                    (s, std::slice::from_ref(t), w)
+                })
                 .collect();
             e.forward_batch_with(&mut items).unwrap();
         }
