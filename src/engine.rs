@@ -202,8 +202,8 @@ impl Engine {
     /// attention); and the GPU samplers (greedy; top-k with log-sum-exp). Not warmed:
     /// passes mixing a prompt chunk with decode rows past those counts, speculative
     /// decoding's passes (full-logits rows in a batched step compile nothing of their own:
-    /// tests/sample_gpu.rs). An expert offload's statistics and counters
-    /// forget these passes.
+    /// tests/sample_gpu.rs). An expert offload's statistics and counters forget these
+    /// passes.
     pub fn warm_up(&mut self, max_batch: usize, prompt_rows: usize) -> Result<()> {
         let counts: Vec<_> = self.model.offloads().iter().map(|o| o.counts()).collect();
         self.warm_passes(max_batch, prompt_rows)?;

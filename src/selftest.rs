@@ -504,13 +504,16 @@ fn multi_norm(
     Ok(check)
 }
 
-/// A MoE product over a route: 6 experts of 45 rows, 3 slots per token, one invalid id.
-/// Tokens of the few-pairs MoE checks: with `indexed`'s 3 of 6 experts per token, 10 pairs
-/// per expert on average, under `coopmat::THIN_PAIRS`, so the matrix paths run their thin
-/// tiles (an expert picked by more tokens than a thin tile's 16 takes two of them).
+/// Experts and slots per token of the MoE checks ([`indexed`]).
+const IDX_EXPERTS: usize = 6;
+const IDX_USED: usize = 3;
+/// Tokens of the few-pairs MoE checks: 10 pairs per expert on average, under
+/// `coopmat::THIN_PAIRS`, so the matrix paths run their thin tiles (an expert picked by more
+/// tokens than a thin tile's 16 takes two of them).
 const FEW_PAIRS_TOKENS: usize = 20;
-const _: () = assert!(FEW_PAIRS_TOKENS * 3 < coopmat::THIN_PAIRS as usize * 6);
+const _: () = assert!(FEW_PAIRS_TOKENS * IDX_USED < coopmat::THIN_PAIRS as usize * IDX_EXPERTS);
 
+/// A MoE product over a route: 6 experts of 45 rows, 3 slots per token, one invalid id.
 fn indexed(
     gpu: &Gpu,
     path: KernelPath,
@@ -520,7 +523,7 @@ fn indexed(
     int8: bool,
     seed: u64,
 ) -> Result<Check> {
-    let (ne, rows, n_used) = (6usize, 45usize, 3usize);
+    let (ne, rows, n_used) = (IDX_EXPERTS, 45usize, IDX_USED);
     let cols = odd_cols(dt) as usize;
     let w = Weight::random(dt, &[ne as u64, rows as u64, cols as u64], seed)?;
     let mut rng = Rng(seed ^ 3);

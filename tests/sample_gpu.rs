@@ -592,8 +592,8 @@ fn long_prompt_top() {
 /// After `Engine::warm_up(n, rows)` (as `lathe serve --parallel n` runs it), what such a
 /// server's steps take (prompt passes of `rows` tokens and fewer, batched decode steps of 1
 /// to n sequences, one of them wanting full logits) compiles no pipeline of its own, so its
-/// first requests wait for none;
-/// with fused loads (one stream) and without (serve's default for several).
+/// first requests wait for none; with fused loads (one stream) and without (serve's default
+/// for several).
 #[test]
 fn warm_up_compiles_what_server_steps_take() {
     for (model, fused_loads) in [
@@ -636,15 +636,15 @@ fn warm_up_compiles_what_server_steps_take() {
                 .collect();
             e.forward_batch_with(&mut items).unwrap();
         }
-        let new: Vec<String> = e
-            .gpu
-            .compiled_specs()
+        let after = e.gpu.compiled_specs();
+        let n_after = after.len();
+        let new: Vec<String> = after
             .into_iter()
             .map(|s| s.label)
             .filter(|l| !before.contains(l))
             .collect();
         assert!(
-            new.is_empty() && e.gpu.compiled_specs().len() == n_before,
+            new.is_empty() && n_after == n_before,
             "{model}, fused loads {fused_loads}: compiled after the warm-up: {new:?}"
         );
     }

@@ -446,6 +446,16 @@ struct Streams {
 struct OffloadState {
     cache: ResidencyCache,
     stats: Option<ExpertStats>,
+    traffic: Traffic,
+    /// The CPU's rows f32 `[pairs, n_embd]` then their pair index u32 `[pairs]`, kept
+    /// between layers (the mapped upload buffer is write-only: written from here in one
+    /// copy).
+    rows: Vec<u32>,
+}
+
+/// The offload's traffic counters, for its report.
+#[derive(Clone, Copy, Debug, Default)]
+struct Traffic {
     /// Routed (token, expert) pairs run on the CPU, and all routed pairs seen by readbacks.
     cold_pairs: u64,
     seen_pairs: u64,
@@ -456,18 +466,14 @@ struct OffloadState {
     uploaded_bytes: u64,
     /// Tokens run through offloaded layers (rows of the first MoE layer's calls).
     tokens: u64,
-    /// The CPU's rows f32 `[pairs, n_embd]` then their pair index u32 `[pairs]`, kept
-    /// between layers (the mapped upload buffer is write-only: written from here in one
-    /// copy).
-    rows: Vec<u32>,
 }
 
-/// A snapshot of an offload's counts ([`Offload::counts`]): the routing statistics, and the
-/// cold pairs, seen pairs, streamed bytes, streamed pairs, uploaded bytes and tokens.
+/// A snapshot of an offload's counts ([`Offload::counts`]): the routing statistics and the
+/// traffic counters.
 #[derive(Clone, Debug)]
 pub struct Counts {
     stats: Option<ExpertStats>,
-    traffic: [u64; 6],
+    traffic: Traffic,
 }
 
 /// Placement report for speed reports (`lathe bench`).
@@ -700,12 +706,7 @@ impl Offload {
             state: Mutex::new(OffloadState {
                 cache,
                 stats,
-                cold_pairs: 0,
-                seen_pairs: 0,
-                streamed_bytes: 0,
-                streamed_pairs: 0,
-                uploaded_bytes: 0,
-                tokens: 0,
+                traffic: Traffic::default(),
                 rows: Vec::new(),
             }),
             file,
@@ -802,7 +803,7 @@ impl Offload {
         let any_cold = {
             let mut st = self.state();
             if self.placement.layers.first().map(|l| l.layer) == Some(layer) {
-                st.tokens += n as u64;
+                st.traffic.tokens += n as u64;
             }
             st.cache.remap(layer).is_some_and(|r| r.contains(&COLD))
         };
@@ -1178,9 +1179,9 @@ impl Offload {
             if let Some(i) = used {
                 st.last_use.lock().unwrap_or_else(|p| p.into_inner())[i] = sub;
             }
-            self.state().streamed_bytes += slot_bytes * round.len() as u64;
+            self.state().traffic.streamed_bytes += slot_bytes * round.len() as u64;
         }
-        self.state().streamed_pairs += pairs.len() as u64;
+        self.state().traffic.streamed_pairs += pairs.len() as u64;
         Ok(())
     }
 
@@ -1294,9 +1295,9 @@ impl Offload {
     ) -> Result<()> {
         let mut st = self.state();
         if !streamed {
-            st.cold_pairs += pairs.len() as u64;
+            st.traffic.cold_pairs += pairs.len() as u64;
         }
-        st.seen_pairs += ids.len() as u64;
+        st.traffic.seen_pairs += ids.len() as u64;
         if let Some(s) = st.stats.as_mut() {
             s.record(c.layer, ids);
         }
@@ -1309,7 +1310,7 @@ impl Offload {
             let w = ExpertWeights::from_file_only(&self.file, m, &[u.expert])?;
             let g = self.placement.layer(u.layer).expect("placed layer").group;
             write_expert(&self.arena, gpu, g, u.slot, &w, u.expert)?;
-            st.uploaded_bytes += self.placement.groups[g].slot_bytes();
+            st.traffic.uploaded_bytes += self.placement.groups[g].slot_bytes();
             let r = st.cache.remap(u.layer).expect("cached layer");
             self.remaps.write(gpu, u.layer, r)?;
             if let Some((el, _)) = u.evicted.filter(|&(el, _)| el != u.layer) {
@@ -1326,14 +1327,7 @@ impl Offload {
         let st = self.state();
         Counts {
             stats: st.stats.clone(),
-            traffic: [
-                st.cold_pairs,
-                st.seen_pairs,
-                st.streamed_bytes,
-                st.streamed_pairs,
-                st.uploaded_bytes,
-                st.tokens,
-            ],
+            traffic: st.traffic,
         }
     }
 
@@ -1343,14 +1337,7 @@ impl Offload {
     pub fn restore_counts(&self, c: Counts) {
         let mut st = self.state();
         st.stats = c.stats;
-        [
-            st.cold_pairs,
-            st.seen_pairs,
-            st.streamed_bytes,
-            st.streamed_pairs,
-            st.uploaded_bytes,
-            st.tokens,
-        ] = c.traffic;
+        st.traffic = c.traffic;
     }
 
     /// Routing statistics collected so far (`LoadOptions::collect_expert_stats`).
@@ -1407,10 +1394,11 @@ impl Offload {
                 h as f64 / (h + m) as f64
             },
             uploads: st.cache.uploads(),
-            cold_pairs: st.cold_pairs,
-            uploaded_bytes_per_token: st.uploaded_bytes as f64 / st.tokens.max(1) as f64,
-            streamed_bytes: st.streamed_bytes,
-            streamed_pairs: st.streamed_pairs,
+            cold_pairs: st.traffic.cold_pairs,
+            uploaded_bytes_per_token: st.traffic.uploaded_bytes as f64
+                / st.traffic.tokens.max(1) as f64,
+            streamed_bytes: st.traffic.streamed_bytes,
+            streamed_pairs: st.traffic.streamed_pairs,
             memory: self.memory.clone(),
         }
     }
