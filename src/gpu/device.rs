@@ -1,15 +1,29 @@
 //! Adapter choice and the device: one `Gpu` per process, shared by every kernel wrapper.
 
 use crate::{Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use crate::forward::{ActivationsChoice, AdapterChoice, MatmulChoice};
 
+/// An instance of `backends`. The primary backends' instance is made on first use and kept,
+/// so every adapter list and device of the process comes from it: an instance per call had
+/// threads create and destroy Vulkan instances at once, which crashed NVIDIA's driver (580,
+/// H200: SIGSEGV with two threads listing adapters, one of them also opening a device). GL
+/// gets a fresh instance per call: the adapters of one GL instance share its EGL context, which
+/// only one thread can hold (devices on two threads failed with EGL BadAccess).
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
-    // No display handle: lathe is headless compute.
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = backends;
-    wgpu::Instance::new(desc)
+    let make = || {
+        // No display handle: lathe is headless compute.
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        wgpu::Instance::new(desc)
+    };
+    static PRIMARY: OnceLock<wgpu::Instance> = OnceLock::new();
+    if backends == wgpu::Backends::PRIMARY {
+        PRIMARY.get_or_init(make).clone()
+    } else {
+        make()
+    }
 }
 
 /// Adapters of the primary backends (Vulkan, Metal, DX12); GL only when none has one:
