@@ -50,3 +50,26 @@ fn pipelines_are_keyed_by_variant_not_label() {
     );
     assert!(std::sync::Arc::ptr_eq(&a, &c), "one variant compiled twice");
 }
+
+/// Threads listing adapters, reading their memory and opening devices at once (several
+/// devices of one process, or tests side by side) each get what they asked for. NVIDIA's
+/// driver (580, H200) crashed the process on this while every adapter list made and dropped
+/// its own Vulkan instance.
+#[test]
+fn threads_list_adapters_and_open_devices_at_once() {
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(|| {
+                for _ in 0..4 {
+                    assert!(!lathe::gpu::list_adapters().is_empty(), "no adapter");
+                    let _ = lathe::gpu::adapter_memory(0);
+                }
+                Gpu::new(&AdapterChoice::Auto).map(|g| g.report())
+            })
+        })
+        .collect();
+    for t in threads {
+        let report = t.join().expect("thread").expect("device");
+        assert!(report.contains("adapter"), "{report}");
+    }
+}
