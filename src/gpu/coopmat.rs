@@ -202,6 +202,11 @@ fn spec(
     // workgroup memory too: H200, 512 tokens, 12288 x 4096 Q4_K 0.52 ms against 0.83 with x
     // fragments from L2; 4-subgroup tiles (64 rows share each copy) ran 4096 x 12288 in 1.04
     // against 0.72 ms, so they keep L2. The kernel lab's LAB_NOXSTAGE keeps L2 for comparison.
+    // Without the decode (LAB_NODECODE) this tile takes 0.355 ms (145 TFLOP/s): Q4_K 0.455,
+    // Q6_K 0.570, MXFP4 0.551, Q8_0 0.710. Measured slower on the H200 and dropped: weights
+    // decoded once into an f16 copy that every token tile then copies (0.662 ms for every
+    // type; 9B prefill 4520 against 5800 tok/s), and 4 subgroups of 64 rows x 64 tokens on
+    // the same 128 x 128 tile (Q4_K 0.649 ms).
     let lab_l2 = extra.iter().any(|(n, _)| *n == "LAB_NOXSTAGE");
     let xs = entry != "coop_x" && !sp && !sw && !t.thin() && t.nsg == NSG_BIG && !lab_l2;
     let mut label = format!(
