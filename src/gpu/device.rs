@@ -265,9 +265,9 @@ impl Gpu {
             (MatmulChoice::Int8, _) => MatmulPath::Int8,
             (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
             (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::F32 => MatmulPath::CoopSplit,
-            (MatmulChoice::Auto, Err(_)) if auto == AutoProducts::F32 => MatmulPath::Tiled,
             (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::SplitX => MatmulPath::CoopSplitX,
-            (MatmulChoice::Auto, Err(_)) if auto == AutoProducts::SplitX => MatmulPath::Tiled,
+            // models that route on values: the f32 kernel, not the int8 path's rounding
+            (MatmulChoice::Auto, Err(_)) if auto != AutoProducts::Any => MatmulPath::Tiled,
             (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
             (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
             (MatmulChoice::CoopSplitX, Ok(())) => MatmulPath::CoopSplitX,

@@ -456,9 +456,8 @@ struct OffloadState {
 /// The offload's traffic counters, for its report.
 #[derive(Clone, Copy, Debug, Default)]
 struct Traffic {
-    /// Routed (token, expert) pairs run on the CPU, and all routed pairs seen by readbacks.
+    /// Routed (token, expert) pairs run on the CPU.
     cold_pairs: u64,
-    seen_pairs: u64,
     /// Bytes of experts copied to the streaming slots, and the pairs they ran.
     streamed_bytes: u64,
     streamed_pairs: u64,
@@ -1297,7 +1296,6 @@ impl Offload {
         if !streamed {
             st.traffic.cold_pairs += pairs.len() as u64;
         }
-        st.traffic.seen_pairs += ids.len() as u64;
         if let Some(s) = st.stats.as_mut() {
             s.record(c.layer, ids);
         }
