@@ -34,9 +34,8 @@ impl std::str::FromStr for AdapterChoice {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulChoice {
     /// The matrix units where the adapter has them, else the two-level int8 path (`Int8x2`);
-    /// models that route on values take less rounding (`gpu::AutoProducts`): Qwen3.5 MoE
-    /// `CoopSplitX` (tiled without matrix units), DeepSeek-V4 f32-level ones (`CoopSplit`; tiled
-    /// without matrix units).
+    /// models that route on values (MoE routers, DeepSeek-V4's indexer) take the tiled f32
+    /// kernel (`gpu::AutoProducts::F32`).
     #[default]
     Auto,
     /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.

@@ -127,16 +127,16 @@ fn matmul_flag_is_checked_and_reported() {
 }
 
 /// `--matmul auto` takes less rounding for the models that pick a top-k from computed values
-/// (MoE routers: split activations; DeepSeek-V4's indexer: f32 level) and no others.
+/// (MoE routers, DeepSeek-V4's indexer: f32-level products) and no others.
 #[test]
 fn models_that_route_on_values_are_known() {
-    use lathe::gpu::AutoProducts::{Any, SplitX, F32};
+    use lathe::gpu::AutoProducts::{Any, F32};
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
     for (model, auto) in [
         ("qwen35-tiny/model-q8_0.gguf", Any),
         ("qwen35-dims/model-q4_k_m.gguf", Any),
-        ("qwen35moe-tiny/model-q8_0.gguf", SplitX),
-        ("qwen3next-tiny/model-q8_0.gguf", SplitX),
+        ("qwen35moe-tiny/model-q8_0.gguf", F32),
+        ("qwen3next-tiny/model-q8_0.gguf", F32),
         ("dsv4-tiny/model-q4_0.gguf", F32),
     ] {
         let f = lathe::model_file::ModelFile::open(dir.join(model)).expect(model);

@@ -42,8 +42,8 @@ pub struct ModelArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct MoeArgs {
     /// Kernels of products over many tokens (prefill, batches): auto (the GPU's matrix
-    /// units where it has them, else int8x2; coop-splitx or tiled for MoE models, coop-split
-    /// or tiled for DeepSeek-V4), coop
+    /// units where it has them, else int8x2; tiled for models that route on values: MoE
+    /// models and DeepSeek-V4), coop
     /// (cooperative matrices, f16 operands; an error where absent), coop-split (f32-level
     /// matrix units), coop-splitx (f16 weights, split activations), int8x2 (two-level int8 activations, f32-level), int8 (one level, as
     /// llama.cpp) or tiled (the f32 kernel, exact f32 activations).

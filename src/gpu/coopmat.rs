@@ -16,9 +16,9 @@
 //! upstream moves across near-ties (the fixture bars of the MoE and DeepSeek-V4 files hold on
 //! it, not on [`Precision::F16`]). On the H200 it runs at the tiled kernel's speed.
 //! [`Precision::SplitX`] (`--matmul coop-splitx`) splits the activations only: two products
-//! per step on f16 weights. It holds the Qwen3.5 MoE fixture bars (not DeepSeek-V4's), and
-//! `auto` takes it for Qwen3.5 MoE models (H200, 35B-A3B pp512: 3132 tok/s against 2916
-//! tiled).
+//! per step on f16 weights. It holds the committed Qwen3.5 MoE fixture bars (not DeepSeek-V4's)
+//! but missed the bar on a Q8_0 35B-A3B-shaped file, so `auto` no longer takes it (H200,
+//! 2026-12-03, 35B-A3B Q4_K_M pp512: 3265 tok/s against 2927 tiled and 2585 coop-split).
 //!
 //! Staging lives in device scratch buffers (`Gpu::scratch`): X as f16,
 //! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,

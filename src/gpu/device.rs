@@ -128,15 +128,36 @@ impl MatmulPath {
 pub enum AutoProducts {
     /// Any path: the matrix units with f16 operands where the adapter has them.
     Any,
-    /// A model that picks a top-k from computed values whose fixture bars hold with f16
-    /// weights and split activations (Qwen3.5 MoE: `coop-splitx`); tiled f32 on adapters
-    /// without matrix units.
-    SplitX,
-    /// f32-level products only (DeepSeek-V4: router, indexer and hyper-connection mixes):
-    /// `coop-split` on the matrix units, tiled without them. On the H200 they run at the
-    /// same speed (8-layer DeepSeek-V4-Flash pp512: 2388 tok/s against 2416 tiled, every
-    /// product within 3% of its tiled time); the matrix path is where the tile work goes.
+    /// f32-level products only (models that pick a top-k from computed values: MoE routers,
+    /// DeepSeek-V4's indexer): the tiled f32 kernel, the fastest exact path measured. H200,
+    /// 2026-12-03, pp512: Qwen3.5-35B-A3B Q4_K_M tiled 2927 tok/s, coop-split 2585 (the
+    /// inexact coop-splitx 3265, which missed the 0.02 bar on a Q8_0 file); DeepSeek-V4-Flash
+    /// 8 layers tiled 2412, coop-split 2383.
     F32,
+}
+
+/// The path many-token products take for `--matmul matmul` on an adapter whose matrix units
+/// are `coop` (`Err`: why there are none), within what `auto` allows for the model; `Err`
+/// (the reason) for a matrix path the adapter lacks.
+fn product_path(
+    matmul: MatmulChoice,
+    auto: AutoProducts,
+    coop: std::result::Result<(), String>,
+) -> std::result::Result<MatmulPath, String> {
+    Ok(match (matmul, coop) {
+        (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
+        (MatmulChoice::Int8, _) => MatmulPath::Int8,
+        (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
+        // models that route on values: the f32 kernel, not f16 or int8 rounding
+        (MatmulChoice::Auto, _) if auto == AutoProducts::F32 => MatmulPath::Tiled,
+        (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
+        (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
+        (MatmulChoice::CoopSplitX, Ok(())) => MatmulPath::CoopSplitX,
+        (MatmulChoice::Auto, Err(_)) => MatmulPath::Int8x2,
+        (MatmulChoice::Coop | MatmulChoice::CoopSplit | MatmulChoice::CoopSplitX, Err(why)) => {
+            return Err(why)
+        }
+    })
 }
 
 /// Workgroup memory the cooperative-matrix kernels declare (matmul_coop.wgsl).
@@ -216,9 +237,11 @@ impl Gpu {
     /// (models that route on values, whose top-k choices rounding upstream can flip at a
     /// near-tie, take less): on DeepSeek-V4's dims fixture (300 tokens) int8x2 (error
     /// ≤ max|x|/64516 per block) moves the logits by RMS 2.9e-2, past the 0.02 bar, where the
-    /// tiled kernel is at 4e-6; on the H200 `coop-splitx` holds every Qwen3.5 fixture bar
-    /// (qwen35moe-dims Q4_K_M 1.75e-3 where plain coop is at 3.45e-2) but not dsv4-tiny Q4_0's
-    /// (8.3e-3 against 1e-3). Measured on the H200, 12288x4096 Q4_K x 512 tokens: coop
+    /// tiled kernel is at 4e-6; on the H200 `coop-splitx` holds the committed Qwen3.5 fixture
+    /// bars (qwen35moe-dims Q4_K_M 1.75e-3 where plain coop is at 3.45e-2) but missed the 0.02
+    /// bar on a Q8_0 35B-A3B-shaped file (3.4e-2, top-1 0.98) and not dsv4-tiny Q4_0's (8.3e-3
+    /// against 1e-3), so such models take the tiled kernel ([`AutoProducts::F32`]). Measured
+    /// on the H200, 12288x4096 Q4_K x 512 tokens: coop
     /// 0.45 ms, int8 0.95, int8x2 1.68, tiled 2.22, coop-split 2.24; 35B-A3B pp512 coop 5131
     /// tok/s, coop-splitx 3132, tiled 2916; on lavapipe int8x2 runs at 1.4x the tiled kernel.
     pub fn with_matmul(
@@ -260,26 +283,13 @@ impl Gpu {
         // Ask for everything the adapter allows: weights need the largest bindings it has.
         let limits = adapter.limits();
         let coop_ok = coop_supported(&adapter, &limits);
-        let matmul = match (matmul, coop_ok) {
-            (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
-            (MatmulChoice::Int8, _) => MatmulPath::Int8,
-            (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
-            (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::F32 => MatmulPath::CoopSplit,
-            (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::SplitX => MatmulPath::CoopSplitX,
-            // models that route on values: the f32 kernel, not the int8 path's rounding
-            (MatmulChoice::Auto, Err(_)) if auto != AutoProducts::Any => MatmulPath::Tiled,
-            (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
-            (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
-            (MatmulChoice::CoopSplitX, Ok(())) => MatmulPath::CoopSplitX,
-            (MatmulChoice::Auto, Err(_)) => MatmulPath::Int8x2,
-            (MatmulChoice::Coop | MatmulChoice::CoopSplit | MatmulChoice::CoopSplitX, Err(why)) => {
-                return Err(Error::Gpu(format!(
-                    "{}: --matmul {}: no cooperative-matrix path ({why})",
-                    info.name,
-                    matmul.name()
-                )))
-            }
-        };
+        let matmul = product_path(matmul, auto, coop_ok).map_err(|why| {
+            Error::Gpu(format!(
+                "{}: --matmul {}: no cooperative-matrix path ({why})",
+                info.name,
+                matmul.name()
+            ))
+        })?;
         if matmul.is_coop() {
             wanted |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
         }
@@ -444,5 +454,39 @@ impl Gpu {
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| Error::Gpu(format!("poll: {e}")))?;
         self.check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `auto` never rounds the products of a model that routes on values, with or without
+    /// matrix units; a named path is taken as named, or refused where the adapter lacks it.
+    #[test]
+    fn auto_keeps_value_routing_models_exact() {
+        let none = || Err("no matrix units".to_string());
+        for coop in [Ok(()), none()] {
+            assert_eq!(
+                product_path(MatmulChoice::Auto, AutoProducts::F32, coop.clone()),
+                Ok(MatmulPath::Tiled)
+            );
+        }
+        assert_eq!(
+            product_path(MatmulChoice::Auto, AutoProducts::Any, Ok(())),
+            Ok(MatmulPath::Coop)
+        );
+        assert_eq!(
+            product_path(MatmulChoice::Auto, AutoProducts::Any, none()),
+            Ok(MatmulPath::Int8x2)
+        );
+        assert_eq!(
+            product_path(MatmulChoice::CoopSplitX, AutoProducts::F32, Ok(())),
+            Ok(MatmulPath::CoopSplitX)
+        );
+        assert_eq!(
+            product_path(MatmulChoice::CoopSplit, AutoProducts::Any, none()),
+            Err("no matrix units".to_string())
+        );
     }
 }

@@ -190,12 +190,13 @@ pub(crate) fn head_runs(wants: &[(usize, usize)], cap: usize) -> Vec<(usize, usi
 
 /// What `--matmul auto` may run the model in `f` with. Models that make top-k choices on
 /// computed values (MoE routers, DeepSeek-V4's indexer) take less rounding: f16 rounding
-/// upstream can move such a value across a near-tie and change the output. Qwen3.5 MoE holds
-/// its fixture bars with f16 weights and split activations, DeepSeek-V4 only at f32 level.
+/// upstream can move such a value across a near-tie and change the output: they take
+/// f32-level products (a Qwen3.5 MoE file missed its bar with f16 weights and split
+/// activations).
 pub fn auto_products(f: &ModelFile) -> AutoProducts {
     if let Ok(hp) = qwen35::Hparams::from_file(f) {
         return if hp.moe.is_some() {
-            AutoProducts::SplitX
+            AutoProducts::F32
         } else {
             AutoProducts::Any
         };
