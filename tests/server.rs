@@ -1596,3 +1596,133 @@ fn structured_output_schemas_grammars_and_tool_choice() {
         );
     }
 }
+
+/// The chat page at `/` in headless Chromium (tests/server_web.py over the DevTools
+/// protocol): it loads with nothing from elsewhere, streams a reply with `--api-key`, stops
+/// one, renders markdown and shows reasoning apart. Chromium and Python's websocket-client
+/// are test dependencies (`.ci/run` installs them): missing, the test fails.
+#[test]
+fn web_chat_page_in_headless_chromium() {
+    let chromium = ["chromium", "chromium-browser"]
+        .into_iter()
+        .find(|c| {
+            Command::new(c)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .expect("no chromium on PATH: install it (Debian: apt-get install chromium; .ci/run does)");
+    let ws = Command::new("python3")
+        .args(["-c", "import websocket"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ws,
+        "python3 cannot import `websocket` (pip install websocket-client; .ci/run does)"
+    );
+    let s = Server::start(&["--api-key", "k"]);
+    let (st, _, page) = request(&s.addr, "GET", "/", &[], None).unwrap();
+    assert_eq!(st, 200, "the page needs no key");
+    let page = String::from_utf8(page).unwrap();
+    assert!(page.contains("<title>lathe chat</title>"));
+    assert!(
+        !page.contains("src=\"http") && !page.contains("href=\"http"),
+        "no CDN"
+    );
+    let out = Command::new("python3")
+        .arg(root().join("tests/server_web.py"))
+        .env("LATHE_URL", format!("http://{}/", s.addr))
+        .env("LATHE_API_KEY", "k")
+        .env("LATHE_CHROMIUM", chromium)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}\nserver log: {:?}", s.log());
+    eprintln!("{text}");
+}
+
+/// `/metrics`, `/tokenize`, `/detokenize`, `/props`, `/slots`, and rejected requests logged.
+#[test]
+fn metrics_tokenize_props_slots_and_rejection_log() {
+    let s = Server::start(&["--parallel", "2"]);
+    let (st, r) = s.post("/v1/completions", &completion("hello", 5));
+    assert_eq!(st, 200, "{r}");
+    let (st, e) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "temperature": "hot"}),
+    );
+    assert_eq!(st, 400, "{e}");
+    let (st, _, m) = request(&s.addr, "GET", "/metrics", &[], None).unwrap();
+    assert_eq!(st, 200);
+    let m = String::from_utf8(m).unwrap();
+    for line in [
+        "lathe_requests_total{outcome=\"length\"} 1",
+        "lathe_requests_total{outcome=\"rejected\"} 1",
+        "lathe_generated_tokens_total 5",
+        "lathe_slots 2",
+        "lathe_active_slots 0",
+        "lathe_time_to_first_token_seconds_count 1",
+        "lathe_time_per_output_token_seconds_count 4",
+    ] {
+        assert!(m.lines().any(|l| l == line), "no `{line}` in\n{m}");
+    }
+    assert!(m.contains("lathe_gpu_memory_bytes{kind=\"model\"}"), "{m}");
+    let (st, t) = s.post(
+        "/tokenize",
+        &json!({"content": "hello world", "with_pieces": true}),
+    );
+    assert_eq!(st, 200, "{t}");
+    let ids: Vec<Value> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].clone())
+        .collect();
+    let pieces: String = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["piece"].as_str().unwrap())
+        .collect();
+    assert_eq!(pieces, "hello world");
+    let (st, d) = s.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(
+        (st, d["content"].as_str()),
+        (200, Some("hello world")),
+        "{d}"
+    );
+    let (st, e) = s.post("/detokenize", &json!({"tokens": [99999]}));
+    assert_eq!(
+        (st, e["error"]["param"].as_str()),
+        (400, Some("tokens")),
+        "{e}"
+    );
+    let (st, p) = s.get("/props");
+    assert_eq!((st, p["total_slots"].as_u64()), (200, Some(2)), "{p}");
+    let (st, sl) = s.get("/slots");
+    assert_eq!(st, 200);
+    assert_eq!(sl.as_array().unwrap().len(), 2, "{sl}");
+    assert!(
+        sl.as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x["is_processing"] == false),
+        "{sl}"
+    );
+    let log = s.log().join("\n");
+    assert!(
+        log.contains("POST /v1/completions: 400 Bad Request:") && log.contains("temperature"),
+        "{log}"
+    );
+    assert!(
+        log.contains("finish length"),
+        "finish reasons as words: {log}"
+    );
+}
