@@ -804,32 +804,40 @@ mod tests {
         }
     }
 
+    /// A forced `tool_choice` constrains the reply to a call of the tools it allows; a name
+    /// not among the tools, or no tools, is a 400 on `tool_choice`.
     #[test]
-    fn forced_tool_choice_is_refused_not_ignored() {
-        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
-        for (choice, ok) in [
-            (json!("auto"), true),
-            (json!("none"), true),
-            (json!("required"), false),
-            (
-                json!({"type": "function", "function": {"name": "f"}}),
-                false,
-            ),
-        ] {
-            let r = chat_request(
+    fn forced_tool_choice_becomes_a_tool_call_constraint() {
+        let f = json!({"type": "function", "function": {"name": "f"}});
+        let g = json!({"type": "function", "function": {"name": "g"}});
+        let tools = json!([f, g]);
+        let req = |choice: Value, tools: &Value| {
+            chat_request(
                 &json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}),
                 10,
                 1,
-            );
-            match r {
-                Ok(_) => assert!(ok, "{choice} accepted"),
-                Err(e) => {
-                    assert!(!ok, "{choice}: {}", e.message);
-                    assert_eq!(e.status, StatusCode::BAD_REQUEST);
-                    assert_eq!(e.param.as_deref(), Some("tool_choice"));
-                }
-            }
-        }
+            )
+        };
+        let forced = |choice: Value| {
+            req(choice, &tools)
+                .unwrap()
+                .params
+                .constraint
+                .map(|r| r.constraint)
+        };
+        assert_eq!(forced(json!("auto")), None);
+        assert_eq!(forced(json!("none")), None);
+        assert_eq!(
+            forced(json!("required")),
+            Some(Constraint::ToolCall(vec![f.clone(), g.clone()]))
+        );
+        let named = json!({"type": "function", "function": {"name": "g"}});
+        assert_eq!(forced(named), Some(Constraint::ToolCall(vec![g.clone()])));
+        let missing = json!({"type": "function", "function": {"name": "h"}});
+        let e = req(missing, &tools).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice.function.name"));
+        let e = req(json!("required"), &Value::Null).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
     }
 
     #[test]
