@@ -300,3 +300,28 @@ fn eog_and_length() {
         Some(&FinishReason::Length)
     );
 }
+
+/// A mask leaves only its tokens to every sampler: greedy, top-k, top-p and the draw pick
+/// among them even when the best logits are masked out, and ids past the mask are out.
+#[test]
+fn masked_logits_sample_only_allowed_tokens() {
+    let l: Vec<f32> = (0..70).map(|i| (i % 13) as f32 * 0.5).collect();
+    // Allowed: 3, 33 and 64 (bits of words 0, 1 and 2); 66..70 lies past the words.
+    let allowed = [1u32 << 3, 1 << 1, 1];
+    for cfg in [
+        config(0.0, 0, 1.0, 0.0),
+        config(1.0, 40, 0.95, 0.05),
+        config(1.5, 0, 1.0, 0.0),
+    ] {
+        let mut s = Sampler::new(cfg);
+        for _ in 0..50 {
+            let mut m = l.clone();
+            lathe::sample::mask_logits(&mut m, &allowed);
+            let id = s.sample(&mut m, &[]);
+            assert!([3, 33, 64].contains(&id), "{id}");
+        }
+    }
+    let mut m = l.clone();
+    lathe::sample::mask_logits(&mut m, &[u32::MAX, u32::MAX, u32::MAX]);
+    assert_eq!(m, l, "an all-set mask changes nothing");
+}

@@ -1406,3 +1406,323 @@ fn speculation_flags_and_stats() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no MTP block"), "{err}");
 }
+
+/// The schema the structured-output test asks for: nested objects, enums, arrays and a
+/// `$ref`, each bounded so a random model's reply ends well inside its token budget.
+fn pet_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "kind": {"enum": ["cat", "dog", "owl"]},
+            "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "maxItems": 3},
+            "at": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "ok": {"type": "boolean"}
+                },
+                "required": ["x", "ok"],
+                "additionalProperties": false
+            }
+        },
+        "required": ["name", "kind", "tags", "at"],
+        "additionalProperties": false,
+        "$defs": {"tag": {"enum": ["a", "bb"]}}
+    })
+}
+
+/// Whether `v` is valid under [`pet_schema`].
+fn is_pet(v: &Value) -> bool {
+    let o = v.as_object().unwrap();
+    let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+    keys.sort();
+    keys == ["at", "kind", "name", "tags"]
+        && v["name"].as_str().is_some_and(|n| n.chars().count() <= 6)
+        && ["cat", "dog", "owl"].contains(&v["kind"].as_str().unwrap_or(""))
+        && v["tags"]
+            .as_array()
+            .is_some_and(|t| t.len() <= 3 && t.iter().all(|x| x == "a" || x == "bb"))
+        && v["at"].as_object().is_some_and(|a| a.len() == 2)
+        && v["at"]["x"].as_u64().is_some_and(|x| x <= 99)
+        && v["at"]["ok"].is_boolean()
+}
+
+#[test]
+fn structured_output_schemas_grammars_and_tool_choice() {
+    let s = Server::start(&["--parallel", "2"]);
+    let chat = |extra: Value| {
+        let mut b = json!({
+            "messages": [{"role": "user", "content": "a pet, please"}],
+            "max_tokens": 200, "temperature": 1.0, "seed": 11,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    // json_schema (strict), in a whole answer and streamed, over several seeds.
+    for seed in [1, 2, 3] {
+        let b = chat(
+            json!({"seed": seed, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "pet", "strict": true, "schema": pet_schema()}}}),
+        );
+        let (st, r) = s.post("/v1/chat/completions", &b);
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        let content = r["choices"][0]["message"]["content"].as_str().unwrap();
+        let v: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content}"));
+        assert!(is_pet(&v), "{v}");
+        let mut b = b.clone();
+        b["stream"] = true.into();
+        let (st, ev) = s.stream("/v1/chat/completions", &b);
+        assert_eq!(st, 200);
+        let (text, _, finish, _) = assemble(&ev);
+        assert_eq!(text, content, "streamed = whole");
+        assert_eq!(finish.as_deref(), Some("stop"));
+    }
+    // llama-server's `json_schema` field, on /v1/completions.
+    let b = json!({"prompt": "pet:", "max_tokens": 200, "temperature": 1.0, "seed": 4,
+        "json_schema": pet_schema()});
+    let (st, r) = s.post("/v1/completions", &b);
+    assert_eq!(st, 200, "{r}");
+    let v: Value = serde_json::from_str(r["choices"][0]["text"].as_str().unwrap()).unwrap();
+    assert!(is_pet(&v), "{v}");
+    // GBNF `grammar` (llama-server's field) on both endpoints.
+    let gbnf = r#"root ::= ("yes" | "no" | "maybe-" [0-9]{1,3}) "."
+"#;
+    let ok = |t: &str| {
+        let t = t.strip_suffix('.').unwrap_or("?");
+        t == "yes"
+            || t == "no"
+            || t.strip_prefix("maybe-").is_some_and(|d| {
+                (1..=3).contains(&d.len()) && d.bytes().all(|b| b.is_ascii_digit())
+            })
+    };
+    for seed in [5, 6] {
+        let (st, r) = s.post(
+            "/v1/chat/completions",
+            &chat(json!({"seed": seed, "grammar": gbnf})),
+        );
+        assert_eq!(st, 200, "{r}");
+        let t = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(ok(t), "{t:?}");
+        let b = json!({"prompt": "ok?", "max_tokens": 20, "seed": seed, "grammar": gbnf});
+        let (st, r) = s.post("/v1/completions", &b);
+        assert_eq!(st, 200, "{r}");
+        assert!(ok(r["choices"][0]["text"].as_str().unwrap()), "{r}");
+    }
+    // tool_choice: a named function and `required`; the call parses as a tool call whose
+    // arguments follow the tool's schema.
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "now", "parameters": {
+            "type": "object", "properties": {}, "additionalProperties": false}}}
+    ]);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for (choice, names) in [
+        (named, vec!["get_weather"]),
+        (json!("required"), vec!["get_weather", "now"]),
+    ] {
+        let b = chat(json!({"tools": tools, "tool_choice": choice}));
+        let (st, r) = s.post("/v1/chat/completions", &b);
+        assert_eq!(st, 200, "{r}");
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        let call = &c["message"]["tool_calls"][0]["function"];
+        let name = call["name"].as_str().unwrap();
+        assert!(names.contains(&name), "{r}");
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        if name == "get_weather" {
+            assert!(
+                ["Paris", "Oslo"].contains(&args["city"].as_str().unwrap()),
+                "{args}"
+            );
+            assert!((1..=7).contains(&args["days"].as_u64().unwrap()), "{args}");
+        } else {
+            assert_eq!(args, json!({}));
+        }
+    }
+    // json_object: a JSON object, when the reply ends before its budget.
+    let b = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 300}));
+    let (st, r) = s.post("/v1/chat/completions", &b);
+    assert_eq!(st, 200, "{r}");
+    let content = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.starts_with('{'), "{content:?}");
+    if r["choices"][0]["finish_reason"] == "stop" {
+        let v: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content}"));
+        assert!(v.is_object());
+    }
+    // What cannot be enforced is a 400 naming the field.
+    let bad = [
+        (json!({"grammar": "root ::= \"a"}), "grammar"),
+        (
+            json!({"grammar": "%llguidance {}\nstart: nothere"}),
+            "grammar",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "strict": true, "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}}),
+            "response_format.json_schema",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            "response_format.json_schema",
+        ),
+        (
+            json!({"grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}),
+            "grammar",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}}),
+            "tool_choice",
+        ),
+    ];
+    for (extra, param) in bad {
+        let (st, e) = s.post("/v1/chat/completions", &chat(extra.clone()));
+        assert_eq!(
+            (st, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{extra}: {e}"
+        );
+    }
+}
+
+/// The chat page at `/` in headless Chromium (tests/server_web.py over the DevTools
+/// protocol): it loads with nothing from elsewhere, streams a reply with `--api-key`, stops
+/// one, renders markdown and shows reasoning apart. Chromium and Python's websocket-client
+/// are test dependencies (`.ci/run` installs them): missing, the test fails.
+#[test]
+fn web_chat_page_in_headless_chromium() {
+    let chromium = ["chromium", "chromium-browser"]
+        .into_iter()
+        .find(|c| {
+            Command::new(c)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .expect("no chromium on PATH: install it (Debian: apt-get install chromium; .ci/run does)");
+    let ws = Command::new("python3")
+        .args(["-c", "import websocket"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ws,
+        "python3 cannot import `websocket` (pip install websocket-client; .ci/run does)"
+    );
+    let s = Server::start(&["--api-key", "k"]);
+    let (st, _, page) = request(&s.addr, "GET", "/", &[], None).unwrap();
+    assert_eq!(st, 200, "the page needs no key");
+    let page = String::from_utf8(page).unwrap();
+    assert!(page.contains("<title>lathe chat</title>"));
+    assert!(
+        !page.contains("src=\"http") && !page.contains("href=\"http"),
+        "no CDN"
+    );
+    let out = Command::new("python3")
+        .arg(root().join("tests/server_web.py"))
+        .env("LATHE_URL", format!("http://{}/", s.addr))
+        .env("LATHE_API_KEY", "k")
+        .env("LATHE_CHROMIUM", chromium)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}\nserver log: {:?}", s.log());
+    eprintln!("{text}");
+}
+
+/// `/metrics`, `/tokenize`, `/detokenize`, `/props`, `/slots`, and rejected requests logged.
+#[test]
+fn metrics_tokenize_props_slots_and_rejection_log() {
+    let s = Server::start(&["--parallel", "2"]);
+    let (st, r) = s.post("/v1/completions", &completion("hello", 5));
+    assert_eq!(st, 200, "{r}");
+    let (st, e) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "temperature": "hot"}),
+    );
+    assert_eq!(st, 400, "{e}");
+    let (st, _, m) = request(&s.addr, "GET", "/metrics", &[], None).unwrap();
+    assert_eq!(st, 200);
+    let m = String::from_utf8(m).unwrap();
+    for line in [
+        "lathe_requests_total{outcome=\"length\"} 1",
+        "lathe_requests_total{outcome=\"rejected\"} 1",
+        "lathe_generated_tokens_total 5",
+        "lathe_slots 2",
+        "lathe_active_slots 0",
+        "lathe_time_to_first_token_seconds_count 1",
+        "lathe_time_per_output_token_seconds_count 4",
+    ] {
+        assert!(m.lines().any(|l| l == line), "no `{line}` in\n{m}");
+    }
+    assert!(m.contains("lathe_gpu_memory_bytes{kind=\"model\"}"), "{m}");
+    let (st, t) = s.post(
+        "/tokenize",
+        &json!({"content": "hello world", "with_pieces": true}),
+    );
+    assert_eq!(st, 200, "{t}");
+    let ids: Vec<Value> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].clone())
+        .collect();
+    let pieces: String = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["piece"].as_str().unwrap())
+        .collect();
+    assert_eq!(pieces, "hello world");
+    let (st, d) = s.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(
+        (st, d["content"].as_str()),
+        (200, Some("hello world")),
+        "{d}"
+    );
+    let (st, e) = s.post("/detokenize", &json!({"tokens": [99999]}));
+    assert_eq!(
+        (st, e["error"]["param"].as_str()),
+        (400, Some("tokens")),
+        "{e}"
+    );
+    let (st, p) = s.get("/props");
+    assert_eq!((st, p["total_slots"].as_u64()), (200, Some(2)), "{p}");
+    let (st, sl) = s.get("/slots");
+    assert_eq!(st, 200);
+    assert_eq!(sl.as_array().unwrap().len(), 2, "{sl}");
+    assert!(
+        sl.as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x["is_processing"] == false),
+        "{sl}"
+    );
+    let log = s.log().join("\n");
+    assert!(
+        log.contains("POST /v1/completions: 400 Bad Request:") && log.contains("temperature"),
+        "{log}"
+    );
+    assert!(
+        log.contains("finish length"),
+        "finish reasons as words: {log}"
+    );
+}

@@ -156,6 +156,7 @@ fn serve_waves(
                     logprobs: Some(1),
                     logit_bias: Vec::new(),
                     ignore_eos: true,
+                    constraint: None,
                     deadline: Instant::now() + Duration::from_secs(600),
                     events: tx,
                 };

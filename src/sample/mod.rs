@@ -306,6 +306,24 @@ impl Sampler {
     }
 }
 
+/// Keeps only the tokens a constraint allows: a logit whose bit is clear in `allowed` (bit
+/// `i % 32` of word `i / 32`, the layout of llguidance's token sets) becomes -inf, which no
+/// sampler step (penalties, top-k, top-p, min-p, the draw) can pick. Ids past `allowed`'s
+/// words are not allowed.
+pub fn mask_logits(logits: &mut [f32], allowed: &[u32]) {
+    for (i, chunk) in logits.chunks_mut(32).enumerate() {
+        let word = allowed.get(i).copied().unwrap_or(0);
+        if word == u32::MAX {
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if word >> b & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// llama.cpp's penalties over the last `penalty_window` tokens of `history`: for a token seen
 /// c times, `l = l / r` if l > 0 else `l * r` (r = repeat_penalty), then
 /// `l -= c * frequency_penalty + presence_penalty`. Ids outside `logits` are ignored.

@@ -12,6 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
+use super::constrain::{gbnf_to_lark, Constraint, Requested};
 use crate::sample::SamplerConfig;
 
 /// Most stop strings a request may give.
@@ -28,6 +29,16 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// The engine failed the request after it was queued (counted as an error, not a
+    /// rejection, in `/metrics`).
+    pub from_engine: bool,
+}
+
+/// Put on every error response ([`ApiError`]'s): what the request log and `/metrics` read.
+#[derive(Clone, Debug)]
+pub struct Rejection {
+    pub reason: String,
+    pub from_engine: bool,
 }
 
 impl ApiError {
@@ -38,6 +49,7 @@ impl ApiError {
             kind,
             param: None,
             code: None,
+            from_engine: false,
         }
     }
 
@@ -75,7 +87,16 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        json_response(self.status, &self.body())
+        let mut r = json_response(self.status, &self.body());
+        let reason = match &self.param {
+            Some(p) => format!("{} (param {p})", self.message),
+            None => self.message,
+        };
+        r.extensions_mut().insert(Rejection {
+            reason,
+            from_engine: self.from_engine,
+        });
+        r
     }
 }
 
@@ -107,6 +128,8 @@ pub struct GenParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Extension (llama.cpp's): go on through end-of-generation tokens, to `max_tokens`.
     pub ignore_eos: bool,
+    /// Structured output: what the reply must follow.
+    pub constraint: Option<Requested>,
 }
 
 /// A request's fields, absent and `null` alike read as "not given".
@@ -326,17 +349,7 @@ pub fn gen_params(f: &Fields, api: Api, vocab: usize, default_seed: u64) -> R<Ge
             }
         }
     }
-    if let Some(rf) = f.object("response_format")? {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") | None => {}
-            Some(t) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!("`response_format` type `{t}` is not supported (no constrained decoding yet); use \"text\""),
-                ))
-            }
-        }
-    }
+    let constraint = output_constraint(f)?;
     Ok(GenParams {
         max_tokens: max_tokens.map(|m| m.min(usize::MAX as u64) as usize),
         sampler,
@@ -346,7 +359,111 @@ pub fn gen_params(f: &Fields, api: Api, vocab: usize, default_seed: u64) -> R<Ge
         logprobs,
         logit_bias,
         ignore_eos: f.boolean("ignore_eos")?.unwrap_or(false),
+        constraint,
     })
+}
+
+/// What the output must follow, from OpenAI's `response_format` (`json_object`, or
+/// `json_schema` with `strict`; llama-server's `json_object` with a `schema` too) or
+/// llama-server's `json_schema` (a schema) and `grammar` (GBNF, or llguidance's Lark after a
+/// leading `%llguidance {}` line, as llama.cpp reads it). At most one of them.
+fn output_constraint(f: &Fields) -> R<Option<Requested>> {
+    let mut found: Vec<Requested> = Vec::new();
+    if let Some(rf) = f.object("response_format")? {
+        let json = |schema: Value, strict| Constraint::Json { schema, strict };
+        let param = "response_format";
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") | None => {}
+            Some("json_object") => {
+                let schema = rf.get("schema").cloned();
+                let schema = schema.unwrap_or_else(|| json!({"type": "object"}));
+                let constraint = json(schema, false);
+                found.push(Requested { constraint, param });
+            }
+            Some("json_schema") => {
+                let param = "response_format.json_schema";
+                let Some(js) = rf.get("json_schema").and_then(Value::as_object) else {
+                    return Err(ApiError::invalid(
+                        param,
+                        "`response_format` of type `json_schema` needs a `json_schema` object \
+                         ({\"name\", \"schema\", \"strict\"})",
+                    ));
+                };
+                let strict = match js.get("strict") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "response_format.json_schema.strict",
+                            "`strict` must be true or false",
+                        ))
+                    }
+                };
+                let schema = match js.get("schema") {
+                    None | Some(Value::Null) => json!({"type": "object"}),
+                    Some(s @ (Value::Object(_) | Value::Bool(true))) => s.clone(),
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "response_format.json_schema.schema",
+                            "`schema` must be a JSON schema object",
+                        ))
+                    }
+                };
+                let constraint = json(schema, strict);
+                found.push(Requested { constraint, param });
+            }
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "`response_format` type `{t}`: expected text, json_object or json_schema"
+                    ),
+                ))
+            }
+        }
+    }
+    match f.get("json_schema") {
+        None => {}
+        Some(s @ (Value::Object(_) | Value::Bool(true))) => found.push(Requested {
+            constraint: Constraint::Json {
+                schema: s.clone(),
+                strict: false,
+            },
+            param: "json_schema",
+        }),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "json_schema",
+                "`json_schema` must be a JSON schema object",
+            ))
+        }
+    }
+    if let Some(g) = f.string("grammar")?.filter(|g| !g.trim().is_empty()) {
+        let lark = match g.trim_start().strip_prefix("%llguidance") {
+            Some(rest) => {
+                // llama.cpp's marker line is `%llguidance {}`; the grammar follows it.
+                let rest = rest.trim_start();
+                rest.strip_prefix("{}").unwrap_or(rest).to_string()
+            }
+            None => gbnf_to_lark(g)
+                .map_err(|e| ApiError::invalid("grammar", format!("`grammar` (GBNF): {e}")))?,
+        };
+        found.push(Requested {
+            constraint: Constraint::Lark(lark),
+            param: "grammar",
+        });
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|r| r.param).collect();
+        return Err(ApiError::invalid(
+            found[1].param,
+            format!(
+                "give one of `response_format`, `json_schema` and `grammar`, not {}",
+                names.join(" and ")
+            ),
+        ));
+    }
+    Ok(found.pop())
 }
 
 /// A chat request, checked and ready to render.
@@ -389,29 +506,60 @@ pub fn chat_request(body: &Value, vocab: usize, default_seed: u64) -> R<ChatRequ
         }
         Some(_) => return Err(ApiError::invalid("tools", "`tools` must be a list")),
     };
-    // Forcing a tool call ("required", or a named function) needs constrained decoding,
-    // which this server does not do: refused rather than ignored, so a client never takes
-    // free text for the forced call it asked for.
-    let forced = |what: &str| {
+    // Forcing a tool call ("required", or a named function) constrains the reply to one
+    // call of those tools, their `parameters` schemas shaping the arguments.
+    let no_tools = |what: &str| {
         ApiError::invalid(
             "tool_choice",
-            format!("`tool_choice` {what} is not supported (no constrained decoding yet): use \"auto\" or \"none\""),
+            format!("`tool_choice` {what} needs `tools` to choose from"),
         )
     };
-    let tool_choice_none = match f.get("tool_choice") {
-        None => false,
+    let mut params = params;
+    let (tool_choice_none, forced) = match f.get("tool_choice") {
+        None => (false, None),
         Some(Value::String(s)) => match s.as_str() {
-            "none" => true,
-            "auto" => false,
-            "required" => return Err(forced("\"required\"")),
+            "none" => (true, None),
+            "auto" => (false, None),
+            "required" => (
+                false,
+                Some(tools.clone().ok_or_else(|| no_tools("\"required\""))?),
+            ),
             other => {
                 return Err(ApiError::invalid(
                     "tool_choice",
-                    format!("`tool_choice` `{other}`: expected none or auto"),
+                    format!("`tool_choice` `{other}`: expected none, auto or required"),
                 ))
             }
         },
-        Some(Value::Object(_)) => return Err(forced("naming a function")),
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice.function.name",
+                        "`tool_choice` naming a function is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            let all = tools.clone().ok_or_else(|| no_tools("naming a function"))?;
+            let named: Vec<Value> = all
+                .into_iter()
+                .filter(|t| {
+                    t.get("function")
+                        .and_then(|f| f.get("name"))
+                        .and_then(Value::as_str)
+                        == Some(name)
+                })
+                .collect();
+            if named.is_empty() {
+                return Err(ApiError::invalid(
+                    "tool_choice.function.name",
+                    format!("`tool_choice` names `{name}`, which is not in `tools`"),
+                ));
+            }
+            (false, Some(named))
+        }
         Some(_) => {
             return Err(ApiError::invalid(
                 "tool_choice",
@@ -419,6 +567,21 @@ pub fn chat_request(body: &Value, vocab: usize, default_seed: u64) -> R<ChatRequ
             ))
         }
     };
+    if let Some(t) = forced {
+        if let Some(other) = &params.constraint {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "a forced `tool_choice` and `{}` both shape the reply; give one",
+                    other.param
+                ),
+            ));
+        }
+        params.constraint = Some(Requested {
+            constraint: Constraint::ToolCall(t),
+            param: "tool_choice",
+        });
+    }
     if let Some(t) = &tools {
         template_vars.insert("tools".into(), Value::Array(t.clone()));
     }
@@ -641,32 +804,40 @@ mod tests {
         }
     }
 
+    /// A forced `tool_choice` constrains the reply to a call of the tools it allows; a name
+    /// not among the tools, or no tools, is a 400 on `tool_choice`.
     #[test]
-    fn forced_tool_choice_is_refused_not_ignored() {
-        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
-        for (choice, ok) in [
-            (json!("auto"), true),
-            (json!("none"), true),
-            (json!("required"), false),
-            (
-                json!({"type": "function", "function": {"name": "f"}}),
-                false,
-            ),
-        ] {
-            let r = chat_request(
+    fn forced_tool_choice_becomes_a_tool_call_constraint() {
+        let f = json!({"type": "function", "function": {"name": "f"}});
+        let g = json!({"type": "function", "function": {"name": "g"}});
+        let tools = json!([f, g]);
+        let req = |choice: Value, tools: &Value| {
+            chat_request(
                 &json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}),
                 10,
                 1,
-            );
-            match r {
-                Ok(_) => assert!(ok, "{choice} accepted"),
-                Err(e) => {
-                    assert!(!ok, "{choice}: {}", e.message);
-                    assert_eq!(e.status, StatusCode::BAD_REQUEST);
-                    assert_eq!(e.param.as_deref(), Some("tool_choice"));
-                }
-            }
-        }
+            )
+        };
+        let forced = |choice: Value| {
+            req(choice, &tools)
+                .unwrap()
+                .params
+                .constraint
+                .map(|r| r.constraint)
+        };
+        assert_eq!(forced(json!("auto")), None);
+        assert_eq!(forced(json!("none")), None);
+        assert_eq!(
+            forced(json!("required")),
+            Some(Constraint::ToolCall(vec![f.clone(), g.clone()]))
+        );
+        let named = json!({"type": "function", "function": {"name": "g"}});
+        assert_eq!(forced(named), Some(Constraint::ToolCall(vec![g.clone()])));
+        let missing = json!({"type": "function", "function": {"name": "h"}});
+        let e = req(missing, &tools).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice.function.name"));
+        let e = req(json!("required"), &Value::Null).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
     }
 
     #[test]

@@ -20,10 +20,13 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::watch;
 
+use llguidance::Matcher;
+
 use super::api::{self, json_response, ApiError, GenParams, Prompt};
+use super::constrain::{Constrainer, Requested};
 use super::output::{OutputParser, Piece, ToolCall};
 use super::random_id;
-use super::scheduler::{Event, Finish, Job, Loaded, Scheduler, SubmitError, TokenLogprob};
+use super::scheduler::{Event, Finish, Job, Loaded, Scheduler, Shared, SubmitError, TokenLogprob};
 use crate::spec::SpecStats;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 
@@ -60,21 +63,53 @@ type R<T> = std::result::Result<T, ApiError>;
 
 pub fn router(state: AppState) -> Router {
     Router::new()
+        .route("/", get(web_page))
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/props", get(props))
+        .route("/slots", get(slots))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            log_rejections,
+        ))
         .with_state(state)
 }
 
-/// `--api-key`: every route but /health wants `Authorization: Bearer <key>`.
+/// Every error answer goes to stderr with its status and reason, and counts as `rejected`
+/// in `/metrics` (those of a request the engine failed count as `error` or `timeout`).
+async fn log_rejections(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let what = format!("{} {}", req.method(), req.uri().path());
+    let resp = next.run(req).await;
+    if let Some(r) = resp.extensions().get::<api::Rejection>() {
+        if !r.from_engine {
+            st.sched.shared.metrics.count("rejected");
+        }
+        let status = resp.status();
+        eprintln!(
+            "lathe serve: {what}: {} {}: {}",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or(""),
+            r.reason
+        );
+    }
+    resp
+}
+
+/// `--api-key`: every route but /health and the chat page wants `Authorization: Bearer
+/// <key>` (a browser sends none when it opens a page; the page sends the key it is given).
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
-        if req.uri().path() != "/health" && !bearer_matches(req.headers(), key) {
+        let open = matches!(req.uri().path(), "/health" | "/");
+        if !open && !bearer_matches(req.headers(), key) {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",
@@ -169,6 +204,184 @@ async fn models(State(st): State<AppState>) -> Response {
 /// Any name is served by the one model, as the completion routes accept any `model`.
 async fn model(State(st): State<AppState>) -> Response {
     json_response(StatusCode::OK, &model_object(&st))
+}
+
+/// The chat page: one self-contained HTML file (no CDN), embedded in the binary.
+async fn web_page() -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        include_str!("web/index.html"),
+    )
+        .into_response()
+}
+
+/// Prometheus' scrape ([`super::metrics`]): the gauges read now, then every metric.
+async fn metrics(State(st): State<AppState>) -> Response {
+    let sh = &st.sched.shared;
+    let m = &sh.metrics;
+    m.queue_depth.set(sh.queued.load(Ordering::Relaxed) as i64);
+    m.active_slots.set(sh.active.load(Ordering::Relaxed) as i64);
+    (
+        StatusCode::OK,
+        // The OpenMetrics text format prometheus-client writes (Prometheus reads it).
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        m.encode(),
+    )
+        .into_response()
+}
+
+/// llama-server's `POST /tokenize`: `{"content", "add_special", "parse_special",
+/// "with_pieces"}` to `{"tokens": [...]}` (ids, or `{"id", "piece"}` with `with_pieces`).
+async fn tokenize(State(st): State<AppState>, req: Request) -> Response {
+    tokenize_inner(st, req)
+        .await
+        .unwrap_or_else(|e| e.into_response())
+}
+
+async fn tokenize_inner(st: AppState, req: Request) -> R<Response> {
+    let body = read_json(&st.cfg, req).await?;
+    let loaded = ready(&st)?;
+    let f = api::Fields::of(&body)?;
+    let content = f
+        .string("content")?
+        .ok_or_else(|| ApiError::invalid("content", "`content` (a string) is required"))?
+        .to_string();
+    let add_special = f.boolean("add_special")?.unwrap_or(false);
+    let parse_special = f.boolean("parse_special")?.unwrap_or(true);
+    let with_pieces = f.boolean("with_pieces")?.unwrap_or(false);
+    let tok = loaded.tokenizer.clone();
+    let ids = tokio::task::spawn_blocking(move || {
+        match add_special {
+            true => tok.encode_with_bos(&content, parse_special),
+            false => tok.encode(&content, parse_special),
+        }
+        .map(|ids| (ids, tok))
+    })
+    .await
+    .map_err(|e| ApiError::server(format!("tokenizing failed: {e}")))?
+    .map_err(|e| ApiError::invalid("content", e.to_string()));
+    let (ids, tok) = ids?;
+    let tokens: Vec<Value> = ids
+        .iter()
+        .map(|&id| match with_pieces {
+            true => {
+                let bytes = tok.token_bytes(id).unwrap_or(&[]);
+                let piece = match std::str::from_utf8(bytes) {
+                    Ok(s) => Value::from(s),
+                    // llama-server gives a piece that is not UTF-8 as its byte values.
+                    Err(_) => Value::from(bytes.to_vec()),
+                };
+                json!({"id": id, "piece": piece})
+            }
+            false => Value::from(id),
+        })
+        .collect();
+    Ok(json_response(StatusCode::OK, &json!({"tokens": tokens})))
+}
+
+/// llama-server's `POST /detokenize`: `{"tokens": [ids]}` to `{"content"}`.
+async fn detokenize(State(st): State<AppState>, req: Request) -> Response {
+    detokenize_inner(st, req)
+        .await
+        .unwrap_or_else(|e| e.into_response())
+}
+
+async fn detokenize_inner(st: AppState, req: Request) -> R<Response> {
+    let body = read_json(&st.cfg, req).await?;
+    let loaded = ready(&st)?;
+    let f = api::Fields::of(&body)?;
+    let bad = || ApiError::invalid("tokens", "`tokens` must be a list of token ids");
+    let vocab = loaded.tokenizer.vocab_size();
+    let ids = f
+        .get("tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(bad)?
+        .iter()
+        .map(|t| match t.as_u64() {
+            Some(id) if (id as usize) < vocab => Ok(id as u32),
+            Some(id) => Err(ApiError::invalid(
+                "tokens",
+                format!("token {id} is not below the vocabulary size {vocab}"),
+            )),
+            None => Err(bad()),
+        })
+        .collect::<R<Vec<u32>>>()?;
+    let content = loaded.tokenizer.decode(&ids);
+    Ok(json_response(StatusCode::OK, &json!({"content": content})))
+}
+
+/// llama-server's `GET /props`: the server's settings.
+async fn props(State(st): State<AppState>) -> Response {
+    let loaded = match ready(&st) {
+        Ok(l) => l,
+        Err(e) => return e.into_response(),
+    };
+    let t = &loaded.tokenizer;
+    let text = |id: Option<u32>| id.map(|i| t.decode(&[i]));
+    let d = crate::sample::SamplerConfig::default();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "model_alias": st.cfg.model_name,
+            "total_slots": st.cfg.n_slots,
+            "n_ctx": st.cfg.ctx,
+            "vocab_size": loaded.vocab,
+            "bos_token": text(t.bos_id()),
+            "eos_token": text(t.eos_id()),
+            "build_info": concat!("lathe ", env!("CARGO_PKG_VERSION")),
+            "default_generation_settings": {
+                "n_ctx": st.cfg.ctx,
+                "params": {
+                    "temperature": d.temperature,
+                    "top_k": d.top_k,
+                    "top_p": d.top_p,
+                    "min_p": d.min_p,
+                    "repeat_penalty": d.repeat_penalty,
+                    "presence_penalty": d.presence_penalty,
+                    "frequency_penalty": d.frequency_penalty,
+                    "repeat_last_n": d.penalty_window,
+                },
+            },
+        }),
+    )
+}
+
+/// llama-server's `GET /slots`: each slot, as of the end of the engine's last step.
+async fn slots(State(st): State<AppState>) -> Response {
+    if let Err(e) = ready(&st) {
+        return e.into_response();
+    }
+    let info = st
+        .sched
+        .shared
+        .slots
+        .lock()
+        .map(|s| s.clone())
+        .unwrap_or_default();
+    let slots: Vec<Value> = info
+        .iter()
+        .enumerate()
+        .map(|(id, s)| {
+            json!({
+                "id": id,
+                "n_ctx": st.cfg.ctx,
+                "is_processing": s.task.is_some(),
+                "id_task": s.task,
+                "n_tokens": s.n_tokens,
+                "n_prompt_tokens": s.n_prompt,
+                "n_cached_tokens": s.n_cached,
+                "n_decoded": s.n_generated,
+                "prefilling": s.prefilling,
+                "speculative": s.speculating,
+                "constrained": s.constrained,
+            })
+        })
+        .collect();
+    json_response(StatusCode::OK, &Value::Array(slots))
 }
 
 fn unix_now() -> u64 {
@@ -284,10 +497,17 @@ async fn chat_inner(st: AppState, req: Request) -> R<Response> {
     .await
     .map_err(|e| ApiError::server(format!("rendering the prompt failed: {e}")))??;
     let think_open = OutputParser::prompt_opens_thinking(&text);
+    // A constrained reply closes the reasoning block the prompt opened first, so what the
+    // constraint shapes is the content.
+    let prefix = match st.cfg.reasoning && think_open {
+        true => "</think>\n\n",
+        false => "",
+    };
     let parser = OutputParser::new(st.cfg.reasoning, think_open, req.tools);
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, Some(conversation));
-    start(&st, Kind::Chat(parser), model, ids, req.params, "messages").await
+    let kind = Kind::Chat(parser);
+    start(&st, kind, model, ids, req.params, ("messages", prefix)).await
 }
 
 async fn completions(State(st): State<AppState>, req: Request) -> Response {
@@ -312,7 +532,15 @@ async fn completions_inner(st: AppState, req: Request) -> R<Response> {
     };
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, None);
-    start(&st, Kind::Completion, model, ids, req.params, "prompt").await
+    start(
+        &st,
+        Kind::Completion,
+        model,
+        ids,
+        req.params,
+        ("prompt", ""),
+    )
+    .await
 }
 
 /// Longest prompt accepted, in tokens.
@@ -367,6 +595,8 @@ struct Meta {
     /// [`AppState::hard_stop`].
     hard_stop: watch::Receiver<bool>,
     cut: Arc<AtomicUsize>,
+    /// The engine's shared state (`/metrics`).
+    shared: Arc<Shared>,
 }
 
 impl Meta {
@@ -386,15 +616,39 @@ impl Meta {
     }
 }
 
+/// The matcher of a request's constraint (`prefix`: see [`Constraint::lark`]), compiled on a
+/// blocking thread; the first such request also builds the vocabulary's token trie. A
+/// grammar or schema that does not compile is a 400 naming its field.
+async fn compile(st: &AppState, r: Requested, prefix: &'static str) -> R<Matcher> {
+    let shared = st.sched.shared.clone();
+    tokio::task::spawn_blocking(move || {
+        let loaded = shared
+            .loaded
+            .get()
+            .ok_or_else(|| ApiError::server("the model is not loaded"))?;
+        let c = shared
+            .constrainer
+            .get_or_init(|| Constrainer::new(&loaded.tokenizer, loaded.vocab));
+        let c = c
+            .as_ref()
+            .map_err(|e| ApiError::server(format!("structured output is unavailable: {e}")))?;
+        c.matcher(&r.constraint, prefix)
+            .map_err(|e| ApiError::invalid(r.param, format!("`{}`: {e}", r.param)))
+    })
+    .await
+    .map_err(|e| ApiError::server(format!("compiling the output constraint failed: {e}")))?
+}
+
 /// Checks the prompt's length, queues the job and answers (streamed or whole). `ids`: the
-/// prompt, and where its slot checkpoint goes when not at its end (`Job::checkpoint`).
+/// prompt, and where its slot checkpoint goes when not at its end (`Job::checkpoint`);
+/// `prefix`: what a constrained reply starts with ([`compile`]).
 async fn start(
     st: &AppState,
     kind: Kind,
     model: String,
     (ids, checkpoint): (Vec<u32>, Option<usize>),
     params: GenParams,
-    prompt_param: &str,
+    (prompt_param, prefix): (&str, &'static str),
 ) -> R<Response> {
     let loaded = ready(st)?;
     let ctx = st.cfg.ctx;
@@ -408,6 +662,10 @@ async fn start(
     }
     let room = ctx - ids.len();
     let max_tokens = params.max_tokens.unwrap_or(room).min(room);
+    let constraint = match &params.constraint {
+        Some(r) => Some(compile(st, r.clone(), prefix).await?),
+        None => None,
+    };
     let (tx, rx) = unbounded_channel();
     let id = match kind {
         Kind::Chat(_) => random_id("chatcmpl-", 24),
@@ -423,6 +681,7 @@ async fn start(
         logprobs: params.logprobs,
         logit_bias: params.logit_bias.clone(),
         ignore_eos: params.ignore_eos,
+        constraint,
         deadline: Instant::now() + st.cfg.timeout,
         events: tx,
     };
@@ -447,6 +706,7 @@ async fn start(
         params,
         hard_stop: st.hard_stop.clone(),
         cut: st.cut.clone(),
+        shared: st.sched.shared.clone(),
     };
     if meta.params.stream {
         Ok(stream_response(Stream::new(meta, kind, rx)))
@@ -473,12 +733,20 @@ fn usage(n_prompt: usize, n_cached: usize, n_generated: usize, spec: Option<Spec
     u
 }
 
-fn engine_error(message: String, code: &'static str) -> ApiError {
-    if code == "timeout" {
+/// The answer to an engine's `Event::Error`, counted in `/metrics` as `timeout` or `error`.
+fn engine_error(shared: &Shared, message: String, code: &'static str) -> ApiError {
+    let mut e = if code == "timeout" {
         ApiError::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message).with_code("timeout")
     } else {
         ApiError::server(message)
-    }
+    };
+    shared.metrics.count(if code == "timeout" {
+        "timeout"
+    } else {
+        "error"
+    });
+    e.from_engine = true;
+    e
 }
 
 fn finish_str(finish: Finish, calls: &[ToolCall]) -> &'static str {
@@ -583,7 +851,9 @@ async fn collect(mut meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event
                 }
                 lps.extend(logprob);
             }
-            Event::Error { message, code } => return Err(engine_error(message, code)),
+            Event::Error { message, code } => {
+                return Err(engine_error(&meta.shared, message, code))
+            }
             Event::Done {
                 finish,
                 n_prompt,
@@ -773,7 +1043,8 @@ impl Stream {
                     }
                 }
                 Event::Error { message, code } => {
-                    Self::event(&mut out, &engine_error(message, code).body());
+                    let e = engine_error(&self.meta.shared, message, code);
+                    Self::event(&mut out, &e.body());
                     out.extend_from_slice(b"data: [DONE]\n\n");
                     self.done = true;
                 }

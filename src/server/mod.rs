@@ -10,7 +10,9 @@
 //! model runs on one plain thread that owns the [`Engine`], so the GPU is never shared.
 
 pub mod api;
+pub mod constrain;
 mod http;
+pub mod metrics;
 pub mod output;
 pub mod scheduler;
 

@@ -30,6 +30,10 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
+use llguidance::Matcher;
+
+use super::constrain::{self, Constrainer};
+use super::metrics::{MemoryKind, Metrics};
 use crate::engine::{Engine, Logits, Seq, TopLogits, Want};
 use crate::generate::{Checkpoint, HeldSeq};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
@@ -58,6 +62,9 @@ pub struct Job {
     pub logit_bias: Vec<(u32, f32)>,
     /// End-of-generation tokens do not end it: it runs to `max_tokens`.
     pub ignore_eos: bool,
+    /// Structured output: the request's grammar, which says before each token which may
+    /// come next ([`super::constrain`]).
+    pub constraint: Option<Matcher>,
     pub deadline: Instant,
     pub events: UnboundedSender<Event>,
 }
@@ -78,6 +85,16 @@ pub enum Finish {
     Stop,
     /// `max_tokens` or the context length.
     Length,
+}
+
+impl Finish {
+    /// The API's `finish_reason` word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
 }
 
 /// What the engine thread tells a request's handler, in order: `Started`, any number of
@@ -139,6 +156,29 @@ pub struct Shared {
     /// What speculative decoding did over the finished requests; `None` before any
     /// speculated.
     pub spec: Mutex<Option<SpecStats>>,
+    /// Compiles structured-output constraints; made at the first request that has one
+    /// (the token trie of the whole vocabulary), or why it could not be.
+    pub constrainer: OnceLock<std::result::Result<Constrainer, String>>,
+    /// `/metrics`.
+    pub metrics: Metrics,
+    /// `/slots`: each slot as of the end of the last step.
+    pub slots: Mutex<Vec<SlotInfo>>,
+}
+
+/// What `/slots` shows of a slot.
+#[derive(Clone, Debug, Default)]
+pub struct SlotInfo {
+    /// The request it runs (its response id), if any.
+    pub task: Option<String>,
+    /// Tokens its sequence holds (prompt cache included).
+    pub n_tokens: usize,
+    /// Of the running request: prompt tokens, those taken from the cache, tokens generated.
+    pub n_prompt: usize,
+    pub n_cached: usize,
+    pub n_generated: usize,
+    pub prefilling: bool,
+    pub speculating: bool,
+    pub constrained: bool,
 }
 
 impl Shared {
@@ -230,6 +270,16 @@ pub fn start(
                     return;
                 }
             };
+            let m = &sh.metrics;
+            m.slots.set(slots.len() as i64);
+            let gpu_memory = |kind| m.gpu_memory.get_or_create(&MemoryKind { kind }).clone();
+            gpu_memory("model").set(engine.model_bytes as i64);
+            if let Some(mem) = &engine.gpu.memory {
+                gpu_memory("heap").set(mem.heap as i64);
+                if let Some(b) = mem.budget {
+                    gpu_memory("budget").set(b as i64);
+                }
+            }
             let _ = sh.loaded.set(Loaded {
                 tokenizer: tokenizer.clone(),
                 vocab: engine.vocab_size(),
@@ -257,6 +307,7 @@ pub fn start(
                 shared: sh.clone(),
                 clock: 0,
             };
+            w.publish_slots();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.run()));
             let why = match r {
                 Ok(()) => "the engine thread has stopped".to_string(),
@@ -300,8 +351,13 @@ struct Active {
     decoder: StreamDecoder,
     started: Instant,
     first_token: Option<Duration>,
+    /// When the last token was sampled, for the per-token latency.
+    last_token: Option<Instant>,
     /// The request's speculation; `None`: plain decode.
     spec: Option<Speculator>,
+    /// The tokens the request's constraint allows for the token sampled next, computed
+    /// during the step ([`Worker::run_step_masked`]); a bitset over the vocabulary.
+    mask: Option<Vec<u32>>,
 }
 
 impl Active {
@@ -351,8 +407,36 @@ impl Worker {
             if work.is_empty() {
                 continue;
             }
-            let results = self.run_step(&work);
+            let results = self.run_step_masked(&work);
             self.absorb(work, results);
+            self.publish_slots();
+        }
+    }
+
+    /// Writes what `/slots` shows.
+    fn publish_slots(&self) {
+        let info = self
+            .slots
+            .iter()
+            .map(|s| {
+                let mut i = SlotInfo {
+                    n_tokens: s.held.tokens().len(),
+                    ..SlotInfo::default()
+                };
+                if let Some(a) = &s.active {
+                    i.task = Some(a.job.id.clone());
+                    i.n_prompt = a.job.prompt.len();
+                    i.n_cached = a.n_cached;
+                    i.n_generated = a.n_generated;
+                    i.prefilling = a.prefilling;
+                    i.speculating = a.spec.is_some();
+                    i.constrained = a.job.constraint.is_some();
+                }
+                i
+            })
+            .collect();
+        if let Ok(mut s) = self.shared.slots.lock() {
+            *s = info;
         }
     }
 
@@ -421,7 +505,13 @@ impl Worker {
             }
         };
         let cached = &job.prompt[..n_cached];
-        let spec = match new_speculator(&mut self.engine, &self.cfg.spec, speculating, cached) {
+        // A constrained request does not speculate: a draft's tokens would each need the
+        // grammar's mask before the verify pass could accept them.
+        let spec = match job.constraint.is_some() {
+            true => Ok(None),
+            false => new_speculator(&mut self.engine, &self.cfg.spec, speculating, cached),
+        };
+        let spec = match spec {
             Ok(s) => s,
             Err(e) => {
                 slot.held.mark_stale();
@@ -448,7 +538,9 @@ impl Worker {
             decoder: StreamDecoder::new(),
             started: Instant::now(),
             first_token: None,
+            last_token: None,
             spec,
+            mask: None,
             job,
         });
         self.shared.active.fetch_add(1, Ordering::Relaxed);
@@ -468,6 +560,7 @@ impl Worker {
             let a = slot.active.take().expect("active slot");
             self.shared.active.fetch_sub(1, Ordering::Relaxed);
             if gone {
+                self.shared.metrics.count("cancelled");
                 eprintln!("lathe serve: {} cancelled (client gone)", a.job.id);
             } else {
                 eprintln!("lathe serve: {} timed out", a.job.id);
@@ -535,6 +628,61 @@ impl Worker {
             });
         }
         work
+    }
+
+    /// [`Worker::run_step`], with the token masks of the constrained slots that sample this
+    /// step computed on the CPU meanwhile, on a second thread (rayon across slots): the mask
+    /// then costs the step nothing while it is shorter than the GPU's work. A slot whose mask
+    /// fails ends with an error (its sequence, fed this step, is marked stale).
+    fn run_step_masked(&mut self, work: &[Work]) -> Vec<Result<Logits>> {
+        let mut taken: Vec<(usize, Matcher)> = Vec::new();
+        for w in work.iter().filter(|w| w.want != Want::None) {
+            if let Some(m) = self.slots[w.slot]
+                .active
+                .as_mut()
+                .and_then(|a| a.job.constraint.take())
+            {
+                taken.push((w.slot, m));
+            }
+        }
+        if taken.is_empty() {
+            return self.run_step(work);
+        }
+        let (results, masks) = std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                taken
+                    .par_iter_mut()
+                    .map(|(_, m)| constrain::mask(m))
+                    .collect::<Vec<_>>()
+            });
+            let r = self.run_step(work);
+            (r, h.join())
+        });
+        let masks = masks.unwrap_or_else(|_| {
+            let e = Err("computing the token mask crashed (internal error)".to_string());
+            vec![e; taken.len()]
+        });
+        for ((i, m), mask) in taken.into_iter().zip(masks) {
+            let slot = &mut self.slots[i];
+            let Some(a) = slot.active.as_mut() else {
+                continue;
+            };
+            a.job.constraint = Some(m);
+            match mask {
+                Ok(mask) => a.mask = Some(mask),
+                Err(e) => {
+                    let a = slot.active.take().expect("active slot");
+                    slot.held.mark_stale();
+                    self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                    eprintln!("lathe serve: {}: the grammar failed: {e}", a.job.id);
+                    let _ = a.job.events.send(Event::Error {
+                        message: format!("the output constraint failed: {e}"),
+                        code: "internal",
+                    });
+                }
+            }
+        }
+        results
     }
 
     /// Runs one step's work: the plain items in one batched forward ([`run_batch`]); the
@@ -799,9 +947,17 @@ impl Worker {
             return;
         };
         a.n_generated += 1;
-        if a.first_token.is_none() {
-            a.first_token = Some(a.started.elapsed());
+        let now = Instant::now();
+        let m = &self.shared.metrics;
+        match a.last_token {
+            None => {
+                let ttft = now - a.started;
+                a.first_token = Some(ttft);
+                m.time_to_first_token.observe(ttft.as_secs_f64());
+            }
+            Some(t) => m.time_per_token.observe((now - t).as_secs_f64()),
         }
+        a.last_token = Some(now);
         let piece = a.decoder.push(&self.tokenizer, id);
         let step = a.stop.push(id, &piece);
         let mut text = step.text;
@@ -813,6 +969,36 @@ impl Worker {
         if finish.is_none() && slot.held.tokens().len() + a.in_flight().len() >= ctx {
             text.push_str(&a.stop.finish());
             finish = Some(Finish::Length);
+        }
+        // The constraint takes the token; a grammar that is complete ends the reply.
+        let refused = match (finish, a.job.constraint.as_mut()) {
+            (None, Some(m)) => match m.consume_token(id) {
+                Ok(()) => {
+                    if m.is_stopped() {
+                        text.push_str(&a.stop.finish());
+                        finish = Some(Finish::Stop);
+                    }
+                    None
+                }
+                Err(e) => Some(e.to_string()),
+            },
+            _ => None,
+        };
+        if let Some(e) = refused {
+            let a = slot.active.take().expect("active slot");
+            self.shared.active.fetch_sub(1, Ordering::Relaxed);
+            eprintln!(
+                "lathe serve: {}: the grammar refused token {id}: {e}",
+                a.job.id
+            );
+            let _ = a.job.events.send(Event::Error {
+                message: format!("the output constraint refused a token: {e}"),
+                code: "internal",
+            });
+            return;
+        }
+        if finish == Some(Finish::Stop) && a.job.constraint.is_some() {
+            text.push_str(&a.decoder.flush());
         }
         if finish == Some(Finish::Length) {
             text.push_str(&a.decoder.flush());
@@ -826,6 +1012,13 @@ impl Worker {
                 let a = slot.active.take().expect("active slot");
                 self.shared.active.fetch_sub(1, Ordering::Relaxed);
                 log_done(&a, finish);
+                m.count(finish.as_str());
+                m.prompt_tokens.inc_by(a.job.prompt.len() as u64);
+                m.prompt_cached_tokens.inc_by(a.n_cached as u64);
+                if a.n_cached > 0 {
+                    m.prompt_cache_hits.inc();
+                }
+                m.generated_tokens.inc_by(a.n_generated as u64);
                 let _ = a.job.events.send(Event::Done {
                     finish,
                     n_prompt: a.job.prompt.len(),
@@ -835,6 +1028,7 @@ impl Worker {
                 });
             }
             None if !sent => {
+                self.shared.metrics.count("cancelled");
                 eprintln!("lathe serve: {} cancelled (client gone)", a.job.id);
                 end_spec(&mut self.engine, &self.shared, slot);
                 slot.active = None;
@@ -855,6 +1049,8 @@ fn end_spec(engine: &mut Engine, shared: &Shared, slot: &mut Slot) -> Option<Spe
         held.mark_stale();
     }
     let st = s.stats;
+    shared.metrics.spec_drafted.inc_by(st.drafted as u64);
+    shared.metrics.spec_accepted.inc_by(st.accepted as u64);
     if let Ok(mut all) = shared.spec.lock() {
         let t = all.get_or_insert_with(SpecStats::default);
         t.drafted += st.drafted;
@@ -911,21 +1107,21 @@ fn log_done(a: &Active, finish: Finish) {
         ));
     }
     eprintln!(
-        "lathe serve: {} prompt {} ({} cached), generated {}{rate}, first token {:.0} ms, {:?}",
+        "lathe serve: {} prompt {} ({} cached), generated {}{rate}, first token {:.0} ms, finish {}",
         a.job.id,
         a.job.prompt.len(),
         a.n_cached,
         a.n_generated,
         ttft.as_secs_f64() * 1e3,
-        finish
+        finish.as_str()
     );
 }
 
 /// What a slot's forward returns for sampling: the sampler's plan
 /// ([`crate::sample::SamplerConfig::gpu_want`]: the best logits, found on the GPU, for greedy
-/// and top-k), but full logits when `logit_bias` changes them first.
+/// and top-k), but full logits when `logit_bias` or a constraint's mask changes them first.
 fn want_of(a: &Active) -> Want {
-    if a.job.logit_bias.is_empty() {
+    if a.job.logit_bias.is_empty() && a.job.constraint.is_none() {
         a.sampler.config.gpu_want(a.job.logprobs)
     } else {
         Want::Last
@@ -949,6 +1145,10 @@ fn sample_one(a: &mut Active, history: &[u32], logits: &mut Logits) -> (u32, Opt
         }
     }
     let raw = a.job.logprobs.map(|_| logits.to_vec());
+    // Masked before every sampler step (penalties, top-k, ...): only what the grammar allows.
+    if let Some(mask) = a.mask.take() {
+        crate::sample::mask_logits(logits, &mask);
+    }
     let id = a.sampler.sample(logits, history);
     let lp = raw.map(|raw| logprob_of(&raw, id, a.job.logprobs.unwrap_or(0)));
     (id, lp)
