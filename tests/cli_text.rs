@@ -854,3 +854,38 @@ fn template_with_a_runaway_loop_fails() {
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("fuel limit"), "{}", stderr(&o));
 }
+
+/// `lathe template` on a template that builds a huge value exits 1 with the limit named
+/// (it used to abort on an allocation of gigabytes), and a `raise_exception` message reaches
+/// stderr with its control characters escaped.
+#[test]
+fn template_limits_and_escaped_exceptions() {
+    let s = scratch("template-hostile");
+    let m = s.join("m.json");
+    std::fs::write(&m, r#"[{"role": "user", "content": "hi"}]"#).unwrap();
+    let run = |name: &str, source: &str| {
+        let t = s.join(name);
+        std::fs::write(&t, source).unwrap();
+        lathe(&[
+            "template",
+            "-t",
+            t.to_str().unwrap(),
+            "--messages",
+            m.to_str().unwrap(),
+        ])
+    };
+    let o = run(
+        "double.jinja",
+        "{% set ns = namespace(s='ab') %}{% for i in range(48) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("value limit"), "{}", stderr(&o));
+    let o = run(
+        "raise.jinja",
+        "{{ raise_exception('bad\\u001b[31m red\\nsecond line') }}",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("bad\\u{1b}[31m red\\nsecond line"), "{e}");
+    assert!(!e.trim_end().contains(['\n', '\u{1b}']), "{e:?}");
+}
