@@ -453,6 +453,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn redirects_resolve_and_keep_the_token_only_on_the_same_origin() {
+        let base: Uri = "http://127.0.0.1:8000/a/resolve/main/x.gguf"
+            .parse()
+            .unwrap();
+        let to = |l: &str| redirect_target(&base, l).unwrap();
+        assert_eq!(to("/cdn/x").to_string(), "http://127.0.0.1:8000/cdn/x");
+        assert_eq!(
+            to("y.gguf").to_string(),
+            "http://127.0.0.1:8000/a/resolve/main/y.gguf"
+        );
+        assert!(same_origin(&base, &to("/cdn/x")));
+        assert!(!same_origin(&base, &to("http://127.0.0.1:8001/cdn/x")));
+        assert!(!same_origin(&base, &to("https://127.0.0.1:8000/cdn/x")));
+        let https: Uri = "https://hf.co/x".parse().unwrap();
+        assert!(same_origin(&https, &"https://HF.co:443/y".parse().unwrap()));
+    }
+
+    #[test]
     fn git_files_are_checked_against_their_blob_id() {
         // `printf 'hello\n' | git hash-object --stdin`
         let file = RemoteFile {

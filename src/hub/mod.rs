@@ -463,6 +463,20 @@ impl Fetcher<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_are_redacted_and_dot_parts_refused() {
+        assert_eq!(
+            redact_credentials("cannot reach https://u:pw@hub.example:8443/api (x) or http://a@b"),
+            "cannot reach https://***@hub.example:8443/api (x) or http://***@b"
+        );
+        assert_eq!(redact_credentials("http://h/a@b"), "http://h/a@b");
+        for bad in ["a/./b", "./a", "a/..", "a//b", "", "a\nb", "a\u{1b}b"] {
+            assert!(!valid_file_path(bad), "{bad:?}");
+        }
+        assert!(valid_file_path("sub/model.gguf"));
+    }
+
     use std::path::Path;
 
     fn r(repo: &str, quant: Option<&str>, file: Option<&str>) -> Option<ModelRef> {

@@ -993,6 +993,14 @@ mod tests {
     }
 
     #[test]
+    fn assignments_pass_through_the_size_check() {
+        assert_eq!(
+            rewrite_tags("{%- set ns.s = ns.s ~ '%}' -%}{% set a, b = 1, 2 %}{% set x %}y{% endset %}"),
+            "{%- set ns.s = ( ns.s ~ '%}' )|__lathe_checked -%}{% set a, b = ( 1, 2 )|__lathe_checked %}{% set x %}y{% endset %}"
+        );
+    }
+
+    #[test]
     fn generation_tags_keep_whitespace_control() {
         let src = "a{%- generation -%} b {% endgeneration %}c";
         assert_eq!(rewrite_tags(src), "a{%- if true -%} b {% endif %}c");
