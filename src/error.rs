@@ -1,7 +1,7 @@
 //! lathe's error type. Every error a user can cause names the file and the tensor, key or
 //! field involved, so the CLI can print one line that says what is wrong and where.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Result with lathe's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -67,6 +67,20 @@ pub fn shown_bytes(bytes: &[u8]) -> String {
     s
 }
 
+/// Text from a file or a server (a template's `raise_exception` message, a Hub file name) as
+/// a message shows it whole: control characters escaped (`\n`, `\u{1b}`), so it cannot break
+/// a line or drive the terminal.
+pub fn escaped(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let esc = c.is_control().then(|| c.escape_default());
+            esc.into_iter()
+                .flatten()
+                .chain((!c.is_control()).then_some(c))
+        })
+        .collect()
+}
+
 /// `name` escaped and cut; `len` is the length in bytes of the whole name.
 fn shown_of(name: &str, len: usize) -> String {
     let mut out = String::new();
@@ -82,6 +96,20 @@ fn shown_of(name: &str, len: usize) -> String {
         }
     }
     out
+}
+
+/// Opens `path` for reading when it is a regular file (links followed): opening a FIFO
+/// blocks until a writer comes, and a device (`/dev/zero`) never ends, so either is an error
+/// naming the path instead of a hang.
+pub fn open_regular(path: &Path) -> Result<std::fs::File> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::format(
+            path,
+            "not a regular file (a FIFO, device or socket cannot be read as a model)",
+        ));
+    }
+    std::fs::File::open(path).map_err(|e| Error::io(path, e))
 }
 
 impl Error {

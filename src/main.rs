@@ -256,6 +256,8 @@ fn run(cli: Cli) -> lathe::Result<()> {
             moe,
         } => {
             moe.check()?;
+            // Before the model loads and computes (seconds to minutes), not after.
+            lathe::npy::check_writable(&out)?;
             let model = resolve_model(model)?;
             let toks = lathe::npy::read_i64(&tokens)?;
             if toks.shape.len() != 1 || toks.data.is_empty() {

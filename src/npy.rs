@@ -181,6 +181,26 @@ fn write_raw(path: &Path, descr: &str, shape: &[usize], data: &[u8]) -> Result<(
     std::fs::write(path, out).map_err(|e| Error::io(path, e))
 }
 
+/// Refuses an output path that a later write would refuse: a directory, or one in a folder
+/// that does not exist. Commands check before their work, so a typo costs no computation.
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::Invalid(format!(
+            "{}: is a directory; name the .npy file to write",
+            path.display()
+        )));
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(dir) = parent.filter(|d| !d.is_dir()) {
+        return Err(Error::Invalid(format!(
+            "{}: no folder {} to write it in",
+            path.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Write an f32 array (`<f4`).
 pub fn write_f32(path: impl AsRef<Path>, shape: &[usize], data: &[f32]) -> Result<()> {
     assert_eq!(shape.iter().product::<usize>(), data.len());

@@ -854,3 +854,113 @@ fn template_with_a_runaway_loop_fails() {
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("fuel limit"), "{}", stderr(&o));
 }
+
+/// `lathe template` on a template that builds a huge value exits 1 with the limit named
+/// (it used to abort on an allocation of gigabytes), and a `raise_exception` message reaches
+/// stderr with its control characters escaped.
+#[test]
+fn template_limits_and_escaped_exceptions() {
+    let s = scratch("template-hostile");
+    let m = s.join("m.json");
+    std::fs::write(&m, r#"[{"role": "user", "content": "hi"}]"#).unwrap();
+    let run = |name: &str, source: &str| {
+        let t = s.join(name);
+        std::fs::write(&t, source).unwrap();
+        lathe(&[
+            "template",
+            "-t",
+            t.to_str().unwrap(),
+            "--messages",
+            m.to_str().unwrap(),
+        ])
+    };
+    let o = run(
+        "double.jinja",
+        "{% set ns = namespace(s='ab') %}{% for i in range(48) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("value limit"), "{}", stderr(&o));
+    let o = run(
+        "raise.jinja",
+        "{{ raise_exception('bad\\u001b[31m red\\nsecond line') }}",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("bad\\u{1b}[31m red\\nsecond line"), "{e}");
+    assert!(!e.trim_end().contains(['\n', '\u{1b}']), "{e:?}");
+}
+
+/// Inputs that used to be read without end or checked late: `tokenize --file /dev/zero`
+/// stops at the line limit, `logits --out DIR` fails before loading anything, `-m` on a FIFO
+/// is an error instead of a hang, and config.json's standard keys with the wrong type are
+/// errors naming the key.
+#[test]
+fn unbounded_and_late_inputs_fail_at_once() {
+    let s = scratch("unbounded");
+    let model = tiny().join("model-f32.gguf");
+    let vocab = root().join("tests/fixtures/tokenizer/deepseek-v4");
+    let o = lathe(&[
+        "tokenize",
+        "-m",
+        vocab.to_str().unwrap(),
+        "--file",
+        "/dev/zero",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("longer than"), "{}", stderr(&o));
+    let ids = s.join("ids.npy");
+    lathe::npy::write_i32(&ids, &[2], &[1, 2]).unwrap();
+    let t0 = std::time::Instant::now();
+    let o = lathe(&[
+        "logits",
+        "-m",
+        model.to_str().unwrap(),
+        "--tokens",
+        ids.to_str().unwrap(),
+        "--out",
+        s.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("is a directory"), "{}", stderr(&o));
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+    let fifo = s.join("model.gguf");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lathe"))
+        .args(["inspect", fifo.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > std::time::Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("lathe inspect FIFO hangs");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    assert!(stderr(&o).contains("not a regular file"), "{}", stderr(&o));
+
+    let src = root().join("tests/fixtures/hf/qwen35-tiny");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for (key, bad) in [
+        ("tie_word_embeddings", json!("yes")),
+        ("max_position_embeddings", json!("x")),
+    ] {
+        let dir = s.join(key);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+        let mut c = config.clone();
+        c[key] = bad;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        let o = lathe(&["inspect", dir.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{key}: {}", stderr(&o));
+        assert!(stderr(&o).contains(key), "{key}: {}", stderr(&o));
+    }
+}

@@ -487,10 +487,8 @@ const FRAGMENTS: &[&str] = &[
     "{{ 'ab' * 100000 }}",
     "{{ 'x' * 1000000 }}",
     "{% set ns = namespace(s='ab') %}",
-    // Growth by a constant per step, which the fuel bounds. Doubling (`ns.s ~ ns.s`) is
-    // left out: fuel counts steps, not bytes, and minijinja has no memory limit, so 40
-    // doublings in a loop would take a terabyte (a known gap, see the template module).
     "{% set ns.s = ns.s ~ 'xy' %}",
+    "{% set ns.s = ns.s ~ ns.s %}",
     "{{ ns.s|length }}",
     "{% macro f(x) %}{{ x }}{{ f(x) }}{% endmacro %}{{ f(1) }}",
     "{{ raise_exception('no') }}",
@@ -514,6 +512,7 @@ fn chat_templates() {
     let limits = TemplateLimits {
         fuel: 500_000,
         max_output: 4 << 20,
+        ..TemplateLimits::default()
     };
     let mut t = Tally::default();
     for i in 0..400 {
@@ -539,6 +538,77 @@ fn chat_templates() {
         });
     }
     t.check("chat templates", true);
+}
+
+/// Templates that build huge values in a few steps, each construct that used to take
+/// gigabytes (and abort the process) or overflow the stack: every one stops with an error
+/// naming the limit, quickly, and the process stays small.
+#[test]
+fn templates_that_build_huge_values() {
+    let double = |init: &str, step: &str, n: usize| {
+        format!(
+            "{{% set ns = namespace(v={init}) %}}{{% for i in range({n}) %}}{{% set ns.v = {step} %}}{{% endfor %}}{{{{ ns.v|tojson|length }}}}"
+        )
+    };
+    let nest = |n: usize| {
+        format!("{{% set ns = namespace(l=[]) %}}{{% for i in range({n}) %}}{{% set ns.l = [ns.l] %}}{{% endfor %}}{{{{ ns.l|tojson }}}}")
+    };
+    let cases = [
+        double("'ab'", "ns.v ~ ns.v", 48),
+        double("'ab'", "ns.v + ns.v", 48),
+        double("[1, 2]", "ns.v + ns.v", 64),
+        double("{}", "{'a': ns.v, 'b': ns.v}", 48),
+        "{% set l = [1] * 1000000000 %}{{ l|join(',') }}".into(),
+        double("'a' * 1000", "ns.v.replace('a', 'aaaaaaaaaa')", 12),
+        double("'a' * 1000", "ns.v|replace('a', 'aaaaaaaaaa')", 12),
+        "{{ ('a\n' * 8)|indent(3000000000) }}".into(),
+        "{{ ('a\n' * 8)|indent(width=3000000000) }}".into(),
+        "{{ '%3000000000d'|format(1) }}".into(),
+        "{{ '{:>3000000000}'.format(1) }}".into(),
+        "{{ ('a' * 100000000)|replace('a', 'a' * 100) }}".into(),
+        "{{ ('a' * 100000000).replace('a', 'aa') }}".into(),
+        "{{ (['x' * 10000000] * 100000)|join(',') }}".into(),
+        "{{ [1]|tojson(indent=3000000000) }}".into(),
+        "{% set ns = namespace(s='x' * 10000000) %}{% set c %}{% for i in range(100000) %}{{ ns.s }}{% endfor %}{% endset %}{{ c|length }}".into(),
+        nest(5000),
+        nest(20_000),
+    ];
+    let mut t = Tally::default();
+    for (i, src) in cases.iter().enumerate() {
+        let messages = json!([{"role": "user", "content": "hi"}]);
+        t.run(i, CASE_LIMIT, || {
+            let tmpl = ChatTemplate::new(src).map_err(|e| e.to_string())?;
+            let e = tmpl
+                .render(&messages, true, &Map::new())
+                .expect_err(src)
+                .to_string();
+            assert!(e.contains("limit"), "{src}: {e}");
+            Err(e)
+        });
+    }
+    // Messages nested deeper than `tojson` goes (serde_json's parser stops at 128, but a
+    // caller of the library may build any value; 1,000 deep, as the test thread's stack
+    // drops it).
+    let mut deep = json!("x");
+    for _ in 0..1000 {
+        deep = json!([deep]);
+    }
+    let tmpl = ChatTemplate::new("{{ messages|tojson }}").unwrap();
+    t.run(cases.len(), CASE_LIMIT, || {
+        let e = tmpl
+            .render(&deep, true, &Map::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("depth limit"), "{e}");
+        Err(e)
+    });
+    // The same constructs at sizes within the limits still render.
+    let fine = ChatTemplate::new(&double("'ab'", "ns.v ~ ns.v", 10)).unwrap();
+    t.run(cases.len() + 1, CASE_LIMIT, || {
+        assert_eq!(fine.render(&json!([]), true, &Map::new()).unwrap(), "2050");
+        Ok(())
+    });
+    t.check("templates that build huge values", false);
 }
 
 #[test]
@@ -584,4 +654,87 @@ fn server_request_fields() {
         });
     }
     t.check("server request fields", true);
+}
+
+/// Slowloris against a live `lathe serve`: 40 connections from 127.0.0.2 that send half a
+/// request head and then nothing (they would hold their slots until --header-timeout, 30 s)
+/// take at most --max-client-connections of the 16 slots, and `/health` from 127.0.0.1
+/// still answers at once; the connections past the share get a 503.
+#[test]
+fn slowloris_leaves_room_for_health() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Command, Stdio};
+    let model = root().join("tests/fixtures/models/qwen35-tiny/model-f32.gguf");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lathe"))
+        .args(["serve", "--model"])
+        .arg(&model)
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--max-connections",
+            "16",
+        ])
+        .args([
+            "--max-client-connections",
+            "8",
+            "--debug-load-delay-ms",
+            "60000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stderr = child.stderr.take().unwrap();
+    let _server = Kill(child);
+    let addr = BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.split("listening on http://").nth(1).map(str::to_string))
+        .expect("the server's address");
+    let addr: std::net::SocketAddr = addr.trim().parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let slow: Vec<std::net::TcpStream> = (0..40)
+        .map(|_| {
+            rt.block_on(async {
+                let s = tokio::net::TcpSocket::new_v4().unwrap();
+                s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+                let mut c = s.connect(addr).await.unwrap().into_std().unwrap();
+                c.set_nonblocking(false).unwrap();
+                c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
+                c
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    let _ = c.read_to_string(&mut answer);
+    let dt = t0.elapsed();
+    assert!(
+        answer.starts_with("HTTP/1.1 "),
+        "no answer in {dt:?}: {answer:?}"
+    );
+    assert!(dt < Duration::from_secs(3), "/health took {dt:?}");
+    // A slow connection past its address's share was told so.
+    let mut last = &slow[slow.len() - 1];
+    last.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut refused = String::new();
+    let _ = last.read_to_string(&mut refused);
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused:?}");
 }

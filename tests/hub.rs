@@ -73,6 +73,8 @@ struct Repo {
 struct Seen {
     path: String,
     range: Option<String>,
+    /// Whether the request carried an `Authorization` header.
+    auth: bool,
 }
 
 #[derive(Default)]
@@ -86,6 +88,8 @@ struct State {
     /// Files served with one byte flipped (the listing keeps the true sha256).
     corrupt: HashSet<String>,
     seen: Mutex<Vec<Seen>>,
+    /// Where LFS files redirect (`http://host:port`); None: this server's own `/cdn/`.
+    cdn: Option<String>,
 }
 
 struct Hub {
@@ -156,6 +160,7 @@ fn handle(mut s: TcpStream, st: &State) {
     st.seen.lock().unwrap().push(Seen {
         path: path.clone(),
         range: headers.get("range").cloned(),
+        auth: headers.contains_key("authorization"),
     });
     if let Some(rest) = path.strip_prefix("/cdn/") {
         let [owner, name, file] = rest.splitn(3, '/').collect::<Vec<_>>()[..] else {
@@ -208,7 +213,11 @@ fn handle(mut s: TcpStream, st: &State) {
                 h.push(("X-Linked-Etag".into(), format!("\"{}\"", f.sha256)));
                 h.push(("X-Linked-Size".into(), f.data.len().to_string()));
                 h.push(("ETag".into(), format!("\"{}\"", f.blob_id)));
-                h.push(("Location".into(), format!("/cdn/{owner}/{name}/{file}")));
+                let cdn = st.cdn.as_deref().unwrap_or("");
+                h.push((
+                    "Location".into(),
+                    format!("{cdn}/cdn/{owner}/{name}/{file}"),
+                ));
                 respond(&mut s, "302 Found", &h, b"");
             } else {
                 h.push(("ETag".into(), format!("\"{}\"", f.blob_id)));
@@ -812,4 +821,143 @@ fn errors_name_the_repo_and_the_file() {
         .unwrap();
     assert!(ok(&o).contains("qwen35"), "{}", stdout(&o));
     assert_eq!(hub.seen().len(), n);
+}
+
+/// Waits for `cmd` at most `limit`, killing it past that (a hang fails the test, not CI).
+fn output_within(mut cmd: Command, limit: std::time::Duration) -> Output {
+    let mut child = cmd.spawn().expect("run lathe");
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            panic!("lathe took more than {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// HF_TOKEN reaches the Hub and follows a redirect that keeps scheme, host and port (the
+/// mock's own `/cdn/`), but not one to another port of the same host (ureq's same-host rule
+/// compared host names only).
+#[test]
+fn the_token_does_not_follow_a_redirect_to_another_port() {
+    let cdn = Hub::start(state(vec![("test/tiny-GGUF", tiny_repo())]));
+    let mut st = state(vec![("test/tiny-GGUF", tiny_repo())]);
+    st.cdn = Some(cdn.url.clone());
+    let hub = Hub::start(st);
+    let token = [("HF_TOKEN", "hf_secret")];
+    let h = home("redirect-port");
+    ok(&lathe(
+        &h,
+        &hub.url,
+        &token,
+        &["pull", "test/tiny-GGUF:Q4_0"],
+    ));
+    assert!(hub.seen().iter().all(|s| s.auth), "{:?}", hub.seen());
+    let got = cdn.seen();
+    assert!(!got.is_empty() && got.iter().all(|s| !s.auth), "{got:?}");
+    // Same scheme, host and port: the token goes along.
+    let same = Hub::start(state(vec![("test/tiny-GGUF", tiny_repo())]));
+    let h = home("redirect-same");
+    ok(&lathe(
+        &h,
+        &same.url,
+        &token,
+        &["pull", "test/tiny-GGUF:Q4_0"],
+    ));
+    let cdn_hits: Vec<Seen> = same.downloads();
+    assert!(cdn_hits.iter().any(|s| s.path.starts_with("/cdn/")));
+    assert!(cdn_hits.iter().all(|s| s.auth), "{cdn_hits:?}");
+}
+
+/// A cached snapshot with symlink loops (`ln -s . self`, twice) is listed, used offline and
+/// removed at once, without `self/self/...` entries; `rm` reports removed only the files
+/// inside the cache (not one that a link leads out to, which stays).
+#[test]
+fn symlink_loops_and_links_out_of_the_cache() {
+    let hub = Hub::start(state(vec![("test/tiny-GGUF", tiny_repo())]));
+    let h = home("loops");
+    ok(&lathe(&h, &hub.url, &[], &["pull", "test/tiny-GGUF:Q4_0"]));
+    let snap = snapshot(&h, "test/tiny-GGUF");
+    std::os::unix::fs::symlink(".", snap.join("self")).unwrap();
+    std::os::unix::fs::symlink(".", snap.join("again")).unwrap();
+    let outside = h.join("outside.txt");
+    std::fs::write(&outside, "not the cache's").unwrap();
+    std::os::unix::fs::symlink(&outside, snap.join("outside.txt")).unwrap();
+    let limit = std::time::Duration::from_secs(20);
+    let ls = ok(&output_within(lathe_cmd(&h, &hub.url, &[], &["ls"]), limit));
+    assert!(!ls.contains("self") && !ls.contains("again"), "{ls}");
+    assert_eq!(ls.lines().count(), 2, "{ls}");
+    let offline = [("HF_HUB_OFFLINE", "1")];
+    let mut run = lathe_cmd(
+        &h,
+        "http://127.0.0.1:9",
+        &offline,
+        &["inspect", "test/tiny-GGUF:Q4_0"],
+    );
+    run.stdout(Stdio::null());
+    ok(&output_within(run, limit));
+    let rm = ok(&output_within(
+        lathe_cmd(&h, &hub.url, &[], &["rm", "test/tiny-GGUF"]),
+        limit,
+    ));
+    assert!(rm.contains("model-q4_0.gguf"), "{rm}");
+    assert!(!rm.contains("outside.txt"), "{rm}");
+    assert!(outside.exists());
+}
+
+/// Hub file names with `.` parts or control characters, or listed twice, are refused before
+/// anything is written; cached names with control characters are escaped by `ls`; and
+/// credentials in HF_ENDPOINT never reach an error message.
+#[test]
+fn hostile_names_and_endpoint_credentials() {
+    let with = |extra: &str| {
+        let mut r = tiny_repo();
+        r.files.push(MockFile::new(extra, b"x".to_vec()));
+        r
+    };
+    let hub = Hub::start(state(vec![
+        ("test/dot-GGUF", with("sub/./README.md")),
+        ("test/lead-GGUF", with("./README.md")),
+        ("test/newline-GGUF", with("a\nb.md")),
+        ("test/esc-GGUF", with("a\u{1b}[2Jb.md")),
+        ("test/twice-GGUF", with("README.md")),
+    ]));
+    let h = home("names");
+    for repo in [
+        "test/dot-GGUF",
+        "test/lead-GGUF",
+        "test/newline-GGUF",
+        "test/esc-GGUF",
+    ] {
+        let o = lathe(&h, &hub.url, &[], &["pull", repo]);
+        fails_with(&o, &[repo, "no valid `rfilename`"]);
+        assert!(!stderr(&o).contains('\u{1b}'), "{}", stderr(&o));
+    }
+    fails_with(
+        &lathe(&h, &hub.url, &[], &["pull", "test/twice-GGUF"]),
+        &["test/twice-GGUF", "README.md twice"],
+    );
+    for repo in ["test/dot-GGUF", "test/lead-GGUF", "test/twice-GGUF"] {
+        assert!(!snapshot(&h, repo).exists(), "{repo}");
+    }
+
+    // A cache written by another tool with a tab and a newline in a name: one line, escaped.
+    let hub2 = Hub::start(state(vec![("test/tiny-GGUF", tiny_repo())]));
+    ok(&lathe(&h, &hub2.url, &[], &["pull", "test/tiny-GGUF:Q4_0"]));
+    std::fs::write(snapshot(&h, "test/tiny-GGUF").join("odd\tname\n.md"), "x").unwrap();
+    let ls = ok(&lathe(&h, &hub2.url, &[], &["ls"]));
+    assert_eq!(ls.lines().count(), 2, "{ls}");
+    assert!(ls.contains("odd\\tname\\n.md"), "{ls}");
+    assert!(ls.lines().all(|l| l.split('\t').count() == 4), "{ls}");
+
+    let o = lathe(
+        &h,
+        "http://user:hunter2@127.0.0.1:9",
+        &[],
+        &["pull", "test/nothing-GGUF"],
+    );
+    fails_with(&o, &["test/nothing-GGUF", "***@127.0.0.1:9"]);
+    assert!(!stderr(&o).contains("hunter2"), "{}", stderr(&o));
 }

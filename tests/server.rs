@@ -1726,3 +1726,40 @@ fn metrics_tokenize_props_slots_and_rejection_log() {
         "finish reasons as words: {log}"
     );
 }
+
+/// A GGUF whose chat template builds huge values (a string doubled in a loop, a list nested
+/// 20,000 deep and printed with `tojson`) used to abort `lathe serve` (out of memory, or the
+/// HTTP thread's stack): each chat request is a 400 naming the limit, and the server goes on
+/// serving.
+#[test]
+fn template_that_builds_huge_values_is_a_400() {
+    let src = GgufFile::open(model()).unwrap();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server-test-hostile-template.gguf");
+    let template = "{% set ns = namespace(s='ab', l=[]) %}\
+        {% if messages[0].content == 'deep' %}\
+        {% for i in range(20000) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l|tojson }}\
+        {% else %}\
+        {% for i in range(48) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}\
+        {% endif %}";
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata() {
+        w.set(k.clone(), v.clone()).unwrap();
+    }
+    w.set("tokenizer.chat_template", template).unwrap();
+    let tensors: Vec<_> = src.tensors().collect();
+    for t in &tensors {
+        w.add_tensor_info(t.name, t.dtype, t.shape).unwrap();
+    }
+    w.write(&out, |i, o| o.write_all(tensors[i].data)).unwrap();
+    let s = Server::launch(&out, &[], true);
+    for text in ["double", "deep"] {
+        let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2});
+        let (st, e) = s.post("/v1/chat/completions", &body);
+        assert_eq!(st, 400, "{text}: {e}");
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("limit"), "{text}: {msg}");
+        assert_eq!(s.get("/health").0, 200, "{text}");
+    }
+    let (st, r) = s.post("/v1/completions", &completion("Still here", 2));
+    assert_eq!(st, 200, "{r}");
+}

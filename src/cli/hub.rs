@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use lathe::error::escaped;
 use lathe::hub::{self, cache, HubConfig, ModelRef};
 use lathe::inspect::human_bytes;
 use lathe::{Error, Result};
@@ -45,7 +46,7 @@ pub struct PullArgs {
 pub fn pull(a: PullArgs) -> Result<()> {
     let model = parse_name(&a.model)?;
     let path = hub::resolve(&HubConfig::from_env(), &model, &mut Bar::default())?;
-    println!("{}", path.display());
+    println!("{}", escaped(&path.display().to_string()));
     Ok(())
 }
 
@@ -56,11 +57,13 @@ pub fn ls() -> Result<()> {
     if files.is_empty() {
         eprintln!("no models in {}", cfg.cache_dir.display());
     }
+    // Names come from the cache, which other tools write too: a tab or newline in one must
+    // not break the tab-separated lines.
     for f in files {
         println!(
             "{}\t{}\t{}\t{}",
             f.repo,
-            f.file,
+            escaped(&f.file),
             human_bytes(f.size),
             f.quant.as_deref().unwrap_or("-")
         );
@@ -81,7 +84,7 @@ pub fn rm(a: RmArgs) -> Result<()> {
     let cfg = HubConfig::from_env();
     let removed = cache::remove(&cfg.cache_dir, &model.repo, model.quant.as_deref())?;
     for (repo, file) in &removed.files {
-        println!("removed {repo}\t{file}");
+        println!("removed {repo}\t{}", escaped(file));
     }
     eprintln!("freed {}", human_bytes(removed.bytes));
     Ok(())
@@ -109,7 +112,7 @@ impl hub::Progress for Bar {
         } else {
             String::new()
         };
-        bar.set_message(format!("downloaded {file}{resumed}"));
+        bar.set_message(format!("downloaded {}{resumed}", escaped(file)));
         // Speed and ETA count only this run's bytes.
         bar.set_position(done);
         bar.reset_eta();

@@ -56,6 +56,11 @@ pub struct ServeArgs {
     /// Connections held open at once; further clients wait until one closes.
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub max_connections: usize,
+    /// Connections one client address may hold at once; the last eighth of
+    /// --max-connections is kept for addresses that hold none (a slow client cannot take
+    /// them all, and `/health` still answers).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_client_connections: usize,
     /// Steps (template instructions) one chat template rendering may take before the
     /// request fails with 400: a template whose loops run away cannot hold a CPU.
     #[arg(long, value_name = "N", default_value_t = TemplateLimits::default().fuel)]
@@ -143,6 +148,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.header_timeout = seconds("header-timeout", a.header_timeout)?;
     cfg.body_timeout = seconds("body-timeout", a.body_timeout)?;
     cfg.max_connections = a.max_connections;
+    cfg.max_client_connections = a.max_client_connections;
     cfg.template_limits.fuel = a.template_fuel;
     cfg.api_key = a
         .api_key

@@ -1,6 +1,6 @@
 //! `lathe tokenize` and `lathe template`: the text front end alone, without a model on the GPU.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
 
 use clap::Args;
@@ -88,6 +88,9 @@ fn has_gguf_magic(path: &Path) -> Result<bool> {
     Ok(std::io::Read::read_exact(&mut f, &mut magic).is_ok() && &magic == b"GGUF")
 }
 
+/// Longest line `tokenize --file` reads.
+const MAX_LINE: usize = 64 << 20;
+
 pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     let tok = load_tokenizer(&args.model)?;
     let parse_special = !args.no_parse_special;
@@ -106,9 +109,31 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
         (Some(text), _) => writeln!(w, "{}", encode(text)?).map_err(write_err)?,
         (None, Some(file)) => {
             let f = std::fs::File::open(file).map_err(|e| Error::io(file, e))?;
-            for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
-                let line = line.map_err(|e| Error::io(file, e))?;
-                let text: String = serde_json::from_str(&line).map_err(|e| {
+            let mut r = std::io::BufReader::new(f);
+            let mut raw = Vec::new();
+            for i in 0.. {
+                raw.clear();
+                // A line at most MAX_LINE bytes: `/dev/zero` (or a file with no newline)
+                // would otherwise be read until memory runs out.
+                let n = (&mut r)
+                    .take(MAX_LINE as u64 + 1)
+                    .read_until(b'\n', &mut raw)
+                    .map_err(|e| Error::io(file, e))?;
+                if n == 0 {
+                    break;
+                }
+                if raw.len() > MAX_LINE {
+                    return Err(Error::format(
+                        file,
+                        format!(
+                            "line {}: longer than {MAX_LINE} bytes (one JSON string per line)",
+                            i + 1
+                        ),
+                    ));
+                }
+                let line = std::str::from_utf8(&raw)
+                    .map_err(|e| Error::format(file, format!("line {}: not UTF-8 ({e})", i + 1)))?;
+                let text: String = serde_json::from_str(line).map_err(|e| {
                     Error::format(
                         file,
                         format!("line {}: not a JSON string ({e}); write one JSON string per line, e.g. \"Hello\\n\"", i + 1),

@@ -73,7 +73,7 @@ fn parse_split_name(path: &Path) -> Option<(PathBuf, usize, usize)> {
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = crate::error::open_regular(path)?;
     // SAFETY: the map is read-only and lives as long as the GgufFile. As with every
     // mmap-based loader (llama.cpp included), a file truncated or rewritten by another
     // process while mapped is outside what we can guard against.

@@ -110,6 +110,10 @@ fn make_link(_target: &str, blob: &Path, pointer: &Path) -> Result<()> {
         .map_err(|e| Error::io(pointer, e))
 }
 
+/// The files under `dir`, descending into real folders only: a symlink to a folder (two
+/// `ln -s .` links make the walk grow exponentially, one lists `self/self/...`) is not a
+/// file huggingface_hub writes, so it is skipped; links to files are followed, and a dangling
+/// one is skipped.
 fn walk(dir: &Path, prefix: &str, out: &mut Vec<(String, u64)>) {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return;
@@ -119,11 +123,10 @@ fn walk(dir: &Path, prefix: &str, out: &mut Vec<(String, u64)>) {
             continue;
         };
         let rel = format!("{prefix}{name}");
-        // metadata() follows the link: a dangling one fails and is skipped.
-        match std::fs::metadata(ent.path()) {
-            Ok(m) if m.is_dir() => walk(&ent.path(), &format!("{rel}/"), out),
-            Ok(m) => out.push((rel, m.len())),
-            Err(_) => {}
+        match (ent.file_type(), std::fs::metadata(ent.path())) {
+            (Ok(t), Ok(_)) if t.is_dir() => walk(&ent.path(), &format!("{rel}/"), out),
+            (Ok(_), Ok(m)) if m.is_file() => out.push((rel, m.len())),
+            _ => {}
         }
     }
 }
@@ -229,9 +232,18 @@ pub fn remove(cache_dir: &Path, repo: &str, quant: Option<&str>) -> Result<Remov
         .filter_map(|e| e.file_name().to_str().map(str::to_string))
         .collect();
     let Some(quant) = quant else {
+        // remove_dir_all deletes links, never what they point at: a file whose link leads
+        // out of the repo's folder stays, and is not reported removed.
+        let inside = cache
+            .dir
+            .canonicalize()
+            .map_err(|e| Error::io(&cache.dir, e))?;
         for commit in &commits {
             for (file, _) in cache.snapshot_files(commit) {
-                removed.files.push((repo.to_string(), file));
+                let real = cache.snapshot(commit).join(&file).canonicalize();
+                if real.is_ok_and(|r| r.starts_with(&inside)) {
+                    removed.files.push((repo.to_string(), file));
+                }
             }
         }
         removed.bytes = dir_bytes(&cache.blobs_dir());

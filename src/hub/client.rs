@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use sha1::Sha1;
 use sha2::{Digest, Sha256};
-use ureq::config::RedirectAuthHeaders;
+use ureq::http::Uri;
 
 use super::cache::RepoCache;
 use super::{HubConfig, Progress};
@@ -65,6 +65,41 @@ pub struct Client {
     token: Option<String>,
 }
 
+/// Redirects one request may take (ureq's default).
+const MAX_REDIRECTS: usize = 10;
+
+/// Where a `Location` leads from `base`: an absolute URL, a path on the same host, or a path
+/// relative to `base`'s folder (RFC 9110 §10.2.2 allows all three).
+fn redirect_target(base: &Uri, location: &str) -> Option<Uri> {
+    if let Ok(u) = location.parse::<Uri>() {
+        if u.scheme().is_some() && u.authority().is_some() {
+            return Some(u);
+        }
+    }
+    let origin = format!("{}://{}", base.scheme_str()?, base.authority()?);
+    let path = if location.starts_with('/') {
+        location.to_string()
+    } else {
+        let dir = base.path().rsplit_once('/').map_or("", |(d, _)| d);
+        format!("{dir}/{location}")
+    };
+    format!("{origin}{path}").parse().ok()
+}
+
+/// Scheme, host and port (the scheme's default when none is written) all equal.
+fn same_origin(a: &Uri, b: &Uri) -> bool {
+    let port = |u: &Uri| {
+        u.port_u16().or(match u.scheme_str() {
+            Some("https") => Some(443),
+            Some("http") => Some(80),
+            _ => None,
+        })
+    };
+    a.scheme() == b.scheme()
+        && a.host().map(str::to_ascii_lowercase) == b.host().map(str::to_ascii_lowercase)
+        && port(a) == port(b)
+}
+
 /// Bytes read from the network per write (and per progress update).
 const CHUNK: usize = 1 << 20;
 
@@ -89,8 +124,9 @@ impl Client {
     pub fn new(cfg: &HubConfig) -> Self {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            // Keep the token on a same-host redirect (a renamed repo), never send it to the CDN.
-            .redirect_auth_headers(RedirectAuthHeaders::SameHost)
+            // Redirects are followed in `get`, which compares the port as well (ureq's
+            // same-host rule compares host names only).
+            .max_redirects(0)
             .timeout_connect(Some(Duration::from_secs(10)))
             // A stalled transfer fails (and resumes on the next run) instead of hanging.
             .timeout_recv_response(Some(Duration::from_secs(60)))
@@ -105,15 +141,41 @@ impl Client {
         }
     }
 
+    /// GET `url`, following up to [`MAX_REDIRECTS`] redirects. `HF_TOKEN` goes along only
+    /// while scheme, host and port stay those of the request before (huggingface_hub's
+    /// `_should_keep_auth`/requests' `should_strip_auth`): a renamed repo keeps it, the CDN
+    /// and another port of the same host never see it.
     fn get(&self, url: &str, range_from: u64) -> Result<ureq::http::Response<ureq::Body>, Fail> {
-        let mut req = self.agent.get(url);
-        if let Some(t) = &self.token {
-            req = req.header("Authorization", format!("Bearer {t}"));
-        }
-        if range_from > 0 {
-            req = req.header("Range", format!("bytes={range_from}-"));
-        }
-        let resp = req.call().map_err(|e| Fail::Network(e.to_string()))?;
+        let mut uri: Uri = url
+            .parse()
+            .map_err(|e| Fail::Other(Error::Invalid(format!("{url}: not a URL: {e}"))))?;
+        let mut token = self.token.as_deref();
+        let mut hops = 0;
+        let resp = loop {
+            let mut req = self.agent.get(uri.clone());
+            if let Some(t) = token {
+                req = req.header("Authorization", format!("Bearer {t}"));
+            }
+            if range_from > 0 {
+                req = req.header("Range", format!("bytes={range_from}-"));
+            }
+            let resp = req.call().map_err(|e| Fail::Network(e.to_string()))?;
+            let location = resp.headers().get("Location").and_then(|v| v.to_str().ok());
+            let (true, Some(location)) = (resp.status().is_redirection(), location) else {
+                break resp;
+            };
+            hops += 1;
+            let next = redirect_target(&uri, location).filter(|_| hops <= MAX_REDIRECTS);
+            let Some(next) = next else {
+                return Err(Fail::Network(format!(
+                    "{uri}: redirected more than {MAX_REDIRECTS} times, or to `{location}`, which is not a URL"
+                )));
+            };
+            if !same_origin(&uri, &next) {
+                token = None;
+            }
+            uri = next;
+        };
         let code = resp.status().as_u16();
         if code >= 400 {
             let header = |k: &str| {
@@ -156,11 +218,17 @@ impl Client {
             .as_array()
             .ok_or_else(|| bad("no `siblings` list in the answer"))?;
         let mut files = Vec::with_capacity(siblings.len());
+        let mut seen = std::collections::HashSet::new();
         for s in siblings {
             let path = s["rfilename"]
                 .as_str()
-                .filter(|p| !p.is_empty() && !p.split('/').any(|c| c.is_empty() || c == ".."))
-                .ok_or_else(|| bad(&format!("sibling {s} has no valid `rfilename`")))?;
+                .filter(|p| super::valid_file_path(p))
+                .ok_or_else(|| bad(&format!("sibling {s} has no valid `rfilename` (a relative path without `.` or `..` parts or control characters)")))?;
+            if !seen.insert(path) {
+                return Err(bad(&format!(
+                    "the listing names {path} twice; the Hub lists each file once, so this answer is not one to download from"
+                )));
+            }
             let sha256 = s["lfs"]["sha256"]
                 .as_str()
                 .filter(|h| is_hex(h, 64))
@@ -383,6 +451,24 @@ fn hash_prefix(f: &mut File, len: u64, hasher: &mut Check) -> std::io::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redirects_resolve_and_keep_the_token_only_on_the_same_origin() {
+        let base: Uri = "http://127.0.0.1:8000/a/resolve/main/x.gguf"
+            .parse()
+            .unwrap();
+        let to = |l: &str| redirect_target(&base, l).unwrap();
+        assert_eq!(to("/cdn/x").to_string(), "http://127.0.0.1:8000/cdn/x");
+        assert_eq!(
+            to("y.gguf").to_string(),
+            "http://127.0.0.1:8000/a/resolve/main/y.gguf"
+        );
+        assert!(same_origin(&base, &to("/cdn/x")));
+        assert!(!same_origin(&base, &to("http://127.0.0.1:8001/cdn/x")));
+        assert!(!same_origin(&base, &to("https://127.0.0.1:8000/cdn/x")));
+        let https: Uri = "https://hf.co/x".parse().unwrap();
+        assert!(same_origin(&https, &"https://HF.co:443/y".parse().unwrap()));
+    }
 
     #[test]
     fn git_files_are_checked_against_their_blob_id() {

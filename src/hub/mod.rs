@@ -128,6 +128,41 @@ fn valid_repo_id(id: &str) -> bool {
     part(owner, 96) && part(name, 96)
 }
 
+/// A file path inside a repo as lathe writes it into the cache: relative, `/`-separated,
+/// without empty, `.` or `..` parts (each would point the snapshot's link somewhere else:
+/// `a/./b` at the cache root's `blobs/`, `..` out of the snapshot), and without control
+/// characters (a newline breaks `lathe ls`' lines, ESC drives the terminal).
+fn valid_file_path(path: &str) -> bool {
+    !path.is_empty()
+        && !path.chars().any(char::is_control)
+        && !path
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..")
+}
+
+/// `text` with the `user:password@` of any URL in it replaced by `***@` (HF_ENDPOINT may carry
+/// credentials; error messages name the endpoint).
+pub fn redact_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        let authority_end = tail
+            .find(|c: char| c == '/' || c == '?' || c == '#' || c.is_whitespace())
+            .unwrap_or(tail.len());
+        match tail[..authority_end].rfind('@') {
+            Some(userinfo_end) => {
+                out.push_str("***");
+                rest = &tail[userinfo_end..];
+            }
+            None => rest = tail,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 fn valid_quant(q: &str) -> bool {
     !q.is_empty()
         && q.bytes()
@@ -176,7 +211,7 @@ impl ModelRef {
             (None, _) => (name, None),
         };
         let repo = format!("{owner}/{name}");
-        let file_ok = file.is_none_or(|f| !f.split('/').any(|s| s.is_empty() || s == ".."));
+        let file_ok = file.is_none_or(valid_file_path);
         (valid_repo_id(&repo) && file_ok).then(|| ModelRef {
             repo,
             quant,
@@ -219,10 +254,10 @@ pub fn resolve(cfg: &HubConfig, model: &ModelRef, progress: &mut dyn Progress) -
             // huggingface_hub falls back to the cache when the Hub cannot be reached.
             return match from_cache(&cache, model) {
                 Ok(path) => {
-                    progress.note(&format!(
+                    progress.note(&redact_credentials(&format!(
                         "{}: cannot reach {} ({why}); using the cached snapshot",
                         model.repo, cfg.endpoint
-                    ));
+                    )));
                     Ok(path)
                 }
                 Err(_) => Err(hub_error(
@@ -311,10 +346,12 @@ fn from_cache(cache: &RepoCache, model: &ModelRef) -> std::result::Result<PathBu
     Ok(choice.local_path(&snap))
 }
 
+/// Every Hub error passes here: credentials in a URL are redacted and control characters (in
+/// names from the Hub or the cache) escaped.
 fn hub_error(model: &ModelRef, what: String) -> Error {
     Error::Hub {
         repo: model.to_string(),
-        what,
+        what: crate::error::escaped(&redact_credentials(&what)),
     }
 }
 
@@ -426,6 +463,20 @@ impl Fetcher<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_are_redacted_and_dot_parts_refused() {
+        assert_eq!(
+            redact_credentials("cannot reach https://u:pw@hub.example:8443/api (x) or http://a@b"),
+            "cannot reach https://***@hub.example:8443/api (x) or http://***@b"
+        );
+        assert_eq!(redact_credentials("http://h/a@b"), "http://h/a@b");
+        for bad in ["a/./b", "./a", "a/..", "a//b", "", "a\nb", "a\u{1b}b"] {
+            assert!(!valid_file_path(bad), "{bad:?}");
+        }
+        assert!(valid_file_path("sub/model.gguf"));
+    }
+
     use std::path::Path;
 
     fn r(repo: &str, quant: Option<&str>, file: Option<&str>) -> Option<ModelRef> {

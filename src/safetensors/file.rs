@@ -11,7 +11,6 @@ use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::fs::File;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
@@ -157,7 +156,7 @@ impl SafetensorsFile {
     /// Map `path` and validate its header.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::error::open_regular(path)?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if len < 8 {
             // Also keeps an empty file away from mmap, which refuses zero lengths.

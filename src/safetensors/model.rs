@@ -217,7 +217,7 @@ impl HfModel {
             norm.push((n, ri));
         }
 
-        Ok(HfModel {
+        let model = HfModel {
             dir,
             config,
             files,
@@ -225,7 +225,19 @@ impl HfModel {
             raw_index,
             norm,
             norm_index,
-        })
+        };
+        model.check_standard_keys()?;
+        Ok(model)
+    }
+
+    /// transformers' `PretrainedConfig` keys whose meaning lathe follows without reading a
+    /// value it needs (the output head falls back to the embedding when `lm_head` is absent;
+    /// the context is lathe's own setting), checked for their type: a wrong one is an error
+    /// naming the key, as it would be in transformers, not a value quietly ignored.
+    fn check_standard_keys(&self) -> Result<()> {
+        self.cfg_opt_bool("tie_word_embeddings")?;
+        self.cfg_opt_u64("max_position_embeddings")?;
+        Ok(())
     }
 
     pub fn dir(&self) -> &Path {

@@ -10,6 +10,7 @@
 //! model runs on one plain thread that owns the [`Engine`], so the GPU is never shared.
 
 pub mod api;
+pub mod clients;
 pub mod constrain;
 mod http;
 pub mod metrics;
@@ -54,6 +55,8 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// Connections held open at once; more wait in the listen backlog.
     pub max_connections: usize,
+    /// Connections one client address may hold at once (see [`clients`]).
+    pub max_client_connections: usize,
     /// Work and output one chat template rendering may take.
     pub template_limits: TemplateLimits,
     pub api_key: Option<String>,
@@ -93,6 +96,7 @@ impl ServerConfig {
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(60),
             max_connections: 256,
+            max_client_connections: 64,
             template_limits: TemplateLimits::default(),
             api_key: None,
             tokenizer: None,
@@ -109,7 +113,7 @@ impl ServerConfig {
     /// Refuses settings after which every request would fail (a zero body size, timeout
     /// or prompt length) or that would silently mean something else (`--parallel 0`).
     pub fn check(&self) -> Result<()> {
-        let positive: [(&str, bool); 11] = [
+        let positive: [(&str, bool); 12] = [
             ("--parallel", self.parallel > 0),
             ("--queue", self.queue > 0),
             ("--prefill-chunk", self.prefill_chunk > 0),
@@ -119,6 +123,7 @@ impl ServerConfig {
             ("--header-timeout", !self.header_timeout.is_zero()),
             ("--body-timeout", !self.body_timeout.is_zero()),
             ("--max-connections", self.max_connections > 0),
+            ("--max-client-connections", self.max_client_connections > 0),
             ("--template-fuel", self.template_limits.fuel > 0),
             ("template output limit", self.template_limits.max_output > 0),
         ];
@@ -364,6 +369,7 @@ async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
         listener,
         http::router(state),
         conns.clone(),
+        clients::ClientCounts::new(cfg.max_connections, cfg.max_client_connections),
         cfg.header_timeout,
         drain_rx,
     ));
@@ -425,16 +431,22 @@ async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
     )))
 }
 
+/// How long a refused connection gets to take its 503 (a client that reads nothing must not
+/// hold the slot).
+const REFUSAL_WRITE: Duration = Duration::from_secs(1);
+
 /// How long requests cut by a hard stop get to write their last bytes.
 const HARD_STOP_FLUSH: Duration = Duration::from_secs(2);
 
 /// Accepts connections while fewer than `conns`' permits are out, serving each on its own
-/// task (HTTP/1.1, with `header_timeout` for every request's head); when `drain` turns
-/// true, each connection finishes its request in flight and closes.
+/// task (HTTP/1.1, with `header_timeout` for every request's head) when `clients` admits its
+/// address, answering 503 and closing otherwise; when `drain` turns true, each connection
+/// finishes its request in flight and closes.
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     conns: Arc<tokio::sync::Semaphore>,
+    clients: Arc<clients::ClientCounts>,
     header_timeout: Duration,
     drain: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -442,8 +454,9 @@ async fn accept_loop(
         let Ok(permit) = conns.clone().acquire_owned().await else {
             return;
         };
-        let io = match listener.accept().await {
-            Ok((io, _)) => io,
+        let free = conns.available_permits() + 1;
+        let (io, slot) = match listener.accept().await {
+            Ok((io, peer)) => (io, clients.admit(peer.ip(), free)),
             Err(e) => {
                 // Out of file descriptors and the like: wait for connections to close.
                 eprintln!("lathe serve: accept failed: {e}");
@@ -451,10 +464,25 @@ async fn accept_loop(
                 continue;
             }
         };
+        let slot = match slot {
+            Ok(slot) => slot,
+            Err(why) => {
+                tokio::spawn(async move {
+                    // A few hundred bytes: one write once the socket is writable.
+                    let write = async {
+                        let _ = io.writable().await;
+                        let _ = io.try_write(clients::refusal(why).as_bytes());
+                    };
+                    let _ = tokio::time::timeout(REFUSAL_WRITE, write).await;
+                    drop(permit);
+                });
+                continue;
+            }
+        };
         let app = app.clone();
         let mut drain = drain.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            let _permit = (permit, slot);
             let service = hyper_util::service::TowerToHyperService::new(app);
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder

@@ -11,9 +11,9 @@
 //! - transformers' `{% generation %}` tag (used for assistant masks) renders its body.
 
 use minijinja::value::{Kwargs, Rest, Value, ValueKind};
-use minijinja::{Environment, ErrorKind, UndefinedBehavior};
+use minijinja::{filters, Environment, ErrorKind, UndefinedBehavior};
 
-use crate::error::{Error, Result};
+use crate::error::{escaped, Error, Result};
 
 /// lathe's default template (ChatML, as Qwen models speak it), for models that carry none.
 /// A message's `content` may be a string or a list of `{"type": "text", "text": ...}` parts.
@@ -36,20 +36,30 @@ pub const CHATML: &str = r#"{%- macro text_of(content) -%}
 
 const NAME: &str = "chat_template";
 
-/// How much work one rendering may do, so that a template (from a model file or
-/// `--chat-template`) whose loops never end, or whose slow path the message text triggers,
-/// stops with an error instead of holding a CPU and memory without bound. One gap remains:
-/// fuel counts steps, not bytes, and minijinja has no memory limit, so a template that
-/// doubles a string in a loop (`{% set ns.s = ns.s ~ ns.s %}`) can allocate gigabytes in
-/// a few dozen steps before its output reaches `max_output`.
+/// How much work one rendering may do and how large the values it builds may grow, so that a
+/// template (from a model file or `--chat-template`) whose loops never end, or which doubles a
+/// string in a loop, stops with an error instead of holding a CPU or taking memory without
+/// bound. Fuel counts steps, not bytes, and minijinja has no memory limit, so sizes are checked
+/// where values grow: after every `{% set %}` (the template is rewritten to pass each assigned
+/// value through a check), in every builtin that can build a long string from short arguments
+/// (`indent`, `format`, `replace`, `join`, `string`, `list`, `pprint`, `tojson`, and the Python
+/// methods `.replace`, `.format`, `.join`), and on every `{{ }}` emission, captured ones
+/// included. What remains unchecked grows by at most the template's own length per step: a
+/// single expression (`a ~ a ~ a`) and raw text inside a captured block. A macro that recurses
+/// with a doubled argument (`f(s ~ s)`) is the one known way around the checks; minijinja's
+/// recursion limit (500 calls) is then the only bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TemplateLimits {
     /// minijinja "fuel": instructions one rendering may execute. Qwen3.5's and
     /// DeepSeek-V4's templates over a 150-message conversation with tools take under
     /// 30,000; the default allows ~700 times that (a runaway loop stops after ~1 s of CPU).
     pub fuel: u64,
-    /// Bytes one rendering may write.
+    /// Bytes one rendering may write, and may emit into captured blocks.
     pub max_output: usize,
+    /// Bytes one value may take (a string's length; a list's or map's items, summed).
+    pub max_value: usize,
+    /// How deep values may nest, and `tojson` may descend.
+    pub max_depth: usize,
 }
 
 impl Default for TemplateLimits {
@@ -57,9 +67,19 @@ impl Default for TemplateLimits {
         TemplateLimits {
             fuel: 20_000_000,
             max_output: 64 << 20,
+            // The largest real conversations (150 messages with tools) are well under 1 MiB.
+            max_value: 16 << 20,
+            // serde_json refuses input nested deeper than 128, so messages never reach this.
+            max_depth: 256,
         }
     }
 }
+
+/// The stack of the thread each rendering runs on: minijinja recurses on nested values and
+/// macro calls, and `max_depth` levels of `tojson` or 500 macro calls (minijinja's recursion
+/// limit) must fit whatever thread asked for the rendering (tokio's blocking threads have
+/// 2 MiB). Reserved, not committed: the pages are touched only as deep as a rendering goes.
+const RENDER_STACK: usize = 64 << 20;
 
 /// A compiled chat template.
 pub struct ChatTemplate {
@@ -82,13 +102,49 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.set_formatter(python_formatter);
+        env.set_unknown_method_callback(move |state, value, method, args| {
+            python_method(state, value, method, args, &limits)
+        });
+        env.set_formatter(move |out, state, value| python_formatter(out, state, value, &limits));
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_filter("tojson", tojson);
+        env.add_filter("tojson", move |v: &Value, args: Rest<Value>| {
+            tojson(v, args, &limits)
+        });
         env.add_filter("from_json", from_json);
-        env.add_template_owned(NAME, generation_tags_as_ifs(source))
+        env.add_filter(
+            CHECKED,
+            move |v: Value| -> std::result::Result<Value, minijinja::Error> {
+                check_size(&v, &limits)?;
+                Ok(v)
+            },
+        );
+        let builtins: [(&'static str, Value, SizeBound); 6] = [
+            ("indent", Value::from_function(filters::indent), indent_size),
+            ("format", Value::from_function(filters::format), format_size),
+            (
+                "replace",
+                Value::from_function(filters::replace),
+                replace_size,
+            ),
+            ("join", Value::from_function(filters::join), join_size),
+            ("string", Value::from_function(filters::string), first_size),
+            ("list", Value::from_function(filters::list), first_size),
+        ];
+        for (name, builtin, bound) in builtins {
+            env.add_filter(name, move |state: &minijinja::State, args: Rest<Value>| {
+                bounded_call(&args, &limits, bound, || builtin.call(state, &args))
+            });
+        }
+        env.add_filter(
+            "pprint",
+            move |state: &minijinja::State, args: Rest<Value>| {
+                bounded_call(&args, &limits, first_size, || {
+                    Value::from_function(filters::pprint).call(state, &args)
+                })
+            },
+        );
+        env.add_template_owned(NAME, rewrite_tags(source))
             .map_err(|e| Error::Invalid(format!("chat template: {}", describe(&e))))?;
         Ok(ChatTemplate { env, limits })
     }
@@ -98,6 +154,25 @@ impl ChatTemplate {
     /// `enable_thinking`, ... (transformers passes `tools` and `documents` as None when
     /// absent, and so does this).
     pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("lathe-template".into())
+                .stack_size(RENDER_STACK)
+                .spawn_scoped(scope, || {
+                    self.render_here(messages, add_generation_prompt, extra)
+                })
+                .map_err(|e| Error::Invalid(format!("chat template: no thread to render on: {e}")))?
+                .join()
+                .map_err(|_| Error::Invalid("chat template: the rendering panicked".into()))?
+        })
+    }
+
+    fn render_here(
         &self,
         messages: &serde_json::Value,
         add_generation_prompt: bool,
@@ -168,10 +243,12 @@ impl std::io::Write for CappedWriter {
 
 /// The error's text, its cause (a `raise_exception` message) and the template line.
 fn describe(e: &minijinja::Error) -> String {
-    let mut s = match e.detail() {
+    // A `raise_exception` message is the template's text: it may hold newlines or
+    // terminal escapes.
+    let mut s = escaped(&match e.detail() {
         Some(d) if e.kind() == ErrorKind::InvalidOperation => d.to_string(),
         _ => e.to_string(),
-    };
+    });
     if let Some(line) = e.line() {
         if !s.contains("line") {
             s.push_str(&format!(" (line {line})"));
@@ -180,16 +257,25 @@ fn describe(e: &minijinja::Error) -> String {
     s
 }
 
-/// transformers adds a `{% generation %}...{% endgeneration %}` block tag for assistant token
-/// masks; rendering ignores it. Rewriting the tags as `{% if true %}`/`{% endif %}` keeps their
-/// whitespace-control dashes, so the text around them trims exactly as before.
-fn generation_tags_as_ifs(source: &str) -> String {
+/// The filter every `{% set %}` passes its value through (see [`rewrite_tags`]).
+const CHECKED: &str = "__lathe_checked";
+
+/// Rewrites two kinds of tag before compiling:
+/// - transformers adds a `{% generation %}...{% endgeneration %}` block tag for assistant token
+///   masks; rendering ignores it. Rewriting the tags as `{% if true %}`/`{% endif %}` keeps
+///   their whitespace-control dashes, so the text around them trims exactly as before.
+/// - `{% set target = expr %}` becomes `{% set target = (expr)|__lathe_checked %}`, which
+///   returns the value after checking its size against [`TemplateLimits`]: assignments are
+///   where a template's values grow from one step to the next (`ns.s = ns.s ~ ns.s`).
+///
+/// The line count stays the same, so errors name the template's own lines.
+fn rewrite_tags(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(at) = rest.find("{%") {
         out.push_str(&rest[..at]);
         let tag = &rest[at..];
-        let Some(end) = tag.find("%}") else {
+        let Some(end) = tag_end(tag) else {
             out.push_str(tag);
             return out;
         };
@@ -199,18 +285,30 @@ fn generation_tags_as_ifs(source: &str) -> String {
         } else {
             ""
         };
-        let close_ws = if inner.ends_with(['-', '+']) {
+        let close_ws = if inner.ends_with(['-', '+']) && inner.len() > open_ws.len() {
             &inner[inner.len() - 1..]
         } else {
             ""
         };
-        let word = inner
-            .trim_start_matches(['-', '+'])
-            .trim_end_matches(['-', '+'])
-            .trim();
-        match word {
-            "generation" => out.push_str(&format!("{{%{open_ws} if true {close_ws}%}}")),
-            "endgeneration" => out.push_str(&format!("{{%{open_ws} endif {close_ws}%}}")),
+        let word = &inner[open_ws.len()..inner.len() - close_ws.len()];
+        let assignment = word
+            .trim_start()
+            .strip_prefix("set")
+            .filter(|r| r.starts_with(char::is_whitespace))
+            .and_then(|r| r.split_once('='))
+            .filter(|(target, _)| {
+                target
+                    .chars()
+                    .all(|c| c.is_alphanumeric() || c.is_whitespace() || "_.,()".contains(c))
+            });
+        match (word.trim(), assignment) {
+            ("generation", _) => out.push_str(&format!("{{%{open_ws} if true {close_ws}%}}")),
+            ("endgeneration", _) => out.push_str(&format!("{{%{open_ws} endif {close_ws}%}}")),
+            // A target is names, dots, commas and parentheses, so its first `=` is the
+            // assignment's; `expr` keeps its own whitespace and newlines.
+            (_, Some((target, expr))) => out.push_str(&format!(
+                "{{%{open_ws} set{target}= ({expr})|{CHECKED} {close_ws}%}}"
+            )),
             _ => out.push_str(&tag[..end + 2]),
         }
         rest = &tag[end + 2..];
@@ -219,12 +317,258 @@ fn generation_tags_as_ifs(source: &str) -> String {
     out
 }
 
-/// Prints values as Jinja2 prints Python objects: `None`, `True`, `False`.
+/// Where the `%}` that closes the tag starting `tag` is, skipping quoted strings (a set may
+/// assign `'%}'`).
+fn tag_end(tag: &str) -> Option<usize> {
+    let b = tag.as_bytes();
+    let mut quote = None;
+    let mut i = 2;
+    while i + 1 < b.len() {
+        match (quote, b[i]) {
+            (Some(_), b'\\') => i += 1,
+            (Some(q), c) if c == q => quote = None,
+            (None, b'\'' | b'"') => quote = Some(b[i]),
+            (None, b'%') if b[i + 1] == b'}' => return Some(i),
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// What one item of a list or map costs besides its content: a minijinja `Value` is 24 bytes.
+/// Counting it also bounds the work of a check (a map that holds itself twice, doubled in a
+/// loop, is walked at most `max_value / 24` items deep each time).
+const VALUE_BYTES: usize = 24;
+
+/// Bytes `v` takes, counted as its text roughly would be (a string's length, 8 for a number,
+/// a container's items and keys plus [`VALUE_BYTES`] each), refused once past `limits.max_value` or
+/// nested deeper than `limits.max_depth`. Stops counting at the limit, so a lazily repeated
+/// list (`[x] * 10**12`) costs no more than the limit to check.
+fn check_size(v: &Value, limits: &TemplateLimits) -> std::result::Result<usize, minijinja::Error> {
+    let mut total = 0;
+    add_size(v, limits, 0, &mut total)?;
+    Ok(total)
+}
+
+fn add_size(
+    v: &Value,
+    limits: &TemplateLimits,
+    depth: usize,
+    total: &mut usize,
+) -> std::result::Result<(), minijinja::Error> {
+    if depth > limits.max_depth {
+        return Err(too_deep(limits));
+    }
+    match v.kind() {
+        ValueKind::String => *total += v.as_str().map_or(0, str::len),
+        ValueKind::Bytes => *total += v.as_bytes().map_or(0, <[u8]>::len),
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            let is_map = v.kind() == ValueKind::Map;
+            for item in v.try_iter()? {
+                *total += VALUE_BYTES;
+                if is_map {
+                    add_size(&v.get_item(&item)?, limits, depth + 1, total)?;
+                }
+                add_size(&item, limits, depth + 1, total)?;
+            }
+        }
+        _ => *total += 8,
+    }
+    if *total > limits.max_value {
+        return Err(too_large(limits));
+    }
+    Ok(())
+}
+
+fn too_large(limits: &TemplateLimits) -> minijinja::Error {
+    minijinja::Error::new(
+        ErrorKind::InvalidOperation,
+        format!(
+            "a value larger than {} bytes (the template's value limit)",
+            limits.max_value
+        ),
+    )
+}
+
+fn too_deep(limits: &TemplateLimits) -> minijinja::Error {
+    minijinja::Error::new(
+        ErrorKind::InvalidOperation,
+        format!(
+            "values nested deeper than {} (the template's depth limit)",
+            limits.max_depth
+        ),
+    )
+}
+
+/// An upper bound on the bytes a builtin's result takes, from its arguments (the filtered
+/// value first, keyword arguments last), or the error when an argument is already too large.
+type SizeBound = fn(&[Value], &TemplateLimits) -> std::result::Result<usize, minijinja::Error>;
+
+/// Calls a builtin once `bound` says its result fits `limits.max_value`, so the builtin never
+/// allocates what the limit refuses (`indent(3000000000)` would ask for gigabytes at once).
+fn bounded_call(
+    args: &[Value],
+    limits: &TemplateLimits,
+    bound: SizeBound,
+    call: impl FnOnce() -> std::result::Result<Value, minijinja::Error>,
+) -> std::result::Result<Value, minijinja::Error> {
+    if bound(args, limits)? > limits.max_value {
+        return Err(too_large(limits));
+    }
+    call()
+}
+
+fn str_arg(args: &[Value], i: usize) -> &str {
+    args.get(i).and_then(Value::as_str).unwrap_or_default()
+}
+
+/// A keyword argument's value, if the call passed keyword arguments.
+fn kwarg(args: &[Value], name: &str) -> Option<Value> {
+    let last = args.last().filter(|v| v.is_kwargs())?;
+    Kwargs::try_from(last.clone())
+        .ok()?
+        .peek::<Value>(name)
+        .ok()
+}
+
+fn first_size(
+    args: &[Value],
+    limits: &TemplateLimits,
+) -> std::result::Result<usize, minijinja::Error> {
+    args.first().map_or(Ok(0), |v| check_size(v, limits))
+}
+
+/// `indent(width)`: every line grows by `width`.
+fn indent_size(args: &[Value], _: &TemplateLimits) -> std::result::Result<usize, minijinja::Error> {
+    let width = args
+        .get(1)
+        .filter(|v| !v.is_kwargs())
+        .cloned()
+        .or_else(|| kwarg(args, "width"))
+        .and_then(|v| v.as_usize())
+        .unwrap_or(4);
+    let s = str_arg(args, 0);
+    Ok(width
+        .saturating_mul(s.lines().count() + 1)
+        .saturating_add(s.len()))
+}
+
+/// `format` / `.format`: the format string, every width or precision it names (any number in
+/// it, `%3000000000d` or `{:>3000000000}`), and the arguments.
+fn format_size(
+    args: &[Value],
+    limits: &TemplateLimits,
+) -> std::result::Result<usize, minijinja::Error> {
+    let fmt = str_arg(args, 0);
+    let widths = fmt
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|d| !d.is_empty())
+        .fold(0usize, |sum, d| {
+            sum.saturating_add(d.parse().unwrap_or(usize::MAX))
+        });
+    let mut total = fmt.len().saturating_add(widths);
+    for a in args.iter().skip(1) {
+        total = total.saturating_add(check_size(a, limits)?);
+    }
+    Ok(total)
+}
+
+/// `replace(old, new)`: each match of `old` (every character boundary for an empty `old`)
+/// becomes `new`.
+fn replace_size(
+    args: &[Value],
+    _: &TemplateLimits,
+) -> std::result::Result<usize, minijinja::Error> {
+    let (s, old, new) = (str_arg(args, 0), str_arg(args, 1), str_arg(args, 2));
+    let matches = if old.is_empty() {
+        s.chars().count() + 1
+    } else {
+        s.matches(old).count()
+    };
+    Ok(matches.saturating_mul(new.len()).saturating_add(s.len()))
+}
+
+/// `join(sep)`: the items and one separator between each two.
+fn join_size(
+    args: &[Value],
+    limits: &TemplateLimits,
+) -> std::result::Result<usize, minijinja::Error> {
+    let Some(items) = args.first() else {
+        return Ok(0);
+    };
+    let sep = str_arg(args, 1).len();
+    let mut total = 0usize;
+    for item in items.try_iter()? {
+        total = total
+            .saturating_add(check_size(&item, limits)?)
+            .saturating_add(sep);
+        if total > limits.max_value {
+            return Err(too_large(limits));
+        }
+    }
+    Ok(total)
+}
+
+/// minijinja-contrib's Python methods (`.startswith`, `.items()`, ...), the three that build
+/// strings from their arguments bounded as their filters are.
+fn python_method(
+    state: &minijinja::State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+    limits: &TemplateLimits,
+) -> std::result::Result<Value, minijinja::Error> {
+    let call = || minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args);
+    if value.kind() != ValueKind::String {
+        return call();
+    }
+    let with_self: Vec<Value> = std::iter::once(value.clone())
+        .chain(args.iter().cloned())
+        .collect();
+    match method {
+        "replace" => bounded_call(&with_self, limits, replace_size, call),
+        "format" => bounded_call(&with_self, limits, format_size, call),
+        // `sep.join(items)`: the items first, as the filter takes them.
+        "join" => bounded_call(
+            &[args.first().cloned().unwrap_or_default(), value.clone()],
+            limits,
+            join_size,
+            call,
+        ),
+        _ => call(),
+    }
+}
+
+/// Bytes emitted by `{{ }}` so far in one rendering, captured blocks (`{% set x %}...`)
+/// included: a captured block's text is a value that no writer caps.
+#[derive(Debug, Default)]
+struct Emitted(std::sync::atomic::AtomicUsize);
+
+impl minijinja::value::Object for Emitted {}
+
+/// Prints values as Jinja2 prints Python objects: `None`, `True`, `False`; counts what it
+/// prints against `limits.max_output`.
 fn python_formatter(
     out: &mut minijinja::Output,
     state: &minijinja::State,
     value: &Value,
+    limits: &TemplateLimits,
 ) -> std::result::Result<(), minijinja::Error> {
+    let emitted = state.get_or_set_temp_object("lathe_emitted", Emitted::default);
+    let size = check_size(value, limits)?;
+    let before = emitted
+        .0
+        .fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+    if before + size > limits.max_output {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "the rendering emits more than {} bytes (the template's output limit)",
+                limits.max_output
+            ),
+        ));
+    }
     match value.kind() {
         ValueKind::None => out.write_str("None").map_err(minijinja::Error::from),
         ValueKind::Bool => out
@@ -365,11 +709,17 @@ struct JsonStyle {
     item_sep: String,
     key_sep: String,
     sort_keys: bool,
+    /// Refused: deeper than `max_depth` (the writer recurses) or longer than `max_value`.
+    limits: TemplateLimits,
 }
 
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`,
 /// i.e. `json.dumps` with those arguments (positional or by name).
-fn tojson(value: &Value, args: Rest<Value>) -> std::result::Result<Value, minijinja::Error> {
+fn tojson(
+    value: &Value,
+    args: Rest<Value>,
+    limits: &TemplateLimits,
+) -> std::result::Result<Value, minijinja::Error> {
     let mut positional: Vec<Value> = args.0;
     let kwargs = match positional.last() {
         Some(last) if last.is_kwargs() => Kwargs::try_from(positional.pop().unwrap_or_default())?,
@@ -399,6 +749,7 @@ fn tojson(value: &Value, args: Rest<Value>) -> std::result::Result<Value, miniji
     let indent = match pick(indent, "indent")? {
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => Some(match v.as_i64() {
+            Some(n) if n as u64 > limits.max_value as u64 => return Err(too_large(limits)),
             Some(n) => " ".repeat(n.max(0) as usize),
             None => v.to_string(),
         }),
@@ -428,6 +779,7 @@ fn tojson(value: &Value, args: Rest<Value>) -> std::result::Result<Value, miniji
         item_sep,
         key_sep,
         sort_keys,
+        limits: *limits,
     };
     let mut out = String::new();
     write_json(value, &style, 0, &mut out)?;
@@ -440,6 +792,12 @@ fn write_json(
     depth: usize,
     out: &mut String,
 ) -> std::result::Result<(), minijinja::Error> {
+    if depth > style.limits.max_depth {
+        return Err(too_deep(&style.limits));
+    }
+    if out.len() > style.limits.max_value {
+        return Err(too_large(&style.limits));
+    }
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -512,20 +870,24 @@ fn write_container(
     }
     let newline = |out: &mut String, level: usize| {
         if let Some(ind) = &style.indent {
+            if out.len() + ind.len().saturating_mul(level) > style.limits.max_value {
+                return Err(too_large(&style.limits));
+            }
             out.push('\n');
             for _ in 0..level {
                 out.push_str(ind);
             }
         }
+        Ok(())
     };
     for i in 0..n {
         if i > 0 {
             out.push_str(&style.item_sep);
         }
-        newline(out, depth + 1);
+        newline(out, depth + 1)?;
         item(i, out)?;
     }
-    newline(out, depth);
+    newline(out, depth)?;
     out.push(close);
     Ok(())
 }
@@ -631,11 +993,16 @@ mod tests {
     }
 
     #[test]
+    fn assignments_pass_through_the_size_check() {
+        assert_eq!(
+            rewrite_tags("{%- set ns.s = ns.s ~ '%}' -%}{% set a, b = 1, 2 %}{% set x %}y{% endset %}"),
+            "{%- set ns.s = ( ns.s ~ '%}' )|__lathe_checked -%}{% set a, b = ( 1, 2 )|__lathe_checked %}{% set x %}y{% endset %}"
+        );
+    }
+
+    #[test]
     fn generation_tags_keep_whitespace_control() {
         let src = "a{%- generation -%} b {% endgeneration %}c";
-        assert_eq!(
-            generation_tags_as_ifs(src),
-            "a{%- if true -%} b {% endif %}c"
-        );
+        assert_eq!(rewrite_tags(src), "a{%- if true -%} b {% endif %}c");
     }
 }
