@@ -93,7 +93,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let mut session = Session::with_checkpoint(&engine)?;
     let stdin = std::io::stdin();
     let mut input = if interactive {
-        Input::Editor(LineEditor::new()?)
+        Input::Editor(Box::new(LineEditor::new()?))
     } else {
         Input::Lines(stdin.lock())
     };
@@ -165,7 +165,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
 
 /// Where messages come from: a terminal, through a line editor, or a pipe or file.
 enum Input<R> {
-    Editor(LineEditor),
+    Editor(Box<LineEditor>),
     Lines(R),
 }
 
