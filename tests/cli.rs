@@ -256,3 +256,24 @@ fn the_model_goes_by_flag_or_position() {
     assert!(a.status.success(), "{}", err(&a));
     assert_eq!(out(&a), out(&b));
 }
+
+#[test]
+fn synth_says_its_weights_are_random() {
+    let dir = scratch("synth");
+    let out_file = dir.0.join("m.gguf");
+    let o = lathe(&[
+        "synth",
+        "--preset",
+        "demo",
+        "--layers",
+        "1",
+        "-o",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains("weights of") && err(&o).contains("are random"),
+        "{}",
+        err(&o)
+    );
+}
