@@ -6,6 +6,7 @@ mod cli;
 
 use clap::{Parser, Subcommand};
 use lathe::gpu::AdapterChoice;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -79,9 +80,12 @@ enum Cmd {
     /// Describe a model file: architecture, hyper-parameters, tensors, bytes per decode step.
     Inspect {
         /// A GGUF file, a Hugging Face checkpoint directory, or a Hub model
-        /// (`owner/repo[:QUANT]`, fetched into the cache).
+        /// (`owner/repo[:QUANT]`, fetched into the cache); `-m PATH` works too.
+        #[arg(value_name = "MODEL")]
         path: PathBuf,
     },
+    /// Print lathe's version and where it keeps compiled pipelines.
+    Version,
     /// Compute logits for a token sequence and write them as .npy (f32 [T, vocab]).
     Logits {
         /// A GGUF file, a Hugging Face checkpoint directory, or a Hub model
@@ -193,7 +197,15 @@ fn run(cli: Cli) -> lathe::Result<()> {
                 if choices.len() > 1 && !json {
                     println!("device {i}: {}", gpu.info.name);
                 }
+                // A count on stderr where no terminal shows the stdout lines as they come
+                // (a CI log, `--json`): the full run takes minutes on a CPU adapter.
+                let log = json || !std::io::stderr().is_terminal();
+                let mut done = 0;
                 let checks = lathe::selftest::run(&gpu, full, |c| {
+                    done += 1;
+                    if log {
+                        eprintln!("selftest: {done} checked ({})", c.name);
+                    }
                     if !json {
                         let mark = if c.passed { "ok  " } else { "FAIL" };
                         let why = if c.passed {
@@ -240,8 +252,17 @@ fn run(cli: Cli) -> lathe::Result<()> {
             }
             Ok(())
         }
+        Cmd::Version => {
+            println!("lathe {}", env!("CARGO_PKG_VERSION"));
+            match lathe::gpu::pipeline_cache_dir() {
+                Some(d) => println!("pipeline cache: {}", d.display()),
+                None => println!("pipeline cache: none (neither XDG_CACHE_HOME nor HOME is set)"),
+            }
+            Ok(())
+        }
         Cmd::Inspect { path } => {
             let path = resolve_model(path)?;
+            cli::run::check_model_path(&path)?;
             let f = lathe::model_file::ModelFile::open(&path)?;
             print!("{}", lathe::inspect::report(&f)?);
             Ok(())
@@ -295,8 +316,68 @@ fn run(cli: Cli) -> lathe::Result<()> {
     }
 }
 
+/// Mesa's Vulkan device-select layer (an implicit layer, on by default) asks the Wayland
+/// compositor which GPU is the default whenever an instance enables VK_KHR_wayland_surface,
+/// which wgpu does wherever the driver offers it; with no XDG_RUNTIME_DIR libwayland prints
+/// "error: XDG_RUNTIME_DIR is invalid or not set" at every adapter listing (six lines before
+/// anything else on a headless server). lathe draws nothing and orders adapters itself, so
+/// without a Wayland session the layer has nothing to tell it: turn it off for this process
+/// through the switch its manifest declares (`disable_environment: NODEVICE_SELECT=1`).
+/// Called first in `main`, before any thread exists (setting the environment is not
+/// thread-safe).
+fn quiet_headless_vulkan() {
+    let runtime_dir =
+        std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|d| std::path::Path::new(&d).is_dir());
+    let wayland = std::env::var_os("WAYLAND_DISPLAY").is_some();
+    if !runtime_dir && !wayland && std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}
+
+/// The spellings users of llama.cpp and of other commands type, made lathe's before clap
+/// reads them (clap has no multi-letter short flags, nor positional-or-flag arguments):
+/// `-np N` is `--parallel N` (llama-server); a model given positionally right after the
+/// command (`lathe run model.gguf -p Hi`) is `-m model.gguf`, and `-m X` / `--model X` on
+/// `inspect`, which takes it positionally, is `X`.
+fn normalize_args(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    const TAKES_M: &[&str] = &[
+        "run", "chat", "serve", "tokenize", "plan", "bench", "logits",
+    ];
+    for a in args.iter_mut() {
+        if a == "-np" {
+            *a = "--parallel".into();
+        }
+    }
+    let cmd = args
+        .get(1)
+        .and_then(|c| c.to_str())
+        .unwrap_or("")
+        .to_string();
+    if TAKES_M.contains(&cmd.as_str()) {
+        let first_is_positional = args
+            .get(2)
+            .and_then(|a| a.to_str())
+            .is_some_and(|a| !a.starts_with('-'));
+        if first_is_positional {
+            args.insert(2, "-m".into());
+        }
+    } else if cmd == "inspect" {
+        if let Some(i) = args.iter().position(|a| a == "-m" || a == "--model") {
+            args.remove(i);
+        } else if let Some(a) = args.iter_mut().find(|a| {
+            a.to_str()
+                .is_some_and(|s| s.starts_with("--model=") || s.starts_with("-m="))
+        }) {
+            let s = a.to_str().unwrap_or_default();
+            *a = s[s.find('=').map_or(0, |i| i + 1)..].to_string().into();
+        }
+    }
+    args
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    quiet_headless_vulkan();
+    let cli = Cli::parse_from(normalize_args(std::env::args_os().collect()));
     // A bug must not surface as exit 101 with a backtrace: report it as an internal error.
     std::panic::set_hook(Box::new(|info| {
         eprintln!("lathe: internal error: {info}");

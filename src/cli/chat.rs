@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use super::run::{
     has_vocabulary, interrupt_flag, load_engine_seqs, no_vocabulary, set_busy, ModelArgs,
-    SamplingArgs, SpecArgs,
+    SamplingArgs, SpecArgs, TokenLimit,
 };
 
 #[derive(Args, Debug)]
@@ -29,15 +29,17 @@ pub struct ChatArgs {
     /// System message that opens the conversation (kept across /reset).
     #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
-    /// Most tokens per reply (a reply also ends at the model's end-of-turn token).
+    /// Most tokens per reply (a reply also ends at the model's end-of-turn token); -1:
+    /// until the context (--ctx) is full.
     #[arg(
         short = 'n',
         long,
         value_name = "N",
-        default_value_t = 4096,
-        visible_alias = "n-predict"
+        default_value_t = TokenLimit(Some(4096)),
+        visible_alias = "n-predict",
+        allow_negative_numbers = true
     )]
-    pub max_tokens: usize,
+    pub max_tokens: TokenLimit,
     /// End a reply before this text (repeatable).
     #[arg(long, value_name = "STR", num_args = 1..)]
     pub stop: Vec<String>,
@@ -70,8 +72,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
         eprintln!("note: the model carries no chat template; using ChatML");
     }
     let interrupt = interrupt_flag()?;
-    let opts = GenerateOptions {
-        max_tokens: Some(args.max_tokens),
+    let mut opts = GenerateOptions {
+        max_tokens: None,
         sampler,
         stop: args.stop.clone(),
         ignore_eog: false,
@@ -90,11 +92,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let mut messages = opening.clone();
     let mut session = Session::with_checkpoint(&engine)?;
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock();
+    let mut input = if interactive {
+        Input::Editor(Box::new(LineEditor::new()?))
+    } else {
+        Input::Lines(stdin.lock())
+    };
     loop {
         // Ctrl-C while waiting for input quits; while generating it stops the reply.
         set_busy(false);
-        let input = read_message(&mut lines, interactive)?;
+        let input = input.read()?;
         set_busy(true);
         interrupt.store(false, Ordering::SeqCst);
         let Some(input) = input else {
@@ -124,6 +130,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             unreachable!("checked above")
         };
         let (prompt, conversation) = chat.encode(tok, &Value::Array(messages.clone()))?;
+        opts.max_tokens = Some(args.max_tokens.tokens(args.model.ctx, prompt.len()));
         let stdout = std::io::stdout();
         let mut w = stdout.lock();
         let mut last_newline = true;
@@ -156,24 +163,106 @@ pub fn run(args: ChatArgs) -> Result<()> {
     args.model.moe.save(&engine)
 }
 
-/// Reads one message: a line, or several joined when each but the last ends with `\`.
-/// `None` at end of input.
-fn read_message(input: &mut impl BufRead, interactive: bool) -> Result<Option<String>> {
-    let mut msg = String::new();
-    let mut prompt = "> ";
-    loop {
-        if interactive {
-            print!("{prompt}");
-            let _ = std::io::stdout().flush();
+/// Where messages come from: a terminal, through a line editor, or a pipe or file.
+enum Input<R> {
+    Editor(Box<LineEditor>),
+    Lines(R),
+}
+
+impl<R: BufRead> Input<R> {
+    /// One message, `None` at the end of input.
+    fn read(&mut self) -> Result<Option<String>> {
+        match self {
+            Input::Editor(e) => e.read_message(),
+            Input::Lines(r) => read_message(r),
         }
+    }
+}
+
+/// Line editing in a terminal (arrows, Home/End, Ctrl-R search; rustyline, readline's keys)
+/// with the history of earlier sessions in `$XDG_STATE_HOME/lathe/chat_history` (else
+/// `~/.local/state/lathe/chat_history`: the XDG base directory spec's place for history).
+struct LineEditor {
+    editor: rustyline::DefaultEditor,
+    history: Option<std::path::PathBuf>,
+}
+
+impl LineEditor {
+    fn new() -> Result<LineEditor> {
+        let mut editor = rustyline::DefaultEditor::new()
+            .map_err(|e| Error::Invalid(format!("line editor: {e}")))?;
+        let var = |k| {
+            std::env::var_os(k)
+                .filter(|v| !v.is_empty())
+                .map(std::path::PathBuf::from)
+        };
+        let history = var("XDG_STATE_HOME")
+            .filter(|p| p.is_absolute())
+            .or_else(|| var("HOME").map(|h| h.join(".local/state")))
+            .map(|d| d.join("lathe").join("chat_history"));
+        if let Some(h) = &history {
+            // No history yet (a first session) is not an error.
+            let _ = editor.load_history(h);
+        }
+        Ok(LineEditor { editor, history })
+    }
+
+    /// A line, or several joined when each but the last ends with `\`; Ctrl-D or Ctrl-C
+    /// at the prompt end the input.
+    fn read_message(&mut self) -> Result<Option<String>> {
+        use rustyline::error::ReadlineError;
+        let mut msg = String::new();
+        let mut prompt = "> ";
+        loop {
+            let line = match self.editor.readline(prompt) {
+                Ok(l) => l,
+                Err(ReadlineError::Eof | ReadlineError::Interrupted) => {
+                    return Ok((!msg.is_empty()).then_some(msg));
+                }
+                Err(e) => return Err(Error::Invalid(format!("reading the terminal: {e}"))),
+            };
+            if !line.trim().is_empty() {
+                let _ = self.editor.add_history_entry(line.as_str());
+                self.save_history();
+            }
+            match line.strip_suffix('\\') {
+                Some(head) => {
+                    msg.push_str(head);
+                    msg.push('\n');
+                    prompt = ". ";
+                }
+                None => {
+                    msg.push_str(&line);
+                    return Ok(Some(msg));
+                }
+            }
+        }
+    }
+
+    /// Saved after every line, so a session ended by Ctrl-C during a reply keeps it.
+    fn save_history(&mut self) {
+        if let Some(h) = &self.history {
+            if let Some(dir) = h.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            if let Err(e) = self.editor.save_history(h) {
+                eprintln!("note: chat history not saved to {}: {e}", h.display());
+                self.history = None;
+            }
+        }
+    }
+}
+
+/// Reads one message from a pipe or file: a line, or several joined when each but the last
+/// ends with `\`. `None` at end of input.
+fn read_message(input: &mut impl BufRead) -> Result<Option<String>> {
+    let mut msg = String::new();
+    loop {
         let mut raw = Vec::new();
         let n = input
             .read_until(b'\n', &mut raw)
             .map_err(|e| Error::Invalid(format!("reading stdin: {e}")))?;
         if n == 0 {
-            if interactive {
-                println!();
-            }
             return Ok((!msg.is_empty()).then_some(msg));
         }
         // One bad line (a stray byte from a paste or a file in another encoding) should not
@@ -188,7 +277,6 @@ fn read_message(input: &mut impl BufRead, interactive: bool) -> Result<Option<St
             Some(head) => {
                 msg.push_str(head);
                 msg.push('\n');
-                prompt = ". ";
             }
             None => {
                 msg.push_str(line);

@@ -19,11 +19,31 @@ pub fn resolve_model(arg: PathBuf) -> Result<PathBuf> {
         return Ok(arg);
     }
     let Some(model) = arg.to_str().map(ModelRef::parse).transpose()?.flatten() else {
+        if let Some(hint) = arg.to_str().and_then(ollama_hint) {
+            return Err(Error::Invalid(hint));
+        }
         return Ok(arg);
     };
     let path = hub::resolve(&HubConfig::from_env(), &model, &mut Bar::default())?;
     eprintln!("{model}: {}", path.display());
     Ok(path)
+}
+
+/// The hint for an ollama-style name (`qwen3.5:0.8b`: a model and a tag, no owner, not a
+/// file): lathe names Hub repos as `owner/repo[:QUANT]`.
+fn ollama_hint(arg: &str) -> Option<String> {
+    let (name, tag) = arg.split_once(':')?;
+    let plain = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    };
+    (plain(name) && plain(tag)).then(|| {
+        format!(
+            "{arg}: no such file, and an ollama-style name: lathe fetches Hugging Face models \
+             by owner/repo[:QUANT], e.g. `-m unsloth/Qwen3.5-0.8B-GGUF:Q4_K_M`"
+        )
+    })
 }
 
 fn parse_name(arg: &str) -> Result<ModelRef> {

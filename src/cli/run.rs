@@ -26,8 +26,10 @@ pub struct ModelArgs {
     /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
     #[arg(long, value_name = "I", default_value = "auto")]
     pub device: AdapterChoice,
-    /// Context length to size the KV cache for (it grows past this when needed).
-    #[arg(long, value_name = "N", default_value_t = LoadOptions::default().ctx)]
+    /// Context length to size the KV cache for (it grows past this when needed; `-n -1`
+    /// generates until it is full). `-c` and `--ctx-size` as in llama.cpp.
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N",
+          default_value_t = LoadOptions::default().ctx, value_parser = ctx_arg)]
     pub ctx: usize,
     /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
     /// DeepSeek-V4), f16 or f32.
@@ -149,6 +151,91 @@ impl OnOffAuto {
     }
 }
 
+/// A context length: at least one token.
+pub fn ctx_arg(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{s}`: a number of tokens, 1 or more")),
+    }
+}
+
+/// `-n`: a number of tokens, or -1 for no limit but the context (llama.cpp's `-n -1`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenLimit(pub Option<usize>);
+
+impl std::str::FromStr for TokenLimit {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<TokenLimit, String> {
+        match s.trim() {
+            "-1" => Ok(TokenLimit(None)),
+            t => t.parse().map(|n| TokenLimit(Some(n))).map_err(|_| {
+                format!("`{s}`: a number of tokens (0 or more), or -1 for until the context ends")
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for TokenLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("-1"),
+        }
+    }
+}
+
+impl TokenLimit {
+    /// The most tokens to generate after a prompt of `prompt` tokens in a context of `ctx`.
+    pub fn tokens(self, ctx: usize, prompt: usize) -> usize {
+        self.0.unwrap_or(ctx.saturating_sub(prompt))
+    }
+}
+
+/// `--seed`: a number, or -1 for a fresh random one (the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seed(pub Option<u64>);
+
+impl std::str::FromStr for Seed {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Seed, String> {
+        match s.trim() {
+            "-1" => Ok(Seed(None)),
+            t => t.parse().map(|n| Seed(Some(n))).map_err(|_| {
+                format!(
+                    "`{s}`: a seed from 0 to {}, or -1 for a random one",
+                    u64::MAX
+                )
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for Seed {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("-1"),
+        }
+    }
+}
+
+impl Seed {
+    /// The seed, or a random one: std's `RandomState` keys come from the operating system's
+    /// random source, fresh per process.
+    pub fn get(self) -> u64 {
+        use std::hash::{BuildHasher, Hasher};
+        self.0.unwrap_or_else(|| {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.finish()
+        })
+    }
+}
+
 fn fraction_arg(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
@@ -235,32 +322,36 @@ fn check_writable(path: &Path) -> Result<()> {
 #[derive(Args, Debug)]
 pub struct SamplingArgs {
     /// Temperature: divides the logits; 0 = greedy (always the most likely token).
-    #[arg(long, value_name = "T", default_value_t = SamplerConfig::default().temperature)]
+    #[arg(long, value_name = "T", default_value_t = SamplerConfig::default().temperature, allow_negative_numbers = true)]
     pub temp: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long, value_name = "K", default_value_t = SamplerConfig::default().top_k)]
     pub top_k: usize,
     /// Keep the most likely tokens whose probabilities add up to P (1 = off).
-    #[arg(long, value_name = "P", default_value_t = SamplerConfig::default().top_p)]
+    #[arg(long, value_name = "P", default_value_t = SamplerConfig::default().top_p, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than M times the most likely one (0 = off).
-    #[arg(long, value_name = "M", default_value_t = SamplerConfig::default().min_p)]
+    #[arg(long, value_name = "M", default_value_t = SamplerConfig::default().min_p, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Divide the logit of every recently seen token by R (1 = off; 1.1 is a mild penalty).
-    #[arg(long, value_name = "R", default_value_t = SamplerConfig::default().repeat_penalty)]
+    #[arg(long, value_name = "R", default_value_t = SamplerConfig::default().repeat_penalty, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
     /// Subtract this once from the logit of every recently seen token (0 = off).
-    #[arg(long, value_name = "X", default_value_t = SamplerConfig::default().presence_penalty)]
+    #[arg(long, value_name = "X", default_value_t = SamplerConfig::default().presence_penalty, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Subtract this from a token's logit once per recent occurrence (0 = off).
-    #[arg(long, value_name = "X", default_value_t = SamplerConfig::default().frequency_penalty)]
+    #[arg(long, value_name = "X", default_value_t = SamplerConfig::default().frequency_penalty, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// How many of the last tokens the three penalties look at.
     #[arg(long, value_name = "N", default_value_t = SamplerConfig::default().penalty_window)]
     pub penalty_window: usize,
-    /// Random seed: the same seed, model and prompt give the same text.
-    #[arg(long, value_name = "S", default_value_t = SamplerConfig::default().seed)]
-    pub seed: u64,
+    /// Random seed: the same seed, model and prompt give the same text; -1 (the default)
+    /// picks a fresh one each run (--verbose prints it, to repeat a run).
+    #[arg(long, value_name = "S", default_value_t = Seed(None), allow_negative_numbers = true)]
+    pub seed: Seed,
+    /// Print the sampling settings, the seed among them, on stderr.
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 impl SamplingArgs {
@@ -275,7 +366,7 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             penalty_window: self.penalty_window,
-            seed: self.seed,
+            seed: self.seed.get(),
         };
         c.check().map_err(|e| {
             let flag = match e.field {
@@ -284,6 +375,21 @@ impl SamplingArgs {
             };
             Error::Invalid(format!("--{flag} {}: must be {}", e.value, e.allowed))
         })?;
+        if self.verbose {
+            eprintln!(
+                "sampling: --temp {} --top-k {} --top-p {} --min-p {} --repeat-penalty {} \
+                 --presence-penalty {} --frequency-penalty {} --penalty-window {} --seed {}",
+                c.temperature,
+                c.top_k,
+                c.top_p,
+                c.min_p,
+                c.repeat_penalty,
+                c.presence_penalty,
+                c.frequency_penalty,
+                c.penalty_window,
+                c.seed
+            );
+        }
         Ok(c)
     }
 }
@@ -351,27 +457,28 @@ pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt text. Special tokens written in it (`<|im_start|>`) are parsed as such
-    /// unless --no-parse-special.
-    #[arg(
-        short,
-        long,
-        value_name = "TEXT",
-        required_unless_present = "prompt_tokens"
-    )]
+    /// unless --no-parse-special. Without -p, -f or --prompt-tokens the prompt is read from
+    /// stdin when it is not a terminal (`echo Hi | lathe run -m M`).
+    #[arg(short, long, value_name = "TEXT", allow_hyphen_values = true)]
     pub prompt: Option<String>,
+    /// Read the prompt from this file (`-` for stdin), as llama.cpp's -f.
+    #[arg(short = 'f', long, value_name = "FILE", conflicts_with = "prompt")]
+    pub file: Option<PathBuf>,
     /// Run from token ids instead of text (for models without a vocabulary, such as the test
     /// fixtures); the generated ids are printed, space separated.
-    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "chat", "system"])]
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "file", "chat", "system"])]
     pub prompt_tokens: Option<Vec<u32>>,
-    /// Most tokens to generate (generation also ends at the model's end-of-turn token).
+    /// Most tokens to generate (generation also ends at the model's end-of-turn token); -1:
+    /// until the context (--ctx) is full.
     #[arg(
         short = 'n',
         long,
         value_name = "N",
-        default_value_t = 256,
-        visible_alias = "n-predict"
+        default_value_t = TokenLimit(Some(256)),
+        visible_alias = "n-predict",
+        allow_negative_numbers = true
     )]
-    pub max_tokens: usize,
+    pub max_tokens: TokenLimit,
     /// Wrap the prompt in the model's chat template as a user message, ready for the
     /// assistant's reply (lathe's ChatML when the model has no template).
     #[arg(long)]
@@ -401,7 +508,7 @@ pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
 /// [`load_engine`] with state for `max_seqs` sequences (`lathe chat`: the conversation and
 /// its checkpoint).
 pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
-    check_model_path(&args.model)?;
+    check_architecture(&args.model)?;
     args.moe.check()?;
     // A spinner from the start (opening the file, the vocabulary and the device take a
     // while), then a bar of the weight bytes uploaded.
@@ -413,6 +520,16 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     .map_err(|e| Error::Invalid(format!("progress bar: {e}")))?
     .progress_chars("=> ");
     let bar = indicatif::ProgressBar::new(0).with_style(spinner.clone());
+    // indicatif draws nothing when stderr is not a terminal (a log file, a service): there
+    // each stage gets one line, so a slow start (shader compiles on a CPU adapter) is seen.
+    let log = !std::io::stderr().is_terminal();
+    // Ctrl-C while loading and compiling ends the process at once: there is no reply to
+    // stop yet (the handler's idle mode).
+    interrupt_flag()?;
+    set_busy(false);
+    if log {
+        eprintln!("loading {}", args.model.display());
+    }
     bar.set_message(format!("loading {}", args.model.display()));
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let b = bar.clone();
@@ -437,9 +554,13 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     let loaded = t.elapsed();
     bar.set_style(spinner);
     bar.set_message("warming up (compiling kernels)");
-    let warm = engine.warm_up(1, 2);
+    if log {
+        eprintln!("warming up (compiling kernels; a later run reuses them)");
+    }
+    let warm = warm_up(&mut engine, max_seqs);
     bar.finish_and_clear();
     warm?;
+    set_busy(true);
     eprintln!(
         "loaded {} ({:.1} MiB of weights) in {:.1} s (+{:.1} s warm-up) on {} ({:?})",
         args.model.display(),
@@ -452,13 +573,74 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     Ok(engine)
 }
 
-/// A missing path gets its own message before anything opens it.
+/// Compiles what `run` and `chat` run first: prompt passes up to the first many-token
+/// product's size (a chat's first turn is dozens of tokens; without it `chat`'s first reply
+/// on lavapipe waited minutes for compiles), decode steps, and with a checkpoint
+/// (`max_seqs` 2) the copy between sequences. Then saves the pipeline cache, so the next run
+/// starts from compiled pipelines even if this one is cut short.
+fn warm_up(engine: &mut Engine, max_seqs: usize) -> Result<()> {
+    let rows = lathe::gpu::matmul::DENSE_MATVEC_TOKENS as usize + 1;
+    engine.warm_up(1, rows)?;
+    if max_seqs > 1 {
+        let a = engine.new_seq()?;
+        let mut b = engine.new_seq()?;
+        engine.copy_seq(&a, &mut b)?;
+    }
+    // A cache that cannot be written costs the next run its compiles, not this run.
+    for gpu in std::iter::once(&engine.gpu).chain(&engine.gpus) {
+        if let Err(e) = gpu.save_pipeline_cache() {
+            eprintln!("note: pipeline cache not saved: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// A missing path, or a directory that holds no model, gets its own message before
+/// anything opens it.
 pub fn check_model_path(path: &Path) -> Result<()> {
-    if path.exists() {
+    if !path.exists() {
+        return Err(Error::Invalid(format!(
+            "{}: no such file or directory; pass -m/--model a GGUF file or a Hugging Face checkpoint directory",
+            path.display()
+        )));
+    }
+    if path.is_dir() && !path.join("config.json").is_file() {
+        return Err(Error::Invalid(format!(
+            "{}: not a model directory (no config.json); pass -m/--model a GGUF file or a Hugging Face checkpoint directory",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a model file of an architecture no family runs, from its header or config.json
+/// alone: before the GPU starts (seconds) and before questions it cannot answer (its
+/// vocabulary).
+pub fn check_architecture(path: &Path) -> Result<()> {
+    check_model_path(path)?;
+    if !path.is_dir() && !starts_with_gguf_magic(path) {
+        // Let the loader say what is wrong with it.
         return Ok(());
     }
-    Err(Error::Invalid(format!(
-        "{}: no such file or directory; pass -m/--model a GGUF file or a Hugging Face checkpoint directory",
+    let arch = if path.is_dir() {
+        // config.json alone: the weights may be what is missing.
+        let config = path.join("config.json");
+        let text = std::fs::read_to_string(&config).map_err(|e| Error::io(&config, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::format(&config, format!("JSON: {e}")))?;
+        match v["architectures"][0].as_str() {
+            Some(a) => a.to_string(),
+            // Let the loader say what is missing.
+            None => return Ok(()),
+        }
+    } else {
+        lathe::model_file::ModelFile::open(path)?.architecture()?
+    };
+    if lathe::models::is_supported(&arch) {
+        return Ok(());
+    }
+    Err(Error::Unsupported(format!(
+        "{}: architecture {arch}: no model family of lathe runs it (README.md, \"Supported models and formats\")",
         path.display()
     )))
 }
@@ -536,14 +718,8 @@ pub fn print_stats(out: &Output) {
 /// Whether the model file carries a vocabulary, found without loading the weights: GGUF
 /// `tokenizer.ggml.model` other than `none`, or a tokenizer.json in a HF directory.
 pub fn has_vocabulary(path: &Path) -> Result<bool> {
-    check_model_path(path)?;
+    check_architecture(path)?;
     if path.is_dir() {
-        if !path.join("config.json").is_file() {
-            return Err(Error::Invalid(format!(
-                "{}: not a model directory (no config.json); pass -m/--model a GGUF file or a Hugging Face checkpoint directory",
-                path.display()
-            )));
-        }
         return Ok(path.join("tokenizer.json").is_file());
     }
     if !starts_with_gguf_magic(path) {
@@ -573,6 +749,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             "pass --prompt-tokens 1,2,3 to run it from token ids",
         ));
     }
+    // Before the model loads: a missing prompt file fails at once.
+    let text = match args.prompt_tokens {
+        Some(_) => String::new(),
+        None => prompt_text(&args)?,
+    };
     let mut engine = load_engine(&args.model)?;
     let prompt: Vec<u32> = match (&args.prompt_tokens, engine.tokenizer.as_ref()) {
         (Some(ids), _) => ids.clone(),
@@ -583,7 +764,6 @@ pub fn run(args: RunArgs) -> Result<()> {
             ))
         }
         (None, Some(tok)) => {
-            let text = args.prompt.clone().unwrap_or_default();
             if args.chat || args.system.is_some() {
                 let chat = ChatPrompt::for_tokenizer(tok)?;
                 if chat.fallback {
@@ -609,7 +789,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let ids_only = args.prompt_tokens.is_some();
     let cancel = interrupt_flag()?;
     let opts = GenerateOptions {
-        max_tokens: Some(args.max_tokens),
+        max_tokens: Some(args.max_tokens.tokens(args.model.ctx, prompt.len())),
         sampler,
         stop: args.stop.clone(),
         ignore_eog: false,
@@ -652,6 +832,25 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     print_stats(&out);
     args.model.moe.save(&engine)
+}
+
+/// The prompt of -p, -f FILE (`-` for stdin) or a piped stdin.
+fn prompt_text(args: &RunArgs) -> Result<String> {
+    let stdin = || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .map_err(|e| Error::Invalid(format!("reading the prompt from stdin: {e}")))?;
+        Ok(s)
+    };
+    match (&args.prompt, &args.file) {
+        (Some(p), _) => Ok(p.clone()),
+        (None, Some(f)) if f.as_os_str() == "-" => stdin(),
+        (None, Some(f)) => std::fs::read_to_string(f).map_err(|e| Error::io(f, e)),
+        (None, None) if !std::io::stdin().is_terminal() => stdin(),
+        (None, None) => Err(Error::Invalid(
+            "no prompt: pass -p TEXT, -f FILE, or pipe it on stdin".into(),
+        )),
+    }
 }
 
 fn stdout_is_terminal() -> bool {

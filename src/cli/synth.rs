@@ -159,6 +159,11 @@ pub fn run(a: SynthArgs) -> Result<()> {
         stats.seconds,
         stats.mb_per_s()
     );
+    // Said where the file is made: nothing in the text a model prints says so.
+    eprintln!(
+        "note: the weights of {} are random: whatever it generates is noise (for speed and plumbing, not answers)",
+        a.out.display()
+    );
     if a.json {
         println!("{}", summary(stats.bytes, stats.seconds));
     }

@@ -79,6 +79,16 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
         let file = GgufFile::open(path)?;
         return Tokenizer::from_gguf(&file);
     }
+    let named_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if named_gguf {
+        return Err(Error::Invalid(format!(
+            "{}: not a GGUF file (it does not start with the magic `GGUF`: truncated, or \
+             another format renamed); pass a GGUF model, a Hugging Face directory or a tokenizer.json",
+            path.display()
+        )));
+    }
     Tokenizer::from_file(path)
 }
 

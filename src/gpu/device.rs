@@ -35,6 +35,12 @@ pub(super) fn all_adapters() -> Vec<wgpu::Adapter> {
     );
     if v.is_empty() {
         v = pollster::block_on(instance(wgpu::Backends::GL).enumerate_adapters(wgpu::Backends::GL));
+        // Said once per process: without it a GL-only machine just looked slow (compiles of
+        // minutes before the first line).
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        if !v.is_empty() {
+            WARNED.call_once(|| eprintln!("{NO_VULKAN}"));
+        }
     }
     // Stable order: Vulkan/Metal/DX12 before GL, discrete before integrated before CPU.
     let rank = |a: &wgpu::Adapter| {
@@ -56,6 +62,12 @@ pub(super) fn all_adapters() -> Vec<wgpu::Adapter> {
     v
 }
 
+/// The warning for a machine whose only adapters are OpenGL ones.
+const NO_VULKAN: &str =
+    "warning: no Vulkan driver found, only OpenGL: kernels compile for minutes and run slowly \
+     there; install the Vulkan loader and a driver (Debian/Ubuntu: apt-get install libvulkan1 \
+     mesa-vulkan-drivers; Mesa's lavapipe runs on any CPU)";
+
 /// Every adapter wgpu offers, in the order `AdapterChoice::Index` counts them.
 pub fn list_adapters() -> Vec<wgpu::AdapterInfo> {
     all_adapters().iter().map(|a| a.get_info()).collect()
@@ -75,6 +87,8 @@ pub struct Gpu {
     /// handler would panic, lathe turns it into an `Error::Gpu` at the next sync point.
     errors: Arc<Mutex<Option<String>>>,
     pub(crate) pipelines: super::pipeline::PipelineCache,
+    /// The driver's compiled pipelines kept between runs (Vulkan; `None` elsewhere).
+    pub(crate) disk_cache: Option<super::disk_cache::DiskCache>,
     pub(crate) recorder: super::pass::Recorder,
     matmul: MatmulPath,
     /// One-token products take int8 activations (`--activations`, [`Gpu::with_int8_decode`]).
@@ -252,11 +266,13 @@ impl Gpu {
         let adapters = all_adapters();
         if adapters.is_empty() {
             return Err(Error::Gpu(
-                "no GPU adapter found (on a machine without a GPU install Mesa's lavapipe: \
-                 apt-get install mesa-vulkan-drivers)"
+                "no GPU adapter found: no Vulkan driver (on a machine without a GPU install \
+                 the Vulkan loader and Mesa's lavapipe: apt-get install libvulkan1 \
+                 mesa-vulkan-drivers)"
                     .into(),
             ));
         }
+        let n_adapters = adapters.len();
         let adapter = match choice {
             AdapterChoice::Auto => adapters.into_iter().next(),
             AdapterChoice::Index(i) => adapters.into_iter().nth(*i),
@@ -268,8 +284,17 @@ impl Gpu {
             }
         }
         .ok_or_else(|| {
+            let which = match choice {
+                AdapterChoice::Auto => "no GPU adapter".to_string(),
+                AdapterChoice::Index(i) => format!("no adapter number {i}"),
+                AdapterChoice::Name(n) => format!("no adapter whose name contains \"{n}\""),
+            };
             Error::Gpu(format!(
-                "adapter {choice:?} not found (see `lathe devices`)"
+                "{which}: this machine has {n} (`lathe devices` lists them)",
+                n = match n_adapters {
+                    1 => "one, number 0".to_string(),
+                    n => format!("{n}, numbers 0 to {}", n - 1),
+                }
             ))
         })?;
         let info = adapter.get_info();
@@ -279,7 +304,8 @@ impl Gpu {
         let mut wanted = wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
             | wgpu::Features::SUBGROUP
-            | wgpu::Features::SHADER_F16;
+            | wgpu::Features::SHADER_F16
+            | wgpu::Features::PIPELINE_CACHE;
         // Ask for everything the adapter allows: weights need the largest bindings it has.
         let limits = adapter.limits();
         let coop_ok = coop_supported(&adapter, &limits);
@@ -325,7 +351,9 @@ impl Gpu {
                 *g = Some(format!("device lost ({reason:?}): {msg}"));
             }
         });
+        let disk_cache = super::disk_cache::DiskCache::open(&device, &info, features);
         Ok(Gpu {
+            disk_cache,
             device,
             queue,
             info,
@@ -340,6 +368,15 @@ impl Gpu {
             last_matmul: std::sync::atomic::AtomicU8::new(0),
             scratch: Default::default(),
         })
+    }
+
+    /// Writes the pipelines compiled so far to the pipeline cache file (after a warm-up, so
+    /// a run cut short still leaves them for the next; dropping the device saves the rest).
+    pub fn save_pipeline_cache(&self) -> Result<()> {
+        match &self.disk_cache {
+            Some(c) => c.save().map_err(|e| Error::io(c.path(), e)),
+            None => Ok(()),
+        }
     }
 
     /// A buffer of at least `bytes` kept by the device under `name` and reused by every call

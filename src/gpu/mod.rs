@@ -3,6 +3,7 @@
 
 mod buffer;
 mod device;
+mod disk_cache;
 mod memory;
 mod pass;
 mod pipeline;
@@ -29,6 +30,7 @@ pub use device::{
     coop_supported, list_adapters, matmul_paths, ActivationsChoice, AdapterChoice, AutoProducts,
     Gpu, MatmulChoice, MatmulPath,
 };
+pub use disk_cache::cache_dir as pipeline_cache_dir;
 pub use memory::{adapter_memory, device_memory, DeviceMemory};
 pub use pass::{grid, Binding, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};

@@ -275,8 +275,11 @@ impl Gpu {
                 module: &sm,
                 entry_point: Some(spec.entry),
                 compilation_options: Default::default(),
-                cache: None,
+                cache: self.disk_cache.as_ref().map(|c| c.cache()),
             });
+        if let Some(c) = &self.disk_cache {
+            c.touch();
+        }
         self.check()?;
         let p = Arc::new(p);
         self.pipelines

@@ -35,6 +35,12 @@ const QWEN35_ARCHS: &[&str] = &[
 /// Architecture names of DeepSeek-V4.
 const DEEPSEEK4_ARCHS: &[&str] = &["deepseek4", "DeepseekV4ForCausalLM"];
 
+/// Whether a family here runs `arch` (GGUF `general.architecture` or HF `architectures`),
+/// so front ends can refuse a file before they start a GPU.
+pub fn is_supported(arch: &str) -> bool {
+    QWEN35_ARCHS.contains(&arch) || DEEPSEEK4_ARCHS.contains(&arch)
+}
+
 /// Load the model in `file` onto `gpu` with its family's forward.
 pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<Box<dyn Forward>> {
     Ok(load_part(gpu, file, opts)?)

@@ -1,0 +1,279 @@
+//! Start-up and flag habits of the built `lathe` binary (issue 37): the pipeline cache file,
+//! headless quiet, progress lines, negative numbers, `version`, and errors in words. Each
+//! run is the tiny fixture or no model at all, so the file costs seconds.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tiny() -> String {
+    root()
+        .join("tests/fixtures/models/qwen35-tiny")
+        .display()
+        .to_string()
+}
+
+/// A fresh scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
+    let d = std::env::temp_dir().join(format!("lathe-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    Scratch(d)
+}
+
+fn lathe_with(args: &[&str], f: impl FnOnce(&mut Command)) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_lathe"));
+    c.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    f(&mut c);
+    c.output().expect("run lathe")
+}
+
+fn lathe(args: &[&str]) -> Output {
+    lathe_with(args, |_| {})
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn out(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Fails (1: lathe's errors, 2: clap's usage errors) with a stderr containing every one of
+/// `want`.
+fn fails_with(args: &[&str], want: &[&str]) -> String {
+    let o = lathe(args);
+    let e = err(&o);
+    assert!(
+        matches!(o.status.code(), Some(1 | 2)),
+        "lathe {args:?}: {e}"
+    );
+    for w in want {
+        assert!(e.contains(w), "lathe {args:?}: wanted {w:?} in: {e}");
+    }
+    e
+}
+
+fn cache_files(cache: &Path) -> Vec<PathBuf> {
+    match std::fs::read_dir(cache.join("lathe/pipelines")) {
+        Ok(rd) => rd.map(|e| e.unwrap().path()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+#[test]
+fn pipeline_cache_is_saved_and_damaged_files_are_ignored() {
+    let cache = scratch("cache");
+    let model = tiny();
+    let args = [
+        "run",
+        "-m",
+        &model,
+        "--prompt-tokens",
+        "1,2,3",
+        "-n",
+        "3",
+        "--temp",
+        "0",
+    ];
+    let run = || {
+        // Mesa's own shader cache stays where it was (it follows XDG_CACHE_HOME too), so
+        // the runs compile no more than any other test's.
+        let mesa = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
+        let o = lathe_with(&args, |c| {
+            c.env("XDG_CACHE_HOME", &cache.0);
+            if let Some(m) = &mesa {
+                c.env("MESA_SHADER_CACHE_DIR", m);
+            }
+        });
+        assert!(o.status.success(), "{}", err(&o));
+        out(&o)
+    };
+    let first = run();
+    let files = cache_files(&cache.0);
+    if files.is_empty() {
+        // A backend without pipeline caches (not Vulkan) writes nothing; lavapipe has one.
+        let o = lathe(&["devices"]);
+        assert!(!out(&o).contains("Vulkan"), "no cache file on Vulkan");
+        return;
+    }
+    assert_eq!(files.len(), 1, "one file per adapter and driver: {files:?}");
+    let bytes = std::fs::read(&files[0]).unwrap();
+    assert!(bytes.starts_with(b"LATHEPC1") && bytes.len() > 48);
+    // Truncated, then garbage: each run ignores the file, gives the same tokens, and
+    // leaves a whole file again.
+    for damaged in [bytes[..bytes.len() / 2].to_vec(), vec![7u8; 1000]] {
+        std::fs::write(&files[0], &damaged).unwrap();
+        assert_eq!(run(), first);
+        let again = std::fs::read(&files[0]).unwrap();
+        assert!(again.starts_with(b"LATHEPC1") && again.len() > 48);
+    }
+    assert_eq!(cache_files(&cache.0).len(), 1, "no temporary file left");
+}
+
+#[test]
+fn headless_machines_get_no_wayland_noise() {
+    let o = lathe_with(&["devices"], |c| {
+        c.env_remove("XDG_RUNTIME_DIR")
+            .env_remove("WAYLAND_DISPLAY")
+            .env_remove("NODEVICE_SELECT");
+    });
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(!err(&o).contains("XDG_RUNTIME_DIR"), "{}", err(&o));
+}
+
+#[test]
+fn progress_lines_reach_a_log_and_counts_follow_the_flags() {
+    let model = tiny();
+    // stderr is a pipe here: the warm-up says so in a line.
+    let o = lathe(&[
+        "run",
+        "-m",
+        &model,
+        "--prompt-tokens",
+        "1,2",
+        "-n",
+        "-1",
+        "-c",
+        "8",
+        "--temp",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(err(&o).contains("warming up"), "{}", err(&o));
+    // -n -1: until the context of 8 is full, 6 tokens after a prompt of 2.
+    assert_eq!(out(&o).split_whitespace().count(), 6, "{}", out(&o));
+    // --seed -1 (the default) picks a fresh seed; --verbose prints it.
+    let seed = || {
+        let o = lathe(&[
+            "run",
+            "-m",
+            &model,
+            "--prompt-tokens",
+            "1",
+            "-n",
+            "1",
+            "--verbose",
+        ]);
+        assert!(o.status.success(), "{}", err(&o));
+        let e = err(&o);
+        let at = e.find("--seed ").expect("seed printed") + 7;
+        e[at..].split_whitespace().next().unwrap().to_string()
+    };
+    assert_ne!(seed(), seed(), "two runs, two seeds");
+}
+
+#[test]
+fn negative_and_zero_values_get_their_range() {
+    let model = tiny();
+    let e = fails_with(
+        &["run", "-m", &model, "--prompt-tokens", "1", "--temp", "-1"],
+        &["--temp -1: must be"],
+    );
+    assert!(!e.contains("unexpected argument"), "{e}");
+    fails_with(
+        &["run", "-m", &model, "--prompt-tokens", "1", "--ctx", "0"],
+        &["1 or more"],
+    );
+    fails_with(
+        &["run", "-m", &model, "--prompt-tokens", "1", "-n", "-2"],
+        &["-1 for until the context ends"],
+    );
+}
+
+#[test]
+fn version_and_errors_in_words() {
+    let o = lathe(&["version"]);
+    assert!(o.status.success());
+    assert!(out(&o).starts_with(&format!("lathe {}", env!("CARGO_PKG_VERSION"))));
+    let model = tiny();
+    let e = fails_with(
+        &["run", "-m", &model, "--prompt-tokens", "1", "--device", "7"],
+        &["no adapter number 7", "lathe devices"],
+    );
+    assert!(!e.contains("Index("), "{e}");
+    let dir = scratch("errors");
+    let fake = dir.0.join("fake.gguf");
+    std::fs::write(&fake, "not a model").unwrap();
+    let e = fails_with(
+        &["tokenize", "-m", fake.to_str().unwrap(), "--text", "hi"],
+        &["not a GGUF file"],
+    );
+    assert!(!e.contains("tokenizer.json:"), "{e}");
+    let empty = dir.0.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    fails_with(
+        &["inspect", empty.to_str().unwrap()],
+        &["not a model directory"],
+    );
+    // An architecture no family runs is named before the GPU starts, not "no vocabulary".
+    let bert = dir.0.join("bert");
+    std::fs::create_dir(&bert).unwrap();
+    std::fs::write(
+        bert.join("config.json"),
+        r#"{"architectures": ["BertForMaskedLM"]}"#,
+    )
+    .unwrap();
+    let e = fails_with(
+        &["run", "-m", bert.to_str().unwrap(), "-p", "hi"],
+        &["architecture BertForMaskedLM"],
+    );
+    assert!(!e.contains("vocabulary") && !e.contains("llvmpipe"), "{e}");
+    fails_with(
+        &["run", "-m", "qwen3.5:0.8b", "-p", "hi"],
+        &["ollama-style name", "owner/repo"],
+    );
+}
+
+#[test]
+fn the_model_goes_by_flag_or_position() {
+    let model = tiny();
+    let by_flag = lathe(&["inspect", "-m", &model]);
+    let by_pos = lathe(&["inspect", &model]);
+    assert!(by_flag.status.success(), "{}", err(&by_flag));
+    assert_eq!(out(&by_flag), out(&by_pos));
+    let tok = root().join("tests/fixtures/tokenizer/deepseek-v4/tokenizer.json");
+    let tok = tok.to_str().unwrap();
+    let a = lathe(&["tokenize", tok, "--text", "Hello"]);
+    let b = lathe(&["tokenize", "-m", tok, "--text", "Hello"]);
+    assert!(a.status.success(), "{}", err(&a));
+    assert_eq!(out(&a), out(&b));
+}
+
+#[test]
+fn synth_says_its_weights_are_random() {
+    let dir = scratch("synth");
+    let out_file = dir.0.join("m.gguf");
+    let o = lathe(&[
+        "synth",
+        "--preset",
+        "demo",
+        "--layers",
+        "1",
+        "-o",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains("weights of") && err(&o).contains("are random"),
+        "{}",
+        err(&o)
+    );
+}
