@@ -2,7 +2,7 @@
 //! family, found by the file's architecture name. Adding a family means one entry here
 //! (llama.cpp keeps the same kind of table in `llama-arch.cpp`).
 
-use super::{chain, deepseek4, qwen35, ModelFile};
+use super::{chain, deepseek4, llama, qwen35, ModelFile};
 use crate::forward::{LoadOptions, PartSpec};
 use crate::gpu::{AutoProducts, Gpu};
 use crate::moe::{Needs, RunShape};
@@ -76,6 +76,21 @@ pub static FAMILIES: &[Family] = &[
         // The indexer's and router's top-k hold the fixtures only at f32 level.
         products: |f| deepseek4::Hparams::from_file(f).map(|_| AutoProducts::F32),
         pass_rows: deepseek4::gpu::DEFAULT_BATCH,
+    },
+    Family {
+        name: "Llama",
+        archs: llama::GGUF_ARCHS,
+        load: |gpu, f, o| Ok(Box::new(llama::gpu::GpuModel::load(gpu, f, o)?)),
+        n_layer: |f| Ok(llama::Hparams::from_file(f)?.n_layer),
+        needs_part: |f, run, part| {
+            Ok(llama::gpu::needs_part(
+                &llama::Hparams::from_file(f)?,
+                run,
+                part,
+            ))
+        },
+        products: |f| llama::Hparams::from_file(f).map(|_| AutoProducts::Any),
+        pass_rows: llama::gpu::DEFAULT_BATCH,
     },
 ];
 
