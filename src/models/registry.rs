@@ -9,14 +9,16 @@ use crate::moe::{Needs, RunShape};
 use crate::{Error, Result};
 use std::sync::Arc;
 
+/// A family's loader: the layers of `opts.part` (the whole model without it) onto a device.
+pub type LoadFn = fn(Arc<Gpu>, &ModelFile, &LoadOptions) -> Result<Box<dyn chain::Part>>;
+
 /// One family: its architecture names and the functions that read its files.
 pub struct Family {
     /// For messages.
     pub name: &'static str,
     /// GGUF `general.architecture` values and HF `architectures` entries.
     pub archs: &'static [&'static str],
-    /// Load the layers of `opts.part` (the whole model without it) onto a device.
-    pub load: fn(Arc<Gpu>, &ModelFile, &LoadOptions) -> Result<Box<dyn chain::Part>>,
+    pub load: LoadFn,
     /// Blocks of the trunk (what a chain splits).
     pub n_layer: fn(&ModelFile) -> Result<usize>,
     /// What the layers of `part` need beside their weights (the loader budgets with it).
