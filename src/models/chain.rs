@@ -418,12 +418,9 @@ pub fn default_ratios(mems: &[AdapterMemory]) -> Vec<f64> {
     }
 }
 
-/// Blocks of the model in `file` (either family).
+/// Blocks of the model in `file` (its family's trunk).
 pub fn n_layer(file: &ModelFile) -> Result<usize> {
-    if let Ok(hp) = super::qwen35::Hparams::from_file(file) {
-        return Ok(hp.n_layer);
-    }
-    Ok(super::deepseek4::Hparams::from_file(file)?.n_layer)
+    (super::registry::family(file)?.n_layer)(file)
 }
 
 /// The layer ranges of `opts` over the devices `gpus` for the model in `file`.

@@ -7,7 +7,9 @@
 
 pub mod chain;
 pub mod deepseek4;
+pub mod llama;
 pub mod qwen35;
+pub mod registry;
 pub mod spec;
 
 use crate::forward::{LoadOptions, Logits, Want};
@@ -20,25 +22,10 @@ use std::any::Any;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Architecture names of the Qwen3.5 family: GGUF `general.architecture`, HF `architectures`.
-const QWEN35_ARCHS: &[&str] = &[
-    "qwen35",
-    "qwen35moe",
-    "qwen3next",
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForCausalLM",
-    "Qwen3NextForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-];
-
-/// Architecture names of DeepSeek-V4.
-const DEEPSEEK4_ARCHS: &[&str] = &["deepseek4", "DeepseekV4ForCausalLM"];
-
 /// Whether a family here runs `arch` (GGUF `general.architecture` or HF `architectures`),
 /// so front ends can refuse a file before they start a GPU.
 pub fn is_supported(arch: &str) -> bool {
-    QWEN35_ARCHS.contains(&arch) || DEEPSEEK4_ARCHS.contains(&arch)
+    registry::FAMILIES.iter().any(|f| f.archs.contains(&arch))
 }
 
 /// Load the model in `file` onto `gpu` with its family's forward.
@@ -52,17 +39,7 @@ pub fn load_part(
     file: &ModelFile,
     opts: &LoadOptions,
 ) -> Result<Box<dyn chain::Part>> {
-    let arch = file.architecture()?;
-    if QWEN35_ARCHS.contains(&arch.as_str()) {
-        Ok(Box::new(qwen35::gpu::GpuModel::load(gpu, file, opts)?))
-    } else if DEEPSEEK4_ARCHS.contains(&arch.as_str()) {
-        Ok(Box::new(deepseek4::gpu::GpuModel::load(gpu, file, opts)?))
-    } else {
-        Err(Error::Unsupported(format!(
-            "{}: architecture {arch}",
-            file.path().display()
-        )))
-    }
+    (registry::family(file)?.load)(gpu, file, opts)
 }
 
 /// What the engine asks of a loaded model, whatever its family: one implementation per
@@ -200,53 +177,35 @@ pub(crate) fn head_runs(wants: &[(usize, usize)], cap: usize) -> Vec<(usize, usi
 /// f32-level products (a Qwen3.5 MoE file missed its bar with f16 weights and split
 /// activations).
 pub fn auto_products(f: &ModelFile) -> AutoProducts {
-    if let Ok(hp) = qwen35::Hparams::from_file(f) {
-        return if hp.moe.is_some() {
-            AutoProducts::F32
-        } else {
-            AutoProducts::Any
-        };
-    }
-    if deepseek4::Hparams::from_file(f).is_ok() {
-        return AutoProducts::F32;
-    }
-    AutoProducts::Any
+    registry::family_of(f)
+        .and_then(|fam| (fam.products)(f).ok())
+        .unwrap_or(AutoProducts::Any)
 }
 
 /// Rows of one prefill pass the loader of the model in `f` sizes its activations for (its
 /// family's `DEFAULT_BATCH`; an offload streaming cold experts may take longer ones).
 pub fn pass_rows(f: &ModelFile) -> usize {
-    if deepseek4::Hparams::from_file(f).is_ok() {
-        deepseek4::gpu::DEFAULT_BATCH
-    } else {
-        qwen35::gpu::DEFAULT_BATCH
-    }
+    registry::family_of(f).map_or(registry::DEFAULT_PASS_ROWS, |fam| fam.pass_rows)
 }
 
 /// What the model in `f` needs beside its weights for `run`: its family's `needs` (the one
 /// its loader budgets with). Architectures without one count nothing (see `Needs::note`).
 pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
-    if let Ok(hp) = qwen35::Hparams::from_file(f) {
-        return qwen35::gpu::needs(&hp, run);
-    }
-    if let Ok(hp) = deepseek4::Hparams::from_file(f) {
-        return deepseek4::gpu::needs(&hp, run);
-    }
-    Needs {
+    let whole = registry::family_of(f).and_then(|fam| {
+        let n = (fam.n_layer)(f).ok()?;
+        (fam.needs_part)(f, run, &crate::forward::PartSpec::whole(n)).ok()
+    });
+    whole.unwrap_or_else(|| Needs {
         note: Some("unknown architecture: KV, state and activations not counted".into()),
         ..Default::default()
-    }
+    })
 }
 
 /// [`needs`] of the layers one device's `part` holds (`chain`).
 pub fn needs_part(f: &ModelFile, run: RunShape, part: &crate::forward::PartSpec) -> Needs {
-    if let Ok(hp) = qwen35::Hparams::from_file(f) {
-        return qwen35::gpu::needs_part(&hp, run, part);
-    }
-    if let Ok(hp) = deepseek4::Hparams::from_file(f) {
-        return deepseek4::gpu::needs_part(&hp, run, part);
-    }
-    needs(f, run)
+    registry::family_of(f)
+        .and_then(|fam| (fam.needs_part)(f, run, part).ok())
+        .unwrap_or_else(|| needs(f, run))
 }
 
 /// The budget of `f` (whose experts `info` describes) on `memory` bytes for `run`: [`needs`]

@@ -50,6 +50,9 @@ const QWEN2: &[&str] = &[
 const QWEN35: &[&str] = &[
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ];
+/// SmolLM (HF: `Digits(individual_digits)` then GPT-2's `ByteLevel` split; llama.cpp's
+/// `smollm`): every digit alone, then GPT-2's words.
+const SMOLLM: &[&str] = &[r"\p{N}", GPT2[0]];
 /// Llama 3: as Qwen2 with digits in groups of up to three.
 const LLAMA3: &[&str] = &[
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -69,12 +72,13 @@ fn pre_tokenizer(pre: Option<&str>) -> Result<(&'static [&'static str], bool)> {
         "default" | "gpt2" | "gpt-2" => (GPT2, false),
         "qwen2" | "deepseek-r1-qwen" => (QWEN2, false),
         "qwen35" => (QWEN35, false),
+        "smollm" => (SMOLLM, false),
         "llama-bpe" | "llama3" => (LLAMA3, true),
         "deepseek-v3" | "deepseek-v4" => (DEEPSEEK3, false),
         other => {
             return Err(Error::Unsupported(format!(
                 "pre-tokenizer `{other}` (tokenizer.ggml.pre); known: default, gpt2, qwen2, \
-                 qwen35, llama-bpe, deepseek-v3, deepseek-v4"
+                 qwen35, smollm, llama-bpe, deepseek-v3, deepseek-v4"
             )))
         }
     })
@@ -293,6 +297,7 @@ mod tests {
             "gpt2",
             "qwen2",
             "qwen35",
+            "smollm",
             "llama-bpe",
             "deepseek-v3",
             "deepseek-v4",

@@ -1,0 +1,677 @@
+//! The Llama-family forward on the GPU: one pass (one submission) per chunk of at most
+//! [`DEFAULT_BATCH`] tokens of one sequence. Products run through `matmul` (matvec for a
+//! few rows, the tiled kernels for more), attention over the sequence's KV rows (flash
+//! tiles for a chunk, split-K for one token); only the wanted logits come back.
+
+use super::{Hparams, W};
+use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want};
+use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::matmul;
+use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::norm;
+use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
+use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::models::chain::{self, Link};
+use crate::models::{expect_shape, Forward, ModelFile, Seq, SeqState};
+use crate::moe::{Needs, Offload, RunShape};
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
+/// the other families').
+pub const DEFAULT_BATCH: usize = 512;
+
+/// One block's weights (`[out, in]` products as stored).
+struct Layer {
+    attn_norm: GpuTensor,
+    q: GpuTensor,
+    k: GpuTensor,
+    v: GpuTensor,
+    o: GpuTensor,
+    ffn_norm: GpuTensor,
+    gate: GpuTensor,
+    up: GpuTensor,
+    down: GpuTensor,
+}
+
+/// Activation buffers for passes of `rows` tokens (f32 unless said).
+struct Scratch {
+    rows: usize,
+    /// [rows] u32 token ids.
+    ids: wgpu::Buffer,
+    /// [rows, n_embd]: the residual stream and its normed copy.
+    x: wgpu::Buffer,
+    h: wgpu::Buffer,
+    /// [rows, n_head·head_dim], [rows, n_head_kv·head_dim] ×2: q, k, v; `att` the attention
+    /// output.
+    q: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    att: wgpu::Buffer,
+    /// [rows, n_ff]: gate, up, and SwiGLU of them.
+    gate: wgpu::Buffer,
+    up: wgpu::Buffer,
+    act: wgpu::Buffer,
+    /// Split-K partials of a decode step's attention.
+    attn_split: wgpu::Buffer,
+    /// [logit_rows, n_vocab]
+    logits: wgpu::Buffer,
+    logit_rows: usize,
+    top: topk::LogitsTop,
+}
+
+/// f32 elements of each scratch buffer: the one list [`Scratch::new`] allocates and
+/// [`needs_part`] counts.
+fn scratch_elems(hp: &Hparams, rows: usize) -> [usize; 11] {
+    let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
+    [
+        rows,
+        rows * hp.n_embd,
+        rows * hp.n_embd,
+        rows * q,
+        rows * kv,
+        rows * kv,
+        rows * q,
+        rows * hp.n_ff,
+        rows * hp.n_ff,
+        rows * hp.n_ff,
+        split_elems(hp) as usize,
+    ]
+}
+
+/// Split-K scratch of one decode token (16 Mi elements at most, as the split count shrinks
+/// to fit).
+fn split_elems(hp: &Hparams) -> u64 {
+    attention::scratch_elems(
+        1,
+        hp.n_head as u32,
+        hp.head_dim as u32,
+        attention::MAX_SPLIT,
+    )
+    .min(16 << 20)
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
+        let e = scratch_elems(hp, rows);
+        let f = |i: usize, label: &str| gpu.buffer((e[i].max(1) * 4) as u64, label);
+        let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, rows);
+        Ok(Scratch {
+            rows,
+            ids: f(0, "llama.ids")?,
+            x: f(1, "llama.x")?,
+            h: f(2, "llama.h")?,
+            q: f(3, "llama.q")?,
+            k: f(4, "llama.k")?,
+            v: f(5, "llama.v")?,
+            att: f(6, "llama.att")?,
+            gate: f(7, "llama.gate")?,
+            up: f(8, "llama.up")?,
+            act: f(9, "llama.act")?,
+            attn_split: f(10, "llama.attn_split")?,
+            logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "llama.logits")?,
+            logit_rows,
+            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+        })
+    }
+}
+
+/// What the layers of `part` need beside their weights for `run`: f16 or f32 K and V rows
+/// per position, and the scratch of one pass.
+pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
+    let seqs = run.seqs.max(1);
+    let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
+    let layers = part.layers.len() as u64;
+    let rows = run.batch.max(1) as usize;
+    let e = scratch_elems(hp, rows);
+    let logits = (rows * hp.n_vocab) as u64 * 4;
+    Needs {
+        kv_per_token: layers * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs,
+        state: 0,
+        activations: e.iter().map(|&n| n as u64 * 4).sum::<u64>() + logits,
+        largest_buffer: e.iter().max().map_or(0, |&n| n as u64 * 4),
+        kv_elem,
+        note: None,
+    }
+}
+
+/// K and V rows of every layer for all sequence slots: slot `s` owns rows `s·cap ..`.
+struct Pools {
+    slots: usize,
+    /// Rows per slot; grows by doubling (copied on the GPU).
+    cap: usize,
+    /// Per layer: (K, V) `[slots·cap, n_head_kv, head_dim]`.
+    kv: Vec<(wgpu::Buffer, wgpu::Buffer)>,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+/// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
+pub struct LlamaSeq {
+    slot: u32,
+    pos: usize,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+impl SeqState for LlamaSeq {
+    fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl Drop for LlamaSeq {
+    fn drop(&mut self) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.slot);
+    }
+}
+
+pub struct GpuModel {
+    pub gpu: Arc<Gpu>,
+    pub hp: Hparams,
+    tok_embd: GpuTensor,
+    /// `None`: the head is the embedding (tied).
+    output: Option<GpuTensor>,
+    output_norm: GpuTensor,
+    layers: Vec<Layer>,
+    rope: RopeTable,
+    kv: KvShape,
+    pools: Pools,
+    scratch: Scratch,
+}
+
+/// What one chunk's pass returns: its wanted logits rows.
+enum ChunkWant {
+    None,
+    Last,
+    All,
+    Top { k: u32, lse: bool },
+}
+
+impl GpuModel {
+    pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
+        let hp = Hparams::from_file(file)?;
+        if opts.part.as_ref().is_some_and(|p| !(p.first && p.last)) {
+            return Err(Error::Unsupported(
+                "a Llama-family model split over several devices".into(),
+            ));
+        }
+        let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
+        let mut done = 0u64;
+        let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {
+            let t = file.require(&w.gguf_name())?;
+            expect_shape(&t, shape)?;
+            let g = gpu.upload_tensor(&t)?;
+            done += t.data.len() as u64;
+            if let Some(p) = &opts.progress {
+                p(done.min(total), total);
+            }
+            Ok(g)
+        };
+        let (e, v, ff) = (hp.n_embd as u64, hp.n_vocab as u64, hp.n_ff as u64);
+        let (qw, kvw) = (
+            (hp.n_head * hp.head_dim) as u64,
+            (hp.n_head_kv * hp.head_dim) as u64,
+        );
+        let tok_embd = up(W::TokEmbd, &[v, e])?;
+        let output = match file.tensor(&W::Output.gguf_name()) {
+            Some(_) => Some(up(W::Output, &[v, e])?),
+            None => None,
+        };
+        let output_norm = up(W::OutputNorm, &[e])?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for l in 0..hp.n_layer {
+            layers.push(Layer {
+                attn_norm: up(W::AttnNorm(l), &[e])?,
+                q: up(W::Q(l), &[qw, e])?,
+                k: up(W::K(l), &[kvw, e])?,
+                v: up(W::V(l), &[kvw, e])?,
+                o: up(W::O(l), &[e, qw])?,
+                ffn_norm: up(W::FfnNorm(l), &[e])?,
+                gate: up(W::Gate(l), &[ff, e])?,
+                up: up(W::Up(l), &[ff, e])?,
+                down: up(W::Down(l), &[e, ff])?,
+            });
+        }
+        let rope = RopeTable::new(&gpu, &inv_freq(file, &hp)?, "llama.rope")?;
+        let kv = KvShape {
+            dtype: match opts.kv_type {
+                KvType::Auto | KvType::F16 => attention::KvType::F16,
+                KvType::F32 => attention::KvType::F32,
+            },
+            n_head_kv: hp.n_head_kv as u32,
+            head_dim: hp.head_dim as u32,
+        };
+        let slots = opts.max_seqs.max(1);
+        let cap = opts.ctx.clamp(16, 4096);
+        let rows = (slots * cap) as u64;
+        let pools = Pools {
+            slots,
+            cap,
+            kv: (0..hp.n_layer)
+                .map(|_| {
+                    Ok((
+                        gpu.buffer(kv.bytes(rows), "llama.kv.k")?,
+                        gpu.buffer(kv.bytes(rows), "llama.kv.v")?,
+                    ))
+                })
+                .collect::<Result<_>>()?,
+            // Popped from the end: slot 0 first.
+            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
+        };
+        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
+        Ok(GpuModel {
+            gpu,
+            hp,
+            tok_embd,
+            output,
+            output_norm,
+            layers,
+            rope,
+            kv,
+            pools,
+            scratch,
+        })
+    }
+
+    /// Feed each item's tokens, in chunks of at most [`DEFAULT_BATCH`], one item after the
+    /// other; per item the logits it wants.
+    fn run_items(&mut self, items: &mut [(&mut LlamaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let v = self.hp.n_vocab;
+        for (_, toks, want) in items.iter() {
+            crate::forward::check_want(*want)?;
+            if let Some(&bad) = toks.iter().find(|&&t| t as usize >= v) {
+                return Err(Error::Invalid(format!(
+                    "token id {bad} is outside the vocabulary of {v}"
+                )));
+            }
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for (seq, toks, want) in items.iter_mut() {
+            let mut full = Vec::new();
+            let mut top = None;
+            let chunks: Vec<&[u32]> = toks.chunks(self.scratch.rows).collect();
+            for (i, chunk) in chunks.iter().enumerate() {
+                let last = i + 1 == chunks.len();
+                let cw = match *want {
+                    Want::All => ChunkWant::All,
+                    Want::Last if last => ChunkWant::Last,
+                    Want::Top { k, lse } if last => ChunkWant::Top { k, lse },
+                    _ => ChunkWant::None,
+                };
+                let (logits, t) = self.run_chunk(seq.slot, seq.pos, chunk, cw)?;
+                full.extend(logits);
+                top = top.or(t);
+                seq.pos += chunk.len();
+            }
+            out.push(match top {
+                Some(t) => Logits::Top(t),
+                None => Logits::Full(full),
+            });
+        }
+        Ok(out)
+    }
+
+    /// One pass over `toks` of the sequence in `slot` from position `pos0`.
+    fn run_chunk(
+        &mut self,
+        slot: u32,
+        pos0: usize,
+        toks: &[u32],
+        want: ChunkWant,
+    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        let gpu = self.gpu.clone();
+        let mut pass = gpu.pass();
+        self.reserve(&mut pass, pos0 + toks.len())?;
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let n = toks.len() as u32;
+        gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
+        embed::embed(
+            &mut pass,
+            &self.tok_embd,
+            &sc.ids,
+            0,
+            n,
+            View::new(&sc.x, 0),
+        )?;
+        let e = hp.n_embd as u32;
+        for (l, lw) in self.layers.iter().enumerate() {
+            let norm = |pass: &mut Pass<'_>, w| {
+                norm::rms_norm(
+                    pass,
+                    n,
+                    e,
+                    View::new(&sc.x, 0),
+                    Some(View::new(&sc.h, 0)),
+                    Some(w),
+                    hp.eps,
+                )
+            };
+            norm(&mut pass, &lw.attn_norm)?;
+            self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
+            norm(&mut pass, &lw.ffn_norm)?;
+            linear(&mut pass, &lw.gate, &sc.h, &sc.gate, n, false)?;
+            linear(&mut pass, &lw.up, &sc.h, &sc.up, n, false)?;
+            ew::swiglu(
+                &mut pass,
+                n,
+                hp.n_ff as u32,
+                View::new(&sc.act, 0),
+                View::new(&sc.gate, 0),
+                View::new(&sc.up, 0),
+                None,
+            )?;
+            linear(&mut pass, &lw.down, &sc.act, &sc.x, n, true)?;
+            pass.flush_every(crate::gpu::FLUSH_OPS)?;
+        }
+        let (r0, rows) = match want {
+            ChunkWant::None => {
+                pass.submit()?;
+                return Ok((Vec::new(), None));
+            }
+            ChunkWant::All => (0, n as usize),
+            ChunkWant::Last | ChunkWant::Top { .. } => (n as usize - 1, 1),
+        };
+        // The final norm of the wanted rows only.
+        norm::rms_norm(
+            &mut pass,
+            rows as u32,
+            e,
+            View::new(&sc.x, r0 as u32 * e),
+            Some(View::new(&sc.h, 0)),
+            Some(&self.output_norm),
+            hp.eps,
+        )?;
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let v = hp.n_vocab;
+        if let ChunkWant::Top { k, lse } = want {
+            crate::models::head_rows(
+                &mut pass,
+                head,
+                &sc.h,
+                (0, hp.n_embd),
+                &sc.logits,
+                (0, v),
+                1,
+            )?;
+            sc.top
+                .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+            pass.submit()?;
+            let t = sc.top.read(&gpu, 1, k, lse)?.pop();
+            return Ok((Vec::new(), t));
+        }
+        // The head in runs that fit the logits buffer, each read back.
+        let mut logits = Vec::with_capacity(rows * v);
+        let mut pending = Some(pass);
+        for (r, take) in crate::models::head_runs(&[(0, rows)], sc.logit_rows) {
+            let mut p = pending.take().unwrap_or_else(|| gpu.pass());
+            crate::models::head_rows(
+                &mut p,
+                head,
+                &sc.h,
+                (r, hp.n_embd),
+                &sc.logits,
+                (0, v),
+                take,
+            )?;
+            p.submit()?;
+            logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
+        }
+        Ok((logits, None))
+    }
+
+    /// Layer `l`'s attention over the normed rows in `h`, added to the residual stream.
+    fn attention(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        lw: &Layer,
+        slot: u32,
+        pos0: u32,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
+        linear(pass, &lw.q, &sc.h, &sc.q, n, false)?;
+        linear(pass, &lw.k, &sc.h, &sc.k, n, false)?;
+        linear(pass, &lw.v, &sc.h, &sc.v, n, false)?;
+        let positions = Positions::From(pos0);
+        for (buf, heads) in [(&sc.q, nh), (&sc.k, nkv)] {
+            rope::rope(
+                pass,
+                &RopeView::packed(buf, 0, n, heads, hd),
+                hp.rope_style,
+                0,
+                &self.rope,
+                positions,
+                false,
+            )?;
+        }
+        let (kc, vc) = &self.pools.kv[l];
+        let row0 = slot * self.pools.cap as u32;
+        let dst = attention::DstRows::Range { row0: row0 + pos0 };
+        attention::write_kv(pass, self.kv, &sc.k, 0, nkv * hd, n, kc, dst)?;
+        attention::write_kv(pass, self.kv, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        let n_kv = pos0 + n;
+        // Split-K only when a few query rows face many keys (decode); halved to fit the
+        // scratch, which is sized for one query row.
+        let mut n_split = attention::pick_n_split(n, nh, self.kv, n_kv, false);
+        while n_split > 1 && attention::scratch_elems(n, nh, hd, n_split) * 4 > sc.attn_split.size()
+        {
+            n_split /= 2;
+        }
+        attention::attention(
+            pass,
+            &Attention {
+                n_q: n,
+                n_head: nh,
+                kv: self.kv,
+                scale: 1.0 / (hd as f32).sqrt(),
+                q: QView {
+                    buf: &sc.q,
+                    off: 0,
+                    tok_stride: nh * hd,
+                    head_stride: hd,
+                },
+                out: OutView {
+                    buf: &sc.att,
+                    off: 0,
+                    tok_stride: nh * hd,
+                },
+                a: KvSource { k: kc, v: Some(vc) },
+                b: None,
+                keys: Keys::Causal {
+                    row0,
+                    pos0,
+                    n_kv,
+                    window: 0,
+                },
+                sinks: None,
+                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+            },
+        )?;
+        linear(pass, &lw.o, &sc.att, &sc.x, n, true)
+    }
+
+    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
+    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
+        if need <= self.pools.cap {
+            return Ok(());
+        }
+        let max_cap = self.max_positions();
+        let s = self.kv;
+        let p = &mut self.pools;
+        if need > max_cap {
+            return Err(Error::Invalid(format!(
+                "a KV cache of {need} positions x {} sequences exceeds the adapter's binding \
+                 limit ({max_cap} positions fit): use fewer sequences (`--parallel`) or a \
+                 shorter context",
+                p.slots
+            )));
+        }
+        let new_cap = need.max(p.cap * 2).next_multiple_of(256).min(max_cap);
+        let rows = (p.slots * new_cap) as u64;
+        for kv in p.kv.iter_mut() {
+            let k = self.gpu.buffer(s.bytes(rows), "llama.kv.k")?;
+            let v = self.gpu.buffer(s.bytes(rows), "llama.kv.v")?;
+            for slot in 0..p.slots as u64 {
+                let (from, to, len) = (
+                    s.bytes(slot * p.cap as u64),
+                    s.bytes(slot * new_cap as u64),
+                    s.bytes(p.cap as u64),
+                );
+                pass.copy(&kv.0, from, &k, to, len);
+                pass.copy(&kv.1, from, &v, to, len);
+            }
+            *kv = (k, v);
+        }
+        p.cap = new_cap;
+        Ok(())
+    }
+
+    /// Positions per sequence the pools can grow to: each layer's K (and V) is one buffer of
+    /// `slots x positions` rows, bounded by the adapter's binding limit.
+    fn max_positions(&self) -> usize {
+        let row = self.kv.bytes(1).max(1);
+        let per_seq = (self.gpu.max_binding() / row / self.pools.slots as u64) as usize;
+        if per_seq >= 256 {
+            per_seq / 256 * 256
+        } else {
+            per_seq
+        }
+    }
+
+    fn new_llama_seq(&self) -> Result<LlamaSeq> {
+        let slot = self
+            .pools
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
+                    self.pools.slots
+                ))
+            })?;
+        Ok(LlamaSeq {
+            slot,
+            pos: 0,
+            free: self.pools.free.clone(),
+        })
+    }
+
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot through a staging buffer
+    /// (WebGPU forbids a copy within one buffer).
+    fn copy_rows(&self, src: &LlamaSeq, dst: &mut LlamaSeq) -> Result<()> {
+        let cap = self.pools.cap as u64;
+        let len = self.kv.bytes(src.pos as u64);
+        if len > 0 {
+            let (from, to) = (
+                self.kv.bytes(src.slot as u64 * cap),
+                self.kv.bytes(dst.slot as u64 * cap),
+            );
+            let stage = self.gpu.buffer(len, "llama.seq.copy_stage")?;
+            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+            for (k, v) in &self.pools.kv {
+                for buf in [k, v] {
+                    enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
+                    enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
+                }
+            }
+            self.gpu.queue.submit([enc.finish()]);
+            self.gpu.check()?;
+        }
+        dst.pos = src.pos;
+        Ok(())
+    }
+}
+
+/// `y = W x` (or `y += W x`) over `n` rows.
+fn linear(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    n: u32,
+    accumulate: bool,
+) -> Result<()> {
+    let opts = MatvecOpts {
+        accumulate,
+        ..Default::default()
+    };
+    matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
+}
+
+/// RoPE inverse frequencies: `theta^(-2i/n_rot)`, divided by `rope_freqs` where the file has
+/// it (llama.cpp's `freq_factors`) and by a linear scaling factor.
+fn inv_freq(file: &ModelFile, hp: &Hparams) -> Result<Vec<f32>> {
+    let mut inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, hp.n_rot);
+    if let Some(t) = file.tensor(&W::RopeFreqs.gguf_name()) {
+        expect_shape(&t, &[inv.len() as u64])?;
+        for (f, d) in inv.iter_mut().zip(crate::models::read_f32(&t)?) {
+            *f /= d;
+        }
+    }
+    for f in &mut inv {
+        *f /= hp.rope_linear;
+    }
+    Ok(inv)
+}
+
+impl Forward for GpuModel {
+    fn vocab_size(&self) -> usize {
+        self.hp.n_vocab
+    }
+    fn new_seq(&self) -> Result<Seq> {
+        Ok(Seq::new(self.new_llama_seq()?))
+    }
+    fn reset(&self, seq: &mut Seq) -> Result<()> {
+        seq.get_mut::<LlamaSeq>()?.pos = 0;
+        Ok(())
+    }
+    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
+        self.copy_rows(src.get()?, dst.get_mut()?)
+    }
+    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let mut v: Vec<(&mut LlamaSeq, &[u32], Want)> = Vec::with_capacity(items.len());
+        for (s, t, w) in items.iter_mut() {
+            v.push((s.get_mut()?, *t, *w));
+        }
+        self.run_items(&mut v)
+    }
+    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        let want = if all { Want::All } else { Want::Last };
+        let mut out = self.run_items(&mut [(seq.get_mut()?, tokens, want)])?;
+        Ok(out.pop().map(Logits::into_full).unwrap_or_default())
+    }
+    fn profile(&mut self, _items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
+        Err(Error::Unsupported(
+            "per-dispatch profiles of a Llama-family model".into(),
+        ))
+    }
+    fn offload(&self) -> Option<&Offload> {
+        None
+    }
+    fn routed_experts(&self) -> usize {
+        0
+    }
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_positions())
+    }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
+    }
+}
+
+impl chain::Part for GpuModel {
+    /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
+    fn link(&mut self, _link: Link) {}
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+}

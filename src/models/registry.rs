@@ -1,0 +1,114 @@
+//! The model families, in one list: what the engine, the planner and the chain ask of a
+//! family, found by the file's architecture name. Adding a family means one entry here
+//! (llama.cpp keeps the same kind of table in `llama-arch.cpp`).
+
+use super::{chain, deepseek4, llama, qwen35, ModelFile};
+use crate::forward::{LoadOptions, PartSpec};
+use crate::gpu::{AutoProducts, Gpu};
+use crate::moe::{Needs, RunShape};
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// A family's loader: the layers of `opts.part` (the whole model without it) onto a device.
+pub type LoadFn = fn(Arc<Gpu>, &ModelFile, &LoadOptions) -> Result<Box<dyn chain::Part>>;
+
+/// One family: its architecture names and the functions that read its files.
+pub struct Family {
+    /// For messages.
+    pub name: &'static str,
+    /// GGUF `general.architecture` values and HF `architectures` entries.
+    pub archs: &'static [&'static str],
+    pub load: LoadFn,
+    /// Blocks of the trunk (what a chain splits).
+    pub n_layer: fn(&ModelFile) -> Result<usize>,
+    /// What the layers of `part` need beside their weights (the loader budgets with it).
+    pub needs_part: fn(&ModelFile, RunShape, &PartSpec) -> Result<Needs>,
+    /// What `--matmul auto` may run the model with.
+    pub products: fn(&ModelFile) -> Result<AutoProducts>,
+    /// Rows of one prefill pass the loader sizes its activations for.
+    pub pass_rows: usize,
+}
+
+/// Every family lathe runs.
+pub static FAMILIES: &[Family] = &[
+    Family {
+        name: "Qwen3.5",
+        archs: &[
+            "qwen35",
+            "qwen35moe",
+            "qwen3next",
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3NextForCausalLM",
+            "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration",
+        ],
+        load: |gpu, f, o| Ok(Box::new(qwen35::gpu::GpuModel::load(gpu, f, o)?)),
+        n_layer: |f| Ok(qwen35::Hparams::from_file(f)?.n_layer),
+        needs_part: |f, run, part| {
+            Ok(qwen35::gpu::needs_part(
+                &qwen35::Hparams::from_file(f)?,
+                run,
+                part,
+            ))
+        },
+        // Router top-k on computed values: f32-level products (see `super::auto_products`).
+        products: |f| {
+            Ok(if qwen35::Hparams::from_file(f)?.moe.is_some() {
+                AutoProducts::F32
+            } else {
+                AutoProducts::Any
+            })
+        },
+        pass_rows: qwen35::gpu::DEFAULT_BATCH,
+    },
+    Family {
+        name: "DeepSeek-V4",
+        archs: &["deepseek4", "DeepseekV4ForCausalLM"],
+        load: |gpu, f, o| Ok(Box::new(deepseek4::gpu::GpuModel::load(gpu, f, o)?)),
+        n_layer: |f| Ok(deepseek4::Hparams::from_file(f)?.n_layer),
+        needs_part: |f, run, part| {
+            Ok(deepseek4::gpu::needs_part(
+                &deepseek4::Hparams::from_file(f)?,
+                run,
+                part,
+            ))
+        },
+        // The indexer's and router's top-k hold the fixtures only at f32 level.
+        products: |f| deepseek4::Hparams::from_file(f).map(|_| AutoProducts::F32),
+        pass_rows: deepseek4::gpu::DEFAULT_BATCH,
+    },
+    Family {
+        name: "Llama",
+        archs: llama::GGUF_ARCHS,
+        load: |gpu, f, o| Ok(Box::new(llama::gpu::GpuModel::load(gpu, f, o)?)),
+        n_layer: |f| Ok(llama::Hparams::from_file(f)?.n_layer),
+        needs_part: |f, run, part| {
+            Ok(llama::gpu::needs_part(
+                &llama::Hparams::from_file(f)?,
+                run,
+                part,
+            ))
+        },
+        products: |f| llama::Hparams::from_file(f).map(|_| AutoProducts::Any),
+        pass_rows: llama::gpu::DEFAULT_BATCH,
+    },
+];
+
+/// The family whose architecture names hold `file`'s architecture.
+pub fn family_of(file: &ModelFile) -> Option<&'static Family> {
+    let arch = file.architecture().ok()?;
+    FAMILIES.iter().find(|f| f.archs.contains(&arch.as_str()))
+}
+
+/// [`family_of`], or an error naming the file and its architecture.
+pub fn family(file: &ModelFile) -> Result<&'static Family> {
+    family_of(file).ok_or_else(|| match file.architecture() {
+        Ok(arch) => Error::Unsupported(format!("{}: architecture {arch}", file.path().display())),
+        Err(e) => e,
+    })
+}
+
+/// Rows of one pass for a file of no known family (the planner still sizes a run for it):
+/// 512 as llama.cpp's micro-batch, as every family's.
+pub const DEFAULT_PASS_ROWS: usize = 512;
