@@ -968,17 +968,23 @@ fn slow_clients_are_cut_off() {
     let got = read_all(c);
     assert!(got.starts_with("HTTP/1.1 408"), "{got}");
     assert!(t0.elapsed() < Duration::from_secs(10));
-    // Four idle connections fill the cap: a fifth client is served once they time out.
-    let idle: Vec<TcpStream> = (0..4).map(|_| connect()).collect();
+    // Idle connections from one address take the cap but its reserve (one of four slots,
+    // kept for other addresses: tests/fuzz.rs's slowloris test): a fourth is refused at once
+    // with a readable 503, and the address is served again once its idle ones time out.
+    let idle: Vec<TcpStream> = (0..3).map(|_| connect()).collect();
     std::thread::sleep(Duration::from_millis(200));
+    let mut fourth = connect();
+    write!(fourth, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let got = read_all(fourth);
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
     let t0 = Instant::now();
-    let (st, _) = s.get("/health");
-    assert_eq!(st, 200);
-    assert!(
-        t0.elapsed() >= Duration::from_millis(500),
-        "{:?}",
-        t0.elapsed()
-    );
+    loop {
+        if let Ok((200, _)) = s.try_get("/health") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never served again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     drop(idle);
 }
 
@@ -1706,16 +1712,24 @@ fn metrics_tokenize_props_slots_and_rejection_log() {
     );
     let (st, p) = s.get("/props");
     assert_eq!((st, p["total_slots"].as_u64()), (200, Some(2)), "{p}");
-    let (st, sl) = s.get("/slots");
-    assert_eq!(st, 200);
-    assert_eq!(sl.as_array().unwrap().len(), 2, "{sl}");
-    assert!(
-        sl.as_array()
+    // The slots are published after each step, which may end after the last answer went out:
+    // they read idle within a bounded wait.
+    let t0 = Instant::now();
+    loop {
+        let (st, sl) = s.get("/slots");
+        assert_eq!(st, 200);
+        assert_eq!(sl.as_array().unwrap().len(), 2, "{sl}");
+        let idle = sl
+            .as_array()
             .unwrap()
             .iter()
-            .all(|x| x["is_processing"] == false),
-        "{sl}"
-    );
+            .all(|x| x["is_processing"] == false);
+        if idle {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{sl}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let log = s.log().join("\n");
     assert!(
         log.contains("POST /v1/completions: 400 Bad Request:") && log.contains("temperature"),

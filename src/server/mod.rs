@@ -435,6 +435,10 @@ async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
 /// hold the slot).
 const REFUSAL_WRITE: Duration = Duration::from_secs(1);
 
+/// How long a refused connection's request bytes are read and dropped after its 503 (they are
+/// in flight or already received: a request head is one packet).
+const REFUSAL_LINGER: Duration = Duration::from_millis(250);
+
 /// How long requests cut by a hard stop get to write their last bytes.
 const HARD_STOP_FLUSH: Duration = Duration::from_secs(2);
 
@@ -468,13 +472,41 @@ async fn accept_loop(
             Ok(slot) => slot,
             Err(why) => {
                 tokio::spawn(async move {
-                    // A few hundred bytes: one write once the socket is writable.
+                    // A few hundred bytes (one write once the socket is writable), then a
+                    // lingering close (RFC 9112 section 9.6): the request bytes the client
+                    // already sent are read and dropped, since closing with them unread resets
+                    // the connection and the client may lose the 503.
+                    // The slot is given back once the answer is written: the linger holds
+                    // only a socket, for at most REFUSAL_LINGER.
                     let write = async {
                         let _ = io.writable().await;
                         let _ = io.try_write(clients::refusal(why).as_bytes());
+                        io
                     };
-                    let _ = tokio::time::timeout(REFUSAL_WRITE, write).await;
+                    let Ok(io) = tokio::time::timeout(REFUSAL_WRITE, write).await else {
+                        return;
+                    };
                     drop(permit);
+                    let linger = async {
+                        let Ok(io) = io.into_std().and_then(|std| {
+                            std.shutdown(std::net::Shutdown::Write)?;
+                            tokio::net::TcpStream::from_std(std)
+                        }) else {
+                            return;
+                        };
+                        let mut sink = [0u8; 4096];
+                        loop {
+                            if io.readable().await.is_err() {
+                                return;
+                            }
+                            match io.try_read(&mut sink) {
+                                Ok(0) => return,
+                                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return,
+                                _ => {}
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(REFUSAL_LINGER, linger).await;
                 });
                 continue;
             }
