@@ -76,6 +76,58 @@ impl KvShape {
     pub fn bytes(&self, n_rows: u64) -> u64 {
         self.row_bytes() * n_rows
     }
+
+    /// Positions per sequence a pool of `slots` sequences can grow to on `gpu`: each layer's
+    /// K (and V) is one buffer of `[slots, positions]` rows, bounded by the binding limit
+    /// (in steps of 256 where that leaves any).
+    pub fn max_positions(&self, gpu: &Gpu, slots: usize) -> usize {
+        let per_seq = (gpu.max_binding() / self.row_bytes().max(1) / slots.max(1) as u64) as usize;
+        if per_seq >= 256 {
+            per_seq / 256 * 256
+        } else {
+            per_seq
+        }
+    }
+
+    /// Grow every `(K, V)` pool of `slots` sequences from `cap` to at least `need` positions
+    /// per sequence (doubling, which amortizes the copies; near the binding limit what still
+    /// fits), each slot's rows copied on the GPU; the new capacity.
+    pub fn grow_pools<'a>(
+        &self,
+        pass: &mut Pass<'_>,
+        pools: impl Iterator<Item = &'a mut (wgpu::Buffer, wgpu::Buffer)>,
+        slots: usize,
+        cap: usize,
+        need: usize,
+        label: &str,
+    ) -> Result<usize> {
+        let gpu = pass.gpu();
+        let max_cap = self.max_positions(gpu, slots);
+        if need > max_cap {
+            return Err(Error::Invalid(format!(
+                "a KV cache of {need} positions x {slots} sequences exceeds the adapter's binding \
+                 limit ({max_cap} positions fit): use fewer sequences (`--parallel`) or a \
+                 shorter context"
+            )));
+        }
+        let new_cap = need.max(cap * 2).next_multiple_of(256).min(max_cap);
+        let rows = (slots * new_cap) as u64;
+        for kv in pools {
+            let k = gpu.buffer(self.bytes(rows), &format!("{label}.k"))?;
+            let v = gpu.buffer(self.bytes(rows), &format!("{label}.v"))?;
+            for slot in 0..slots as u64 {
+                let (from, to, len) = (
+                    self.bytes(slot * cap as u64),
+                    self.bytes(slot * new_cap as u64),
+                    self.bytes(cap as u64),
+                );
+                pass.copy(&kv.0, from, &k, to, len);
+                pass.copy(&kv.1, from, &v, to, len);
+            }
+            *kv = (k, v);
+        }
+        Ok(new_cap)
+    }
     fn check(&self) -> Result<()> {
         let hd = self.head_dim;
         if hd == 0 || !hd.is_multiple_of(4) || hd > MAX_HEAD_DIM {

@@ -502,47 +502,16 @@ impl GpuModel {
         if need <= self.pools.cap {
             return Ok(());
         }
-        let max_cap = self.max_positions();
-        let s = self.kv;
         let p = &mut self.pools;
-        if need > max_cap {
-            return Err(Error::Invalid(format!(
-                "a KV cache of {need} positions x {} sequences exceeds the adapter's binding \
-                 limit ({max_cap} positions fit): use fewer sequences (`--parallel`) or a \
-                 shorter context",
-                p.slots
-            )));
-        }
-        let new_cap = need.max(p.cap * 2).next_multiple_of(256).min(max_cap);
-        let rows = (p.slots * new_cap) as u64;
-        for kv in p.kv.iter_mut() {
-            let k = self.gpu.buffer(s.bytes(rows), "llama.kv.k")?;
-            let v = self.gpu.buffer(s.bytes(rows), "llama.kv.v")?;
-            for slot in 0..p.slots as u64 {
-                let (from, to, len) = (
-                    s.bytes(slot * p.cap as u64),
-                    s.bytes(slot * new_cap as u64),
-                    s.bytes(p.cap as u64),
-                );
-                pass.copy(&kv.0, from, &k, to, len);
-                pass.copy(&kv.1, from, &v, to, len);
-            }
-            *kv = (k, v);
-        }
-        p.cap = new_cap;
+        p.cap = self
+            .kv
+            .grow_pools(pass, p.kv.iter_mut(), p.slots, p.cap, need, "llama.kv")?;
         Ok(())
     }
 
-    /// Positions per sequence the pools can grow to: each layer's K (and V) is one buffer of
-    /// `slots x positions` rows, bounded by the adapter's binding limit.
+    /// Positions per sequence the pools can grow to ([`KvShape::max_positions`]).
     fn max_positions(&self) -> usize {
-        let row = self.kv.bytes(1).max(1);
-        let per_seq = (self.gpu.max_binding() / row / self.pools.slots as u64) as usize;
-        if per_seq >= 256 {
-            per_seq / 256 * 256
-        } else {
-            per_seq
-        }
+        self.kv.max_positions(&self.gpu, self.pools.slots)
     }
 
     fn new_llama_seq(&self) -> Result<LlamaSeq> {

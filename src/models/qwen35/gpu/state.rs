@@ -399,47 +399,20 @@ impl GpuModel {
         if need <= self.pools.cap {
             return Ok(());
         }
-        // Doubling amortizes the copies; near the binding limit take what still fits.
-        let max_cap = self.max_positions();
         let p = &mut self.pools;
-        let s = kv_shape(&self.hp, self.kv_type);
-        if need > max_cap {
-            return Err(Error::Invalid(format!(
-                "a KV cache of {need} positions x {} sequences exceeds the adapter's binding \
-                 limit ({max_cap} positions fit): use fewer sequences (`--parallel`) or a \
-                 shorter context",
-                p.slots
-            )));
-        }
-        let new_cap = need.max(p.cap * 2).next_multiple_of(256).min(max_cap);
-        let rows = (p.slots * new_cap) as u64;
-        for kv in p.kv.iter_mut().flatten() {
-            let k = self.gpu.buffer(s.bytes(rows), "kv.k")?;
-            let v = self.gpu.buffer(s.bytes(rows), "kv.v")?;
-            for slot in 0..p.slots as u64 {
-                let (from, to, len) = (
-                    s.bytes(slot * p.cap as u64),
-                    s.bytes(slot * new_cap as u64),
-                    s.bytes(p.cap as u64),
-                );
-                pass.copy(&kv.0, from, &k, to, len);
-                pass.copy(&kv.1, from, &v, to, len);
-            }
-            *kv = (k, v);
-        }
-        p.cap = new_cap;
+        p.cap = kv_shape(&self.hp, self.kv_type).grow_pools(
+            pass,
+            p.kv.iter_mut().flatten(),
+            p.slots,
+            p.cap,
+            need,
+            "kv",
+        )?;
         Ok(())
     }
 
-    /// Positions per sequence the KV pools can grow to: each attention layer's K (and V)
-    /// pool is one buffer of `slots x positions` rows, bounded by the adapter's binding limit.
+    /// Positions per sequence the KV pools can grow to ([`KvShape::max_positions`]).
     pub fn max_positions(&self) -> usize {
-        let row = kv_shape(&self.hp, self.kv_type).bytes(1).max(1);
-        let per_seq = (self.gpu.max_binding() / row / self.pools.slots.max(1) as u64) as usize;
-        if per_seq >= 256 {
-            per_seq / 256 * 256
-        } else {
-            per_seq
-        }
+        kv_shape(&self.hp, self.kv_type).max_positions(&self.gpu, self.pools.slots)
     }
 }
