@@ -39,7 +39,8 @@
 //
 // Kernel-lab variants (`bench_kernels --variant`, never compiled otherwise): LAB_NODECODE skips
 // the weight staging, LAB_NOMMA the products, so the two parts of a step can be timed apart;
-// LAB_NOXSTAGE (src/gpu/coopmat.rs) keeps the x fragments loaded from L2.
+// LAB_NOXSTAGE (src/gpu/coopmat.rs) keeps the x fragments loaded from L2; LAB_UNCHECKED (same)
+// compiles the product without runtime bounds checks.
 //
 // Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB (+ 0.5 KiB of token
 // tables for MoE); XSTAGE: Ws and Xs 2 x 128 x 80 B = 20 KiB each + Cs 8 KiB = 48 KiB (the

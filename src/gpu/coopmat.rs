@@ -236,6 +236,15 @@ fn spec(
     for (n, v) in extra {
         s = s.define(n, v);
     }
+    // The kernel lab's LAB_UNCHECKED compiles the product without naga's bounds checks, to
+    // time what the clamps cost (naga's `Restrict` policy puts a `UMin` on every
+    // workgroup-array index: 18 in the XSTAGE tile, one per fragment load and staging store).
+    // Its workgroup indices are constant tile offsets plus lane and subgroup ids below the
+    // workgroup size, so in range; its storage reads are clamped in the shader (weight rows to
+    // `p.rows - 1`, staged x rows padded by ROW_PAD, stores guarded by `row < p.rows`).
+    if entry != "coop_x" && extra.iter().any(|(n, _)| *n == "LAB_UNCHECKED") {
+        s = s.unchecked();
+    }
     s
 }
 
