@@ -45,7 +45,7 @@ echo "== lab" | tee -a "$LOG"
 "$BK" --lab "${LAB:-all}" --peak "${PEAK:-790}" 2>&1 | tee -a "$LOG"
 echo "== products" | tee -a "$LOG"
 "$BK" --types "${TYPES:-q4_k,q6_k,q8_0,mxfp4}" --shapes 12288x4096 --prefill 512 --no-matvec \
-    --variant - --variant LAB_UNCHECKED --variant LAB_NODECODE 2>&1 | tee -a "$LOG"
+    --variant - --variant LAB_UNCHECKED --variant LAB_NODECODE --variant LAB_XSPLIT 2>&1 | tee -a "$LOG"
 
 # --- tables ------------------------------------------------------------------------------
 python3 - "$LOG" "${PEAK:-790}" <<'PY' | tee "$OUT/tile-lab.md"

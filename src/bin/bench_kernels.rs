@@ -492,7 +492,7 @@ fn bench_shape(
             }
             if coopmat::usable(gpu, dt).is_some() {
                 kinds.extend(variants.iter().map(|v| ("coop", *v)));
-                kinds.push(("split", parse_variant("-")));
+                kinds.extend(variants.iter().map(|v| ("split", *v)));
                 kinds.push(("splitx", parse_variant("-")));
             }
             for (kind, defines) in kinds {
