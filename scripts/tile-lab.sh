@@ -4,11 +4,13 @@
 # global memory, 4096^3, against the device's peak) and the 12288x4096 x 512-token products of
 # Q4_K, Q6_K, Q8_0 and MXFP4 on every product path (tiled, int8, int8x2, coop, coop-split,
 # coop-splitx; coop also without bounds checks and without the weight decode), then one
-# markdown table of each (also in $OUT/tile-lab.md; the full log in $OUT/tile-lab.log).
+# markdown table of each (also in $OUT/tile-lab.md; the full log in $OUT/tile-lab.log). With a
+# lathe binary, `lathe selftest` first (the coop-split and coop-xsplit lines and any failure).
 #
-# usage: scripts/tile-lab.sh [BENCH_KERNELS]
+# usage: scripts/tile-lab.sh [BENCH_KERNELS [LATHE]]
 #   BENCH_KERNELS  a release bench_kernels binary (default: .dev/bench_kernels.gz of the
 #                  checkout, unpacked into $OUT)
+#   LATHE          a release lathe binary (default: .dev/lathe.gz when there is one)
 # env: OUT (where the results go; default /tmp/tile-lab), LAB (the --lab list, default all),
 #      PEAK (the device's dense f16 TFLOP/s, default 790), TYPES (default q4_k,q6_k,q8_0,mxfp4)
 #
@@ -28,6 +30,12 @@ if [ -z "$BK" ]; then
     chmod +x "$BK"
 fi
 [ -x "$BK" ] || { echo "tile-lab: $BK is not an executable bench_kernels" >&2; exit 1; }
+LATHE=${2:-}
+if [ -z "$LATHE" ] && [ -f .dev/lathe.gz ]; then
+    LATHE=$OUT/lathe
+    gunzip -c .dev/lathe.gz >"$LATHE"
+    chmod +x "$LATHE"
+fi
 
 # --- Vulkan (as bench-device.sh) ---------------------------------------------------------
 if compgen -G ".gl/*.deb" >/dev/null; then
@@ -41,6 +49,11 @@ if ! "$BK" --lab smem-128x128x16-2x4 --lab-size 256 --passes 1 2>>"$LOG" | grep 
 fi
 
 # --- runs --------------------------------------------------------------------------------
+if [ -n "$LATHE" ]; then
+    echo "== selftest" | tee -a "$LOG"
+    "$LATHE" selftest >"$OUT/selftest.txt" 2>>"$LOG" || true
+    grep -E "^FAIL|coop-x?split|passed" "$OUT/selftest.txt" | tee -a "$LOG" || true
+fi
 echo "== lab" | tee -a "$LOG"
 "$BK" --lab "${LAB:-all}" --peak "${PEAK:-790}" 2>&1 | tee -a "$LOG"
 echo "== products" | tee -a "$LOG"
