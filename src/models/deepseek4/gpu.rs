@@ -31,7 +31,7 @@ use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
-use crate::models::chain::{self, Link, Readback};
+use crate::models::runtime::link::{self, Link, Readback};
 use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
@@ -1032,7 +1032,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     fn link(&mut self, link: Link) {
         self.link = link;
     }

@@ -12,7 +12,7 @@ use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
-use crate::models::chain::{self, Link};
+use crate::models::runtime::link::{self, Link};
 use crate::models::{expect_shape, Forward, ModelFile, Seq, SeqState};
 use crate::moe::{Needs, Offload, RunShape};
 use crate::{Error, Result};
@@ -637,7 +637,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
     fn link(&mut self, _link: Link) {}
     fn gpu(&self) -> &Arc<Gpu> {

@@ -495,7 +495,7 @@ impl GpuModel {
             pass.copy(&sc.x, 0, rb.buffer(), 0, len as u64 * 4);
             pass.submit_or_profile(prof.as_mut())?;
             let (data, ns) = rb.read(&gpu, len)?;
-            self.link.send(chain::Hidden { rows: n, data }, ns)?;
+            self.link.send(link::Hidden { rows: n, data }, ns)?;
             (Vec::new(), Vec::new())
         } else {
             let hh = &self.w.hc_head;

@@ -254,7 +254,7 @@ impl GpuModel {
             }
             let (data, ns) = rb.read(&gpu, len)?;
             self.link.send(
-                chain::Hidden {
+                link::Hidden {
                     rows: toks.len(),
                     data,
                 },

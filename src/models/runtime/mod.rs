@@ -1,0 +1,3 @@
+//! What every family's GPU forward shares, written once: the chain handoff ([`link`]).
+
+pub mod link;
