@@ -139,3 +139,41 @@ pub trait Part: Forward {
     fn link(&mut self, link: Link);
     fn gpu(&self) -> &Arc<Gpu>;
 }
+
+impl Link {
+    /// The first part of a round on a part that is not the first: the previous part's rows
+    /// (`[rows, width]`) written into the residual stream `x`.
+    pub fn receive_into(
+        &self,
+        gpu: &Gpu,
+        x: &wgpu::Buffer,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        let h = self.recv(rows, width)?;
+        let t0 = std::time::Instant::now();
+        gpu.write(x, 0, bytemuck::cast_slice(&h.data));
+        self.note_write(t0.elapsed().as_nanos() as u64);
+        Ok(())
+    }
+
+    /// The end of a round on a part that is not the last: the residual stream `x`
+    /// (`[rows, width]`) copied into `rb` in `pass`, which is submitted (its per-dispatch
+    /// times appended to `prof`), read back and sent on.
+    pub fn hand_off(
+        &self,
+        mut pass: crate::gpu::Pass<'_>,
+        x: &wgpu::Buffer,
+        rb: &Readback,
+        rows: usize,
+        width: usize,
+        prof: Option<&mut Vec<(String, f64)>>,
+    ) -> Result<()> {
+        let gpu = pass.gpu();
+        let len = rows * width;
+        pass.copy(x, 0, rb.buffer(), 0, len as u64 * 4);
+        pass.submit_or_profile(prof)?;
+        let (data, ns) = rb.read(gpu, len)?;
+        self.send(Hidden { rows, data }, ns)
+    }
+}
