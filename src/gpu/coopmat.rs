@@ -24,8 +24,8 @@
 //! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,
 //! halves]`: a tile reads 128 rows from its first); one f32 scale per row.
 
-use super::matmul::MoeRoute;
 use super::matvec::{check_span, x_vec, Geometry, MatvecOpts};
+use super::moe_route::MoeRoute;
 use super::{grid, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::dtype::DType;
 use crate::{Error, Result};
