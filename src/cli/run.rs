@@ -466,7 +466,7 @@ pub struct RunArgs {
     pub file: Option<PathBuf>,
     /// Run from token ids instead of text (for models without a vocabulary, such as the test
     /// fixtures); the generated ids are printed, space separated.
-    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "file", "chat", "system"])]
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "file", "chat", "system", "chat_template", "chat_template_file"])]
     pub prompt_tokens: Option<Vec<u32>>,
     /// Most tokens to generate (generation also ends at the model's end-of-turn token); -1:
     /// until the context (--ctx) is full.
@@ -480,18 +480,21 @@ pub struct RunArgs {
     )]
     pub max_tokens: TokenLimit,
     /// Wrap the prompt in the model's chat template as a user message, ready for the
-    /// assistant's reply (lathe's ChatML when the model has no template).
+    /// assistant's reply (lathe's ChatML when the model has no template; --chat-template
+    /// picks another and implies --chat).
     #[arg(long)]
     pub chat: bool,
     /// System message for --chat (implies --chat).
     #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
+    #[command(flatten)]
+    pub template: super::text::ChatTemplateArgs,
     /// End generation before this text (repeatable; the text is not printed).
     #[arg(long, value_name = "STR", num_args = 1..)]
     pub stop: Vec<String>,
     /// Tokenize special-token text in the prompt as plain text (not with --chat, whose
     /// template needs its markers).
-    #[arg(long, conflicts_with_all = ["chat", "system"])]
+    #[arg(long, conflicts_with_all = ["chat", "system", "chat_template", "chat_template_file"])]
     pub no_parse_special: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -509,6 +512,7 @@ pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
 /// its checkpoint).
 pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     check_architecture(&args.model)?;
+    note_random_weights(&args.model);
     args.moe.check()?;
     // A spinner from the start (opening the file, the vocabulary and the device take a
     // while), then a bar of the weight bytes uploaded.
@@ -645,6 +649,25 @@ pub fn check_architecture(path: &Path) -> Result<()> {
     )))
 }
 
+/// Says on stderr that the model's weights are random when its file says so (`lathe synth`
+/// writes GGUF `lathe.random_weights`): nothing in the text it generates would.
+pub fn note_random_weights(path: &Path) {
+    if path.is_dir() || !starts_with_gguf_magic(path) {
+        return;
+    }
+    let random = lathe::gguf::GgufFile::open(path).ok().and_then(|g| {
+        g.opt_bool(lathe::gguf::keys::LATHE_RANDOM_WEIGHTS)
+            .ok()
+            .flatten()
+    });
+    if random == Some(true) {
+        eprintln!(
+            "note: the weights of {} are random (a `lathe synth` model): whatever it generates is noise",
+            path.display()
+        );
+    }
+}
+
 /// Adds what to do to the errors a user meets most while loading.
 fn explain_load_error(e: Error, path: &Path) -> Error {
     match e {
@@ -743,6 +766,8 @@ pub fn no_vocabulary(path: &Path, hint: &str) -> Error {
 
 pub fn run(args: RunArgs) -> Result<()> {
     let sampler = args.sampling.config()?;
+    // Before the model loads: a bad template fails at once.
+    let template = args.template.choice()?;
     if args.prompt_tokens.is_none() && !has_vocabulary(&args.model.model)? {
         return Err(no_vocabulary(
             &args.model.model,
@@ -764,8 +789,8 @@ pub fn run(args: RunArgs) -> Result<()> {
             ))
         }
         (None, Some(tok)) => {
-            if args.chat || args.system.is_some() {
-                let chat = ChatPrompt::for_tokenizer(tok)?;
+            if args.chat || args.system.is_some() || template.is_some() {
+                let chat = ChatPrompt::chosen(tok, template.as_ref())?;
                 if chat.fallback {
                     eprintln!("note: the model carries no chat template; using ChatML");
                 }

@@ -72,9 +72,8 @@ pub struct ServeArgs {
     /// A tokenizer.json to use instead of the vocabulary in the model file.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
-    /// A Jinja chat template file to use instead of the model's.
-    #[arg(long, value_name = "PATH")]
-    pub chat_template: Option<PathBuf>,
+    #[command(flatten)]
+    pub template: super::text::ChatTemplateArgs,
     /// The model's name in /v1/models and in responses (default: the file name, or the Hub
     /// name a model was fetched by).
     #[arg(long, value_name = "NAME")]
@@ -111,6 +110,7 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    super::run::note_random_weights(&a.model);
     let mut cfg = ServerConfig::new(a.model);
     let total_shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
     // Upload progress in tenths, on stderr (a server's log, not a terminal bar).
@@ -155,7 +155,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .or_else(|| std::env::var("LATHE_API_KEY").ok())
         .filter(|k| !k.is_empty());
     cfg.tokenizer = a.tokenizer;
-    cfg.chat_template = a.chat_template;
+    cfg.chat_template = a.template.choice()?;
     cfg.alias = a.alias;
     cfg.reasoning = a.reasoning_format == "auto";
     cfg.shutdown_grace = seconds("shutdown-grace", a.shutdown_grace)?;
