@@ -855,6 +855,94 @@ pub fn stream_bandwidth(gpu: &Gpu) -> Result<Bandwidth> {
     })
 }
 
+/// Read bandwidths measured on GPUs lathe has run on (FACTS.md), matched by a substring of
+/// the adapter's name: the H200's is what lathe's f32 matvec streams through wgpu (4.34 TB/s,
+/// rounded down).
+const KNOWN_VRAM_BW: &[(&str, f64)] = &[("H200", 4000e9)];
+
+/// A read bandwidth and where the number came from (for reports).
+#[derive(Clone, Debug)]
+pub struct SourcedBandwidth {
+    pub bytes_per_s: f64,
+    pub source: String,
+}
+
+/// The memory bandwidth a decode step on adapter `index` (`info`) reads its bytes at,
+/// without loading a model: on a CPU adapter (lavapipe) the host's memory read bandwidth
+/// ([`host_read_bandwidth`]: the kernels run on the host's cores and memory), on a GPU of
+/// [`KNOWN_VRAM_BW`] its measured figure, on another GPU [`stream_bandwidth`] on a device
+/// opened for it (a second or so).
+pub fn adapter_bandwidth(index: usize, info: &wgpu::AdapterInfo) -> Result<SourcedBandwidth> {
+    if info.device_type == wgpu::DeviceType::Cpu {
+        let (bw, threads) = host_read_bandwidth();
+        return Ok(SourcedBandwidth {
+            bytes_per_s: bw.bytes_per_s,
+            source: format!(
+                "measured: a CPU adapter, host memory read by {threads} threads over {}",
+                human_bytes(bw.buffer_bytes)
+            ),
+        });
+    }
+    if let Some((name, bw)) = KNOWN_VRAM_BW.iter().find(|(n, _)| info.name.contains(n)) {
+        return Ok(SourcedBandwidth {
+            bytes_per_s: *bw,
+            source: format!("lathe's measurement on the {name}"),
+        });
+    }
+    let gpu = Gpu::new(&AdapterChoice::Index(index))?;
+    let bw = stream_bandwidth(&gpu)?;
+    Ok(SourcedBandwidth {
+        bytes_per_s: bw.bytes_per_s,
+        source: format!(
+            "measured: a read kernel over {}",
+            human_bytes(bw.buffer_bytes)
+        ),
+    })
+}
+
+/// Host buffer the memory probe reads: far beyond the last-level caches of the machines
+/// lathe runs on, small enough to allocate anywhere.
+const HOST_PROBE_BYTES: usize = 256 << 20;
+/// Timed passes over it; the fastest counts (the others met page faults or other work).
+const HOST_PROBE_PASSES: usize = 4;
+
+/// The host's memory read bandwidth: every core sums its share of a buffer of
+/// [`HOST_PROBE_BYTES`] (u64 loads the compiler vectorises), the fastest of
+/// [`HOST_PROBE_PASSES`] passes; and how many threads read. About 0.2 s.
+pub fn host_read_bandwidth() -> (Bandwidth, usize) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let words = HOST_PROBE_BYTES / 8;
+    // Non-zero words written once, so every page is real memory before the timed passes.
+    let buf: Vec<u64> = (0..words as u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+        .collect();
+    let chunk = words.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..HOST_PROBE_PASSES {
+        let t = Instant::now();
+        let sum = std::thread::scope(|scope| {
+            let parts: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| scope.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            parts
+                .into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (
+        Bandwidth {
+            // A clock too coarse to see the pass still gives a finite figure.
+            bytes_per_s: HOST_PROBE_BYTES as f64 / best.max(1e-9),
+            buffer_bytes: HOST_PROBE_BYTES as u64,
+        },
+        threads,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -403,3 +403,76 @@ fn a_random_model_says_so_at_load() {
     assert_eq!(o.status.code(), Some(1), "{}", err(&o));
     assert!(!err(&o).contains("are random"), "{}", err(&o));
 }
+
+/// `lathe plan` on lavapipe (a CPU adapter) takes the host's measured memory bandwidth, says
+/// so, and its speed limit is that bandwidth over the bytes a decode step reads: nowhere
+/// near the H200's 611,517 tok/s it used to predict here.
+#[test]
+fn plan_uses_the_adapters_own_bandwidth() {
+    let model = root().join("tests/fixtures/models/qwen35moe-tiny/model-q4_0.gguf");
+    let o = lathe(&["plan", "-m", model.to_str().unwrap(), "--gpu-mem", "1GiB"]);
+    assert!(o.status.success(), "{}", err(&o));
+    let s = out(&o);
+    let line = |start: &str| -> String {
+        let l = s
+            .lines()
+            .map(str::trim_start)
+            .find(|l| l.starts_with(start));
+        l.unwrap_or_else(|| panic!("no `{start}` line in\n{s}"))
+            .to_string()
+    };
+    let number = |text: &str, after: &str| -> f64 {
+        let rest = &text[text
+            .find(after)
+            .unwrap_or_else(|| panic!("{after} in {text}"))
+            + after.len()..];
+        let n: String = rest
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        n.parse()
+            .unwrap_or_else(|_| panic!("a number after {after} in {text}"))
+    };
+    let bw = line("bandwidth:");
+    assert!(bw.contains("measured: a CPU adapter, host memory"), "{s}");
+    let gbps = number(&bw, "bandwidth:");
+    // Host memory: more than a slow disk, less than any machine's DRAM can give.
+    assert!(gbps > 0.5 && gbps < 2000.0, "{bw}");
+    // human_bytes: "1.23 MiB".
+    let reads = line("VRAM reads:");
+    let value = number(&reads, "VRAM reads:");
+    let unit = reads.split_whitespace().nth(3).unwrap();
+    let scale = match unit {
+        "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        u => panic!("unit {u} in {reads}"),
+    };
+    let bytes = value * scale;
+    let limit = line("limit (VRAM");
+    assert!(
+        (number(&limit, "limit (VRAM") - gbps).abs() < 0.1,
+        "{limit} vs {bw}"
+    );
+    let alone = number(&limit, "VRAM alone");
+    let want = gbps * 1e9 / bytes;
+    assert!(
+        (alone - want).abs() <= 0.02 * want,
+        "{alone} tok/s, but {gbps} GB/s over {bytes} bytes is {want}:\n{s}"
+    );
+    assert!(alone < 611_517.0 / 10.0, "{s}");
+    // A given bandwidth is taken as it is, and said to be the flag's.
+    let o = lathe(&[
+        "plan",
+        "-m",
+        model.to_str().unwrap(),
+        "--gpu-mem",
+        "1GiB",
+        "--vram-bw",
+        "100",
+    ]);
+    let s = out(&o);
+    assert!(s.contains("bandwidth: 100.0 GB/s (--vram-bw)"), "{s}");
+}

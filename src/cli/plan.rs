@@ -5,10 +5,11 @@
 //! The limit is bandwidth arithmetic: `t_vram = vram bytes / --vram-bw`, `t_host = host bytes
 //! / --host-bw`; "serial" is `1 / (t_vram + t_host)` (CPU and GPU take turns), "overlapped"
 //! `1 / max(t_vram, t_host)` (the CPU's cold experts fully hidden behind the GPU, or the
-//! reverse). Defaults are measurements (FACTS.md): 4000 GB/s for the H200 (lathe's f32 matvec
-//! streams 4.34 TB/s through wgpu) and 20 GB/s for host reads of cold experts (what llama.cpp's
-//! CPU experts reached with 16 threads on the H200's host: 20 Q4_K_M layers at 50.6 tok/s).
-//! Pass your own measurements for other machines.
+//! reverse). The VRAM bandwidth is the adapter's (`bench::adapter_bandwidth`: measured host
+//! memory on a CPU adapter, lathe's measurement for known GPUs such as the H200's 4000 GB/s,
+//! else a short read kernel), and the report says which; host reads of cold experts default
+//! to 20 GB/s (what llama.cpp's CPU experts reached with 16 threads on the H200's host: 20
+//! Q4_K_M layers at 50.6 tok/s). Pass your own measurements for other machines.
 //!
 //! The budget is `models::model_budget`, the one the loaders place experts with (KV, recurrent
 //! state and activation bytes from `models::needs`: Qwen3.5 family and DeepSeek-V4; other
@@ -16,6 +17,7 @@
 //! KV type and sequences a load gives the arena this report shows.
 
 use clap::Args;
+use lathe::bench::SourcedBandwidth;
 use lathe::engine::KvType;
 use lathe::gpu::AdapterChoice;
 use lathe::inspect::human_bytes;
@@ -70,9 +72,11 @@ pub struct PlanArgs {
     /// GPU adapter whose memory to plan for: `auto`, an index or a name substring.
     #[arg(long, value_name = "I", default_value = "auto")]
     pub device: AdapterChoice,
-    /// VRAM bandwidth in GB/s (measured H200 default).
-    #[arg(long, value_name = "GBPS", default_value_t = 4000.0)]
-    pub vram_bw: f64,
+    /// VRAM bandwidth in GB/s. Default: the adapter's (on a CPU adapter such as lavapipe the
+    /// host's measured memory bandwidth; for a GPU lathe has measured, such as the H200, that
+    /// measurement; else a short read kernel on it); the report says where it came from.
+    #[arg(long, value_name = "GBPS")]
+    pub vram_bw: Option<f64>,
     /// Host memory bandwidth the CPU reaches on cold experts, in GB/s.
     #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
     pub host_bw: f64,
@@ -117,7 +121,7 @@ fn gbps(bytes: f64, bw: f64) -> f64 {
 
 /// The whole report (stdout).
 pub fn report(a: &PlanArgs) -> Result<String> {
-    if !(a.vram_bw > 0.0 && a.host_bw > 0.0) {
+    if !(a.vram_bw.unwrap_or(1.0) > 0.0 && a.host_bw > 0.0) {
         return Err(Error::Invalid(
             "--vram-bw and --host-bw must be positive (GB/s)".into(),
         ));
@@ -128,10 +132,15 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         return devices_report(a, &file, info, d);
     }
     let gpu_mem = a.gpu_mem.as_deref().map(parse_size).transpose()?;
-    let (adapter, mem) = match (adapter_info(&a.device), gpu_mem) {
+    let (adapter, mem, bw) = match (adapter_info(&a.device), gpu_mem) {
         (Some((ix, i)), m) => {
             let dm = lathe::gpu::adapter_memory(ix);
-            (i.name.clone(), AdapterMemory::detect(&i, dm.as_ref(), m))
+            let bw = vram_bandwidth(a, Some((ix, &i)))?;
+            (
+                i.name.clone(),
+                AdapterMemory::detect(&i, dm.as_ref(), m),
+                bw,
+            )
         }
         (None, Some(b)) => (
             "(none found)".to_string(),
@@ -139,6 +148,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
                 bytes: b,
                 source: lathe::moe::MemSource::Flag,
             },
+            vram_bandwidth(a, None)?,
         ),
         (None, None) => {
             return Err(Error::Gpu(
@@ -162,8 +172,35 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     )
     .ok();
     writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
-    placement_report(&mut s, a, run, &info, stats.as_ref(), &budget, &nd)?;
+    writeln!(s, "bandwidth: {}", describe_bw(&bw)).ok();
+    placement_report(&mut s, a, run, &info, stats.as_ref(), &budget, &nd, &bw)?;
     Ok(s)
+}
+
+/// `--vram-bw`, else the adapter's bandwidth (`bench::adapter_bandwidth`); without an
+/// adapter and without the flag, the H200's measured figure, said to be assumed.
+fn vram_bandwidth(
+    a: &PlanArgs,
+    adapter: Option<(usize, &wgpu::AdapterInfo)>,
+) -> Result<SourcedBandwidth> {
+    Ok(match (a.vram_bw, adapter) {
+        (Some(gbps), _) => SourcedBandwidth {
+            bytes_per_s: gbps * 1e9,
+            source: "--vram-bw".into(),
+        },
+        (None, Some((ix, info))) => lathe::bench::adapter_bandwidth(ix, info)?,
+        (None, None) => SourcedBandwidth {
+            bytes_per_s: H200_VRAM_BW,
+            source: "assumed: no adapter found, the H200's measured figure; pass --vram-bw".into(),
+        },
+    })
+}
+
+/// The H200's measured read bandwidth (FACTS.md), for plans without an adapter.
+const H200_VRAM_BW: f64 = 4000e9;
+
+fn describe_bw(bw: &SourcedBandwidth) -> String {
+    format!("{:.1} GB/s ({})", bw.bytes_per_s / 1e9, bw.source)
 }
 
 fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
@@ -208,6 +245,7 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
     }
     let mut mems = Vec::with_capacity(choices.len());
     let mut names = Vec::with_capacity(choices.len());
+    let mut bws = Vec::with_capacity(choices.len());
     for (i, c) in choices.iter().enumerate() {
         let size = sizes.get(i).or(sizes.first()).copied();
         match (adapter_info(c), size) {
@@ -215,9 +253,11 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
                 names.push(ai.name.clone());
                 let dm = lathe::gpu::adapter_memory(ix);
                 mems.push(AdapterMemory::detect(&ai, dm.as_ref(), m));
+                bws.push(vram_bandwidth(a, Some((ix, &ai)))?);
             }
             (None, Some(b)) => {
                 names.push("(none found)".to_string());
+                bws.push(vram_bandwidth(a, None)?);
                 mems.push(AdapterMemory {
                     bytes: b,
                     source: lathe::moe::MemSource::Flag,
@@ -285,7 +325,8 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
             mems[i].describe()
         )
         .ok();
-        cold += placement_report(&mut s, a, run, &pi, stats.as_ref(), &budget, &nd)?;
+        writeln!(s, "bandwidth: {}", describe_bw(&bws[i])).ok();
+        cold += placement_report(&mut s, a, run, &pi, stats.as_ref(), &budget, &nd, &bws[i])?;
     }
     writeln!(
         s,
@@ -311,7 +352,9 @@ fn placement_report(
     stats: Option<&ExpertStats>,
     budget: &lathe::moe::Budget,
     nd: &lathe::moe::Needs,
+    bw: &SourcedBandwidth,
 ) -> Result<usize> {
+    let vram_bw = bw.bytes_per_s / 1e9;
     let fill = match a.gpu_experts {
         Some(f) => Fill::Fraction(f),
         None => Fill::Budget(budget.experts),
@@ -464,12 +507,11 @@ fn placement_report(
     )
     .ok();
     writeln!(s, "  host reads: {} (cold experts)", hb(cold as u64)).ok();
-    let (tv, th) = (gbps(vram, a.vram_bw), gbps(cold, a.host_bw));
+    let (tv, th) = (gbps(vram, vram_bw), gbps(cold, a.host_bw));
     writeln!(
         s,
-        "limit (VRAM {} GB/s, host {} GB/s): {:.1} tok/s serial, {:.1} tok/s overlapped \
+        "limit (VRAM {vram_bw:.1} GB/s, host {} GB/s): {:.1} tok/s serial, {:.1} tok/s overlapped \
          (VRAM alone {:.1}, host alone {})",
-        a.vram_bw,
         a.host_bw,
         1.0 / (tv + th),
         1.0 / tv.max(th),
@@ -481,7 +523,7 @@ fn placement_report(
         }
     )
     .ok();
-    expected_speed(s, a, run.batch, info, fill, stats, vram - hot)?;
+    expected_speed(s, a, run.batch, info, fill, stats, vram - hot, vram_bw)?;
     Ok(placement
         .layers
         .iter()
@@ -501,19 +543,20 @@ fn expected_speed(
     fill: Fill,
     stats: Option<&ExpertStats>,
     other_vram: f64,
+    vram_bw: f64,
 ) -> Result<()> {
     let c = lathe::moe::Costs {
         hop_s: a.hop_ms / 1e3,
         host_bytes_per_s: a.host_bw * 1e9,
-        vram_bytes_per_s: a.vram_bw * 1e9,
+        vram_bytes_per_s: vram_bw * 1e9,
     };
     let rest = other_vram / c.vram_bytes_per_s;
     writeln!(
         s,
-        "expected decode ({} ms per hop, host {} GB/s, VRAM {} GB/s; non-expert reads {:.3} ms):",
+        "expected decode ({} ms per hop, host {} GB/s, VRAM {:.1} GB/s; non-expert reads {:.3} ms):",
         a.hop_ms,
         a.host_bw,
-        a.vram_bw,
+        vram_bw,
         rest * 1e3
     )
     .ok();
