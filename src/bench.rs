@@ -12,7 +12,7 @@
 //! adapter's stream bandwidth says how close decode runs to the hardware's limit. The
 //! bandwidth comes from [`stream_bandwidth`], a read-only kernel of 16-byte coalesced loads.
 
-use crate::engine::{Engine, KvType, LoadOptions, Seq, GREEDY};
+use crate::engine::{Engine, LoadOptions, Seq, GREEDY};
 use crate::gpu::{grid, AdapterChoice, Binding, Gpu, PipelineSpec};
 use crate::inspect::human_bytes;
 use crate::{Error, Result};
@@ -32,38 +32,19 @@ pub struct BenchOptions {
     pub reps: usize,
     /// Context filled (untimed) before each test.
     pub depth: usize,
-    pub adapter: AdapterChoice,
-    pub kv_type: KvType,
     /// Seeds the random token ids.
     pub seed: u64,
-    /// Expert placement of MoE models (`LoadOptions` fields of the same names).
-    pub gpu_mem: Option<u64>,
-    pub gpu_experts: Option<f64>,
-    pub expert_stats: Option<std::path::PathBuf>,
-    /// Write the routing statistics counted during the run here.
-    pub save_expert_stats: Option<std::path::PathBuf>,
-    /// Kernels of many-token products (`--matmul`).
-    pub matmul: crate::gpu::MatmulChoice,
-    /// Activations of one-token products (`--activations`).
-    pub activations: crate::forward::ActivationsChoice,
-    /// Prologues fused into the decode products' loads (`--fused-loads`).
-    pub fused_loads: bool,
+    /// How to load the model (adapter, devices, expert placement, kernels). The bench sizes
+    /// the context (`ctx`) and the sequences (`max_seqs`) itself, from the tests.
+    pub load: LoadOptions,
     /// Decode with speculation (`--spec`): greedy from the model's own picks.
     pub spec: Option<crate::spec::SpecOptions>,
-    /// Cold experts of prompt batches (`--expert-stream`).
-    pub expert_stream: crate::forward::ExpertStream,
-    /// Instruction set of the cold experts' CPU kernels (`--cpu-simd`).
-    pub cpu_simd: Option<crate::cpu::simd::SimdLevel>,
     /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
     pub timeline: bool,
     /// Sequences decoded together (`--parallel`): every decode step is one batched pass of
     /// one token of each, as `lathe serve --parallel N` runs its requests; the decode speed
     /// is then the aggregate over all of them.
     pub parallel: usize,
-    /// Several devices and their shares (`LoadOptions` fields of the same names).
-    pub devices: Vec<AdapterChoice>,
-    pub split: Option<Vec<f64>>,
-    pub gpu_mems: Vec<u64>,
 }
 
 impl Default for BenchOptions {
@@ -73,24 +54,11 @@ impl Default for BenchOptions {
             n_gen: 128,
             reps: 5,
             depth: 0,
-            adapter: AdapterChoice::Auto,
-            kv_type: KvType::Auto,
             seed: 0,
-            gpu_mem: None,
-            gpu_experts: None,
-            expert_stats: None,
-            save_expert_stats: None,
-            matmul: Default::default(),
-            activations: Default::default(),
-            fused_loads: LoadOptions::default().fused_loads,
+            load: LoadOptions::default(),
             spec: None,
-            expert_stream: Default::default(),
-            cpu_simd: None,
             timeline: false,
             parallel: 1,
-            devices: Vec::new(),
-            split: None,
-            gpu_mems: Vec::new(),
         }
     }
 }
@@ -470,23 +438,9 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     let arch = file.architecture()?;
     drop(file);
     let load_opts = LoadOptions {
-        adapter: opts.adapter.clone(),
-        kv_type: opts.kv_type,
         ctx: opts.depth + opts.n_prompt.max(opts.n_gen) + 16,
         max_seqs: opts.parallel.max(LoadOptions::default().max_seqs),
-        gpu_mem: opts.gpu_mem,
-        gpu_experts: opts.gpu_experts,
-        expert_stats: opts.expert_stats.clone(),
-        save_expert_stats: opts.save_expert_stats.clone(),
-        matmul: opts.matmul,
-        activations: opts.activations,
-        fused_loads: opts.fused_loads,
-        expert_stream: opts.expert_stream,
-        cpu_simd: opts.cpu_simd,
-        devices: opts.devices.clone(),
-        split: opts.split.clone(),
-        gpu_mems: opts.gpu_mems.clone(),
-        ..Default::default()
+        ..opts.load.clone()
     };
     let t0 = Instant::now();
     let mut e = Engine::load(path, &load_opts)?;
@@ -670,7 +624,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         placement,
         matmul,
         activations: if e.gpu.int8_decode() { "int8" } else { "f32" },
-        fused_loads: opts.fused_loads,
+        fused_loads: opts.load.fused_loads,
         spec,
         timeline,
         hops,

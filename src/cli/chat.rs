@@ -163,7 +163,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         messages.push(json!({"role": "assistant", "content": out.text}));
     }
-    args.model.moe.save(&engine)
+    args.model.load.moe.save(&engine)
 }
 
 /// Where messages come from: a terminal, through a line editor, or a pipe or file.

@@ -18,12 +18,12 @@
 
 use clap::Args;
 use lathe::bench::SourcedBandwidth;
-use lathe::engine::KvType;
+use lathe::engine::{KvType, LoadOptions};
 use lathe::gpu::AdapterChoice;
 use lathe::inspect::human_bytes;
 use lathe::model_file::ModelFile;
 use lathe::models::model_budget;
-use lathe::moe::{parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, RunShape};
+use lathe::moe::{AdapterMemory, ExpertStats, Fill, MoeInfo, RunShape};
 use lathe::{Error, Result};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -34,32 +34,18 @@ pub struct PlanArgs {
     /// `owner/repo[:QUANT]` (downloaded into the Hugging Face cache).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
-    /// Adapter memory to plan for (24GiB, 512MiB, 1.5GB, ...); default: what lathe can tell
-    /// about the adapter (the driver's memory heap where the backend reports one; see
-    /// `moe::budget`).
-    /// With --devices one size per device (24GiB,16GiB) or one for each.
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_mem: Option<String>,
-    /// Plan for the model split over these devices (as `lathe run --devices`): the layers
-    /// each holds and the placement of its experts.
-    #[arg(long, value_name = "LIST")]
-    pub devices: Option<String>,
-    /// Shares of the layers per device of --devices (default: by memory, equal where
-    /// unknown).
-    #[arg(long, value_name = "RATIOS")]
-    pub split: Option<String>,
-    /// Give each MoE layer this share of its experts as slots (0..1), overriding the budget.
-    #[arg(long, value_name = "F")]
-    pub gpu_experts: Option<f64>,
+    // The load flags of `lathe run` (`--gpu-mem`, `--devices`, `--split`, `--gpu-experts`,
+    // `--kv-type`, `--device`, `--cold-layers`, `--expert-stream`, ...), so one command
+    // line plans and runs alike; those that leave the placement as it is (kernels,
+    // micro-batches, the CPU's instruction set) change nothing here.
+    #[command(flatten)]
+    pub load: super::load::LoadArgs,
     /// Context length the KV cache is sized for.
     #[arg(long, value_name = "N", default_value_t = 4096)]
     pub ctx: u64,
-    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
-    /// DeepSeek-V4), f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "auto")]
-    pub kv_type: KvType,
-    /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
-    #[arg(long, value_name = "FILE")]
+    /// Routing statistics written by `--save-expert-stats` (default: uniform routing); as
+    /// --expert-stats.
+    #[arg(long, value_name = "FILE", conflicts_with = "expert_stats")]
     pub stats: Option<PathBuf>,
     /// Tokens per prefill pass the activations are sized for (default: the model's own
     /// loader's pass rows).
@@ -69,9 +55,6 @@ pub struct PlanArgs {
     /// chat`: 2, `lathe serve`: 2 per `--parallel` slot, its sequence and its checkpoint).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub seqs: u64,
-    /// GPU adapter whose memory to plan for: `auto`, an index or a name substring.
-    #[arg(long, value_name = "I", default_value = "auto")]
-    pub device: AdapterChoice,
     /// VRAM bandwidth in GB/s. Default: the adapter's (on a CPU adapter such as lavapipe the
     /// host's measured memory bandwidth; for a GPU lathe has measured, such as the H200, that
     /// measurement; else a short read kernel on it); the report says where it came from.
@@ -80,14 +63,6 @@ pub struct PlanArgs {
     /// Host memory bandwidth the CPU reaches on cold experts, in GB/s.
     #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
     pub host_bw: f64,
-    /// Which layers hold the cold experts (as `lathe run --cold-layers`): auto, spread or
-    /// whole.
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    pub cold_layers: lathe::engine::ColdLayers,
-    /// Prompt streaming as `lathe run --expert-stream`: unless `never`, a placement that
-    /// leaves experts on the CPU sets aside the streaming slots, as a load does.
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    pub expert_stream: lathe::engine::ExpertStream,
     /// One MoE layer's GPU → CPU → GPU round trip in a decode step, in ms (`lathe bench
     /// --moe-timeline` measures it: wait + after per layer).
     #[arg(long, value_name = "MS", default_value_t = 0.25)]
@@ -121,6 +96,7 @@ fn gbps(bytes: f64, bw: f64) -> f64 {
 
 /// The whole report (stdout).
 pub fn report(a: &PlanArgs) -> Result<String> {
+    let o = &a.load.load_options()?;
     if !(a.vram_bw.unwrap_or(1.0) > 0.0 && a.host_bw > 0.0) {
         return Err(Error::Invalid(
             "--vram-bw and --host-bw must be positive (GB/s)".into(),
@@ -128,11 +104,10 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     }
     let file = ModelFile::open(&a.model)?;
     let info = MoeInfo::from_file(&file)?;
-    if let Some(d) = &a.devices {
-        return devices_report(a, &file, info, d);
+    if !o.devices.is_empty() {
+        return devices_report(a, o, &file, info);
     }
-    let gpu_mem = a.gpu_mem.as_deref().map(parse_size).transpose()?;
-    let (adapter, mem, bw) = match (adapter_info(&a.device), gpu_mem) {
+    let (adapter, mem, bw) = match (adapter_info(&o.adapter), o.gpu_mem_of(0)) {
         (Some((ix, i)), m) => {
             let dm = lathe::gpu::adapter_memory(ix);
             let bw = vram_bandwidth(a, Some((ix, &i)))?;
@@ -156,8 +131,8 @@ pub fn report(a: &PlanArgs) -> Result<String> {
             ))
         }
     };
-    let stats = load_stats(a, &info)?;
-    let run = run_shape(a, &file);
+    let stats = load_stats(a, o, &info)?;
+    let run = run_shape(a, o, &file);
     // The loaders' own budget (`models::model_budget`), for this run shape.
     let (budget, nd) = model_budget(&file, &info, mem.bytes, run);
     let mut s = String::new();
@@ -173,7 +148,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     .ok();
     writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
     writeln!(s, "bandwidth: {}", describe_bw(&bw)).ok();
-    placement_report(&mut s, a, run, &info, stats.as_ref(), &budget, &nd, &bw)?;
+    placement_report(&mut s, a, o, run, &info, stats.as_ref(), &budget, &nd, &bw)?;
     Ok(s)
 }
 
@@ -203,8 +178,8 @@ fn describe_bw(bw: &SourcedBandwidth) -> String {
     format!("{:.1} GB/s ({})", bw.bytes_per_s / 1e9, bw.source)
 }
 
-fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
-    match &a.stats {
+fn load_stats(a: &PlanArgs, o: &LoadOptions, info: &MoeInfo) -> Result<Option<ExpertStats>> {
+    match a.stats.as_ref().or(o.expert_stats.as_ref()) {
         Some(p) => {
             let s = ExpertStats::load(p)?;
             s.check(info, p)?;
@@ -214,9 +189,9 @@ fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
     }
 }
 
-fn run_shape(a: &PlanArgs, file: &ModelFile) -> RunShape {
+fn run_shape(a: &PlanArgs, o: &LoadOptions, file: &ModelFile) -> RunShape {
     RunShape {
-        kv: a.kv_type,
+        kv: o.kv_type,
         ctx: a.ctx,
         batch: a
             .batch
@@ -228,26 +203,21 @@ fn run_shape(a: &PlanArgs, file: &ModelFile) -> RunShape {
 
 /// `lathe plan --devices`: the split (as `models::chain` makes it), then per device the
 /// budget and placement of the layers it holds.
-fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> Result<String> {
+fn devices_report(
+    a: &PlanArgs,
+    o: &LoadOptions,
+    file: &ModelFile,
+    info: MoeInfo,
+) -> Result<String> {
     use lathe::models::chain::LayerBytes;
-    use lathe::models::chain::{balanced_split, parse_devices, parse_split, split_layers};
-    let choices = parse_devices(list)?;
-    let sizes: Vec<u64> = match &a.gpu_mem {
-        Some(g) => g.split(',').map(parse_size).collect::<Result<_>>()?,
-        None => Vec::new(),
-    };
-    if sizes.len() > 1 && sizes.len() != choices.len() {
-        return Err(Error::Invalid(format!(
-            "--gpu-mem: {} sizes for {} devices (one, or one per device)",
-            sizes.len(),
-            choices.len()
-        )));
-    }
+    use lathe::models::chain::{balanced_split, split_layers};
+    // `--gpu-mem` sizes were checked against the devices by `LoadArgs::load_options`.
+    let choices = &o.devices;
     let mut mems = Vec::with_capacity(choices.len());
     let mut names = Vec::with_capacity(choices.len());
     let mut bws = Vec::with_capacity(choices.len());
     for (i, c) in choices.iter().enumerate() {
-        let size = sizes.get(i).or(sizes.first()).copied();
+        let size = o.gpu_mem_of(i);
         match (adapter_info(c), size) {
             (Some((ix, ai)), m) => {
                 names.push(ai.name.clone());
@@ -271,9 +241,8 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
         }
     }
     // As `models::chain::plan_split`.
-    let ranges = match &a.split {
-        Some(r) => {
-            let ratios = parse_split(r)?;
+    let ranges = match &o.split {
+        Some(ratios) => {
             if ratios.len() != choices.len() {
                 return Err(Error::Invalid(format!(
                     "--split: {} ratios for {} devices",
@@ -281,15 +250,15 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
                     choices.len()
                 )));
             }
-            split_layers(info.n_layer, &ratios)?
+            split_layers(info.n_layer, ratios)?
         }
         None => {
             split_layers(info.n_layer, &vec![1.0; choices.len()])?;
             balanced_split(&LayerBytes::of(file, info.n_layer), &mems)
         }
     };
-    let stats = load_stats(a, &info)?;
-    let run = run_shape(a, file);
+    let stats = load_stats(a, o, &info)?;
+    let run = run_shape(a, o, file);
     let mut s = String::new();
     writeln!(
         s,
@@ -326,7 +295,17 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
         )
         .ok();
         writeln!(s, "bandwidth: {}", describe_bw(&bws[i])).ok();
-        cold += placement_report(&mut s, a, run, &pi, stats.as_ref(), &budget, &nd, &bws[i])?;
+        cold += placement_report(
+            &mut s,
+            a,
+            o,
+            run,
+            &pi,
+            stats.as_ref(),
+            &budget,
+            &nd,
+            &bws[i],
+        )?;
     }
     writeln!(
         s,
@@ -347,6 +326,7 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
 fn placement_report(
     s: &mut String,
     a: &PlanArgs,
+    o: &LoadOptions,
     run: RunShape,
     info: &MoeInfo,
     stats: Option<&ExpertStats>,
@@ -355,12 +335,12 @@ fn placement_report(
     bw: &SourcedBandwidth,
 ) -> Result<usize> {
     let vram_bw = bw.bytes_per_s / 1e9;
-    let fill = match a.gpu_experts {
+    let fill = match o.gpu_experts {
         Some(f) => Fill::Fraction(f),
         None => Fill::Budget(budget.experts),
     };
     let placement =
-        lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
+        lathe::moe::offload::place_streaming(info, fill, stats, o.cold_layers, o.expert_stream)?;
     let hb = human_bytes;
     if let Some(n) = &nd.note {
         writeln!(s, "note: {n}").ok();
@@ -376,7 +356,7 @@ fn placement_report(
         s,
         "budget (ctx {}, KV {kv}{}, batch {}, {} seq):",
         a.ctx,
-        if a.kv_type == KvType::Auto {
+        if o.kv_type == KvType::Auto {
             " (auto)"
         } else {
             ""
@@ -465,7 +445,7 @@ fn placement_report(
     let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
     if matches!(fill, Fill::Budget(_))
         && !all_hot
-        && a.expert_stream != lathe::engine::ExpertStream::Never
+        && o.expert_stream != lathe::engine::ExpertStream::Never
     {
         writeln!(
             s,
@@ -523,7 +503,7 @@ fn placement_report(
         }
     )
     .ok();
-    expected_speed(s, a, run.batch, info, fill, stats, vram - hot, vram_bw)?;
+    expected_speed(s, a, o, run.batch, info, fill, stats, vram - hot, vram_bw)?;
     Ok(placement
         .layers
         .iter()
@@ -538,6 +518,7 @@ fn placement_report(
 fn expected_speed(
     s: &mut String,
     a: &PlanArgs,
+    o: &LoadOptions,
     batch: u64,
     info: &MoeInfo,
     fill: Fill,
@@ -564,7 +545,7 @@ fn expected_speed(
         (lathe::engine::ColdLayers::Spread, "--cold-layers spread"),
         (lathe::engine::ColdLayers::Whole, "--cold-layers whole"),
     ] {
-        let p = lathe::moe::offload::place_streaming(info, fill, stats, mode, a.expert_stream)?;
+        let p = lathe::moe::offload::place_streaming(info, fill, stats, mode, o.expert_stream)?;
         let t = p.decode_seconds(info, stats, &c);
         let hops = p.layers.iter().filter(|l| l.n_slots() < l.n_expert).count();
         writeln!(
@@ -579,7 +560,7 @@ fn expected_speed(
     // on the CPU (this machine's cores at `offload::CPU_PARAMS_PER_CORE_S`) against one copy
     // of each picked cold expert over the link.
     let p =
-        lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
+        lathe::moe::offload::place_streaming(info, fill, stats, o.cold_layers, o.expert_stream)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let rate = lathe::moe::offload::CPU_PARAMS_PER_CORE_S * cores;
     let (mut cpu, mut link) = (0f64, 0f64);
