@@ -1777,3 +1777,129 @@ fn template_that_builds_huge_values_is_a_400() {
     let (st, r) = s.post("/v1/completions", &completion("Still here", 2));
     assert_eq!(st, 200, "{r}");
 }
+
+/// The value of an unlabelled counter in a `/metrics` scrape.
+fn metric(s: &Server, name: &str) -> f64 {
+    let (st, _, m) = request(&s.addr, "GET", "/metrics", &[], None).unwrap();
+    assert_eq!(st, 200);
+    let m = String::from_utf8(m).unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+        .parse()
+        .unwrap()
+}
+
+/// `n > 1`: n choices indexed 0..n, decoded side by side in their own slots, the prompt
+/// computed once (the other choices copy its state: their prompt tokens count as cached),
+/// usage summing the choices' tokens; greedy choices are equal, seeded ones repeatable and
+/// distinct, the first the same as `n = 1`'s; streamed chunks carry their choice's index;
+/// constraints hold for every choice; `n` over `--parallel` is a 400 naming `n`.
+#[test]
+fn several_choices_per_request() {
+    let s = Server::start(&["--parallel", "3"]);
+    let prompt = "Three ways to say hello";
+    let cached0 = metric(&s, "lathe_prompt_cached_tokens_total");
+    let mut body = completion(prompt, 8);
+    body["n"] = 3.into();
+    let (st, r) = s.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{r}");
+    let ch = r["choices"].as_array().unwrap();
+    assert_eq!(ch.len(), 3);
+    for (i, c) in ch.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], ch[0]["text"], "greedy choices are equal: {r}");
+    }
+    let n_prompt = r["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(r["usage"]["completion_tokens"], 24);
+    assert_eq!(r["usage"]["total_tokens"], n_prompt + 24);
+    // Two choices took all but the prompt's last token by copy.
+    let copied = metric(&s, "lathe_prompt_cached_tokens_total") - cached0;
+    assert_eq!(copied, 2.0 * (n_prompt - 1) as f64);
+
+    // Seeded sampling: the first choice is n = 1's, the others differ, all repeatable.
+    let seeded = |n: usize| {
+        json!({"prompt": "Dice:", "max_tokens": 10, "temperature": 1.0, "top_k": 0,
+               "top_p": 1.0, "min_p": 0, "seed": 7, "logit_bias": no_eos(), "n": n})
+    };
+    let texts = |r: &Value| -> Vec<String> {
+        r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (_, a) = s.post("/v1/completions", &seeded(3));
+    let (_, b) = s.post("/v1/completions", &seeded(3));
+    let (_, single) = s.post("/v1/completions", &seeded(1));
+    let (ta, tb) = (texts(&a), texts(&b));
+    assert_eq!(ta, tb, "seeded choices repeat");
+    assert_eq!(ta[0], texts(&single)[0]);
+    assert!(ta[0] != ta[1] && ta[1] != ta[2], "{ta:?}");
+
+    // Chat, streamed: every chunk names its choice; each choice's text is the whole reply's.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+                      "temperature": 0, "logit_bias": no_eos(), "n": 2,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let (st, ev) = s.stream("/v1/chat/completions", &chat);
+    assert_eq!(st, 200);
+    let mut per = [String::new(), String::new()];
+    let mut finishes = 0;
+    let mut usage = Value::Null;
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            per[i].push_str(
+                c.pointer("/delta/content")
+                    .and_then(Value::as_str)
+                    .unwrap_or(""),
+            );
+            finishes += c["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(finishes, 2);
+    assert_eq!(usage["completion_tokens"], 12, "{usage}");
+    let mut whole = chat.clone();
+    whole["stream"] = false.into();
+    let (st, w) = s.post("/v1/chat/completions", &whole);
+    assert_eq!(st, 200, "{w}");
+    for (i, text) in per.iter().enumerate() {
+        let c = &w["choices"][i];
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"].as_str().unwrap(), text.as_str());
+    }
+
+    // A schema holds for every choice.
+    let constrained = json!({"messages": [{"role": "user", "content": "A pet"}], "n": 3,
+        "max_tokens": 200, "temperature": 1.0, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": pet_schema(), "strict": true}}});
+    let (st, r) = s.post("/v1/chat/completions", &constrained);
+    assert_eq!(st, 200, "{r}");
+    for c in r["choices"].as_array().unwrap() {
+        let v: Value = serde_json::from_str(c["message"]["content"].as_str().unwrap())
+            .unwrap_or_else(|e| panic!("{e}: {c}"));
+        assert!(is_pet(&v), "{v}");
+    }
+
+    let mut too_many = completion(prompt, 2);
+    too_many["n"] = 4.into();
+    let (st, e) = s.post("/v1/completions", &too_many);
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "n", "{e}");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--parallel"));
+    let (_, h) = s.get("/health");
+    assert_eq!(
+        h["slots"]["active"], 0,
+        "every choice's slot is free again: {h}"
+    );
+}

@@ -89,11 +89,29 @@ with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
     together = list(pool.map(one, enumerate(prompts)))
 check("concurrent clients match", together == alone, (together, alone))
 
+# n > 1: greedy choices are equal, indexed 0..n; usage sums their tokens.
+r = chat("Hello", n=3, max_tokens=5)
+check("n=3 choices", [c.index for c in r.choices] == [0, 1, 2], r.choices)
+check("n=3 greedy equal", len({c.message.content for c in r.choices}) == 1, r.choices)
+check("n=3 usage", r.usage.completion_tokens == 15, r.usage)
+per = {}
+for c in chat("Hello", stream=True, n=2, max_tokens=5):
+    for ch in c.choices:
+        per[ch.index] = per.get(ch.index, "") + (ch.delta.content or "")
+check("n=2 stream by index", per == {0: r.choices[0].message.content, 1: r.choices[1].message.content}, per)
+seeded = [
+    client.completions.create(
+        model="m", prompt="Dice:", max_tokens=8, temperature=1.0, top_p=1.0, seed=5, n=2, logit_bias=NO_EOS
+    )
+    for _ in range(2)
+]
+texts = [[c.text for c in s.choices] for s in seeded]
+check("n=2 seeded repeatable, distinct", texts[0] == texts[1] and texts[0][0] != texts[0][1], texts)
 try:
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
-    check("n=2 refused", False, "no error")
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=5)
+    check("n over --parallel refused", False, "no error")
 except openai.BadRequestError as e:
-    check("n=2 refused", e.status_code == 400 and e.body.get("param") == "n", e.body)
+    check("n over --parallel refused", e.status_code == 400 and e.body.get("param") == "n", e.body)
 
 try:
     OpenAI(base_url=URL, api_key="wrong", max_retries=0).models.list()
