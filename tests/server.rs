@@ -1903,3 +1903,184 @@ fn several_choices_per_request() {
         "every choice's slot is free again: {h}"
     );
 }
+
+/// A streamed Responses API answer: (event name, data) in order.
+fn named_events(s: &Server, path: &str, body: &Value) -> Vec<(String, Value)> {
+    let (st, h, b) = request(
+        &s.addr,
+        "POST",
+        path,
+        &[],
+        Some(body.to_string().as_bytes()),
+    )
+    .unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    assert!(h.contains("text/event-stream"), "{h}");
+    String::from_utf8(b)
+        .unwrap()
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').expect("event and data lines");
+            let name = name.strip_prefix("event: ").expect("an event line");
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], name, "{data}");
+            (name.to_string(), data)
+        })
+        .collect()
+}
+
+/// `/v1/responses`: `instructions` + `input` run as the same chat does (the same greedy text
+/// as `/v1/chat/completions`), as a `message` item with `output_text`, `usage` in input and
+/// output tokens, `incomplete` at `max_output_tokens`; streamed as OpenAI's named events, in
+/// order, with sequence numbers; `text.format` and forced tools through structured output
+/// (a `function_call` item); input items of every kind; unsupported fields are 400s naming them.
+#[test]
+fn responses_api() {
+    let s = Server::start(&["--parallel", "2"]);
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Hello there"}],
+                      "max_tokens": 8, "temperature": 0, "logit_bias": no_eos()});
+    let (st, c) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(st, 200, "{c}");
+    let want = c["choices"][0]["message"]["content"].as_str().unwrap();
+    let body = json!({"model": "m", "instructions": "Be brief.", "input": "Hello there",
+                      "max_output_tokens": 8, "temperature": 0, "logit_bias": no_eos()});
+    let (st, r) = s.post("/v1/responses", &body);
+    assert_eq!(st, 200, "{r}");
+    assert!(r["id"].as_str().unwrap().starts_with("resp_"), "{r}");
+    assert_eq!(r["object"], "response");
+    assert_eq!(r["status"], "incomplete", "{r}");
+    assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(r["instructions"], "Be brief.");
+    assert_eq!(r["max_output_tokens"], 8);
+    let out = r["output"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{r}");
+    assert_eq!(
+        (out[0]["type"].as_str(), out[0]["role"].as_str()),
+        (Some("message"), Some("assistant"))
+    );
+    assert_eq!(out[0]["content"][0]["type"], "output_text");
+    assert_eq!(out[0]["content"][0]["text"], want, "the chat's reply");
+    assert_eq!(r["usage"]["output_tokens"], 8);
+    assert_eq!(r["usage"]["input_tokens"], c["usage"]["prompt_tokens"]);
+
+    // The same as input items (a developer message, text parts), streamed.
+    let mut sb = body.clone();
+    sb["instructions"] = Value::Null;
+    sb["input"] = json!([{"role": "developer", "content": "Be brief."},
+                         {"type": "message", "role": "user",
+                          "content": [{"type": "input_text", "text": "Hello there"}]}]);
+    sb["stream"] = true.into();
+    let ev = named_events(&s, "/v1/responses", &sb);
+    let names: Vec<&str> = ev
+        .iter()
+        .map(|e| e.0.as_str())
+        .filter(|n| !n.ends_with(".delta"))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+    for (i, e) in ev.iter().enumerate() {
+        assert_eq!(e.1["sequence_number"], i);
+    }
+    let deltas: String = ev
+        .iter()
+        .filter(|e| e.0 == "response.output_text.delta")
+        .map(|e| e.1["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, want);
+    let done = &ev
+        .iter()
+        .find(|e| e.0 == "response.output_text.done")
+        .unwrap()
+        .1;
+    assert_eq!(done["text"], want);
+    let last = &ev.last().unwrap().1["response"];
+    assert_eq!(last["output"][0]["content"][0]["text"], want);
+    assert_eq!(last["usage"]["output_tokens"], 8);
+
+    // text.format json_schema: the reply follows the schema and completes.
+    let fmt = json!({"input": "a pet", "max_output_tokens": 200, "temperature": 1.0, "seed": 2,
+        "text": {"format": {"type": "json_schema", "name": "pet", "schema": pet_schema(), "strict": true}}});
+    let (st, r) = s.post("/v1/responses", &fmt);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["status"], "completed", "{r}");
+    let text = r["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(is_pet(&serde_json::from_str(text).unwrap()), "{text}");
+
+    // A forced tool: a function_call item; then the call and its output go back as input.
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": false}}]);
+    let tb = json!({"input": "weather?", "tools": tools, "tool_choice": "required",
+                    "max_output_tokens": 100, "temperature": 0});
+    let (st, r) = s.post("/v1/responses", &tb);
+    assert_eq!(st, 200, "{r}");
+    let call = r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["type"] == "function_call");
+    let call = call.unwrap_or_else(|| panic!("no function_call: {r}"));
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Oslo"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    let mut sb = tb.clone();
+    sb["stream"] = true.into();
+    let ev = named_events(&s, "/v1/responses", &sb);
+    let fc = ev
+        .iter()
+        .find(|e| e.0 == "response.function_call_arguments.done")
+        .unwrap();
+    assert_eq!(fc.1["arguments"], call["arguments"]);
+    assert_eq!(ev.last().unwrap().0, "response.completed");
+    let follow = json!({"input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": call["call_id"], "name": "get_weather", "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}],
+        "tools": tools, "max_output_tokens": 4, "temperature": 0});
+    let (st, r) = s.post("/v1/responses", &follow);
+    assert_eq!(st, 200, "{r}");
+
+    for (extra, param) in [
+        (
+            json!({"previous_response_id": "resp_x"}),
+            "previous_response_id",
+        ),
+        (json!({"store": true}), "store"),
+        (json!({"background": true}), "background"),
+        (json!({"input": []}), "input"),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+            "input[0].content[0]",
+        ),
+        (json!({"tools": [{"type": "web_search"}]}), "tools[0].type"),
+        (json!({"max_output_tokens": 0}), "max_output_tokens"),
+        (json!({"text": {"format": {"type": "xml"}}}), "text.format"),
+    ] {
+        let mut b = json!({"input": "x"});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (st, e) = s.post("/v1/responses", &b);
+        assert_eq!(
+            (st, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{extra}: {e}"
+        );
+    }
+}

@@ -62,6 +62,8 @@ pub struct AppState {
 
 type R<T> = std::result::Result<T, ApiError>;
 
+mod responses;
+
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/", get(web_page))
@@ -70,6 +72,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -475,6 +478,14 @@ async fn chat_inner(st: AppState, req: Request) -> R<Response> {
     let body = read_json(&st.cfg, req).await?;
     let loaded = ready(&st)?;
     let req = api::chat_request(&body, loaded.vocab, fresh_seed())?;
+    let id = random_id("chatcmpl-", 24);
+    let (meta, kind, events) = chat_submit(&st, req, id).await?;
+    answer(meta, kind, events).await
+}
+
+/// A chat request rendered, tokenized and queued (the Responses API's too).
+async fn chat_submit(st: &AppState, req: api::ChatRequest, id: String) -> R<(Meta, Kind, Events)> {
+    let loaded = ready(st)?;
     let template = st
         .template
         .get()
@@ -508,7 +519,8 @@ async fn chat_inner(st: AppState, req: Request) -> R<Response> {
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, Some(conversation));
     let kind = Kind::Chat(parser);
-    start(&st, kind, model, ids, req.params, ("messages", prefix)).await
+    let (meta, events) = submit(st, (id, model), ids, req.params, ("messages", prefix)).await?;
+    Ok((meta, kind, events))
 }
 
 async fn completions(State(st): State<AppState>, req: Request) -> Response {
@@ -533,15 +545,10 @@ async fn completions_inner(st: AppState, req: Request) -> R<Response> {
     };
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, None);
-    start(
-        &st,
-        Kind::Completion,
-        model,
-        ids,
-        req.params,
-        ("prompt", ""),
-    )
-    .await
+    let kind = Kind::Completion;
+    let id = (random_id("cmpl-", 24), model);
+    let (meta, events) = submit(&st, id, ids, req.params, ("prompt", "")).await?;
+    answer(meta, kind, events).await
 }
 
 /// Longest prompt accepted, in tokens.
@@ -641,17 +648,16 @@ async fn compile(st: &AppState, r: Requested, prefix: &'static str) -> R<Matcher
     .map_err(|e| ApiError::server(format!("compiling the output constraint failed: {e}")))?
 }
 
-/// Checks the prompt's length, queues the job and answers (streamed or whole). `ids`: the
-/// prompt, and where its slot checkpoint goes when not at its end (`Job::checkpoint`);
-/// `prefix`: what a constrained reply starts with ([`compile`]).
-async fn start(
+/// Checks the prompt's length and queues the job (one per choice) as `id`, for `model`.
+/// `ids`: the prompt, and where its slot checkpoint goes when not at its end
+/// (`Job::checkpoint`); `prefix`: what a constrained reply starts with ([`compile`]).
+async fn submit(
     st: &AppState,
-    kind: Kind,
-    model: String,
+    (id, model): (String, String),
     (ids, checkpoint): (Vec<u32>, Option<usize>),
     params: GenParams,
     (prompt_param, prefix): (&str, &'static str),
-) -> R<Response> {
+) -> R<(Meta, Events)> {
     let loaded = ready(st)?;
     let ctx = st.cfg.ctx;
     let limit = prompt_limit(&st.cfg);
@@ -676,10 +682,6 @@ async fn start(
     let constraint = match &params.constraint {
         Some(r) => Some(compile(st, r.clone(), prefix).await?),
         None => None,
-    };
-    let id = match kind {
-        Kind::Chat(_) => random_id("chatcmpl-", 24),
-        Kind::Completion => random_id("cmpl-", 24),
     };
     let deadline = Instant::now() + st.cfg.timeout;
     let mut rxs = Vec::with_capacity(params.n);
@@ -732,7 +734,11 @@ async fn start(
         cut: st.cut.clone(),
         shared: st.sched.shared.clone(),
     };
-    let events = Events(rxs);
+    Ok((meta, Events(rxs)))
+}
+
+/// The answer of a chat or completion request: streamed or whole.
+async fn answer(meta: Meta, kind: Kind, events: Events) -> R<Response> {
     if meta.params.stream {
         Ok(stream_response(Stream::new(meta, kind, events)))
     } else {
@@ -923,8 +929,8 @@ struct Whole {
     content: String,
     reasoning: String,
     lps: Vec<TokenLogprob>,
-    /// Set by its `Done`: the choice's JSON.
-    done: Option<Value>,
+    /// Set by its `Done`: why it ended and the tool calls parsed from it.
+    done: Option<(Finish, Vec<ToolCall>)>,
 }
 
 impl Whole {
@@ -937,12 +943,14 @@ impl Whole {
         }
     }
 
-    /// The choice's JSON, at its `Done`.
-    fn finish(&mut self, index: usize, finish: Finish, t: &Tokenizer, want_lp: bool) -> Value {
-        match &mut self.kind {
-            Kind::Chat(p) => {
-                let (rest, calls) = p.finish();
-                self.take(rest);
+    /// The choice's JSON in a chat or completion answer.
+    fn json(&self, index: usize, t: &Tokenizer, want_lp: bool) -> Value {
+        let (finish, calls) = match &self.done {
+            Some((f, c)) => (*f, c.as_slice()),
+            None => (Finish::Stop, &[][..]),
+        };
+        match &self.kind {
+            Kind::Chat(_) => {
                 let mut message = json!({"role": "assistant", "content": self.content});
                 if !self.reasoning.is_empty() {
                     message["reasoning_content"] = self.reasoning.clone().into();
@@ -951,14 +959,14 @@ impl Whole {
                     if self.content.is_empty() {
                         message["content"] = Value::Null;
                     }
-                    message["tool_calls"] = tool_calls_json(&calls, false);
+                    message["tool_calls"] = tool_calls_json(calls, false);
                 }
                 let logprobs = match want_lp {
                     true => json!({"content": chat_logprobs(t, &self.lps)}),
                     false => Value::Null,
                 };
                 json!({"index": index, "message": message, "logprobs": logprobs,
-                       "finish_reason": finish_str(finish, &calls)})
+                       "finish_reason": finish_str(finish, calls)})
             }
             Kind::Completion => {
                 let logprobs = match want_lp {
@@ -972,9 +980,9 @@ impl Whole {
     }
 }
 
-/// A whole (non-streamed) answer, once every choice is done. If the client goes away, this
+/// Every choice of a request, whole: once each is done. If the client goes away, this
 /// future is dropped with the receivers, and the engine frees the slots at its next step.
-async fn collect(mut meta: Meta, kind: Kind, mut rx: Events) -> R<Response> {
+async fn gather(meta: &mut Meta, kind: &Kind, mut rx: Events) -> R<(Vec<Whole>, Totals)> {
     let mut choices: Vec<Whole> = (0..rx.len())
         .map(|_| Whole {
             kind: kind.clone(),
@@ -1020,13 +1028,33 @@ async fn collect(mut meta: Meta, kind: Kind, mut rx: Events) -> R<Response> {
                 spec,
             }) => {
                 totals.add(i, n_prompt, n_cached, n_generated, spec);
-                let want_lp = meta.params.logprobs.is_some();
-                c.done = Some(c.finish(i, finish, &meta.tokenizer, want_lp));
+                let calls = match &mut c.kind {
+                    Kind::Chat(p) => {
+                        let (rest, calls) = p.finish();
+                        c.take(rest);
+                        calls
+                    }
+                    Kind::Completion => Vec::new(),
+                };
+                c.done = Some((finish, calls));
             }
         }
     }
-    let done: Option<Vec<Value>> = choices.into_iter().map(|c| c.done).collect();
-    let choices = done.ok_or_else(stopped)?;
+    if choices.iter().any(|c| c.done.is_none()) {
+        return Err(stopped());
+    }
+    Ok((choices, totals))
+}
+
+/// A whole (non-streamed) chat or completion answer.
+async fn collect(mut meta: Meta, kind: Kind, rx: Events) -> R<Response> {
+    let (choices, totals) = gather(&mut meta, &kind, rx).await?;
+    let want_lp = meta.params.logprobs.is_some();
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| c.json(i, &meta.tokenizer, want_lp))
+        .collect();
     let object = match kind {
         Kind::Chat(_) => "chat.completion",
         Kind::Completion => "text_completion",
