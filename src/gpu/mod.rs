@@ -16,6 +16,7 @@ pub mod elementwise;
 pub mod embed;
 pub mod gdn;
 pub mod hc;
+pub mod limits;
 pub mod matmul;
 pub mod matvec;
 pub mod moe;
@@ -31,6 +32,7 @@ pub use device::{
     Gpu, MatmulChoice, MatmulPath,
 };
 pub use disk_cache::cache_dir as pipeline_cache_dir;
+pub use limits::{fit_rows, BufferLimits, PassBuffer};
 pub use memory::{adapter_memory, device_memory, DeviceMemory};
 pub use pass::{grid, Binding, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
