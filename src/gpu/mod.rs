@@ -18,6 +18,7 @@ pub mod elementwise;
 pub mod embed;
 pub mod gdn;
 pub mod hc;
+pub mod limits;
 pub mod matmul;
 pub mod matvec;
 pub mod moe;
@@ -36,6 +37,7 @@ pub use device::{
 pub use disk_cache::cache_dir as pipeline_cache_dir;
 pub use memory::{device_memory, DeviceMemory};
 pub use pass::{grid, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
+pub use limits::{fit_rows, BufferLimits, PassBuffer};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
 pub use recorder::Binding;
 
