@@ -35,9 +35,9 @@ pub use device::{
     AutoProducts, Gpu, MatmulChoice, MatmulPath,
 };
 pub use disk_cache::cache_dir as pipeline_cache_dir;
+pub use limits::{fit_rows, BufferLimits, PassBuffer};
 pub use memory::{device_memory, DeviceMemory};
 pub use pass::{grid, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
-pub use limits::{fit_rows, BufferLimits, PassBuffer};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
 pub use recorder::Binding;
 
