@@ -7,7 +7,6 @@
 //! fit runs shorter, and a model that fits no pass gets an error naming the buffer at load,
 //! not a validation error at its first pass.
 
-use super::Gpu;
 use crate::{Error, Result};
 
 /// How the kernels use a buffer: bound to a shader (both limits) or only a copy's source or
@@ -76,11 +75,12 @@ impl std::fmt::Display for OverLimit {
 }
 
 impl BufferLimits {
-    /// The limits `gpu` was created with (what its validation enforces).
-    pub fn of(gpu: &Gpu) -> BufferLimits {
+    /// The buffer limits of a device's `limits` (for a [`super::Gpu`], the ones it was
+    /// created with: what its validation enforces).
+    pub fn of(limits: &wgpu::Limits) -> BufferLimits {
         BufferLimits {
-            max_binding: gpu.limits.max_storage_buffer_binding_size,
-            max_buffer: gpu.limits.max_buffer_size,
+            max_binding: limits.max_storage_buffer_binding_size,
+            max_buffer: limits.max_buffer_size,
         }
     }
 

@@ -226,7 +226,7 @@ impl Plan {
         let mut placement = place(fill)?;
         // Every buffer of a pass of `r` rows, the family's and the offload's: passes of the
         // family's batch where they fit, shorter where the device's limits are smaller.
-        let limits = BufferLimits::of(gpu);
+        let limits = BufferLimits::of(&gpu.limits);
         let buffers = |r: usize, placement: &Placement| {
             let mut b = needs(r).buffers;
             b.extend(offload_buffers(&info, placement, r));

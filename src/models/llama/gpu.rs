@@ -242,7 +242,12 @@ impl GpuModel {
         }
         let whole = PartSpec::whole(hp.n_layer);
         let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole).buffers;
-        let batch = fit_rows(DEFAULT_BATCH, BufferLimits::of(&gpu), &file.path(), needs)?;
+        let batch = fit_rows(
+            DEFAULT_BATCH,
+            BufferLimits::of(&gpu.limits),
+            &file.path(),
+            needs,
+        )?;
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
         let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {

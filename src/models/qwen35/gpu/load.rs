@@ -226,7 +226,7 @@ impl GpuModel {
             .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
         let needs = |rows| state::needs_part(&hp, RunShape::new(opts, rows), &part);
-        let limits = BufferLimits::of(&gpu);
+        let limits = BufferLimits::of(&gpu.limits);
         let batch = fit_rows(DEFAULT_BATCH, limits, &file.path(), |r| needs(r).buffers)?;
         let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
         // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
