@@ -232,6 +232,9 @@ pub struct GpuModel {
     pub trace: Option<Trace>,
     pub traced: Vec<f32>,
     trace_buf: Option<wgpu::Buffer>,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
     /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
     /// append `(label, ns)` here (slow; for per-kernel breakdowns).
     pub profile: Option<Vec<(String, f64)>>,
@@ -386,6 +389,7 @@ impl GpuModel {
             },
             spec,
             next_id: Default::default(),
+            hidden_out: false,
             part,
             link: Link::default(),
             handoff,
@@ -985,6 +989,10 @@ impl Forward for GpuModel {
     }
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let mut v = items

@@ -180,6 +180,9 @@ pub struct GpuModel {
     kv: KvShape,
     pools: Pools,
     scratch: Scratch,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
 }
 
 /// What one chunk's pass returns: its wanted logits rows.
@@ -273,6 +276,7 @@ impl GpuModel {
             kv,
             pools,
             scratch,
+            hidden_out: false,
         })
     }
 
@@ -385,6 +389,11 @@ impl GpuModel {
             Some(&self.output_norm),
             hp.eps,
         )?;
+        if self.hidden_out {
+            pass.submit()?;
+            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
+            return Ok((h, None));
+        }
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let v = hp.n_vocab;
         if let ChunkWant::Top { k, lse } = want {
@@ -605,6 +614,10 @@ impl Forward for GpuModel {
     }
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         self.copy_rows(src.get()?, dst.get_mut()?)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let mut v: Vec<(&mut LlamaSeq, &[u32], Want)> = Vec::with_capacity(items.len());

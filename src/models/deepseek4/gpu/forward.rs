@@ -145,7 +145,11 @@ impl GpuModel {
             self.check_tokens(t)?;
             crate::forward::check_want(*w)?;
         }
-        let v = self.hp.n_vocab;
+        // Per wanted row: its logits, or its hidden state (`Forward::hidden_out`).
+        let v = match self.hidden_out {
+            true => self.hp.n_embd,
+            false => self.hp.n_vocab,
+        };
         let mut top = TopReq::default();
         for (_, _, w) in items.iter() {
             if let Want::Top { k, lse } = *w {
@@ -595,6 +599,13 @@ impl GpuModel {
             norm: out_norm,
         };
         hc::head(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
+        if self.hidden_out {
+            pass.submit_or_profile(prof.as_mut())?;
+            return Ok((
+                crate::models::read_rows(&gpu, &sc.h, wants, hp.n_embd)?,
+                Vec::new(),
+            ));
+        }
         let v = out.n_vocab;
         let mut r0 = 0;
         for chunk in top.rows.chunks(sc.logit_rows) {

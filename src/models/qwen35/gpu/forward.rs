@@ -36,7 +36,11 @@ impl GpuModel {
             self.check_tokens(t)?;
             crate::forward::check_want(*w)?;
         }
-        let v = self.hp.n_vocab;
+        // Per wanted row: its logits, or its hidden state (`Forward::hidden_out`).
+        let v = match self.hidden_out {
+            true => self.hp.n_embd,
+            false => self.hp.n_vocab,
+        };
         // One k for every Top item (the largest); each item keeps its own k of it.
         let mut top = TopReq::default();
         for (_, _, w) in items.iter() {
@@ -303,6 +307,13 @@ impl GpuModel {
             Some(&self.w.output_norm),
             hp.eps,
         )?;
+        if self.hidden_out {
+            submit(pass, profiling, prof)?;
+            return Ok((
+                crate::models::read_rows(&gpu, &sc.h, wants, hp.n_embd)?,
+                Vec::new(),
+            ));
+        }
         let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
         let v = hp.n_vocab;
         // Top rows first, in this pass: their head into the logits buffer, one product per

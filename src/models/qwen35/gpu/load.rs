@@ -275,6 +275,7 @@ impl GpuModel {
             pools,
             scratch,
             trace_layer: None,
+            hidden_out: false,
             profile: None,
             offload,
             spec: SpecState::default(),

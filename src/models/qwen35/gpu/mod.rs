@@ -165,6 +165,9 @@ pub struct GpuModel {
     /// Debugging: stop the next pass after this layer and return the residual stream
     /// `[n_tokens, n_embd]` instead of logits.
     pub trace_layer: Option<usize>,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
     /// Profiling: when `Some`, passes are timed per dispatch (GPU timestamps) and the last
     /// round's `(kernel label, ns)` list is stored here.
     pub profile: Option<Vec<(String, f64)>>,
@@ -266,6 +269,10 @@ impl Forward for GpuModel {
     }
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
