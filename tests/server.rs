@@ -535,10 +535,13 @@ fn errors_auth_limits_and_loading() {
     for key in ["message", "type", "param", "code"] {
         assert!(e["error"].get(key).is_some(), "{e}");
     }
-    let mut n2 = hello.clone();
-    n2["n"] = 2.into();
-    let (st, e) = post(n2.to_string().as_bytes());
-    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("n")), "{e}");
+    // No choices, or more than --parallel slots.
+    for n in [0, 1000] {
+        let mut bad_n = hello.clone();
+        bad_n["n"] = n.into();
+        let (st, e) = post(bad_n.to_string().as_bytes());
+        assert_eq!((st, e["error"]["param"].as_str()), (400, Some("n")), "{e}");
+    }
     let (st, e) = post(json!({"messages": "hi"}).to_string().as_bytes());
     assert_eq!(
         (st, e["error"]["param"].as_str()),
