@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use crate::engine::{Engine, Logits, Seq, Want};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::spec::{SpecOptions, SpecStats, Speculator};
-use crate::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer, CHATML};
+use crate::tokenizer::{ChatTemplate, StreamDecoder, TemplateChoice, Tokenizer, CHATML};
 use crate::{Error, Result};
 
 /// How to generate.
@@ -707,6 +707,18 @@ impl ChatPrompt {
             vars: tokenizer.template_tokens(),
             fallback,
         })
+    }
+
+    /// `choice` (a `--chat-template` flag's) when given, else [`ChatPrompt::for_tokenizer`].
+    pub fn chosen(tokenizer: &Tokenizer, choice: Option<&TemplateChoice>) -> Result<ChatPrompt> {
+        match choice {
+            Some(c) => Ok(ChatPrompt {
+                template: c.compile(crate::tokenizer::TemplateLimits::default())?,
+                vars: tokenizer.template_tokens(),
+                fallback: false,
+            }),
+            None => ChatPrompt::for_tokenizer(tokenizer),
+        }
     }
 
     /// The prompt text for `messages` (a JSON list of `{role, content}`); with
