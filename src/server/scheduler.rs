@@ -75,6 +75,21 @@ pub struct Job {
     pub siblings: Vec<Job>,
 }
 
+/// A request for the hidden states of some inputs (`/v1/embeddings`): the engine thread runs
+/// each through the model in a free slot ([`Engine::hidden_states`]), between two steps.
+pub struct EmbedJob {
+    pub inputs: Vec<Vec<u32>>,
+    pub deadline: Instant,
+    /// Per input its final-norm hidden states `[n, n_embd]` row-major, or why not.
+    pub reply: tokio::sync::oneshot::Sender<std::result::Result<Vec<Vec<f32>>, String>>,
+}
+
+/// What the queue holds (a job boxed: it is far larger than an embedding request).
+enum Task {
+    Generate(Box<Job>),
+    Embed(EmbedJob),
+}
+
 /// The log-probability of one sampled token (natural log, of the model's distribution
 /// before sampling settings), and the `top` most likely tokens with theirs.
 #[derive(Clone, Debug)]
@@ -203,14 +218,22 @@ pub enum SubmitError {
 /// The HTTP side's handle on the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
-    tx: SyncSender<Job>,
+    tx: SyncSender<Task>,
     pub shared: Arc<Shared>,
 }
 
 impl Scheduler {
     pub fn submit(&self, job: Job) -> std::result::Result<(), SubmitError> {
+        self.queue(Task::Generate(Box::new(job)))
+    }
+
+    pub fn embed(&self, job: EmbedJob) -> std::result::Result<(), SubmitError> {
+        self.queue(Task::Embed(job))
+    }
+
+    fn queue(&self, task: Task) -> std::result::Result<(), SubmitError> {
         self.shared.queued.fetch_add(1, Ordering::Relaxed);
-        let r = self.tx.try_send(job);
+        let r = self.tx.try_send(task);
         if r.is_err() {
             self.shared.queued.fetch_sub(1, Ordering::Relaxed);
         }
@@ -404,7 +427,7 @@ struct Worker {
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
     slots: Vec<Slot>,
-    rx: Receiver<Job>,
+    rx: Receiver<Task>,
     shared: Arc<Shared>,
     clock: u64,
     /// A job of several choices taken from the queue before enough slots were free: it
@@ -485,6 +508,13 @@ impl Worker {
                 }
             };
             self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            let job = match job {
+                Task::Generate(j) => *j,
+                Task::Embed(e) => {
+                    self.embed(e);
+                    continue;
+                }
+            };
             if job.events.is_closed() {
                 continue;
             }
@@ -516,6 +546,49 @@ impl Worker {
             self.start_job(job);
         }
         true
+    }
+
+    /// Runs an embedding job in the least recently used free slot (there is one: `admit`
+    /// runs while one is), one input after another from an empty sequence; the slot then
+    /// holds the last input, as after a prompt.
+    fn embed(&mut self, e: EmbedJob) {
+        if e.reply.is_closed() {
+            return;
+        }
+        if Instant::now() >= e.deadline {
+            let _ = e
+                .reply
+                .send(Err("the request timed out waiting in the queue".into()));
+            return;
+        }
+        let free = self.slots.iter_mut().filter(|s| s.active.is_none());
+        let Some(slot) = free.min_by_key(|s| s.last_used) else {
+            let _ = e.reply.send(Err("no free slot (internal error)".into()));
+            return;
+        };
+        self.clock += 1;
+        slot.last_used = self.clock;
+        let engine = &mut self.engine;
+        let mut out = Vec::with_capacity(e.inputs.len());
+        let mut run = || -> Result<()> {
+            for t in &e.inputs {
+                slot.held.reset(engine)?;
+                out.push(engine.hidden_states(slot.held.seq_mut(), t)?);
+                slot.held.fed(t);
+            }
+            Ok(())
+        };
+        let r = run();
+        let n: usize = e.inputs.iter().map(Vec::len).sum();
+        self.shared.metrics.prompt_tokens.inc_by(n as u64);
+        let _ = e.reply.send(match r {
+            Ok(()) => Ok(out),
+            Err(err) => {
+                slot.held.mark_stale();
+                eprintln!("lathe serve: embeddings failed: {err}");
+                Err(err.to_string())
+            }
+        });
     }
 
     /// Starts a job and its sibling choices (enough slots are free for all of them): the

@@ -239,6 +239,9 @@ pub struct GpuModel {
     /// reference's `step_traced` names): `attn_in`, `attn_out`, `ffn_in`, `moe_out`
     /// ([n, n_embd]) and `layer_out` ([n, hc·n_embd]).
     pub trace: Tracer,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
     /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
     /// append `(label, ns)` here (slow; for per-kernel breakdowns).
     pub profile: Option<Vec<(String, f64)>>,
@@ -403,6 +406,7 @@ impl GpuModel {
             ctx: opts.ctx.max(16),
             scratch,
             trace: Tracer::default(),
+            hidden_out: false,
             profile: None,
             offload,
         };
@@ -1078,6 +1082,10 @@ impl Forward for GpuModel {
     }
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         GpuModel::forward_batch(self, &mut rounds::own_items(items)?)

@@ -222,6 +222,9 @@ pub struct GpuModel {
     kv: KvShape,
     pools: Pools,
     scratch: Scratch,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
 }
 
 /// What one chunk's pass returns: its wanted logits rows.
@@ -316,6 +319,7 @@ impl GpuModel {
             kv,
             pools,
             scratch,
+            hidden_out: false,
         })
     }
 
@@ -417,6 +421,11 @@ impl GpuModel {
             Some(&self.output_norm),
             hp.eps,
         )?;
+        if self.hidden_out {
+            pass.submit()?;
+            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
+            return Ok((h, None));
+        }
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let v = hp.n_vocab;
         if let ChunkWant::Top { k, lse } = want {
@@ -631,6 +640,10 @@ impl Forward for GpuModel {
     }
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         self.copy_rows(src.get()?, dst.get_mut()?)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         self.run_items(&mut rounds::own_items(items)?)

@@ -150,6 +150,9 @@ pub struct GpuModel {
     /// Debugging: capture a named intermediate in every pass (`layer_out`: the residual
     /// stream after a layer, `[n_tokens, n_embd]`).
     pub trace: Tracer,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
     /// Profiling: when `Some`, passes are timed per dispatch (GPU timestamps) and the last
     /// round's `(kernel label, ns)` list is stored here.
     pub profile: Option<Vec<(String, f64)>>,
@@ -260,6 +263,10 @@ impl Forward for GpuModel {
     }
     fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
         GpuModel::forward_batch(self, &mut rounds::own_items(items)?)
