@@ -841,7 +841,9 @@ fn short_prompt_is_not_blocked_by_a_long_prefill() {
         json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0});
     let (st, r) = s.post("/v1/chat/completions", &chat);
     assert_eq!(st, 200, "{r}");
-    let slot = long_slot(&s).expect("the long request's slot");
+    let slot = long_slot(&s).unwrap_or_else(|| {
+        panic!("the short chat waited for the long prompt's whole prefill and reply")
+    });
     eprintln!(
         "short chat answered in {:?}; the long prompt then: {slot}",
         t1.elapsed()
