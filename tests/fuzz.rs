@@ -842,7 +842,7 @@ fn check_offload_on_lavapipe(cases: &[(&str, &[f64], u64)]) {
                 ..Default::default()
             })
             .chain([LoadOptions {
-                gpu_mem: Some(mem),
+                gpu_mem: vec![mem],
                 ..Default::default()
             }]);
         for opts in settings {

@@ -26,10 +26,18 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     }
 }
 
+/// The device-local memory of adapter `index` of [`list_adapters`].
+pub fn adapter_memory(index: usize) -> Option<super::DeviceMemory> {
+    all_adapters()
+        .into_iter()
+        .nth(index)
+        .and_then(|a| super::memory::device_memory(&a))
+}
+
 /// Adapters of the primary backends (Vulkan, Metal, DX12); GL only when none has one:
 /// even creating a GL instance probes EGL, which prints noise on a headless server, and GL
 /// compute is the weakest backend.
-pub(super) fn all_adapters() -> Vec<wgpu::Adapter> {
+fn all_adapters() -> Vec<wgpu::Adapter> {
     let mut v = pollster::block_on(
         instance(wgpu::Backends::PRIMARY).enumerate_adapters(wgpu::Backends::PRIMARY),
     );
@@ -89,7 +97,7 @@ pub struct Gpu {
     pub(crate) pipelines: super::pipeline::PipelineCache,
     /// The driver's compiled pipelines kept between runs (Vulkan; `None` elsewhere).
     pub(crate) disk_cache: Option<super::disk_cache::DiskCache>,
-    pub(crate) recorder: super::pass::Recorder,
+    pub(crate) recorder: super::recorder::Recorder,
     matmul: MatmulPath,
     /// One-token products take int8 activations (`--activations`, [`Gpu::with_int8_decode`]).
     int8_decode: bool,

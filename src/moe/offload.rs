@@ -190,7 +190,7 @@ impl Plan {
                 return Ok(None);
             }
         }
-        let mem = AdapterMemory::detect(&gpu.info, gpu.memory.as_ref(), opts.gpu_mem);
+        let mem = AdapterMemory::detect(&gpu.info, gpu.memory.as_ref(), opts.gpu_mem_of(0));
         let ctx = opts.ctx as u64;
         let base = budget_for(&info, mem.bytes, ctx, &needs(batch));
         let (fill, mut budget, memory) = match opts.gpu_experts {

@@ -31,7 +31,11 @@ use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
-use crate::models::chain::{self, Link, Readback};
+use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::link::{self, Link, Readback};
+use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::state::copy_regions;
+use crate::models::runtime::trace::Tracer;
 use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
@@ -218,14 +222,6 @@ impl GpuSeq {
     }
 }
 
-/// A named intermediate of one layer (the CPU reference's `step_traced` names): `attn_in`,
-/// `attn_out`, `ffn_in`, `moe_out` ([n, n_embd]) and `layer_out` ([n, hc·n_embd]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Trace {
-    pub name: &'static str,
-    pub layer: usize,
-}
-
 pub struct GpuModel {
     pub gpu: Arc<Gpu>,
     pub hp: Hparams,
@@ -239,11 +235,10 @@ pub struct GpuModel {
     ring: usize,
     pools: Pools,
     scratch: Scratch,
-    /// Debugging: capture this intermediate in every pass (a copy inside the pass, read back
-    /// after it) and append it, `[n_tokens, width]`, to `traced`.
-    pub trace: Option<Trace>,
-    pub traced: Vec<f32>,
-    trace_buf: Option<wgpu::Buffer>,
+    /// Debugging: capture a named intermediate of one layer in every pass (the CPU
+    /// reference's `step_traced` names): `attn_in`, `attn_out`, `ffn_in`, `moe_out`
+    /// ([n, n_embd]) and `layer_out` ([n, hc·n_embd]).
+    pub trace: Tracer,
     /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
     /// append `(label, ns)` here (slow; for per-kernel breakdowns).
     pub profile: Option<Vec<(String, f64)>>,
@@ -407,9 +402,7 @@ impl GpuModel {
             kv_type,
             ctx: opts.ctx.max(16),
             scratch,
-            trace: None,
-            traced: Vec::new(),
-            trace_buf: None,
+            trace: Tracer::default(),
             profile: None,
             offload,
         };
@@ -550,16 +543,8 @@ impl GpuModel {
                 }
             }
         }
-        let stage_len = regions.iter().map(|r| r.3).max().unwrap_or(0);
-        if s != d && stage_len > 0 {
-            let stage = self.gpu.buffer(stage_len, "seq.copy_stage")?;
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            for (buf, from, to, len) in regions {
-                enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
-                enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
-            }
-            self.gpu.queue.submit([enc.finish()]);
-            self.gpu.check()?;
+        if s != d {
+            copy_regions(&self.gpu, &regions, "seq.copy_stage")?;
         }
         dst.pos = src.pos;
         Ok(())
@@ -1076,6 +1061,15 @@ impl SeqState for GpuSeq {
     }
 }
 
+impl RoundSeq for GpuSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+}
+
 impl Forward for GpuModel {
     fn vocab_size(&self) -> usize {
         self.hp.n_vocab
@@ -1090,11 +1084,7 @@ impl Forward for GpuModel {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let mut v = items
-            .iter_mut()
-            .map(|(s, t, w)| Ok((s.get_mut::<GpuSeq>()?, *t, *w)))
-            .collect::<Result<Vec<_>>>()?;
-        GpuModel::forward_batch(self, &mut v)
+        GpuModel::forward_batch(self, &mut rounds::own_items(items)?)
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         GpuModel::forward(self, seq.get_mut()?, tokens, all)
@@ -1135,7 +1125,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     fn link(&mut self, link: Link) {
         self.link = link;
     }

@@ -12,7 +12,9 @@ use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
-use crate::models::chain::{self, Link};
+use crate::models::runtime::link::{self, Link};
+use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, Forward, ModelFile, Seq, SeqState};
 use crate::moe::{Needs, Offload, RunShape};
 use crate::{Error, Result};
@@ -190,6 +192,15 @@ impl SeqState for LlamaSeq {
     }
 }
 
+impl RoundSeq for LlamaSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+}
+
 impl Drop for LlamaSeq {
     fn drop(&mut self) {
         self.free
@@ -303,40 +314,29 @@ impl GpuModel {
         })
     }
 
-    /// Feed each item's tokens, in chunks of at most [`DEFAULT_BATCH`], one item after the
-    /// other; per item the logits it wants.
+    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
+    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
+    /// per item the logits it wants.
     fn run_items(&mut self, items: &mut [(&mut LlamaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let v = self.hp.n_vocab;
-        for (_, toks, want) in items.iter() {
-            crate::forward::check_want(*want)?;
-            if let Some(&bad) = toks.iter().find(|&&t| t as usize >= v) {
-                return Err(Error::Invalid(format!(
-                    "token id {bad} is outside the vocabulary of {v}"
-                )));
-            }
-        }
+        let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
+        rounds::check_items(items, v)?;
         let mut out = Vec::with_capacity(items.len());
         for (seq, toks, want) in items.iter_mut() {
-            let mut full = Vec::new();
-            let mut top = None;
-            let chunks: Vec<&[u32]> = toks.chunks(self.scratch.rows).collect();
-            for (i, chunk) in chunks.iter().enumerate() {
-                let last = i + 1 == chunks.len();
-                let cw = match *want {
-                    Want::All => ChunkWant::All,
-                    Want::Last if last => ChunkWant::Last,
-                    Want::Top { k, lse } if last => ChunkWant::Top { k, lse },
+            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
+                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
+                    (_, false) => ChunkWant::Top {
+                        k: r.top.k,
+                        lse: r.top.lse,
+                    },
+                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
+                    ([_], _) => ChunkWant::Last,
                     _ => ChunkWant::None,
                 };
-                let (logits, t) = self.run_chunk(seq.slot, seq.pos, chunk, cw)?;
-                full.extend(logits);
-                top = top.or(t);
-                seq.pos += chunk.len();
-            }
-            out.push(match top {
-                Some(t) => Logits::Top(t),
-                None => Logits::Full(full),
-            });
+                let p = &r.parts[0];
+                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
+                Ok((logits, top.into_iter().collect()))
+            })?;
+            out.extend(one);
         }
         Ok(out)
     }
@@ -561,27 +561,21 @@ impl GpuModel {
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot through a staging buffer
-    /// (WebGPU forbids a copy within one buffer).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
     fn copy_rows(&self, src: &LlamaSeq, dst: &mut LlamaSeq) -> Result<()> {
         let cap = self.pools.cap as u64;
         let len = self.kv.bytes(src.pos as u64);
-        if len > 0 {
-            let (from, to) = (
-                self.kv.bytes(src.slot as u64 * cap),
-                self.kv.bytes(dst.slot as u64 * cap),
-            );
-            let stage = self.gpu.buffer(len, "llama.seq.copy_stage")?;
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            for (k, v) in &self.pools.kv {
-                for buf in [k, v] {
-                    enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
-                    enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
-                }
-            }
-            self.gpu.queue.submit([enc.finish()]);
-            self.gpu.check()?;
-        }
+        let (from, to) = (
+            self.kv.bytes(src.slot as u64 * cap),
+            self.kv.bytes(dst.slot as u64 * cap),
+        );
+        let regions: Vec<Region<'_>> = self
+            .pools
+            .kv
+            .iter()
+            .flat_map(|(k, v)| [(k, from, to, len), (v, from, to, len)])
+            .collect();
+        copy_regions(&self.gpu, &regions, "llama.seq.copy_stage")?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -634,11 +628,7 @@ impl Forward for GpuModel {
         self.copy_rows(src.get()?, dst.get_mut()?)
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let mut v: Vec<(&mut LlamaSeq, &[u32], Want)> = Vec::with_capacity(items.len());
-        for (s, t, w) in items.iter_mut() {
-            v.push((s.get_mut()?, *t, *w));
-        }
-        self.run_items(&mut v)
+        self.run_items(&mut rounds::own_items(items)?)
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         let want = if all { Want::All } else { Want::Last };
@@ -664,7 +654,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
     fn link(&mut self, _link: Link) {}
     fn gpu(&self) -> &Arc<Gpu> {

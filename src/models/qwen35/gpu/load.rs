@@ -276,7 +276,7 @@ impl GpuModel {
             kv_type,
             pools,
             scratch,
-            trace_layer: None,
+            trace: Tracer::default(),
             profile: None,
             offload,
             spec: SpecState::default(),

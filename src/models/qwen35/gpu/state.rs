@@ -413,17 +413,7 @@ impl GpuModel {
                 regions.push((b, s * ssm_len, d * ssm_len, ssm_len));
             }
         }
-        let stage_len = regions.iter().map(|r| r.3).max().unwrap_or(0);
-        if stage_len > 0 {
-            let stage = self.gpu.buffer(stage_len, "seq.copy_stage")?;
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            for (buf, from, to, len) in regions {
-                enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
-                enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
-            }
-            self.gpu.queue.submit([enc.finish()]);
-            self.gpu.check()?;
-        }
+        copy_regions(&self.gpu, &regions, "seq.copy_stage")?;
         dst.pos = src.pos;
         Ok(())
     }
