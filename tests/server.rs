@@ -806,6 +806,58 @@ fn request_timeout() {
     assert_eq!(st, 200, "{r}");
 }
 
+/// No head-of-line blocking: a short chat sent while a long prompt is in prefill is answered
+/// while the long one is still in prefill. Each step's prompt budget (`--prefill-chunk`) is
+/// shared among the prompts in prefill, so the short one is fed whole in its first step;
+/// given to the oldest prompt first, it waited for the long one's whole prefill (issue 38:
+/// 90 s behind 7,900 tokens on lavapipe).
+#[test]
+fn short_prompt_is_not_blocked_by_a_long_prefill() {
+    const LONG: usize = 1500;
+    let s = Server::start(&["--parallel", "2", "--prefill-chunk", "32"]);
+    let long: Vec<u32> = (0..LONG as u32).map(|i| 3 + (i * 7) % 500).collect();
+    let body = json!({"prompt": long, "max_tokens": 1, "temperature": 0}).to_string();
+    // Its reply is not awaited: the server is stopped while it is still in prefill.
+    let mut held = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        held,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        s.addr,
+        body.len()
+    )
+    .unwrap();
+    let long_slot = |s: &Server| {
+        let (_, v) = s.get("/slots");
+        let v = v.as_array().cloned().unwrap_or_default();
+        v.into_iter().find(|x| x["n_prompt_tokens"] == LONG)
+    };
+    let t0 = Instant::now();
+    while long_slot(&s).is_none_or(|x| x["n_tokens"].as_u64() <= Some(0)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the long prompt never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t1 = Instant::now();
+    let chat =
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0});
+    let (st, r) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(st, 200, "{r}");
+    let slot = long_slot(&s).unwrap_or_else(|| {
+        panic!("the short chat waited for the long prompt's whole prefill and reply")
+    });
+    eprintln!(
+        "short chat answered in {:?}; the long prompt then: {slot}",
+        t1.elapsed()
+    );
+    assert_eq!(
+        slot["prefilling"], true,
+        "the short chat waited for the long prefill: {slot}"
+    );
+    drop(held);
+}
+
 /// Prompt cache through a template that rewrites the last assistant turn: Qwen3.5's template
 /// (read from ../shared, never copied) opens `<think>` in the generation prompt and drops it
 /// from history, so turn 2 cannot keep what the slot's sequence holds. It restores the slot's

@@ -3,9 +3,12 @@
 //!
 //! One step runs every active slot once: a decoding slot feeds its last sampled token, a
 //! prefilling slot feeds the next piece of its prompt. Prompt tokens per step are capped
-//! (`prefill_chunk`, shared by all prefilling slots), so a long prompt delays the others'
-//! next token by at most one chunk's work. The step's work, a list of (slot, tokens), goes
-//! to the GPU as one batched forward ([`Engine::forward_batch_with`]) in [`run_batch`].
+//! (`prefill_chunk`), so a long prompt delays the others' next token by at most one chunk's
+//! work; the cap is shared fairly among the prefilling slots ([`share_prompt_budget`],
+//! chunked-prefill interleaving as vLLM's and llama.cpp's servers do), so a short prompt
+//! that arrives during a long one's prefill is fed in its first step rather than after it.
+//! The step's work, a list of (slot, tokens), goes to the GPU as one batched forward
+//! ([`Engine::forward_batch_with`]) in [`run_batch`].
 //!
 //! A slot keeps its tokens after a request ends: a later request whose prompt starts with all
 //! of them feeds only the rest (the cache of a multi-turn chat). Recurrent layers cannot be
@@ -817,8 +820,7 @@ impl Worker {
                 }
             }
         }
-        let mut budget = self.cfg.prefill_chunk.max(1);
-        // Oldest request first, so a stream of short prompts cannot starve a long one.
+        // Oldest request first: the remainder of an uneven share goes to it.
         let mut pre: Vec<(usize, Instant)> = self
             .slots
             .iter()
@@ -831,23 +833,30 @@ impl Worker {
             })
             .collect();
         pre.sort_by_key(|p| p.1);
-        for (i, _) in pre {
-            if budget == 0 {
-                break;
+        // What each could feed: the rest of its prompt, up to its checkpoint (saved between
+        // two steps) where that comes first, and up to the fork of choices following it.
+        let wants: Vec<usize> = pre
+            .iter()
+            .map(|&(i, _)| {
+                let a = self.slots[i].active.as_ref().expect("prefilling slot");
+                let (held, ck) = (self.slots[i].held.tokens().len(), a.job.checkpoint);
+                let mut n = a.feed.len();
+                if held < ck && ck < held + n {
+                    n = ck - held;
+                }
+                if let Some(f) = a.fork.filter(|&f| held < f && f < held + n) {
+                    n = f - held;
+                }
+                n
+            })
+            .collect();
+        let shares = share_prompt_budget(self.cfg.prefill_chunk.max(1), &wants);
+        for (&(i, _), n) in pre.iter().zip(shares) {
+            if n == 0 {
+                continue;
             }
             let a = self.slots[i].active.as_ref().expect("prefilling slot");
             let feed = &a.feed;
-            let mut n = feed.len().min(budget);
-            // A piece ends at the checkpoint, which is saved between two steps.
-            let (held, ck) = (self.slots[i].held.tokens().len(), a.job.checkpoint);
-            if held < ck && ck < held + n {
-                n = ck - held;
-            }
-            // So does one at the fork of choices following this one.
-            if let Some(f) = a.fork.filter(|&f| held < f && f < held + n) {
-                n = f - held;
-            }
-            budget -= n;
             work.push(Work {
                 slot: i,
                 tokens: feed[..n].to_vec(),
@@ -1279,6 +1288,37 @@ impl Worker {
 
 /// Settles the speculation of the request in `slot` (the sequence then holds exactly the
 /// tokens its slot says; on failure it is marked stale) and adds its counts to the server's.
+/// Prompt tokens of one step for each prefilling slot, from the step's `budget`: `wants[i]`
+/// is what slot `i` (oldest request first) could feed. Max-min fair (water-filling): each
+/// slot gets up to an equal share, and what a slot needing less leaves is shared again
+/// among the others; the remainder of an uneven division goes to the oldest. A short prompt
+/// arriving during a long one's prefill is thus fed whole in its first step while the long
+/// one keeps the rest, and a stream of short prompts cannot starve a long one: it gets at
+/// least `budget / n` of every step with `n` prompts in prefill.
+fn share_prompt_budget(budget: usize, wants: &[usize]) -> Vec<usize> {
+    let mut got = vec![0; wants.len()];
+    let mut left = budget;
+    loop {
+        let open: Vec<usize> = (0..wants.len()).filter(|&i| got[i] < wants[i]).collect();
+        if open.is_empty() || left == 0 {
+            return got;
+        }
+        let share = left / open.len();
+        if share == 0 {
+            // Fewer tokens left than open slots: one each, oldest first.
+            for &i in open.iter().take(left) {
+                got[i] += 1;
+            }
+            return got;
+        }
+        for &i in &open {
+            let n = share.min(wants[i] - got[i]);
+            got[i] += n;
+            left -= n;
+        }
+    }
+}
+
 fn end_spec(engine: &mut Engine, shared: &Shared, slot: &mut Slot) -> Option<SpecStats> {
     let Slot { held, active, .. } = slot;
     let s = active.as_mut()?.spec.as_mut()?;
@@ -1479,6 +1519,50 @@ mod tests {
         assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
         assert!((t.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
         assert!(logprob_of(&l, 1, 0).top.is_empty());
+    }
+
+    /// A 2-token prompt arriving during a 7,900-token prefill (issue 38's case) is fed whole
+    /// in its first step, while the long one keeps all but those two tokens of every step's
+    /// budget; the shares never exceed the budget or a slot's want, the whole budget is
+    /// used while prompts remain, and the same inputs give the same plan.
+    #[test]
+    fn short_prompts_share_the_prompt_budget() {
+        let budget = 256;
+        let (mut long, mut short) = (7900usize, 0usize);
+        let mut short_done = None;
+        for step in 0..20 {
+            if step == 3 {
+                short = 2;
+            }
+            let wants: Vec<usize> = [long, short].into_iter().filter(|&n| n > 0).collect();
+            let got = share_prompt_budget(budget, &wants);
+            assert_eq!(got, share_prompt_budget(budget, &wants));
+            assert!(got.iter().zip(&wants).all(|(g, w)| g <= w));
+            let total: usize = got.iter().sum();
+            assert_eq!(total, budget.min(wants.iter().sum()));
+            assert!(
+                got[0] >= budget / wants.len(),
+                "the long prompt starved: {got:?}"
+            );
+            long -= got[0];
+            if wants.len() == 2 {
+                short -= got[1];
+                if short == 0 {
+                    short_done = Some(step);
+                }
+            }
+        }
+        assert_eq!(
+            short_done,
+            Some(3),
+            "the short prompt waited behind the long one"
+        );
+        assert_eq!(long, 7900 - 20 * budget + 2);
+        // Uneven shares: water-filling, the remainder to the oldest.
+        assert_eq!(share_prompt_budget(10, &[100, 1, 100]), vec![5, 1, 4]);
+        assert_eq!(share_prompt_budget(2, &[5, 5, 5]), vec![1, 1, 0]);
+        assert_eq!(share_prompt_budget(9, &[2, 3]), vec![2, 3]);
+        assert_eq!(share_prompt_budget(0, &[4]), vec![0]);
     }
 
     /// The GPU path's log-probabilities (top candidates + log-sum-exp) equal the full path's.

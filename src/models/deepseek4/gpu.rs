@@ -953,7 +953,11 @@ fn pass_buffers(hp: &Hparams, run: RunShape, part: &PartSpec) -> Vec<PassBuffer>
         .filter(|&l| hp.has_indexer(l))
         .map(|l| rows * (ctx / hp.compress_ratio[l]))
         .fold(d.scores, usize::max);
-    let kinds = 3;
+    let kinds: HashSet<(usize, bool)> = held
+        .clone()
+        .map(|l| (hp.compress_ratio[l], hp.has_indexer(l)))
+        .collect();
+    let kinds = kinds.len();
     d.idx = held
         .clone()
         .map(|l| 4 * rows * kinds + rows * (hp.window.min(ctx) + comp_slots(hp, l, ctx)))
