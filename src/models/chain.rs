@@ -14,8 +14,9 @@
 //! counts and positions only), so the rounds line up; a receiver checks the row count.
 
 use super::{Forward, ModelFile, Seq, SeqState};
-use crate::forward::{LoadOptions, Logits, PartSpec, Want};
+use crate::forward::{LoadOptions, Logits, Want};
 use crate::gpu::{AdapterChoice, Gpu};
+use crate::model_file::PartSpec;
 use crate::moe::{AdapterMemory, MemSource, Offload};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -321,7 +322,7 @@ pub struct LayerBytes {
 
 impl LayerBytes {
     pub fn of(file: &ModelFile, n_layer: usize) -> LayerBytes {
-        use crate::forward::WeightRole;
+        use crate::model_file::WeightRole;
         const EMBEDDINGS: &[&str] = &[
             "token_embd.weight",
             "model.embed_tokens.weight",

@@ -3,8 +3,9 @@
 //! (llama.cpp keeps the same kind of table in `llama-arch.cpp`).
 
 use super::{chain, deepseek4, llama, qwen35, ModelFile};
-use crate::forward::{LoadOptions, PartSpec};
+use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
+use crate::model_file::PartSpec;
 use crate::moe::{Needs, RunShape};
 use crate::{Error, Result};
 use std::sync::Arc;

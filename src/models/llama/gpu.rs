@@ -4,14 +4,16 @@
 //! tiles for a chunk, split-K for one token); only the wanted logits come back.
 
 use super::{Hparams, W};
-use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want};
+use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::matmul;
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
+use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::model_file::PartSpec;
 use crate::models::chain::{self, Link};
 use crate::models::{expect_shape, Forward, ModelFile, Seq, SeqState};
 use crate::moe::{Needs, Offload, RunShape};
