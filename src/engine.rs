@@ -6,11 +6,11 @@ use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
 
-pub use crate::forward::{
-    ActivationsChoice, ColdLayers, ExpertStream, KvType, LoadOptions, Logits, Progress, TopLogits,
-    Want, GREEDY,
-};
+pub use crate::forward::{KvType, LoadOptions, Logits, Progress, Want, GREEDY};
+pub use crate::gpu::topk::TopLogits;
+pub use crate::gpu::ActivationsChoice;
 pub use crate::models::{Forward, Seq};
+pub use crate::moe::{ColdLayers, ExpertStream};
 
 /// A model ready to run, with its tokenizer when the file carries one.
 pub struct Engine {

@@ -67,3 +67,66 @@ impl ModelFile {
         }
     }
 }
+
+/// One device's share of a model split over several (`models::chain`): a contiguous range
+/// of layers; the first part also embeds the tokens, the last one holds the output head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartSpec {
+    pub layers: std::ops::Range<usize>,
+    pub first: bool,
+    pub last: bool,
+}
+
+/// Which part of a model a weight belongs to, for [`PartSpec::holds`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightRole {
+    /// A block's weight.
+    Layer(usize),
+    /// The token embedding (also the head of a model that ties them).
+    Embedding { tied: bool },
+    /// Everything after the blocks: output norm, head, extra blocks past `n_layer`.
+    Head,
+}
+
+impl PartSpec {
+    /// The whole model of `n_layer` blocks.
+    pub fn whole(n_layer: usize) -> PartSpec {
+        PartSpec {
+            layers: 0..n_layer,
+            first: true,
+            last: true,
+        }
+    }
+
+    /// Whether this part uploads a weight of `role`.
+    pub fn holds(&self, role: WeightRole) -> bool {
+        match role {
+            WeightRole::Layer(l) => self.layers.contains(&l),
+            WeightRole::Embedding { tied } => self.first || (self.last && tied),
+            WeightRole::Head => self.last,
+        }
+    }
+
+    /// The role of the tensor `name` of a model of `n_layer` blocks whose embedding is
+    /// `embedding`: blocks by the layer number of the naming schemes lathe reads (GGUF
+    /// `blk.N.`, Hugging Face `model.layers.N.` / `model.language_model.layers.N.`,
+    /// DeepSeek `layers.N.`); numbers past the blocks (llama.cpp's next-token-prediction
+    /// blocks) and other prefixes (`mtp.`) belong with the head.
+    pub fn role(name: &str, n_layer: usize, embedding: &str, tied: bool) -> WeightRole {
+        if name == embedding {
+            return WeightRole::Embedding { tied };
+        }
+        let rest = [
+            "blk.",
+            "model.language_model.layers.",
+            "model.layers.",
+            "layers.",
+        ]
+        .iter()
+        .find_map(|p| name.strip_prefix(p));
+        match rest.and_then(|r| r.split('.').next()?.parse::<usize>().ok()) {
+            Some(l) if l < n_layer => WeightRole::Layer(l),
+            _ => WeightRole::Head,
+        }
+    }
+}

@@ -15,26 +15,27 @@ use std::path::{Path, PathBuf};
 
 /// Top-level modules of `src/` (file or folder name), lowest layer first; modules on one line
 /// share a layer. Why this order:
-/// - `error`, `dtype`, `tensor`, `npy` and `forward` (the contract between a forward and its
-///   callers: `Want`, `Logits`, `LoadOptions`, ...) name things every layer uses;
+/// - `error`, `dtype`, `tensor` and `npy` name things every layer uses;
 /// - `quant` (CPU block types) below the file formats that store them;
 /// - `gguf`/`safetensors` read files, `hub` downloads them; `model_file` opens either,
 ///   `inspect` describes one;
 /// - `cpu` kernels, then `gpu` (device, buffers, pipelines, kernel wrappers; the GPU tests
 ///   check against the CPU references);
-/// - `moe`: the expert planner and the offload that runs it on both devices;
+/// - `moe`: the expert planner and the offload that runs it on both devices, beside
+///   `forward` (the contract between a forward and its callers: `LoadOptions`, which carries
+///   the choices of the layers below and is read by the planner, `Want`, `Logits`);
 /// - `models` (one folder per architecture), with the text pieces that load beside a model
 ///   (`tokenizer`, `sample`) and `synth` (writes model files with a family's names);
 /// - `engine`, the library's front door; `generate`/`bench` drive an engine (`spec`: the
 ///   speculative decoding loop they share) and `selftest` the kernels; front ends last.
 const LAYERS: &[&[&str]] = &[
-    &["error", "dtype", "tensor", "npy", "forward"],
+    &["error", "dtype", "tensor", "npy"],
     &["quant"],
     &["gguf", "safetensors", "hub"],
     &["model_file", "inspect"],
     &["cpu"],
     &["gpu"],
-    &["moe"],
+    &["moe", "forward"],
     &["models", "tokenizer", "sample", "synth"],
     &["engine"],
     &["generate", "spec", "bench", "selftest"],

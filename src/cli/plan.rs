@@ -274,7 +274,7 @@ fn devices_report(
     let n = ranges.len();
     let mut cold = 0usize;
     for (i, layers) in ranges.into_iter().enumerate() {
-        let part = lathe::forward::PartSpec {
+        let part = lathe::model_file::PartSpec {
             layers: layers.clone(),
             first: i == 0,
             last: i + 1 == n,

@@ -3,8 +3,48 @@
 //! value passed down to the kernels, never a global: tests run every level the machine has
 //! side by side in one process.
 
-pub use crate::forward::SimdLevel;
 use crate::{Error, Result};
+
+/// An instruction set for the cold-expert kernels, from plain Rust to the widest integer dot
+/// (`--cpu-simd`; detection and the checks in `cpu::simd`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// Plain Rust (what LLVM makes of it for the build's baseline): every CPU.
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C (Haswell, Zen 1 and later).
+    Avx2,
+    /// x86_64 AVX-512 VNNI on 256-bit vectors (`vpdpbusd`, with AVX-512VL and BW) on top of
+    /// AVX2: Ice Lake, Sapphire Rapids, Zen 4 and later. The f32-activation kernels stay AVX2.
+    Avx512Vnni,
+}
+
+impl SimdLevel {
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512Vnni => "avx512vnni",
+        }
+    }
+}
+
+impl std::fmt::Display for SimdLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SimdLevel {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        SimdLevel::ALL
+            .into_iter()
+            .find(|l| l.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| format!("--cpu-simd {s}: expected scalar, avx2 or avx512vnni"))
+    }
+}
 
 impl SimdLevel {
     /// The widest level this CPU runs.

@@ -3,7 +3,135 @@
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use crate::forward::{ActivationsChoice, AdapterChoice, MatmulChoice};
+/// Which adapter to use. `Default` picks the first discrete GPU, then any GPU, then a CPU
+/// adapter (lavapipe), so `lathe run` works unchanged on a laptop, a server and in CI.
+#[derive(Clone, Debug, Default)]
+pub enum AdapterChoice {
+    #[default]
+    Auto,
+    /// Index into [`crate::gpu::list_adapters`].
+    Index(usize),
+    /// Case-insensitive substring of the adapter name.
+    Name(String),
+}
+
+impl std::str::FromStr for AdapterChoice {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Ok(match s.parse::<usize>() {
+            Ok(i) => AdapterChoice::Index(i),
+            Err(_) if s.eq_ignore_ascii_case("auto") => AdapterChoice::Auto,
+            Err(_) => AdapterChoice::Name(s.to_string()),
+        })
+    }
+}
+
+/// Which kernels run products of many tokens (`--matmul`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulChoice {
+    /// The matrix units where the adapter has them, else the two-level int8 path (`Int8x2`);
+    /// models that route on values (MoE routers, DeepSeek-V4's indexer) take the tiled f32
+    /// kernel (`gpu::AutoProducts::F32`).
+    #[default]
+    Auto,
+    /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
+    Coop,
+    /// Cooperative matrices with weights and activations each split into two f16 parts
+    /// (f32-level products at three times the multiply-adds); an error where absent.
+    CoopSplit,
+    /// Cooperative matrices with f16 weights and activations split into two f16 parts (the
+    /// weights' rounding alone, at twice the multiply-adds); an error where absent.
+    CoopSplitX,
+    /// The portable tiled f32 kernel.
+    Tiled,
+    /// The tiled kernel with activations quantized to int8 per block of 32 (ggml's q8_1) for
+    /// weights with integer codes (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); others run tiled. llama.cpp's
+    /// numerics: the fixture bars do not all hold.
+    Int8,
+    /// As `Int8` with the residual of x quantized again (two int8 levels): f32-level products.
+    Int8x2,
+}
+
+impl MatmulChoice {
+    /// The `--matmul` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulChoice::Auto => "auto",
+            MatmulChoice::Coop => "coop",
+            MatmulChoice::CoopSplit => "coop-split",
+            MatmulChoice::CoopSplitX => "coop-splitx",
+            MatmulChoice::Tiled => "tiled",
+            MatmulChoice::Int8 => "int8",
+            MatmulChoice::Int8x2 => "int8x2",
+        }
+    }
+}
+
+impl std::str::FromStr for MatmulChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(MatmulChoice::Auto),
+            "coop" => Ok(MatmulChoice::Coop),
+            "coop-split" => Ok(MatmulChoice::CoopSplit),
+            "coop-splitx" => Ok(MatmulChoice::CoopSplitX),
+            "tiled" | "f32" => Ok(MatmulChoice::Tiled),
+            "int8" => Ok(MatmulChoice::Int8),
+            "int8x2" => Ok(MatmulChoice::Int8x2),
+            _ => Err(format!(
+                "--matmul {s}: expected auto, coop, coop-split, coop-splitx, tiled, int8 or int8x2"
+            )),
+        }
+    }
+}
+
+/// Which activations the decode products take (`--activations`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActivationsChoice {
+    /// f32 (as [`ActivationsChoice::F32`]). The two-level int8 path meets every fixture bar
+    /// (tests/activations.rs; lavapipe, RMS against the reference: qwen35-dims Q4_K_M 3.5e-4
+    /// with int8 against 1.9e-4 with f32, qwen35moe-dims Q4_K_M 4.7e-4, DeepSeek-V4 dims
+    /// Q4_K_M 1.6e-4, every top-1 ≥ 0.997, against the 0.02 bar), but on the H200 it decodes
+    /// slower: Qwen3.5-9B Q4_K_M 147.3 against 169.1 tok/s (GPU 7.6 against 6.3 ms per
+    /// token: a quantize pass per product, and each weight word dotted with two levels of
+    /// codes), so auto keeps f32 until an adapter where int8 wins is measured.
+    #[default]
+    Auto,
+    /// f32 activations everywhere (exactness checks).
+    F32,
+    /// One-token products (decode matvec, the MoE indexed matvec) of the weight types with an
+    /// integer-dot kernel (`gpu::matvec::int8_x_supported`) quantize x to blocks of 32 in two
+    /// int8 levels (ggml's `block_q8_1` numerics, then its residual the same way: within
+    /// max|x|/64516 of x; one level alone missed every quantized fixture bar). The cold
+    /// experts of an offloaded MoE take the same two levels (`cpu::q8dot`). Float weights stay
+    /// f32, as do products that feed a discrete choice (`MatvecOpts::exact`), prefill's
+    /// many-token products (batched decode rows take int8 as a lone decode does, so their bits
+    /// match) and products reading x through a fused prologue (`LoadOptions::fused_loads`).
+    Int8,
+}
+
+impl ActivationsChoice {
+    /// Whether one-token products take int8 activations (those reading x through a fused
+    /// prologue stay f32 either way, see [`ActivationsChoice::Int8`]).
+    pub fn int8(self) -> bool {
+        match self {
+            ActivationsChoice::F32 | ActivationsChoice::Auto => false,
+            ActivationsChoice::Int8 => true,
+        }
+    }
+}
+
+impl std::str::FromStr for ActivationsChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(ActivationsChoice::Auto),
+            "f32" => Ok(ActivationsChoice::F32),
+            "int8" => Ok(ActivationsChoice::Int8),
+            _ => Err(format!("--activations {s}: expected auto, f32 or int8")),
+        }
+    }
+}
 
 /// An instance of `backends`. The primary backends' instance is made on first use and kept,
 /// so every adapter list and device of the process comes from it: an instance per call had

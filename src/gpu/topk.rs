@@ -24,7 +24,19 @@ pub const CHUNK: u32 = 4096;
 pub const ROUTER_MAX_EXPERTS: u32 = 2048;
 /// Largest k of [`topk`] (its [`TopkScratch`] is sized for it).
 pub const MAX_K: u32 = 16;
-pub use crate::forward::MAX_TOP_K;
+/// Largest k of `gpu::topk::LogitsTop`: covers llama.cpp's default sampler top-k of 40 and the
+/// OpenAI API's 20 `top_logprobs`.
+pub const MAX_TOP_K: u32 = 64;
+
+/// The best logits of one row as the GPU found them ([`crate::gpu::topk::LogitsTop`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopLogits {
+    /// (id, logit), best first: larger logit, then lower id; NaNs never. Shorter than asked
+    /// when the row has fewer selectable logits.
+    pub cands: Vec<(u32, f32)>,
+    /// ln Σ exp(logit) over the whole row (NaNs skipped), when asked for.
+    pub lse: Option<f32>,
+}
 
 /// Uniforms of `topk.wgsl` (same fields, same order).
 #[repr(C)]
@@ -460,13 +472,7 @@ impl LogitsTop {
     /// Reads result rows `0 .. n_rows` as recorded with `k` and `lse` (waits for the
     /// submitted work). Slots the kernel padded (rows with fewer than k selectable logits)
     /// are left out.
-    pub fn read(
-        &self,
-        gpu: &Gpu,
-        n_rows: u32,
-        k: u32,
-        lse: bool,
-    ) -> Result<Vec<crate::forward::TopLogits>> {
+    pub fn read(&self, gpu: &Gpu, n_rows: u32, k: u32, lse: bool) -> Result<Vec<TopLogits>> {
         if n_rows == 0 {
             return Ok(Vec::new());
         }
@@ -480,7 +486,7 @@ impl LogitsTop {
                     .map(|j| (w[j], f32::from_bits(w[k + j])))
                     .filter(|c| c.0 != u32::MAX)
                     .collect();
-                crate::forward::TopLogits {
+                TopLogits {
                     cands,
                     lse: lse.then(|| f32::from_bits(w[2 * k])),
                 }

@@ -15,8 +15,9 @@
 
 use super::runtime::link::{Hidden, HopCounters, Link, Part, LINK_BROKEN};
 use super::{Forward, ModelFile, Seq, SeqState};
-use crate::forward::{LoadOptions, Logits, PartSpec, Want};
+use crate::forward::{LoadOptions, Logits, Want};
 use crate::gpu::{AdapterChoice, Gpu};
+use crate::model_file::PartSpec;
 use crate::moe::{AdapterMemory, MemSource, Offload};
 use crate::{Error, Result};
 use std::sync::atomic::Ordering;
@@ -192,7 +193,7 @@ pub struct LayerBytes {
 
 impl LayerBytes {
     pub fn of(file: &ModelFile, n_layer: usize) -> LayerBytes {
-        use crate::forward::WeightRole;
+        use crate::model_file::WeightRole;
         const EMBEDDINGS: &[&str] = &[
             "token_embd.weight",
             "model.embed_tokens.weight",

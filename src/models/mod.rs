@@ -223,7 +223,7 @@ pub fn pass_rows(f: &ModelFile) -> usize {
 pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
     let whole = registry::family_of(f).and_then(|fam| {
         let n = (fam.n_layer)(f).ok()?;
-        (fam.needs_part)(f, run, &crate::forward::PartSpec::whole(n)).ok()
+        (fam.needs_part)(f, run, &crate::model_file::PartSpec::whole(n)).ok()
     });
     whole.unwrap_or_else(|| Needs {
         note: Some("unknown architecture: KV, state and activations not counted".into()),
@@ -232,7 +232,7 @@ pub fn needs(f: &ModelFile, run: RunShape) -> Needs {
 }
 
 /// [`needs`] of the layers one device's `part` holds (`chain`).
-pub fn needs_part(f: &ModelFile, run: RunShape, part: &crate::forward::PartSpec) -> Needs {
+pub fn needs_part(f: &ModelFile, run: RunShape, part: &crate::model_file::PartSpec) -> Needs {
     registry::family_of(f)
         .and_then(|fam| (fam.needs_part)(f, run, part).ok())
         .unwrap_or_else(|| needs(f, run))

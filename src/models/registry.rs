@@ -4,8 +4,9 @@
 
 use super::runtime::link;
 use super::{deepseek4, llama, qwen35, ModelFile};
-use crate::forward::{LoadOptions, PartSpec};
+use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
+use crate::model_file::PartSpec;
 use crate::moe::{Needs, RunShape};
 use crate::{Error, Result};
 use std::sync::Arc;

@@ -27,7 +27,49 @@
 
 use super::{Placement, COLD};
 
-pub use crate::forward::CacheConfig;
+/// Knobs of the policy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// Share of each layer's initial slots it keeps whatever other layers ask (0..=1).
+    pub floor_share: f64,
+    /// A cold expert is uploaded only if picked within this many earlier steps; `None`
+    /// uploads on every miss (the plain LRU behaviour).
+    pub reuse_window: Option<u64>,
+    pub max_uploads_per_step: usize,
+    /// Admission test (TinyLFU-like): an upload that evicts happens only when the
+    /// candidate's pick count, decayed with this half-life in steps, exceeds the victim's.
+    /// `None`: no test.
+    pub half_life: Option<f64>,
+}
+
+impl Default for CacheConfig {
+    /// Half of each layer's placement as a floor; re-picks within 8 tokens; 4 uploads per
+    /// token (a Qwen3.5-35B Q4_K expert is ~1.7 MB: 4 take ~0.3 ms over PCIe 4, small next
+    /// to a decode step); pick counts with a 32-token half-life. Chosen on the synthetic
+    /// sweeps of `tests/moe.rs` (a 32-token reuse window or no admission test churned the
+    /// bounded uploads every step and lost to the plain LRU).
+    fn default() -> Self {
+        CacheConfig {
+            floor_share: 0.5,
+            reuse_window: Some(8),
+            max_uploads_per_step: 4,
+            half_life: Some(32.0),
+        }
+    }
+}
+
+impl CacheConfig {
+    /// A plain global LRU over (layer, expert): no floor, upload on every miss, no bound.
+    /// The baseline the policy is measured against.
+    pub fn global_lru() -> Self {
+        CacheConfig {
+            floor_share: 0.0,
+            reuse_window: None,
+            max_uploads_per_step: usize::MAX,
+            half_life: None,
+        }
+    }
+}
 
 /// One expert to copy into the arena before the next submission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

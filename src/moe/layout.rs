@@ -314,8 +314,8 @@ impl MoeInfo {
 
     /// Keep what one device's part of a split model holds (`models::chain`): the MoE
     /// layers of `part`'s range, and the bytes of the other tensors it uploads.
-    pub fn restrict(&mut self, f: &ModelFile, part: &crate::forward::PartSpec) {
-        use crate::forward::PartSpec;
+    pub fn restrict(&mut self, f: &ModelFile, part: &crate::model_file::PartSpec) {
+        use crate::model_file::PartSpec;
         self.layers.retain(|m| part.layers.contains(&m.layer));
         let head = has_output_head(f);
         let embd = f

@@ -101,6 +101,7 @@ pub mod cache;
 pub mod layout;
 pub mod offload;
 pub mod plan;
+pub mod policy;
 pub mod stats;
 pub mod timeline;
 
@@ -116,6 +117,7 @@ pub use offload::{
     fill_arena, new_arena, remap_tables, write_expert, Offload, PlacementReport, Plan,
 };
 pub use plan::{remap_ids, ArenaGroup, Costs, Fill, LayerPlacement, LayerTraffic, Placement};
+pub use policy::{ColdLayers, ExpertStream};
 pub use stats::{ExpertStats, LayerStats};
 pub use timeline::LayerTimes;
 

@@ -8,8 +8,9 @@ use super::{
     budget_for, cold_pairs, AdapterMemory, Budget, Costs, ExpertStats, ExpertWeights, Fill,
     MemSource, MoeInfo, Needs, Placement, ResidencyCache, COLD,
 };
+use super::{ColdLayers, ExpertStream};
 use crate::cpu::moe::{Activations, ColdOptions, ColdPair};
-use crate::forward::{ColdLayers, ExpertStream, LoadOptions};
+use crate::forward::LoadOptions;
 use crate::gpu::limits::BufferUse;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{

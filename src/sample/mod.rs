@@ -15,11 +15,12 @@ mod stop;
 
 use std::collections::HashMap;
 
-use crate::forward::{Logits, Want, MAX_TOP_K};
+use crate::forward::{Logits, Want};
+use crate::gpu::topk::MAX_TOP_K;
 
 pub use stop::{FinishReason, StopCondition, StopStep};
 
-pub use crate::forward::TopLogits;
+pub use crate::gpu::topk::TopLogits;
 
 /// Whether a forward's logits can be sampled from: every logit of a full row finite, or
 /// the best the GPU found finite (its top-k pass skips NaNs, so a row of NaNs comes back

@@ -19,7 +19,7 @@
 
 use super::weights::{self, Attn, Compressor, Moe, Weights, W};
 use super::{Hparams, ScoreFunc};
-use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want, GREEDY};
+use crate::forward::{KvType, LoadOptions, Logits, Want, GREEDY};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use crate::gpu::elementwise::{self as ew, View};
@@ -30,7 +30,9 @@ use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
+use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::model_file::PartSpec;
 use crate::models::runtime::head::{head_logits, Head};
 use crate::models::runtime::link::{self, Link, Readback};
 use crate::models::runtime::rounds::{self, RoundSeq};

@@ -4,14 +4,16 @@
 //! tiles for a chunk, split-K for one token); only the wanted logits come back.
 
 use super::{Hparams, W};
-use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want};
+use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise::{self as ew, View};
 use crate::gpu::matmul;
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
+use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::model_file::PartSpec;
 use crate::models::runtime::link::{self, Link};
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};

@@ -11,7 +11,8 @@
 //! part of a chain plans the same rounds from the same items (token counts and positions
 //! only), so the rounds line up across devices.
 
-use crate::forward::{Logits, TopLogits, Want};
+use crate::forward::{Logits, Want};
+use crate::gpu::topk::TopLogits;
 use crate::models::{Seq, SeqState};
 use crate::{Error, Result};
 

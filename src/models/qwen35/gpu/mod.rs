@@ -23,7 +23,7 @@ pub use state::{needs, needs_part};
 
 use super::weights::{self, Ffn, Mixer, SetOut, Sink, Weights};
 use super::{HeadMap, Hparams};
-use crate::forward::{KvType, LoadOptions, Logits, PartSpec, TopLogits, Want, GREEDY};
+use crate::forward::{KvType, LoadOptions, Logits, Want, GREEDY};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::conv::{self, ConvIo};
 use crate::gpu::elementwise::{self as ew, View};
@@ -33,7 +33,9 @@ use crate::gpu::matvec::{self, MatvecOpts, Prologue};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
+use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::model_file::PartSpec;
 use crate::models::runtime::head::{head_logits, Head};
 use crate::models::runtime::link::{self, Link, Readback};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
