@@ -12,7 +12,7 @@
 //! adapter's stream bandwidth says how close decode runs to the hardware's limit. The
 //! bandwidth comes from [`stream_bandwidth`], a read-only kernel of 16-byte coalesced loads.
 
-use crate::engine::{Engine, KvType, LoadOptions, Seq, GREEDY};
+use crate::engine::{Engine, LoadOptions, Seq, GREEDY};
 use crate::gpu::{grid, AdapterChoice, Binding, Gpu, PipelineSpec};
 use crate::inspect::human_bytes;
 use crate::{Error, Result};
@@ -32,38 +32,19 @@ pub struct BenchOptions {
     pub reps: usize,
     /// Context filled (untimed) before each test.
     pub depth: usize,
-    pub adapter: AdapterChoice,
-    pub kv_type: KvType,
     /// Seeds the random token ids.
     pub seed: u64,
-    /// Expert placement of MoE models (`LoadOptions` fields of the same names).
-    pub gpu_mem: Option<u64>,
-    pub gpu_experts: Option<f64>,
-    pub expert_stats: Option<std::path::PathBuf>,
-    /// Write the routing statistics counted during the run here.
-    pub save_expert_stats: Option<std::path::PathBuf>,
-    /// Kernels of many-token products (`--matmul`).
-    pub matmul: crate::gpu::MatmulChoice,
-    /// Activations of one-token products (`--activations`).
-    pub activations: crate::forward::ActivationsChoice,
-    /// Prologues fused into the decode products' loads (`--fused-loads`).
-    pub fused_loads: bool,
+    /// How to load the model (adapter, devices, expert placement, kernels). The bench sizes
+    /// the context (`ctx`) and the sequences (`max_seqs`) itself, from the tests.
+    pub load: LoadOptions,
     /// Decode with speculation (`--spec`): greedy from the model's own picks.
     pub spec: Option<crate::spec::SpecOptions>,
-    /// Cold experts of prompt batches (`--expert-stream`).
-    pub expert_stream: crate::forward::ExpertStream,
-    /// Instruction set of the cold experts' CPU kernels (`--cpu-simd`).
-    pub cpu_simd: Option<crate::cpu::simd::SimdLevel>,
     /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
     pub timeline: bool,
     /// Sequences decoded together (`--parallel`): every decode step is one batched pass of
     /// one token of each, as `lathe serve --parallel N` runs its requests; the decode speed
     /// is then the aggregate over all of them.
     pub parallel: usize,
-    /// Several devices and their shares (`LoadOptions` fields of the same names).
-    pub devices: Vec<AdapterChoice>,
-    pub split: Option<Vec<f64>>,
-    pub gpu_mems: Vec<u64>,
 }
 
 impl Default for BenchOptions {
@@ -73,24 +54,11 @@ impl Default for BenchOptions {
             n_gen: 128,
             reps: 5,
             depth: 0,
-            adapter: AdapterChoice::Auto,
-            kv_type: KvType::Auto,
             seed: 0,
-            gpu_mem: None,
-            gpu_experts: None,
-            expert_stats: None,
-            save_expert_stats: None,
-            matmul: Default::default(),
-            activations: Default::default(),
-            fused_loads: LoadOptions::default().fused_loads,
+            load: LoadOptions::default(),
             spec: None,
-            expert_stream: Default::default(),
-            cpu_simd: None,
             timeline: false,
             parallel: 1,
-            devices: Vec::new(),
-            split: None,
-            gpu_mems: Vec::new(),
         }
     }
 }
@@ -470,23 +438,9 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     let arch = file.architecture()?;
     drop(file);
     let load_opts = LoadOptions {
-        adapter: opts.adapter.clone(),
-        kv_type: opts.kv_type,
         ctx: opts.depth + opts.n_prompt.max(opts.n_gen) + 16,
         max_seqs: opts.parallel.max(LoadOptions::default().max_seqs),
-        gpu_mem: opts.gpu_mem,
-        gpu_experts: opts.gpu_experts,
-        expert_stats: opts.expert_stats.clone(),
-        save_expert_stats: opts.save_expert_stats.clone(),
-        matmul: opts.matmul,
-        activations: opts.activations,
-        fused_loads: opts.fused_loads,
-        expert_stream: opts.expert_stream,
-        cpu_simd: opts.cpu_simd,
-        devices: opts.devices.clone(),
-        split: opts.split.clone(),
-        gpu_mems: opts.gpu_mems.clone(),
-        ..Default::default()
+        ..opts.load.clone()
     };
     let t0 = Instant::now();
     let mut e = Engine::load(path, &load_opts)?;
@@ -670,7 +624,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         placement,
         matmul,
         activations: if e.gpu.int8_decode() { "int8" } else { "f32" },
-        fused_loads: opts.fused_loads,
+        fused_loads: opts.load.fused_loads,
         spec,
         timeline,
         hops,
@@ -853,6 +807,94 @@ pub fn stream_bandwidth(gpu: &Gpu) -> Result<Bandwidth> {
         bytes_per_s: reps as f64 * bytes as f64 / best,
         buffer_bytes: bytes,
     })
+}
+
+/// Read bandwidths measured on GPUs lathe has run on (FACTS.md), matched by a substring of
+/// the adapter's name: the H200's is what lathe's f32 matvec streams through wgpu (4.34 TB/s,
+/// rounded down).
+const KNOWN_VRAM_BW: &[(&str, f64)] = &[("H200", 4000e9)];
+
+/// A read bandwidth and where the number came from (for reports).
+#[derive(Clone, Debug)]
+pub struct SourcedBandwidth {
+    pub bytes_per_s: f64,
+    pub source: String,
+}
+
+/// The memory bandwidth a decode step on adapter `index` (`info`) reads its bytes at,
+/// without loading a model: on a CPU adapter (lavapipe) the host's memory read bandwidth
+/// ([`host_read_bandwidth`]: the kernels run on the host's cores and memory), on a GPU of
+/// [`KNOWN_VRAM_BW`] its measured figure, on another GPU [`stream_bandwidth`] on a device
+/// opened for it (a second or so).
+pub fn adapter_bandwidth(index: usize, info: &wgpu::AdapterInfo) -> Result<SourcedBandwidth> {
+    if info.device_type == wgpu::DeviceType::Cpu {
+        let (bw, threads) = host_read_bandwidth();
+        return Ok(SourcedBandwidth {
+            bytes_per_s: bw.bytes_per_s,
+            source: format!(
+                "measured: a CPU adapter, host memory read by {threads} threads over {}",
+                human_bytes(bw.buffer_bytes)
+            ),
+        });
+    }
+    if let Some((name, bw)) = KNOWN_VRAM_BW.iter().find(|(n, _)| info.name.contains(n)) {
+        return Ok(SourcedBandwidth {
+            bytes_per_s: *bw,
+            source: format!("lathe's measurement on the {name}"),
+        });
+    }
+    let gpu = Gpu::new(&AdapterChoice::Index(index))?;
+    let bw = stream_bandwidth(&gpu)?;
+    Ok(SourcedBandwidth {
+        bytes_per_s: bw.bytes_per_s,
+        source: format!(
+            "measured: a read kernel over {}",
+            human_bytes(bw.buffer_bytes)
+        ),
+    })
+}
+
+/// Host buffer the memory probe reads: far beyond the last-level caches of the machines
+/// lathe runs on, small enough to allocate anywhere.
+const HOST_PROBE_BYTES: usize = 256 << 20;
+/// Timed passes over it; the fastest counts (the others met page faults or other work).
+const HOST_PROBE_PASSES: usize = 4;
+
+/// The host's memory read bandwidth: every core sums its share of a buffer of
+/// [`HOST_PROBE_BYTES`] (u64 loads the compiler vectorises), the fastest of
+/// [`HOST_PROBE_PASSES`] passes; and how many threads read. About 0.2 s.
+pub fn host_read_bandwidth() -> (Bandwidth, usize) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let words = HOST_PROBE_BYTES / 8;
+    // Non-zero words written once, so every page is real memory before the timed passes.
+    let buf: Vec<u64> = (0..words as u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+        .collect();
+    let chunk = words.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..HOST_PROBE_PASSES {
+        let t = Instant::now();
+        let sum = std::thread::scope(|scope| {
+            let parts: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| scope.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            parts
+                .into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (
+        Bandwidth {
+            // A clock too coarse to see the pass still gives a finite figure.
+            bytes_per_s: HOST_PROBE_BYTES as f64 / best.max(1e-9),
+            buffer_bytes: HOST_PROBE_BYTES as u64,
+        },
+        threads,
+    )
 }
 
 #[cfg(test)]

@@ -76,12 +76,7 @@ impl Engine {
                 Gpu::with_matmul(adapter, opts.matmul, exact)?
                     .with_int8_decode(opts.activations.int8()),
             );
-            let gpu_mem = opts.gpu_mems.first().copied().or(opts.gpu_mem);
-            let o = LoadOptions {
-                gpu_mem,
-                ..opts.clone()
-            };
-            (vec![gpu.clone()], crate::models::load(gpu, &file, &o)?)
+            (vec![gpu.clone()], crate::models::load(gpu, &file, opts)?)
         };
         if let Some(p) = &opts.progress {
             // Everything is on the device (the loaders' total is the file's tensor bytes).

@@ -261,10 +261,12 @@ pub struct LoadOptions {
     /// Sequences that can be live at once (each holds a slot of KV and recurrent state).
     pub max_seqs: usize,
     pub progress: Option<Progress>,
-    /// Adapter memory the budget divides (`--gpu-mem`); `None`: detected
-    /// (`moe::AdapterMemory::detect`). What the model needs beside its routed experts is
-    /// taken first; the rest holds expert slots, so a model that fits runs all on the GPU.
-    pub gpu_mem: Option<u64>,
+    /// Adapter memory the budget divides (`--gpu-mem`): empty, detected
+    /// (`moe::AdapterMemory::detect`); one size, that of every device; with `devices`, one
+    /// per device ([`LoadOptions::gpu_mem_of`]). What the model needs beside its routed
+    /// experts is taken first; the rest holds expert slots, so a model that fits runs all on
+    /// the GPU.
+    pub gpu_mem: Vec<u64>,
     /// Share of each MoE layer's experts given arena slots (`--gpu-experts`, 0..=1);
     /// overrides the budget.
     pub gpu_experts: Option<f64>,
@@ -305,11 +307,8 @@ pub struct LoadOptions {
     /// ranges (`models::chain`); empty or one: the single device of `adapter`.
     pub devices: Vec<AdapterChoice>,
     /// Share of the layers per device (`--split`, any positive ratios); `None`: by each
-    /// adapter's memory (`gpu_mems` or detected), equal where it is unknown.
+    /// adapter's memory (`gpu_mem` or detected), equal where it is unknown.
     pub split: Option<Vec<f64>>,
-    /// Memory per device of `devices` (`--gpu-mem 24GiB,16GiB`); one size applies to each.
-    /// Empty: `gpu_mem` for every device.
-    pub gpu_mems: Vec<u64>,
     /// The layers this load holds, set by the chain loader for each device's part; `None`:
     /// the whole model.
     pub part: Option<PartSpec>,
@@ -465,10 +464,20 @@ impl std::fmt::Debug for LoadOptions {
             .field("fused_loads", &self.fused_loads)
             .field("devices", &self.devices)
             .field("split", &self.split)
-            .field("gpu_mems", &self.gpu_mems)
             .field("part", &self.part)
             .field("micro_batches", &self.micro_batches)
             .finish()
+    }
+}
+
+impl LoadOptions {
+    /// The `gpu_mem` size of device `i` (of `devices`; 0 for a single device): the one size
+    /// given for all, or the device's own; `None`: detect it.
+    pub fn gpu_mem_of(&self, i: usize) -> Option<u64> {
+        match self.gpu_mem[..] {
+            [one] => Some(one),
+            ref sizes => sizes.get(i).copied(),
+        }
     }
 }
 
@@ -480,7 +489,7 @@ impl Default for LoadOptions {
             ctx: 4096,
             max_seqs: 4,
             progress: None,
-            gpu_mem: None,
+            gpu_mem: Vec::new(),
             gpu_experts: None,
             expert_stats: None,
             collect_expert_stats: false,
@@ -494,7 +503,6 @@ impl Default for LoadOptions {
             fused_loads: true,
             devices: Vec::new(),
             split: None,
-            gpu_mems: Vec::new(),
             part: None,
             micro_batches: 1,
         }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use crate::engine::{Engine, Logits, Seq, Want};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
 use crate::spec::{SpecOptions, SpecStats, Speculator};
-use crate::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer, CHATML};
+use crate::tokenizer::{ChatTemplate, StreamDecoder, TemplateChoice, Tokenizer, CHATML};
 use crate::{Error, Result};
 
 /// How to generate.
@@ -264,6 +264,17 @@ impl HeldSeq {
             Some(c) => c.save(engine, &self.seq, &self.tokens),
             None => Ok(()),
         }
+    }
+
+    /// Make the sequence hold what `other` holds (a GPU copy, [`Engine::copy_seq`]): the
+    /// prompt state the choices of one request share. The checkpoint is kept.
+    pub fn copy_from(&mut self, engine: &Engine, other: &HeldSeq) -> Result<()> {
+        self.stale = true;
+        engine.copy_seq(&other.seq, &mut self.seq)?;
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&other.tokens);
+        self.stale = other.stale;
+        Ok(())
     }
 
     /// Forget everything, the checkpoint included.
@@ -696,6 +707,18 @@ impl ChatPrompt {
             vars: tokenizer.template_tokens(),
             fallback,
         })
+    }
+
+    /// `choice` (a `--chat-template` flag's) when given, else [`ChatPrompt::for_tokenizer`].
+    pub fn chosen(tokenizer: &Tokenizer, choice: Option<&TemplateChoice>) -> Result<ChatPrompt> {
+        match choice {
+            Some(c) => Ok(ChatPrompt {
+                template: c.compile(crate::tokenizer::TemplateLimits::default())?,
+                vars: tokenizer.template_tokens(),
+                fallback: false,
+            }),
+            None => ChatPrompt::for_tokenizer(tokenizer),
+        }
     }
 
     /// The prompt text for `messages` (a JSON list of `{role, content}`); with

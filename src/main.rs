@@ -101,14 +101,8 @@ enum Cmd {
         /// Feed the first N tokens as one batch, the rest one at a time (default: all at once).
         #[arg(long)]
         prefill: Option<usize>,
-        /// Adapter index or name substring (see `lathe devices`).
-        #[arg(long, default_value = "auto")]
-        device: AdapterChoice,
-        /// KV cache element type.
-        #[arg(long, default_value = "auto")]
-        kv_type: String,
         #[command(flatten)]
-        moe: cli::run::MoeArgs,
+        load: cli::load::LoadArgs,
     },
 }
 
@@ -272,11 +266,9 @@ fn run(cli: Cli) -> lathe::Result<()> {
             tokens,
             out,
             prefill,
-            device,
-            kv_type,
-            moe,
+            load,
         } => {
-            moe.check()?;
+            let opts = load.load_options()?;
             // Before the model loads and computes (seconds to minutes), not after.
             lathe::npy::check_writable(&out)?;
             let model = resolve_model(model)?;
@@ -300,18 +292,12 @@ fn run(cli: Cli) -> lathe::Result<()> {
                     })
                 })
                 .collect::<lathe::Result<_>>()?;
-            let mut opts = lathe::engine::LoadOptions {
-                adapter: device,
-                kv_type: kv_type.parse()?,
-                ..Default::default()
-            };
-            moe.apply(&mut opts);
             let mut e = lathe::engine::Engine::load(&model, &opts)?;
             eprintln!("{}", e.report());
             let vocab = e.vocab_size();
             let logits = lathe::engine::logits_on(&mut e, &ids, prefill.unwrap_or(ids.len()))?;
             lathe::npy::write_f32(&out, &[ids.len(), vocab], &logits)?;
-            moe.save(&e)
+            load.moe.save(&e)
         }
     }
 }

@@ -277,3 +277,202 @@ fn synth_says_its_weights_are_random() {
         err(&o)
     );
 }
+
+/// `--chat-template NAME|FILE` and `--chat-template-file FILE` (llama-server's flags): a bad
+/// one fails before any model loads, naming the flag and the file; the help lists every
+/// built-in name; a built-in renders its model's format.
+#[test]
+fn chat_template_names_and_files() {
+    let names: Vec<&str> = lathe::tokenizer::BUILTIN_TEMPLATES
+        .iter()
+        .map(|b| b.name)
+        .collect();
+    for cmd in ["run", "chat", "serve", "template"] {
+        let help = out(&lathe(&[cmd, "--help"]));
+        for n in &names {
+            assert!(help.contains(n), "`lathe {cmd} --help` misses {n}: {help}");
+        }
+    }
+    let model = tiny();
+    let dir = scratch("template-flags");
+    let bad = dir.0.join("bad.jinja");
+    std::fs::write(&bad, "{% for %}").unwrap();
+    let bad = bad.to_str().unwrap();
+    for cmd in ["run", "chat", "serve"] {
+        fails_with(
+            &[cmd, "-m", &model, "--chat-template", "nosuch", "-p", "x"]
+                [..if cmd == "run" { 7 } else { 5 }],
+            &[
+                "--chat-template nosuch",
+                "neither a built-in template (chatml, deepseek-v4, llama3, smollm2) nor a file",
+            ],
+        );
+        fails_with(
+            &[cmd, "-m", &model, "--chat-template-file", "no/such.jinja"],
+            &["--chat-template-file no/such.jinja", "no such file"],
+        );
+        fails_with(
+            &[cmd, "-m", &model, "--chat-template-file", bad],
+            &["--chat-template-file", "bad.jinja", "syntax"],
+        );
+        let o = lathe(&[
+            cmd,
+            "-m",
+            &model,
+            "--chat-template",
+            "llama3",
+            "--chat-template-file",
+            bad,
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    }
+    let messages = dir.0.join("m.json");
+    std::fs::write(
+        &messages,
+        r#"[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]"#,
+    )
+    .unwrap();
+    let m = messages.to_str().unwrap();
+    let render = |args: &[&str]| {
+        let o = lathe(
+            &[
+                &["template", "--messages", m, "--add-generation-prompt"],
+                args,
+            ]
+            .concat(),
+        );
+        assert!(o.status.success(), "{args:?}: {}", err(&o));
+        out(&o)
+    };
+    assert_eq!(
+        render(&[
+            "--chat-template",
+            "llama3",
+            "--bos-token",
+            "<|begin_of_text|>"
+        ]),
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+         <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+         <|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+    assert_eq!(
+        render(&["-t", "chatml"]),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(
+        render(&[
+            "-t",
+            "deepseek-v4",
+            "--bos-token",
+            "<｜begin▁of▁sentence｜>"
+        ]),
+        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜></think>"
+    );
+    assert_eq!(
+        render(&["-t", "smollm2"]),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+/// A `lathe synth` model says at load that its weights are random (GGUF
+/// `lathe.random_weights`), before the GPU starts.
+#[test]
+fn a_random_model_says_so_at_load() {
+    let dir = scratch("random-note");
+    let file = dir.0.join("m.gguf");
+    let f = file.to_str().unwrap();
+    let o = lathe(&[
+        "synth", "--preset", "demo", "--layers", "1", "--vocab", "512", "-o", f,
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    // An adapter that is not there: the load stops right after the note.
+    let o = lathe(&["run", "-m", f, "--prompt-tokens", "1", "--device", "99"]);
+    assert_eq!(o.status.code(), Some(1), "{}", err(&o));
+    assert!(err(&o).contains("are random"), "{}", err(&o));
+    // A trained model's file (the fixture, written by llama.cpp's converter) says nothing.
+    let fixture = root().join("tests/fixtures/models/qwen35-tiny/model-f32.gguf");
+    let o = lathe(&[
+        "run",
+        "-m",
+        fixture.to_str().unwrap(),
+        "--prompt-tokens",
+        "1",
+        "--device",
+        "99",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", err(&o));
+    assert!(!err(&o).contains("are random"), "{}", err(&o));
+}
+
+/// `lathe plan` on lavapipe (a CPU adapter) takes the host's measured memory bandwidth, says
+/// so, and its speed limit is that bandwidth over the bytes a decode step reads: nowhere
+/// near the H200's 611,517 tok/s it used to predict here.
+#[test]
+fn plan_uses_the_adapters_own_bandwidth() {
+    let model = root().join("tests/fixtures/models/qwen35moe-tiny/model-q4_0.gguf");
+    let o = lathe(&["plan", "-m", model.to_str().unwrap(), "--gpu-mem", "1GiB"]);
+    assert!(o.status.success(), "{}", err(&o));
+    let s = out(&o);
+    let line = |start: &str| -> String {
+        let l = s
+            .lines()
+            .map(str::trim_start)
+            .find(|l| l.starts_with(start));
+        l.unwrap_or_else(|| panic!("no `{start}` line in\n{s}"))
+            .to_string()
+    };
+    let number = |text: &str, after: &str| -> f64 {
+        let rest = &text[text
+            .find(after)
+            .unwrap_or_else(|| panic!("{after} in {text}"))
+            + after.len()..];
+        let n: String = rest
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        n.parse()
+            .unwrap_or_else(|_| panic!("a number after {after} in {text}"))
+    };
+    let bw = line("bandwidth:");
+    assert!(bw.contains("measured: a CPU adapter, host memory"), "{s}");
+    let gbps = number(&bw, "bandwidth:");
+    // Host memory: more than a slow disk, less than any machine's DRAM can give.
+    assert!(gbps > 0.5 && gbps < 2000.0, "{bw}");
+    // human_bytes: "1.23 MiB".
+    let reads = line("VRAM reads:");
+    let value = number(&reads, "VRAM reads:");
+    let unit = reads.split_whitespace().nth(3).unwrap();
+    let scale = match unit {
+        "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        u => panic!("unit {u} in {reads}"),
+    };
+    let bytes = value * scale;
+    let limit = line("limit (VRAM");
+    assert!(
+        (number(&limit, "limit (VRAM") - gbps).abs() < 0.1,
+        "{limit} vs {bw}"
+    );
+    let alone = number(&limit, "VRAM alone");
+    let want = gbps * 1e9 / bytes;
+    assert!(
+        (alone - want).abs() <= 0.02 * want,
+        "{alone} tok/s, but {gbps} GB/s over {bytes} bytes is {want}:\n{s}"
+    );
+    assert!(alone < 611_517.0 / 10.0, "{s}");
+    // A given bandwidth is taken as it is, and said to be the flag's.
+    let o = lathe(&[
+        "plan",
+        "-m",
+        model.to_str().unwrap(),
+        "--gpu-mem",
+        "1GiB",
+        "--vram-bw",
+        "100",
+    ]);
+    let s = out(&o);
+    assert!(s.contains("bandwidth: 100.0 GB/s (--vram-bw)"), "{s}");
+}

@@ -1619,7 +1619,7 @@ fn plan_command_agrees_with_the_loader() {
     let e = lathe::engine::Engine::load(
         &path,
         &lathe::engine::LoadOptions {
-            gpu_mem: Some(GIB),
+            gpu_mem: vec![GIB],
             ctx: 512,
             max_seqs: 1,
             collect_expert_stats: true,

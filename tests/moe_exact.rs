@@ -75,7 +75,7 @@ fn partial_budget(path: &Path) -> u64 {
         let e = Engine::load(
             path,
             &LoadOptions {
-                gpu_mem: Some(mem),
+                gpu_mem: vec![mem],
                 ..Default::default()
             },
         )
@@ -146,7 +146,7 @@ fn check(name: &str, file: &str, ty: &str) {
     vs.push(Variant {
         label: "partial --gpu-mem budget",
         opts: LoadOptions {
-            gpu_mem: Some(partial_budget(&path)),
+            gpu_mem: vec![partial_budget(&path)],
             ..Default::default()
         },
     });
@@ -398,7 +398,7 @@ fn check_stream(name: &str, file: &str) {
     };
     let (base, _) = run(&LoadOptions::default());
     let small = |mode| LoadOptions {
-        gpu_mem: Some(1 << 20),
+        gpu_mem: vec![1 << 20],
         expert_stream: mode,
         ..Default::default()
     };
@@ -445,7 +445,7 @@ fn check_stream_long(name: &str, file: &str) {
     );
     let (got, e) = run(&LoadOptions {
         gpu_experts: Some(0.25),
-        gpu_mem: Some(256 << 20),
+        gpu_mem: vec![256 << 20],
         expert_stream: lathe::engine::ExpertStream::Always,
         expert_cache: Some(CacheConfig {
             max_uploads_per_step: 0,
@@ -876,7 +876,7 @@ fn skewed_router_slots_learn() {
     };
     let (base, _) = prefill(&LoadOptions::default());
     let (got, rep) = prefill(&LoadOptions {
-        gpu_mem: Some(1 << 20),
+        gpu_mem: vec![1 << 20],
         expert_stream: lathe::engine::ExpertStream::Always,
         ..Default::default()
     });

@@ -457,7 +457,7 @@ fn plan_devices_agrees_with_the_loader() {
     ] {
         let cold = cold_in_plan(mem, flag);
         let opts = LoadOptions {
-            gpu_mems: vec![mem, mem],
+            gpu_mem: vec![mem, mem],
             expert_stream: stream,
             ..on_devices(2, None, &LoadOptions::default())
         };

@@ -568,9 +568,13 @@ fn tokenizer_makes_a_chat_model() {
     let g = GgufFile::open(&f).unwrap();
     assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), "gpt2");
     assert_eq!(g.get_str("tokenizer.ggml.pre").unwrap(), "deepseek-v3");
+    // DeepSeek's vocabulary gets DeepSeek-V4's template: ChatML's `<|im_start|>` is no token
+    // in it.
     assert_eq!(
         g.get_str("tokenizer.chat_template").unwrap(),
-        lathe::tokenizer::CHATML
+        lathe::tokenizer::builtin_template("deepseek-v4")
+            .unwrap()
+            .source
     );
     // The demo's vocabulary follows the tokenizer: 128,000 BPE tokens + 1,280 added.
     assert_eq!(
@@ -593,6 +597,39 @@ fn tokenizer_makes_a_chat_model() {
     }
     assert_eq!(from_gguf.bos_id(), from_json.bos_id());
     assert_eq!(from_gguf.eos_id(), from_json.eos_id());
+
+    // The demo's prompt, as `run --chat` and `serve` build it: its markers are the
+    // vocabulary's special tokens, one id each, and the tools are in it.
+    let mut chat = lathe::generate::ChatPrompt::for_tokenizer(&from_gguf).unwrap();
+    assert!(!chat.fallback);
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    chat.vars.insert("tools".into(), tools);
+    let messages = serde_json::json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny"},
+    ]);
+    let (ids, _) = chat.encode(&from_gguf, &messages).unwrap();
+    let id = |text: &str| {
+        let v = from_gguf.encode(text, true).unwrap();
+        assert_eq!(v.len(), 1, "{text} is not one token: {v:?}");
+        v[0]
+    };
+    let count = |t: u32| ids.iter().filter(|&&i| i == t).count();
+    assert_eq!(ids[0], 0, "BOS <｜begin▁of▁sentence｜> first");
+    assert_eq!(count(0), 1);
+    assert_eq!(count(id("<｜User｜>")), 2);
+    assert_eq!(count(id("<｜Assistant｜>")), 2);
+    assert_eq!(count(id("</think>")), 2);
+    assert_eq!(count(id("<｜end▁of▁sentence｜>")), 1);
+    // <｜DSML｜tool_calls>, <｜DSML｜invoke, <｜DSML｜parameter and their closers.
+    assert!(count(id("｜DSML｜")) >= 6, "{ids:?}");
+    assert_eq!(*ids.last().unwrap(), id("</think>"));
+    let text = from_gguf.decode(&ids);
+    assert!(text.contains("\"name\": \"get_weather\""), "{text}");
+    assert!(!text.contains("<|im_start|>"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -5,8 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use lathe::bench::{self, BenchOptions};
-use lathe::engine::{KvType, LoadOptions};
-use lathe::gpu::AdapterChoice;
+use lathe::engine::LoadOptions;
 use lathe::Result;
 
 #[derive(Args, Debug)]
@@ -40,15 +39,8 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
-    #[arg(long, value_name = "I", default_value = "auto")]
-    pub device: AdapterChoice,
-    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
-    /// DeepSeek-V4), f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "auto")]
-    pub kv_type: KvType,
     #[command(flatten)]
-    pub moe: super::run::MoeArgs,
+    pub load: super::load::LoadArgs,
     /// Print one more decode step's timeline of the MoE layers whose experts are partly on
     /// the CPU (stderr; `"timeline"` in --json): host waits, CPU time, GPU busy per layer.
     #[arg(long)]
@@ -82,32 +74,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         n_gen: a.n_gen,
         reps: a.reps,
         depth: a.depth,
-        adapter: a.device,
-        kv_type: a.kv_type,
         seed: a.seed,
-        gpu_mem: match a.moe.gpu_mem[..] {
-            [one] => Some(one),
-            _ => None,
+        load: LoadOptions {
+            // auto: as `lathe serve` decides for the same number of sequences
+            fused_loads: a
+                .load
+                .fused_loads_or(LoadOptions::default().fused_loads && a.parallel == 1),
+            ..a.load.load_options()?
         },
-        gpu_mems: a.moe.gpu_mem.clone(),
-        devices: a
-            .moe
-            .devices
-            .as_ref()
-            .map(|d| d.0.clone())
-            .unwrap_or_default(),
-        split: a.moe.split.as_ref().map(|r| r.0.clone()),
-        gpu_experts: a.moe.gpu_experts,
-        expert_stats: a.moe.expert_stats.clone(),
-        save_expert_stats: a.moe.save_expert_stats.clone(),
-        matmul: a.moe.matmul,
-        activations: a.moe.activations,
-        // auto: as `lathe serve` decides for the same number of sequences
-        fused_loads: a
-            .moe
-            .fused_loads
-            .get()
-            .unwrap_or(LoadOptions::default().fused_loads && a.parallel == 1),
         spec: a.spec.map(|mode| lathe::spec::SpecOptions {
             mode,
             draft: a.draft,
@@ -115,8 +89,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
             draft_model: None,
             draft_vocab: a.draft_vocab,
         }),
-        expert_stream: a.moe.expert_stream,
-        cpu_simd: a.moe.cpu_simd,
         timeline: a.moe_timeline,
         parallel: a.parallel,
     };

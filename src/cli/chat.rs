@@ -47,6 +47,8 @@ pub struct ChatArgs {
     #[arg(long)]
     pub stats: bool,
     #[command(flatten)]
+    pub template: super::text::ChatTemplateArgs,
+    #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
@@ -58,6 +60,7 @@ or the reading of a long message (which is then dropped); it quits when nothing 
 
 pub fn run(args: ChatArgs) -> Result<()> {
     let sampler = args.sampling.config()?;
+    let template = args.template.choice()?;
     let hint = "it cannot chat; try `lathe run --prompt-tokens 1,2,3`";
     if !has_vocabulary(&args.model.model)? {
         return Err(no_vocabulary(&args.model.model, hint));
@@ -67,7 +70,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let Some(tok) = engine.tokenizer.as_ref() else {
         return Err(no_vocabulary(&args.model.model, hint));
     };
-    let chat = ChatPrompt::for_tokenizer(tok)?;
+    let chat = ChatPrompt::chosen(tok, template.as_ref())?;
     if chat.fallback {
         eprintln!("note: the model carries no chat template; using ChatML");
     }
@@ -160,7 +163,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         messages.push(json!({"role": "assistant", "content": out.text}));
     }
-    args.model.moe.save(&engine)
+    args.model.load.moe.save(&engine)
 }
 
 /// Where messages come from: a terminal, through a line editor, or a pipe or file.

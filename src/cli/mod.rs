@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod chat;
 pub mod hub;
+pub mod load;
 pub mod plan;
 pub mod run;
 pub mod serve;

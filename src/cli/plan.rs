@@ -5,10 +5,11 @@
 //! The limit is bandwidth arithmetic: `t_vram = vram bytes / --vram-bw`, `t_host = host bytes
 //! / --host-bw`; "serial" is `1 / (t_vram + t_host)` (CPU and GPU take turns), "overlapped"
 //! `1 / max(t_vram, t_host)` (the CPU's cold experts fully hidden behind the GPU, or the
-//! reverse). Defaults are measurements (FACTS.md): 4000 GB/s for the H200 (lathe's f32 matvec
-//! streams 4.34 TB/s through wgpu) and 20 GB/s for host reads of cold experts (what llama.cpp's
-//! CPU experts reached with 16 threads on the H200's host: 20 Q4_K_M layers at 50.6 tok/s).
-//! Pass your own measurements for other machines.
+//! reverse). The VRAM bandwidth is the adapter's (`bench::adapter_bandwidth`: measured host
+//! memory on a CPU adapter, lathe's measurement for known GPUs such as the H200's 4000 GB/s,
+//! else a short read kernel), and the report says which; host reads of cold experts default
+//! to 20 GB/s (what llama.cpp's CPU experts reached with 16 threads on the H200's host: 20
+//! Q4_K_M layers at 50.6 tok/s). Pass your own measurements for other machines.
 //!
 //! The budget is `models::model_budget`, the one the loaders place experts with (KV, recurrent
 //! state and activation bytes from `models::needs`: Qwen3.5 family and DeepSeek-V4; other
@@ -16,12 +17,13 @@
 //! KV type and sequences a load gives the arena this report shows.
 
 use clap::Args;
-use lathe::engine::KvType;
+use lathe::bench::SourcedBandwidth;
+use lathe::engine::{KvType, LoadOptions};
 use lathe::gpu::AdapterChoice;
 use lathe::inspect::human_bytes;
 use lathe::model_file::ModelFile;
 use lathe::models::model_budget;
-use lathe::moe::{parse_size, AdapterMemory, ExpertStats, Fill, MoeInfo, RunShape};
+use lathe::moe::{AdapterMemory, ExpertStats, Fill, MoeInfo, RunShape};
 use lathe::{Error, Result};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -32,32 +34,18 @@ pub struct PlanArgs {
     /// `owner/repo[:QUANT]` (downloaded into the Hugging Face cache).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
-    /// Adapter memory to plan for (24GiB, 512MiB, 1.5GB, ...); default: what lathe can tell
-    /// about the adapter (the driver's memory heap where the backend reports one; see
-    /// `moe::budget`).
-    /// With --devices one size per device (24GiB,16GiB) or one for each.
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_mem: Option<String>,
-    /// Plan for the model split over these devices (as `lathe run --devices`): the layers
-    /// each holds and the placement of its experts.
-    #[arg(long, value_name = "LIST")]
-    pub devices: Option<String>,
-    /// Shares of the layers per device of --devices (default: by memory, equal where
-    /// unknown).
-    #[arg(long, value_name = "RATIOS")]
-    pub split: Option<String>,
-    /// Give each MoE layer this share of its experts as slots (0..1), overriding the budget.
-    #[arg(long, value_name = "F")]
-    pub gpu_experts: Option<f64>,
+    // The load flags of `lathe run` (`--gpu-mem`, `--devices`, `--split`, `--gpu-experts`,
+    // `--kv-type`, `--device`, `--cold-layers`, `--expert-stream`, ...), so one command
+    // line plans and runs alike; those that leave the placement as it is (kernels,
+    // micro-batches, the CPU's instruction set) change nothing here.
+    #[command(flatten)]
+    pub load: super::load::LoadArgs,
     /// Context length the KV cache is sized for.
     #[arg(long, value_name = "N", default_value_t = 4096)]
     pub ctx: u64,
-    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
-    /// DeepSeek-V4), f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "auto")]
-    pub kv_type: KvType,
-    /// Routing statistics written by `--save-expert-stats` (default: uniform routing).
-    #[arg(long, value_name = "FILE")]
+    /// Routing statistics written by `--save-expert-stats` (default: uniform routing); as
+    /// --expert-stats.
+    #[arg(long, value_name = "FILE", conflicts_with = "expert_stats")]
     pub stats: Option<PathBuf>,
     /// Tokens per prefill pass the activations are sized for (default: the model's own
     /// loader's pass rows).
@@ -67,23 +55,14 @@ pub struct PlanArgs {
     /// chat`: 2, `lathe serve`: 2 per `--parallel` slot, its sequence and its checkpoint).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub seqs: u64,
-    /// GPU adapter whose memory to plan for: `auto`, an index or a name substring.
-    #[arg(long, value_name = "I", default_value = "auto")]
-    pub device: AdapterChoice,
-    /// VRAM bandwidth in GB/s (measured H200 default).
-    #[arg(long, value_name = "GBPS", default_value_t = 4000.0)]
-    pub vram_bw: f64,
+    /// VRAM bandwidth in GB/s. Default: the adapter's (on a CPU adapter such as lavapipe the
+    /// host's measured memory bandwidth; for a GPU lathe has measured, such as the H200, that
+    /// measurement; else a short read kernel on it); the report says where it came from.
+    #[arg(long, value_name = "GBPS")]
+    pub vram_bw: Option<f64>,
     /// Host memory bandwidth the CPU reaches on cold experts, in GB/s.
     #[arg(long, value_name = "GBPS", default_value_t = 20.0)]
     pub host_bw: f64,
-    /// Which layers hold the cold experts (as `lathe run --cold-layers`): auto, spread or
-    /// whole.
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    pub cold_layers: lathe::engine::ColdLayers,
-    /// Prompt streaming as `lathe run --expert-stream`: unless `never`, a placement that
-    /// leaves experts on the CPU sets aside the streaming slots, as a load does.
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    pub expert_stream: lathe::engine::ExpertStream,
     /// One MoE layer's GPU → CPU → GPU round trip in a decode step, in ms (`lathe bench
     /// --moe-timeline` measures it: wait + after per layer).
     #[arg(long, value_name = "MS", default_value_t = 0.25)]
@@ -117,21 +96,26 @@ fn gbps(bytes: f64, bw: f64) -> f64 {
 
 /// The whole report (stdout).
 pub fn report(a: &PlanArgs) -> Result<String> {
-    if !(a.vram_bw > 0.0 && a.host_bw > 0.0) {
+    let o = &a.load.load_options()?;
+    if !(a.vram_bw.unwrap_or(1.0) > 0.0 && a.host_bw > 0.0) {
         return Err(Error::Invalid(
             "--vram-bw and --host-bw must be positive (GB/s)".into(),
         ));
     }
     let file = ModelFile::open(&a.model)?;
     let info = MoeInfo::from_file(&file)?;
-    if let Some(d) = &a.devices {
-        return devices_report(a, &file, info, d);
+    if !o.devices.is_empty() {
+        return devices_report(a, o, &file, info);
     }
-    let gpu_mem = a.gpu_mem.as_deref().map(parse_size).transpose()?;
-    let (adapter, mem) = match (adapter_info(&a.device), gpu_mem) {
+    let (adapter, mem, bw) = match (adapter_info(&o.adapter), o.gpu_mem_of(0)) {
         (Some((ix, i)), m) => {
             let dm = lathe::gpu::adapter_memory(ix);
-            (i.name.clone(), AdapterMemory::detect(&i, dm.as_ref(), m))
+            let bw = vram_bandwidth(a, Some((ix, &i)))?;
+            (
+                i.name.clone(),
+                AdapterMemory::detect(&i, dm.as_ref(), m),
+                bw,
+            )
         }
         (None, Some(b)) => (
             "(none found)".to_string(),
@@ -139,6 +123,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
                 bytes: b,
                 source: lathe::moe::MemSource::Flag,
             },
+            vram_bandwidth(a, None)?,
         ),
         (None, None) => {
             return Err(Error::Gpu(
@@ -146,8 +131,8 @@ pub fn report(a: &PlanArgs) -> Result<String> {
             ))
         }
     };
-    let stats = load_stats(a, &info)?;
-    let run = run_shape(a, &file);
+    let stats = load_stats(a, o, &info)?;
+    let run = run_shape(a, o, &file);
     // The loaders' own budget (`models::model_budget`), for this run shape.
     let (budget, nd) = model_budget(&file, &info, mem.bytes, run);
     let mut s = String::new();
@@ -162,12 +147,39 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     )
     .ok();
     writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
-    placement_report(&mut s, a, run, &info, stats.as_ref(), &budget, &nd)?;
+    writeln!(s, "bandwidth: {}", describe_bw(&bw)).ok();
+    placement_report(&mut s, a, o, run, &info, stats.as_ref(), &budget, &nd, &bw)?;
     Ok(s)
 }
 
-fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
-    match &a.stats {
+/// `--vram-bw`, else the adapter's bandwidth (`bench::adapter_bandwidth`); without an
+/// adapter and without the flag, the H200's measured figure, said to be assumed.
+fn vram_bandwidth(
+    a: &PlanArgs,
+    adapter: Option<(usize, &wgpu::AdapterInfo)>,
+) -> Result<SourcedBandwidth> {
+    Ok(match (a.vram_bw, adapter) {
+        (Some(gbps), _) => SourcedBandwidth {
+            bytes_per_s: gbps * 1e9,
+            source: "--vram-bw".into(),
+        },
+        (None, Some((ix, info))) => lathe::bench::adapter_bandwidth(ix, info)?,
+        (None, None) => SourcedBandwidth {
+            bytes_per_s: H200_VRAM_BW,
+            source: "assumed: no adapter found, the H200's measured figure; pass --vram-bw".into(),
+        },
+    })
+}
+
+/// The H200's measured read bandwidth (FACTS.md), for plans without an adapter.
+const H200_VRAM_BW: f64 = 4000e9;
+
+fn describe_bw(bw: &SourcedBandwidth) -> String {
+    format!("{:.1} GB/s ({})", bw.bytes_per_s / 1e9, bw.source)
+}
+
+fn load_stats(a: &PlanArgs, o: &LoadOptions, info: &MoeInfo) -> Result<Option<ExpertStats>> {
+    match a.stats.as_ref().or(o.expert_stats.as_ref()) {
         Some(p) => {
             let s = ExpertStats::load(p)?;
             s.check(info, p)?;
@@ -177,9 +189,9 @@ fn load_stats(a: &PlanArgs, info: &MoeInfo) -> Result<Option<ExpertStats>> {
     }
 }
 
-fn run_shape(a: &PlanArgs, file: &ModelFile) -> RunShape {
+fn run_shape(a: &PlanArgs, o: &LoadOptions, file: &ModelFile) -> RunShape {
     RunShape {
-        kv: a.kv_type,
+        kv: o.kv_type,
         ctx: a.ctx,
         batch: a
             .batch
@@ -191,33 +203,31 @@ fn run_shape(a: &PlanArgs, file: &ModelFile) -> RunShape {
 
 /// `lathe plan --devices`: the split (as `models::chain` makes it), then per device the
 /// budget and placement of the layers it holds.
-fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> Result<String> {
+fn devices_report(
+    a: &PlanArgs,
+    o: &LoadOptions,
+    file: &ModelFile,
+    info: MoeInfo,
+) -> Result<String> {
     use lathe::models::chain::LayerBytes;
-    use lathe::models::chain::{balanced_split, parse_devices, parse_split, split_layers};
-    let choices = parse_devices(list)?;
-    let sizes: Vec<u64> = match &a.gpu_mem {
-        Some(g) => g.split(',').map(parse_size).collect::<Result<_>>()?,
-        None => Vec::new(),
-    };
-    if sizes.len() > 1 && sizes.len() != choices.len() {
-        return Err(Error::Invalid(format!(
-            "--gpu-mem: {} sizes for {} devices (one, or one per device)",
-            sizes.len(),
-            choices.len()
-        )));
-    }
+    use lathe::models::chain::{balanced_split, split_layers};
+    // `--gpu-mem` sizes were checked against the devices by `LoadArgs::load_options`.
+    let choices = &o.devices;
     let mut mems = Vec::with_capacity(choices.len());
     let mut names = Vec::with_capacity(choices.len());
+    let mut bws = Vec::with_capacity(choices.len());
     for (i, c) in choices.iter().enumerate() {
-        let size = sizes.get(i).or(sizes.first()).copied();
+        let size = o.gpu_mem_of(i);
         match (adapter_info(c), size) {
             (Some((ix, ai)), m) => {
                 names.push(ai.name.clone());
                 let dm = lathe::gpu::adapter_memory(ix);
                 mems.push(AdapterMemory::detect(&ai, dm.as_ref(), m));
+                bws.push(vram_bandwidth(a, Some((ix, &ai)))?);
             }
             (None, Some(b)) => {
                 names.push("(none found)".to_string());
+                bws.push(vram_bandwidth(a, None)?);
                 mems.push(AdapterMemory {
                     bytes: b,
                     source: lathe::moe::MemSource::Flag,
@@ -231,9 +241,8 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
         }
     }
     // As `models::chain::plan_split`.
-    let ranges = match &a.split {
-        Some(r) => {
-            let ratios = parse_split(r)?;
+    let ranges = match &o.split {
+        Some(ratios) => {
             if ratios.len() != choices.len() {
                 return Err(Error::Invalid(format!(
                     "--split: {} ratios for {} devices",
@@ -241,15 +250,15 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
                     choices.len()
                 )));
             }
-            split_layers(info.n_layer, &ratios)?
+            split_layers(info.n_layer, ratios)?
         }
         None => {
             split_layers(info.n_layer, &vec![1.0; choices.len()])?;
             balanced_split(&LayerBytes::of(file, info.n_layer), &mems)
         }
     };
-    let stats = load_stats(a, &info)?;
-    let run = run_shape(a, file);
+    let stats = load_stats(a, o, &info)?;
+    let run = run_shape(a, o, file);
     let mut s = String::new();
     writeln!(
         s,
@@ -285,7 +294,18 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
             mems[i].describe()
         )
         .ok();
-        cold += placement_report(&mut s, a, run, &pi, stats.as_ref(), &budget, &nd)?;
+        writeln!(s, "bandwidth: {}", describe_bw(&bws[i])).ok();
+        cold += placement_report(
+            &mut s,
+            a,
+            o,
+            run,
+            &pi,
+            stats.as_ref(),
+            &budget,
+            &nd,
+            &bws[i],
+        )?;
     }
     writeln!(
         s,
@@ -306,18 +326,21 @@ fn devices_report(a: &PlanArgs, file: &ModelFile, info: MoeInfo, list: &str) -> 
 fn placement_report(
     s: &mut String,
     a: &PlanArgs,
+    o: &LoadOptions,
     run: RunShape,
     info: &MoeInfo,
     stats: Option<&ExpertStats>,
     budget: &lathe::moe::Budget,
     nd: &lathe::moe::Needs,
+    bw: &SourcedBandwidth,
 ) -> Result<usize> {
-    let fill = match a.gpu_experts {
+    let vram_bw = bw.bytes_per_s / 1e9;
+    let fill = match o.gpu_experts {
         Some(f) => Fill::Fraction(f),
         None => Fill::Budget(budget.experts),
     };
     let placement =
-        lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
+        lathe::moe::offload::place_streaming(info, fill, stats, o.cold_layers, o.expert_stream)?;
     let hb = human_bytes;
     if let Some(n) = &nd.note {
         writeln!(s, "note: {n}").ok();
@@ -333,7 +356,7 @@ fn placement_report(
         s,
         "budget (ctx {}, KV {kv}{}, batch {}, {} seq):",
         a.ctx,
-        if a.kv_type == KvType::Auto {
+        if o.kv_type == KvType::Auto {
             " (auto)"
         } else {
             ""
@@ -422,7 +445,7 @@ fn placement_report(
     let all_hot = placement.layers.iter().all(|l| l.n_slots() == l.n_expert);
     if matches!(fill, Fill::Budget(_))
         && !all_hot
-        && a.expert_stream != lathe::engine::ExpertStream::Never
+        && o.expert_stream != lathe::engine::ExpertStream::Never
     {
         writeln!(
             s,
@@ -464,12 +487,11 @@ fn placement_report(
     )
     .ok();
     writeln!(s, "  host reads: {} (cold experts)", hb(cold as u64)).ok();
-    let (tv, th) = (gbps(vram, a.vram_bw), gbps(cold, a.host_bw));
+    let (tv, th) = (gbps(vram, vram_bw), gbps(cold, a.host_bw));
     writeln!(
         s,
-        "limit (VRAM {} GB/s, host {} GB/s): {:.1} tok/s serial, {:.1} tok/s overlapped \
+        "limit (VRAM {vram_bw:.1} GB/s, host {} GB/s): {:.1} tok/s serial, {:.1} tok/s overlapped \
          (VRAM alone {:.1}, host alone {})",
-        a.vram_bw,
         a.host_bw,
         1.0 / (tv + th),
         1.0 / tv.max(th),
@@ -481,7 +503,7 @@ fn placement_report(
         }
     )
     .ok();
-    expected_speed(s, a, run.batch, info, fill, stats, vram - hot)?;
+    expected_speed(s, a, o, run.batch, info, fill, stats, vram - hot, vram_bw)?;
     Ok(placement
         .layers
         .iter()
@@ -496,24 +518,26 @@ fn placement_report(
 fn expected_speed(
     s: &mut String,
     a: &PlanArgs,
+    o: &LoadOptions,
     batch: u64,
     info: &MoeInfo,
     fill: Fill,
     stats: Option<&ExpertStats>,
     other_vram: f64,
+    vram_bw: f64,
 ) -> Result<()> {
     let c = lathe::moe::Costs {
         hop_s: a.hop_ms / 1e3,
         host_bytes_per_s: a.host_bw * 1e9,
-        vram_bytes_per_s: a.vram_bw * 1e9,
+        vram_bytes_per_s: vram_bw * 1e9,
     };
     let rest = other_vram / c.vram_bytes_per_s;
     writeln!(
         s,
-        "expected decode ({} ms per hop, host {} GB/s, VRAM {} GB/s; non-expert reads {:.3} ms):",
+        "expected decode ({} ms per hop, host {} GB/s, VRAM {:.1} GB/s; non-expert reads {:.3} ms):",
         a.hop_ms,
         a.host_bw,
-        a.vram_bw,
+        vram_bw,
         rest * 1e3
     )
     .ok();
@@ -521,7 +545,7 @@ fn expected_speed(
         (lathe::engine::ColdLayers::Spread, "--cold-layers spread"),
         (lathe::engine::ColdLayers::Whole, "--cold-layers whole"),
     ] {
-        let p = lathe::moe::offload::place_streaming(info, fill, stats, mode, a.expert_stream)?;
+        let p = lathe::moe::offload::place_streaming(info, fill, stats, mode, o.expert_stream)?;
         let t = p.decode_seconds(info, stats, &c);
         let hops = p.layers.iter().filter(|l| l.n_slots() < l.n_expert).count();
         writeln!(
@@ -536,7 +560,7 @@ fn expected_speed(
     // on the CPU (this machine's cores at `offload::CPU_PARAMS_PER_CORE_S`) against one copy
     // of each picked cold expert over the link.
     let p =
-        lathe::moe::offload::place_streaming(info, fill, stats, a.cold_layers, a.expert_stream)?;
+        lathe::moe::offload::place_streaming(info, fill, stats, o.cold_layers, o.expert_stream)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let rate = lathe::moe::offload::CPU_PARAMS_PER_CORE_S * cores;
     let (mut cpu, mut link) = (0f64, 0f64);

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Args;
-use lathe::engine::{Engine, KvType, LoadOptions};
+use lathe::engine::{Engine, LoadOptions};
+
+use super::load::LoadArgs;
 use lathe::generate::{ChatPrompt, GenerateOptions, Output, Session};
-use lathe::gpu::AdapterChoice;
 use lathe::sample::{FinishReason, SamplerConfig};
 use lathe::{Error, Result};
 
@@ -23,132 +24,13 @@ pub struct ModelArgs {
     /// cache; an existing path wins).
     #[arg(short, long, value_name = "PATH")]
     pub model: PathBuf,
-    /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
-    #[arg(long, value_name = "I", default_value = "auto")]
-    pub device: AdapterChoice,
     /// Context length to size the KV cache for (it grows past this when needed; `-n -1`
     /// generates until it is full). `-c` and `--ctx-size` as in llama.cpp.
     #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N",
           default_value_t = LoadOptions::default().ctx, value_parser = ctx_arg)]
     pub ctx: usize,
-    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
-    /// DeepSeek-V4), f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "auto")]
-    pub kv_type: KvType,
     #[command(flatten)]
-    pub moe: MoeArgs,
-}
-
-/// Where a MoE model's routed experts go (GPU arena slots or the CPU) and which kernels run
-/// the products; shared by every command that runs a model.
-#[derive(Args, Debug, Clone, Default)]
-pub struct MoeArgs {
-    /// Kernels of products over many tokens (prefill, batches): auto (the GPU's matrix
-    /// units where it has them, else int8x2; tiled for models that route on values: MoE
-    /// models and DeepSeek-V4), coop
-    /// (cooperative matrices, f16 operands; an error where absent), coop-split (f32-level
-    /// matrix units), coop-splitx (f16 weights, split activations), int8x2 (two-level int8 activations, f32-level), int8 (one level, as
-    /// llama.cpp) or tiled (the f32 kernel, exact f32 activations).
-    #[arg(long, value_name = "PATH", default_value = "auto")]
-    pub matmul: lathe::gpu::MatmulChoice,
-    /// Activations of one-token (decode) products: auto (f32: the int8 path meets the fixture
-    /// bars but decodes slower on the GPUs measured), f32, or int8 (x quantized per 32 values in two int8 levels, within max|x|/64516, for
-    /// the Q4_0, Q8_0, Q4_K, Q5_K and Q6_K products; not for products with --fused-loads on).
-    #[arg(long, value_name = "TYPE", default_value = "auto")]
-    pub activations: lathe::engine::ActivationsChoice,
-    /// Decode folds the RMSNorms and the output gates into the products (fewer dispatches):
-    /// on, off, or auto (on; `lathe serve` with --parallel above 1 takes off: its batches of
-    /// sequences pay the norm's pass over each token's row in every product's workgroups).
-    #[arg(long, value_name = "ON|OFF|AUTO", default_value = "auto")]
-    pub fused_loads: OnOffAuto,
-    /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed
-    /// experts comes first, the rest holds expert slots, the other experts run on the CPU.
-    /// With --devices one size per device (24GiB,16GiB) or one for each. Default: detected
-    /// from the adapter.
-    #[arg(long, value_name = "SIZE", value_parser = size_arg, value_delimiter = ',')]
-    pub gpu_mem: Vec<u64>,
-    /// Split the model's layers over several GPUs: indices or name substrings from `lathe
-    /// devices`, separated by commas (`0,1`; the same one twice makes two devices on one
-    /// adapter), or `all`. Replaces --device.
-    #[arg(long, value_name = "LIST", value_parser = devices_arg)]
-    pub devices: Option<DeviceList>,
-    /// Shares of the layers per device of --devices (`1,3`: a quarter on the first).
-    /// Default: by each adapter's memory (--gpu-mem or detected), equal where unknown.
-    #[arg(long, value_name = "RATIOS", value_parser = split_arg)]
-    pub split: Option<Ratios>,
-    /// With --devices: run a batch of several sequences as N micro-batches, one after
-    /// another through the devices, so each device works while the next runs the micro-batch
-    /// before (1: the whole batch at once).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub micro_batches: usize,
-    /// Share of each MoE layer's experts kept on the GPU (0..1); overrides --gpu-mem.
-    #[arg(long, value_name = "FRACTION", value_parser = fraction_arg)]
-    pub gpu_experts: Option<f64>,
-    /// Routing statistics (from --save-expert-stats) that choose which experts stay on
-    /// the GPU; without them the slots are spread evenly.
-    #[arg(long, value_name = "FILE")]
-    pub expert_stats: Option<PathBuf>,
-    /// Count the router's picks while running and write them here at the end (JSON, for
-    /// --expert-stats and `lathe plan`); costs one readback per MoE layer and token.
-    #[arg(long, value_name = "FILE")]
-    pub save_expert_stats: Option<PathBuf>,
-    /// Cold experts of prompt batches: auto (copied to the GPU when that beats the CPU),
-    /// always (every batch of more than one token) or never (always on the CPU).
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    pub expert_stream: lathe::engine::ExpertStream,
-    /// Which layers hold the cold experts: auto (the planner's decode estimate decides,
-    /// under a --gpu-mem budget), spread (a share of every layer) or whole (whole layers
-    /// cold, as llama.cpp's -ncmoe; with --gpu-experts F, F of all expert bytes stay hot).
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    pub cold_layers: lathe::engine::ColdLayers,
-    /// Instruction set of the CPU's cold-expert kernels: scalar, avx2 or avx512vnni
-    /// (default: the widest this CPU has; for measurements and tests).
-    #[arg(long, value_name = "LEVEL")]
-    pub cpu_simd: Option<lathe::cpu::simd::SimdLevel>,
-}
-
-/// `--devices` parsed.
-#[derive(Clone, Debug)]
-pub struct DeviceList(pub Vec<AdapterChoice>);
-
-/// `--split` parsed.
-#[derive(Clone, Debug)]
-pub struct Ratios(pub Vec<f64>);
-
-fn devices_arg(s: &str) -> std::result::Result<DeviceList, String> {
-    lathe::models::chain::parse_devices(s)
-        .map(DeviceList)
-        .map_err(|e| e.to_string())
-}
-
-fn split_arg(s: &str) -> std::result::Result<Ratios, String> {
-    lathe::models::chain::parse_split(s)
-        .map(Ratios)
-        .map_err(|e| e.to_string())
-}
-
-fn size_arg(s: &str) -> std::result::Result<u64, String> {
-    lathe::moe::parse_size(s).map_err(|e| e.to_string())
-}
-
-/// A switch whose `auto` leaves the choice to the command.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnOffAuto {
-    On,
-    Off,
-    #[default]
-    Auto,
-}
-
-impl OnOffAuto {
-    /// `Some(on)`, or `None` for auto.
-    pub fn get(self) -> Option<bool> {
-        match self {
-            OnOffAuto::On => Some(true),
-            OnOffAuto::Off => Some(false),
-            OnOffAuto::Auto => None,
-        }
-    }
+    pub load: LoadArgs,
 }
 
 /// A context length: at least one token.
@@ -234,88 +116,6 @@ impl Seed {
             h.finish()
         })
     }
-}
-
-fn fraction_arg(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
-        _ => Err(format!("`{s}`: a share between 0 and 1")),
-    }
-}
-
-impl MoeArgs {
-    /// Fails when the --save-expert-stats file cannot be written: before the model loads
-    /// and runs, not after.
-    pub fn check(&self) -> Result<()> {
-        let n_dev = self.devices.as_ref().map_or(1, |d| d.0.len());
-        if self.split.is_some() && n_dev < 2 {
-            return Err(Error::Invalid(
-                "--split needs --devices with two devices or more".into(),
-            ));
-        }
-        if self.gpu_mem.len() > 1 && self.gpu_mem.len() != n_dev {
-            return Err(Error::Invalid(format!(
-                "--gpu-mem: {} sizes for {n_dev} device(s) (one, or one per device of --devices)",
-                self.gpu_mem.len()
-            )));
-        }
-        match &self.save_expert_stats {
-            Some(p) => check_writable(p),
-            None => Ok(()),
-        }
-    }
-
-    /// Put the flags into `opts`.
-    pub fn apply(&self, opts: &mut LoadOptions) {
-        opts.gpu_mem = match self.gpu_mem[..] {
-            [one] => Some(one),
-            _ => None,
-        };
-        opts.gpu_mems = self.gpu_mem.clone();
-        if let Some(d) = &self.devices {
-            opts.devices = d.0.clone();
-        }
-        opts.split = self.split.as_ref().map(|r| r.0.clone());
-        opts.micro_batches = self.micro_batches;
-        opts.gpu_experts = self.gpu_experts;
-        opts.expert_stats = self.expert_stats.clone();
-        opts.save_expert_stats = self.save_expert_stats.clone();
-        opts.matmul = self.matmul;
-        opts.activations = self.activations;
-        if let Some(f) = self.fused_loads.get() {
-            opts.fused_loads = f;
-        }
-        opts.expert_stream = self.expert_stream;
-        opts.cold_layers = self.cold_layers;
-        opts.cpu_simd = self.cpu_simd;
-    }
-
-    /// Write the statistics `engine` counted, when --save-expert-stats asked for them (a
-    /// model dropped without this writes them too, reporting errors only on stderr).
-    pub fn save(&self, engine: &Engine) -> Result<()> {
-        if self.save_expert_stats.is_some() {
-            match engine.finish_expert_stats()? {
-                Some(p) => eprintln!("expert statistics written to {}", p.display()),
-                None => eprintln!("note: the model has no routed experts: no statistics"),
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Fails when `path` cannot be opened for writing; leaves no file behind that was not
-/// there.
-fn check_writable(path: &Path) -> Result<()> {
-    let existed = path.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))?;
-    if !existed {
-        let _ = std::fs::remove_file(path);
-    }
-    Ok(())
 }
 
 /// How the next token is chosen. Defaults are llama.cpp's; `--temp 0` is greedy.
@@ -422,18 +222,16 @@ impl SpecArgs {
         let draft_model = match &self.draft_model {
             Some(path) => {
                 check_model_path(path)?;
+                // The model's adapter and kernels; its own experts' placement.
+                let load = model.load.load_options()?;
                 let opts = LoadOptions {
-                    adapter: model.device.clone(),
-                    kv_type: model.kv_type,
+                    adapter: load.adapter,
+                    kv_type: load.kv_type,
                     ctx: model.ctx,
                     max_seqs: 1,
-                    matmul: model.moe.matmul,
-                    activations: model.moe.activations,
-                    fused_loads: model
-                        .moe
-                        .fused_loads
-                        .get()
-                        .unwrap_or(LoadOptions::default().fused_loads),
+                    matmul: load.matmul,
+                    activations: load.activations,
+                    fused_loads: load.fused_loads,
                     ..Default::default()
                 };
                 let e = Engine::load(path, &opts).map_err(|e| explain_load_error(e, path))?;
@@ -466,7 +264,7 @@ pub struct RunArgs {
     pub file: Option<PathBuf>,
     /// Run from token ids instead of text (for models without a vocabulary, such as the test
     /// fixtures); the generated ids are printed, space separated.
-    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "file", "chat", "system"])]
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "file", "chat", "system", "chat_template", "chat_template_file"])]
     pub prompt_tokens: Option<Vec<u32>>,
     /// Most tokens to generate (generation also ends at the model's end-of-turn token); -1:
     /// until the context (--ctx) is full.
@@ -480,18 +278,21 @@ pub struct RunArgs {
     )]
     pub max_tokens: TokenLimit,
     /// Wrap the prompt in the model's chat template as a user message, ready for the
-    /// assistant's reply (lathe's ChatML when the model has no template).
+    /// assistant's reply (lathe's ChatML when the model has no template; --chat-template
+    /// picks another and implies --chat).
     #[arg(long)]
     pub chat: bool,
     /// System message for --chat (implies --chat).
     #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
+    #[command(flatten)]
+    pub template: super::text::ChatTemplateArgs,
     /// End generation before this text (repeatable; the text is not printed).
     #[arg(long, value_name = "STR", num_args = 1..)]
     pub stop: Vec<String>,
     /// Tokenize special-token text in the prompt as plain text (not with --chat, whose
     /// template needs its markers).
-    #[arg(long, conflicts_with_all = ["chat", "system"])]
+    #[arg(long, conflicts_with_all = ["chat", "system", "chat_template", "chat_template_file"])]
     pub no_parse_special: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -509,7 +310,8 @@ pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
 /// its checkpoint).
 pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     check_architecture(&args.model)?;
-    args.moe.check()?;
+    note_random_weights(&args.model);
+    let opts = args.load.load_options()?;
     // A spinner from the start (opening the file, the vocabulary and the device take a
     // while), then a bar of the weight bytes uploaded.
     let spinner = indicatif::ProgressStyle::with_template("{spinner} {msg}")
@@ -533,9 +335,7 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     bar.set_message(format!("loading {}", args.model.display()));
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let b = bar.clone();
-    let mut opts = LoadOptions {
-        adapter: args.device.clone(),
-        kv_type: args.kv_type,
+    let opts = LoadOptions {
         ctx: args.ctx,
         progress: Some(Arc::new(move |done, total| {
             if b.length() != Some(total) {
@@ -545,9 +345,8 @@ pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
             b.set_position(done);
         })),
         max_seqs,
-        ..Default::default()
+        ..opts
     };
-    args.moe.apply(&mut opts);
     let t = Instant::now();
     let engine = Engine::load(&args.model, &opts).map_err(|e| explain_load_error(e, &args.model));
     let mut engine = engine.inspect_err(|_| bar.finish_and_clear())?;
@@ -643,6 +442,25 @@ pub fn check_architecture(path: &Path) -> Result<()> {
         "{}: architecture {arch}: no model family of lathe runs it (README.md, \"Supported models and formats\")",
         path.display()
     )))
+}
+
+/// Says on stderr that the model's weights are random when its file says so (`lathe synth`
+/// writes GGUF `lathe.random_weights`): nothing in the text it generates would.
+pub fn note_random_weights(path: &Path) {
+    if path.is_dir() || !starts_with_gguf_magic(path) {
+        return;
+    }
+    let random = lathe::gguf::GgufFile::open(path).ok().and_then(|g| {
+        g.opt_bool(lathe::gguf::keys::LATHE_RANDOM_WEIGHTS)
+            .ok()
+            .flatten()
+    });
+    if random == Some(true) {
+        eprintln!(
+            "note: the weights of {} are random (a `lathe synth` model): whatever it generates is noise",
+            path.display()
+        );
+    }
 }
 
 /// Adds what to do to the errors a user meets most while loading.
@@ -743,6 +561,8 @@ pub fn no_vocabulary(path: &Path, hint: &str) -> Error {
 
 pub fn run(args: RunArgs) -> Result<()> {
     let sampler = args.sampling.config()?;
+    // Before the model loads: a bad template fails at once.
+    let template = args.template.choice()?;
     if args.prompt_tokens.is_none() && !has_vocabulary(&args.model.model)? {
         return Err(no_vocabulary(
             &args.model.model,
@@ -764,8 +584,8 @@ pub fn run(args: RunArgs) -> Result<()> {
             ))
         }
         (None, Some(tok)) => {
-            if args.chat || args.system.is_some() {
-                let chat = ChatPrompt::for_tokenizer(tok)?;
+            if args.chat || args.system.is_some() || template.is_some() {
+                let chat = ChatPrompt::chosen(tok, template.as_ref())?;
                 if chat.fallback {
                     eprintln!("note: the model carries no chat template; using ChatML");
                 }
@@ -831,7 +651,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     }
     print_stats(&out);
-    args.model.moe.save(&engine)
+    args.model.load.moe.save(&engine)
 }
 
 /// The prompt of -p, -f FILE (`-` for stdin) or a piped stdin.

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use lathe::engine::{KvType, LoadOptions};
-use lathe::gpu::AdapterChoice;
+use lathe::engine::LoadOptions;
 use lathe::server::ServerConfig;
 use lathe::tokenizer::TemplateLimits;
 use lathe::Result;
@@ -72,9 +71,8 @@ pub struct ServeArgs {
     /// A tokenizer.json to use instead of the vocabulary in the model file.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
-    /// A Jinja chat template file to use instead of the model's.
-    #[arg(long, value_name = "PATH")]
-    pub chat_template: Option<PathBuf>,
+    #[command(flatten)]
+    pub template: super::text::ChatTemplateArgs,
     /// The model's name in /v1/models and in responses (default: the file name, or the Hub
     /// name a model was fetched by).
     #[arg(long, value_name = "NAME")]
@@ -87,15 +85,8 @@ pub struct ServeArgs {
     /// and the exit status is 1.
     #[arg(long, value_name = "S", default_value_t = 30.0)]
     pub shutdown_grace: f64,
-    /// GPU adapter: `auto`, an index or a name substring (see `lathe devices`).
-    #[arg(long, value_name = "I", default_value = "auto")]
-    pub device: AdapterChoice,
-    /// KV cache element type: auto (the model's default: f16 for Qwen3.5, f32 for
-    /// DeepSeek-V4), f16 or f32.
-    #[arg(long, value_name = "TYPE", default_value = "auto")]
-    pub kv_type: KvType,
     #[command(flatten)]
-    pub moe: super::run::MoeArgs,
+    pub load: super::load::LoadArgs,
     // Speculative decoding: every decoding request drafts tokens (the model's MTP block or
     // --draft-model) and the model checks all requests' drafts in shared verify passes.
     #[command(flatten)]
@@ -111,6 +102,7 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    super::run::note_random_weights(&a.model);
     let mut cfg = ServerConfig::new(a.model);
     let total_shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
     // Upload progress in tenths, on stderr (a server's log, not a terminal bar).
@@ -121,21 +113,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
             eprintln!("lathe serve: loading {}%", tenth * 10);
         }
     });
+    // --save-expert-stats: written when the engine thread drops the model at shutdown.
     cfg.load = LoadOptions {
-        adapter: a.device,
-        kv_type: a.kv_type,
         ctx: a.ctx,
         // One live sequence per slot.
         max_seqs: a.parallel,
         progress: Some(progress),
         // --fused-loads auto: off for batches of sequences (H200, 9B, 16 streams: about 5
         // tok/s a stream with them against 12 without)
-        fused_loads: a.parallel == 1,
-        ..Default::default()
+        fused_loads: a.load.fused_loads_or(a.parallel == 1),
+        ..a.load.load_options()?
     };
-    // --save-expert-stats: written when the engine thread drops the model at shutdown.
-    a.moe.check()?;
-    a.moe.apply(&mut cfg.load);
     cfg.host = a.host;
     cfg.port = a.port;
     cfg.parallel = a.parallel;
@@ -155,7 +143,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .or_else(|| std::env::var("LATHE_API_KEY").ok())
         .filter(|k| !k.is_empty());
     cfg.tokenizer = a.tokenizer;
-    cfg.chat_template = a.chat_template;
+    cfg.chat_template = a.template.choice()?;
     cfg.alias = a.alias;
     cfg.reasoning = a.reasoning_format == "auto";
     cfg.shutdown_grace = seconds("shutdown-grace", a.shutdown_grace)?;

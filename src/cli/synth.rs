@@ -30,9 +30,10 @@ pub struct SynthArgs {
     /// model a chat model (the vocabulary size follows the tokenizer).
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
-    /// Chat template (Jinja) to store; default: the tokenizer's own, else ChatML.
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
+    // The chat template to store (default: the tokenizer's own, else the built-in one of
+    // its vocabulary, `Vocab::builtin_template`).
+    #[command(flatten)]
+    pub template: super::text::ChatTemplateArgs,
     /// Vocabulary size of a model without tokenizer (default: the preset's).
     #[arg(long, value_name = "N")]
     pub vocab: Option<usize>,
@@ -57,25 +58,25 @@ pub struct SynthArgs {
 
 pub fn run(a: SynthArgs) -> Result<()> {
     let preset = synth::preset(&a.preset)?;
+    let template = a.template.choice()?;
     let vocab = match &a.tokenizer {
         None => {
-            if let Some(t) = &a.chat_template {
+            if let Some(t) = &template {
                 return Err(Error::Invalid(format!(
-                    "--chat-template {}: needs --tokenizer (a model without vocabulary has no chat)",
-                    t.display()
+                    "{}: needs --tokenizer (a model without vocabulary has no chat)",
+                    t.origin
                 )));
             }
             None
         }
         Some(path) => {
             let mut v = Vocab::load(path)?;
-            if let Some(t) = &a.chat_template {
-                let text = std::fs::read_to_string(t).map_err(|e| Error::io(t, e))?;
-                lathe::tokenizer::ChatTemplate::new(&text)
-                    .map_err(|e| Error::format(t, e.to_string()))?;
-                v.chat_template = Some(text);
-            } else if v.chat_template.is_none() {
-                v.chat_template = Some(lathe::tokenizer::CHATML.to_string());
+            match template {
+                Some(t) => v.chat_template = Some(t.source),
+                None if v.chat_template.is_none() => {
+                    v.chat_template = Some(v.builtin_template().source.to_string())
+                }
+                None => {}
             }
             Some(v)
         }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use lathe::gguf::GgufFile;
-use lathe::tokenizer::{ChatTemplate, Tokenizer};
+use lathe::tokenizer::{builtin_template, ChatTemplate, TemplateChoice, Tokenizer};
 use lathe::{Error, Result};
 use serde_json::{Map, Value};
 
@@ -37,10 +37,36 @@ pub struct TokenizeArgs {
     pub no_parse_special: bool,
 }
 
+/// `--chat-template NAME|FILE` and `--chat-template-file FILE`, as llama-server has them;
+/// shared by every command that renders a chat.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ChatTemplateArgs {
+    /// Chat template to use instead of the model's: a built-in name (chatml, deepseek-v4,
+    /// llama3, smollm2) or a Jinja file.
+    #[arg(long, value_name = "NAME|FILE", conflicts_with = "chat_template_file")]
+    pub chat_template: Option<String>,
+    /// A Jinja chat template file to use instead of the model's.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
+}
+
+impl ChatTemplateArgs {
+    /// The template the flags chose, read (and compiled once, so a bad one fails before the
+    /// model loads), or `None` for the model's own.
+    pub fn choice(&self) -> Result<Option<TemplateChoice>> {
+        match (&self.chat_template, &self.chat_template_file) {
+            (Some(v), _) => TemplateChoice::name_or_file("--chat-template", v).map(Some),
+            (None, Some(p)) => TemplateChoice::file("--chat-template-file", p).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct TemplateArgs {
-    /// A Jinja chat template, or a GGUF file or tokenizer_config.json that carries one.
-    #[arg(short, long, value_name = "FILE")]
+    /// A built-in template's name (chatml, deepseek-v4, llama3, smollm2), a Jinja chat
+    /// template, or a GGUF file or tokenizer_config.json that carries one.
+    #[arg(short, long, visible_alias = "chat-template", value_name = "NAME|FILE")]
     pub template: PathBuf,
     /// A JSON list of messages (`[{"role": "user", "content": "Hi"}]`), or an object with
     /// `messages` and any other variables the template reads (`tools`, `enable_thinking`).
@@ -164,8 +190,9 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
 fn read_template(path: &Path) -> Result<String> {
     if !path.is_file() {
         return Err(Error::Invalid(format!(
-            "{}: no such file; pass --template a .jinja file, a GGUF or a tokenizer_config.json",
-            path.display()
+            "{}: no such file; pass --template a built-in name ({}), a .jinja file, a GGUF or a tokenizer_config.json",
+            path.display(),
+            lathe::tokenizer::builtin_names()
         )));
     }
     if has_gguf_magic(path)? {
@@ -203,9 +230,14 @@ fn read_template(path: &Path) -> Result<String> {
 }
 
 pub fn template(args: TemplateArgs) -> Result<()> {
-    let source = read_template(&args.template)?;
-    let tmpl = ChatTemplate::new(&source)
-        .map_err(|e| Error::Invalid(format!("{}: {e}", args.template.display())))?;
+    let tmpl = match args.template.to_str().and_then(builtin_template) {
+        Some(b) => ChatTemplate::new(b.source)?,
+        None => {
+            let source = read_template(&args.template)?;
+            ChatTemplate::new(&source)
+                .map_err(|e| Error::Invalid(format!("{}: {e}", args.template.display())))?
+        }
+    };
     let path = &args.messages;
     if !path.is_file() {
         return Err(Error::Invalid(format!(

@@ -25,6 +25,12 @@ pub const GENERAL_SIZE_LABEL: &str = "general.size_label";
 /// u32, llama.cpp's `enum llama_ftype` (0 = all F32, 32 = mostly BF16, ...).
 pub const GENERAL_FILE_TYPE: &str = "general.file_type";
 pub const GENERAL_QUANTIZATION_VERSION: &str = "general.quantization_version";
+/// string: what the model is, for people (gguf-py's `Keys.General.DESCRIPTION`).
+pub const GENERAL_DESCRIPTION: &str = "general.description";
+
+// lathe.*: lathe's own keys.
+/// bool: the tensor data is random (`lathe synth`): the loaders say so, the text is noise.
+pub const LATHE_RANDOM_WEIGHTS: &str = "lathe.random_weights";
 
 // split.* (llama.cpp's gguf-split): in every shard.
 /// u16, 0-based index of this shard.

@@ -80,12 +80,15 @@ impl Gpu {
         // loop stops drivers from unrolling, and register arrays then spill (measured 4-5x
         // slower attention on the H200). Every lathe loop has a trip count bounded by its
         // uniforms, so the counter only guards against our own bugs.
+        // A spec marked `unchecked` drops the bounds checks too (see `PipelineSpec::unchecked`).
         let checks = wgpu::ShaderRuntimeChecks {
             force_loop_bounding: false,
+            bounds_checks: !spec.unchecked,
             ..wgpu::ShaderRuntimeChecks::checked()
         };
-        // SAFETY: the module was validated by naga above, and runtime bounds checks remain;
-        // only the infinite-loop guard is dropped (see above).
+        // SAFETY: the module was validated by naga above; runtime bounds checks remain but
+        // for specs whose wrappers prove their indices in range (`PipelineSpec::unchecked`);
+        // the infinite-loop guard is dropped (see above).
         let sm = unsafe {
             self.device.create_shader_module_trusted(
                 wgpu::ShaderModuleDescriptor {

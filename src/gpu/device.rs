@@ -271,6 +271,19 @@ impl Gpu {
         matmul: MatmulChoice,
         auto: AutoProducts,
     ) -> Result<Gpu> {
+        Gpu::with_limits(choice, matmul, auto, None)
+    }
+
+    /// [`Gpu::with_matmul`] on a device created with at most `cap`'s buffer and binding
+    /// sizes where the adapter offers more: the device then enforces them as a smaller
+    /// GPU's own (WebGPU lets a device ask for limits below its adapter's), for tests of
+    /// what a small binding limit does to a model's passes.
+    pub fn with_limits(
+        choice: &AdapterChoice,
+        matmul: MatmulChoice,
+        auto: AutoProducts,
+        cap: Option<super::BufferLimits>,
+    ) -> Result<Gpu> {
         let adapters = all_adapters();
         if adapters.is_empty() {
             return Err(Error::Gpu(
@@ -315,7 +328,12 @@ impl Gpu {
             | wgpu::Features::SHADER_F16
             | wgpu::Features::PIPELINE_CACHE;
         // Ask for everything the adapter allows: weights need the largest bindings it has.
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
+        if let Some(c) = cap {
+            limits.max_storage_buffer_binding_size =
+                limits.max_storage_buffer_binding_size.min(c.max_binding);
+            limits.max_buffer_size = limits.max_buffer_size.min(c.max_buffer);
+        }
         let coop_ok = coop_supported(&adapter, &limits);
         let matmul = product_path(matmul, auto, coop_ok).map_err(|why| {
             Error::Gpu(format!(

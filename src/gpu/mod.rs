@@ -18,6 +18,7 @@ pub mod elementwise;
 pub mod embed;
 pub mod gdn;
 pub mod hc;
+pub mod limits;
 pub mod matmul;
 pub mod matvec;
 pub mod moe;
@@ -34,6 +35,7 @@ pub use device::{
     AutoProducts, Gpu, MatmulChoice, MatmulPath,
 };
 pub use disk_cache::cache_dir as pipeline_cache_dir;
+pub use limits::{fit_rows, BufferLimits, PassBuffer};
 pub use memory::{device_memory, DeviceMemory};
 pub use pass::{grid, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};

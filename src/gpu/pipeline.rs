@@ -20,6 +20,8 @@ pub struct PipelineSpec {
     /// `(NAME, value)`: `value` is WGSL text (`64`, `1.0`, `true`).
     pub defines: Vec<(String, String)>,
     pub entry: &'static str,
+    /// Compile without naga's runtime bounds checks ([`PipelineSpec::unchecked`]).
+    pub unchecked: bool,
 }
 
 impl PipelineSpec {
@@ -29,7 +31,18 @@ impl PipelineSpec {
             source,
             defines: Vec::new(),
             entry,
+            unchecked: false,
         }
+    }
+    /// Compile without runtime bounds checks: for kernels whose every index into workgroup
+    /// arrays and storage buffers is in range by construction (constant tile offsets plus
+    /// subgroup and lane ids below the workgroup's size). wgpu-hal's Vulkan backend otherwise
+    /// compiles every workgroup-array index with naga's `Restrict` policy (a clamp per
+    /// access), and storage indices too where the device lacks robustBufferAccess2. The
+    /// caller's comment says why its indices are in range.
+    pub fn unchecked(mut self) -> Self {
+        self.unchecked = true;
+        self
     }
     pub fn define(mut self, name: &str, value: impl ToString) -> Self {
         self.defines.push((name.to_string(), value.to_string()));
@@ -166,7 +179,10 @@ impl PipelineSpec {
     /// True when `self` and `o` make the same pipeline: the same source (one `include_str!`
     /// per family, compared by address), entry point and defines.
     pub fn same_variant(&self, o: &PipelineSpec) -> bool {
-        std::ptr::eq(self.source, o.source) && self.entry == o.entry && self.defines == o.defines
+        std::ptr::eq(self.source, o.source)
+            && self.entry == o.entry
+            && self.defines == o.defines
+            && self.unchecked == o.unchecked
     }
 
     /// Hash of what [`same_variant`](Self::same_variant) compares.
@@ -176,6 +192,7 @@ impl PipelineSpec {
         (self.source.as_ptr() as usize, self.source.len()).hash(&mut h);
         self.entry.hash(&mut h);
         self.defines.hash(&mut h);
+        self.unchecked.hash(&mut h);
         h.finish()
     }
 }

@@ -163,24 +163,20 @@ pub fn parse_devices(s: &str) -> Result<Vec<AdapterChoice>> {
         .collect()
 }
 
-/// The memory each device plans with: `opts.gpu_mems` (one size for all, or one per
-/// device), else `opts.gpu_mem`, else detected.
+/// The memory each device plans with: `opts.gpu_mem` (one size for all, or one per
+/// device), else detected.
 pub fn device_memory(gpus: &[Arc<Gpu>], opts: &LoadOptions) -> Result<Vec<AdapterMemory>> {
-    let given: Vec<Option<u64>> = match opts.gpu_mems.len() {
-        0 => vec![opts.gpu_mem; gpus.len()],
-        1 => vec![Some(opts.gpu_mems[0]); gpus.len()],
-        n if n == gpus.len() => opts.gpu_mems.iter().map(|&b| Some(b)).collect(),
-        n => {
-            return Err(Error::Invalid(format!(
-                "--gpu-mem: {n} sizes for {} devices (one, or one per device)",
-                gpus.len()
-            )))
-        }
-    };
+    let n = opts.gpu_mem.len();
+    if n > 1 && n != gpus.len() {
+        return Err(Error::Invalid(format!(
+            "--gpu-mem: {n} sizes for {} devices (one, or one per device)",
+            gpus.len()
+        )));
+    }
     Ok(gpus
         .iter()
-        .zip(given)
-        .map(|(g, b)| AdapterMemory::detect(&g.info, g.memory.as_ref(), b))
+        .enumerate()
+        .map(|(i, g)| AdapterMemory::detect(&g.info, g.memory.as_ref(), opts.gpu_mem_of(i)))
         .collect())
 }
 
@@ -357,7 +353,7 @@ impl Chain {
                 gpu.matmul_path().name()
             );
             let o = LoadOptions {
-                gpu_mem: Some(mems[i].bytes),
+                gpu_mem: vec![mems[i].bytes],
                 part: Some(PartSpec {
                     layers,
                     first: i == 0,

@@ -1,8 +1,10 @@
 //! `lathe serve`: an OpenAI-compatible HTTP server.
 //!
 //! Routes: `POST /v1/chat/completions` (messages through the model's chat template),
-//! `POST /v1/completions` (a raw prompt), both streamed as server-sent events with
-//! `"stream": true`; `GET /v1/models`; `GET /health` (200 ready, 503 loading).
+//! `POST /v1/completions` (a raw prompt), both with `n` choices and streamed as server-sent
+//! events with `"stream": true`; `POST /v1/responses` (OpenAI's Responses API over the chat
+//! path); `GET /v1/models`; `GET /health` (200 ready, 503 loading); llama-server's
+//! `/tokenize`, `/detokenize`, `/props`, `/slots`; `/metrics`; a chat page at `/`.
 //!
 //! Layout: [`api`] reads and checks requests and shapes errors; [`output`] splits a reply
 //! into content, reasoning and tool calls; [`scheduler`] is the engine thread (slots, queue,
@@ -62,8 +64,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// A tokenizer.json to use instead of the model's own vocabulary.
     pub tokenizer: Option<PathBuf>,
-    /// A Jinja chat template file to use instead of the model's.
-    pub chat_template: Option<PathBuf>,
+    /// A chat template to use instead of the model's (`--chat-template`, read by the CLI).
+    pub chat_template: Option<crate::tokenizer::TemplateChoice>,
     /// The model's name in `/v1/models` and responses (default: the file's name).
     pub alias: Option<String>,
     /// Split `<think>…</think>` into `reasoning_content` (`--reasoning-format auto`).
@@ -209,7 +211,7 @@ pub fn run(mut cfg: ServerConfig) -> Result<()> {
 /// path fails at once rather than after minutes of loading weights.
 struct Given {
     tokenizer: Option<Tokenizer>,
-    /// The `--chat-template` file, compiled.
+    /// The `--chat-template` or `--chat-template-file` template, compiled.
     template: Option<ChatTemplate>,
 }
 
@@ -231,11 +233,7 @@ impl Given {
         let template = cfg
             .chat_template
             .as_ref()
-            .map(|p| {
-                let source = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
-                ChatTemplate::with_limits(&source, cfg.template_limits)
-                    .map_err(|e| Error::Invalid(format!("{}: {e}", p.display())))
-            })
+            .map(|c| c.compile(cfg.template_limits))
             .transpose()?;
         Ok(Given {
             tokenizer,

@@ -13,7 +13,7 @@
 //! the bytes do not depend on the thread count.
 
 use super::{Init, Plan, TensorPlan};
-use crate::gguf::GgufWriter;
+use crate::gguf::{keys, GgufWriter};
 use crate::quant::{self, BlockIq4Nl, BlockIq4Xs, BlockMxfp4, BlockQ2K, BlockQ3K, BlockQ4K};
 use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0};
 use crate::{DType, Error, Result};
@@ -340,6 +340,13 @@ impl Plan {
         for (k, v) in &self.metadata {
             w.set(k.as_str(), v.clone())?;
         }
+        // Beside the release's own keys (the plan matches those one for one): what the data
+        // drawn below is, for people and other tools, and for lathe's loaders to say at load.
+        w.set(
+            keys::GENERAL_DESCRIPTION,
+            format!("random weights from lathe synth (seed {seed}): its output is noise"),
+        )?;
+        w.set(keys::LATHE_RANDOM_WEIGHTS, true)?;
         for t in &self.tensors {
             w.add_tensor_info(t.name.as_str(), t.dtype, &t.shape)?;
         }

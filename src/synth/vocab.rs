@@ -115,6 +115,17 @@ impl Vocab {
         Ok(out)
     }
 
+    /// The built-in chat template that speaks this vocabulary's special tokens, for a
+    /// tokenizer that carries none: DeepSeek-V4's for DeepSeek's vocabulary (ChatML's
+    /// `<|im_start|>` is no token there: it would be 7 ids of plain text), ChatML otherwise.
+    pub fn builtin_template(&self) -> &'static crate::tokenizer::Builtin {
+        let name = match self.pre.as_str() {
+            "deepseek-v3" => "deepseek-v4",
+            _ => "chatml",
+        };
+        crate::tokenizer::builtin_template(name).expect("a built-in template's name")
+    }
+
     fn id_of(&self, text: &str) -> Option<u32> {
         self.tokens.iter().position(|t| t == text).map(|i| i as u32)
     }

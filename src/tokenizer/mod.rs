@@ -11,6 +11,7 @@
 //! through the inverse of GPT-2's byte-to-unicode table, added tokens as their text), so
 //! decoding is a concatenation and a stream can hold back half a UTF-8 character exactly.
 
+mod builtin;
 mod gguf_vocab;
 mod hf;
 mod stream;
@@ -21,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+pub use builtin::{builtin_names, builtin_template, Builtin, TemplateChoice, BUILTIN_TEMPLATES};
 pub use gguf_vocab::GgufVocab;
 pub use stream::StreamDecoder;
 pub use template::{ChatTemplate, TemplateLimits, CHATML};

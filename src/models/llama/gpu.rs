@@ -11,7 +11,7 @@ use crate::gpu::matmul;
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
-use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::link::Link;
 use crate::models::runtime::rounds::{self, RoundSeq};
@@ -64,22 +64,22 @@ struct Scratch {
     top: topk::LogitsTop,
 }
 
-/// f32 elements of each scratch buffer: the one list [`Scratch::new`] allocates and
-/// [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [usize; 11] {
+/// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
+/// and [`needs_part`] counts.
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 11] {
     let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
     [
-        rows,
-        rows * hp.n_embd,
-        rows * hp.n_embd,
-        rows * q,
-        rows * kv,
-        rows * kv,
-        rows * q,
-        rows * hp.n_ff,
-        rows * hp.n_ff,
-        rows * hp.n_ff,
-        split_elems(hp) as usize,
+        ("llama.ids", rows),
+        ("llama.x", rows * hp.n_embd),
+        ("llama.h", rows * hp.n_embd),
+        ("llama.q", rows * q),
+        ("llama.k", rows * kv),
+        ("llama.v", rows * kv),
+        ("llama.att", rows * q),
+        ("llama.gate", rows * hp.n_ff),
+        ("llama.up", rows * hp.n_ff),
+        ("llama.act", rows * hp.n_ff),
+        ("llama.attn_split", split_elems(hp) as usize),
     ]
 }
 
@@ -98,21 +98,21 @@ fn split_elems(hp: &Hparams) -> u64 {
 impl Scratch {
     fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
         let e = scratch_elems(hp, rows);
-        let f = |i: usize, label: &str| gpu.buffer((e[i].max(1) * 4) as u64, label);
+        let f = |i: usize| gpu.buffer((e[i].1.max(1) * 4) as u64, e[i].0);
         let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, rows);
         Ok(Scratch {
             rows,
-            ids: f(0, "llama.ids")?,
-            x: f(1, "llama.x")?,
-            h: f(2, "llama.h")?,
-            q: f(3, "llama.q")?,
-            k: f(4, "llama.k")?,
-            v: f(5, "llama.v")?,
-            att: f(6, "llama.att")?,
-            gate: f(7, "llama.gate")?,
-            up: f(8, "llama.up")?,
-            act: f(9, "llama.act")?,
-            attn_split: f(10, "llama.attn_split")?,
+            ids: f(0)?,
+            x: f(1)?,
+            h: f(2)?,
+            q: f(3)?,
+            k: f(4)?,
+            v: f(5)?,
+            att: f(6)?,
+            gate: f(7)?,
+            up: f(8)?,
+            act: f(9)?,
+            attn_split: f(10)?,
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "llama.logits")?,
             logit_rows,
             top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
@@ -129,14 +129,45 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let rows = run.batch.max(1) as usize;
     let e = scratch_elems(hp, rows);
     let logits = (rows * hp.n_vocab) as u64 * 4;
+    let mut buffers: Vec<PassBuffer> = e
+        .iter()
+        .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
+        .collect();
+    // One row of logits (their rows follow the binding limit), and the KV pools at their
+    // first capacity (they grow to `KvShape::max_positions`).
+    buffers.push(PassBuffer::bound("llama.logits", hp.n_vocab as u64 * 4));
+    let kv = kv_shape(hp, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+    for _ in part.layers.clone() {
+        buffers.extend([
+            PassBuffer::bound("llama.kv.k", kv),
+            PassBuffer::bound("llama.kv.v", kv),
+        ]);
+    }
     Needs {
         kv_per_token: layers * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs,
         state: 0,
-        activations: e.iter().map(|&n| n as u64 * 4).sum::<u64>() + logits,
-        largest_buffer: e.iter().max().map_or(0, |&n| n as u64 * 4),
+        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits,
+        buffers,
         kv_elem,
         note: None,
     }
+}
+
+/// The KV rows' shape for `--kv-type` (f16 by default).
+fn kv_shape(hp: &Hparams, t: KvType) -> KvShape {
+    KvShape {
+        dtype: match t {
+            KvType::Auto | KvType::F16 => attention::KvType::F16,
+            KvType::F32 => attention::KvType::F32,
+        },
+        n_head_kv: hp.n_head_kv as u32,
+        head_dim: hp.head_dim as u32,
+    }
+}
+
+/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
+fn kv_cap(ctx: usize) -> usize {
+    ctx.clamp(16, 4096)
 }
 
 /// K and V rows of every layer for all sequence slots: slot `s` owns rows `s·cap ..`.
@@ -210,6 +241,9 @@ impl GpuModel {
                 "a Llama-family model split over several devices".into(),
             ));
         }
+        let whole = PartSpec::whole(hp.n_layer);
+        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole).buffers;
+        let batch = fit_rows(DEFAULT_BATCH, BufferLimits::of(&gpu), &file.path(), needs)?;
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
         let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {
@@ -248,16 +282,9 @@ impl GpuModel {
             });
         }
         let rope = RopeTable::new(&gpu, &inv_freq(file, &hp)?, "llama.rope")?;
-        let kv = KvShape {
-            dtype: match opts.kv_type {
-                KvType::Auto | KvType::F16 => attention::KvType::F16,
-                KvType::F32 => attention::KvType::F32,
-            },
-            n_head_kv: hp.n_head_kv as u32,
-            head_dim: hp.head_dim as u32,
-        };
+        let kv = kv_shape(&hp, opts.kv_type);
         let slots = opts.max_seqs.max(1);
-        let cap = opts.ctx.clamp(16, 4096);
+        let cap = kv_cap(opts.ctx);
         let rows = (slots * cap) as u64;
         let pools = Pools {
             slots,
@@ -273,7 +300,7 @@ impl GpuModel {
             // Popped from the end: slot 0 first.
             free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
         };
-        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
+        let scratch = Scratch::new(&gpu, &hp, batch)?;
         Ok(GpuModel {
             gpu,
             hp,

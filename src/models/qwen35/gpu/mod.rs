@@ -33,7 +33,7 @@ use crate::gpu::matvec::{self, MatvecOpts, Prologue};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
-use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
 use crate::models::runtime::link::{Link, Readback};
