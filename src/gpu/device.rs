@@ -26,6 +26,17 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     }
 }
 
+// Beside the `Gpu` it reads, so `limits.rs` stays below the device (tests/layers.rs).
+impl super::BufferLimits {
+    /// The limits `gpu` was created with (what its validation enforces).
+    pub fn of(gpu: &Gpu) -> super::BufferLimits {
+        super::BufferLimits {
+            max_binding: gpu.limits.max_storage_buffer_binding_size,
+            max_buffer: gpu.limits.max_buffer_size,
+        }
+    }
+}
+
 /// The device-local memory of adapter `index` of [`list_adapters`].
 pub fn adapter_memory(index: usize) -> Option<super::DeviceMemory> {
     all_adapters()

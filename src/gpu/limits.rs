@@ -7,7 +7,6 @@
 //! fit runs shorter, and a model that fits no pass gets an error naming the buffer at load,
 //! not a validation error at its first pass.
 
-use super::Gpu;
 use crate::{Error, Result};
 
 /// How the kernels use a buffer: bound to a shader (both limits) or only a copy's source or
@@ -76,14 +75,6 @@ impl std::fmt::Display for OverLimit {
 }
 
 impl BufferLimits {
-    /// The limits `gpu` was created with (what its validation enforces).
-    pub fn of(gpu: &Gpu) -> BufferLimits {
-        BufferLimits {
-            max_binding: gpu.limits.max_storage_buffer_binding_size,
-            max_buffer: gpu.limits.max_buffer_size,
-        }
-    }
-
     /// The first of `bufs` over its limit (sizes rounded up to 4 bytes, as `Gpu::buffer`
     /// allocates them); `None` when all fit.
     pub fn over(&self, bufs: &[PassBuffer]) -> Option<OverLimit> {
