@@ -2,7 +2,8 @@
 //! and layer by layer, on the first N tokens of a fixture.
 //! `cargo run --release --example trace_deepseek4 -- MODEL TOKENS.npy [N] [PREFILL]`
 //! The GPU feeds the first PREFILL tokens (default N) as one batch and the rest one by one.
-use lathe::models::deepseek4::{cpu::CpuModel, gpu::GpuModel, gpu::Trace};
+use lathe::models::deepseek4::{cpu::CpuModel, gpu::GpuModel};
+use lathe::models::runtime::trace::Trace;
 use lathe::models::ModelFile;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -75,14 +76,14 @@ fn main() -> lathe::Result<()> {
     for l in 0..hp.n_layer {
         let mut line = Vec::new();
         for name in NAMES {
-            m.trace = Some(Trace { name, layer: l });
-            m.traced.clear();
+            m.trace.want = Some(Trace { name, layer: l });
+            m.trace.traced.clear();
             run(&mut m)?;
             let w = &want[&(name.to_string(), l)];
             let width = w.len() / toks.len();
             line.push(format!(
                 "{name} {}",
-                summary(&per_token(&m.traced, w, width))
+                summary(&per_token(&m.trace.traced, w, width))
             ));
         }
         println!(
@@ -91,7 +92,7 @@ fn main() -> lathe::Result<()> {
             line.join(" | ")
         );
     }
-    m.trace = None;
+    m.trace.want = None;
     let got = run(&mut m)?;
     let w = &want[&("logits".to_string(), usize::MAX)];
     let d = per_token(&got, w, hp.n_vocab);

@@ -1,6 +1,7 @@
 //! Diff the GPU forward against the CPU reference layer by layer on a token sequence.
 //! `cargo run --example trace_qwen35 -- MODEL TOKENS.npy [N]`
 use lathe::models::qwen35::{cpu::CpuModel, gpu::GpuModel};
+use lathe::models::runtime::trace::Trace;
 use lathe::models::ModelFile;
 use std::sync::Arc;
 
@@ -30,9 +31,14 @@ fn main() -> lathe::Result<()> {
     };
     let mut m = GpuModel::load(gpu, &f, &opts)?;
     for (l, want_l) in want.iter().enumerate() {
-        m.trace_layer = Some(l);
+        m.trace.want = Some(Trace {
+            name: "layer_out",
+            layer: l,
+        });
+        m.trace.traced.clear();
         let mut s = m.new_seq()?;
-        let got = m.forward(&mut s, toks, true)?;
+        m.forward(&mut s, toks, false)?;
+        let got = &m.trace.traced;
         let per_tok: Vec<String> = (0..toks.len())
             .map(|t| {
                 let d = (0..e)

@@ -37,14 +37,21 @@
 //   multiply-adds of the plain kernel, on 4 subgroups x 64 rows x 16 tokens (both tiles and
 //   their double buffers fill the workgroup memory of 8 subgroups).
 //
+// - XSPLIT (kernel lab, LAB_XSPLIT; split weights and x, dense, 8 subgroups): the XSTAGE tile
+//   with all four operands staged (weights hi and lo from one decode, x hi and lo copied), one
+//   buffer (two barriers a step), and the three products of WSPLIT into one set of
+//   accumulators: x_hi w_hi + x_lo w_hi + (x_hi 2^-11)(w_lo 2^11).
+//
 // Kernel-lab variants (`bench_kernels --variant`, never compiled otherwise): LAB_NODECODE skips
 // the weight staging, LAB_NOMMA the products, so the two parts of a step can be timed apart;
-// LAB_NOXSTAGE (src/gpu/coopmat.rs) keeps the x fragments loaded from L2.
+// LAB_NOXSTAGE (src/gpu/coopmat.rs) keeps the x fragments loaded from L2; LAB_UNCHECKED (same)
+// compiles the product without runtime bounds checks.
 //
 // Workgroup memory (NSG 8): Wh 2 x 128 x 72 x 2 B = 36 KiB + Cs 8 KiB (+ 0.5 KiB of token
 // tables for MoE); XSTAGE: Ws and Xs 2 x 128 x 80 B = 20 KiB each + Cs 8 KiB = 48 KiB (the
 // dense kernel computes its token rows instead of keeping tables);
-// WSPLIT (NSG 4): Wh and Wl 2 x 64 x 72 x 2 B = 18 KiB each + Cs 4 KiB + 0.5 KiB.
+// WSPLIT (NSG 4): Wh and Wl 2 x 64 x 72 x 2 B = 18 KiB each + Cs 4 KiB + 0.5 KiB;
+// XSPLIT: Ws, Wsl, Xs, Xsl 128 x 80 B = 10 KiB each + Cs 8 KiB = 48 KiB.
 enable f16;
 enable wgpu_cooperative_matrix;
 
@@ -87,7 +94,11 @@ const CNONE = 0xffffffffu;
 #endif
 @group(0) @binding(8) var<storage, read> SC: array<f32>;
 #if SPLIT
+#if XSPLIT
+@group(0) @binding(12) var<storage, read> XL: array<mat2x4<f16>>;
+#else
 @group(0) @binding(12) var<storage, read> XL: array<f16>;
+#endif
 #endif
 
 // halves per staged row: chunks rounded up to whole steps
@@ -198,8 +209,18 @@ fn tok_s(n: u32) -> f32 { return SC[min(tile_g0 + n, p.n_tokens - 1u)]; }
 // and the 8 rows of a fragment load fall in distinct banks); double-buffered.
 // 8 subgroups: 2 x 128 x 80 B of weights + 2 x 128 x 80 B of x + Cs 8 KiB = 48 KiB.
 const CKQ = 10u;
-var<workgroup> Ws: array<vec4<f16>, 2u * CBM * CKQ>;  // [buffer][CBM rows][CKQ]
-var<workgroup> Xs: array<vec4<f16>, 2u * CBN * CKQ>;  // [buffer][CBN tokens][CKQ]
+#if XSPLIT
+// XSPLIT: four tiles (weights and x, each hi and lo) of one buffer: 4 x 128 x 80 B = 40 KiB +
+// Cs 8 KiB = 48 KiB
+const XBUF = 1u;
+var<workgroup> Wsl: array<vec4<f16>, CBM * CKQ>;  // the weights' remainders (x 2^11)
+var<workgroup> Xsl: array<vec4<f16>, CBN * CKQ>;  // the x remainders
+const LO_SCALE = 2048.0;
+#else
+const XBUF = 2u;
+#endif
+var<workgroup> Ws: array<vec4<f16>, XBUF * CBM * CKQ>;  // [buffer][CBM rows][CKQ]
+var<workgroup> Xs: array<vec4<f16>, XBUF * CBN * CKQ>;  // [buffer][CBN tokens][CKQ]
 
 // chunk c of the row at byte rb into row m of the weight buffer at wb (8 vector stores)
 fn stage_w(rb: u32, c: u32, m: u32, wb: u32) {
@@ -210,12 +231,23 @@ fn stage_w(rb: u32, c: u32, m: u32, wb: u32) {
     if (c >= p.n_chunks) {
         for (var j = 0u; j < 8u; j++) {
             Ws[base + j] = vec4<f16>(0.0);
+#if XSPLIT
+            Wsl[base + j] = vec4<f16>(0.0);
+#endif
         }
         return;
     }
     let w = chunk_w(rb + (c / CPB) * BB, c % CPB);
     for (var j = 0u; j < 8u; j++) {
+#if XSPLIT
+        // hi by truncation to f16's 11 significant bits (as WSPLIT); a Q8_0 weight d * q has at
+        // most 19 (d's 11, q's 8), so hi + lo holds it exactly
+        let t = bitcast<vec4<f32>>(bitcast<vec4<u32>>(w[j]) & vec4<u32>(0xffffe000u));
+        Ws[base + j] = vec4<f16>(t);
+        Wsl[base + j] = vec4<f16>((w[j] - t) * LO_SCALE);
+#else
         Ws[base + j] = vec4<f16>(w[j]);
+#endif
     }
 }
 
@@ -242,6 +274,11 @@ fn stage_step(lid: u32, row_base: u32, wbase: u32, g0: u32, c: u32, b: u32) {
         let o = b * CBN * CKQ + n * CKQ + 2u * q;
         Xs[o] = v[0];
         Xs[o + 1u] = v[1];
+#if XSPLIT
+        let l = XL[(g0 + n) * rv + 4u * c + q];
+        Xsl[o] = l[0];
+        Xsl[o + 1u] = l[1];
+#endif
     }
 }
 #else
@@ -353,6 +390,14 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
     var c13: coop_mat16x16<f32, C>;
 #endif
     let n_steps = p.n_chunks;
+#if XSPLIT
+    // one buffer: stage after every subgroup has read the last step, multiply after the staging
+    for (var step = 0u; step < n_steps; step++) {
+        let cur = 0u;
+        workgroupBarrier();
+        stage_step(lid, row_base, wbase, g0, step, 0u);
+        workgroupBarrier();
+#else
     stage_step(lid, row_base, wbase, g0, 0u, 0u);
     workgroupBarrier();
     for (var step = 0u; step < n_steps; step++) {
@@ -360,6 +405,7 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
         if (step + 1u < n_steps) {
             stage_step(lid, row_base, wbase, g0, step + 1u, 1u - cur);
         }
+#endif
 #ifndef LAB_NOMMA
         let wq = (cur * CBM + sr) * CKQ;
         let xq = (cur * CBN + st) * CKQ;
@@ -373,16 +419,49 @@ fn coop_tile(lid: u32, sg: u32, lane: u32, row_base: u32, wbase: u32, g0: u32) {
             c01 = coopMultiplyAdd(a0, b1, c01);
             c02 = coopMultiplyAdd(a0, b2, c02);
             c03 = coopMultiplyAdd(a0, b3, c03);
+#if XSPLIT
+            // x_lo * w_hi and (x_hi * 2^-11) * (w_lo * 2^11) into the same accumulators (the
+            // scale moves to x, exact for a power of two: no second set of accumulators)
+            let e0 = coopLoad<coop_mat16x16<f16, B>>(&Wsl[wq + k4], CKQ);
+            let e1 = coopLoad<coop_mat16x16<f16, B>>(&Wsl[wq + 16u * CKQ + k4], CKQ);
+            let e2 = coopLoad<coop_mat16x16<f16, B>>(&Wsl[wq + 32u * CKQ + k4], CKQ);
+            let e3 = coopLoad<coop_mat16x16<f16, B>>(&Wsl[wq + 48u * CKQ + k4], CKQ);
+            let l0 = coopLoadT<coop_mat16x16<f16, A>>(&Xsl[xq + k4], CKQ);
+            let s0 = a0 * f16(1.0 / LO_SCALE);
+            c00 = coopMultiplyAdd(l0, b0, c00);
+            c01 = coopMultiplyAdd(l0, b1, c01);
+            c02 = coopMultiplyAdd(l0, b2, c02);
+            c03 = coopMultiplyAdd(l0, b3, c03);
+            c00 = coopMultiplyAdd(s0, e0, c00);
+            c01 = coopMultiplyAdd(s0, e1, c01);
+            c02 = coopMultiplyAdd(s0, e2, c02);
+            c03 = coopMultiplyAdd(s0, e3, c03);
+#endif
 #if TT2
             let a1 = coopLoadT<coop_mat16x16<f16, A>>(&Xs[xq + 16u * CKQ + k4], CKQ);
             c10 = coopMultiplyAdd(a1, b0, c10);
             c11 = coopMultiplyAdd(a1, b1, c11);
             c12 = coopMultiplyAdd(a1, b2, c12);
             c13 = coopMultiplyAdd(a1, b3, c13);
+#if XSPLIT
+            let l1 = coopLoadT<coop_mat16x16<f16, A>>(&Xsl[xq + 16u * CKQ + k4], CKQ);
+            let s1 = a1 * f16(1.0 / LO_SCALE);
+            c10 = coopMultiplyAdd(l1, b0, c10);
+            c11 = coopMultiplyAdd(l1, b1, c11);
+            c12 = coopMultiplyAdd(l1, b2, c12);
+            c13 = coopMultiplyAdd(l1, b3, c13);
+            c10 = coopMultiplyAdd(s1, e0, c10);
+            c11 = coopMultiplyAdd(s1, e1, c11);
+            c12 = coopMultiplyAdd(s1, e2, c12);
+            c13 = coopMultiplyAdd(s1, e3, c13);
+#endif
 #endif
         }
 #endif
+#if XSPLIT
+#else
         workgroupBarrier();
+#endif
     }
     let r = row_base + sr;
     coop_out(c00, sg, lane, st, r);

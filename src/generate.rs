@@ -266,6 +266,17 @@ impl HeldSeq {
         }
     }
 
+    /// Make the sequence hold what `other` holds (a GPU copy, [`Engine::copy_seq`]): the
+    /// prompt state the choices of one request share. The checkpoint is kept.
+    pub fn copy_from(&mut self, engine: &Engine, other: &HeldSeq) -> Result<()> {
+        self.stale = true;
+        engine.copy_seq(&other.seq, &mut self.seq)?;
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&other.tokens);
+        self.stale = other.stale;
+        Ok(())
+    }
+
     /// Forget everything, the checkpoint included.
     pub fn reset(&mut self, engine: &Engine) -> Result<()> {
         if let Some(c) = &mut self.checkpoint {

@@ -69,6 +69,9 @@ pub enum KernelPath {
     CoopSplit,
     /// Cooperative matrices with f16 weights and split activations (checked at the f16 bound).
     CoopSplitX,
+    /// [`KernelPath::CoopSplit`] on the kernel lab's XSPLIT tile (`LAB_XSPLIT`: split weights
+    /// and x all staged in workgroup memory; dense products only), at the f32 bound.
+    CoopXSplit,
     /// The tiled kernel with int8 activations (the types with integer codes; checked at the
     /// quantization bound of x).
     Int8,
@@ -84,6 +87,7 @@ impl KernelPath {
             KernelPath::Coop => "coop",
             KernelPath::CoopSplit => "coop-split",
             KernelPath::CoopSplitX => "coop-splitx",
+            KernelPath::CoopXSplit => "coop-xsplit",
             KernelPath::Int8 => "int8",
             KernelPath::Int8x2 => "int8x2",
         }
@@ -100,9 +104,17 @@ impl KernelPath {
     fn precision(self) -> Option<coopmat::Precision> {
         match self {
             KernelPath::Coop => Some(coopmat::Precision::F16),
-            KernelPath::CoopSplit => Some(coopmat::Precision::Split),
+            KernelPath::CoopSplit | KernelPath::CoopXSplit => Some(coopmat::Precision::Split),
             KernelPath::CoopSplitX => Some(coopmat::Precision::SplitX),
             _ => None,
+        }
+    }
+
+    /// The kernel-lab defines the path's products take.
+    fn defines(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            KernelPath::CoopXSplit => &[("LAB_XSPLIT", "true")],
+            _ => &[],
         }
     }
 }
@@ -325,6 +337,7 @@ fn dense(
     };
     let opts = MatvecOpts {
         accumulate: acc,
+        defines: path.defines(),
         ..Default::default()
     };
     let mut pass = gpu.pass();
@@ -336,7 +349,10 @@ fn dense(
             let levels = path.int8_levels().expect("int8 path");
             matmul::matmul_int8(&mut pass, levels, &wt, &xb, 0, &yb, y_off, n, &opts)?
         }
-        KernelPath::Coop | KernelPath::CoopSplit | KernelPath::CoopSplitX => {
+        KernelPath::Coop
+        | KernelPath::CoopSplit
+        | KernelPath::CoopSplitX
+        | KernelPath::CoopXSplit => {
             let prec = path.precision().expect("coop path");
             coopmat::matmul_coop(&mut pass, prec, &wt, &xb, 0, &yb, y_off, n, &opts)?
         }
@@ -561,6 +577,7 @@ fn indexed(
         | KernelPath::Coop
         | KernelPath::CoopSplit
         | KernelPath::CoopSplitX
+        | KernelPath::CoopXSplit
         | KernelPath::Int8
         | KernelPath::Int8x2 => {
             let route = MoeRoute::new(gpu, ne as u32, np as u32)?;
@@ -1779,6 +1796,7 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
         paths.push(KernelPath::Coop);
         paths.push(KernelPath::CoopSplit);
         paths.push(KernelPath::CoopSplitX);
+        paths.push(KernelPath::CoopXSplit);
     }
     // the int8 path only for the types with integer codes, and no MoE form
     let runs = |p: KernelPath, dt: DType| {
@@ -1847,7 +1865,11 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
             &format!("matvec indexed {dt}"),
             indexed(gpu, KernelPath::Matvec, dt, 2, i % 2 == 1, false, seed),
         );
-        for &p in paths.iter().filter(|&&p| runs(p, dt)) {
+        // the XSPLIT tile is dense only: its MoE products are coop-split's
+        for &p in paths
+            .iter()
+            .filter(|&&p| runs(p, dt) && p != KernelPath::CoopXSplit)
+        {
             push(
                 &format!("{} indexed {dt}", p.name()),
                 indexed(gpu, p, dt, 70, i % 2 == 1, false, seed),

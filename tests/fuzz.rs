@@ -6,9 +6,12 @@
 //! memory stays bounded. Each test prints its totals by outcome
 //! (`cargo test --test fuzz -- --nocapture`). The raw HTTP parser is fuzzed against a
 //! running server in tests/server.rs; cargo-fuzz targets for long runs live in fuzz/.
+//! Device limits are probed too: expert offload at several settings on lavapipe's own
+//! binding limit, and every family on devices created with far smaller ones.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lathe::models::ModelFile;
@@ -737,4 +740,221 @@ fn slowloris_leaves_room_for_health() {
     let mut refused = String::new();
     let _ = last.read_to_string(&mut refused);
     assert!(refused.starts_with("HTTP/1.1 503"), "{refused:?}");
+}
+
+/// Prompt tokens of the offload cases: the first `OFFLOAD_PROMPT` of the fixture's, the last
+/// four fed one at a time (decode steps), the rest as one pass. Short, as the pass length
+/// (and so every buffer a pass binds) is chosen at load, whatever the prompt.
+const OFFLOAD_PROMPT: usize = 24;
+
+/// Prompt tokens of the small-limit cases: more than one of their shortened passes.
+const SMALL_LIMIT_PROMPT: usize = 160;
+
+/// Relative RMS of `got` against `want`.
+fn rel_rms(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "logit counts differ");
+    let (mut se, mut ss) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        se += (*a as f64 - *b as f64).powi(2);
+        ss += (*b as f64).powi(2);
+    }
+    (se / ss.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// The model file `file` of fixture `name` (../shared's copy where this machine has one, as
+/// the `*-dims` files live only there) and a prompt of `n` of its tokens (repeated where it
+/// has fewer).
+fn offload_fixture(name: &str, file: &str, n: usize) -> (PathBuf, Vec<u32>) {
+    let committed = root().join("tests/fixtures/models").join(name);
+    let shared = root().join("../shared/fixtures/models").join(name);
+    let dir = if shared.join(file).is_file() {
+        shared
+    } else {
+        committed
+    };
+    assert!(
+        dir.join(file).is_file(),
+        "{}/{file} is absent: this test needs ../shared/fixtures (CI has it)",
+        dir.display()
+    );
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let ids = toks.data.iter().cycle().take(n).map(|&t| t as u32);
+    (dir.join(file), ids.collect())
+}
+
+/// A device for `path`'s model created with at most `cap`'s binding and buffer sizes
+/// (`None`: the adapter's), its product path as `Engine::load` picks it.
+fn offload_gpu(path: &Path, cap: Option<lathe::gpu::BufferLimits>) -> Arc<lathe::gpu::Gpu> {
+    use lathe::gpu::{AdapterChoice, Gpu, MatmulChoice};
+    let auto = lathe::models::auto_products(&ModelFile::open(path).unwrap());
+    let gpu = Gpu::with_limits(&AdapterChoice::Auto, MatmulChoice::Auto, auto, cap);
+    Arc::new(gpu.expect("a wgpu adapter (lavapipe in CI)"))
+}
+
+/// Logits of every position of `tokens` (all but the last four in one pass) of `path`'s
+/// model loaded on `gpu` with `opts`, and the rows of one pass the loader chose.
+fn offload_logits(
+    gpu: &Arc<lathe::gpu::Gpu>,
+    path: &Path,
+    tokens: &[u32],
+    opts: &lathe::engine::LoadOptions,
+) -> Result<(Vec<f32>, usize), String> {
+    let file = ModelFile::open(path).map_err(|e| e.to_string())?;
+    let mut m = lathe::models::load(gpu.clone(), &file, opts).map_err(|e| e.to_string())?;
+    let mut seq = m.new_seq().map_err(|e| e.to_string())?;
+    let pre = tokens.len() - 4;
+    let mut out = m
+        .forward(&mut seq, &tokens[..pre], true)
+        .map_err(|e| e.to_string())?;
+    for t in &tokens[pre..] {
+        out.extend(
+            m.forward(&mut seq, std::slice::from_ref(t), true)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    Ok((out, m.pass_rows()))
+}
+
+/// Bar of an offload run against the all-GPU one: the cold experts' rows differ by the
+/// rounding of the CPU's dot products against the GPU's (the summation contract of
+/// `moe/mod.rs`), which tests/moe_exact.rs bars at 1e-3; measured 7e-8 on dsv4-dims.
+const OFFLOAD_RMS: f64 = 1e-3;
+
+/// Expert offload on lavapipe's own limits (128 MiB bindings): at several `--gpu-experts`
+/// and `--gpu-mem` settings the longer passes chosen for streaming cold experts fit every
+/// binding, and the logits match the all-GPU run's. DeepSeek-V4's compressor stores and
+/// window rings grow with the pass: dsv4-dims at `--gpu-experts 0` bound a 134,479,872-byte
+/// `pool.cmp_store` (a wgpu validation error) before passes were sized by them.
+fn check_offload_on_lavapipe(cases: &[(&str, &[f64], u64)]) {
+    use lathe::engine::LoadOptions;
+    for &(name, shares, mem) in cases {
+        let (path, tokens) = offload_fixture(name, "model-q8_0.gguf", OFFLOAD_PROMPT);
+        let gpu = offload_gpu(&path, None);
+        let all = LoadOptions {
+            gpu_experts: Some(1.0),
+            ..Default::default()
+        };
+        let (want, _) = offload_logits(&gpu, &path, &tokens, &all).unwrap();
+        let settings = shares
+            .iter()
+            .map(|&f| LoadOptions {
+                gpu_experts: Some(f),
+                ..Default::default()
+            })
+            .chain([LoadOptions {
+                gpu_mem: vec![mem],
+                ..Default::default()
+            }]);
+        for opts in settings {
+            let what = format!(
+                "{name} --gpu-experts {:?} --gpu-mem {:?}",
+                opts.gpu_experts, opts.gpu_mem
+            );
+            let (got, rows) = offload_logits(&gpu, &path, &tokens, &opts)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let r = rel_rms(&got, &want);
+            eprintln!("{what}: passes of {rows} rows, relative RMS {r:.2e}");
+            assert!(r <= OFFLOAD_RMS, "{what}: relative RMS {r:.2e}");
+        }
+    }
+}
+
+#[test]
+fn expert_offload_fits_lavapipe_deepseek4() {
+    check_offload_on_lavapipe(&[
+        ("dsv4-dims", &[0.0, 0.5], 84 << 20),
+        ("dsv4-tiny", &[0.25], 2 << 20),
+    ]);
+}
+
+#[test]
+fn expert_offload_fits_lavapipe_qwen35() {
+    check_offload_on_lavapipe(&[
+        ("qwen35moe-dims", &[0.0, 0.5], 64 << 20),
+        ("qwen35moe-tiny", &[0.25], 11 << 20),
+    ]);
+}
+
+/// Bytes of the largest buffer bound by a pass of `rows` rows of `path`'s model under `opts`
+/// (its family's `needs`).
+fn largest_bound(path: &Path, opts: &lathe::engine::LoadOptions, rows: usize) -> u64 {
+    let f = ModelFile::open(path).unwrap();
+    let run = lathe::moe::RunShape::new(opts, rows);
+    let nd = lathe::models::needs(&f, run);
+    nd.buffers.iter().map(|b| b.bytes).max().unwrap()
+}
+
+/// On a device whose bindings are far smaller than lavapipe's (the limits a device is created
+/// with are what wgpu validates), every family shortens its passes until each buffer fits:
+/// with and without experts off the GPU the logits match the full-limit run's, the prompt
+/// now spread over several passes; a limit no pass fits is an error at load that names the
+/// buffer, its size and the limit (not a validation error at the first pass).
+#[test]
+fn small_binding_limits_shorten_passes() {
+    use lathe::engine::LoadOptions;
+    use lathe::gpu::BufferLimits;
+    let base = LoadOptions {
+        ctx: 256,
+        max_seqs: 1,
+        ..Default::default()
+    };
+    let moe = [None, Some(0.0)];
+    for (name, shares) in [
+        ("dsv4-tiny", &moe[..]),
+        ("qwen35moe-tiny", &moe[..]),
+        ("qwen35-tiny", &[None][..]),
+    ] {
+        let (path, tokens) = offload_fixture(name, "model-q8_0.gguf", SMALL_LIMIT_PROMPT);
+        let (want, full_rows) = offload_logits(&offload_gpu(&path, None), &path, &tokens, &base)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // A binding of 1/64 of the widest buffer of a full pass (passes of ~8 rows), or what
+        // passes of one row bind where buffers that do not follow the pass length (a
+        // ratio-128 compressor's store, the decode attention's split scratch) are wider.
+        let max_binding = (largest_bound(&path, &base, full_rows) / 64)
+            .max(largest_bound(&path, &base, 1))
+            .next_multiple_of(256);
+        let cap = BufferLimits {
+            max_binding,
+            max_buffer: 4 * max_binding,
+        };
+        let small = offload_gpu(&path, Some(cap));
+        for &share in shares {
+            let opts = LoadOptions {
+                gpu_experts: share,
+                ..base.clone()
+            };
+            let what = format!("{name} --gpu-experts {share:?}, bindings of {max_binding} bytes");
+            let (got, rows) = offload_logits(&small, &path, &tokens, &opts)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let r = rel_rms(&got, &want);
+            eprintln!(
+                "{what}: passes of {rows} rows (full limits: {full_rows}), relative RMS {r:.2e}"
+            );
+            assert!(
+                rows < SMALL_LIMIT_PROMPT - 4,
+                "{what}: passes of {rows} rows"
+            );
+            assert!(
+                largest_bound(&path, &opts, rows) <= max_binding,
+                "{what}: passes of {rows} rows"
+            );
+            assert!(r <= OFFLOAD_RMS, "{what}: relative RMS {r:.2e}");
+        }
+        // One row of logits (n_vocab f32) is the least any pass binds.
+        let tiny = BufferLimits {
+            max_binding: 1024,
+            max_buffer: 1 << 20,
+        };
+        let e = offload_logits(&offload_gpu(&path, Some(tiny)), &path, &tokens, &base)
+            .expect_err("a 1 KiB binding limit");
+        eprintln!("{name}, 1 KiB bindings: {e}");
+        assert!(
+            e.contains(&path.display().to_string())
+                && e.contains("` of ")
+                && e.contains(
+                    "bytes exceeds the adapter's max_storage_buffer_binding_size of 1024 bytes"
+                ),
+            "{name}: {e}"
+        );
+    }
 }

@@ -1,9 +1,12 @@
-//! Layers point one way: a file under `src/` imports (by a `crate::` or `lathe::` path) only
-//! files of its own layer or of lower ones, and no files import each other in a circle.
+//! Layers point one way: a file under `src/` imports (by a `crate::`, `lathe::`, `super::` or
+//! `self::` path) only files of its own layer or of lower ones, and no files import each other
+//! in a circle.
 //!
 //! The layers, lowest first, are declared once in [`LAYERS`]. Reading the sources is plain
-//! text work (comments and string literals stripped, `use` trees expanded, each path resolved
-//! to the deepest file it names, through `pub use` re-exports of `mod.rs`/`lib.rs`), so the
+//! text work (comments and string literals stripped, `use` trees expanded, a relative path
+//! made absolute from the module it is written in, inline `mod x { .. }` blocks included, each
+//! path resolved to the deepest file it names, through `pub use` re-exports of
+//! `mod.rs`/`lib.rs`), so the
 //! test needs no compiler plugin. `cargo test --test layers -- --nocapture` prints the import
 //! graph's numbers: upward imports, circles, the largest files and functions.
 
@@ -225,9 +228,18 @@ fn expand(b: &[u8], i: &mut usize, prefix: &[String], out: &mut Vec<Vec<String>>
 
 /// Every path after `crate::` / `lathe::` in a stripped source.
 fn crate_paths(text: &str) -> Vec<Vec<String>> {
+    paths(text, &[])
+}
+
+/// Every path in a stripped source, relative to the crate root: after `crate::` / `lathe::`,
+/// and after `super::` / `self::` made absolute from `module`, the module of the file, and the
+/// inline `mod x { .. }` blocks around the path.
+fn paths(text: &str, module: &[String]) -> Vec<Vec<String>> {
     let b = text.as_bytes();
+    let inline = inline_mods(text);
     let mut out = Vec::new();
-    for root in ["crate::", "lathe::"] {
+    for root in ["crate::", "lathe::", "super::", "self::"] {
+        let relative = root == "super::" || root == "self::";
         let mut from = 0;
         while let Some(p) = text[from..].find(root) {
             let at = from + p;
@@ -236,10 +248,87 @@ fn crate_paths(text: &str) -> Vec<Vec<String>> {
                 continue;
             }
             let mut i = from;
-            expand(b, &mut i, &[], &mut out);
+            let mut found = Vec::new();
+            expand(b, &mut i, &[], &mut found);
+            if !relative {
+                out.extend(found);
+                continue;
+            }
+            // The module the path is written in, then one step up per `super`.
+            let mut base = module.to_vec();
+            base.extend(
+                inline
+                    .iter()
+                    .filter(|(_, span)| span.contains(&at))
+                    .map(|(name, _)| name.clone()),
+            );
+            let ups = usize::from(root == "super::");
+            for p in found {
+                let more = p.iter().take_while(|s| *s == "super").count();
+                let mut full = base[..base.len().saturating_sub(ups + more)].to_vec();
+                full.extend(p[more..].iter().cloned());
+                out.push(full);
+            }
         }
     }
     out
+}
+
+/// The inline modules of a stripped source (`mod tests { .. }`): name and byte span, outer
+/// ones first.
+fn inline_mods(text: &str) -> Vec<(String, std::ops::Range<usize>)> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(p) = text[from..].find("mod ") {
+        let at = from + p;
+        from = at + 4;
+        if at > 0 && is_ident(b[at - 1]) {
+            continue;
+        }
+        let name: String = text[from..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let rest = text[from + name.len()..].trim_start();
+        if name.is_empty() || !rest.starts_with('{') {
+            continue;
+        }
+        let open = text.len() - rest.len();
+        let mut depth = 0;
+        let mut end = open;
+        while end < b.len() {
+            match b[end] {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            end += 1;
+        }
+        out.push((name, open..end));
+    }
+    out
+}
+
+/// The module path of a file under `src/`: `src/gpu/mod.rs` → `gpu`, `src/gpu/x.rs` → `gpu::x`.
+fn module_of(src: &Path, f: &Path) -> Vec<String> {
+    let rel = f.strip_prefix(src).unwrap().with_extension("");
+    let mut m: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if matches!(
+        m.last().map(String::as_str),
+        Some("mod") | Some("lib") | Some("main")
+    ) {
+        m.pop();
+    }
+    m
 }
 
 /// Names that module file `f` re-exports (`pub use a::b::{C, D as E}`), to their paths
@@ -349,7 +438,7 @@ fn graph() -> BTreeMap<(String, String), usize> {
     for f in &files {
         let text = strip(&std::fs::read_to_string(f).unwrap());
         let from = rel(f);
-        for p in crate_paths(&text) {
+        for p in paths(&text, &module_of(&src, f)) {
             let Some(to) = resolve(&src, &p, 0) else {
                 continue;
             };
@@ -568,7 +657,29 @@ fn reader_finds_what_it_should() {
     .map(|v| v.iter().map(|s| s.to_string()).collect())
     .collect();
     assert_eq!(p, want);
+    // Relative paths, from the file's module and the inline modules around them.
+    let t = strip(
+        "use super::a::B;\nmod tests {\n use super::*;\n fn f() { self::g(); super::super::c::D; }\n}",
+    );
+    let module = ["gpu".to_string(), "x".to_string()];
+    let mut p = paths(&t, &module);
+    p.sort();
+    let want: Vec<Vec<String>> = [
+        vec!["gpu", "a", "B"],
+        vec!["gpu", "c", "D"],
+        vec!["gpu", "x"],
+        vec!["gpu", "x", "tests", "g"],
+    ]
+    .iter()
+    .map(|v| v.iter().map(|s| s.to_string()).collect())
+    .collect();
+    assert_eq!(p, want);
     let src = src_dir();
+    assert_eq!(module_of(&src, &src.join("gpu/mod.rs")), ["gpu"]);
+    assert_eq!(
+        module_of(&src, &src.join("gpu/matvec.rs")),
+        ["gpu", "matvec"]
+    );
     let lib_error = resolve(&src, &["Error".to_string()], 0).unwrap();
     assert_eq!(rel(&lib_error), "src/error.rs");
     assert!(layer_of("src/gpu/matmul.rs") < layer_of("src/models/qwen35/mod.rs"));

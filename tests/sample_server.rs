@@ -33,6 +33,7 @@ fn job(
         constraint: None,
         deadline: Instant::now() + Duration::from_secs(300),
         events: tx,
+        siblings: Vec::new(),
     };
     (job, rx)
 }

@@ -1777,3 +1777,310 @@ fn template_that_builds_huge_values_is_a_400() {
     let (st, r) = s.post("/v1/completions", &completion("Still here", 2));
     assert_eq!(st, 200, "{r}");
 }
+
+/// The value of an unlabelled counter in a `/metrics` scrape.
+fn metric(s: &Server, name: &str) -> f64 {
+    let (st, _, m) = request(&s.addr, "GET", "/metrics", &[], None).unwrap();
+    assert_eq!(st, 200);
+    let m = String::from_utf8(m).unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+        .parse()
+        .unwrap()
+}
+
+/// `n > 1`: n choices indexed 0..n, decoded side by side in their own slots, the prompt
+/// computed once (the other choices copy its state: their prompt tokens count as cached),
+/// usage summing the choices' tokens; greedy choices are equal, seeded ones repeatable and
+/// distinct, the first the same as `n = 1`'s; streamed chunks carry their choice's index;
+/// constraints hold for every choice; `n` over `--parallel` is a 400 naming `n`.
+#[test]
+fn several_choices_per_request() {
+    let s = Server::start(&["--parallel", "3"]);
+    let prompt = "Three ways to say hello";
+    let cached0 = metric(&s, "lathe_prompt_cached_tokens_total");
+    let mut body = completion(prompt, 8);
+    body["n"] = 3.into();
+    let (st, r) = s.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{r}");
+    let ch = r["choices"].as_array().unwrap();
+    assert_eq!(ch.len(), 3);
+    for (i, c) in ch.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], ch[0]["text"], "greedy choices are equal: {r}");
+    }
+    let n_prompt = r["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(r["usage"]["completion_tokens"], 24);
+    assert_eq!(r["usage"]["total_tokens"], n_prompt + 24);
+    // Two choices took all but the prompt's last token by copy.
+    let copied = metric(&s, "lathe_prompt_cached_tokens_total") - cached0;
+    assert_eq!(copied, 2.0 * (n_prompt - 1) as f64);
+
+    // Seeded sampling: the first choice is n = 1's, the others differ, all repeatable.
+    let seeded = |n: usize| {
+        json!({"prompt": "Dice:", "max_tokens": 10, "temperature": 1.0, "top_k": 0,
+               "top_p": 1.0, "min_p": 0, "seed": 7, "logit_bias": no_eos(), "n": n})
+    };
+    let texts = |r: &Value| -> Vec<String> {
+        r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (_, a) = s.post("/v1/completions", &seeded(3));
+    let (_, b) = s.post("/v1/completions", &seeded(3));
+    let (_, single) = s.post("/v1/completions", &seeded(1));
+    let (ta, tb) = (texts(&a), texts(&b));
+    assert_eq!(ta, tb, "seeded choices repeat");
+    assert_eq!(ta[0], texts(&single)[0]);
+    assert!(ta[0] != ta[1] && ta[1] != ta[2], "{ta:?}");
+
+    // Chat, streamed: every chunk names its choice; each choice's text is the whole reply's.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+                      "temperature": 0, "logit_bias": no_eos(), "n": 2,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let (st, ev) = s.stream("/v1/chat/completions", &chat);
+    assert_eq!(st, 200);
+    let mut per = [String::new(), String::new()];
+    let mut finishes = 0;
+    let mut usage = Value::Null;
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            per[i].push_str(
+                c.pointer("/delta/content")
+                    .and_then(Value::as_str)
+                    .unwrap_or(""),
+            );
+            finishes += c["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(finishes, 2);
+    assert_eq!(usage["completion_tokens"], 12, "{usage}");
+    let mut whole = chat.clone();
+    whole["stream"] = false.into();
+    let (st, w) = s.post("/v1/chat/completions", &whole);
+    assert_eq!(st, 200, "{w}");
+    for (i, text) in per.iter().enumerate() {
+        let c = &w["choices"][i];
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"].as_str().unwrap(), text.as_str());
+    }
+
+    // A schema holds for every choice.
+    let constrained = json!({"messages": [{"role": "user", "content": "A pet"}], "n": 3,
+        "max_tokens": 200, "temperature": 1.0, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": pet_schema(), "strict": true}}});
+    let (st, r) = s.post("/v1/chat/completions", &constrained);
+    assert_eq!(st, 200, "{r}");
+    for c in r["choices"].as_array().unwrap() {
+        let v: Value = serde_json::from_str(c["message"]["content"].as_str().unwrap())
+            .unwrap_or_else(|e| panic!("{e}: {c}"));
+        assert!(is_pet(&v), "{v}");
+    }
+
+    let mut too_many = completion(prompt, 2);
+    too_many["n"] = 4.into();
+    let (st, e) = s.post("/v1/completions", &too_many);
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "n", "{e}");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--parallel"));
+    let (_, h) = s.get("/health");
+    assert_eq!(
+        h["slots"]["active"], 0,
+        "every choice's slot is free again: {h}"
+    );
+}
+
+/// A streamed Responses API answer: (event name, data) in order.
+fn named_events(s: &Server, path: &str, body: &Value) -> Vec<(String, Value)> {
+    let (st, h, b) = request(
+        &s.addr,
+        "POST",
+        path,
+        &[],
+        Some(body.to_string().as_bytes()),
+    )
+    .unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    assert!(h.contains("text/event-stream"), "{h}");
+    String::from_utf8(b)
+        .unwrap()
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').expect("event and data lines");
+            let name = name.strip_prefix("event: ").expect("an event line");
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], name, "{data}");
+            (name.to_string(), data)
+        })
+        .collect()
+}
+
+/// `/v1/responses`: `instructions` + `input` run as the same chat does (the same greedy text
+/// as `/v1/chat/completions`), as a `message` item with `output_text`, `usage` in input and
+/// output tokens, `incomplete` at `max_output_tokens`; streamed as OpenAI's named events, in
+/// order, with sequence numbers; `text.format` and forced tools through structured output
+/// (a `function_call` item); input items of every kind; unsupported fields are 400s naming them.
+#[test]
+fn responses_api() {
+    let s = Server::start(&["--parallel", "2"]);
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Hello there"}],
+                      "max_tokens": 8, "temperature": 0, "logit_bias": no_eos()});
+    let (st, c) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(st, 200, "{c}");
+    let want = c["choices"][0]["message"]["content"].as_str().unwrap();
+    let body = json!({"model": "m", "instructions": "Be brief.", "input": "Hello there",
+                      "max_output_tokens": 8, "temperature": 0, "logit_bias": no_eos()});
+    let (st, r) = s.post("/v1/responses", &body);
+    assert_eq!(st, 200, "{r}");
+    assert!(r["id"].as_str().unwrap().starts_with("resp_"), "{r}");
+    assert_eq!(r["object"], "response");
+    assert_eq!(r["status"], "incomplete", "{r}");
+    assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(r["instructions"], "Be brief.");
+    assert_eq!(r["max_output_tokens"], 8);
+    let out = r["output"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{r}");
+    assert_eq!(
+        (out[0]["type"].as_str(), out[0]["role"].as_str()),
+        (Some("message"), Some("assistant"))
+    );
+    assert_eq!(out[0]["content"][0]["type"], "output_text");
+    assert_eq!(out[0]["content"][0]["text"], want, "the chat's reply");
+    assert_eq!(r["usage"]["output_tokens"], 8);
+    assert_eq!(r["usage"]["input_tokens"], c["usage"]["prompt_tokens"]);
+
+    // The same as input items (a developer message, text parts), streamed.
+    let mut sb = body.clone();
+    sb["instructions"] = Value::Null;
+    sb["input"] = json!([{"role": "developer", "content": "Be brief."},
+                         {"type": "message", "role": "user",
+                          "content": [{"type": "input_text", "text": "Hello there"}]}]);
+    sb["stream"] = true.into();
+    let ev = named_events(&s, "/v1/responses", &sb);
+    let names: Vec<&str> = ev
+        .iter()
+        .map(|e| e.0.as_str())
+        .filter(|n| !n.ends_with(".delta"))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+    for (i, e) in ev.iter().enumerate() {
+        assert_eq!(e.1["sequence_number"], i);
+    }
+    let deltas: String = ev
+        .iter()
+        .filter(|e| e.0 == "response.output_text.delta")
+        .map(|e| e.1["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, want);
+    let done = &ev
+        .iter()
+        .find(|e| e.0 == "response.output_text.done")
+        .unwrap()
+        .1;
+    assert_eq!(done["text"], want);
+    let last = &ev.last().unwrap().1["response"];
+    assert_eq!(last["output"][0]["content"][0]["text"], want);
+    assert_eq!(last["usage"]["output_tokens"], 8);
+
+    // text.format json_schema: the reply follows the schema and completes.
+    let fmt = json!({"input": "a pet", "max_output_tokens": 200, "temperature": 1.0, "seed": 2,
+        "text": {"format": {"type": "json_schema", "name": "pet", "schema": pet_schema(), "strict": true}}});
+    let (st, r) = s.post("/v1/responses", &fmt);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["status"], "completed", "{r}");
+    let text = r["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(is_pet(&serde_json::from_str(text).unwrap()), "{text}");
+
+    // A forced tool: a function_call item; then the call and its output go back as input.
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": false}}]);
+    let tb = json!({"input": "weather?", "tools": tools, "tool_choice": "required",
+                    "max_output_tokens": 100, "temperature": 0});
+    let (st, r) = s.post("/v1/responses", &tb);
+    assert_eq!(st, 200, "{r}");
+    let call = r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["type"] == "function_call");
+    let call = call.unwrap_or_else(|| panic!("no function_call: {r}"));
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Oslo"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    let mut sb = tb.clone();
+    sb["stream"] = true.into();
+    let ev = named_events(&s, "/v1/responses", &sb);
+    let fc = ev
+        .iter()
+        .find(|e| e.0 == "response.function_call_arguments.done")
+        .unwrap();
+    assert_eq!(fc.1["arguments"], call["arguments"]);
+    assert_eq!(ev.last().unwrap().0, "response.completed");
+    let follow = json!({"input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": call["call_id"], "name": "get_weather", "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}],
+        "tools": tools, "max_output_tokens": 4, "temperature": 0});
+    let (st, r) = s.post("/v1/responses", &follow);
+    assert_eq!(st, 200, "{r}");
+
+    for (extra, param) in [
+        (
+            json!({"previous_response_id": "resp_x"}),
+            "previous_response_id",
+        ),
+        (json!({"store": true}), "store"),
+        (json!({"background": true}), "background"),
+        (json!({"input": []}), "input"),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+            "input[0].content[0]",
+        ),
+        (json!({"tools": [{"type": "web_search"}]}), "tools[0].type"),
+        (json!({"max_output_tokens": 0}), "max_output_tokens"),
+        (json!({"text": {"format": {"type": "xml"}}}), "text.format"),
+    ] {
+        let mut b = json!({"input": "x"});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (st, e) = s.post("/v1/responses", &b);
+        assert_eq!(
+            (st, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{extra}: {e}"
+        );
+    }
+}

@@ -89,11 +89,65 @@ with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
     together = list(pool.map(one, enumerate(prompts)))
 check("concurrent clients match", together == alone, (together, alone))
 
+# n > 1: greedy choices are equal, indexed 0..n; usage sums their tokens.
+r = chat("Hello", n=3, max_tokens=5)
+check("n=3 choices", [c.index for c in r.choices] == [0, 1, 2], r.choices)
+check("n=3 greedy equal", len({c.message.content for c in r.choices}) == 1, r.choices)
+check("n=3 usage", r.usage.completion_tokens == 15, r.usage)
+per = {}
+for c in chat("Hello", stream=True, n=2, max_tokens=5):
+    for ch in c.choices:
+        per[ch.index] = per.get(ch.index, "") + (ch.delta.content or "")
+check("n=2 stream by index", per == {0: r.choices[0].message.content, 1: r.choices[1].message.content}, per)
+seeded = [
+    client.completions.create(
+        model="m", prompt="Dice:", max_tokens=8, temperature=1.0, top_p=1.0, seed=5, n=2, logit_bias=NO_EOS
+    )
+    for _ in range(2)
+]
+texts = [[c.text for c in s.choices] for s in seeded]
+check("n=2 seeded repeatable, distinct", texts[0] == texts[1] and texts[0][0] != texts[0][1], texts)
 try:
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
-    check("n=2 refused", False, "no error")
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=5)
+    check("n over --parallel refused", False, "no error")
 except openai.BadRequestError as e:
-    check("n=2 refused", e.status_code == 400 and e.body.get("param") == "n", e.body)
+    check("n over --parallel refused", e.status_code == 400 and e.body.get("param") == "n", e.body)
+
+# The Responses API: the same reply as the chat, whole and as named stream events.
+want = chat("Hello", max_tokens=6).choices[0].message.content
+rs = client.responses.create(
+    model="m", input="Hello", max_output_tokens=6, temperature=0, extra_body={"logit_bias": NO_EOS}
+)
+check("responses output_text", rs.output_text == want and rs.output[0].type == "message", rs)
+check("responses usage", rs.usage.output_tokens == 6 and rs.usage.input_tokens > 0, rs.usage)
+check("responses incomplete", rs.status == "incomplete" and rs.incomplete_details.reason == "max_output_tokens", rs)
+events = list(
+    client.responses.create(
+        model="m",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
+        max_output_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"logit_bias": NO_EOS},
+    )
+)
+kinds = [e.type for e in events]
+check("responses stream events", kinds[0] == "response.created" and kinds[-1] == "response.incomplete", kinds)
+deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+check("responses stream text", deltas == want, (deltas, want))
+tool = {
+    "type": "function",
+    "name": "now",
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+}
+rt = client.responses.create(model="m", input="time?", tools=[tool], tool_choice="required", max_output_tokens=60)
+calls = [o for o in rt.output if o.type == "function_call"]
+check("responses function_call", len(calls) == 1 and calls[0].name == "now", rt.output)
+try:
+    client.responses.create(model="m", input="x", previous_response_id="resp_1")
+    check("previous_response_id refused", False, "no error")
+except openai.BadRequestError as e:
+    check("previous_response_id refused", e.status_code == 400 and e.body.get("param") == "previous_response_id", e.body)
 
 try:
     OpenAI(base_url=URL, api_key="wrong", max_retries=0).models.list()

@@ -159,6 +159,7 @@ fn serve_waves(
                     constraint: None,
                     deadline: Instant::now() + Duration::from_secs(600),
                     events: tx,
+                    siblings: Vec::new(),
                 };
                 sched.submit(job).expect("queued");
                 rx

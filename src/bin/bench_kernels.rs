@@ -20,7 +20,7 @@
 //! long untimed pass queued first so the GPU never waits for the CPU; else wall time.
 
 use clap::Parser;
-use lathe::gpu::coopmat::Precision::{Split as SPLIT, F16};
+use lathe::gpu::coopmat::Precision::{Split as SPLIT, SplitX as SPLITX, F16};
 use lathe::gpu::matmul::Int8Levels::{One as I8, Two as I8X2};
 use lathe::gpu::matvec::{self, MatvecOpts, Tune};
 use lathe::gpu::{coopmat, matmul};
@@ -84,6 +84,23 @@ struct Args {
     /// Adapter index or name substring.
     #[arg(long, default_value = "auto")]
     adapter: String,
+    /// Bare cooperative-matrix tiles to time instead of the kernels (`all`, or a comma list
+    /// of `MODE-BMxBNxBK-SGMxSGN[-sSKEW][-bNBUF][-u]`, see `LabTile`): the ceiling of the
+    /// matrix units from WGSL, at `--lab-size` cubed.
+    #[arg(long)]
+    lab: Option<String>,
+    /// M = N = K of the lab's products.
+    #[arg(long, default_value_t = 4096)]
+    lab_size: u32,
+    /// The device's dense f16 peak in TFLOP/s the lab's ratios are against (default: the
+    /// H200's ~790, what cuBLAS measures for bf16 products on it).
+    #[arg(long, default_value_t = 790.0)]
+    peak: f64,
+    /// Write the final WGSL of the lab's tiles (`--lab`) and of the cooperative-matrix product
+    /// variants of Q4_K and Q8_0 into this directory and exit (no device needed): for
+    /// `naga` + `spirv-dis`.
+    #[arg(long)]
+    dump_wgsl: Option<std::path::PathBuf>,
 }
 
 /// Reads the whole buffer as vec4 and writes one sum per workgroup: the bandwidth reference.
@@ -286,8 +303,24 @@ fn parse_variant(s: &str) -> &'static [(&'static str, &'static str)] {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let lab: Vec<LabTile> = match args.lab.as_deref() {
+        None => Vec::new(),
+        Some(l) => {
+            let l = if l == "all" { LAB_ALL } else { l };
+            l.split(',')
+                .map(LabTile::parse)
+                .collect::<std::result::Result<_, _>>()
+                .map_err(lathe::Error::Invalid)?
+        }
+    };
+    if let Some(dir) = &args.dump_wgsl {
+        return dump_wgsl(dir, &lab);
+    }
     let gpu = Gpu::new(&args.adapter.parse().unwrap_or(AdapterChoice::Auto))?;
     println!("{}", gpu.report());
+    if !lab.is_empty() {
+        return bench_lab(&gpu, &lab, args.lab_size, args.peak, args.passes);
+    }
     let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
     let shapes: Vec<(u64, u64)> = match &args.shapes {
         Some(s) => s
@@ -459,7 +492,8 @@ fn bench_shape(
             }
             if coopmat::usable(gpu, dt).is_some() {
                 kinds.extend(variants.iter().map(|v| ("coop", *v)));
-                kinds.push(("split", parse_variant("-")));
+                kinds.extend(variants.iter().map(|v| ("split", *v)));
+                kinds.push(("splitx", parse_variant("-")));
             }
             for (kind, defines) in kinds {
                 let o = MatvecOpts {
@@ -474,6 +508,9 @@ fn bench_shape(
                             "split" => {
                                 coopmat::matmul_coop(pass, SPLIT, w, &xp, 0, &yp, 0, np, &o)?
                             }
+                            "splitx" => {
+                                coopmat::matmul_coop(pass, SPLITX, w, &xp, 0, &yp, 0, np, &o)?
+                            }
                             "int8" => matmul::matmul_int8(pass, I8, w, &xp, 0, &yp, 0, np, &o)?,
                             "int8x2" => matmul::matmul_int8(pass, I8X2, w, &xp, 0, &yp, 0, np, &o)?,
                             _ => matmul::matmul_tiled(pass, w, &xp, 0, &yp, 0, np, &o)?,
@@ -485,7 +522,7 @@ fn bench_shape(
                 let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
                 let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
                 println!(
-                    "{:<6} {rows}x{cols} prefill {np} tokens {kind:>5} {}: {:8.3} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
+                    "{:<6} {rows}x{cols} prefill {np} tokens {kind:>6} {}: {:8.3} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
                     dt.name(),
                     dl.join(","),
                     s * 1e3,
@@ -558,4 +595,447 @@ fn bench_shape(
         }
     }
     Ok(())
+}
+
+/// One bare tile of the kernel lab (`--lab`): f16 x f16 -> f32 cooperative products of
+/// `M x K` by `N x K` (both K-contiguous, as lathe's weights and staged x) into `Y[M][N]`,
+/// BM x BN per workgroup of SGM x SGN subgroups, BK weights per step, rows of BK + `skew`
+/// halves in workgroup memory, `nbuf` buffers.
+/// - `smem`: the tiles are filled once; each step only loads fragments out of workgroup
+///   memory (buffer `step % nbuf`, so no load is loop-invariant) and multiplies, with the one
+///   barrier per step a real double-buffered tile has: the ceiling of the matrix units as WGSL
+///   reaches them.
+/// - `stream`: A and B stream from global memory, 16-byte loads into registers, stored into
+///   workgroup memory at the top of the next step (store first, as NVIDIA's
+///   vk_cooperative_matrix_perf `shmem.comp` does), so the loads are in flight during the
+///   products; what staging costs on top of `smem`.
+///
+/// `-p3`: three products per step into the accumulators (hi x hi, lo x hi, hi x lo) from four
+/// staged tiles, the cost of operands split into two f16 parts each (`coop-split`); the
+/// streamed tile derives the lo tiles from the loaded registers (x 2^-11), as a weight's
+/// remainder comes from its one decode.
+///
+/// Fragments are named variables (never arrays: WGSL has no unroll, and an array of
+/// cooperative matrices indexed by a loop variable can land in function memory).
+#[derive(Clone, Copy, Debug)]
+struct LabTile {
+    stream: bool,
+    bm: u32,
+    bn: u32,
+    bk: u32,
+    sgm: u32,
+    sgn: u32,
+    skew: u32,
+    nbuf: u32,
+    /// Three products per step from split operands (`-p3`).
+    three: bool,
+    /// Runtime bounds checks off (indices proven in range by construction).
+    unchecked: bool,
+}
+
+/// The lab's default set: lathe's tile shapes (8 subgroups of 64 rows x 32 tokens, steps of
+/// one chunk (32) as XSTAGE; BK 64 as the L2 tile) and the reference benchmark's (8 subgroups
+/// 2 x 4, 128x128 and 256x128, BK 16 for f32 accumulators, 16-byte skew).
+const LAB_ALL: &str = "smem-128x128x32-2x4,smem-128x128x16-2x4,smem-256x128x16-2x4,\
+smem-128x256x16-2x4,smem-128x128x32-2x4-u,smem-256x128x16-2x4-u,smem-128x128x64-2x4-b1,\
+smem-128x128x16-2x4-p3,stream-128x128x32-2x4,stream-128x128x16-2x4,stream-256x128x16-2x4,\
+stream-128x256x16-2x4,stream-128x128x16-2x4-b1,stream-128x128x32-2x4-u,\
+stream-256x128x16-2x4-u,stream-128x128x16-2x4-p3,stream-128x128x16-2x4-b1-p3";
+
+impl LabTile {
+    /// `MODE-BMxBNxBK-SGMxSGN[-sSKEW][-bNBUF][-u]`, e.g. `smem-128x128x16-2x4`.
+    fn parse(s: &str) -> std::result::Result<LabTile, String> {
+        let bad = || format!("--lab {s}: expected MODE-BMxBNxBK-SGMxSGN[-sSKEW][-bNBUF][-p3][-u]");
+        let mut it = s.trim().split('-');
+        let stream = match it.next() {
+            Some("smem") => false,
+            Some("stream") => true,
+            _ => return Err(bad()),
+        };
+        let nums = |t: Option<&str>| -> Option<Vec<u32>> {
+            t?.split('x').map(|v| v.parse().ok()).collect()
+        };
+        let (Some(d), Some(g)) = (nums(it.next()), nums(it.next())) else {
+            return Err(bad());
+        };
+        let (&[bm, bn, bk], &[sgm, sgn]) = (&d[..], &g[..]) else {
+            return Err(bad());
+        };
+        let mut t = LabTile {
+            stream,
+            bm,
+            bn,
+            bk,
+            sgm,
+            sgn,
+            skew: 8,
+            nbuf: 2,
+            three: false,
+            unchecked: false,
+        };
+        for o in it {
+            if o == "u" {
+                t.unchecked = true;
+            } else if o == "p3" {
+                t.three = true;
+            } else if let Some(v) = o.strip_prefix('s').and_then(|v| v.parse().ok()) {
+                t.skew = v;
+            } else if let Some(v) = o.strip_prefix('b').and_then(|v| v.parse().ok()) {
+                t.nbuf = v;
+            } else {
+                return Err(bad());
+            }
+        }
+        let wg = 32 * sgm * sgn;
+        let ok = sgm > 0
+            && sgn > 0
+            && bm % (16 * sgm) == 0
+            && bn % (16 * sgn) == 0
+            && bk % 16 == 0
+            && bk > 0
+            && t.skew.is_multiple_of(4)
+            && (1..=2).contains(&t.nbuf)
+            && wg <= 1024
+            && (!stream || ((bm * bk / 8) % wg == 0 && (bn * bk / 8) % wg == 0));
+        if !ok {
+            return Err(format!(
+                "--lab {s}: tiles must split into 16x16 fragments per subgroup, BK a multiple \
+                 of 16, the skew of 4 halves, 1 or 2 buffers, and (stream) each tile's 16-byte \
+                 pieces a multiple of the {wg} threads"
+            ));
+        }
+        Ok(t)
+    }
+
+    fn name(&self) -> String {
+        format!(
+            "{}-{}x{}x{}-{}x{}-s{}-b{}{}{}",
+            if self.stream { "stream" } else { "smem" },
+            self.bm,
+            self.bn,
+            self.bk,
+            self.sgm,
+            self.sgn,
+            self.skew,
+            self.nbuf,
+            if self.three { "-p3" } else { "" },
+            if self.unchecked { "-u" } else { "" }
+        )
+    }
+
+    /// Workgroup memory in bytes.
+    fn wg_bytes(&self) -> u32 {
+        self.nbuf * (self.bm + self.bn) * (self.bk + self.skew) * 2 * (1 + self.three as u32)
+    }
+
+    /// The kernel's WGSL (entry `lab`): generated, so the fragments are named variables.
+    fn wgsl(&self) -> String {
+        let (fm, fn_) = (self.bm / 16 / self.sgm, self.bn / 16 / self.sgn);
+        let wg = 32 * self.sgm * self.sgn;
+        let sa = (self.bk + self.skew) / 4;
+        let mut s = String::new();
+        let mut w = |l: String| {
+            s.push_str(&l);
+            s.push('\n');
+        };
+        w("enable f16;\nenable wgpu_cooperative_matrix;".into());
+        w("struct P { m: u32, n: u32, k: u32, steps: u32 }".into());
+        w("@group(0) @binding(0) var<uniform> p: P;".into());
+        w("@group(0) @binding(1) var<storage, read> GA: array<mat2x4<f16>>;".into());
+        w("@group(0) @binding(2) var<storage, read> GB: array<mat2x4<f16>>;".into());
+        w("@group(0) @binding(3) var<storage, read_write> Y: array<f32>;".into());
+        w(format!(
+            "const BM = {}u;\nconst BN = {}u;\nconst SA = {sa}u;\nconst NBUF = {}u;\nconst WG = {wg}u;",
+            self.bm, self.bn, self.nbuf
+        ));
+        w("var<workgroup> As: array<vec4<f16>, NBUF * BM * SA>;".into());
+        w("var<workgroup> Bs: array<vec4<f16>, NBUF * BN * SA>;".into());
+        if self.three {
+            w("var<workgroup> As2: array<vec4<f16>, NBUF * BM * SA>;".into());
+            w("var<workgroup> Bs2: array<vec4<f16>, NBUF * BN * SA>;".into());
+            w("const LO = f16(0.00048828125);".into());
+        }
+        w("@compute @workgroup_size(WG)".into());
+        w("fn lab(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32, @builtin(subgroup_id) sg: u32) {".into());
+        w("    let m0 = wid.x * BM;\n    let n0 = wid.y * BN;".into());
+        w(format!(
+            "    let sm = (sg % {}u) * {}u;\n    let sn = (sg / {}u) * {}u;",
+            self.sgm,
+            16 * fm,
+            self.sgm,
+            16 * fn_
+        ));
+        for i in 0..fm {
+            for j in 0..fn_ {
+                w(format!("    var c{i}_{j}: coop_mat16x16<f32, C>;"));
+            }
+        }
+        // 16-byte pieces per tile row and per thread
+        let pr = self.bk / 8;
+        let (na, nb) = (self.bm * pr / wg.max(1), self.bn * pr / wg.max(1));
+        let kv = "(p.k / 8u)";
+        let load = |w: &mut dyn FnMut(String), step: &str| {
+            for (regs, g, r0, n) in [("ra", "GA", "m0", na), ("rb", "GB", "n0", nb)] {
+                for t in 0..n {
+                    w(format!(
+                        "        {{ let q = lid + {}u; {regs}{t} = {g}[({r0} + q / {pr}u) * {kv} + ({step}) * {pr}u + q % {pr}u]; }}",
+                        t * wg
+                    ));
+                }
+            }
+        };
+        let three = self.three;
+        let store = |w: &mut dyn FnMut(String)| {
+            for (regs, sh, rows, n) in [("ra", "As", "BM", na), ("rb", "Bs", "BN", nb)] {
+                for t in 0..n {
+                    let lo = if three {
+                        format!(" {sh}2[o] = {regs}{t}[0] * LO; {sh}2[o + 1u] = {regs}{t}[1] * LO;")
+                    } else {
+                        String::new()
+                    };
+                    w(format!(
+                        "        {{ let q = lid + {}u; let o = buf * {rows} * SA + (q / {pr}u) * SA + 2u * (q % {pr}u); {sh}[o] = {regs}{t}[0]; {sh}[o + 1u] = {regs}{t}[1];{lo} }}",
+                        t * wg
+                    ));
+                }
+            }
+        };
+        if self.stream {
+            for t in 0..na {
+                w(format!("    var ra{t}: mat2x4<f16>;"));
+            }
+            for t in 0..nb {
+                w(format!("    var rb{t}: mat2x4<f16>;"));
+            }
+            load(&mut w, "0u");
+        } else {
+            // fill once: small values (exact in f16), never zero
+            let tiles: &[(&str, &str)] = if three {
+                &[("As", "BM"), ("Bs", "BN"), ("As2", "BM"), ("Bs2", "BN")]
+            } else {
+                &[("As", "BM"), ("Bs", "BN")]
+            };
+            for (sh, rows) in tiles {
+                w(format!(
+                    "    for (var i = lid; i < NBUF * {rows} * SA; i += WG) {{"
+                ));
+                w(format!("        let v = f16(f32(i % 13u) * 0.0625 - 0.375);\n        {sh}[i] = vec4<f16>(v, -v, v * 0.5, 0.25);"));
+                w("    }".into());
+            }
+            w("    workgroupBarrier();".into());
+        }
+        w("    for (var step = 0u; step < p.steps; step++) {".into());
+        w("        let buf = step % NBUF;".into());
+        if self.stream {
+            if self.nbuf == 1 {
+                w("        workgroupBarrier();".into());
+            }
+            store(&mut w);
+            w("        workgroupBarrier();".into());
+            w("        if (step + 1u < p.steps) {".into());
+            load(&mut w, "step + 1u");
+            w("        }".into());
+        }
+        w("        let ab = buf * BM * SA;\n        let bb = buf * BN * SA;".into());
+        for kq in 0..self.bk / 16 {
+            let parts: &[(&str, &str)] = if three {
+                &[("", ""), ("2", "l")]
+            } else {
+                &[("", "")]
+            };
+            for (sh, v) in parts {
+                for i in 0..fm {
+                    w(format!(
+                        "        let a{v}{kq}_{i} = coopLoadT<coop_mat16x16<f16, A>>(&As{sh}[ab + (sm + {}u) * SA + {}u], SA);",
+                        16 * i,
+                        4 * kq
+                    ));
+                }
+            }
+            for j in 0..fn_ {
+                for (sh, v) in parts {
+                    w(format!(
+                        "        let b{v}{kq}_{j} = coopLoad<coop_mat16x16<f16, B>>(&Bs{sh}[bb + (sn + {}u) * SA + {}u], SA);",
+                        16 * j,
+                        4 * kq
+                    ));
+                }
+                for i in 0..fm {
+                    w(format!(
+                        "        c{i}_{j} = coopMultiplyAdd(a{kq}_{i}, b{kq}_{j}, c{i}_{j});"
+                    ));
+                    if three {
+                        w(format!(
+                            "        c{i}_{j} = coopMultiplyAdd(al{kq}_{i}, b{kq}_{j}, c{i}_{j});\n        c{i}_{j} = coopMultiplyAdd(a{kq}_{i}, bl{kq}_{j}, c{i}_{j});"
+                        ));
+                    }
+                }
+            }
+        }
+        if !self.stream {
+            w("        workgroupBarrier();".into());
+        }
+        w("    }".into());
+        // the store's index and stride as `let`s: naga 30's SPIR-V writer panics ("Expression
+        // is not cached") on a cooperative store whose pointer index or stride is an
+        // expression over a uniform written in the call itself
+        w("    let ys = p.n;".into());
+        for i in 0..fm {
+            for j in 0..fn_ {
+                w(format!(
+                    "    let y{i}_{j} = (m0 + sm + {}u) * ys + n0 + sn + {}u;\n    coopStoreT(c{i}_{j}, &Y[y{i}_{j}], ys);",
+                    16 * i,
+                    16 * j
+                ));
+            }
+        }
+        w("}".into());
+        s
+    }
+}
+
+/// `--dump-wgsl`: the lab tiles' and the product variants' final WGSL, one file each.
+fn dump_wgsl(dir: &Path, lab: &[LabTile]) -> Result<()> {
+    let write = |path: std::path::PathBuf, text: &str| {
+        std::fs::write(&path, text).map_err(|source| lathe::Error::Io { path, source })
+    };
+    std::fs::create_dir_all(dir).map_err(|source| lathe::Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for t in lab {
+        write(dir.join(format!("lab-{}.wgsl", t.name())), &t.wgsl())?;
+    }
+    for dt in [DType::Q4_K, DType::Q8_0] {
+        for spec in coopmat::variant_specs(dt, 4096)? {
+            write(dir.join(format!("{}.wgsl", spec.label)), &spec.wgsl()?)?;
+        }
+    }
+    println!("wrote {}", dir.display());
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct LabParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    steps: u32,
+}
+
+/// Lab operand values: small multiples of 1/8, exact in f16, so the f32 products are exact
+/// enough to check against the CPU.
+fn lab_value(r: u64, k: u64, mul: u64, m: u64) -> f32 {
+    ((r * mul + k * 3) % m) as f32 / 8.0 - 1.0
+}
+
+/// `--lab`: each tile's 4096³ product (`size`³) timed, in TFLOP/s and as a share of `peak`;
+/// the streamed tiles' results checked at a few entries against the CPU.
+fn bench_lab(gpu: &Gpu, tiles: &[LabTile], size: u32, peak: f64, passes: u32) -> Result<()> {
+    if coopmat::Precision::of(gpu).is_none() {
+        println!("lab: this adapter has no cooperative-matrix path; nothing to time");
+        return Ok(());
+    }
+    if !size.is_multiple_of(256) {
+        return Err(lathe::Error::Invalid(format!(
+            "--lab-size {size}: must be a multiple of 256 (the largest tile)"
+        )));
+    }
+    let n = size as u64;
+    let operand = |mul: u64, m: u64| -> Vec<u8> {
+        let v: Vec<half::f16> = (0..n * n)
+            .map(|i| half::f16::from_f32(lab_value(i / n, i % n, mul, m)))
+            .collect();
+        bytemuck::cast_slice(&v).to_vec()
+    };
+    let ga = gpu.upload(&operand(7, 17), "lab_a")?;
+    let gb = gpu.upload(&operand(5, 15), "lab_b")?;
+    let y = gpu.buffer(n * n * 4, "lab_y")?;
+    let flops = 2.0 * (n * n * n) as f64;
+    let per_pass = 8;
+    println!("lab: {size}x{size}x{size} f16 x f16 -> f32, peak {peak} TFLOP/s");
+    for t in tiles {
+        let limit = gpu.limits.max_compute_workgroup_storage_size;
+        if t.wg_bytes() > limit {
+            println!(
+                "lab {:<28} skipped: {} B of workgroup memory (limit {limit})",
+                t.name(),
+                t.wg_bytes()
+            );
+            continue;
+        }
+        let wgsl: &'static str = Box::leak(t.wgsl().into_boxed_str());
+        let mut spec = PipelineSpec::new(format!("lab_{}", t.name()), wgsl, "lab");
+        if t.unchecked {
+            // every index is in range by construction: tile offsets are constants plus the
+            // subgroup id (< SGM * SGN) and the thread id (< WG), the grid is size / BM x
+            // size / BN and the steps size / BK, all exact (size is a multiple of 256)
+            spec = spec.unchecked();
+        }
+        let pipe = gpu.pipeline(&spec)?;
+        let prm = LabParams {
+            m: size,
+            n: size,
+            k: size,
+            steps: size / t.bk,
+        };
+        let mut rec = |pass: &mut Pass<'_>| {
+            for _ in 0..per_pass {
+                pass.dispatch(
+                    &pipe,
+                    "lab",
+                    &prm,
+                    &[Binding::from(&ga), Binding::from(&gb), Binding::from(&y)],
+                    [size / t.bm, size / t.bn, 1],
+                );
+            }
+            Ok(())
+        };
+        let s = time_passes(gpu, passes, &mut rec)?.0 / per_pass as f64;
+        // -p3: three products' FLOPs (what the split path's step costs in matrix-unit work)
+        let tflops = flops * (1.0 + 2.0 * t.three as u32 as f64) / s / 1e12;
+        let check = if t.stream {
+            // the lo tiles are the hi ones x 2^-11 (exact): two of the three products add that
+            lab_check(
+                gpu,
+                &y,
+                size,
+                if t.three { 1.0 + 2.0 / 2048.0 } else { 1.0 },
+            )?
+        } else {
+            String::new()
+        };
+        println!(
+            "lab {:<28} {:8.3} ms {:7.1} TFLOP/s {:5.1}% of peak  ({} B workgroup memory){check}",
+            t.name(),
+            s * 1e3,
+            tflops,
+            100.0 * tflops / peak,
+            t.wg_bytes()
+        );
+    }
+    Ok(())
+}
+
+/// A few entries of the streamed product against the CPU: `, check ok` or the worst miss.
+fn lab_check(gpu: &Gpu, y: &wgpu::Buffer, size: u32, factor: f64) -> Result<String> {
+    let n = size as u64;
+    let mut worst = 0.0f64;
+    for m in [0, 1, 77, n / 2 + 3, n - 1] {
+        let row: Vec<f32> = bytemuck::pod_collect_to_vec(&gpu.read_bytes(y, m * n * 4, n * 4)?);
+        for c in [0, 5, 16, 130, n / 3, n - 2, n - 1] {
+            let terms =
+                (0..n).map(|k| lab_value(m, k, 7, 17) as f64 * lab_value(c, k, 5, 15) as f64);
+            let want: f64 = factor * terms.clone().sum::<f64>();
+            // against the sum of magnitudes: the scale of f32 accumulation error
+            let scale: f64 = terms.map(f64::abs).sum::<f64>().max(1.0);
+            worst = worst.max((row[c as usize] as f64 - want).abs() / scale);
+        }
+    }
+    Ok(if worst < 1e-5 {
+        ", check ok".into()
+    } else {
+        format!(", CHECK FAILED (relative error {worst:.2e})")
+    })
 }

@@ -24,8 +24,8 @@
 //! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,
 //! halves]`: a tile reads 128 rows from its first); one f32 scale per row.
 
-use super::matmul::MoeRoute;
 use super::matvec::{check_span, x_vec, Geometry, MatvecOpts};
+use super::moe_route::MoeRoute;
 use super::{grid, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::dtype::DType;
 use crate::{Error, Result};
@@ -208,14 +208,18 @@ fn spec(
     // type; 9B prefill 4520 against 5800 tok/s), and 4 subgroups of 64 rows x 64 tokens on
     // the same 128 x 128 tile (Q4_K 0.649 ms).
     let lab_l2 = extra.iter().any(|(n, _)| *n == "LAB_NOXSTAGE");
-    let xs = entry != "coop_x" && !sp && !sw && !t.thin() && t.nsg == NSG_BIG && !lab_l2;
+    let big = entry != "coop_x" && !t.thin() && t.nsg == NSG_BIG;
+    // the kernel lab's LAB_XSPLIT: split weights on the XSTAGE tile (`lab_xsplit`)
+    let xsplit = big && sw && !t.id && lab_xsplit(extra);
+    let xs = (big && !sp && !sw && !lab_l2) || xsplit;
     let mut label = format!(
-        "{entry}_{}{}{}{}{}_n{}_g{}",
+        "{entry}_{}{}{}{}{}{}_n{}_g{}",
         geo.label(xvec, slow),
         if t.id { "_id" } else { "" },
         if sp { "_split" } else { "" },
         if sw { "_wsplit" } else { "" },
         if xs { "_xstage" } else { "" },
+        if xsplit { "_xsplit" } else { "" },
         t.cbn,
         t.nsg
     );
@@ -230,11 +234,21 @@ fn spec(
         .define("TT2", t.cbn == 128)
         .define("THIN", t.thin())
         .define("SPLIT", sp)
-        .define("WSPLIT", sw)
+        .define("WSPLIT", sw && !xsplit)
         .define("XSTAGE", xs)
+        .define("XSPLIT", xsplit)
         .define("ID", t.id);
     for (n, v) in extra {
         s = s.define(n, v);
+    }
+    // The kernel lab's LAB_UNCHECKED compiles the product without naga's bounds checks, to
+    // time what the clamps cost (naga's `Restrict` policy puts a `UMin` on every
+    // workgroup-array index: 18 in the XSTAGE tile, one per fragment load and staging store).
+    // Its workgroup indices are constant tile offsets plus lane and subgroup ids below the
+    // workgroup size, so in range; its storage reads are clamped in the shader (weight rows to
+    // `p.rows - 1`, staged x rows padded by ROW_PAD, stores guarded by `row < p.rows`).
+    if entry != "coop_x" && extra.iter().any(|(n, _)| *n == "LAB_UNCHECKED") {
+        s = s.unchecked();
     }
     s
 }
@@ -248,6 +262,14 @@ fn pipeline(
     extra: &[(&str, &str)],
 ) -> Result<Arc<wgpu::ComputePipeline>> {
     gpu.pipeline(&spec(geo, entry, xvec, t, extra))
+}
+
+/// The kernel lab's `LAB_XSPLIT` among `extra`: products of split weights (`coop-split`) on the
+/// 8-subgroup XSTAGE tile of 128 rows x 128 tokens with all four operand tiles (weights and x,
+/// hi and lo) in workgroup memory, one buffer, instead of [`SPLIT_W`]'s 64 x 64 tile with x
+/// from L2 (H200: coop-split runs 12288x4096 Q4_K x 512 at 2.24 ms, coop at 0.45).
+fn lab_xsplit(extra: &[(&str, &str)]) -> bool {
+    extra.iter().any(|(n, _)| *n == "LAB_XSPLIT")
 }
 
 /// Every variant a weight of `dtype` with rows of `cols` compiles (staging and product, dense
@@ -279,6 +301,15 @@ pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
                     for nsg in [NSG_BIG, NSG_SMALL] {
                         let t = product_tile(Tile { nsg, prec, ..STAGE }, dtype);
                         v.push(spec(&geo, "matmul_coop", xvec, t, &[]));
+                    }
+                    if split_w(dtype, prec) {
+                        let t = Tile {
+                            nsg: NSG_BIG,
+                            prec,
+                            ..STAGE
+                        };
+                        let lab = &[("LAB_XSPLIT", "true")];
+                        v.push(spec(&geo, "matmul_coop", xvec, t, lab));
                     }
                 }
             }
@@ -404,7 +435,15 @@ pub fn matmul_coop(
     } else {
         NSG_BIG
     };
-    let t = product_tile(Tile { nsg, prec, ..STAGE }, w.dtype);
+    let t = if split_w(w.dtype, prec) && lab_xsplit(opts.defines) {
+        Tile {
+            nsg: NSG_BIG,
+            prec,
+            ..STAGE
+        }
+    } else {
+        product_tile(Tile { nsg, prec, ..STAGE }, w.dtype)
+    };
     let token_tiles = n_tokens.div_ceil(t.cbn);
     let pipe = pipeline(gpu, &geo, "matmul_coop", xvec, t, opts.defines)?;
     for part in &w.parts {

@@ -154,10 +154,18 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     }
 }
 
+/// The device-local memory of adapter `index` of [`list_adapters`].
+pub fn adapter_memory(index: usize) -> Option<super::DeviceMemory> {
+    all_adapters()
+        .into_iter()
+        .nth(index)
+        .and_then(|a| super::memory::device_memory(&a))
+}
+
 /// Adapters of the primary backends (Vulkan, Metal, DX12); GL only when none has one:
 /// even creating a GL instance probes EGL, which prints noise on a headless server, and GL
 /// compute is the weakest backend.
-pub(super) fn all_adapters() -> Vec<wgpu::Adapter> {
+fn all_adapters() -> Vec<wgpu::Adapter> {
     let mut v = pollster::block_on(
         instance(wgpu::Backends::PRIMARY).enumerate_adapters(wgpu::Backends::PRIMARY),
     );
@@ -217,7 +225,7 @@ pub struct Gpu {
     pub(crate) pipelines: super::pipeline::PipelineCache,
     /// The driver's compiled pipelines kept between runs (Vulkan; `None` elsewhere).
     pub(crate) disk_cache: Option<super::disk_cache::DiskCache>,
-    pub(crate) recorder: super::pass::Recorder,
+    pub(crate) recorder: super::recorder::Recorder,
     matmul: MatmulPath,
     /// One-token products take int8 activations (`--activations`, [`Gpu::with_int8_decode`]).
     int8_decode: bool,
@@ -391,6 +399,19 @@ impl Gpu {
         matmul: MatmulChoice,
         auto: AutoProducts,
     ) -> Result<Gpu> {
+        Gpu::with_limits(choice, matmul, auto, None)
+    }
+
+    /// [`Gpu::with_matmul`] on a device created with at most `cap`'s buffer and binding
+    /// sizes where the adapter offers more: the device then enforces them as a smaller
+    /// GPU's own (WebGPU lets a device ask for limits below its adapter's), for tests of
+    /// what a small binding limit does to a model's passes.
+    pub fn with_limits(
+        choice: &AdapterChoice,
+        matmul: MatmulChoice,
+        auto: AutoProducts,
+        cap: Option<super::BufferLimits>,
+    ) -> Result<Gpu> {
         let adapters = all_adapters();
         if adapters.is_empty() {
             return Err(Error::Gpu(
@@ -435,7 +456,12 @@ impl Gpu {
             | wgpu::Features::SHADER_F16
             | wgpu::Features::PIPELINE_CACHE;
         // Ask for everything the adapter allows: weights need the largest bindings it has.
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
+        if let Some(c) = cap {
+            limits.max_storage_buffer_binding_size =
+                limits.max_storage_buffer_binding_size.min(c.max_binding);
+            limits.max_buffer_size = limits.max_buffer_size.min(c.max_buffer);
+        }
         let coop_ok = coop_supported(&adapter, &limits);
         let matmul = product_path(matmul, auto, coop_ok).map_err(|why| {
             Error::Gpu(format!(

@@ -9,6 +9,7 @@
 //! parts take one dispatch per part.
 
 use super::matvec::{self, check_span, x_vec, Geometry, MatvecOpts};
+pub use super::moe_route::MoeRoute;
 use super::{coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
@@ -31,7 +32,7 @@ const BN_Q8: u32 = 64;
 /// Rows × tokens of one workgroup's tile (`BM`, `BN` in matmul.wgsl; `BN` is also the pairs
 /// per tile of a [`MoeRoute`]).
 const BM: u32 = 64;
-const BN: u32 = 64;
+const BN: u32 = super::moe_route::TILE_PAIRS;
 /// Tokens of a thin MoE tile (`THIN` in matmul.wgsl): four workgroups per route tile.
 const BN_THIN: u32 = 16;
 
@@ -41,16 +42,7 @@ const BN_THIN: u32 = 16;
 /// 128-row wide tile (8 rows x 4 tokens per thread) measured slower (34 -> 44 ms).
 const THIN_PAIRS: u32 = 24;
 
-/// Up to this many tokens a dense product goes through matvec: one token through the
-/// one-token kernel, 2 and more through the token-group kernel ([`matvec::matvec_multi`], each
-/// weight slice decoded once per group of up to 8 tokens, each token's bits those of the
-/// one-token kernel). Measured on the H200 before the token-group kernel: per-token matvec's
-/// cost grows about linearly from one token (4096x12288 Q4_K: 21 us, 8 tokens 126 us) while the
-/// tiled kernel costs the same for 2 to 64 tokens (~740 us), so the crossing was near 32 tokens
-/// (near 24 for F16 rows of 4096); the token-group kernel moves it up, the matrix-unit kernel
-/// down (`bench_kernels --batch`). Batched decode of several sequences and the speculative
-/// verify step land here.
-pub const DENSE_MATVEC_TOKENS: u32 = 24;
+pub use super::matvec::DENSE_MATVEC_TOKENS;
 
 /// `Y = X Wᵀ` for `n_tokens` tokens: up to [`DENSE_MATVEC_TOKENS`] through matvec (one token
 /// through [`matvec::matvec_opts`], more through [`matvec::matvec_multi`], every token with the
@@ -325,83 +317,6 @@ pub fn matmul_int8(
     Ok(())
 }
 
-/// The routing list of one MoE layer's batch on the GPU: which (token, slot) pairs chose each
-/// expert, grouped into tiles of 64 pairs. One u32 buffer; layout in matmul.wgsl (`route`):
-/// `[n_tiles, count[E], start[E+1], tiles[ceil(max_pairs/64)+E], pairs[max_pairs]]`.
-/// Made once per (n_expert, largest batch) and refilled by [`route`] for every batch.
-pub struct MoeRoute {
-    pub buffer: wgpu::Buffer,
-    pub n_expert: u32,
-    pub max_pairs: u32,
-    tiles_off: u32,
-    pairs_off: u32,
-}
-
-impl MoeRoute {
-    pub fn new(gpu: &Gpu, n_expert: u32, max_pairs: u32) -> Result<MoeRoute> {
-        if n_expert == 0 || n_expert > 1 << 16 || max_pairs == 0 {
-            return Err(Error::Invalid(format!(
-                "moe route: {n_expert} experts (1..=65536), {max_pairs} pairs"
-            )));
-        }
-        let (tiles_off, pairs_off) = Self::offsets(n_expert, max_pairs);
-        let buffer = gpu.buffer(Self::bytes(n_expert, max_pairs), "moe_route")?;
-        Ok(MoeRoute {
-            buffer,
-            n_expert,
-            max_pairs,
-            tiles_off,
-            pairs_off,
-        })
-    }
-
-    /// Word offsets of the tile list and the pair list in the buffer.
-    fn offsets(n_expert: u32, max_pairs: u32) -> (u32, u32) {
-        let tiles_off = 2 + 2 * n_expert;
-        let max_tiles = max_pairs.div_ceil(BN) + n_expert;
-        (tiles_off, tiles_off + max_tiles)
-    }
-
-    /// Bytes of the buffer [`MoeRoute::new`] makes (for memory budgets).
-    pub fn bytes(n_expert: u32, max_pairs: u32) -> u64 {
-        (Self::offsets(n_expert, max_pairs).1 as u64 + max_pairs as u64) * 4
-    }
-
-    /// The pairs of `n_tokens` x `n_used` for the stacked weight `w`, checked against what
-    /// this route was made for.
-    pub(crate) fn check(&self, w: &GpuTensor, n_tokens: u32, n_used: u32) -> Result<u32> {
-        if w.shape[0] != self.n_expert as u64 {
-            return Err(Error::Invalid(format!(
-                "{}: {} experts, route made for {}",
-                w.name, w.shape[0], self.n_expert
-            )));
-        }
-        let n_pairs = n_tokens as u64 * n_used as u64;
-        if n_pairs == 0 || n_pairs > self.max_pairs as u64 {
-            return Err(Error::Invalid(format!(
-                "{}: {n_tokens} tokens x {n_used} slots, route made for {} pairs",
-                w.name, self.max_pairs
-            )));
-        }
-        Ok(n_pairs as u32)
-    }
-
-    /// Upper bound on the tile count for `n_pairs` pairs (the matmul_id grid height).
-    pub(crate) fn max_tiles(&self, n_pairs: u32) -> u32 {
-        n_pairs.div_ceil(BN) + self.n_expert
-    }
-
-    /// Word of the tile list in the route buffer.
-    pub(crate) fn tiles_off(&self) -> u32 {
-        self.tiles_off
-    }
-
-    /// Word of the grouped pair list in the route buffer.
-    pub(crate) fn pairs_off(&self) -> u32 {
-        self.pairs_off
-    }
-}
-
 /// Uniforms of `route` in matmul.wgsl.
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -446,8 +361,8 @@ pub fn route(
         n_expert: r.n_expert,
         ids_off,
         bn: BN,
-        tiles_off: r.tiles_off,
-        pairs_off: r.pairs_off,
+        tiles_off: r.tiles_off(),
+        pairs_off: r.pairs_off(),
         pad: [0; 2],
     };
     pass.dispatch(
@@ -568,8 +483,8 @@ fn indexed_params(
     prm.x_per_pair = x_per_pair as u32;
     prm.n_tokens = run.n_pairs;
     prm.n_expert = r.n_expert;
-    prm.tiles_off = r.tiles_off;
-    prm.pairs_off = r.pairs_off;
+    prm.tiles_off = r.tiles_off();
+    prm.pairs_off = r.pairs_off();
     Ok(prm)
 }
 

@@ -35,10 +35,21 @@ use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = include_str!("../../shaders/matvec.wgsl");
 
+/// Up to this many tokens a dense product goes through matvec: one token through the
+/// one-token kernel, 2 and more through the token-group kernel ([`matvec_multi`], each
+/// weight slice decoded once per group of up to 8 tokens, each token's bits those of the
+/// one-token kernel). Measured on the H200 before the token-group kernel: per-token matvec's
+/// cost grows about linearly from one token (4096x12288 Q4_K: 21 us, 8 tokens 126 us) while the
+/// tiled kernel costs the same for 2 to 64 tokens (~740 us), so the crossing was near 32 tokens
+/// (near 24 for F16 rows of 4096); the token-group kernel moves it up, the matrix-unit kernel
+/// down (`bench_kernels --batch`). Batched decode of several sequences and the speculative
+/// verify step land here.
+pub const DENSE_MATVEC_TOKENS: u32 = 24;
+
 /// Above this many tokens the MoE forwards switch from the per-pair indexed matvec to the
 /// routed tiled kernel (matvec reads the weights once per token from L2 and decodes them once
 /// per token); dense products have their own threshold,
-/// [`DENSE_MATVEC_TOKENS`](super::matmul::DENSE_MATVEC_TOKENS).
+/// [`DENSE_MATVEC_TOKENS`].
 pub const MAX_TOKENS: u32 = 8;
 
 /// Uniforms shared by `matvec.wgsl` and `matmul.wgsl` (same fields, same order).
@@ -581,7 +592,7 @@ struct MvKey {
 }
 
 /// `y[t] = W x[t]` for `n_tokens` tokens (any count; above
-/// [`DENSE_MATVEC_TOKENS`](super::matmul::DENSE_MATVEC_TOKENS) the tiled
+/// [`DENSE_MATVEC_TOKENS`] the tiled
 /// [`matmul`](super::matmul::matmul_tiled) is cheaper); see the module doc for shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec(
@@ -921,9 +932,9 @@ impl Prologue<'_> {
 }
 
 /// Whether [`matvec_pro`] takes `n_tokens` tokens: the products that
-/// [`matmul`](super::matmul::matmul_opts) runs as matvec ([`DENSE_MATVEC_TOKENS`](super::matmul::DENSE_MATVEC_TOKENS)).
+/// [`matmul`](super::matmul::matmul_opts) runs as matvec ([`DENSE_MATVEC_TOKENS`]).
 pub fn prologue_fits(n_tokens: u32) -> bool {
-    n_tokens <= super::matmul::DENSE_MATVEC_TOKENS
+    n_tokens <= DENSE_MATVEC_TOKENS
 }
 
 /// Qwen3.5's GDN conv step fused into the product that makes its input (`EPI_CONV` in

@@ -74,14 +74,6 @@ pub fn device_memory(adapter: &wgpu::Adapter) -> Option<DeviceMemory> {
     }
 }
 
-/// The device-local memory of adapter `index` of [`super::list_adapters`].
-pub fn adapter_memory(index: usize) -> Option<DeviceMemory> {
-    super::device::all_adapters()
-        .into_iter()
-        .nth(index)
-        .and_then(|a| device_memory(&a))
-}
-
 #[cfg(any(
     windows,
     target_os = "linux",

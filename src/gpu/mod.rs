@@ -2,11 +2,13 @@
 //! command recording ([`Pass`]), plus one wrapper module per kernel family (`shaders/`).
 
 mod buffer;
+mod compile;
 mod device;
 mod disk_cache;
 mod memory;
 mod pass;
 mod pipeline;
+mod recorder;
 
 pub mod attention;
 pub mod compress;
@@ -16,9 +18,11 @@ pub mod elementwise;
 pub mod embed;
 pub mod gdn;
 pub mod hc;
+pub mod limits;
 pub mod matmul;
 pub mod matvec;
 pub mod moe;
+mod moe_route;
 pub mod norm;
 pub mod rope;
 pub mod router;
@@ -27,13 +31,15 @@ pub mod topk;
 
 pub use buffer::{check_f32, check_len, check_span, GpuTensor, TensorPart};
 pub use device::{
-    coop_supported, list_adapters, matmul_paths, ActivationsChoice, AdapterChoice, AutoProducts,
-    Gpu, MatmulChoice, MatmulPath,
+    adapter_memory, coop_supported, list_adapters, matmul_paths, ActivationsChoice, AdapterChoice,
+    AutoProducts, Gpu, MatmulChoice, MatmulPath,
 };
 pub use disk_cache::cache_dir as pipeline_cache_dir;
-pub use memory::{adapter_memory, device_memory, DeviceMemory};
-pub use pass::{grid, Binding, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
+pub use limits::{fit_rows, BufferLimits, PassBuffer};
+pub use memory::{device_memory, DeviceMemory};
+pub use pass::{grid, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
 pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
+pub use recorder::Binding;
 
 /// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.
 pub const SHADERS: &[(&str, &str)] = &[

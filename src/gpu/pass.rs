@@ -11,7 +11,7 @@
 //! that depends only on the uniform sizes before it. A decode step records the same
 //! sequence every token, so each dispatch's bind group (pipeline layout, arena range, storage
 //! ranges) is the same object every token: it is made once and looked up in a cache
-//! ([`Recorder`]) instead of made per dispatch (`create_bind_group` costs 1.3-2 µs on
+//! ([`Recorder`](super::recorder::Recorder)) instead of made per dispatch (`create_bind_group` costs 1.3-2 µs on
 //! lavapipe, more than recording the dispatch: FACTS.md).
 //!
 //! A pass may be flushed part-way ([`Pass::flush`]): what is recorded so far is submitted
@@ -19,87 +19,12 @@
 //! every few layers lets the GPU run the first layers while the host encodes the rest,
 //! instead of idling through the whole encode.
 
-use super::Gpu;
+use super::recorder::{Cached, GroupKey, PipelineId, RecorderInner, KEEP_SUBMITS};
+use super::{Binding, Gpu};
 use crate::{Error, Result};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
-
-/// A storage binding: a whole buffer or a byte range of it (offset aligned to the
-/// adapter's `min_storage_buffer_offset_alignment`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Binding {
-    pub buffer: wgpu::Buffer,
-    pub offset: u64,
-    pub size: Option<u64>,
-}
-
-impl From<&wgpu::Buffer> for Binding {
-    fn from(b: &wgpu::Buffer) -> Self {
-        Binding {
-            buffer: b.clone(),
-            offset: 0,
-            size: None,
-        }
-    }
-}
-
-/// A pipeline compared and hashed by identity (the key holds it, so the address stays its own).
-#[derive(Clone)]
-struct PipelineId(Arc<wgpu::ComputePipeline>);
-
-impl PartialEq for PipelineId {
-    fn eq(&self, o: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &o.0)
-    }
-}
-impl Eq for PipelineId {}
-impl std::hash::Hash for PipelineId {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        Arc::as_ptr(&self.0).hash(h)
-    }
-}
-
-/// What one bind group binds: the pipeline (its layout), the arena range and the storage ranges.
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct GroupKey {
-    pipeline: PipelineId,
-    /// (offset, size) in the arena, bytes.
-    uniform: (u64, u64),
-    /// (binding number, buffer range)
-    bindings: Vec<(u32, Binding)>,
-}
-
-/// A cached bind group and the submission that last used it.
-struct Cached {
-    group: wgpu::BindGroup,
-    used: u64,
-}
-
-/// Bind groups unused for this many submissions are dropped (they hold their buffers alive):
-/// a decode step is ~10 submissions, so the groups of the step stay cached, those of a
-/// prefill chunk or a freed scratch go after a few tokens.
-const KEEP_SUBMITS: u64 = 256;
-
-/// Per-device state of the recorder: the uniform arena, the bind-group cache, and the host
-/// time spent recording and submitting (read by `lathe bench`). One lock covers write,
-/// encode and submit, so two threads' passes never interleave their arena bytes.
-#[derive(Default)]
-pub(crate) struct Recorder {
-    inner: Mutex<RecorderInner>,
-    host_ns: AtomicU64,
-}
-
-#[derive(Default)]
-struct RecorderInner {
-    arena: Option<wgpu::Buffer>,
-    groups: HashMap<GroupKey, Cached>,
-    /// Submissions so far.
-    epoch: u64,
-    /// Bind groups made (cache misses) since the device was made.
-    made: u64,
-}
 
 impl Gpu {
     /// Host nanoseconds spent in passes so far: recording (from a pass's creation or last

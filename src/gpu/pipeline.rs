@@ -5,7 +5,6 @@
 //! `#ifndef NAME` / `#else` / `#endif` line blocks. The key's text is the label of the
 //! shader module and pipeline, so validation errors and captures name the variant.
 
-use super::Gpu;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,6 +20,8 @@ pub struct PipelineSpec {
     /// `(NAME, value)`: `value` is WGSL text (`64`, `1.0`, `true`).
     pub defines: Vec<(String, String)>,
     pub entry: &'static str,
+    /// Compile without naga's runtime bounds checks ([`PipelineSpec::unchecked`]).
+    pub unchecked: bool,
 }
 
 impl PipelineSpec {
@@ -30,7 +31,18 @@ impl PipelineSpec {
             source,
             defines: Vec::new(),
             entry,
+            unchecked: false,
         }
+    }
+    /// Compile without runtime bounds checks: for kernels whose every index into workgroup
+    /// arrays and storage buffers is in range by construction (constant tile offsets plus
+    /// subgroup and lane ids below the workgroup's size). wgpu-hal's Vulkan backend otherwise
+    /// compiles every workgroup-array index with naga's `Restrict` policy (a clamp per
+    /// access), and storage indices too where the device lacks robustBufferAccess2. The
+    /// caller's comment says why its indices are in range.
+    pub fn unchecked(mut self) -> Self {
+        self.unchecked = true;
+        self
     }
     pub fn define(mut self, name: &str, value: impl ToString) -> Self {
         self.defines.push((name.to_string(), value.to_string()));
@@ -121,10 +133,10 @@ pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<S
 #[derive(Default)]
 pub(crate) struct PipelineCache {
     /// By [`PipelineSpec::key`]; a bucket holds the variants whose keys collide.
-    map: Mutex<HashMap<u64, Vec<Compiled>>>,
-    /// By the wrappers' typed keys ([`Gpu::pipeline_for`]): one `HashMap<K, pipeline>` per
-    /// key type.
-    typed: Mutex<HashMap<std::any::TypeId, Box<dyn std::any::Any + Send + Sync>>>,
+    pub(super) map: Mutex<HashMap<u64, Vec<Compiled>>>,
+    /// By the wrappers' typed keys ([`Gpu::pipeline_for`](super::Gpu::pipeline_for)): one
+    /// `HashMap<K, pipeline>` per key type.
+    pub(super) typed: Mutex<HashMap<std::any::TypeId, Box<dyn std::any::Any + Send + Sync>>>,
 }
 
 /// A `&'static str` compared and hashed by address (an entry point or a define list of a
@@ -161,150 +173,27 @@ impl std::hash::Hash for StaticDefines {
 }
 
 /// A compiled pipeline and the spec it came from.
-type Compiled = (Arc<wgpu::ComputePipeline>, PipelineSpec);
+pub(super) type Compiled = (Arc<wgpu::ComputePipeline>, PipelineSpec);
 
 impl PipelineSpec {
     /// True when `self` and `o` make the same pipeline: the same source (one `include_str!`
     /// per family, compared by address), entry point and defines.
     pub fn same_variant(&self, o: &PipelineSpec) -> bool {
-        std::ptr::eq(self.source, o.source) && self.entry == o.entry && self.defines == o.defines
+        std::ptr::eq(self.source, o.source)
+            && self.entry == o.entry
+            && self.defines == o.defines
+            && self.unchecked == o.unchecked
     }
 
     /// Hash of what [`same_variant`](Self::same_variant) compares.
-    fn key(&self) -> u64 {
+    pub(super) fn key(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
         (self.source.as_ptr() as usize, self.source.len()).hash(&mut h);
         self.entry.hash(&mut h);
         self.defines.hash(&mut h);
+        self.unchecked.hash(&mut h);
         h.finish()
-    }
-}
-
-impl Gpu {
-    /// The pipeline of a wrapper's typed `key` (every field that selects the variant; no
-    /// strings but [`StaticName`]s): one lookup in a map of that key type, without building
-    /// the variant's label and defines. `spec` makes them on the key's first use, compiled
-    /// through [`Gpu::pipeline`] (so two keys of the same variant share its pipeline).
-    pub fn pipeline_for<K>(
-        &self,
-        key: K,
-        spec: impl FnOnce() -> PipelineSpec,
-    ) -> Result<Arc<wgpu::ComputePipeline>>
-    where
-        K: std::hash::Hash + Eq + Send + Sync + 'static,
-    {
-        type Map<K> = HashMap<K, Arc<wgpu::ComputePipeline>>;
-        let id = std::any::TypeId::of::<K>();
-        {
-            let typed = self.pipelines.typed.lock().unwrap();
-            if let Some(p) = typed
-                .get(&id)
-                .and_then(|m| m.downcast_ref::<Map<K>>())
-                .and_then(|m| m.get(&key))
-            {
-                return Ok(p.clone());
-            }
-        }
-        let p = self.pipeline(&spec())?;
-        let mut typed = self.pipelines.typed.lock().unwrap();
-        typed
-            .entry(id)
-            .or_insert_with(|| Box::new(Map::<K>::new()))
-            .downcast_mut::<Map<K>>()
-            .expect("one map type per key type")
-            .insert(key, p.clone());
-        Ok(p)
-    }
-
-    /// The pipeline for `spec`, compiled on first use. Shader errors become `Error::Gpu`
-    /// naming the variant (never a panic).
-    pub fn pipeline(&self, spec: &PipelineSpec) -> Result<Arc<wgpu::ComputePipeline>> {
-        let key = spec.key();
-        if let Some(bucket) = self.pipelines.map.lock().unwrap().get(&key) {
-            if let Some((p, _)) = bucket.iter().find(|(_, s)| s.same_variant(spec)) {
-                return Ok(p.clone());
-            }
-        }
-        let wgsl = spec.wgsl()?;
-        // Validate with naga first: wgpu would report a bad shader through the uncaptured
-        // error handler and hand back an invalid pipeline.
-        let module = naga::front::wgsl::parse_str(&wgsl).map_err(|e| {
-            Error::Gpu(format!(
-                "{}: WGSL parse error: {}",
-                spec.label,
-                e.emit_to_string(&wgsl)
-            ))
-        })?;
-        naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::all(),
-        )
-        .validate(&module)
-        .map_err(|e| {
-            Error::Gpu(format!(
-                "{}: WGSL validation error: {}",
-                spec.label,
-                e.emit_to_string(&wgsl)
-            ))
-        })?;
-        // Bounds checks stay on; naga's forced loop bounding is off: its counter in every
-        // loop stops drivers from unrolling, and register arrays then spill (measured 4-5x
-        // slower attention on the H200). Every lathe loop has a trip count bounded by its
-        // uniforms, so the counter only guards against our own bugs.
-        let checks = wgpu::ShaderRuntimeChecks {
-            force_loop_bounding: false,
-            ..wgpu::ShaderRuntimeChecks::checked()
-        };
-        // SAFETY: the module was validated by naga above, and runtime bounds checks remain;
-        // only the infinite-loop guard is dropped (see above).
-        let sm = unsafe {
-            self.device.create_shader_module_trusted(
-                wgpu::ShaderModuleDescriptor {
-                    label: Some(&spec.label),
-                    source: wgpu::ShaderSource::Wgsl(wgsl.into()),
-                },
-                checks,
-            )
-        };
-        let p = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(&spec.label),
-                layout: None,
-                module: &sm,
-                entry_point: Some(spec.entry),
-                compilation_options: Default::default(),
-                cache: self.disk_cache.as_ref().map(|c| c.cache()),
-            });
-        if let Some(c) = &self.disk_cache {
-            c.touch();
-        }
-        self.check()?;
-        let p = Arc::new(p);
-        self.pipelines
-            .map
-            .lock()
-            .unwrap()
-            .entry(key)
-            .or_default()
-            .push((p.clone(), spec.clone()));
-        Ok(p)
-    }
-
-    /// Every pipeline variant compiled so far (for the cross-backend translation test).
-    pub fn compiled_specs(&self) -> Vec<PipelineSpec> {
-        let mut v: Vec<PipelineSpec> = self
-            .pipelines
-            .map
-            .lock()
-            .unwrap()
-            .values()
-            .flatten()
-            .map(|(_, s)| s.clone())
-            .collect();
-        v.sort_by(|a, b| a.label.cmp(&b.label));
-        v
     }
 }
 

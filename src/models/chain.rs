@@ -4,8 +4,8 @@
 //!
 //! wgpu has no peer copies, so the residual stream crosses a device boundary through the
 //! host: the sending part copies its rows into a persistent `MAP_READ` buffer at the end of
-//! its pass ([`Readback`]), the receiving part writes them into its residual buffer before
-//! its first layer. One copy per boundary and round: `rows · width · 4` bytes
+//! its pass ([`Readback`](super::runtime::link::Readback)), the receiving part writes them
+//! into its residual buffer before its first layer. One copy per boundary and round: `rows · width · 4` bytes
 //! ([`HopReport`]). Each part runs on its own thread and hands rounds on through a bounded
 //! channel, so a prompt of several rounds keeps every device busy (part `j` runs round
 //! `r + 1` while part `j + 1` runs round `r`).
@@ -13,40 +13,19 @@
 //! Every part plans its rounds from the same items the same way (the plan depends on token
 //! counts and positions only), so the rounds line up; a receiver checks the row count.
 
+use super::runtime::link::{Hidden, HopCounters, Link, Part, LINK_BROKEN};
 use super::{Forward, ModelFile, Seq, SeqState};
 use crate::forward::{LoadOptions, Logits, Want};
 use crate::gpu::{AdapterChoice, Gpu};
 use crate::model_file::PartSpec;
 use crate::moe::{AdapterMemory, MemSource, Offload};
 use crate::{Error, Result};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 
 /// Rounds a part may run ahead of the next one (bounds the host memory in flight).
 const AHEAD: usize = 2;
-
-/// One round's residual stream on its way to the next device: `[rows, width]` f32.
-pub struct Hidden {
-    pub rows: usize,
-    pub data: Vec<f32>,
-}
-
-/// Counters of the device boundaries crossed since load.
-#[derive(Default)]
-pub struct HopCounters {
-    hops: AtomicU64,
-    bytes: AtomicU64,
-    /// Host time of the crossings: the sender's map and copy out, the receiver's write.
-    ns: AtomicU64,
-}
-
-impl HopCounters {
-    fn add(&self, bytes: u64, ns: u64) {
-        self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.ns.fetch_add(ns, Ordering::Relaxed);
-    }
-}
 
 /// Device boundary crossings since load (`lathe bench --json` `"hops"`).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -86,114 +65,6 @@ impl HopReport {
     pub fn us_per_hop(&self) -> f64 {
         self.us / self.hops.max(1) as f64
     }
-}
-
-/// A part's ends in the chain for one call: where its residual stream comes from (the
-/// first part embeds tokens instead) and where it goes (the last part runs the head).
-#[derive(Default)]
-pub struct Link {
-    /// Behind a lock only so that a part's model is `Sync` (the MoE offload records a
-    /// layer on a worker thread while the host thread computes cold experts).
-    pub input: Option<std::sync::Mutex<Receiver<Hidden>>>,
-    pub output: Option<SyncSender<Hidden>>,
-    pub counters: Arc<HopCounters>,
-}
-
-/// The message of a part whose neighbour stopped (its own error is the one to report).
-const LINK_BROKEN: &str = "the neighbouring device's part stopped";
-
-impl Link {
-    /// The previous part's rows for a round of `rows` rows of `width` values.
-    pub fn recv(&self, rows: usize, width: usize) -> Result<Hidden> {
-        let rx = self
-            .input
-            .as_ref()
-            .ok_or_else(|| Error::Invalid("a middle part of a chain run alone".into()))?;
-        let h = rx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .recv()
-            .map_err(|_| Error::Gpu(LINK_BROKEN.into()))?;
-        if h.rows != rows || h.data.len() != rows * width {
-            return Err(Error::Gpu(format!(
-                "chain parts disagree on a round: {} rows of {} values came, {rows} x {width} \
-                 expected",
-                h.rows,
-                h.data.len() / h.rows.max(1)
-            )));
-        }
-        Ok(h)
-    }
-
-    /// Hand a round's rows on; `ns`: host time the sender spent reading them back.
-    pub fn send(&self, h: Hidden, ns: u64) -> Result<()> {
-        let tx = self
-            .output
-            .as_ref()
-            .ok_or_else(|| Error::Invalid("a middle part of a chain run alone".into()))?;
-        self.counters.hops.fetch_add(1, Ordering::Relaxed);
-        self.counters.add(h.data.len() as u64 * 4, ns);
-        tx.send(h).map_err(|_| Error::Gpu(LINK_BROKEN.into()))
-    }
-
-    /// Count the receiver's write of a round.
-    pub fn note_write(&self, ns: u64) {
-        self.counters.add(0, ns);
-    }
-}
-
-/// A persistent `MAP_READ` buffer a part copies its residual stream into at the end of its
-/// pass, reused every round (one buffer made at load, none per step).
-pub struct Readback {
-    buf: wgpu::Buffer,
-}
-
-impl Readback {
-    pub fn new(gpu: &Gpu, bytes: u64) -> Readback {
-        Readback {
-            buf: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("chain.readback"),
-                size: bytes.next_multiple_of(4).max(4),
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
-        }
-    }
-
-    pub fn buffer(&self) -> &wgpu::Buffer {
-        &self.buf
-    }
-
-    /// The first `n` f32 values, once the submitted work (whose last copy filled the
-    /// buffer) is done. Returns them and the host time spent after the GPU finished.
-    pub fn read(&self, gpu: &Gpu, n: usize) -> Result<(Vec<f32>, u64)> {
-        gpu.wait()?;
-        let t0 = std::time::Instant::now();
-        let slice = self.buf.slice(..(n as u64 * 4).max(4));
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        gpu.wait()?;
-        rx.recv()
-            .map_err(|_| Error::Gpu("chain readback: map callback never ran".into()))?
-            .map_err(|e| Error::Gpu(format!("chain readback: {e}")))?;
-        let v = {
-            let m = slice
-                .get_mapped_range()
-                .map_err(|e| Error::Gpu(format!("chain readback: {e:?}")))?;
-            bytemuck::pod_collect_to_vec(&m[..n * 4])
-        };
-        self.buf.unmap();
-        Ok((v, t0.elapsed().as_nanos() as u64))
-    }
-}
-
-/// A family's GPU model as a part of a chain.
-pub trait Part: Forward {
-    /// Set the ends for the next calls (`Link::default()` to cut them).
-    fn link(&mut self, link: Link);
-    fn gpu(&self) -> &Arc<Gpu>;
 }
 
 /// A sequence of a chain: one per part.

@@ -10,6 +10,7 @@ pub mod deepseek4;
 pub mod llama;
 pub mod qwen35;
 pub mod registry;
+pub mod runtime;
 pub mod spec;
 
 use crate::forward::{LoadOptions, Logits, Want};
@@ -38,7 +39,7 @@ pub fn load_part(
     gpu: Arc<Gpu>,
     file: &ModelFile,
     opts: &LoadOptions,
-) -> Result<Box<dyn chain::Part>> {
+) -> Result<Box<dyn runtime::link::Part>> {
     (registry::family(file)?.load)(gpu, file, opts)
 }
 

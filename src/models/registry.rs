@@ -2,7 +2,8 @@
 //! family, found by the file's architecture name. Adding a family means one entry here
 //! (llama.cpp keeps the same kind of table in `llama-arch.cpp`).
 
-use super::{chain, deepseek4, llama, qwen35, ModelFile};
+use super::runtime::link;
+use super::{deepseek4, llama, qwen35, ModelFile};
 use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
 use crate::model_file::PartSpec;
@@ -11,7 +12,7 @@ use crate::{Error, Result};
 use std::sync::Arc;
 
 /// A family's loader: the layers of `opts.part` (the whole model without it) onto a device.
-pub type LoadFn = fn(Arc<Gpu>, &ModelFile, &LoadOptions) -> Result<Box<dyn chain::Part>>;
+pub type LoadFn = fn(Arc<Gpu>, &ModelFile, &LoadOptions) -> Result<Box<dyn link::Part>>;
 
 /// One family: its architecture names and the functions that read its files.
 pub struct Family {

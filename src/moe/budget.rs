@@ -272,10 +272,10 @@ pub struct Needs {
     pub state: u64,
     /// Activation scratch of one pass of `batch` rows, logits included.
     pub activations: u64,
-    /// Bytes of the largest scratch buffer one pass of `batch` rows binds, logits aside
-    /// (their rows follow the binding limit): a pass longer than the binding limit allows
-    /// cannot run. 0 when unknown.
-    pub largest_buffer: u64,
+    /// Every buffer the run allocates whose size follows it (pass rows, sequences,
+    /// context), logits at one row (their rows follow the binding limit): each must fit the
+    /// device's limits (`gpu::fit_rows` picks the pass length by them). Empty when unknown.
+    pub buffers: Vec<crate::gpu::PassBuffer>,
     /// Bytes of one KV cache element the estimate used (the cache type resolved: `Auto` is
     /// 2 for Qwen3.5, 4 for DeepSeek-V4); 0 when the architecture is unknown.
     pub kv_elem: u64,

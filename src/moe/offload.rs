@@ -11,11 +11,12 @@ use super::{
 use super::{ColdLayers, ExpertStream};
 use crate::cpu::moe::{Activations, ColdOptions, ColdPair};
 use crate::forward::LoadOptions;
+use crate::gpu::limits::BufferUse;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{
     remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Picks, RemapTables,
 };
-use crate::gpu::{check_len, Gpu, Pass};
+use crate::gpu::{check_len, fit_rows, BufferLimits, Gpu, Pass, PassBuffer};
 use crate::model_file::ModelFile;
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -224,6 +225,15 @@ impl Plan {
             )
         };
         let mut placement = place(fill)?;
+        // Every buffer of a pass of `r` rows, the family's and the offload's: passes of the
+        // family's batch where they fit, shorter where the device's limits are smaller.
+        let limits = BufferLimits::of(&gpu.limits);
+        let buffers = |r: usize, placement: &Placement| {
+            let mut b = needs(r).buffers;
+            b.extend(offload_buffers(&info, placement, r));
+            b
+        };
+        let batch = fit_rows(batch, limits, &file.path(), |r| buffers(r, &placement))?;
         // A longer pass for prompts whose cold experts may stream (one device only: a split
         // model's parts hand rows on in passes of the family's batch).
         let mut rows = batch;
@@ -231,15 +241,10 @@ impl Plan {
         if opts.expert_stream != ExpertStream::Never && opts.part.is_none() && !all_hot {
             // Bytes a pass of `r` rows needs beyond one of `batch` rows: the family's
             // scratch and state (its budget shrinks by them) and the offload's own; `None`
-            // where one of its buffers would outgrow the binding limit.
+            // where one of their buffers would outgrow the device's limits.
             let extra = |r: usize| {
-                let nd = needs(r);
-                let k = info.n_used as u64;
-                let n_embd = info.layers[0].n_embd();
-                // The offload's widest: the CPU's rows (bound) and the upload (a buffer).
-                let fits = nd.largest_buffer.max(r as u64 * k * n_embd * 4) <= gpu.max_binding()
-                    && r as u64 * k * (n_embd + 1) * 4 <= gpu.limits.max_buffer_size;
-                let b = budget_for(&info, mem.bytes, ctx, &nd);
+                let fits = limits.over(&buffers(r, &placement)).is_none();
+                let b = budget_for(&info, mem.bytes, ctx, &needs(r));
                 fits.then(|| {
                     base.experts.saturating_sub(b.experts)
                         + offload_scratch(&info, &placement, r)
@@ -374,14 +379,33 @@ pub fn stream_rows(batch: usize, spare: u64, extra: impl Fn(usize) -> Option<u64
 /// CPU's rows and their index, the streaming ids, and the routes of the arena's and the
 /// streaming slots' groups.
 fn offload_scratch(info: &MoeInfo, placement: &Placement, rows: usize) -> u64 {
+    offload_buffers(info, placement, rows)
+        .iter()
+        .filter(|b| b.usage == BufferUse::Bound)
+        .map(|b| b.bytes)
+        .sum()
+}
+
+/// The buffers [`Offload::new`] makes for passes of `rows` rows, by label (the streaming
+/// slots' where any group has some).
+fn offload_buffers(info: &MoeInfo, placement: &Placement, rows: usize) -> Vec<PassBuffer> {
     let pairs = (rows * info.n_used).max(1) as u64;
     let n_embd = info.layers.first().map_or(0, |l| l.n_embd());
-    let routes: u64 = (0..placement.groups.len())
-        .flat_map(|g| [placement.groups[g].n_slots, stream_slots(placement, g)])
-        .filter(|&n| n > 0)
-        .map(|n| MoeRoute::bytes(n, pairs as u32))
-        .sum();
-    pairs * 4 * (n_embd + 3) + routes
+    let mut v = vec![
+        PassBuffer::bound("moe.slot_ids", pairs * 4),
+        PassBuffer::bound("moe.cold_rows", pairs * n_embd * 4),
+        PassBuffer::bound("moe.cold_index", pairs * 4),
+        PassBuffer::bound("moe.stream_ids", pairs * 4),
+        PassBuffer::copied("moe.readback", (pairs + rows as u64 * n_embd) * 4),
+        PassBuffer::copied("moe.upload", pairs * (n_embd + 1) * 4),
+    ];
+    v.extend(
+        (0..placement.groups.len())
+            .flat_map(|g| [placement.groups[g].n_slots, stream_slots(placement, g)])
+            .filter(|&n| n > 0)
+            .map(|n| PassBuffer::bound("moe_route", MoeRoute::bytes(n, pairs as u32))),
+    );
+    v
 }
 
 /// Slots of each arena group for streamed experts: [`STREAM_SLOTS`], or fewer when the

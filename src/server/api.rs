@@ -130,6 +130,22 @@ pub struct GenParams {
     pub ignore_eos: bool,
     /// Structured output: what the reply must follow.
     pub constraint: Option<Requested>,
+    /// Choices to generate (`n`), each from the same prompt.
+    pub n: usize,
+}
+
+/// The sampling seed of choice `i` of a request seeded with `seed`: `seed` itself for the
+/// first (so `n = 1` is what it always was), then splitmix64 (Steele et al., the
+/// `SplittableRandom` finaliser) of `seed` stepped `i` times by the golden-ratio increment:
+/// reproducible for a given seed, and a different stream per choice.
+pub fn choice_seed(seed: u64, i: usize) -> u64 {
+    if i == 0 {
+        return seed;
+    }
+    let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// A request's fields, absent and `null` alike read as "not given".
@@ -207,14 +223,13 @@ pub enum Api {
 
 /// Reads the generation fields common to both endpoints. `vocab` bounds `logit_bias` ids.
 pub fn gen_params(f: &Fields, api: Api, vocab: usize, default_seed: u64) -> R<GenParams> {
-    if let Some(n) = f.uint("n")? {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                "n",
-                format!("`n` is {n}: this server generates one choice per request (n = 1)"),
-            ));
-        }
-    }
+    // The bound above 1 (`--parallel`: each choice takes a slot) is checked where the
+    // server's settings are known.
+    let n = match f.uint("n")? {
+        Some(0) => return Err(ApiError::invalid("n", "`n` must be at least 1")),
+        Some(n) => n.min(usize::MAX as u64) as usize,
+        None => 1,
+    };
     if let Some(b) = f.uint("best_of")? {
         if b != 1 {
             return Err(ApiError::invalid("best_of", "`best_of` must be 1"));
@@ -360,6 +375,7 @@ pub fn gen_params(f: &Fields, api: Api, vocab: usize, default_seed: u64) -> R<Ge
         logit_bias,
         ignore_eos: f.boolean("ignore_eos")?.unwrap_or(false),
         constraint,
+        n,
     })
 }
 
@@ -757,15 +773,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn n_other_than_one_is_a_400_naming_n() {
-        let e = chat_request(
-            &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2}),
-            100,
-            1,
-        )
-        .unwrap_err();
-        assert_eq!(e.status, StatusCode::BAD_REQUEST);
-        assert_eq!(e.param.as_deref(), Some("n"));
+    fn n_is_read_and_zero_is_a_400_naming_n() {
+        let req = |n: Value| {
+            chat_request(
+                &json!({"messages": [{"role": "user", "content": "hi"}], "n": n}),
+                100,
+                1,
+            )
+        };
+        assert_eq!(req(json!(3)).unwrap().params.n, 3);
+        assert_eq!(req(Value::Null).unwrap().params.n, 1);
+        for bad in [json!(0), json!(-1), json!("2")] {
+            let e = req(bad).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(e.param.as_deref(), Some("n"));
+        }
+    }
+
+    /// Choice 0 keeps the request's seed; the others differ from it and from each other.
+    #[test]
+    fn choice_seeds_are_the_seed_then_distinct() {
+        assert_eq!(choice_seed(42, 0), 42);
+        let seeds: std::collections::HashSet<u64> = (0..64).map(|i| choice_seed(42, i)).collect();
+        assert_eq!(seeds.len(), 64);
+        assert_eq!(choice_seed(42, 5), choice_seed(42, 5));
+        assert_ne!(choice_seed(42, 1), choice_seed(43, 1));
     }
 
     #[test]

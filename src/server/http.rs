@@ -6,6 +6,7 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -61,6 +62,8 @@ pub struct AppState {
 
 type R<T> = std::result::Result<T, ApiError>;
 
+mod responses;
+
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/", get(web_page))
@@ -69,6 +72,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -474,6 +478,14 @@ async fn chat_inner(st: AppState, req: Request) -> R<Response> {
     let body = read_json(&st.cfg, req).await?;
     let loaded = ready(&st)?;
     let req = api::chat_request(&body, loaded.vocab, fresh_seed())?;
+    let id = random_id("chatcmpl-", 24);
+    let (meta, kind, events) = chat_submit(&st, req, id).await?;
+    answer(meta, kind, events).await
+}
+
+/// A chat request rendered, tokenized and queued (the Responses API's too).
+async fn chat_submit(st: &AppState, req: api::ChatRequest, id: String) -> R<(Meta, Kind, Events)> {
+    let loaded = ready(st)?;
     let template = st
         .template
         .get()
@@ -507,7 +519,8 @@ async fn chat_inner(st: AppState, req: Request) -> R<Response> {
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, Some(conversation));
     let kind = Kind::Chat(parser);
-    start(&st, kind, model, ids, req.params, ("messages", prefix)).await
+    let (meta, events) = submit(st, (id, model), ids, req.params, ("messages", prefix)).await?;
+    Ok((meta, kind, events))
 }
 
 async fn completions(State(st): State<AppState>, req: Request) -> Response {
@@ -532,15 +545,10 @@ async fn completions_inner(st: AppState, req: Request) -> R<Response> {
     };
     let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
     let ids = (ids, None);
-    start(
-        &st,
-        Kind::Completion,
-        model,
-        ids,
-        req.params,
-        ("prompt", ""),
-    )
-    .await
+    let kind = Kind::Completion;
+    let id = (random_id("cmpl-", 24), model);
+    let (meta, events) = submit(&st, id, ids, req.params, ("prompt", "")).await?;
+    answer(meta, kind, events).await
 }
 
 /// Longest prompt accepted, in tokens.
@@ -579,7 +587,8 @@ fn encode_bounded(
         .map_err(|e| ApiError::server(e.to_string()))
 }
 
-/// Which endpoint a response is for.
+/// Which endpoint a response is for (a chat's parser: one per choice).
+#[derive(Clone)]
 enum Kind {
     Chat(OutputParser),
     Completion,
@@ -639,17 +648,16 @@ async fn compile(st: &AppState, r: Requested, prefix: &'static str) -> R<Matcher
     .map_err(|e| ApiError::server(format!("compiling the output constraint failed: {e}")))?
 }
 
-/// Checks the prompt's length, queues the job and answers (streamed or whole). `ids`: the
-/// prompt, and where its slot checkpoint goes when not at its end (`Job::checkpoint`);
-/// `prefix`: what a constrained reply starts with ([`compile`]).
-async fn start(
+/// Checks the prompt's length and queues the job (one per choice) as `id`, for `model`.
+/// `ids`: the prompt, and where its slot checkpoint goes when not at its end
+/// (`Job::checkpoint`); `prefix`: what a constrained reply starts with ([`compile`]).
+async fn submit(
     st: &AppState,
-    kind: Kind,
-    model: String,
+    (id, model): (String, String),
     (ids, checkpoint): (Vec<u32>, Option<usize>),
     params: GenParams,
     (prompt_param, prefix): (&str, &'static str),
-) -> R<Response> {
+) -> R<(Meta, Events)> {
     let loaded = ready(st)?;
     let ctx = st.cfg.ctx;
     let limit = prompt_limit(&st.cfg);
@@ -660,31 +668,49 @@ async fn start(
         let n = ids.len().to_string();
         return Err(too_long(&n, (limit, ctx), prompt_param));
     }
+    if params.n > st.cfg.n_slots {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "`n` is {}: each choice takes a slot, and this server has {} (--parallel)",
+                params.n, st.cfg.n_slots
+            ),
+        ));
+    }
     let room = ctx - ids.len();
     let max_tokens = params.max_tokens.unwrap_or(room).min(room);
     let constraint = match &params.constraint {
         Some(r) => Some(compile(st, r.clone(), prefix).await?),
         None => None,
     };
-    let (tx, rx) = unbounded_channel();
-    let id = match kind {
-        Kind::Chat(_) => random_id("chatcmpl-", 24),
-        Kind::Completion => random_id("cmpl-", 24),
-    };
-    let job = Job {
-        id: id.clone(),
-        checkpoint: checkpoint.unwrap_or(ids.len()),
-        prompt: ids,
-        max_tokens,
-        sampler: params.sampler.clone(),
-        stop: params.stop.clone(),
-        logprobs: params.logprobs,
-        logit_bias: params.logit_bias.clone(),
-        ignore_eos: params.ignore_eos,
-        constraint,
-        deadline: Instant::now() + st.cfg.timeout,
-        events: tx,
-    };
+    let deadline = Instant::now() + st.cfg.timeout;
+    let mut rxs = Vec::with_capacity(params.n);
+    let mut jobs: Vec<Job> = (0..params.n)
+        .map(|i| {
+            let (tx, rx) = unbounded_channel();
+            rxs.push(Some(rx));
+            let mut sampler = params.sampler.clone();
+            sampler.seed = api::choice_seed(sampler.seed, i);
+            Job {
+                id: id.clone(),
+                checkpoint: checkpoint.unwrap_or(ids.len()),
+                prompt: ids.clone(),
+                max_tokens,
+                sampler,
+                stop: params.stop.clone(),
+                logprobs: params.logprobs,
+                logit_bias: params.logit_bias.clone(),
+                ignore_eos: params.ignore_eos,
+                // Every choice under the same constraint, each with its own matcher.
+                constraint: constraint.clone(),
+                deadline,
+                events: tx,
+                siblings: Vec::new(),
+            }
+        })
+        .collect();
+    let mut job = jobs.remove(0);
+    job.siblings = jobs;
     st.sched.submit(job).map_err(|e| match e {
         SubmitError::Full => ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -708,10 +734,87 @@ async fn start(
         cut: st.cut.clone(),
         shared: st.sched.shared.clone(),
     };
+    Ok((meta, Events(rxs)))
+}
+
+/// The answer of a chat or completion request: streamed or whole.
+async fn answer(meta: Meta, kind: Kind, events: Events) -> R<Response> {
     if meta.params.stream {
-        Ok(stream_response(Stream::new(meta, kind, rx)))
+        Ok(stream_response(Stream::new(meta, kind, events)))
     } else {
-        collect(meta, kind, rx).await
+        collect(meta, kind, events).await
+    }
+}
+
+/// The events of a request's choices, merged.
+struct Events(Vec<Option<UnboundedReceiver<Event>>>);
+
+impl Events {
+    /// The next event of any choice with its index; `(i, None)` when choice i's channel
+    /// closes (it is not read again); `None` once all are closed.
+    async fn recv(&mut self) -> Option<(usize, Option<Event>)> {
+        std::future::poll_fn(|cx| {
+            let mut open = false;
+            for (i, slot) in self.0.iter_mut().enumerate() {
+                let Some(rx) = slot else { continue };
+                open = true;
+                match rx.poll_recv(cx) {
+                    Poll::Ready(Some(ev)) => return Poll::Ready(Some((i, Some(ev)))),
+                    Poll::Ready(None) => {
+                        *slot = None;
+                        return Poll::Ready(Some((i, None)));
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            match open {
+                true => Poll::Pending,
+                false => Poll::Ready(None),
+            }
+        })
+        .await
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// What a request's choices add up to once each is done: the prompt counted once (the
+/// first choice's, whose cache the others share), the completion tokens and speculation of
+/// every choice.
+#[derive(Default)]
+struct Totals {
+    n_prompt: usize,
+    n_cached: usize,
+    n_generated: usize,
+    spec: Option<SpecStats>,
+}
+
+impl Totals {
+    fn add(
+        &mut self,
+        i: usize,
+        n_prompt: usize,
+        n_cached: usize,
+        n_generated: usize,
+        spec: Option<SpecStats>,
+    ) {
+        if i == 0 {
+            (self.n_prompt, self.n_cached) = (n_prompt, n_cached);
+        }
+        self.n_generated += n_generated;
+        if let Some(s) = spec {
+            let t = self.spec.get_or_insert_with(SpecStats::default);
+            t.drafted += s.drafted;
+            t.accepted += s.accepted;
+            t.verify_passes += s.verify_passes;
+            t.tokens += s.tokens;
+        }
+    }
+
+    fn usage(&self) -> Value {
+        usage(self.n_prompt, self.n_cached, self.n_generated, self.spec)
     }
 }
 
@@ -820,21 +923,79 @@ fn completion_logprobs(t: &Tokenizer, lps: &[TokenLogprob], mut offset: usize) -
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset})
 }
 
-/// A whole (non-streamed) answer. If the client goes away, this future is dropped with the
-/// receiver, and the engine frees the slot at its next step.
-async fn collect(mut meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event>) -> R<Response> {
-    let (mut content, mut reasoning) = (String::new(), String::new());
-    let mut lps = Vec::new();
-    let mut take = |ps: Vec<Piece>, content: &mut String| {
+/// One choice of a whole answer, as it comes in.
+struct Whole {
+    kind: Kind,
+    content: String,
+    reasoning: String,
+    lps: Vec<TokenLogprob>,
+    /// Set by its `Done`: why it ended and the tool calls parsed from it.
+    done: Option<(Finish, Vec<ToolCall>)>,
+}
+
+impl Whole {
+    fn take(&mut self, ps: Vec<Piece>) {
         for p in ps {
             match p {
-                Piece::Content(s) => content.push_str(&s),
-                Piece::Reasoning(s) => reasoning.push_str(&s),
+                Piece::Content(s) => self.content.push_str(&s),
+                Piece::Reasoning(s) => self.reasoning.push_str(&s),
             }
         }
-    };
+    }
+
+    /// The choice's JSON in a chat or completion answer.
+    fn json(&self, index: usize, t: &Tokenizer, want_lp: bool) -> Value {
+        let (finish, calls) = match &self.done {
+            Some((f, c)) => (*f, c.as_slice()),
+            None => (Finish::Stop, &[][..]),
+        };
+        match &self.kind {
+            Kind::Chat(_) => {
+                let mut message = json!({"role": "assistant", "content": self.content});
+                if !self.reasoning.is_empty() {
+                    message["reasoning_content"] = self.reasoning.clone().into();
+                }
+                if !calls.is_empty() {
+                    if self.content.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] = tool_calls_json(calls, false);
+                }
+                let logprobs = match want_lp {
+                    true => json!({"content": chat_logprobs(t, &self.lps)}),
+                    false => Value::Null,
+                };
+                json!({"index": index, "message": message, "logprobs": logprobs,
+                       "finish_reason": finish_str(finish, calls)})
+            }
+            Kind::Completion => {
+                let logprobs = match want_lp {
+                    true => completion_logprobs(t, &self.lps, 0),
+                    false => Value::Null,
+                };
+                json!({"index": index, "text": self.content, "logprobs": logprobs,
+                       "finish_reason": finish_str(finish, &[])})
+            }
+        }
+    }
+}
+
+/// Every choice of a request, whole: once each is done. If the client goes away, this
+/// future is dropped with the receivers, and the engine frees the slots at its next step.
+async fn gather(meta: &mut Meta, kind: &Kind, mut rx: Events) -> R<(Vec<Whole>, Totals)> {
+    let mut choices: Vec<Whole> = (0..rx.len())
+        .map(|_| Whole {
+            kind: kind.clone(),
+            content: String::new(),
+            reasoning: String::new(),
+            lps: Vec::new(),
+            done: None,
+        })
+        .collect();
+    let mut totals = Totals::default();
+    let stopped = || ApiError::server("the engine stopped before the request finished");
     loop {
-        let ev = tokio::select! {
+        let (i, ev) = tokio::select! {
             biased;
             e = meta.cut_short() => return Err(e),
             ev = rx.recv() => match ev {
@@ -842,84 +1003,86 @@ async fn collect(mut meta: Meta, mut kind: Kind, mut rx: UnboundedReceiver<Event
                 None => break,
             },
         };
+        let c = &mut choices[i];
         match ev {
-            Event::Started { .. } => {}
-            Event::Delta { text, logprob } => {
-                match &mut kind {
-                    Kind::Chat(p) => take(p.push(&text), &mut content),
-                    Kind::Completion => content.push_str(&text),
+            None if c.done.is_none() => return Err(stopped()),
+            None | Some(Event::Started { .. }) => {}
+            Some(Event::Delta { text, logprob }) => {
+                match &mut c.kind {
+                    Kind::Chat(p) => {
+                        let ps = p.push(&text);
+                        c.take(ps);
+                    }
+                    Kind::Completion => c.content.push_str(&text),
                 }
-                lps.extend(logprob);
+                c.lps.extend(logprob);
             }
-            Event::Error { message, code } => {
+            Some(Event::Error { message, code }) => {
                 return Err(engine_error(&meta.shared, message, code))
             }
-            Event::Done {
+            Some(Event::Done {
                 finish,
                 n_prompt,
                 n_cached,
                 n_generated,
                 spec,
-            } => {
-                let usage = usage(n_prompt, n_cached, n_generated, spec);
-                let want_lp = meta.params.logprobs.is_some();
-                let t = &meta.tokenizer;
-                let body = match &mut kind {
+            }) => {
+                totals.add(i, n_prompt, n_cached, n_generated, spec);
+                let calls = match &mut c.kind {
                     Kind::Chat(p) => {
                         let (rest, calls) = p.finish();
-                        take(rest, &mut content);
-                        let mut message = json!({"role": "assistant", "content": content});
-                        if !reasoning.is_empty() {
-                            message["reasoning_content"] = reasoning.clone().into();
-                        }
-                        if !calls.is_empty() {
-                            if content.is_empty() {
-                                message["content"] = Value::Null;
-                            }
-                            message["tool_calls"] = tool_calls_json(&calls, false);
-                        }
-                        let logprobs = if want_lp {
-                            json!({"content": chat_logprobs(t, &lps)})
-                        } else {
-                            Value::Null
-                        };
-                        json!({
-                            "id": meta.id, "object": "chat.completion", "created": meta.created,
-                            "model": meta.model, "system_fingerprint": null,
-                            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                                         "finish_reason": finish_str(finish, &calls)}],
-                            "usage": usage,
-                        })
+                        c.take(rest);
+                        calls
                     }
-                    Kind::Completion => {
-                        let logprobs = if want_lp {
-                            completion_logprobs(t, &lps, 0)
-                        } else {
-                            Value::Null
-                        };
-                        json!({
-                            "id": meta.id, "object": "text_completion", "created": meta.created,
-                            "model": meta.model, "system_fingerprint": null,
-                            "choices": [{"index": 0, "text": content, "logprobs": logprobs,
-                                         "finish_reason": finish_str(finish, &[])}],
-                            "usage": usage,
-                        })
-                    }
+                    Kind::Completion => Vec::new(),
                 };
-                return Ok(json_response(StatusCode::OK, &body));
+                c.done = Some((finish, calls));
             }
         }
     }
-    Err(ApiError::server(
-        "the engine stopped before the request finished",
-    ))
+    if choices.iter().any(|c| c.done.is_none()) {
+        return Err(stopped());
+    }
+    Ok((choices, totals))
+}
+
+/// A whole (non-streamed) chat or completion answer.
+async fn collect(mut meta: Meta, kind: Kind, rx: Events) -> R<Response> {
+    let (choices, totals) = gather(&mut meta, &kind, rx).await?;
+    let want_lp = meta.params.logprobs.is_some();
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| c.json(i, &meta.tokenizer, want_lp))
+        .collect();
+    let object = match kind {
+        Kind::Chat(_) => "chat.completion",
+        Kind::Completion => "text_completion",
+    };
+    let body = json!({
+        "id": meta.id, "object": object, "created": meta.created,
+        "model": meta.model, "system_fingerprint": null,
+        "choices": choices,
+        "usage": totals.usage(),
+    });
+    Ok(json_response(StatusCode::OK, &body))
 }
 
 /// A streamed answer in progress.
 struct Stream {
     meta: Meta,
+    chat: bool,
+    rx: Events,
+    choices: Vec<Streamed>,
+    totals: Totals,
+    /// Choices not done yet.
+    open: usize,
+    done: bool,
+}
+
+/// One choice of a streamed answer.
+struct Streamed {
     kind: Kind,
-    rx: UnboundedReceiver<Event>,
     /// Log-probabilities of tokens whose text has not gone out in a chunk yet.
     pending_lp: Vec<TokenLogprob>,
     /// Characters of completion text sent so far (for `text_offset`).
@@ -928,13 +1091,22 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(meta: Meta, kind: Kind, rx: UnboundedReceiver<Event>) -> Stream {
+    fn new(meta: Meta, kind: Kind, rx: Events) -> Stream {
+        let n = rx.len();
         Stream {
             meta,
-            kind,
+            chat: matches!(kind, Kind::Chat(_)),
+            choices: (0..n)
+                .map(|_| Streamed {
+                    kind: kind.clone(),
+                    pending_lp: Vec::new(),
+                    sent_chars: 0,
+                    done: false,
+                })
+                .collect(),
             rx,
-            pending_lp: Vec::new(),
-            sent_chars: 0,
+            totals: Totals::default(),
+            open: n,
             done: false,
         }
     }
@@ -947,9 +1119,9 @@ impl Stream {
 
     /// One chunk object around `choice` (or `choices: []` with usage).
     fn chunk(&self, choice: Option<Value>, usage: Option<Value>) -> Value {
-        let object = match self.kind {
-            Kind::Chat(_) => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
+        let object = match self.chat {
+            true => "chat.completion.chunk",
+            false => "text_completion",
         };
         let mut v = json!({
             "id": self.meta.id, "object": object, "created": self.meta.created,
@@ -962,38 +1134,46 @@ impl Stream {
         v
     }
 
-    fn take_logprobs(&mut self) -> Value {
+    fn take_logprobs(&mut self, i: usize) -> Value {
         if self.meta.params.logprobs.is_none() {
             return Value::Null;
         }
-        let lps = std::mem::take(&mut self.pending_lp);
+        let c = &mut self.choices[i];
+        let lps = std::mem::take(&mut c.pending_lp);
         let t = &self.meta.tokenizer;
-        match self.kind {
-            Kind::Chat(_) => json!({"content": chat_logprobs(t, &lps)}),
-            Kind::Completion => completion_logprobs(t, &lps, self.sent_chars),
+        match self.chat {
+            true => json!({"content": chat_logprobs(t, &lps)}),
+            false => completion_logprobs(t, &lps, c.sent_chars),
         }
     }
 
-    fn chat_choice(&mut self, delta: Value, finish: Option<&str>) -> Value {
-        let logprobs = self.take_logprobs();
-        json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+    fn chat_choice(&mut self, i: usize, delta: Value, finish: Option<&str>) -> Value {
+        let logprobs = self.take_logprobs(i);
+        json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
     }
 
-    fn text_choice(&mut self, text: &str, finish: Option<&str>) -> Value {
-        let logprobs = self.take_logprobs();
-        self.sent_chars += text.chars().count();
-        json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+    fn text_choice(&mut self, i: usize, text: &str, finish: Option<&str>) -> Value {
+        let logprobs = self.take_logprobs(i);
+        self.choices[i].sent_chars += text.chars().count();
+        json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
     }
 
-    fn pieces(&mut self, ps: Vec<Piece>, out: &mut Vec<u8>) {
+    fn pieces(&mut self, i: usize, ps: Vec<Piece>, out: &mut Vec<u8>) {
         for p in ps {
             let delta = match p {
                 Piece::Content(s) => json!({"content": s}),
                 Piece::Reasoning(s) => json!({"reasoning_content": s}),
             };
-            let c = self.chat_choice(delta, None);
+            let c = self.chat_choice(i, delta, None);
             Self::event(out, &self.chunk(Some(c), None));
         }
+    }
+
+    /// An error event and `[DONE]`: the end of the stream.
+    fn fail(&mut self, out: &mut Vec<u8>, e: &ApiError) {
+        Self::event(out, &e.body());
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        self.done = true;
     }
 
     /// The next bytes to send; None after `[DONE]`.
@@ -1006,37 +1186,40 @@ impl Stream {
             let ev = tokio::select! {
                 biased;
                 e = self.meta.cut_short() => {
-                    Self::event(&mut out, &e.body());
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    self.done = true;
+                    self.fail(&mut out, &e);
                     break;
                 }
                 ev = self.rx.recv() => ev,
             };
-            let Some(ev) = ev else {
-                let e = ApiError::server("the engine stopped before the request finished");
-                Self::event(&mut out, &e.body());
-                out.extend_from_slice(b"data: [DONE]\n\n");
-                self.done = true;
+            let stopped = || ApiError::server("the engine stopped before the request finished");
+            let Some((i, ev)) = ev else {
+                self.fail(&mut out, &stopped());
                 break;
+            };
+            let Some(ev) = ev else {
+                if !self.choices[i].done {
+                    self.fail(&mut out, &stopped());
+                }
+                continue;
             };
             match ev {
                 Event::Started { .. } => {
-                    if let Kind::Chat(_) = self.kind {
-                        let c = self.chat_choice(json!({"role": "assistant", "content": ""}), None);
+                    if self.chat {
+                        let d = json!({"role": "assistant", "content": ""});
+                        let c = self.chat_choice(i, d, None);
                         Self::event(&mut out, &self.chunk(Some(c), None));
                     }
                 }
                 Event::Delta { text, logprob } => {
-                    self.pending_lp.extend(logprob);
-                    match &mut self.kind {
+                    self.choices[i].pending_lp.extend(logprob);
+                    match &mut self.choices[i].kind {
                         Kind::Chat(p) => {
                             let ps = p.push(&text);
-                            self.pieces(ps, &mut out);
+                            self.pieces(i, ps, &mut out);
                         }
                         Kind::Completion => {
                             if !text.is_empty() {
-                                let c = self.text_choice(&text, None);
+                                let c = self.text_choice(i, &text, None);
                                 Self::event(&mut out, &self.chunk(Some(c), None));
                             }
                         }
@@ -1044,9 +1227,7 @@ impl Stream {
                 }
                 Event::Error { message, code } => {
                     let e = engine_error(&self.meta.shared, message, code);
-                    Self::event(&mut out, &e.body());
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    self.done = true;
+                    self.fail(&mut out, &e);
                 }
                 Event::Done {
                     finish,
@@ -1055,26 +1236,31 @@ impl Stream {
                     n_generated,
                     spec,
                 } => {
-                    let last = match &mut self.kind {
+                    let last = match &mut self.choices[i].kind {
                         Kind::Chat(p) => {
                             let (rest, calls) = p.finish();
-                            self.pieces(rest, &mut out);
+                            self.pieces(i, rest, &mut out);
                             if !calls.is_empty() {
                                 let d = json!({"tool_calls": tool_calls_json(&calls, true)});
-                                let c = self.chat_choice(d, None);
+                                let c = self.chat_choice(i, d, None);
                                 Self::event(&mut out, &self.chunk(Some(c), None));
                             }
-                            self.chat_choice(json!({}), Some(finish_str(finish, &calls)))
+                            self.chat_choice(i, json!({}), Some(finish_str(finish, &calls)))
                         }
-                        Kind::Completion => self.text_choice("", Some(finish_str(finish, &[]))),
+                        Kind::Completion => self.text_choice(i, "", Some(finish_str(finish, &[]))),
                     };
                     Self::event(&mut out, &self.chunk(Some(last), None));
-                    if self.meta.params.include_usage {
-                        let u = usage(n_prompt, n_cached, n_generated, spec);
-                        Self::event(&mut out, &self.chunk(None, Some(u)));
+                    self.choices[i].done = true;
+                    self.totals.add(i, n_prompt, n_cached, n_generated, spec);
+                    self.open -= 1;
+                    if self.open == 0 {
+                        if self.meta.params.include_usage {
+                            let u = self.totals.usage();
+                            Self::event(&mut out, &self.chunk(None, Some(u)));
+                        }
+                        out.extend_from_slice(b"data: [DONE]\n\n");
+                        self.done = true;
                     }
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    self.done = true;
                 }
             }
         }

@@ -1,8 +1,10 @@
 //! `lathe serve`: an OpenAI-compatible HTTP server.
 //!
 //! Routes: `POST /v1/chat/completions` (messages through the model's chat template),
-//! `POST /v1/completions` (a raw prompt), both streamed as server-sent events with
-//! `"stream": true`; `GET /v1/models`; `GET /health` (200 ready, 503 loading).
+//! `POST /v1/completions` (a raw prompt), both with `n` choices and streamed as server-sent
+//! events with `"stream": true`; `POST /v1/responses` (OpenAI's Responses API over the chat
+//! path); `GET /v1/models`; `GET /health` (200 ready, 503 loading); llama-server's
+//! `/tokenize`, `/detokenize`, `/props`, `/slots`; `/metrics`; a chat page at `/`.
 //!
 //! Layout: [`api`] reads and checks requests and shapes errors; [`output`] splits a reply
 //! into content, reasoning and tool calls; [`scheduler`] is the engine thread (slots, queue,

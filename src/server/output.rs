@@ -43,7 +43,7 @@ enum State {
 }
 
 /// Splits one reply as it streams in.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct OutputParser {
     reasoning: bool,
     tools: Option<Vec<Value>>,

@@ -67,6 +67,12 @@ pub struct Job {
     pub constraint: Option<Matcher>,
     pub deadline: Instant,
     pub events: UnboundedSender<Event>,
+    /// The request's other choices (`n > 1`): the same prompt, their own sampling and
+    /// events. They start together, each in its own free slot, and take this job's state
+    /// after all but the last prompt token by a sequence copy ([`Worker::fork`]) instead of
+    /// computing the prompt again; then every choice feeds that last token in one batched
+    /// step and they decode side by side.
+    pub siblings: Vec<Job>,
 }
 
 /// The log-probability of one sampled token (natural log, of the model's distribution
@@ -306,6 +312,7 @@ pub fn start(
                 rx,
                 shared: sh.clone(),
                 clock: 0,
+                waiting: None,
             };
             w.publish_slots();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.run()));
@@ -358,6 +365,12 @@ struct Active {
     /// The tokens the request's constraint allows for the token sampled next, computed
     /// during the step ([`Worker::run_step_masked`]); a bitset over the vocabulary.
     mask: Option<Vec<u32>>,
+    /// A choice of `n > 1` waiting for the slot of its first choice to reach `fork`: it
+    /// feeds nothing until then ([`Worker::fork`]).
+    follows: Option<usize>,
+    /// The first choice of `n > 1` with choices following it: the prompt position its
+    /// state is copied at (the prompt's last token then goes through every choice).
+    fork: Option<usize>,
 }
 
 impl Active {
@@ -394,6 +407,9 @@ struct Worker {
     rx: Receiver<Job>,
     shared: Arc<Shared>,
     clock: u64,
+    /// A job of several choices taken from the queue before enough slots were free: it
+    /// starts, before any later job, once they are.
+    waiting: Option<Job>,
 }
 
 impl Worker {
@@ -448,6 +464,15 @@ impl Worker {
     /// the server is gone and nothing is left to do.
     fn admit(&mut self) -> bool {
         while self.slots.iter().any(|s| s.active.is_none()) {
+            let free = self.slots.iter().filter(|s| s.active.is_none()).count();
+            if let Some(job) = self.waiting.take() {
+                if job.siblings.len() < free {
+                    self.start_job(job);
+                    continue;
+                }
+                self.waiting = Some(job);
+                return true;
+            }
             let job = if self.n_active() == 0 {
                 match self.rx.recv() {
                     Ok(j) => j,
@@ -464,18 +489,127 @@ impl Worker {
                 continue;
             }
             if Instant::now() >= job.deadline {
-                let _ = job.events.send(Event::Error {
-                    message: "the request timed out waiting in the queue".into(),
-                    code: "timeout",
-                });
+                for j in std::iter::once(&job).chain(&job.siblings) {
+                    let _ = j.events.send(Event::Error {
+                        message: "the request timed out waiting in the queue".into(),
+                        code: "timeout",
+                    });
+                }
                 continue;
+            }
+            if job.siblings.len() >= self.slots.len() {
+                for j in std::iter::once(&job).chain(&job.siblings) {
+                    let _ = j.events.send(Event::Error {
+                        message: format!(
+                            "{} choices need more slots than the server has",
+                            job.siblings.len() + 1
+                        ),
+                        code: "internal",
+                    });
+                }
+                continue;
+            }
+            if job.siblings.len() >= free {
+                self.waiting = Some(job);
+                return true;
             }
             self.start_job(job);
         }
         true
     }
 
-    fn start_job(&mut self, job: Job) {
+    /// Starts a job and its sibling choices (enough slots are free for all of them): the
+    /// siblings follow the first choice's prompt ([`Worker::fork`]) unless their own slot
+    /// already holds as much of it.
+    fn start_job(&mut self, mut job: Job) {
+        let siblings = std::mem::take(&mut job.siblings);
+        let fork = job.prompt.len() - 1;
+        let Some(lead) = self.start_one(job, None) else {
+            for s in siblings {
+                let _ = s.events.send(Event::Error {
+                    message: "the request's first choice failed to start".into(),
+                    code: "internal",
+                });
+            }
+            return;
+        };
+        for s in siblings {
+            self.start_one(s, Some(lead));
+        }
+        let following = self
+            .slots
+            .iter()
+            .any(|s| s.active.as_ref().is_some_and(|a| a.follows == Some(lead)));
+        if let Some(a) = self.slots[lead].active.as_mut().filter(|_| following) {
+            a.fork = Some(fork);
+            self.fork(lead);
+        }
+    }
+
+    /// Hands the prompt state of the first choice in slot `lead`, once it holds its fork
+    /// position, to the choices following it: each copies the sequence and feeds the rest
+    /// of the prompt (its last token) itself. A failed copy leaves that choice to compute
+    /// the prompt alone.
+    fn fork(&mut self, lead: usize) {
+        let Some(a) = self.slots[lead].active.as_ref() else {
+            return;
+        };
+        if a.fork != Some(self.slots[lead].held.tokens().len()) {
+            return;
+        }
+        let (at, id) = (a.fork.unwrap_or(0), a.job.id.clone());
+        for j in 0..self.slots.len() {
+            let follows = self.slots[j]
+                .active
+                .as_ref()
+                .is_some_and(|f| f.follows == Some(lead) && f.job.id == id);
+            if !follows {
+                continue;
+            }
+            let (src, dst) = match j < lead {
+                true => {
+                    let (lo, hi) = self.slots.split_at_mut(lead);
+                    (&hi[0], &mut lo[j])
+                }
+                false => {
+                    let (lo, hi) = self.slots.split_at_mut(j);
+                    (&lo[lead], &mut hi[0])
+                }
+            };
+            let copied = dst.held.copy_from(&self.engine, &src.held);
+            let f = dst.active.as_mut().expect("following slot");
+            f.follows = None;
+            match copied {
+                Ok(()) => {
+                    f.n_cached = at;
+                    f.feed = f.job.prompt[at..].to_vec();
+                }
+                Err(e) => {
+                    eprintln!(
+                        "lathe serve: {}: copying the prompt state failed: {e}",
+                        f.job.id
+                    );
+                    if let Err(e) = dst.held.reset(&self.engine) {
+                        eprintln!(
+                            "lathe serve: {}: resetting the sequence failed: {e}",
+                            f.job.id
+                        );
+                        dst.held.mark_stale();
+                    }
+                    f.n_cached = 0;
+                    f.feed = f.job.prompt.clone();
+                }
+            }
+        }
+        if let Some(a) = self.slots[lead].active.as_mut() {
+            a.fork = None;
+        }
+    }
+
+    /// Starts one job in a free slot (the one holding the longest reusable prefix, else
+    /// the least recently used); `follow`: the slot of the first choice of its request,
+    /// whose prompt state it is to copy. Returns the slot, or None when the job failed.
+    fn start_one(&mut self, job: Job, follow: Option<usize>) -> Option<usize> {
         // The free slot holding the longest reusable prefix; else the least recently used.
         let free = self
             .slots
@@ -485,7 +619,7 @@ impl Worker {
         let best = free
             .max_by_key(|(_, s)| (s.held.reusable(&job.prompt), std::cmp::Reverse(s.last_used)))
             .map(|(i, _)| i);
-        let Some(i) = best else { return };
+        let i = best?;
         let speculating = self
             .slots
             .iter()
@@ -501,13 +635,17 @@ impl Worker {
                     message: format!("preparing the sequence failed: {e}"),
                     code: "internal",
                 });
-                return;
+                return None;
             }
         };
         let cached = &job.prompt[..n_cached];
+        // A choice follows the first unless its slot holds as much of the prompt already.
+        let follow = follow.filter(|_| n_cached + 1 < job.prompt.len());
         // A constrained request does not speculate: a draft's tokens would each need the
-        // grammar's mask before the verify pass could accept them.
-        let spec = match job.constraint.is_some() {
+        // grammar's mask before the verify pass could accept them. Nor do the choices of
+        // `n > 1`: a copied sequence has no draft state, and they decode batched anyway.
+        let several = follow.is_some() || !job.siblings.is_empty();
+        let spec = match job.constraint.is_some() || several {
             true => Ok(None),
             false => new_speculator(&mut self.engine, &self.cfg.spec, speculating, cached),
         };
@@ -519,7 +657,7 @@ impl Worker {
                     message: format!("preparing speculative decoding failed: {e}"),
                     code: "internal",
                 });
-                return;
+                return None;
             }
         };
         let eog = if job.ignore_eos {
@@ -541,13 +679,32 @@ impl Worker {
             last_token: None,
             spec,
             mask: None,
+            follows: follow,
+            fork: None,
             job,
         });
         self.shared.active.fetch_add(1, Ordering::Relaxed);
+        Some(i)
     }
 
     /// Frees the slots of requests whose client has gone, and ends those past their deadline.
     fn drop_finished_or_expired(&mut self) {
+        // A choice whose first choice ended before its fork computes the prompt alone.
+        for j in 0..self.slots.len() {
+            let Some(lead) = self.slots[j].active.as_ref().and_then(|a| a.follows) else {
+                continue;
+            };
+            let id = self.slots[j].active.as_ref().map(|a| a.job.id.clone());
+            let leading = self.slots[lead]
+                .active
+                .as_ref()
+                .is_some_and(|a| a.fork.is_some() && Some(&a.job.id) == id.as_ref());
+            if !leading {
+                if let Some(a) = self.slots[j].active.as_mut() {
+                    a.follows = None;
+                }
+            }
+        }
         let now = Instant::now();
         for slot in &mut self.slots {
             let Some(a) = &slot.active else { continue };
@@ -596,7 +753,7 @@ impl Worker {
             .filter_map(|(i, s)| {
                 s.active
                     .as_ref()
-                    .filter(|a| a.prefilling)
+                    .filter(|a| a.prefilling && a.follows.is_none())
                     .map(|a| (i, a.started))
             })
             .collect();
@@ -612,6 +769,10 @@ impl Worker {
             let (held, ck) = (self.slots[i].held.tokens().len(), a.job.checkpoint);
             if held < ck && ck < held + n {
                 n = ck - held;
+            }
+            // So does one at the fork of choices following this one.
+            if let Some(f) = a.fork.filter(|&f| held < f && f < held + n) {
+                n = f - held;
             }
             budget -= n;
             work.push(Work {
@@ -873,22 +1034,26 @@ impl Worker {
                             eprintln!("lathe serve: {}: checkpoint failed: {e}", a.job.id);
                         }
                     }
-                    if a.feed.is_empty() {
-                        if let Err(e) =
-                            crate::generate::check_finite(&self.engine, &logits, a.n_generated)
-                        {
-                            let a = slot.active.take().expect("active slot");
-                            self.shared.active.fetch_sub(1, Ordering::Relaxed);
-                            eprintln!("lathe serve: {}: {e}", a.job.id);
-                            let _ = a.job.events.send(Event::Error {
-                                message: e.to_string(),
-                                code: "internal",
-                            });
-                            continue;
+                    if !a.feed.is_empty() {
+                        if a.fork.is_some() {
+                            self.fork(w.slot);
                         }
-                        a.prefilling = false;
-                        to_sample.push((w.slot, logits));
+                        continue;
                     }
+                    if let Err(e) =
+                        crate::generate::check_finite(&self.engine, &logits, a.n_generated)
+                    {
+                        let a = slot.active.take().expect("active slot");
+                        self.shared.active.fetch_sub(1, Ordering::Relaxed);
+                        eprintln!("lathe serve: {}: {e}", a.job.id);
+                        let _ = a.job.events.send(Event::Error {
+                            message: e.to_string(),
+                            code: "internal",
+                        });
+                        continue;
+                    }
+                    a.prefilling = false;
+                    to_sample.push((w.slot, logits));
                 }
                 Err(e) => {
                     let a = slot.active.take().expect("active slot");

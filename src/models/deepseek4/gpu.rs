@@ -31,9 +31,13 @@ use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::topk::TopLogits;
-use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
-use crate::models::chain::{self, Link, Readback};
+use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::link::{self, Link, Readback};
+use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::state::copy_regions;
+use crate::models::runtime::trace::Tracer;
 use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
@@ -129,9 +133,21 @@ impl Grown {
             label,
         })
     }
+    /// A pass whose lists outgrow the binding limit (a context past the one the pass length
+    /// was chosen for, `pass_buffers`) is an error naming the buffer, not a validation error.
     fn ensure(&mut self, gpu: &Gpu, elems: usize) -> Result<()> {
         if elems > self.elems {
-            let n = elems.max(self.elems * 2);
+            let most = (gpu.max_binding() / 4) as usize;
+            if elems > most {
+                return Err(Error::Unsupported(format!(
+                    "buffer `{}` of {} bytes exceeds the adapter's binding limit of {} bytes: \
+                     use a shorter context, or load for this one (--ctx) so passes are shorter",
+                    self.label,
+                    elems as u64 * 4,
+                    most as u64 * 4
+                )));
+            }
+            let n = elems.max(self.elems * 2).min(most);
             self.buf = gpu.buffer((n * 4) as u64, self.label)?;
             self.elems = n;
         }
@@ -208,14 +224,6 @@ impl GpuSeq {
     }
 }
 
-/// A named intermediate of one layer (the CPU reference's `step_traced` names): `attn_in`,
-/// `attn_out`, `ffn_in`, `moe_out` ([n, n_embd]) and `layer_out` ([n, hc·n_embd]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Trace {
-    pub name: &'static str,
-    pub layer: usize,
-}
-
 pub struct GpuModel {
     pub gpu: Arc<Gpu>,
     pub hp: Hparams,
@@ -229,11 +237,10 @@ pub struct GpuModel {
     ring: usize,
     pools: Pools,
     scratch: Scratch,
-    /// Debugging: capture this intermediate in every pass (a copy inside the pass, read back
-    /// after it) and append it, `[n_tokens, width]`, to `traced`.
-    pub trace: Option<Trace>,
-    pub traced: Vec<f32>,
-    trace_buf: Option<wgpu::Buffer>,
+    /// Debugging: capture a named intermediate of one layer in every pass (the CPU
+    /// reference's `step_traced` names): `attn_in`, `attn_out`, `ffn_in`, `moe_out`
+    /// ([n, n_embd]) and `layer_out` ([n, hc·n_embd]).
+    pub trace: Tracer,
     /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
     /// append `(label, ns)` here (slow; for per-kernel breakdowns).
     pub profile: Option<Vec<(String, f64)>>,
@@ -317,9 +324,11 @@ impl GpuModel {
             .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
         let needs = |rows| needs_part(&hp, RunShape::new(opts, rows), &part);
-        let plan = Plan::new(&gpu, file, opts, &needs, DEFAULT_BATCH)?;
+        let limits = BufferLimits::of(&gpu.limits);
+        let batch = fit_rows(DEFAULT_BATCH, limits, &file.path(), |r| needs(r).buffers)?;
+        let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
         // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
-        let rows = plan.as_ref().map_or(DEFAULT_BATCH, |p| p.rows);
+        let rows = plan.as_ref().map_or(batch, |p| p.rows);
         let embedding = name(W::TokEmbd);
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             let held = part.holds(PartSpec::role(w.name(), hp.n_layer, &embedding, false));
@@ -357,11 +366,7 @@ impl GpuModel {
         let rope = (0..hp.n_blocks())
             .map(|l| RopeTable::new(&gpu, &hp.rope_freqs(l), "deepseek4.rope"))
             .collect::<Result<Vec<_>>>()?;
-        let kv_type = match opts.kv_type {
-            KvType::F16 => attention::KvType::F16,
-            // f32 by default: see `KvType`.
-            KvType::Auto | KvType::F32 => attention::KvType::F32,
-        };
+        let kv_type = kv_type_of(opts.kv_type);
         let scratch = Scratch::new(&gpu, &hp, rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, rows)?),
@@ -391,7 +396,7 @@ impl GpuModel {
             part,
             link: Link::default(),
             handoff,
-            ring: hp.window + rows - 1,
+            ring: ring_rows(&hp, rows),
             gpu,
             hp,
             w,
@@ -399,9 +404,7 @@ impl GpuModel {
             kv_type,
             ctx: opts.ctx.max(16),
             scratch,
-            trace: None,
-            traced: Vec::new(),
-            trace_buf: None,
+            trace: Tracer::default(),
             profile: None,
             offload,
         };
@@ -421,12 +424,7 @@ impl GpuModel {
 
     fn new_cmp(&self, ratio: usize, d: usize, overlap: bool, f32_cache: bool) -> Result<CmpState> {
         let slots = self.pools.slots as u64;
-        let shape = CmpShape {
-            ratio: ratio as u32,
-            d: d as u32,
-            overlap,
-            cap: CmpShape::store_rows(ratio as u32, overlap, self.scratch.rows as u32),
-        };
+        let shape = cmp_shape(ratio, d, overlap, self.scratch.rows);
         let entry_bytes = if f32_cache {
             d as u64 * 4
         } else {
@@ -452,7 +450,7 @@ impl GpuModel {
         for l in self.part.layers.clone() {
             let r = hp.compress_ratio[l];
             if r > 0 && !cap_e.iter().any(|c| c.0 == r) {
-                cap_e.push((r, (self.ctx / r).max(16).next_power_of_two()));
+                cap_e.push((r, cap_e_of(self.ctx, r)));
             }
         }
         self.pools.cap_e = cap_e;
@@ -547,16 +545,8 @@ impl GpuModel {
                 }
             }
         }
-        let stage_len = regions.iter().map(|r| r.3).max().unwrap_or(0);
-        if s != d && stage_len > 0 {
-            let stage = self.gpu.buffer(stage_len, "seq.copy_stage")?;
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            for (buf, from, to, len) in regions {
-                enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
-                enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
-            }
-            self.gpu.queue.submit([enc.finish()]);
-            self.gpu.check()?;
+        if s != d {
+            copy_regions(&self.gpu, &regions, "seq.copy_stage")?;
         }
         dst.pos = src.pos;
         Ok(())
@@ -601,12 +591,7 @@ impl GpuModel {
 
     /// Compressed key slots of layer `l`'s index list for a chunk ending at `pos_end`.
     fn comp_slots(&self, l: usize, pos_end: usize) -> usize {
-        let hp = &self.hp;
-        match hp.compress_ratio[l] {
-            0 => 0,
-            r if hp.has_indexer(l) => hp.ix_topk.min(pos_end / r),
-            r => pos_end / r,
-        }
+        comp_slots(&self.hp, l, pos_end)
     }
 
     fn moe_block(&self, pass: &mut Pass<'_>, l: usize, m: &Moe<GpuTensor>, n: u32) -> Result<()> {
@@ -791,57 +776,42 @@ impl Dims {
         }
     }
 
-    /// Bytes of all of them (each at least one element, as allocated).
-    /// Bytes of the largest of them, logits aside (their rows follow the binding limit).
-    fn largest(&self) -> u64 {
+    /// Each with the label [`Scratch::new`] allocates it under.
+    fn named(&self) -> [(&'static str, usize); 26] {
         let d = self;
         [
-            d.ids, d.x, d.h, d.blk, d.mixes, d.pc, d.qr, d.q, d.att, d.kv, d.mid, d.cmp, d.ent,
-            d.ixq, d.ixw, d.scores, d.idx, d.router, d.moe_ids, d.moe_w, d.f_gate, d.f_up, d.f_act,
-            d.moe_out, d.wo_ids,
+            ("ids", d.ids),
+            ("x", d.x),
+            ("h", d.h),
+            ("blk", d.blk),
+            ("mixes", d.mixes),
+            ("pc", d.pc),
+            ("qr", d.qr),
+            ("q", d.q),
+            ("att", d.att),
+            ("kv", d.kv),
+            ("mid", d.mid),
+            ("cmp", d.cmp),
+            ("ent", d.ent),
+            ("ixq", d.ixq),
+            ("ixw", d.ixw),
+            ("ix_scores", d.scores),
+            ("attn_idx", d.idx),
+            ("router", d.router),
+            ("moe_ids", d.moe_ids),
+            ("moe_w", d.moe_w),
+            ("f_gate", d.f_gate),
+            ("f_up", d.f_up),
+            ("f_act", d.f_act),
+            ("moe_out", d.moe_out),
+            ("wo_ids", d.wo_ids),
+            ("logits", d.logits),
         ]
-        .iter()
-        .map(|&n| n as u64 * 4)
-        .max()
-        .unwrap_or(0)
     }
 
+    /// Bytes of all of them (each at least one element, as allocated).
     fn bytes(&self) -> u64 {
-        let Dims {
-            ids,
-            x,
-            h,
-            blk,
-            mixes,
-            pc,
-            qr,
-            q,
-            att,
-            kv,
-            mid,
-            cmp,
-            ent,
-            ixq,
-            ixw,
-            scores,
-            idx,
-            router,
-            moe_ids,
-            moe_w,
-            f_gate,
-            f_up,
-            f_act,
-            moe_out,
-            wo_ids,
-            logits,
-        } = *self;
-        [
-            ids, x, h, blk, mixes, pc, qr, q, att, kv, mid, cmp, ent, ixq, ixw, scores, idx,
-            router, moe_ids, moe_w, f_gate, f_up, f_act, moe_out, wo_ids, logits,
-        ]
-        .iter()
-        .map(|&n| n.max(1) as u64 * 4)
-        .sum()
+        self.named().iter().map(|&(_, n)| n.max(1) as u64 * 4).sum()
     }
 }
 
@@ -904,15 +874,6 @@ impl Scratch {
 
     /// Bytes [`Scratch::new`] allocates for `rows` rows, counting logits for every row (the
     /// binding limit may hold fewer): the activation part of [`needs`].
-    /// Bytes of the largest buffer [`Scratch::new`] binds for `rows` rows, logits aside.
-    fn largest(hp: &Hparams, rows: usize) -> u64 {
-        let (k, og) = (hp.n_used, hp.o_groups);
-        Dims::new(hp, rows, 1)
-            .largest()
-            .max(MoeRoute::bytes(hp.n_expert as u32, (rows * k) as u32))
-            .max(MoeRoute::bytes(og as u32, (rows * og) as u32))
-    }
-
     fn bytes(hp: &Hparams, rows: usize) -> u64 {
         let (k, og) = (hp.n_used, hp.o_groups);
         Dims::new(hp, rows, rows).bytes()
@@ -963,15 +924,147 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
         activations,
-        largest_buffer: Scratch::largest(hp, batch as usize),
+        buffers: pass_buffers(hp, run, part),
         kv_elem,
         note: None,
+    }
+}
+
+/// Every buffer a run of `run` allocates whose size follows it (as [`Scratch::new`],
+/// [`GpuModel::new_pools`], the MTP block and a chain's handoff make them): the scratch at
+/// `run.batch` rows with one row of logits and the indexer scores and index lists of a pass
+/// at `run.ctx`, every layer's window ring, compressor stores and compressed caches for
+/// `run.seqs` sequences.
+fn pass_buffers(hp: &Hparams, run: RunShape, part: &PartSpec) -> Vec<PassBuffer> {
+    let (rows, slots, ctx) = (
+        run.batch.max(1) as usize,
+        run.seqs.max(1),
+        (run.ctx as usize).max(16),
+    );
+    let (k, og) = (hp.n_used, hp.o_groups);
+    let mut d = Dims::new(hp, rows, 1);
+    // The lists grow with the context (`Grown`): at `ctx`, a pass's lists as its last row's,
+    // after four descriptor words per row and layer kind.
+    let held = part.layers.clone();
+    d.scores = held
+        .clone()
+        .filter(|&l| hp.has_indexer(l))
+        .map(|l| rows * (ctx / hp.compress_ratio[l]))
+        .fold(d.scores, usize::max);
+    let kinds = 3;
+    d.idx = held
+        .clone()
+        .map(|l| 4 * rows * kinds + rows * (hp.window.min(ctx) + comp_slots(hp, l, ctx)))
+        .fold(d.idx, usize::max);
+    let mut v: Vec<PassBuffer> = d
+        .named()
+        .iter()
+        .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
+        .collect();
+    v.extend([
+        PassBuffer::bound(
+            "moe_route",
+            MoeRoute::bytes(hp.n_expert as u32, (rows * k) as u32),
+        ),
+        PassBuffer::bound("moe_route", MoeRoute::bytes(og as u32, (rows * og) as u32)),
+        PassBuffer::bound("row_tab", 8 * rows as u64 * 4),
+        PassBuffer::bound("attn.split", attn_split_elems(hp) * 4),
+        PassBuffer::bound(
+            "logits_top",
+            topk::LogitsTop::bytes(rows as u32, hp.n_vocab as u32),
+        ),
+    ]);
+    let kv = kv_type_of(run.kv);
+    let ring = kv_shape(kv, hp.head_dim).bytes(ring_rows(hp, rows) as u64 * slots);
+    for l in held {
+        v.push(PassBuffer::bound("pool.ring", ring));
+        let r = hp.compress_ratio[l];
+        if r == 0 {
+            continue;
+        }
+        let mut cmp = |dim: usize, entry_bytes: u64| {
+            let shape = cmp_shape(r, dim, hp.overlap(l), rows);
+            v.push(PassBuffer::bound(
+                "pool.cmp_store",
+                shape.store_bytes() * slots,
+            ));
+            v.push(PassBuffer::bound(
+                "pool.cmp_cache",
+                entry_bytes * cap_e_of(ctx, r) as u64 * slots,
+            ));
+        };
+        cmp(hp.head_dim, kv_shape(kv, hp.head_dim).row_bytes());
+        if hp.has_indexer(l) {
+            cmp(hp.ix_head_dim, hp.ix_head_dim as u64 * 4);
+        }
+    }
+    let (r, e, hc) = (rows as u64, hp.n_embd as u64, hp.hc as u64);
+    if hp.mtp && part.last {
+        v.push(PassBuffer::bound("pool.mtp_ring", ring));
+        for l in ["mtp.trunk", "mtp.hid", "mtp.out", "mtp.hn"] {
+            v.push(PassBuffer::bound(l, r * hc * e * 4));
+        }
+        for l in ["mtp.emb", "mtp.ep"] {
+            v.push(PassBuffer::bound(l, r * e * 4));
+        }
+    }
+    if !part.last {
+        v.push(PassBuffer::copied("chain.readback", r * hc * e * 4));
+    }
+    v
+}
+
+/// Rows of every window ring for passes of `rows` rows: window + rows − 1 keeps a pass's
+/// own rows from overwriting positions its first tokens still see.
+fn ring_rows(hp: &Hparams, rows: usize) -> usize {
+    hp.window + rows - 1
+}
+
+/// The compressor of ratio `ratio` over entries of `d` channels, its store ring sized for
+/// passes of `rows` rows.
+fn cmp_shape(ratio: usize, d: usize, overlap: bool, rows: usize) -> CmpShape {
+    CmpShape {
+        ratio: ratio as u32,
+        d: d as u32,
+        overlap,
+        cap: CmpShape::store_rows(ratio as u32, overlap, rows as u32),
+    }
+}
+
+/// Compressed entries per slot a cache of ratio `ratio` starts with for a context of `ctx`.
+fn cap_e_of(ctx: usize, ratio: usize) -> usize {
+    (ctx / ratio).max(16).next_power_of_two()
+}
+
+/// The attention's KV type for `--kv-type` (f32 by default: see `KvType`).
+fn kv_type_of(t: KvType) -> attention::KvType {
+    match t {
+        KvType::F16 => attention::KvType::F16,
+        KvType::Auto | KvType::F32 => attention::KvType::F32,
+    }
+}
+
+/// Compressed key slots of layer `l`'s index list for a chunk ending at `pos_end`.
+fn comp_slots(hp: &Hparams, l: usize, pos_end: usize) -> usize {
+    match hp.compress_ratio[l] {
+        0 => 0,
+        r if hp.has_indexer(l) => hp.ix_topk.min(pos_end / r),
+        r => pos_end / r,
     }
 }
 
 impl SeqState for GpuSeq {
     fn pos(&self) -> usize {
         self.pos
+    }
+}
+
+impl RoundSeq for GpuSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
     }
 }
 
@@ -989,11 +1082,7 @@ impl Forward for GpuModel {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let mut v = items
-            .iter_mut()
-            .map(|(s, t, w)| Ok((s.get_mut::<GpuSeq>()?, *t, *w)))
-            .collect::<Result<Vec<_>>>()?;
-        GpuModel::forward_batch(self, &mut v)
+        GpuModel::forward_batch(self, &mut rounds::own_items(items)?)
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         GpuModel::forward(self, seq.get_mut()?, tokens, all)
@@ -1034,7 +1123,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     fn link(&mut self, link: Link) {
         self.link = link;
     }

@@ -12,9 +12,11 @@ use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
-use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
-use crate::models::chain::{self, Link};
+use crate::models::runtime::link::{self, Link};
+use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, Forward, ModelFile, Seq, SeqState};
 use crate::moe::{Needs, Offload, RunShape};
 use crate::{Error, Result};
@@ -63,22 +65,22 @@ struct Scratch {
     top: topk::LogitsTop,
 }
 
-/// f32 elements of each scratch buffer: the one list [`Scratch::new`] allocates and
-/// [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [usize; 11] {
+/// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
+/// and [`needs_part`] counts.
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 11] {
     let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
     [
-        rows,
-        rows * hp.n_embd,
-        rows * hp.n_embd,
-        rows * q,
-        rows * kv,
-        rows * kv,
-        rows * q,
-        rows * hp.n_ff,
-        rows * hp.n_ff,
-        rows * hp.n_ff,
-        split_elems(hp) as usize,
+        ("llama.ids", rows),
+        ("llama.x", rows * hp.n_embd),
+        ("llama.h", rows * hp.n_embd),
+        ("llama.q", rows * q),
+        ("llama.k", rows * kv),
+        ("llama.v", rows * kv),
+        ("llama.att", rows * q),
+        ("llama.gate", rows * hp.n_ff),
+        ("llama.up", rows * hp.n_ff),
+        ("llama.act", rows * hp.n_ff),
+        ("llama.attn_split", split_elems(hp) as usize),
     ]
 }
 
@@ -97,21 +99,21 @@ fn split_elems(hp: &Hparams) -> u64 {
 impl Scratch {
     fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
         let e = scratch_elems(hp, rows);
-        let f = |i: usize, label: &str| gpu.buffer((e[i].max(1) * 4) as u64, label);
+        let f = |i: usize| gpu.buffer((e[i].1.max(1) * 4) as u64, e[i].0);
         let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, rows);
         Ok(Scratch {
             rows,
-            ids: f(0, "llama.ids")?,
-            x: f(1, "llama.x")?,
-            h: f(2, "llama.h")?,
-            q: f(3, "llama.q")?,
-            k: f(4, "llama.k")?,
-            v: f(5, "llama.v")?,
-            att: f(6, "llama.att")?,
-            gate: f(7, "llama.gate")?,
-            up: f(8, "llama.up")?,
-            act: f(9, "llama.act")?,
-            attn_split: f(10, "llama.attn_split")?,
+            ids: f(0)?,
+            x: f(1)?,
+            h: f(2)?,
+            q: f(3)?,
+            k: f(4)?,
+            v: f(5)?,
+            att: f(6)?,
+            gate: f(7)?,
+            up: f(8)?,
+            act: f(9)?,
+            attn_split: f(10)?,
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "llama.logits")?,
             logit_rows,
             top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
@@ -128,14 +130,45 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let rows = run.batch.max(1) as usize;
     let e = scratch_elems(hp, rows);
     let logits = (rows * hp.n_vocab) as u64 * 4;
+    let mut buffers: Vec<PassBuffer> = e
+        .iter()
+        .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
+        .collect();
+    // One row of logits (their rows follow the binding limit), and the KV pools at their
+    // first capacity (they grow to `KvShape::max_positions`).
+    buffers.push(PassBuffer::bound("llama.logits", hp.n_vocab as u64 * 4));
+    let kv = kv_shape(hp, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+    for _ in part.layers.clone() {
+        buffers.extend([
+            PassBuffer::bound("llama.kv.k", kv),
+            PassBuffer::bound("llama.kv.v", kv),
+        ]);
+    }
     Needs {
         kv_per_token: layers * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs,
         state: 0,
-        activations: e.iter().map(|&n| n as u64 * 4).sum::<u64>() + logits,
-        largest_buffer: e.iter().max().map_or(0, |&n| n as u64 * 4),
+        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits,
+        buffers,
         kv_elem,
         note: None,
     }
+}
+
+/// The KV rows' shape for `--kv-type` (f16 by default).
+fn kv_shape(hp: &Hparams, t: KvType) -> KvShape {
+    KvShape {
+        dtype: match t {
+            KvType::Auto | KvType::F16 => attention::KvType::F16,
+            KvType::F32 => attention::KvType::F32,
+        },
+        n_head_kv: hp.n_head_kv as u32,
+        head_dim: hp.head_dim as u32,
+    }
+}
+
+/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
+fn kv_cap(ctx: usize) -> usize {
+    ctx.clamp(16, 4096)
 }
 
 /// K and V rows of every layer for all sequence slots: slot `s` owns rows `s·cap ..`.
@@ -158,6 +191,15 @@ pub struct LlamaSeq {
 impl SeqState for LlamaSeq {
     fn pos(&self) -> usize {
         self.pos
+    }
+}
+
+impl RoundSeq for LlamaSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
     }
 }
 
@@ -200,6 +242,14 @@ impl GpuModel {
                 "a Llama-family model split over several devices".into(),
             ));
         }
+        let whole = PartSpec::whole(hp.n_layer);
+        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole).buffers;
+        let batch = fit_rows(
+            DEFAULT_BATCH,
+            BufferLimits::of(&gpu.limits),
+            &file.path(),
+            needs,
+        )?;
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let mut done = 0u64;
         let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {
@@ -238,16 +288,9 @@ impl GpuModel {
             });
         }
         let rope = RopeTable::new(&gpu, &inv_freq(file, &hp)?, "llama.rope")?;
-        let kv = KvShape {
-            dtype: match opts.kv_type {
-                KvType::Auto | KvType::F16 => attention::KvType::F16,
-                KvType::F32 => attention::KvType::F32,
-            },
-            n_head_kv: hp.n_head_kv as u32,
-            head_dim: hp.head_dim as u32,
-        };
+        let kv = kv_shape(&hp, opts.kv_type);
         let slots = opts.max_seqs.max(1);
-        let cap = opts.ctx.clamp(16, 4096);
+        let cap = kv_cap(opts.ctx);
         let rows = (slots * cap) as u64;
         let pools = Pools {
             slots,
@@ -263,7 +306,7 @@ impl GpuModel {
             // Popped from the end: slot 0 first.
             free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
         };
-        let scratch = Scratch::new(&gpu, &hp, DEFAULT_BATCH)?;
+        let scratch = Scratch::new(&gpu, &hp, batch)?;
         Ok(GpuModel {
             gpu,
             hp,
@@ -278,40 +321,29 @@ impl GpuModel {
         })
     }
 
-    /// Feed each item's tokens, in chunks of at most [`DEFAULT_BATCH`], one item after the
-    /// other; per item the logits it wants.
+    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
+    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
+    /// per item the logits it wants.
     fn run_items(&mut self, items: &mut [(&mut LlamaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let v = self.hp.n_vocab;
-        for (_, toks, want) in items.iter() {
-            crate::forward::check_want(*want)?;
-            if let Some(&bad) = toks.iter().find(|&&t| t as usize >= v) {
-                return Err(Error::Invalid(format!(
-                    "token id {bad} is outside the vocabulary of {v}"
-                )));
-            }
-        }
+        let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
+        rounds::check_items(items, v)?;
         let mut out = Vec::with_capacity(items.len());
         for (seq, toks, want) in items.iter_mut() {
-            let mut full = Vec::new();
-            let mut top = None;
-            let chunks: Vec<&[u32]> = toks.chunks(self.scratch.rows).collect();
-            for (i, chunk) in chunks.iter().enumerate() {
-                let last = i + 1 == chunks.len();
-                let cw = match *want {
-                    Want::All => ChunkWant::All,
-                    Want::Last if last => ChunkWant::Last,
-                    Want::Top { k, lse } if last => ChunkWant::Top { k, lse },
+            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
+                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
+                    (_, false) => ChunkWant::Top {
+                        k: r.top.k,
+                        lse: r.top.lse,
+                    },
+                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
+                    ([_], _) => ChunkWant::Last,
                     _ => ChunkWant::None,
                 };
-                let (logits, t) = self.run_chunk(seq.slot, seq.pos, chunk, cw)?;
-                full.extend(logits);
-                top = top.or(t);
-                seq.pos += chunk.len();
-            }
-            out.push(match top {
-                Some(t) => Logits::Top(t),
-                None => Logits::Full(full),
-            });
+                let p = &r.parts[0];
+                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
+                Ok((logits, top.into_iter().collect()))
+            })?;
+            out.extend(one);
         }
         Ok(out)
     }
@@ -536,27 +568,21 @@ impl GpuModel {
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot through a staging buffer
-    /// (WebGPU forbids a copy within one buffer).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
     fn copy_rows(&self, src: &LlamaSeq, dst: &mut LlamaSeq) -> Result<()> {
         let cap = self.pools.cap as u64;
         let len = self.kv.bytes(src.pos as u64);
-        if len > 0 {
-            let (from, to) = (
-                self.kv.bytes(src.slot as u64 * cap),
-                self.kv.bytes(dst.slot as u64 * cap),
-            );
-            let stage = self.gpu.buffer(len, "llama.seq.copy_stage")?;
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            for (k, v) in &self.pools.kv {
-                for buf in [k, v] {
-                    enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
-                    enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
-                }
-            }
-            self.gpu.queue.submit([enc.finish()]);
-            self.gpu.check()?;
-        }
+        let (from, to) = (
+            self.kv.bytes(src.slot as u64 * cap),
+            self.kv.bytes(dst.slot as u64 * cap),
+        );
+        let regions: Vec<Region<'_>> = self
+            .pools
+            .kv
+            .iter()
+            .flat_map(|(k, v)| [(k, from, to, len), (v, from, to, len)])
+            .collect();
+        copy_regions(&self.gpu, &regions, "llama.seq.copy_stage")?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -609,11 +635,7 @@ impl Forward for GpuModel {
         self.copy_rows(src.get()?, dst.get_mut()?)
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let mut v: Vec<(&mut LlamaSeq, &[u32], Want)> = Vec::with_capacity(items.len());
-        for (s, t, w) in items.iter_mut() {
-            v.push((s.get_mut()?, *t, *w));
-        }
-        self.run_items(&mut v)
+        self.run_items(&mut rounds::own_items(items)?)
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         let want = if all { Want::All } else { Want::Last };
@@ -639,7 +661,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
     fn link(&mut self, _link: Link) {}
     fn gpu(&self) -> &Arc<Gpu> {

@@ -13,22 +13,7 @@
 
 use super::*;
 
-/// One sequence's rows in a pass.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Part {
-    /// The item (sequence) of the batch.
-    pub item: usize,
-    /// Its first token in this pass, and how many.
-    pub start: usize,
-    pub n: usize,
-    /// Its first row in the pass.
-    pub row: usize,
-    pub pos0: usize,
-    /// Each row attends as a one-token decode step at its position.
-    pub rowwise: bool,
-    /// Its sequence's slot in the state pools.
-    pub slot: u32,
-}
+pub(super) use crate::models::runtime::rounds::{Part, TopReq};
 
 /// Where the host tables of the rows of one [`GpuModel::attn_block`] call lie (offsets in
 /// u32 elements): positions, slots and window-ring rows of every row, the windows each
@@ -85,14 +70,6 @@ pub(super) struct HeadOut<'a> {
     pub n_vocab: usize,
 }
 
-/// The rows of a pass whose best logits come back, and one `k` (the largest asked) for all.
-#[derive(Default)]
-pub(super) struct TopReq {
-    pub k: u32,
-    pub lse: bool,
-    pub rows: Vec<usize>,
-}
-
 impl GpuModel {
     pub(super) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         let v = self.hp.n_vocab;
@@ -141,114 +118,10 @@ impl GpuModel {
         items: &mut [(&mut GpuSeq, &[u32], Want)],
         rowwise: bool,
     ) -> Result<Vec<Vec<Logits>>> {
-        for (_, t, w) in items.iter() {
-            self.check_tokens(t)?;
-            crate::forward::check_want(*w)?;
-        }
-        let v = self.hp.n_vocab;
-        let mut top = TopReq::default();
-        for (_, _, w) in items.iter() {
-            if let Want::Top { k, lse } = *w {
-                top.k = top.k.max(k);
-                top.lse |= lse;
-            }
-        }
-        let mut out: Vec<Vec<Logits>> = items
-            .iter()
-            .map(|(_, _, w)| match w {
-                Want::Top { .. } => Vec::new(),
-                _ => vec![Logits::Full(Vec::new())],
-            })
-            .collect();
-        let mut done: Vec<usize> = vec![0; items.len()];
-        let rows_max = self.scratch.rows;
-        loop {
-            // One pass: multi-token parts first, single tokens after.
-            let mut parts = Vec::new();
-            let mut rows = 0;
-            for single in [false, true] {
-                for (i, (seq, toks, _)) in items.iter().enumerate() {
-                    let left = toks.len() - done[i];
-                    if left == 0 || (left == 1) != single || rows == rows_max {
-                        continue;
-                    }
-                    let n = left.min(rows_max - rows);
-                    parts.push(Part {
-                        item: i,
-                        start: done[i],
-                        n,
-                        row: rows,
-                        pos0: seq.pos,
-                        rowwise: rowwise || n == 1,
-                        slot: seq.slot,
-                    });
-                    rows += n;
-                }
-            }
-            if parts.is_empty() {
-                break;
-            }
-            // A device part that is not the last hands its residual stream on instead.
-            let last = self.part.last;
-            let ends = |p: &Part| p.start + p.n == items[p.item].1.len();
-            let wants: Vec<(usize, usize)> = parts
-                .iter()
-                .filter(|_| last)
-                .filter_map(|p| match items[p.item].2 {
-                    Want::All => Some((p.row, p.n)),
-                    Want::Last if ends(p) => Some((p.row + p.n - 1, 1)),
-                    _ => None,
-                })
-                .collect();
-            top.rows = parts
-                .iter()
-                .filter(|p| last && matches!(items[p.item].2, Want::Top { .. }))
-                .flat_map(|p| {
-                    if rowwise {
-                        p.row..p.row + p.n
-                    } else if ends(p) {
-                        p.row + p.n - 1..p.row + p.n
-                    } else {
-                        0..0
-                    }
-                })
-                .collect();
-            let toks: Vec<u32> = parts
-                .iter()
-                .flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied())
-                .collect();
-            let (logits, tops) = self.run_round(items, &parts, &toks, &wants, &top)?;
-            let mut off = 0;
-            let mut tops = tops.into_iter();
-            for p in &parts {
-                let got = wants
-                    .iter()
-                    .find(|w| w.0 >= p.row && w.0 < p.row + p.n)
-                    .map(|w| w.1);
-                if let (Some(nw), Some(Logits::Full(o))) = (got, out[p.item].first_mut()) {
-                    o.extend_from_slice(&logits[off * v..(off + nw) * v]);
-                    off += nw;
-                }
-                for r in p.row..p.row + p.n {
-                    if !top.rows.contains(&r) {
-                        continue;
-                    }
-                    let Want::Top { k, lse } = items[p.item].2 else {
-                        unreachable!("top rows come from Top items")
-                    };
-                    let mut t = tops.next().ok_or_else(|| {
-                        Error::Gpu("the pass returned too few top-logits rows".into())
-                    })?;
-                    t.cands.truncate(k as usize);
-                    if !lse {
-                        t.lse = None;
-                    }
-                    out[p.item].push(Logits::Top(t));
-                }
-                done[p.item] += p.n;
-            }
-        }
-        Ok(out)
+        let (v, rows, last) = (self.hp.n_vocab, self.scratch.rows, self.part.last);
+        rounds::run_rounds(items, v, rows, last, rowwise, |r| {
+            self.run_round(&r.parts, &r.toks, &r.wants, &r.top)
+        })
     }
 
     /// The layer kind of layer `l` for the attention's key lists: (compress ratio, indexer).
@@ -399,7 +272,6 @@ impl GpuModel {
     /// top logits of the `top` rows (in order).
     fn run_round(
         &mut self,
-        items: &mut [(&mut GpuSeq, &[u32], Want)],
         parts: &[Part],
         toks: &[u32],
         wants: &[(usize, usize)],
@@ -415,34 +287,16 @@ impl GpuModel {
         let tabs = self.row_tabs(&[(parts, &layers)])?.remove(0);
         gpu.write(&self.scratch.ids, 0, bytemuck::cast_slice(toks));
         let hp = &self.hp;
-        if self.trace.is_some() && self.trace_buf.is_none() {
-            let bytes = (self.scratch.rows * hp.hc * hp.n_embd * 4) as u64;
-            self.trace_buf = Some(gpu.buffer(bytes, "trace")?);
-        }
-        let mut trace_len = 0;
+        let bytes = (self.scratch.rows * hp.hc * hp.n_embd * 4) as u64;
+        self.trace.prepare(&gpu, bytes)?;
 
-        if self.profile.is_some() || self.trace.is_some() {
+        if self.profile.is_some() || self.trace.on() {
             pass.hold();
         }
         let hp = &self.hp;
         let sc = &self.scratch;
         let hs = self.hc_shape();
         let (e, nt) = (hp.n_embd as u32, n as u32);
-        macro_rules! trace_point {
-            ($name:expr, $l:expr, $buf:expr, $width:expr) => {
-                if let (Some(tb), true) = (
-                    &self.trace_buf,
-                    self.trace
-                        == Some(Trace {
-                            name: $name,
-                            layer: $l,
-                        }),
-                ) {
-                    trace_len = n * $width;
-                    pass.copy($buf, 0, tb, 0, trace_len as u64 * 4);
-                }
-            };
-        }
         if self.part.first {
             for j in 0..hs.hc {
                 embed::embed(
@@ -455,10 +309,7 @@ impl GpuModel {
                 )?;
             }
         } else {
-            let h = self.link.recv(n, hp.hc * hp.n_embd)?;
-            let t0 = std::time::Instant::now();
-            gpu.write(&sc.x, 0, bytemuck::cast_slice(&h.data));
-            self.link.note_write(t0.elapsed().as_nanos() as u64);
+            self.link.receive_into(&gpu, &sc.x, n, hp.hc * hp.n_embd)?;
         }
         self.route_groups(&mut pass, nt)?;
         let width = hp.hc * hp.n_embd;
@@ -473,16 +324,20 @@ impl GpuModel {
             let st = &self.pools.layers[l - held.start];
             let (blk, x) = (&sc.blk, &sc.x);
             self.hc_pre(&mut pass, &lw.hc_attn, &lw.attn_norm, nt)?;
-            trace_point!("attn_in", l, &sc.h, hp.n_embd);
+            self.trace
+                .point(&mut pass, "attn_in", l, &sc.h, n * hp.n_embd);
             self.attn_block(&mut pass, st, parts, &tabs, l, &lw.attn, nt)?;
-            trace_point!("attn_out", l, blk, hp.n_embd);
+            self.trace
+                .point(&mut pass, "attn_out", l, blk, n * hp.n_embd);
             hc::post(&mut pass, &hs, nt, x, blk, &sc.pc)?;
             self.hc_pre(&mut pass, &lw.hc_ffn, &lw.ffn_norm, nt)?;
-            trace_point!("ffn_in", l, &sc.h, hp.n_embd);
+            self.trace
+                .point(&mut pass, "ffn_in", l, &sc.h, n * hp.n_embd);
             self.moe_block(&mut pass, l, &lw.moe, nt)?;
-            trace_point!("moe_out", l, blk, hp.n_embd);
+            self.trace
+                .point(&mut pass, "moe_out", l, blk, n * hp.n_embd);
             hc::post(&mut pass, &hs, nt, x, blk, &sc.pc)?;
-            trace_point!("layer_out", l, x, width);
+            self.trace.point(&mut pass, "layer_out", l, x, n * width);
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         if let (true, [_], Some(m)) = (self.spec.keep, parts, &self.spec.mtp) {
@@ -491,11 +346,8 @@ impl GpuModel {
         let mut prof = self.profile.as_ref().map(|_| Vec::new());
         let result = if let Some(rb) = &self.handoff {
             // Not the last device part: the residual stream goes on to the next device.
-            let len = n * width;
-            pass.copy(&sc.x, 0, rb.buffer(), 0, len as u64 * 4);
-            pass.submit_or_profile(prof.as_mut())?;
-            let (data, ns) = rb.read(&gpu, len)?;
-            self.link.send(chain::Hidden { rows: n, data }, ns)?;
+            self.link
+                .hand_off(pass, &sc.x, rb, n, width, prof.as_mut())?;
             (Vec::new(), Vec::new())
         } else {
             let hh = &self.w.hc_head;
@@ -510,13 +362,7 @@ impl GpuModel {
         if let (Some(all), Some(new)) = (self.profile.as_mut(), prof) {
             all.extend(new);
         }
-        for p in parts {
-            items[p.item].0.pos = p.pos0 + p.n;
-        }
-        if let (Some(tb), true) = (&self.trace_buf, trace_len > 0) {
-            let v = gpu.read_f32(tb, 0, trace_len)?;
-            self.traced.extend(v);
-        }
+        self.trace.collect(&gpu)?;
         Ok(result)
     }
 
@@ -565,9 +411,9 @@ impl GpuModel {
     }
 
     /// The head over the rows of the residual stream `x`: fold (sigmoid gate) and final norm
-    /// into `h`, then the top rows' logits (matvec, so each row's values are a decode
-    /// step's) and top-k, then the wanted runs packed into the logits buffer (more passes,
-    /// each read back, only when they outgrow it). Submits `pass`.
+    /// into `h`, then the runtime's head and readback ([`head_logits`]: the top rows'
+    /// logits with a decode step's bits and their top-k, then the wanted runs). Submits
+    /// `pass`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn head(
         &self,
@@ -580,7 +426,6 @@ impl GpuModel {
         top: &TopReq,
         prof: &mut Option<Vec<(String, f64)>>,
     ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
-        let gpu = self.gpu.clone();
         let sc = &self.scratch;
         let hp = &self.hp;
         if wants.is_empty() && top.rows.is_empty() {
@@ -595,67 +440,16 @@ impl GpuModel {
             norm: out_norm,
         };
         hc::head(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
-        let v = out.n_vocab;
-        let mut r0 = 0;
-        for chunk in top.rows.chunks(sc.logit_rows) {
-            // One product per run of consecutive rows (a verify pass, a batch's decode
-            // rows; `head_rows`: up to 24 rows each with a lone decode's bits).
-            for (j, r, m) in crate::models::row_runs(chunk) {
-                crate::models::head_rows(
-                    &mut pass,
-                    out.w,
-                    &sc.h,
-                    (r, hp.n_embd),
-                    &sc.logits,
-                    (j, v),
-                    m,
-                )?;
-            }
-            let rows = chunk.len() as u32;
-            out.top.record(
-                &mut pass,
-                View::new(&sc.logits, 0),
-                rows,
-                r0,
-                top.k,
-                top.lse,
-            )?;
-            r0 += rows;
-        }
-        let total: usize = wants.iter().map(|w| w.1).sum();
-        let mut logits = Vec::with_capacity(total * v);
-        let mut pending = Some(pass);
-        let mut used = 0usize;
-        let runs = crate::models::head_runs(wants, sc.logit_rows);
-        for (i, &(r, take)) in runs.iter().enumerate() {
-            if used + take > sc.logit_rows {
-                let p = pending.take().unwrap_or_else(|| gpu.pass());
-                p.submit_or_profile(prof.as_mut())?;
-                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
-                used = 0;
-            }
-            let p = pending.get_or_insert_with(|| gpu.pass());
-            matmul::matmul(
-                p,
-                out.w,
-                &sc.h,
-                (r * hp.n_embd) as u32,
-                &sc.logits,
-                (used * v) as u32,
-                take as u32,
-            )?;
-            used += take;
-            if i + 1 == runs.len() {
-                let p = pending.take().expect("a pass holds the head");
-                p.submit_or_profile(prof.as_mut())?;
-                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
-            }
-        }
-        if let Some(p) = pending {
-            p.submit_or_profile(prof.as_mut())?;
-        }
-        let tops = out.top.read(&gpu, r0, top.k, top.lse)?;
-        Ok((logits, tops))
+        let head = Head {
+            w: out.w,
+            n_vocab: out.n_vocab,
+            h: &sc.h,
+            n_embd: hp.n_embd,
+            logits: &sc.logits,
+            logit_rows: sc.logit_rows,
+            top: out.top,
+        };
+        head_logits(pass, &head, wants, top, prof.as_mut())
     }
 
     /// `y = W x` for `n` packed rows.

@@ -22,122 +22,19 @@ impl GpuModel {
         Ok(out.pop().map(Logits::into_full).unwrap_or_default())
     }
 
-    /// Feed several sequences at once: each item's tokens are appended to its sequence, in
-    /// passes of at most `DEFAULT_BATCH` rows shared by all items (a long prefill is split
-    /// into chunks, so decode steps of other items never wait longer than a chunk).
-    /// Returns, per item, the logits it wants (`[n, vocab]` row-major), or for
-    /// [`Want::Top`] the best logits of its last token, found in the round's pass.
+    /// Feed several sequences at once, in the runtime's rounds of at most `DEFAULT_BATCH`
+    /// rows shared by all items ([`rounds::run_batch`]). Returns, per item, the logits it
+    /// wants (`[n, vocab]` row-major), or for [`Want::Top`] the best logits of its last
+    /// token, found in the round's pass.
     pub fn forward_batch(
         &mut self,
         items: &mut [(&mut GpuSeq, &[u32], Want)],
     ) -> Result<Vec<Logits>> {
         self.spec.trunk = None;
-        for (_, t, w) in items.iter() {
-            self.check_tokens(t)?;
-            crate::forward::check_want(*w)?;
-        }
-        let v = self.hp.n_vocab;
-        // One k for every Top item (the largest); each item keeps its own k of it.
-        let mut top = TopReq::default();
-        for (_, _, w) in items.iter() {
-            if let Want::Top { k, lse } = *w {
-                top.k = top.k.max(k);
-                top.lse |= lse;
-            }
-        }
-        let mut out: Vec<Logits> = items.iter().map(|_| Logits::Full(Vec::new())).collect();
-        let mut done: Vec<usize> = vec![0; items.len()];
-        loop {
-            // One round: multi-token parts first, single tokens after (one batched decode
-            // attention call covers those).
-            let mut parts = Vec::new();
-            let mut rows = 0;
-            for pass_single in [false, true] {
-                for (i, (seq, toks, _)) in items.iter().enumerate() {
-                    let left = toks.len() - done[i];
-                    if left == 0 || (left == 1) != pass_single || rows == self.scratch.rows {
-                        continue;
-                    }
-                    let n = left.min(self.scratch.rows - rows);
-                    parts.push(Part {
-                        item: i,
-                        start: done[i],
-                        n,
-                        row: rows,
-                        slot: seq.slot,
-                        pos0: seq.pos + done[i],
-                    });
-                    rows += n;
-                }
-            }
-            if parts.is_empty() {
-                break;
-            }
-            // A part that is not the last hands its residual stream on instead of logits.
-            let last = self.part.last;
-            let wants: Vec<(usize, usize)> = parts
-                .iter()
-                .filter(|_| last)
-                .filter_map(|p| {
-                    let toks_len = items[p.item].1.len();
-                    match items[p.item].2 {
-                        Want::All => Some((p.row, p.n)),
-                        Want::Last if p.start + p.n == toks_len => Some((p.row + p.n - 1, 1)),
-                        _ => None,
-                    }
-                })
-                .collect();
-            top.rows = parts
-                .iter()
-                .filter(|_| last)
-                .filter(|p| {
-                    matches!(items[p.item].2, Want::Top { .. })
-                        && p.start + p.n == items[p.item].1.len()
-                })
-                .map(|p| p.row + p.n - 1)
-                .collect();
-            let toks: Vec<u32> = parts
-                .iter()
-                .flat_map(|p| items[p.item].1[p.start..p.start + p.n].iter().copied())
-                .collect();
-            let (logits, tops) = self.run_round(&parts, &toks, &wants, &top)?;
-            if self.trace_layer.is_some() {
-                // Debug pass: the residual stream came back instead of logits; the
-                // sequences' positions are left as they were.
-                return Ok(vec![Logits::Full(logits)]);
-            }
-            let mut off = 0;
-            let mut tops = tops.into_iter();
-            for p in &parts {
-                let got = wants
-                    .iter()
-                    .find(|w| w.0 >= p.row && w.0 < p.row + p.n)
-                    .map(|w| w.1);
-                if let (Some(nw), Logits::Full(o)) = (got, &mut out[p.item]) {
-                    o.extend_from_slice(&logits[off * v..(off + nw) * v]);
-                    off += nw;
-                }
-                if top.rows.contains(&(p.row + p.n - 1)) {
-                    let Want::Top { k, lse } = items[p.item].2 else {
-                        unreachable!("top rows come from Top items")
-                    };
-                    let mut t = tops.next().ok_or_else(|| {
-                        Error::Gpu("the round returned too few top-logits rows".into())
-                    })?;
-                    t.cands.truncate(k as usize);
-                    if !lse {
-                        t.lse = None;
-                    }
-                    out[p.item] = Logits::Top(t);
-                }
-                done[p.item] += p.n;
-            }
-        }
-        for (i, (seq, toks, _)) in items.iter_mut().enumerate() {
-            debug_assert_eq!(done[i], toks.len());
-            seq.pos += toks.len();
-        }
-        Ok(out)
+        let (v, rows, last) = (self.hp.n_vocab, self.scratch.rows, self.part.last);
+        rounds::run_batch(items, v, rows, last, |r| {
+            self.run_round(&r.parts, &r.toks, &r.wants, &r.top)
+        })
     }
 
     /// One pass over the rows of `parts`; returns the logits of the `wants` row runs and the
@@ -152,8 +49,10 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let n = toks.len() as u32;
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        self.trace
+            .prepare(&gpu, (self.scratch.rows * self.hp.n_embd * 4) as u64)?;
         let mut pass = gpu.pass();
-        if self.profile.is_some() {
+        if self.profile.is_some() || self.trace.on() {
             pass.hold();
         }
         self.reserve(&mut pass, need)?;
@@ -200,10 +99,7 @@ impl GpuModel {
                 View::new(&sc.x, 0),
             )?;
         } else {
-            let h = self.link.recv(toks.len(), hp.n_embd)?;
-            let t0 = std::time::Instant::now();
-            gpu.write(&sc.x, 0, bytemuck::cast_slice(&h.data));
-            self.link.note_write(t0.elapsed().as_nanos() as u64);
+            self.link.receive_into(&gpu, &sc.x, toks.len(), hp.n_embd)?;
         }
         // The trunk's layers this device holds (an MTP block's layer follows the trunk,
         // `spec.rs`).
@@ -225,149 +121,81 @@ impl GpuModel {
                 Ffn::Moe(m) if self.offload.as_ref().is_some_and(|o| o.has_layer(l)) => {
                     // Not past the layers held, nor past a traced layer (its output is read
                     // before the next layer runs).
-                    let next = (l + 1 < held.end && self.trace_layer != Some(l)).then_some(l + 1);
+                    let next = (l + 1 < held.end && !self.trace.at(l)).then_some(l + 1);
                     ahead =
                         self.moe_offload_block(&mut pass, l, m, n, pre, next.map(|l| (l, parts)))?;
                 }
                 f => {
                     // not past the layers held, nor past a traced layer
-                    let next = (l + 1 < held.end && self.trace_layer != Some(l))
+                    let next = (l + 1 < held.end && !self.trace.at(l))
                         .then(|| &self.w.layers[l + 1].attn_norm);
                     weighted = self.ffn_block(&mut pass, l, f, n, pre, next)?;
                 }
             }
-            if self.trace_layer == Some(l) {
-                pass.submit()?;
-                let x = gpu.read_f32(&sc.x, 0, toks.len() * hp.n_embd)?;
-                return Ok((x, Vec::new()));
-            }
+            // Trace point: the residual stream after the layer, [n, n_embd].
+            self.trace
+                .point(&mut pass, "layer_out", l, &sc.x, toks.len() * hp.n_embd);
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         let profiling = self.profile.is_some();
         let mut prof = Vec::new();
-        if let Some(rb) = &self.handoff {
-            let len = toks.len() * hp.n_embd;
-            pass.copy(&sc.x, 0, rb.buffer(), 0, len as u64 * 4);
-            pass.submit_or_profile(profiling.then_some(&mut prof))?;
-            if profiling {
-                self.profile = Some(prof);
-            }
-            let (data, ns) = rb.read(&gpu, len)?;
-            self.link.send(
-                chain::Hidden {
-                    rows: toks.len(),
-                    data,
-                },
-                ns,
-            )?;
-            return Ok((Vec::new(), Vec::new()));
-        }
-        let total: usize = wants.iter().map(|w| w.1).sum();
-        let result = self.finish_round(pass, n, wants, top, total, profiling, &mut prof);
+        let result = match &self.handoff {
+            Some(rb) => self
+                .link
+                .hand_off(
+                    pass,
+                    &sc.x,
+                    rb,
+                    toks.len(),
+                    hp.n_embd,
+                    profiling.then_some(&mut prof),
+                )
+                .map(|()| (Vec::new(), Vec::new())),
+            None => self.finish_round(pass, n, wants, top, profiling.then_some(&mut prof)),
+        };
         if profiling {
             self.profile = Some(prof);
         }
-        result
+        let out = result?;
+        self.trace.collect(&gpu)?;
+        Ok(out)
     }
 
-    /// The head over the wanted rows of a round, then submit (and read back the logits, or
-    /// only the top logits of the `top` rows).
-    #[allow(clippy::too_many_arguments)]
+    /// The head over the wanted rows of a round (final norm, then the runtime's head and
+    /// readback, [`head_logits`]); submits `pass`.
     pub(super) fn finish_round(
         &self,
         mut pass: Pass<'_>,
         n: u32,
         wants: &[(usize, usize)],
         top: &TopReq,
-        total: usize,
-        profiling: bool,
-        prof: &mut Vec<(String, f64)>,
-    ) -> Result<(Vec<f32>, Vec<TopLogits>)> {
-        let submit = |p: Pass<'_>, profiling: bool, prof: &mut Vec<(String, f64)>| {
-            p.submit_or_profile(profiling.then_some(prof))
-        };
-        let gpu = self.gpu.clone();
+        prof: Option<&mut Vec<(String, f64)>>,
+    ) -> Result<RoundOut> {
         let sc = &self.scratch;
         let hp = &self.hp;
-        let e = hp.n_embd as u32;
-        if total == 0 && top.rows.is_empty() {
-            submit(pass, profiling, prof)?;
+        if wants.is_empty() && top.rows.is_empty() {
+            pass.submit_or_profile(prof)?;
             return Ok((Vec::new(), Vec::new()));
         }
         norm::rms_norm(
             &mut pass,
             n,
-            e,
+            hp.n_embd as u32,
             View::new(&sc.x, 0),
             Some(View::new(&sc.h, 0)),
             Some(&self.w.output_norm),
             hp.eps,
         )?;
-        let head = self.w.output.as_ref().unwrap_or(&self.w.tok_embd);
-        let v = hp.n_vocab;
-        // Top rows first, in this pass: their head into the logits buffer, one product per
-        // run of consecutive rows (`head_rows`: a batch's decode rows, a verify pass; up to
-        // 24 rows each with a lone decode's bits), then their top-k into `sc.top`; the
-        // full-logits runs below reuse the buffer after them.
-        let mut r0 = 0;
-        for chunk in top.rows.chunks(sc.logit_rows) {
-            for (j, r, m) in crate::models::row_runs(chunk) {
-                crate::models::head_rows(
-                    &mut pass,
-                    head,
-                    &sc.h,
-                    (r, hp.n_embd),
-                    &sc.logits,
-                    (j, v),
-                    m,
-                )?;
-            }
-            let rows = chunk.len() as u32;
-            sc.top.record(
-                &mut pass,
-                View::new(&sc.logits, 0),
-                rows,
-                r0,
-                top.k,
-                top.lse,
-            )?;
-            r0 += rows;
-        }
-        // The head over the wanted rows, packed into the logits buffer; more passes (each
-        // read back) only when they outgrow it.
-        let mut logits = Vec::with_capacity(total * v);
-        let mut pending = Some(pass);
-        let mut used = 0usize;
-        let runs = crate::models::head_runs(wants, sc.logit_rows);
-        for (i, &(r, take)) in runs.iter().enumerate() {
-            if used + take > sc.logit_rows {
-                let p = pending.take().unwrap_or_else(|| gpu.pass());
-                submit(p, profiling, prof)?;
-                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
-                used = 0;
-            }
-            let p = pending.get_or_insert_with(|| gpu.pass());
-            matmul::matmul(
-                p,
-                head,
-                &sc.h,
-                (r * hp.n_embd) as u32,
-                &sc.logits,
-                (used * v) as u32,
-                take as u32,
-            )?;
-            used += take;
-            if i + 1 == runs.len() {
-                let p = pending.take().expect("a pass holds the head");
-                submit(p, profiling, prof)?;
-                logits.extend(gpu.read_f32(&sc.logits, 0, used * v)?);
-            }
-        }
-        if let Some(p) = pending {
-            submit(p, profiling, prof)?;
-        }
-        let tops = sc.top.read(&gpu, r0, top.k, top.lse)?;
-        Ok((logits, tops))
+        let head = Head {
+            w: self.w.output.as_ref().unwrap_or(&self.w.tok_embd),
+            n_vocab: hp.n_vocab,
+            h: &sc.h,
+            n_embd: hp.n_embd,
+            logits: &sc.logits,
+            logit_rows: sc.logit_rows,
+            top: &sc.top,
+        };
+        head_logits(pass, &head, wants, top, prof)
     }
 
     /// Whether products of `n` tokens take fused activation loads (`LoadOptions::fused_loads`).

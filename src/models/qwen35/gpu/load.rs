@@ -226,9 +226,11 @@ impl GpuModel {
             .unwrap_or_else(|| PartSpec::whole(hp.n_layer));
         // Placement first: experts without the stacks go to the arena after the rest.
         let needs = |rows| state::needs_part(&hp, RunShape::new(opts, rows), &part);
-        let plan = Plan::new(&gpu, file, opts, &needs, DEFAULT_BATCH)?;
+        let limits = BufferLimits::of(&gpu.limits);
+        let batch = fit_rows(DEFAULT_BATCH, limits, &file.path(), |r| needs(r).buffers)?;
+        let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
         // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
-        let rows = plan.as_ref().map_or(DEFAULT_BATCH, |p| p.rows);
+        let rows = plan.as_ref().map_or(batch, |p| p.rows);
         let ld = crate::models::Loader::<weights::W>::new(file);
         let embedding = ld.name(weights::W::TokEmbd);
         let tied = ld.get(weights::W::Output).is_none();
@@ -259,7 +261,7 @@ impl GpuModel {
             &part,
             kv_type,
             opts.max_seqs.max(1),
-            opts.ctx.clamp(16, 4096),
+            state::kv_cap(opts.ctx),
         )?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, rows)?),
@@ -274,7 +276,7 @@ impl GpuModel {
             kv_type,
             pools,
             scratch,
-            trace_layer: None,
+            trace: Tracer::default(),
             profile: None,
             offload,
             spec: SpecState::default(),

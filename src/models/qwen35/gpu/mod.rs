@@ -34,9 +34,13 @@ use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
-use crate::gpu::{embed, topk, Gpu, GpuTensor, Pass};
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
-use crate::models::chain::{self, Link, Readback};
+use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::link::{self, Link, Readback};
+use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
+use crate::models::runtime::state::copy_regions;
+use crate::models::runtime::trace::Tracer;
 use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
@@ -137,25 +141,6 @@ impl Drop for GpuSeq {
     }
 }
 
-/// The [`Want::Top`] rows of a round: their rows in the pass, one k (the largest asked) and
-/// whether any item wants the log-sum-exp.
-#[derive(Default)]
-struct TopReq {
-    rows: Vec<usize>,
-    k: u32,
-    lse: bool,
-}
-
-/// One round's share of a batch item: rows `row .. row + n` of the pass.
-struct Part {
-    item: usize,
-    start: usize,
-    n: usize,
-    row: usize,
-    slot: u32,
-    pos0: usize,
-}
-
 pub struct GpuModel {
     pub gpu: Arc<Gpu>,
     pub hp: Hparams,
@@ -164,9 +149,9 @@ pub struct GpuModel {
     kv_type: attention::KvType,
     pools: Pools,
     scratch: Scratch,
-    /// Debugging: stop the next pass after this layer and return the residual stream
-    /// `[n_tokens, n_embd]` instead of logits.
-    pub trace_layer: Option<usize>,
+    /// Debugging: capture a named intermediate in every pass (`layer_out`: the residual
+    /// stream after a layer, `[n_tokens, n_embd]`).
+    pub trace: Tracer,
     /// Profiling: when `Some`, passes are timed per dispatch (GPU timestamps) and the last
     /// round's `(kernel label, ns)` list is stored here.
     pub profile: Option<Vec<(String, f64)>>,
@@ -256,6 +241,15 @@ impl SeqState for GpuSeq {
     }
 }
 
+impl RoundSeq for GpuSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+}
+
 impl Forward for GpuModel {
     fn vocab_size(&self) -> usize {
         self.hp.n_vocab
@@ -270,11 +264,7 @@ impl Forward for GpuModel {
         GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
     }
     fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        let mut v: Vec<(&mut GpuSeq, &[u32], Want)> = Vec::with_capacity(items.len());
-        for (s, t, w) in items.iter_mut() {
-            v.push((s.get_mut()?, *t, *w));
-        }
-        GpuModel::forward_batch(self, &mut v)
+        GpuModel::forward_batch(self, &mut rounds::own_items(items)?)
     }
     fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         GpuModel::forward(self, seq.get_mut()?, tokens, all)
@@ -310,7 +300,7 @@ impl Forward for GpuModel {
     }
 }
 
-impl chain::Part for GpuModel {
+impl link::Part for GpuModel {
     fn link(&mut self, link: Link) {
         self.link = link;
     }

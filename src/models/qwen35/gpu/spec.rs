@@ -276,6 +276,7 @@ impl GpuModel {
                 row,
                 slot: seq.slot,
                 pos0: seq.pos,
+                rowwise: n == 1,
             });
             toks.extend_from_slice(t);
             match *want {
@@ -642,6 +643,7 @@ impl GpuModel {
             row: 0,
             slot,
             pos0,
+            rowwise: n == 1,
         }];
         norm::rms_norm(
             pass,

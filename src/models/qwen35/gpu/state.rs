@@ -110,51 +110,37 @@ impl Dims {
         }
     }
 
-    /// Bytes of the largest of them, logits aside (their rows follow the binding limit).
-    pub(super) fn largest(&self) -> u64 {
+    /// Each with the label [`Scratch::new`] allocates it under.
+    pub(super) fn named(&self) -> [(&'static str, usize); 21] {
         let d = self;
         [
-            d.ids, d.pos, d.kv_rows, d.ranges, d.x, d.h, d.proj, d.qkv, d.z, d.o, d.qg, d.k, d.att,
-            d.att_g, d.f_gate, d.f_up, d.moe_out, d.moe_ids, d.moe_w, d.sh_out,
+            ("ids", d.ids),
+            ("pos", d.pos),
+            ("kv_rows", d.kv_rows),
+            ("ranges", d.ranges),
+            ("x", d.x),
+            ("h", d.h),
+            ("proj", d.proj),
+            ("qkv", d.qkv),
+            ("z", d.z),
+            ("o", d.o),
+            ("qg", d.qg),
+            ("k", d.k),
+            ("att", d.att),
+            ("att_g", d.att_g),
+            ("f_gate", d.f_gate),
+            ("f_up", d.f_up),
+            ("moe_out", d.moe_out),
+            ("moe_ids", d.moe_ids),
+            ("moe_w", d.moe_w),
+            ("sh_out", d.sh_out),
+            ("logits", d.logits),
         ]
-        .iter()
-        .map(|&n| n as u64 * 4)
-        .max()
-        .unwrap_or(0)
     }
 
     /// Bytes of all of them (each at least one element, as allocated).
     pub(super) fn bytes(&self) -> u64 {
-        let Dims {
-            ids,
-            pos,
-            kv_rows,
-            ranges,
-            x,
-            h,
-            proj,
-            qkv,
-            z,
-            o,
-            qg,
-            k,
-            att,
-            att_g,
-            f_gate,
-            f_up,
-            moe_out,
-            moe_ids,
-            moe_w,
-            sh_out,
-            logits,
-        } = *self;
-        [
-            ids, pos, kv_rows, ranges, x, h, proj, qkv, z, o, qg, k, att, att_g, f_gate, f_up,
-            moe_out, moe_ids, moe_w, sh_out, logits,
-        ]
-        .iter()
-        .map(|&n| n.max(1) as u64 * 4)
-        .sum()
+        self.named().iter().map(|&(_, n)| n.max(1) as u64 * 4).sum()
     }
 }
 
@@ -248,20 +234,6 @@ impl Scratch {
     /// Bytes [`Scratch::new`] allocates for `rows` rows and `max_seqs` sequences, counting
     /// logits for every row (the binding limit may hold fewer): the activation part of
     /// [`needs`]. The one-sequence GDN batch table (16 bytes) is left out.
-    /// Bytes of the largest buffer [`Scratch::new`] binds for `rows` rows, logits aside.
-    pub(super) fn largest(hp: &Hparams, rows: usize, max_seqs: usize) -> u64 {
-        let route = hp.moe.as_ref().map_or(0, |m| {
-            MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
-        });
-        Dims::new(hp, rows, 1)
-            .largest()
-            .max(gdn::scratch_bytes(
-                &gdn_shape(hp),
-                gdn_chunks(rows, max_seqs),
-            ))
-            .max(route)
-    }
-
     pub(super) fn bytes(hp: &Hparams, rows: usize, max_seqs: usize) -> u64 {
         let route = hp.moe.as_ref().map_or(0, |m| {
             MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
@@ -299,10 +271,72 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
         activations: Scratch::bytes(hp, run.batch.max(1) as usize, seqs as usize),
-        largest_buffer: Scratch::largest(hp, run.batch.max(1) as usize, seqs as usize),
+        buffers: pass_buffers(hp, run, part),
         kv_elem,
         note: None,
     }
+}
+
+/// KV rows per sequence the pools start with for a context of `ctx` (they grow on demand, to
+/// [`KvShape::max_positions`]).
+pub(super) fn kv_cap(ctx: usize) -> usize {
+    ctx.clamp(16, 4096)
+}
+
+/// Every buffer a run of `run` allocates whose size follows it (as [`Scratch::new`],
+/// [`Pools::new`], the MTP block and a chain's handoff make them): the scratch at `run.batch`
+/// rows with one row of logits, the KV pools at their first capacity and the GDN state for
+/// `run.seqs` sequences.
+fn pass_buffers(hp: &Hparams, run: RunShape, part: &PartSpec) -> Vec<PassBuffer> {
+    let (rows, seqs) = (run.batch.max(1) as usize, run.seqs.max(1) as usize);
+    let mut v: Vec<PassBuffer> = Dims::new(hp, rows, 1)
+        .named()
+        .iter()
+        .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
+        .collect();
+    v.extend([
+        PassBuffer::bound(
+            "gdn.scratch",
+            gdn::scratch_bytes(&gdn_shape(hp), gdn_chunks(rows, seqs)),
+        ),
+        PassBuffer::bound("attn.split", attn_split_elems(hp, seqs) * 4),
+        PassBuffer::bound(
+            "logits_top",
+            topk::LogitsTop::bytes(rows as u32, hp.n_vocab as u32),
+        ),
+    ]);
+    if let Some(m) = &hp.moe {
+        let route = MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32);
+        v.push(PassBuffer::bound("moe_route", route));
+    }
+    let kv_type = match run.kv {
+        KvType::F32 => attention::KvType::F32,
+        KvType::Auto | KvType::F16 => attention::KvType::F16,
+    };
+    let kv = kv_shape(hp, kv_type).bytes((seqs * kv_cap(run.ctx as usize)) as u64);
+    for l in part.layers.clone() {
+        if hp.recurrent[l] {
+            let conv = (seqs * (hp.conv_kernel - 1) * hp.conv_dim() * 4) as u64;
+            v.push(PassBuffer::bound("pool.conv", conv));
+            let ssm = (seqs * hp.n_v_heads * hp.d_k * hp.d_v * 4) as u64;
+            v.push(PassBuffer::bound("pool.ssm", ssm));
+        } else {
+            v.extend([PassBuffer::bound("kv.k", kv), PassBuffer::bound("kv.v", kv)]);
+        }
+    }
+    let (r, e) = (rows as u64, hp.n_embd as u64);
+    if hp.n_mtp > 0 && part.first && part.last {
+        v.extend([
+            PassBuffer::bound("mtp.cat", r * 2 * e * 4),
+            PassBuffer::bound("mtp.hid", r * e * 4),
+            PassBuffer::bound("mtp.out", r * e * 4),
+            PassBuffer::bound("mtp.saved", seqs as u64 * MAX_VERIFY as u64 * e * 4),
+        ]);
+    }
+    if !part.last {
+        v.push(PassBuffer::copied("chain.readback", r * e * 4));
+    }
+    v
 }
 
 impl GpuModel {
@@ -379,17 +413,7 @@ impl GpuModel {
                 regions.push((b, s * ssm_len, d * ssm_len, ssm_len));
             }
         }
-        let stage_len = regions.iter().map(|r| r.3).max().unwrap_or(0);
-        if stage_len > 0 {
-            let stage = self.gpu.buffer(stage_len, "seq.copy_stage")?;
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            for (buf, from, to, len) in regions {
-                enc.copy_buffer_to_buffer(buf, from, &stage, 0, len);
-                enc.copy_buffer_to_buffer(&stage, 0, buf, to, len);
-            }
-            self.gpu.queue.submit([enc.finish()]);
-            self.gpu.check()?;
-        }
+        copy_regions(&self.gpu, &regions, "seq.copy_stage")?;
         dst.pos = src.pos;
         Ok(())
     }
