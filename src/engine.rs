@@ -272,6 +272,19 @@ impl Engine {
         self.model.forward_batch(items)
     }
 
+    /// Feed `tokens` to `seq`; the final-norm hidden state of every token, `[n, n_embd]`
+    /// row-major (what the head reads: an embedding pools it), through
+    /// [`Forward::hidden_out`]. A model split over several devices refuses.
+    pub fn hidden_states(&mut self, seq: &mut Seq, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::Invalid("no tokens to run".into()));
+        }
+        self.model.hidden_out(true)?;
+        let r = self.model.forward_batch(&mut [(seq, tokens, Want::All)]);
+        self.model.hidden_out(false)?;
+        Ok(r?.pop().map(Logits::into_full).unwrap_or_default())
+    }
+
     /// [`Engine::forward_batch_with`] for full logits only: per item `[n, vocab]` row-major
     /// (empty for [`Want::None`]); a [`Want::Top`] item is an error.
     pub fn forward_batch(

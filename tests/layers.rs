@@ -295,24 +295,29 @@ fn inline_mods(text: &str) -> Vec<(String, std::ops::Range<usize>)> {
             continue;
         }
         let open = text.len() - rest.len();
-        let mut depth = 0;
-        let mut end = open;
-        while end < b.len() {
-            match b[end] {
-                b'{' => depth += 1,
-                b'}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        break;
-                    }
-                }
-                _ => {}
-            }
-            end += 1;
-        }
-        out.push((name, open..end));
+        out.push((name, open..block_end(b, open)));
     }
     out
+}
+
+/// The index of the `}` that closes the `{` at `open` (the end of the text if none does).
+fn block_end(b: &[u8], open: usize) -> usize {
+    let mut depth = 0;
+    let mut end = open;
+    while end < b.len() {
+        match b[end] {
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    break;
+                }
+            }
+            _ => {}
+        }
+        end += 1;
+    }
+    end
 }
 
 /// The module path of a file under `src/`: `src/gpu/mod.rs` → `gpu`, `src/gpu/x.rs` → `gpu::x`.
@@ -557,21 +562,7 @@ fn functions(file: &str, text: &str) -> Vec<(usize, String)> {
             i += 1;
         };
         let Some(open) = open else { continue };
-        let mut depth = 0;
-        let mut j = open;
-        while j < b.len() {
-            match b[j] {
-                b'{' => depth += 1,
-                b'}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        break;
-                    }
-                }
-                _ => {}
-            }
-            j += 1;
-        }
+        let j = block_end(b, open);
         let lines = text[at..j.min(text.len())].lines().count();
         out.push((lines, format!("{file}::{name}")));
     }

@@ -162,3 +162,37 @@ fn greedy_reply_names_paris() {
     eprintln!("reply: {:?}", out.text);
     assert!(out.text.contains("Paris"), "reply {:?}", out.text);
 }
+
+/// On a device whose bindings are smaller than any pass needs (64 KiB: less than one row of
+/// logits or the decode attention's split scratch), loading fails before any upload with an
+/// error naming the file, the buffer, its size and the limit, not a validation error at the
+/// first pass (issue 38).
+#[test]
+fn a_binding_limit_no_pass_fits_is_named_at_load() {
+    use lathe::gpu::{AdapterChoice, AutoProducts, BufferLimits, Gpu, MatmulChoice};
+    let cap = BufferLimits {
+        max_binding: 64 << 10,
+        max_buffer: 1 << 30,
+    };
+    let gpu = Gpu::with_limits(
+        &AdapterChoice::Auto,
+        MatmulChoice::Auto,
+        AutoProducts::Any,
+        Some(cap),
+    )
+    .expect("a wgpu adapter (lavapipe in CI)");
+    let path = model();
+    let file = lathe::models::ModelFile::open(&path).unwrap();
+    let e = lathe::models::load(std::sync::Arc::new(gpu), &file, &LoadOptions::default())
+        .err()
+        .expect("no pass fits 64 KiB bindings")
+        .to_string();
+    assert!(
+        e.contains(&path.display().to_string())
+            && e.contains("buffer `llama.")
+            && e.contains(
+                "bytes exceeds the adapter's max_storage_buffer_binding_size of 65536 bytes"
+            ),
+        "{e}"
+    );
+}

@@ -535,10 +535,13 @@ fn errors_auth_limits_and_loading() {
     for key in ["message", "type", "param", "code"] {
         assert!(e["error"].get(key).is_some(), "{e}");
     }
-    let mut n2 = hello.clone();
-    n2["n"] = 2.into();
-    let (st, e) = post(n2.to_string().as_bytes());
-    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("n")), "{e}");
+    // No choices, or more than --parallel slots.
+    for n in [0, 1000] {
+        let mut bad_n = hello.clone();
+        bad_n["n"] = n.into();
+        let (st, e) = post(bad_n.to_string().as_bytes());
+        assert_eq!((st, e["error"]["param"].as_str()), (400, Some("n")), "{e}");
+    }
     let (st, e) = post(json!({"messages": "hi"}).to_string().as_bytes());
     assert_eq!(
         (st, e["error"]["param"].as_str()),
@@ -801,6 +804,58 @@ fn request_timeout() {
     assert_eq!(s.get("/health").1["slots"]["active"], 0);
     let (st, r) = s.post("/v1/completions", &completion("Quick", 2));
     assert_eq!(st, 200, "{r}");
+}
+
+/// No head-of-line blocking: a short chat sent while a long prompt is in prefill is answered
+/// while the long one is still in prefill. Each step's prompt budget (`--prefill-chunk`) is
+/// shared among the prompts in prefill, so the short one is fed whole in its first step;
+/// given to the oldest prompt first, it waited for the long one's whole prefill (issue 38:
+/// 90 s behind 7,900 tokens on lavapipe).
+#[test]
+fn short_prompt_is_not_blocked_by_a_long_prefill() {
+    const LONG: usize = 1500;
+    let s = Server::start(&["--parallel", "2", "--prefill-chunk", "32"]);
+    let long: Vec<u32> = (0..LONG as u32).map(|i| 3 + (i * 7) % 500).collect();
+    let body = json!({"prompt": long, "max_tokens": 1, "temperature": 0}).to_string();
+    // Its reply is not awaited: the server is stopped while it is still in prefill.
+    let mut held = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        held,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        s.addr,
+        body.len()
+    )
+    .unwrap();
+    let long_slot = |s: &Server| {
+        let (_, v) = s.get("/slots");
+        let v = v.as_array().cloned().unwrap_or_default();
+        v.into_iter().find(|x| x["n_prompt_tokens"] == LONG)
+    };
+    let t0 = Instant::now();
+    while long_slot(&s).is_none_or(|x| x["n_tokens"].as_u64() <= Some(0)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the long prompt never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t1 = Instant::now();
+    let chat =
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0});
+    let (st, r) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(st, 200, "{r}");
+    let slot = long_slot(&s).unwrap_or_else(|| {
+        panic!("the short chat waited for the long prompt's whole prefill and reply")
+    });
+    eprintln!(
+        "short chat answered in {:?}; the long prompt then: {slot}",
+        t1.elapsed()
+    );
+    assert_eq!(
+        slot["prefilling"], true,
+        "the short chat waited for the long prefill: {slot}"
+    );
+    drop(held);
 }
 
 /// Prompt cache through a template that rewrites the last assistant turn: Qwen3.5's template
@@ -2083,4 +2138,145 @@ fn responses_api() {
             "{extra}: {e}"
         );
     }
+}
+
+/// The embedding of `ids` from the CPU reference forward (tests/qwen35.rs checks it against
+/// the fixtures): each position's final-norm hidden state, pooled (`last`: the last one;
+/// else the mean), L2-normalised.
+fn cpu_embedding(ids: &[u32], last: bool) -> Vec<f64> {
+    let file = lathe::model_file::ModelFile::open(model()).unwrap();
+    let m = lathe::models::qwen35::cpu::CpuModel::load(&file).unwrap();
+    let mut seq = m.new_seq();
+    let states: Vec<Vec<f32>> = ids.iter().map(|&t| m.hidden(&mut seq, t)).collect();
+    let rows = if last {
+        &states[states.len() - 1..]
+    } else {
+        &states[..]
+    };
+    let mut acc = vec![0f64; rows[0].len()];
+    for r in rows {
+        for (a, &x) in acc.iter_mut().zip(r) {
+            *a += x as f64;
+        }
+    }
+    let norm = acc.iter().map(|a| a * a).sum::<f64>().sqrt();
+    acc.iter().map(|a| a / norm).collect()
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// `/v1/embeddings`: the final-norm hidden states pooled and L2-normalised equal the CPU
+/// reference forward's (mean pooling by default, `--pooling last`) within 1e-4 per value;
+/// a batch gives what each input gives alone; text and its token ids give the same vector;
+/// base64 is the same f32 values; usage counts the tokens; bad inputs are 400s naming the
+/// field.
+#[test]
+fn embeddings_match_the_cpu_reference() {
+    let s = Server::start(&["--parallel", "2"]);
+    let ids: Vec<u32> = {
+        let (_, t) = s.post("/tokenize", &json!({"content": "The quick brown fox"}));
+        t["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (st, r) = s.post(
+        "/v1/embeddings",
+        &json!({"model": "e", "input": "The quick brown fox"}),
+    );
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        (r["object"].as_str(), r["model"].as_str()),
+        (Some("list"), Some("e"))
+    );
+    assert_eq!(r["data"][0]["object"], "embedding");
+    assert_eq!(r["usage"]["prompt_tokens"], ids.len());
+    let e = floats(&r["data"][0]["embedding"]);
+    let norm = e.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    let want = cpu_embedding(&ids, false);
+    let d = max_diff(&e, &want);
+    assert!(d < 1e-4, "mean pooling: max |gpu - cpu| = {d}");
+
+    // A batch (text, token ids, another text) gives each input's own vector.
+    let (st, b) = s.post(
+        "/v1/embeddings",
+        &json!({"input": ["The quick brown fox", ids, "Jumps over"]}),
+    );
+    assert_eq!(st, 200, "{b}");
+    let (_, alone) = s.post("/v1/embeddings", &json!({"input": "Jumps over"}));
+    let data = b["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3);
+    assert!(max_diff(&floats(&data[0]["embedding"]), &e) < 1e-6);
+    assert!(max_diff(&floats(&data[1]["embedding"]), &e) < 1e-6);
+    assert!(
+        max_diff(
+            &floats(&data[2]["embedding"]),
+            &floats(&alone["data"][0]["embedding"])
+        ) < 1e-6
+    );
+    assert_eq!(data[2]["index"], 2);
+
+    // base64: the same values, as little-endian f32.
+    let (st, b64) = s.post(
+        "/v1/embeddings",
+        &json!({"input": "The quick brown fox", "encoding_format": "base64", "dimensions": e.len()}),
+    );
+    assert_eq!(st, 200, "{b64}");
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64["data"][0]["embedding"].as_str().unwrap())
+        .unwrap();
+    let got: Vec<f64> = bytes
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+        .collect();
+    assert!(max_diff(&got, &e) < 1e-7);
+
+    for (body, param) in [
+        (json!({"input": []}), "input"),
+        (json!({"input": ["a", ""]}), "input[1]"),
+        (json!({"input": [[1, 2], [600]]}), "input[1]"),
+        (
+            json!({"input": "a", "encoding_format": "int8"}),
+            "encoding_format",
+        ),
+        (json!({"input": "a", "dimensions": 3}), "dimensions"),
+    ] {
+        let (st, r) = s.post("/v1/embeddings", &body);
+        assert_eq!(
+            (st, r["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {r}"
+        );
+    }
+    // The slots still generate.
+    let (st, r) = s.post("/v1/completions", &completion("The quick brown fox", 4));
+    assert_eq!(st, 200, "{r}");
+    drop(s);
+
+    let s = Server::start(&["--pooling", "last"]);
+    let (st, r) = s.post("/v1/embeddings", &json!({"input": ids}));
+    assert_eq!(st, 200, "{r}");
+    let d = max_diff(
+        &floats(&r["data"][0]["embedding"]),
+        &cpu_embedding(&ids, true),
+    );
+    assert!(d < 1e-4, "last pooling: max |gpu - cpu| = {d}");
 }

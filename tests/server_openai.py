@@ -149,6 +149,20 @@ try:
 except openai.BadRequestError as e:
     check("previous_response_id refused", e.status_code == 400 and e.body.get("param") == "previous_response_id", e.body)
 
+# Embeddings: the client asks for base64 by default and decodes it; float gives the same values.
+e64 = client.embeddings.create(model="m", input=["The quick brown fox", "Jumps"])
+ef = client.embeddings.create(model="m", input="The quick brown fox", encoding_format="float")
+v = e64.data[0].embedding
+check("embeddings shape", len(e64.data) == 2 and [d.index for d in e64.data] == [0, 1] and len(v) > 0, e64)
+check("embeddings unit norm", abs(sum(x * x for x in v) - 1) < 1e-4, sum(x * x for x in v))
+check("embeddings base64 = float", max(abs(a - b) for a, b in zip(v, ef.data[0].embedding)) < 1e-6)
+check("embeddings usage", e64.usage.prompt_tokens > ef.usage.prompt_tokens > 0, e64.usage)
+try:
+    client.embeddings.create(model="m", input="x", dimensions=3)
+    check("embeddings dimensions refused", False, "no error")
+except openai.BadRequestError as e:
+    check("embeddings dimensions refused", e.status_code == 400 and e.body.get("param") == "dimensions", e.body)
+
 try:
     OpenAI(base_url=URL, api_key="wrong", max_retries=0).models.list()
     check("wrong key refused", False, "no error")

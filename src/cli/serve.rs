@@ -80,6 +80,11 @@ pub struct ServeArgs {
     /// `auto`: `<think>` blocks go to `reasoning_content`; `none`: they stay in `content`.
     #[arg(long, value_name = "FORMAT", default_value = "auto", value_parser = ["auto", "none"])]
     pub reasoning_format: String,
+    /// How /v1/embeddings pools the final-norm hidden states of an input's tokens before
+    /// L2-normalising: `mean` (over the tokens), `last` (the last token: what last-token
+    /// embedding models are trained for) or `cls` (the first token).
+    #[arg(long, value_name = "TYPE", default_value = "mean", value_parser = ["mean", "last", "cls"])]
+    pub pooling: String,
     /// After SIGINT/SIGTERM, seconds that requests in flight get to finish; past it (or at a
     /// second signal) they are cut: streams get an error event and `[DONE]`, the others 503,
     /// and the exit status is 1.
@@ -146,6 +151,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.chat_template = a.template.choice()?;
     cfg.alias = a.alias;
     cfg.reasoning = a.reasoning_format == "auto";
+    cfg.pooling = a.pooling.parse()?;
     cfg.shutdown_grace = seconds("shutdown-grace", a.shutdown_grace)?;
     cfg.load_delay = Duration::from_millis(a.debug_load_delay_ms);
     if let Some(p) = &a.spec.draft_model {

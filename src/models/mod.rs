@@ -75,6 +75,20 @@ pub trait Forward: Send {
     fn speculate(&mut self) -> Option<&mut dyn spec::Speculate> {
         None
     }
+    /// While `on`, `forward_batch` hands back for the rows whose logits it would return
+    /// (`Want::All`, `Want::Last`) their final-norm hidden states instead, `[n, n_embd]`
+    /// row-major: the input of the head, what an embedding pools
+    /// (`Engine::hidden_states`). A family that cannot says so.
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        match on {
+            true => Err(Error::Invalid(
+                "this model does not hand back hidden states (embeddings): it runs on \
+                 several devices"
+                    .into(),
+            )),
+            false => Ok(()),
+        }
+    }
     /// Device boundary crossings of a model split over several devices.
     fn hops(&self) -> Option<chain::HopReport> {
         None
@@ -155,6 +169,21 @@ pub(crate) fn head_rows(
 ) -> Result<()> {
     let (x_off, y_off) = ((row * cols) as u32, (j * vocab) as u32);
     matmul::matmul(pass, head, x, x_off, y, y_off, n as u32)
+}
+
+/// The rows `wants` (`(first row, rows)` runs) of `buf` (`[rows, width]` f32), read back in
+/// order: the hidden states [`Forward::hidden_out`] hands back.
+pub(crate) fn read_rows(
+    gpu: &Gpu,
+    buf: &wgpu::Buffer,
+    wants: &[(usize, usize)],
+    width: usize,
+) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(wants.iter().map(|w| w.1).sum::<usize>() * width);
+    for &(r, n) in wants {
+        out.extend(gpu.read_f32(buf, (r * width) as u64, n * width)?);
+    }
+    Ok(out)
 }
 
 /// The wanted row ranges `(first row, rows)` of a batch cut into runs of at most `cap` rows,

@@ -768,9 +768,152 @@ fn read_prompt(v: Option<&Value>, vocab: usize) -> R<Prompt> {
     }
 }
 
+/// Most inputs one embeddings request may give (OpenAI's limit).
+pub const MAX_EMBED_INPUTS: usize = 2048;
+
+/// How `/v1/embeddings` sends the vectors (`encoding_format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Encoding {
+    /// A list of numbers.
+    Float,
+    /// The f32 values' little-endian bytes in base64, as OpenAI sends them (its Python client
+    /// asks for this by default).
+    Base64,
+}
+
+#[derive(Debug)]
+pub struct EmbeddingRequest {
+    pub model: Option<String>,
+    pub inputs: Vec<Prompt>,
+    pub encoding: Encoding,
+    pub dimensions: Option<usize>,
+}
+
+/// An embeddings request: `input` a string, a list of strings, a list of token ids or a list
+/// of such lists; `encoding_format` float or base64; `dimensions` (checked against the
+/// model's width once it is known: this server does not shorten embeddings).
+pub fn embedding_request(body: &Value, vocab: usize) -> R<EmbeddingRequest> {
+    let f = Fields::of(body)?;
+    let model = f.string("model")?.map(String::from);
+    let bad = || {
+        ApiError::invalid(
+            "input",
+            "`input` must be a string, a list of strings, a list of token ids or a list of \
+             lists of token ids",
+        )
+    };
+    let ids = |at: &str, a: &[Value]| -> R<Vec<u32>> {
+        a.iter()
+            .map(|t| match t.as_u64() {
+                Some(id) if (id as usize) < vocab => Ok(id as u32),
+                Some(id) => Err(ApiError::invalid(
+                    at,
+                    format!("token id {id} is outside the vocabulary ({vocab} ids)"),
+                )),
+                None => Err(bad()),
+            })
+            .collect()
+    };
+    let inputs = match f.get("input") {
+        Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
+            vec![Prompt::Tokens(ids("input", a)?)]
+        }
+        Some(Value::Array(a)) if !a.is_empty() => {
+            if a.len() > MAX_EMBED_INPUTS {
+                return Err(ApiError::invalid(
+                    "input",
+                    format!("`input` has {} items; at most {MAX_EMBED_INPUTS}", a.len()),
+                ));
+            }
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(Prompt::Text(s.clone())),
+                    Value::Array(t) => Ok(Prompt::Tokens(ids(&format!("input[{i}]"), t)?)),
+                    _ => Err(ApiError::invalid(
+                        &format!("input[{i}]"),
+                        "each input must be a string or a list of token ids",
+                    )),
+                })
+                .collect::<R<_>>()?
+        }
+        _ => return Err(bad()),
+    };
+    for (i, p) in inputs.iter().enumerate() {
+        let empty = match p {
+            Prompt::Text(s) => s.is_empty(),
+            Prompt::Tokens(t) => t.is_empty(),
+        };
+        if empty {
+            let at = match inputs.len() {
+                1 => "input".to_string(),
+                _ => format!("input[{i}]"),
+            };
+            return Err(ApiError::invalid(&at, format!("`{at}` is empty")));
+        }
+    }
+    let encoding = match f.string("encoding_format")? {
+        None | Some("float") => Encoding::Float,
+        Some("base64") => Encoding::Base64,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("`encoding_format` `{other}`: expected float or base64"),
+            ))
+        }
+    };
+    let dimensions = match f.uint("dimensions")? {
+        Some(0) => {
+            return Err(ApiError::invalid(
+                "dimensions",
+                "`dimensions` must be at least 1",
+            ))
+        }
+        d => d.map(|d| d.min(usize::MAX as u64) as usize),
+    };
+    Ok(EmbeddingRequest {
+        model,
+        inputs,
+        encoding,
+        dimensions,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn embedding_inputs_of_every_shape_and_their_400s() {
+        let r = |v: Value| embedding_request(&v, 10);
+        let inputs = |v: Value| r(json!({"input": v})).unwrap().inputs;
+        assert_eq!(inputs(json!("a")), vec![Prompt::Text("a".into())]);
+        assert_eq!(inputs(json!([1, 2])), vec![Prompt::Tokens(vec![1, 2])]);
+        assert_eq!(
+            inputs(json!(["a", [3]])),
+            vec![Prompt::Text("a".into()), Prompt::Tokens(vec![3])]
+        );
+        let b = r(json!({"input": "a", "encoding_format": "base64", "dimensions": 8})).unwrap();
+        assert_eq!((b.encoding, b.dimensions), (Encoding::Base64, Some(8)));
+        for (body, param) in [
+            (json!({}), "input"),
+            (json!({"input": ""}), "input"),
+            (json!({"input": []}), "input"),
+            (json!({"input": [5, 10]}), "input"),
+            (json!({"input": ["a", ""]}), "input[1]"),
+            (json!({"input": ["a", [99]]}), "input[1]"),
+            (json!({"input": ["a", {"x": 1}]}), "input[1]"),
+            (
+                json!({"input": "a", "encoding_format": "int8"}),
+                "encoding_format",
+            ),
+            (json!({"input": "a", "dimensions": 0}), "dimensions"),
+        ] {
+            let e = r(body.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+    }
 
     #[test]
     fn n_is_read_and_zero_is_a_400_naming_n() {

@@ -27,7 +27,9 @@ use super::api::{self, json_response, ApiError, GenParams, Prompt};
 use super::constrain::{Constrainer, Requested};
 use super::output::{OutputParser, Piece, ToolCall};
 use super::random_id;
-use super::scheduler::{Event, Finish, Job, Loaded, Scheduler, Shared, SubmitError, TokenLogprob};
+use super::scheduler::{
+    EmbedJob, Event, Finish, Job, Loaded, Scheduler, Shared, SubmitError, TokenLogprob,
+};
 use crate::spec::SpecStats;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 
@@ -44,6 +46,8 @@ pub struct HttpConfig {
     /// Split `<think>` blocks into `reasoning_content`.
     pub reasoning: bool,
     pub n_slots: usize,
+    /// How `/v1/embeddings` pools (`--pooling`).
+    pub pooling: super::Pooling,
 }
 
 #[derive(Clone)]
@@ -73,6 +77,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses::responses))
+        .route("/v1/embeddings", post(embeddings))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -551,6 +556,103 @@ async fn completions_inner(st: AppState, req: Request) -> R<Response> {
     answer(meta, kind, events).await
 }
 
+/// OpenAI's `POST /v1/embeddings`: per input the final-norm hidden states of its tokens
+/// (BOS as for a completion's prompt), pooled (`--pooling`) and L2-normalised.
+async fn embeddings(State(st): State<AppState>, req: Request) -> Response {
+    embeddings_inner(st, req)
+        .await
+        .unwrap_or_else(|e| e.into_response())
+}
+
+async fn embeddings_inner(st: AppState, req: Request) -> R<Response> {
+    let body = read_json(&st.cfg, req).await?;
+    let loaded = ready(&st)?;
+    let req = api::embedding_request(&body, loaded.vocab)?;
+    let n_inputs = req.inputs.len();
+    let at = move |i: usize| match n_inputs {
+        1 => "input".to_string(),
+        _ => format!("input[{i}]"),
+    };
+    let limits = (prompt_limit(&st.cfg), st.cfg.ctx);
+    let tokenizer = loaded.tokenizer.clone();
+    let inputs = req.inputs;
+    let ids = tokio::task::spawn_blocking(move || {
+        inputs
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Prompt::Tokens(t) if t.len() > limits.0 => {
+                    Err(too_long(&t.len().to_string(), limits, &at(i)))
+                }
+                Prompt::Tokens(t) => Ok(t),
+                Prompt::Text(s) => encode_bounded(&tokenizer, &s, limits, &at(i)),
+            })
+            .collect::<R<Vec<Vec<u32>>>>()
+    })
+    .await
+    .map_err(|e| ApiError::server(format!("tokenizing failed: {e}")))??;
+    let n_tokens: usize = ids.iter().map(Vec::len).sum();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let job = EmbedJob {
+        inputs: ids.clone(),
+        deadline: Instant::now() + st.cfg.timeout,
+        reply: tx,
+    };
+    st.sched.embed(job).map_err(queue_error)?;
+    let hidden = rx
+        .await
+        .map_err(|_| ApiError::server("the engine stopped before the request finished"))?
+        .map_err(|e| engine_error(&st.sched.shared, e, "internal"))?;
+    let mut data = Vec::with_capacity(hidden.len());
+    for (i, (h, t)) in hidden.iter().zip(&ids).enumerate() {
+        let width = h.len() / t.len().max(1);
+        if let Some(d) = req.dimensions.filter(|&d| d != width) {
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!(
+                    "`dimensions` is {d}: this model's embeddings have {width} (they are not \
+                     shortened)"
+                ),
+            ));
+        }
+        let e = st.cfg.pooling.embed(h, width);
+        let embedding = match req.encoding {
+            api::Encoding::Float => Value::from(e),
+            api::Encoding::Base64 => {
+                use base64::Engine as _;
+                let bytes: Vec<u8> = e.iter().flat_map(|x| x.to_le_bytes()).collect();
+                base64::engine::general_purpose::STANDARD
+                    .encode(bytes)
+                    .into()
+            }
+        };
+        data.push(json!({"object": "embedding", "index": i, "embedding": embedding}));
+    }
+    let model = req.model.unwrap_or_else(|| st.cfg.model_name.clone());
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}),
+    ))
+}
+
+/// The answer to a job the queue did not take.
+fn queue_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Full => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "the server's queue is full; retry later",
+        )
+        .with_code("queue_full"),
+        SubmitError::Closed => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the server is shutting down",
+        ),
+    }
+}
+
 /// Longest prompt accepted, in tokens.
 fn prompt_limit(cfg: &HttpConfig) -> usize {
     cfg.max_prompt_tokens.min(cfg.ctx - 1)
@@ -711,19 +813,7 @@ async fn submit(
         .collect();
     let mut job = jobs.remove(0);
     job.siblings = jobs;
-    st.sched.submit(job).map_err(|e| match e {
-        SubmitError::Full => ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "the server's queue is full; retry later",
-        )
-        .with_code("queue_full"),
-        SubmitError::Closed => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "the server is shutting down",
-        ),
-    })?;
+    st.sched.submit(job).map_err(queue_error)?;
     let meta = Meta {
         id,
         created: unix_now(),

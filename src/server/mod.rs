@@ -3,7 +3,7 @@
 //! Routes: `POST /v1/chat/completions` (messages through the model's chat template),
 //! `POST /v1/completions` (a raw prompt), both with `n` choices and streamed as server-sent
 //! events with `"stream": true`; `POST /v1/responses` (OpenAI's Responses API over the chat
-//! path); `GET /v1/models`; `GET /health` (200 ready, 503 loading); llama-server's
+//! path); `POST /v1/embeddings` (pooled final-norm hidden states); `GET /v1/models`; `GET /health` (200 ready, 503 loading); llama-server's
 //! `/tokenize`, `/detokenize`, `/props`, `/slots`; `/metrics`; a chat page at `/`.
 //!
 //! Layout: [`api`] reads and checks requests and shapes errors; [`output`] splits a reply
@@ -78,6 +78,61 @@ pub struct ServerConfig {
     pub spec: crate::spec::SpecOptions,
     /// `--draft-model`: loaded on the model's adapter after the model.
     pub draft_model: Option<PathBuf>,
+    /// How `/v1/embeddings` pools an input's hidden states (`--pooling`).
+    pub pooling: Pooling,
+}
+
+/// How an embedding is made of the final-norm hidden states of an input's tokens
+/// (`--pooling`, llama-server's names), before it is L2-normalised.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pooling {
+    /// The mean over the tokens (the default: every token counts, as sentence-embedding
+    /// models pooled from causal LMs commonly do).
+    #[default]
+    Mean,
+    /// The last token's state: in a causal model the only one that has seen the whole input
+    /// (what last-token embedding models such as Qwen3-Embedding and E5-Mistral are trained
+    /// for).
+    Last,
+    /// The first token's state (BERT's `[CLS]` position; in a causal model it has seen only
+    /// itself).
+    Cls,
+}
+
+impl std::str::FromStr for Pooling {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "mean" => Ok(Pooling::Mean),
+            "last" => Ok(Pooling::Last),
+            "cls" => Ok(Pooling::Cls),
+            _ => Err(Error::Invalid(format!(
+                "--pooling {s}: expected mean, last or cls"
+            ))),
+        }
+    }
+}
+
+impl Pooling {
+    /// The pooled, L2-normalised embedding of `hidden` (`[n, width]` row-major, n ≥ 1),
+    /// accumulated in f64.
+    pub fn embed(self, hidden: &[f32], width: usize) -> Vec<f32> {
+        let n = hidden.len() / width.max(1);
+        let rows = match self {
+            Pooling::Mean => 0..n,
+            Pooling::Last => n.saturating_sub(1)..n,
+            Pooling::Cls => 0..n.min(1),
+        };
+        let mut acc = vec![0f64; width];
+        for r in rows.clone() {
+            for (a, &x) in acc.iter_mut().zip(&hidden[r * width..(r + 1) * width]) {
+                *a += x as f64;
+            }
+        }
+        let norm = acc.iter().map(|a| a * a).sum::<f64>().sqrt();
+        let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        acc.iter().map(|a| (a * scale) as f32).collect()
+    }
 }
 
 impl ServerConfig {
@@ -109,6 +164,7 @@ impl ServerConfig {
             load_delay: Duration::ZERO,
             spec: crate::spec::SpecOptions::default(),
             draft_model: None,
+            pooling: Pooling::default(),
         }
     }
 
@@ -352,6 +408,7 @@ async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
             timeout: cfg.timeout,
             reasoning: cfg.reasoning,
             n_slots: cfg.parallel,
+            pooling: cfg.pooling,
         }),
         template,
         started: SystemTime::now()

@@ -3,9 +3,12 @@
 //!
 //! One step runs every active slot once: a decoding slot feeds its last sampled token, a
 //! prefilling slot feeds the next piece of its prompt. Prompt tokens per step are capped
-//! (`prefill_chunk`, shared by all prefilling slots), so a long prompt delays the others'
-//! next token by at most one chunk's work. The step's work, a list of (slot, tokens), goes
-//! to the GPU as one batched forward ([`Engine::forward_batch_with`]) in [`run_batch`].
+//! (`prefill_chunk`), so a long prompt delays the others' next token by at most one chunk's
+//! work; the cap is shared fairly among the prefilling slots ([`share_prompt_budget`],
+//! chunked-prefill interleaving as vLLM's and llama.cpp's servers do), so a short prompt
+//! that arrives during a long one's prefill is fed in its first step rather than after it.
+//! The step's work, a list of (slot, tokens), goes to the GPU as one batched forward
+//! ([`Engine::forward_batch_with`]) in [`run_batch`].
 //!
 //! A slot keeps its tokens after a request ends: a later request whose prompt starts with all
 //! of them feeds only the rest (the cache of a multi-turn chat). Recurrent layers cannot be
@@ -73,6 +76,21 @@ pub struct Job {
     /// computing the prompt again; then every choice feeds that last token in one batched
     /// step and they decode side by side.
     pub siblings: Vec<Job>,
+}
+
+/// A request for the hidden states of some inputs (`/v1/embeddings`): the engine thread runs
+/// each through the model in a free slot ([`Engine::hidden_states`]), between two steps.
+pub struct EmbedJob {
+    pub inputs: Vec<Vec<u32>>,
+    pub deadline: Instant,
+    /// Per input its final-norm hidden states `[n, n_embd]` row-major, or why not.
+    pub reply: tokio::sync::oneshot::Sender<std::result::Result<Vec<Vec<f32>>, String>>,
+}
+
+/// What the queue holds (a job boxed: it is far larger than an embedding request).
+enum Task {
+    Generate(Box<Job>),
+    Embed(EmbedJob),
 }
 
 /// The log-probability of one sampled token (natural log, of the model's distribution
@@ -203,14 +221,22 @@ pub enum SubmitError {
 /// The HTTP side's handle on the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
-    tx: SyncSender<Job>,
+    tx: SyncSender<Task>,
     pub shared: Arc<Shared>,
 }
 
 impl Scheduler {
     pub fn submit(&self, job: Job) -> std::result::Result<(), SubmitError> {
+        self.queue(Task::Generate(Box::new(job)))
+    }
+
+    pub fn embed(&self, job: EmbedJob) -> std::result::Result<(), SubmitError> {
+        self.queue(Task::Embed(job))
+    }
+
+    fn queue(&self, task: Task) -> std::result::Result<(), SubmitError> {
         self.shared.queued.fetch_add(1, Ordering::Relaxed);
-        let r = self.tx.try_send(job);
+        let r = self.tx.try_send(task);
         if r.is_err() {
             self.shared.queued.fetch_sub(1, Ordering::Relaxed);
         }
@@ -404,7 +430,7 @@ struct Worker {
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
     slots: Vec<Slot>,
-    rx: Receiver<Job>,
+    rx: Receiver<Task>,
     shared: Arc<Shared>,
     clock: u64,
     /// A job of several choices taken from the queue before enough slots were free: it
@@ -485,6 +511,13 @@ impl Worker {
                 }
             };
             self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            let job = match job {
+                Task::Generate(j) => *j,
+                Task::Embed(e) => {
+                    self.embed(e);
+                    continue;
+                }
+            };
             if job.events.is_closed() {
                 continue;
             }
@@ -516,6 +549,49 @@ impl Worker {
             self.start_job(job);
         }
         true
+    }
+
+    /// Runs an embedding job in the least recently used free slot (there is one: `admit`
+    /// runs while one is), one input after another from an empty sequence; the slot then
+    /// holds the last input, as after a prompt.
+    fn embed(&mut self, e: EmbedJob) {
+        if e.reply.is_closed() {
+            return;
+        }
+        if Instant::now() >= e.deadline {
+            let _ = e
+                .reply
+                .send(Err("the request timed out waiting in the queue".into()));
+            return;
+        }
+        let free = self.slots.iter_mut().filter(|s| s.active.is_none());
+        let Some(slot) = free.min_by_key(|s| s.last_used) else {
+            let _ = e.reply.send(Err("no free slot (internal error)".into()));
+            return;
+        };
+        self.clock += 1;
+        slot.last_used = self.clock;
+        let engine = &mut self.engine;
+        let mut out = Vec::with_capacity(e.inputs.len());
+        let mut run = || -> Result<()> {
+            for t in &e.inputs {
+                slot.held.reset(engine)?;
+                out.push(engine.hidden_states(slot.held.seq_mut(), t)?);
+                slot.held.fed(t);
+            }
+            Ok(())
+        };
+        let r = run();
+        let n: usize = e.inputs.iter().map(Vec::len).sum();
+        self.shared.metrics.prompt_tokens.inc_by(n as u64);
+        let _ = e.reply.send(match r {
+            Ok(()) => Ok(out),
+            Err(err) => {
+                slot.held.mark_stale();
+                eprintln!("lathe serve: embeddings failed: {err}");
+                Err(err.to_string())
+            }
+        });
     }
 
     /// Starts a job and its sibling choices (enough slots are free for all of them): the
@@ -744,8 +820,7 @@ impl Worker {
                 }
             }
         }
-        let mut budget = self.cfg.prefill_chunk.max(1);
-        // Oldest request first, so a stream of short prompts cannot starve a long one.
+        // Oldest request first: the remainder of an uneven share goes to it.
         let mut pre: Vec<(usize, Instant)> = self
             .slots
             .iter()
@@ -758,23 +833,30 @@ impl Worker {
             })
             .collect();
         pre.sort_by_key(|p| p.1);
-        for (i, _) in pre {
-            if budget == 0 {
-                break;
+        // What each could feed: the rest of its prompt, up to its checkpoint (saved between
+        // two steps) where that comes first, and up to the fork of choices following it.
+        let wants: Vec<usize> = pre
+            .iter()
+            .map(|&(i, _)| {
+                let a = self.slots[i].active.as_ref().expect("prefilling slot");
+                let (held, ck) = (self.slots[i].held.tokens().len(), a.job.checkpoint);
+                let mut n = a.feed.len();
+                if held < ck && ck < held + n {
+                    n = ck - held;
+                }
+                if let Some(f) = a.fork.filter(|&f| held < f && f < held + n) {
+                    n = f - held;
+                }
+                n
+            })
+            .collect();
+        let shares = share_prompt_budget(self.cfg.prefill_chunk.max(1), &wants);
+        for (&(i, _), n) in pre.iter().zip(shares) {
+            if n == 0 {
+                continue;
             }
             let a = self.slots[i].active.as_ref().expect("prefilling slot");
             let feed = &a.feed;
-            let mut n = feed.len().min(budget);
-            // A piece ends at the checkpoint, which is saved between two steps.
-            let (held, ck) = (self.slots[i].held.tokens().len(), a.job.checkpoint);
-            if held < ck && ck < held + n {
-                n = ck - held;
-            }
-            // So does one at the fork of choices following this one.
-            if let Some(f) = a.fork.filter(|&f| held < f && f < held + n) {
-                n = f - held;
-            }
-            budget -= n;
             work.push(Work {
                 slot: i,
                 tokens: feed[..n].to_vec(),
@@ -1206,6 +1288,37 @@ impl Worker {
 
 /// Settles the speculation of the request in `slot` (the sequence then holds exactly the
 /// tokens its slot says; on failure it is marked stale) and adds its counts to the server's.
+/// Prompt tokens of one step for each prefilling slot, from the step's `budget`: `wants[i]`
+/// is what slot `i` (oldest request first) could feed. Max-min fair (water-filling): each
+/// slot gets up to an equal share, and what a slot needing less leaves is shared again
+/// among the others; the remainder of an uneven division goes to the oldest. A short prompt
+/// arriving during a long one's prefill is thus fed whole in its first step while the long
+/// one keeps the rest, and a stream of short prompts cannot starve a long one: it gets at
+/// least `budget / n` of every step with `n` prompts in prefill.
+fn share_prompt_budget(budget: usize, wants: &[usize]) -> Vec<usize> {
+    let mut got = vec![0; wants.len()];
+    let mut left = budget;
+    loop {
+        let open: Vec<usize> = (0..wants.len()).filter(|&i| got[i] < wants[i]).collect();
+        if open.is_empty() || left == 0 {
+            return got;
+        }
+        let share = left / open.len();
+        if share == 0 {
+            // Fewer tokens left than open slots: one each, oldest first.
+            for &i in open.iter().take(left) {
+                got[i] += 1;
+            }
+            return got;
+        }
+        for &i in &open {
+            let n = share.min(wants[i] - got[i]);
+            got[i] += n;
+            left -= n;
+        }
+    }
+}
+
 fn end_spec(engine: &mut Engine, shared: &Shared, slot: &mut Slot) -> Option<SpecStats> {
     let Slot { held, active, .. } = slot;
     let s = active.as_mut()?.spec.as_mut()?;
@@ -1406,6 +1519,50 @@ mod tests {
         assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
         assert!((t.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
         assert!(logprob_of(&l, 1, 0).top.is_empty());
+    }
+
+    /// A 2-token prompt arriving during a 7,900-token prefill (issue 38's case) is fed whole
+    /// in its first step, while the long one keeps all but those two tokens of every step's
+    /// budget; the shares never exceed the budget or a slot's want, the whole budget is
+    /// used while prompts remain, and the same inputs give the same plan.
+    #[test]
+    fn short_prompts_share_the_prompt_budget() {
+        let budget = 256;
+        let (mut long, mut short) = (7900usize, 0usize);
+        let mut short_done = None;
+        for step in 0..20 {
+            if step == 3 {
+                short = 2;
+            }
+            let wants: Vec<usize> = [long, short].into_iter().filter(|&n| n > 0).collect();
+            let got = share_prompt_budget(budget, &wants);
+            assert_eq!(got, share_prompt_budget(budget, &wants));
+            assert!(got.iter().zip(&wants).all(|(g, w)| g <= w));
+            let total: usize = got.iter().sum();
+            assert_eq!(total, budget.min(wants.iter().sum()));
+            assert!(
+                got[0] >= budget / wants.len(),
+                "the long prompt starved: {got:?}"
+            );
+            long -= got[0];
+            if wants.len() == 2 {
+                short -= got[1];
+                if short == 0 {
+                    short_done = Some(step);
+                }
+            }
+        }
+        assert_eq!(
+            short_done,
+            Some(3),
+            "the short prompt waited behind the long one"
+        );
+        assert_eq!(long, 7900 - 20 * budget + 2);
+        // Uneven shares: water-filling, the remainder to the oldest.
+        assert_eq!(share_prompt_budget(10, &[100, 1, 100]), vec![5, 1, 4]);
+        assert_eq!(share_prompt_budget(2, &[5, 5, 5]), vec![1, 1, 0]);
+        assert_eq!(share_prompt_budget(9, &[2, 3]), vec![2, 3]);
+        assert_eq!(share_prompt_budget(0, &[4]), vec![0]);
     }
 
     /// The GPU path's log-probabilities (top candidates + log-sum-exp) equal the full path's.

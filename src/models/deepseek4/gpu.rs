@@ -19,7 +19,7 @@
 
 use super::weights::{self, Attn, Compressor, Moe, Weights, W};
 use super::{Hparams, ScoreFunc};
-use crate::forward::{KvType, LoadOptions, Logits, Want, GREEDY};
+use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use crate::gpu::elementwise::{self as ew, View};
@@ -33,12 +33,13 @@ use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
+use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
-use crate::models::runtime::link::{self, Link, Readback};
+use crate::models::runtime::link::{Link, Readback};
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::copy_regions;
 use crate::models::runtime::trace::Tracer;
-use crate::models::{Forward, ModelFile, Seq, SeqState, Weight};
+use crate::models::{ModelFile, Seq, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::tensor::TensorRef;
 use crate::{DType, Error, Result};
@@ -241,6 +242,9 @@ pub struct GpuModel {
     /// reference's `step_traced` names): `attn_in`, `attn_out`, `ffn_in`, `moe_out`
     /// ([n, n_embd]) and `layer_out` ([n, hc·n_embd]).
     pub trace: Tracer,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
     /// Profiling: while `Some`, passes submit with GPU timestamps around every dispatch and
     /// append `(label, ns)` here (slow; for per-kernel breakdowns).
     pub profile: Option<Vec<(String, f64)>>,
@@ -405,6 +409,7 @@ impl GpuModel {
             ctx: opts.ctx.max(16),
             scratch,
             trace: Tracer::default(),
+            hidden_out: false,
             profile: None,
             offload,
         };
@@ -951,7 +956,11 @@ fn pass_buffers(hp: &Hparams, run: RunShape, part: &PartSpec) -> Vec<PassBuffer>
         .filter(|&l| hp.has_indexer(l))
         .map(|l| rows * (ctx / hp.compress_ratio[l]))
         .fold(d.scores, usize::max);
-    let kinds = 3;
+    let kinds: HashSet<(usize, bool)> = held
+        .clone()
+        .map(|l| (hp.compress_ratio[l], hp.has_indexer(l)))
+        .collect();
+    let kinds = kinds.len();
     d.idx = held
         .clone()
         .map(|l| 4 * rows * kinds + rows * (hp.window.min(ctx) + comp_slots(hp, l, ctx)))
@@ -1068,35 +1077,32 @@ impl RoundSeq for GpuSeq {
     }
 }
 
-impl Forward for GpuModel {
-    fn vocab_size(&self) -> usize {
+impl FamilyModel for GpuModel {
+    type Seq = GpuSeq;
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    fn n_vocab(&self) -> usize {
         self.hp.n_vocab
     }
-    fn new_seq(&self) -> Result<Seq> {
-        Ok(Seq::new(GpuModel::new_seq(self)?))
+    fn new_seq(&self) -> Result<GpuSeq> {
+        GpuModel::new_seq(self)
     }
-    fn reset(&self, seq: &mut Seq) -> Result<()> {
-        GpuModel::reset(self, seq.get_mut()?)
+    fn reset(&self, seq: &mut GpuSeq) -> Result<()> {
+        GpuModel::reset(self, seq)
     }
-    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
-        GpuModel::copy_seq(self, src.get()?, dst.get_mut()?)
+    fn copy_seq(&self, src: &GpuSeq, dst: &mut GpuSeq) -> Result<()> {
+        GpuModel::copy_seq(self, src, dst)
     }
-    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        GpuModel::forward_batch(self, &mut rounds::own_items(items)?)
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
-    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
-        GpuModel::forward(self, seq.get_mut()?, tokens, all)
+    fn forward_batch(&mut self, items: &mut [(&mut GpuSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        GpuModel::forward_batch(self, items)
     }
-    fn profile(&mut self, items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
-        // The step a greedy generation takes: argmax on the GPU, a few bytes back.
-        let mut v: Vec<_> = items
-            .iter_mut()
-            .map(|(s, t)| (&mut **s, *t, GREEDY))
-            .collect();
-        self.profile = Some(Vec::new());
-        let r = Forward::forward_batch(self, &mut v);
-        let prof = self.profile.take().unwrap_or_default();
-        r.map(|_| prof)
+    fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
+        Ok(&mut self.profile)
     }
     fn offload(&self) -> Option<&Offload> {
         self.offload.as_ref()
@@ -1121,13 +1127,7 @@ impl Forward for GpuModel {
     fn pass_rows(&self) -> usize {
         self.scratch.rows
     }
-}
-
-impl link::Part for GpuModel {
-    fn link(&mut self, link: Link) {
+    fn set_link(&mut self, link: Link) {
         self.link = link;
-    }
-    fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
     }
 }

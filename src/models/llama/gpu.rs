@@ -14,11 +14,12 @@ use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
-use crate::models::runtime::link::{self, Link};
+use crate::models::runtime::family::FamilyModel;
+use crate::models::runtime::link::Link;
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};
-use crate::models::{expect_shape, Forward, ModelFile, Seq, SeqState};
-use crate::moe::{Needs, Offload, RunShape};
+use crate::models::{expect_shape, ModelFile, SeqState};
+use crate::moe::{Needs, RunShape};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -224,6 +225,9 @@ pub struct GpuModel {
     kv: KvShape,
     pools: Pools,
     scratch: Scratch,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
 }
 
 /// What one chunk's pass returns: its wanted logits rows.
@@ -318,6 +322,7 @@ impl GpuModel {
             kv,
             pools,
             scratch,
+            hidden_out: false,
         })
     }
 
@@ -419,6 +424,11 @@ impl GpuModel {
             Some(&self.output_norm),
             hp.eps,
         )?;
+        if self.hidden_out {
+            pass.submit()?;
+            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
+            return Ok((h, None));
+        }
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let v = hp.n_vocab;
         if let ChunkWant::Top { k, lse } = want {
@@ -620,38 +630,38 @@ fn inv_freq(file: &ModelFile, hp: &Hparams) -> Result<Vec<f32>> {
     Ok(inv)
 }
 
-impl Forward for GpuModel {
-    fn vocab_size(&self) -> usize {
+impl FamilyModel for GpuModel {
+    type Seq = LlamaSeq;
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    fn n_vocab(&self) -> usize {
         self.hp.n_vocab
     }
-    fn new_seq(&self) -> Result<Seq> {
-        Ok(Seq::new(self.new_llama_seq()?))
+    fn new_seq(&self) -> Result<LlamaSeq> {
+        self.new_llama_seq()
     }
-    fn reset(&self, seq: &mut Seq) -> Result<()> {
-        seq.get_mut::<LlamaSeq>()?.pos = 0;
+    fn reset(&self, seq: &mut LlamaSeq) -> Result<()> {
+        seq.pos = 0;
         Ok(())
     }
-    fn copy_seq(&self, src: &Seq, dst: &mut Seq) -> Result<()> {
-        self.copy_rows(src.get()?, dst.get_mut()?)
+    fn copy_seq(&self, src: &LlamaSeq, dst: &mut LlamaSeq) -> Result<()> {
+        self.copy_rows(src, dst)
     }
-    fn forward_batch(&mut self, items: &mut [(&mut Seq, &[u32], Want)]) -> Result<Vec<Logits>> {
-        self.run_items(&mut rounds::own_items(items)?)
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
     }
-    fn forward(&mut self, seq: &mut Seq, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
-        let want = if all { Want::All } else { Want::Last };
-        let mut out = self.run_items(&mut [(seq.get_mut()?, tokens, want)])?;
-        Ok(out.pop().map(Logits::into_full).unwrap_or_default())
+    fn forward_batch(
+        &mut self,
+        items: &mut [(&mut LlamaSeq, &[u32], Want)],
+    ) -> Result<Vec<Logits>> {
+        self.run_items(items)
     }
-    fn profile(&mut self, _items: &mut [(&mut Seq, &[u32])]) -> Result<Vec<(String, f64)>> {
+    fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
         Err(Error::Unsupported(
             "per-dispatch profiles of a Llama-family model".into(),
         ))
-    }
-    fn offload(&self) -> Option<&Offload> {
-        None
-    }
-    fn routed_experts(&self) -> usize {
-        0
     }
     fn max_context(&self) -> Option<usize> {
         Some(self.max_positions())
@@ -659,12 +669,6 @@ impl Forward for GpuModel {
     fn pass_rows(&self) -> usize {
         self.scratch.rows
     }
-}
-
-impl link::Part for GpuModel {
     /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
-    fn link(&mut self, _link: Link) {}
-    fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
-    }
+    fn set_link(&mut self, _link: Link) {}
 }

@@ -121,6 +121,22 @@ impl CpuModel {
         token: u32,
         trace: &mut dyn FnMut(usize, &[f32]),
     ) -> Vec<f32> {
+        let h = self.hidden_traced(seq, token, trace);
+        self.w.output.as_ref().unwrap_or(&self.w.tok_embd).mv(&h)
+    }
+
+    /// Run one token; returns its final-norm hidden state [n_embd], the head's input (what
+    /// the GPU forward's `Forward::hidden_out` hands back).
+    pub fn hidden(&self, seq: &mut CpuSeq, token: u32) -> Vec<f32> {
+        self.hidden_traced(seq, token, &mut |_, _| {})
+    }
+
+    fn hidden_traced(
+        &self,
+        seq: &mut CpuSeq,
+        token: u32,
+        trace: &mut dyn FnMut(usize, &[f32]),
+    ) -> Vec<f32> {
         let hp = &self.hp;
         let e = hp.n_embd;
         let t = token as usize;
@@ -153,13 +169,12 @@ impl CpuModel {
             trace(l, &x);
         }
         seq.pos += 1;
-        let h = ops::rms_norm(
+        ops::rms_norm(
             &x,
             self.w.output_norm.data.len(),
             Some(&self.w.output_norm.data),
             hp.eps,
-        );
-        self.w.output.as_ref().unwrap_or(&self.w.tok_embd).mv(&h)
+        )
     }
 
     fn gdn(

@@ -5,7 +5,7 @@
 use super::rounds::{RoundOut, TopReq};
 use crate::gpu::elementwise::View;
 use crate::gpu::{matmul, topk, GpuTensor, Pass};
-use crate::models::{head_rows, head_runs, row_runs};
+use crate::models::{head_rows, head_runs, read_rows, row_runs};
 use crate::Result;
 
 /// The head's weight and the buffers it reads and writes.
@@ -20,6 +20,8 @@ pub struct Head<'a> {
     pub logits: &'a wgpu::Buffer,
     pub logit_rows: usize,
     pub top: &'a topk::LogitsTop,
+    /// `Forward::hidden_out`: the wanted rows of `h` come back instead of their logits.
+    pub hidden: bool,
 }
 
 /// Submit `pass` with the head over the normed rows in `h`: the top rows first, in this
@@ -36,6 +38,10 @@ pub fn head_logits(
 ) -> Result<RoundOut> {
     let gpu = pass.gpu();
     let (e, v) = (head.n_embd, head.n_vocab);
+    if head.hidden {
+        pass.submit_or_profile(prof)?;
+        return Ok((read_rows(gpu, head.h, wants, e)?, Vec::new()));
+    }
     let mut r0 = 0;
     for chunk in top.rows.chunks(head.logit_rows) {
         for (j, r, m) in row_runs(chunk) {

@@ -164,6 +164,12 @@ pub fn run_rounds<S: RoundSeq>(
             ..
         } = r;
         top = t;
+        // A wanted row is `n_vocab` logits, or `n_embd` hidden values (`Forward::hidden_out`).
+        let total: usize = wants.iter().map(|w| w.1).sum();
+        let v = match total {
+            0 => v,
+            t => logits.len() / t,
+        };
         let mut off = 0;
         let mut tops = tops.into_iter();
         for p in &parts {

@@ -448,6 +448,7 @@ impl GpuModel {
             logits: &sc.logits,
             logit_rows: sc.logit_rows,
             top: out.top,
+            hidden: self.hidden_out,
         };
         head_logits(pass, &head, wants, top, prof.as_mut())
     }

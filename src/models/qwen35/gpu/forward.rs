@@ -194,6 +194,7 @@ impl GpuModel {
             logits: &sc.logits,
             logit_rows: sc.logit_rows,
             top: &sc.top,
+            hidden: self.hidden_out,
         };
         head_logits(pass, &head, wants, top, prof)
     }

@@ -277,6 +277,7 @@ impl GpuModel {
             pools,
             scratch,
             trace: Tracer::default(),
+            hidden_out: false,
             profile: None,
             offload,
             spec: SpecState::default(),
