@@ -69,8 +69,9 @@ pub enum KernelPath {
     CoopSplit,
     /// Cooperative matrices with f16 weights and split activations (checked at the f16 bound).
     CoopSplitX,
-    /// [`KernelPath::CoopSplit`] on the kernel lab's XSPLIT tile (`LAB_XSPLIT`: split weights
-    /// and x all staged in workgroup memory; dense products only), at the f32 bound.
+    /// `--matmul coop-xsplit`: [`KernelPath::CoopSplit`] with dense products of split weights
+    /// on the tile that stages them and x in workgroup memory, at the f32 bound (its MoE
+    /// products are coop-split's, checked as those).
     CoopXSplit,
     /// The tiled kernel with int8 activations (the types with integer codes; checked at the
     /// quantization bound of x).
@@ -104,17 +105,10 @@ impl KernelPath {
     fn precision(self) -> Option<coopmat::Precision> {
         match self {
             KernelPath::Coop => Some(coopmat::Precision::F16),
-            KernelPath::CoopSplit | KernelPath::CoopXSplit => Some(coopmat::Precision::Split),
+            KernelPath::CoopSplit => Some(coopmat::Precision::Split),
+            KernelPath::CoopXSplit => Some(coopmat::Precision::XSplit),
             KernelPath::CoopSplitX => Some(coopmat::Precision::SplitX),
             _ => None,
-        }
-    }
-
-    /// The kernel-lab defines the path's products take.
-    fn defines(self) -> &'static [(&'static str, &'static str)] {
-        match self {
-            KernelPath::CoopXSplit => &[("LAB_XSPLIT", "true")],
-            _ => &[],
         }
     }
 }
@@ -337,7 +331,6 @@ fn dense(
     };
     let opts = MatvecOpts {
         accumulate: acc,
-        defines: path.defines(),
         ..Default::default()
     };
     let mut pass = gpu.pass();

@@ -81,7 +81,7 @@ fn matmul_flag_is_checked_and_reported() {
     let out = lathe(&["selftest", "--matmul", "fast"]);
     assert_eq!(out.status.code(), Some(2), "clap rejects an unknown path");
     assert!(String::from_utf8_lossy(&out.stderr)
-        .contains("auto, coop, coop-split, coop-splitx, tiled, int8 or int8x2"));
+        .contains("auto, coop, coop-split, coop-xsplit, coop-splitx, tiled, int8 or int8x2"));
 
     let model = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/models/qwen35-tiny/model-q8_0.gguf");
@@ -95,7 +95,7 @@ fn matmul_flag_is_checked_and_reported() {
         ]);
         assert_eq!(out.status.code(), Some(1));
         assert!(String::from_utf8_lossy(&out.stderr).contains("no cooperative-matrix path"));
-        for path in ["coop-split", "coop-splitx"] {
+        for path in ["coop-split", "coop-xsplit", "coop-splitx"] {
             let out = lathe(&[
                 "bench", "-m", model, "-p", "40", "-n", "0", "-r", "1", "--matmul", path,
             ]);

@@ -62,11 +62,13 @@ impl LoadArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct MoeArgs {
     /// Kernels of products over many tokens (prefill, batches): auto (the GPU's matrix
-    /// units where it has them, else int8x2; tiled for models that route on values: MoE
-    /// models and DeepSeek-V4), coop
+    /// units where it has them, else int8x2; f32-level for models that route on values, MoE
+    /// models and DeepSeek-V4: coop-xsplit on matrix units, else tiled), coop
     /// (cooperative matrices, f16 operands; an error where absent), coop-split (f32-level
-    /// matrix units), coop-splitx (f16 weights, split activations), int8x2 (two-level int8 activations, f32-level), int8 (one level, as
-    /// llama.cpp) or tiled (the f32 kernel, exact f32 activations).
+    /// matrix units), coop-xsplit (coop-split on the tile that stages weights and x in
+    /// workgroup memory), coop-splitx (f16 weights, split activations), int8x2 (two-level int8
+    /// activations, f32-level), int8 (one level, as llama.cpp) or tiled (the f32 kernel, exact
+    /// f32 activations).
     #[arg(long, value_name = "PATH", default_value = "auto")]
     pub matmul: lathe::gpu::MatmulChoice,
     /// Activations of one-token (decode) products: auto (f32: the int8 path meets the fixture

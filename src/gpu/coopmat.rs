@@ -15,6 +15,13 @@
 //! products: a MoE router or DeepSeek's indexer picks its top-k from values that f16 rounding
 //! upstream moves across near-ties (the fixture bars of the MoE and DeepSeek-V4 files hold on
 //! it, not on [`Precision::F16`]). On the H200 it runs at the tiled kernel's speed.
+//! [`Precision::XSplit`] (`--matmul coop-xsplit`) is the same exact product on the 8-subgroup
+//! tile of 128 rows x 128 tokens with all four operand tiles (weights and x, hi and lo) staged
+//! in workgroup memory, three products per step into one set of accumulators, where
+//! coop-split's 64 x 64 tile reads x from L2. H200, 2026-12-03, 12288x4096 x 512 tokens
+//! (TFLOP/s): Q4_K 63.2 against coop-split 26.2 and tiled 23.2, Q6_K 56.9 against 23.3, Q8_0
+//! 52.2 against 22.0 and tiled 21.1. It covers dense products of split weights; MoE products
+//! and MXFP4 weights (exact in f16: no third product) take coop-split's kernels.
 //! [`Precision::SplitX`] (`--matmul coop-splitx`) splits the activations only: two products
 //! per step on f16 weights. It holds the committed Qwen3.5 MoE fixture bars (not DeepSeek-V4's)
 //! but missed the bar on a Q8_0 35B-A3B-shaped file, so `auto` no longer takes it (H200,
@@ -72,6 +79,9 @@ pub enum Precision {
     F16,
     /// Weights and activations each split into two f16 parts (f32-level products).
     Split,
+    /// [`Precision::Split`] with dense products of split weights on the XSTAGE tile (x and
+    /// the split weights staged in workgroup memory).
+    XSplit,
     /// Weights round to f16, activations split into two f16 parts (two products per step):
     /// the weights' rounding alone.
     SplitX,
@@ -83,6 +93,7 @@ impl Precision {
         match gpu.matmul_path() {
             MatmulPath::Coop => Some(Precision::F16),
             MatmulPath::CoopSplit => Some(Precision::Split),
+            MatmulPath::CoopXSplit => Some(Precision::XSplit),
             MatmulPath::CoopSplitX => Some(Precision::SplitX),
             _ => None,
         }
@@ -95,12 +106,13 @@ fn split_x(dtype: DType, prec: Precision) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) || prec != Precision::F16
 }
 
-/// Weights that f16 does not hold exactly split too at [`Precision::Split`] (`WSPLIT`).
+/// Weights that f16 does not hold exactly split too at [`Precision::Split`] and
+/// [`Precision::XSplit`] (`WSPLIT`).
 /// MXFP4 values are E2M1 codes times a power of two (OCP MX spec: 3 significant bits), exact
 /// in f16 for scales 2^-23..2^13 (every real weight): their low part would be zero, so they
 /// skip the third product.
 fn split_w(dtype: DType, prec: Precision) -> bool {
-    prec == Precision::Split
+    matches!(prec, Precision::Split | Precision::XSplit)
         && !matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::MXFP4)
 }
 
@@ -209,8 +221,8 @@ fn spec(
     // the same 128 x 128 tile (Q4_K 0.649 ms).
     let lab_l2 = extra.iter().any(|(n, _)| *n == "LAB_NOXSTAGE");
     let big = entry != "coop_x" && !t.thin() && t.nsg == NSG_BIG;
-    // the kernel lab's LAB_XSPLIT: split weights on the XSTAGE tile (`lab_xsplit`)
-    let xsplit = big && sw && !t.id && lab_xsplit(extra);
+    // split weights on the XSTAGE tile: `coop-xsplit` (or the kernel lab's LAB_XSPLIT)
+    let xsplit = big && sw && !t.id && xsplit_tile(t.prec, extra);
     let xs = (big && !sp && !sw && !lab_l2) || xsplit;
     let mut label = format!(
         "{entry}_{}{}{}{}{}{}_n{}_g{}",
@@ -264,12 +276,13 @@ fn pipeline(
     gpu.pipeline(&spec(geo, entry, xvec, t, extra))
 }
 
-/// The kernel lab's `LAB_XSPLIT` among `extra`: products of split weights (`coop-split`) on the
-/// 8-subgroup XSTAGE tile of 128 rows x 128 tokens with all four operand tiles (weights and x,
-/// hi and lo) in workgroup memory, one buffer, instead of [`SPLIT_W`]'s 64 x 64 tile with x
-/// from L2 (H200: coop-split runs 12288x4096 Q4_K x 512 at 2.24 ms, coop at 0.45).
-fn lab_xsplit(extra: &[(&str, &str)]) -> bool {
-    extra.iter().any(|(n, _)| *n == "LAB_XSPLIT")
+/// Whether dense products of split weights at `prec` take the 8-subgroup XSTAGE tile of 128
+/// rows x 128 tokens with all four operand tiles (weights and x, hi and lo) in workgroup
+/// memory, one buffer, instead of [`SPLIT_W`]'s 64 x 64 tile with x from L2: at
+/// [`Precision::XSplit`], or at [`Precision::Split`] with the kernel lab's `LAB_XSPLIT` among
+/// `extra` (bench_kernels times both tiles of one path).
+fn xsplit_tile(prec: Precision, extra: &[(&str, &str)]) -> bool {
+    prec == Precision::XSplit || extra.iter().any(|(n, _)| *n == "LAB_XSPLIT")
 }
 
 /// Every variant a weight of `dtype` with rows of `cols` compiles (staging and product, dense
@@ -302,14 +315,14 @@ pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
                         let t = product_tile(Tile { nsg, prec, ..STAGE }, dtype);
                         v.push(spec(&geo, "matmul_coop", xvec, t, &[]));
                     }
+                    // coop-xsplit's dense tile (its staging and MoE tiles are Split's)
                     if split_w(dtype, prec) {
                         let t = Tile {
                             nsg: NSG_BIG,
-                            prec,
+                            prec: Precision::XSplit,
                             ..STAGE
                         };
-                        let lab = &[("LAB_XSPLIT", "true")];
-                        v.push(spec(&geo, "matmul_coop", xvec, t, lab));
+                        v.push(spec(&geo, "matmul_coop", xvec, t, &[]));
                     }
                 }
             }
@@ -435,7 +448,7 @@ pub fn matmul_coop(
     } else {
         NSG_BIG
     };
-    let t = if split_w(w.dtype, prec) && lab_xsplit(opts.defines) {
+    let t = if split_w(w.dtype, prec) && xsplit_tile(prec, opts.defines) {
         Tile {
             nsg: NSG_BIG,
             prec,
@@ -553,6 +566,7 @@ fn path(prec: Precision) -> MatmulPath {
     match prec {
         Precision::F16 => MatmulPath::Coop,
         Precision::Split => MatmulPath::CoopSplit,
+        Precision::XSplit => MatmulPath::CoopXSplit,
         Precision::SplitX => MatmulPath::CoopSplitX,
     }
 }

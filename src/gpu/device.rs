@@ -30,8 +30,9 @@ impl std::str::FromStr for AdapterChoice {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulChoice {
     /// The matrix units where the adapter has them, else the two-level int8 path (`Int8x2`);
-    /// models that route on values (MoE routers, DeepSeek-V4's indexer) take the tiled f32
-    /// kernel (`gpu::AutoProducts::F32`).
+    /// models that route on values (MoE routers, DeepSeek-V4's indexer) take f32-level
+    /// products (`gpu::AutoProducts::F32`): `CoopXSplit` where the adapter has matrix units,
+    /// else the tiled f32 kernel.
     #[default]
     Auto,
     /// Cooperative matrices (f16 16x16x16, f32 accumulation); an error where absent.
@@ -39,6 +40,10 @@ pub enum MatmulChoice {
     /// Cooperative matrices with weights and activations each split into two f16 parts
     /// (f32-level products at three times the multiply-adds); an error where absent.
     CoopSplit,
+    /// `CoopSplit` with its dense products of split weights on the tile of 128 rows x 128
+    /// tokens that stages weights and x in workgroup memory (`gpu::coopmat::Precision::XSplit`:
+    /// the same f32-level products, 2.4x faster on the H200); an error where absent.
+    CoopXSplit,
     /// Cooperative matrices with f16 weights and activations split into two f16 parts (the
     /// weights' rounding alone, at twice the multiply-adds); an error where absent.
     CoopSplitX,
@@ -59,6 +64,7 @@ impl MatmulChoice {
             MatmulChoice::Auto => "auto",
             MatmulChoice::Coop => "coop",
             MatmulChoice::CoopSplit => "coop-split",
+            MatmulChoice::CoopXSplit => "coop-xsplit",
             MatmulChoice::CoopSplitX => "coop-splitx",
             MatmulChoice::Tiled => "tiled",
             MatmulChoice::Int8 => "int8",
@@ -74,12 +80,14 @@ impl std::str::FromStr for MatmulChoice {
             "auto" => Ok(MatmulChoice::Auto),
             "coop" => Ok(MatmulChoice::Coop),
             "coop-split" => Ok(MatmulChoice::CoopSplit),
+            "coop-xsplit" => Ok(MatmulChoice::CoopXSplit),
             "coop-splitx" => Ok(MatmulChoice::CoopSplitX),
             "tiled" | "f32" => Ok(MatmulChoice::Tiled),
             "int8" => Ok(MatmulChoice::Int8),
             "int8x2" => Ok(MatmulChoice::Int8x2),
             _ => Err(format!(
-                "--matmul {s}: expected auto, coop, coop-split, coop-splitx, tiled, int8 or int8x2"
+                "--matmul {s}: expected auto, coop, coop-split, coop-xsplit, coop-splitx, tiled, \
+                 int8 or int8x2"
             )),
         }
     }
@@ -249,6 +257,9 @@ pub enum MatmulPath {
     Int8x2 = 5,
     /// Cooperative matrices with f16 weights and activations split into two f16 parts.
     CoopSplitX = 6,
+    /// `CoopSplit` with dense products of split weights on the tile that stages them and x
+    /// in workgroup memory.
+    CoopXSplit = 7,
 }
 
 impl MatmulPath {
@@ -261,6 +272,7 @@ impl MatmulPath {
             MatmulPath::Int8 => "int8",
             MatmulPath::Int8x2 => "int8x2",
             MatmulPath::CoopSplitX => "coop-splitx",
+            MatmulPath::CoopXSplit => "coop-xsplit",
         }
     }
 
@@ -268,7 +280,10 @@ impl MatmulPath {
     pub fn is_coop(self) -> bool {
         matches!(
             self,
-            MatmulPath::Coop | MatmulPath::CoopSplit | MatmulPath::CoopSplitX
+            MatmulPath::Coop
+                | MatmulPath::CoopSplit
+                | MatmulPath::CoopSplitX
+                | MatmulPath::CoopXSplit
         )
     }
 }
@@ -279,10 +294,12 @@ pub enum AutoProducts {
     /// Any path: the matrix units with f16 operands where the adapter has them.
     Any,
     /// f32-level products only (models that pick a top-k from computed values: MoE routers,
-    /// DeepSeek-V4's indexer): the tiled f32 kernel, the fastest exact path measured. H200,
-    /// 2026-12-03, pp512: Qwen3.5-35B-A3B Q4_K_M tiled 2927 tok/s, coop-split 2585 (the
-    /// inexact coop-splitx 3265, which missed the 0.02 bar on a Q8_0 file); DeepSeek-V4-Flash
-    /// 8 layers tiled 2412, coop-split 2383.
+    /// DeepSeek-V4's indexer): `coop-xsplit` on matrix units (split operands, f32-level), else
+    /// the tiled f32 kernel. H200, 2026-12-03, 12288x4096 x 512 tokens (TFLOP/s): coop-xsplit
+    /// Q4_K 63.2, Q6_K 56.9, Q8_0 52.2 against tiled 23.2 / - / 21.1 and coop-split 26.2 /
+    /// 23.3 / 22.0; pp512 before it: Qwen3.5-35B-A3B Q4_K_M tiled 2927 tok/s, coop-split 2585
+    /// (the inexact coop-splitx 3265, which missed the 0.02 bar on a Q8_0 file);
+    /// DeepSeek-V4-Flash 8 layers tiled 2412, coop-split 2383.
     F32,
 }
 
@@ -298,15 +315,21 @@ fn product_path(
         (MatmulChoice::Tiled, _) => MatmulPath::Tiled,
         (MatmulChoice::Int8, _) => MatmulPath::Int8,
         (MatmulChoice::Int8x2, _) => MatmulPath::Int8x2,
-        // models that route on values: the f32 kernel, not f16 or int8 rounding
-        (MatmulChoice::Auto, _) if auto == AutoProducts::F32 => MatmulPath::Tiled,
+        // models that route on values: f32-level products, not f16 or int8 rounding
+        (MatmulChoice::Auto, Ok(())) if auto == AutoProducts::F32 => MatmulPath::CoopXSplit,
+        (MatmulChoice::Auto, Err(_)) if auto == AutoProducts::F32 => MatmulPath::Tiled,
         (MatmulChoice::Auto | MatmulChoice::Coop, Ok(())) => MatmulPath::Coop,
         (MatmulChoice::CoopSplit, Ok(())) => MatmulPath::CoopSplit,
+        (MatmulChoice::CoopXSplit, Ok(())) => MatmulPath::CoopXSplit,
         (MatmulChoice::CoopSplitX, Ok(())) => MatmulPath::CoopSplitX,
         (MatmulChoice::Auto, Err(_)) => MatmulPath::Int8x2,
-        (MatmulChoice::Coop | MatmulChoice::CoopSplit | MatmulChoice::CoopSplitX, Err(why)) => {
-            return Err(why)
-        }
+        (
+            MatmulChoice::Coop
+            | MatmulChoice::CoopSplit
+            | MatmulChoice::CoopXSplit
+            | MatmulChoice::CoopSplitX,
+            Err(why),
+        ) => return Err(why),
     })
 }
 
@@ -369,6 +392,7 @@ pub fn matmul_paths(index: usize) -> Vec<(MatmulPath, std::result::Result<(), St
         (MatmulPath::Tiled, Ok(())),
         (MatmulPath::Coop, coop_supported(&a, &limits)),
         (MatmulPath::CoopSplit, coop_supported(&a, &limits)),
+        (MatmulPath::CoopXSplit, coop_supported(&a, &limits)),
         (MatmulPath::CoopSplitX, coop_supported(&a, &limits)),
         (MatmulPath::Int8, Ok(())),
         (MatmulPath::Int8x2, Ok(())),
@@ -390,7 +414,8 @@ impl Gpu {
     /// tiled kernel is at 4e-6; on the H200 `coop-splitx` holds the committed Qwen3.5 fixture
     /// bars (qwen35moe-dims Q4_K_M 1.75e-3 where plain coop is at 3.45e-2) but missed the 0.02
     /// bar on a Q8_0 35B-A3B-shaped file (3.4e-2, top-1 0.98) and not dsv4-tiny Q4_0's (8.3e-3
-    /// against 1e-3), so such models take the tiled kernel ([`AutoProducts::F32`]). Measured
+    /// against 1e-3), so such models take f32-level products ([`AutoProducts::F32`]: split
+    /// operands on the matrix units, `coop-xsplit`, else the tiled kernel). Measured
     /// on the H200, 12288x4096 Q4_K x 512 tokens: coop
     /// 0.45 ms, int8 0.95, int8x2 1.68, tiled 2.22, coop-split 2.24; 35B-A3B pp512 coop 5131
     /// tok/s, coop-splitx 3132, tiled 2916; on lavapipe int8x2 runs at 1.4x the tiled kernel.
@@ -584,6 +609,8 @@ impl Gpu {
             MatmulPath::Coop
         } else if used & (1 << MatmulPath::CoopSplit as u8) != 0 {
             MatmulPath::CoopSplit
+        } else if used & (1 << MatmulPath::CoopXSplit as u8) != 0 {
+            MatmulPath::CoopXSplit
         } else if used & (1 << MatmulPath::CoopSplitX as u8) != 0 {
             MatmulPath::CoopSplitX
         } else if used & (1 << MatmulPath::Int8 as u8) != 0 {
@@ -653,14 +680,33 @@ mod tests {
     use super::*;
 
     /// `auto` never rounds the products of a model that routes on values, with or without
-    /// matrix units; a named path is taken as named, or refused where the adapter lacks it.
+    /// matrix units (split operands on them, the f32 kernel without); a named path is taken
+    /// as named, or refused where the adapter lacks it.
     #[test]
     fn auto_keeps_value_routing_models_exact() {
         let none = || Err("no matrix units".to_string());
-        for coop in [Ok(()), none()] {
+        assert_eq!(
+            product_path(MatmulChoice::Auto, AutoProducts::F32, Ok(())),
+            Ok(MatmulPath::CoopXSplit)
+        );
+        assert_eq!(
+            product_path(MatmulChoice::Auto, AutoProducts::F32, none()),
+            Ok(MatmulPath::Tiled)
+        );
+        for choice in [MatmulChoice::CoopSplit, MatmulChoice::CoopXSplit] {
             assert_eq!(
-                product_path(MatmulChoice::Auto, AutoProducts::F32, coop.clone()),
-                Ok(MatmulPath::Tiled)
+                product_path(choice, AutoProducts::Any, none()),
+                Err("no matrix units".to_string())
+            );
+        }
+        assert_eq!(
+            product_path(MatmulChoice::CoopXSplit, AutoProducts::Any, Ok(())),
+            Ok(MatmulPath::CoopXSplit)
+        );
+        for path in [MatmulPath::CoopXSplit, MatmulPath::CoopSplit] {
+            assert_eq!(
+                path.name().parse::<MatmulChoice>().map(|c| c.name()),
+                Ok(path.name())
             );
         }
         assert_eq!(
