@@ -1361,10 +1361,17 @@ impl Stream {
 /// The SSE response. When the client disconnects, hyper drops the body, and with it the
 /// receiver: the engine sees that at its next step and frees the slot.
 fn stream_response(s: Stream) -> Response {
-    let body = futures_util::stream::unfold(s, |mut s| async move {
+    sse_response(futures_util::stream::unfold(s, |mut s| async move {
         let b = s.next().await?;
         Some((Ok::<Bytes, Infallible>(b), s))
-    });
+    }))
+}
+
+/// A `text/event-stream` answer of `body`'s events, unbuffered by proxies
+/// (`X-Accel-Buffering: no`).
+pub(super) fn sse_response(
+    body: impl futures_util::Stream<Item = std::result::Result<Bytes, Infallible>> + Send + 'static,
+) -> Response {
     (
         StatusCode::OK,
         [

@@ -362,6 +362,22 @@ struct Slot {
 }
 
 impl Slot {
+    /// Ends the slot's request with an internal error: `log` goes to the server's log after
+    /// the request id, `message` to the client. `stale`: the failed step may have written part
+    /// of the slot's cache, so its tokens are not reused.
+    fn fail(&mut self, shared: &Shared, stale: bool, log: &str, message: String) {
+        if stale {
+            self.held.mark_stale();
+        }
+        if let Some(a) = self.active.take() {
+            shared.active.fetch_sub(1, Ordering::Relaxed);
+            eprintln!("lathe serve: {}: {log}", a.job.id);
+            let _ = a.job.events.send(Event::Error {
+                message,
+                code: "internal",
+            });
+        }
+    }
     fn new(engine: &Engine) -> Result<Slot> {
         Ok(Slot {
             held: HeldSeq::new(engine)?,
@@ -913,16 +929,12 @@ impl Worker {
             a.job.constraint = Some(m);
             match mask {
                 Ok(mask) => a.mask = Some(mask),
-                Err(e) => {
-                    let a = slot.active.take().expect("active slot");
-                    slot.held.mark_stale();
-                    self.shared.active.fetch_sub(1, Ordering::Relaxed);
-                    eprintln!("lathe serve: {}: the grammar failed: {e}", a.job.id);
-                    let _ = a.job.events.send(Event::Error {
-                        message: format!("the output constraint failed: {e}"),
-                        code: "internal",
-                    });
-                }
+                Err(e) => slot.fail(
+                    &self.shared,
+                    true,
+                    &format!("the grammar failed: {e}"),
+                    format!("the output constraint failed: {e}"),
+                ),
             }
         }
         results
@@ -1081,15 +1093,7 @@ impl Worker {
         match crate::generate::check_finite(&self.engine, &logits, a.n_generated) {
             Ok(()) => Some(logits),
             Err(e) => {
-                let slot = &mut self.slots[i];
-                slot.held.mark_stale();
-                let a = slot.active.take().expect("active slot");
-                self.shared.active.fetch_sub(1, Ordering::Relaxed);
-                eprintln!("lathe serve: {}: {e}", a.job.id);
-                let _ = a.job.events.send(Event::Error {
-                    message: e.to_string(),
-                    code: "internal",
-                });
+                self.slots[i].fail(&self.shared, true, &e.to_string(), e.to_string());
                 None
             }
         }
@@ -1125,28 +1129,18 @@ impl Worker {
                     if let Err(e) =
                         crate::generate::check_finite(&self.engine, &logits, a.n_generated)
                     {
-                        let a = slot.active.take().expect("active slot");
-                        self.shared.active.fetch_sub(1, Ordering::Relaxed);
-                        eprintln!("lathe serve: {}: {e}", a.job.id);
-                        let _ = a.job.events.send(Event::Error {
-                            message: e.to_string(),
-                            code: "internal",
-                        });
+                        slot.fail(&self.shared, false, &e.to_string(), e.to_string());
                         continue;
                     }
                     a.prefilling = false;
                     to_sample.push((w.slot, logits));
                 }
-                Err(e) => {
-                    let a = slot.active.take().expect("active slot");
-                    slot.held.mark_stale();
-                    self.shared.active.fetch_sub(1, Ordering::Relaxed);
-                    eprintln!("lathe serve: {}: forward failed: {e}", a.job.id);
-                    let _ = a.job.events.send(Event::Error {
-                        message: format!("the forward pass failed: {e}"),
-                        code: "internal",
-                    });
-                }
+                Err(e) => slot.fail(
+                    &self.shared,
+                    true,
+                    &format!("forward failed: {e}"),
+                    format!("the forward pass failed: {e}"),
+                ),
             }
         }
         // Sampling full logits costs O(vocab) per slot: in parallel over slots. A speculating
@@ -1232,16 +1226,12 @@ impl Worker {
             _ => None,
         };
         if let Some(e) = refused {
-            let a = slot.active.take().expect("active slot");
-            self.shared.active.fetch_sub(1, Ordering::Relaxed);
-            eprintln!(
-                "lathe serve: {}: the grammar refused token {id}: {e}",
-                a.job.id
+            slot.fail(
+                &self.shared,
+                false,
+                &format!("the grammar refused token {id}: {e}"),
+                format!("the output constraint refused a token: {e}"),
             );
-            let _ = a.job.events.send(Event::Error {
-                message: format!("the output constraint refused a token: {e}"),
-                code: "internal",
-            });
             return;
         }
         if finish == Some(Finish::Stop) && a.job.constraint.is_some() {

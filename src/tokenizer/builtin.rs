@@ -9,24 +9,8 @@
 
 use std::path::Path;
 
-use super::template::{ChatTemplate, TemplateLimits, CHATML};
+use super::template::{text_of, ChatTemplate, TemplateLimits, CHATML};
 use crate::error::{Error, Result};
-
-/// Text of a message's `content`: a string, or the `text` of its parts.
-macro_rules! text_of {
-    () => {
-        r#"{%- macro text_of(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for part in content if part is mapping and part.text is defined -%}
-            {{- part.text -}}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-"#
-    };
-}
 
 /// SmolLM2-Instruct (Hugging Face, ChatML): a conversation without a system message gets the
 /// model card's default one.

@@ -15,9 +15,10 @@ use minijinja::{filters, Environment, ErrorKind, UndefinedBehavior};
 
 use crate::error::{escaped, Error, Result};
 
-/// lathe's default template (ChatML, as Qwen models speak it), for models that carry none.
-/// A message's `content` may be a string or a list of `{"type": "text", "text": ...}` parts.
-pub const CHATML: &str = r#"{%- macro text_of(content) -%}
+/// Text of a message's `content`: a string, or the `text` of its parts.
+macro_rules! text_of {
+    () => {
+        r#"{%- macro text_of(content) -%}
     {%- if content is string -%}
         {{- content -}}
     {%- elif content is iterable and content is not mapping -%}
@@ -26,13 +27,24 @@ pub const CHATML: &str = r#"{%- macro text_of(content) -%}
         {%- endfor -%}
     {%- endif -%}
 {%- endmacro -%}
-{%- for message in messages -%}
+"#
+    };
+}
+
+pub(super) use text_of;
+
+/// lathe's default template (ChatML, as Qwen models speak it), for models that carry none.
+/// A message's `content` may be a string or a list of `{"type": "text", "text": ...}` parts.
+pub const CHATML: &str = concat!(
+    text_of!(),
+    r#"{%- for message in messages -%}
     {{- '<|im_start|>' + message.role + '\n' + text_of(message.content) + '<|im_end|>\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\n' -}}
 {%- endif -%}
-"#;
+"#
+);
 
 const NAME: &str = "chat_template";
 

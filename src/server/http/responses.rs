@@ -652,20 +652,10 @@ impl ResponsesStream {
 /// The SSE response of a streamed response (the client going away drops the receiver, as
 /// for [`stream_response`]).
 fn events_response(s: ResponsesStream) -> Response {
-    let body = futures_util::stream::unfold(s, |mut s| async move {
+    super::sse_response(futures_util::stream::unfold(s, |mut s| async move {
         let b = s.next().await?;
         Some((Ok::<Bytes, Infallible>(b), s))
-    });
-    (
-        StatusCode::OK,
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-            (header::HeaderName::from_static("x-accel-buffering"), "no"),
-        ],
-        Body::from_stream(body),
-    )
-        .into_response()
+    }))
 }
 
 #[cfg(test)]
