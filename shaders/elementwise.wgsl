@@ -22,7 +22,7 @@ struct Params {
     a_stride: u32,
     b_off: u32,
     b_stride: u32,
-    alpha: f32,     // scale for `scale*`, clamp limit for `swiglu` (f32::MAX: none)
+    alpha: f32,     // scale for `scale*`, clamp limit for `swiglu` (f32::MAX: none), cap of `softcap_inplace`
     k: u32,         // slots of `moe_combine`
     _pad1: u32,
     _pad2: u32,
@@ -49,6 +49,19 @@ fn b_row(rc: vec2<u32>) -> f32 { return b[p.b_off + rc.x * p.b_stride]; }
 // x / (1 + e^-x): exp overflows to +inf for very negative x and the quotient is -0, as wanted.
 fn silu(x: f32) -> f32 { return x / (1.0 + exp(-x)); }
 fn sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
+// tanh through exp of a clamped argument: tanh(±10) is ±1 in f32, and a backend's tanh of a
+// large argument may be exp(2x) overflowing to inf/inf = NaN.
+fn tanh_safe(x: f32) -> f32 {
+    let e = exp(2.0 * clamp(x, -10.0, 10.0));
+    return (e - 1.0) / (e + 1.0);
+}
+// GELU, tanh approximation (PyTorch's gelu(approximate="tanh"), HF "gelu_pytorch_tanh"):
+// x/2 · (1 + tanh(u)) written as x · sigmoid(2u), which has no 1 + tanh ≈ 0 cancellation in
+// the negative tail.
+fn gelu_tanh(x: f32) -> f32 {
+    let u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
+    return x / (1.0 + exp(-2.0 * u));
+}
 
 // y = a + b
 @compute @workgroup_size(WG)
@@ -114,6 +127,25 @@ fn swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let g = min(a[ai(rc)], p.alpha);
     let u = clamp(b[bi(rc)], -p.alpha, p.alpha);
     y[yi(rc)] = silu(g) * u;
+}
+
+// y = gelu_tanh(a) * b: GeGLU with gate a, up b (Gemma's FFN).
+@compute @workgroup_size(WG)
+fn geglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+         @builtin(local_invocation_index) lid: u32) {
+    let rc = coord(wid, nwg, lid);
+    if (rc.x >= p.n_rows) { return; }
+    y[yi(rc)] = gelu_tanh(a[ai(rc)]) * b[bi(rc)];
+}
+
+// y = alpha * tanh(y / alpha): logit softcapping (Gemma's final_logit_softcapping).
+@compute @workgroup_size(WG)
+fn softcap_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let rc = coord(wid, nwg, lid);
+    if (rc.x >= p.n_rows) { return; }
+    let i = yi(rc);
+    y[i] = p.alpha * tanh_safe(y[i] / p.alpha);
 }
 
 // y = sigmoid(a) * b  (gate a, value b)

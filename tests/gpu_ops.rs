@@ -162,6 +162,8 @@ enum Ew {
     Sigmoid,
     Swiglu,
     SwigluLimit,
+    Geglu,
+    Softcap,
     SigmoidMul,
     SigmoidMulRow,
     AddInplace,
@@ -202,6 +204,8 @@ fn elementwise_matches_cpu() {
             Sigmoid,
             Swiglu,
             SwigluLimit,
+            Geglu,
+            Softcap,
             SigmoidMul,
             SigmoidMulRow,
             AddInplace,
@@ -214,6 +218,7 @@ fn elementwise_matches_cpu() {
             let inplace = matches!(
                 op,
                 AddInplace
+                    | Softcap
                     | MulInplace
                     | ScaleInplace
                     | SigmoidMulInplace
@@ -243,6 +248,8 @@ fn elementwise_matches_cpu() {
                     Sigmoid => ew::sigmoid(p, r, c, yv, av),
                     Swiglu => ew::swiglu(p, r, c, yv, av, bv, None),
                     SwigluLimit => ew::swiglu(p, r, c, yv, av, bv, Some(10.0)),
+                    Geglu => ew::geglu(p, r, c, yv, av, bv),
+                    Softcap => ew::softcap_inplace(p, r, c, yv, alpha),
                     SigmoidMul => ew::sigmoid_mul(p, r, c, yv, av, bv),
                     SigmoidMulRow => ew::sigmoid_mul_row(p, r, c, yv, sv, av),
                     AddInplace => ew::add_inplace(p, r, c, yv, av),
@@ -257,6 +264,7 @@ fn elementwise_matches_cpu() {
             let want: Vec<f32> = match op {
                 Swiglu => ops::swiglu(&a, &b, None),
                 SwigluLimit => ops::swiglu(&a, &b, Some(10.0)),
+                Geglu => ops::geglu(&a, &b),
                 _ => (0..rows * cols)
                     .map(|i| {
                         let (x, g, row_s, y) = (a[i], b[i], s[i / cols], y0[i]);
@@ -272,10 +280,11 @@ fn elementwise_matches_cpu() {
                             AddInplace => y + x,
                             MulInplace => y * x,
                             ScaleInplace => alpha * y,
+                            Softcap => ops::softcap(y, alpha),
                             SigmoidMulInplace => ops::sigmoid(x) * y,
                             SigmoidMulRowInplace => ops::sigmoid(row_s) * y,
                             AxpyRow => y + row_s * x,
-                            Swiglu | SwigluLimit => unreachable!(),
+                            Swiglu | SwigluLimit | Geglu => unreachable!(),
                         }
                     })
                     .collect(),

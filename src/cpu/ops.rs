@@ -130,6 +130,29 @@ pub fn swiglu(g: &[f32], u: &[f32], limit: Option<f32>) -> Vec<f32> {
         .collect()
 }
 
+/// GELU with PyTorch's tanh approximation (`gelu(approximate="tanh")`, HF
+/// `gelu_pytorch_tanh`): `x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let x = x as f64;
+    (0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh()))
+        as f32
+}
+
+/// GeGLU `gelu_tanh(g) · u` (Gemma's gated FFN, HF `Gemma4TextMLP`).
+#[track_caller]
+pub fn geglu(g: &[f32], u: &[f32]) -> Vec<f32> {
+    assert_eq!(g.len(), u.len(), "cpu::ops::geglu: g and u lengths");
+    g.iter()
+        .zip(u)
+        .map(|(&g, &u)| (gelu_tanh(g) as f64 * u as f64) as f32)
+        .collect()
+}
+
+/// Logit softcapping `cap · tanh(x / cap)` (Gemma's `final_logit_softcapping`).
+pub fn softcap(x: f32, cap: f32) -> f32 {
+    (cap as f64 * (x as f64 / cap as f64).tanh()) as f32
+}
+
 // ---------------------------------------------------------------------------------------
 // RoPE
 

@@ -1,5 +1,5 @@
 //! Elementwise kernels (`shaders/elementwise.wgsl`) over `[n_rows, n_cols]` views of f32
-//! buffers. CPU references: `cpu::ops` (`silu`, `sigmoid`, `swiglu`) or plain arithmetic.
+//! buffers. CPU references: `cpu::ops` (`silu`, `sigmoid`, `swiglu`, `geglu`, `softcap`) or plain arithmetic.
 //!
 //! Buffers: an op's output and its inputs must be different buffers (wgpu rejects a dispatch
 //! that binds one buffer both read-only and writable); updates of a buffer by itself go
@@ -290,6 +290,42 @@ pub fn swiglu(
         &[Arg::Rows(g), Arg::Rows(u)],
         limit,
     )
+}
+
+/// GeGLU `y = gelu_tanh(g) ⊙ u` (`cpu::ops::geglu`): Gemma's FFN activation.
+pub fn geglu(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    g: View<'_>,
+    u: View<'_>,
+) -> Result<()> {
+    run(
+        pass,
+        "geglu",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(g), Arg::Rows(u)],
+        0.0,
+    )
+}
+
+/// `y = cap · tanh(y / cap)` (`cpu::ops::softcap`): Gemma's final logit softcapping.
+pub fn softcap_inplace(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: View<'_>,
+    cap: f32,
+) -> Result<()> {
+    if !(cap.is_finite() && cap > 0.0) {
+        return Err(Error::Invalid(format!(
+            "softcap: cap {cap} must be a positive number"
+        )));
+    }
+    run(pass, "softcap_inplace", n_rows, n_cols, y, &[], cap)
 }
 
 /// `y = sigmoid(g) ⊙ x`.

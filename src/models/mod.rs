@@ -7,6 +7,7 @@
 
 pub mod chain;
 pub mod deepseek4;
+pub mod gemma4;
 pub mod llama;
 pub mod qwen35;
 pub mod registry;

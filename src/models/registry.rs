@@ -3,7 +3,7 @@
 //! (llama.cpp keeps the same kind of table in `llama-arch.cpp`).
 
 use super::runtime::link;
-use super::{deepseek4, llama, qwen35, ModelFile};
+use super::{deepseek4, gemma4, llama, qwen35, ModelFile};
 use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
 use crate::model_file::PartSpec;
@@ -94,6 +94,21 @@ pub static FAMILIES: &[Family] = &[
         },
         products: |f| llama::Hparams::from_file(f).map(|_| AutoProducts::Any),
         pass_rows: llama::gpu::DEFAULT_BATCH,
+    },
+    Family {
+        name: "Gemma-4",
+        archs: gemma4::ARCHS,
+        load: |gpu, f, o| Ok(Box::new(gemma4::gpu::GpuModel::load(gpu, f, o)?)),
+        n_layer: |f| Ok(gemma4::Hparams::from_file(f)?.n_layer),
+        needs_part: |f, run, part| {
+            Ok(gemma4::gpu::needs_part(
+                &gemma4::Hparams::from_file(f)?,
+                run,
+                part,
+            ))
+        },
+        products: |f| gemma4::Hparams::from_file(f).map(|_| AutoProducts::Any),
+        pass_rows: gemma4::gpu::DEFAULT_BATCH,
     },
 ];
 

@@ -1,0 +1,775 @@
+//! The Gemma-4 forward on the GPU: one pass (one submission) per chunk of at most
+//! [`DEFAULT_BATCH`] tokens of one sequence, as the Llama family's. Each block's attention
+//! has its own geometry ([`LayerGeom`]), so each has its own KV pool shape and its RoPE
+//! table (sliding or global); only the wanted logits come back.
+
+use super::{Hparams, LayerGeom, W};
+use crate::forward::{KvType, LoadOptions, Logits, Want};
+use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::matmul;
+use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::norm;
+use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
+use crate::gpu::topk::TopLogits;
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::model_file::PartSpec;
+use crate::models::runtime::family::FamilyModel;
+use crate::models::runtime::link::Link;
+use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::state::{copy_regions, Region};
+use crate::models::{expect_shape, ModelFile, SeqState};
+use crate::moe::{Needs, RunShape};
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// Tokens per pass (llama.cpp's micro-batch, as the other families').
+pub const DEFAULT_BATCH: usize = 512;
+
+/// One block's weights (`[out, in]` products as stored).
+struct Layer {
+    g: LayerGeom,
+    attn_norm: GpuTensor,
+    q: GpuTensor,
+    k: GpuTensor,
+    /// `None`: V is K's projection (`attention_k_eq_v`).
+    v: Option<GpuTensor>,
+    q_norm: GpuTensor,
+    k_norm: GpuTensor,
+    o: GpuTensor,
+    post_attn_norm: GpuTensor,
+    ffn_norm: GpuTensor,
+    gate: GpuTensor,
+    up: GpuTensor,
+    down: GpuTensor,
+    post_ffn_norm: GpuTensor,
+    /// The block's output multiplier (`layer_scalar`), 1 when the file has none.
+    out_scale: f32,
+}
+
+/// Activation buffers for passes of `rows` tokens (f32 unless said).
+struct Scratch {
+    rows: usize,
+    /// [rows] u32 token ids.
+    ids: wgpu::Buffer,
+    /// [rows, n_embd]: the residual stream, its normed copy, a branch's output.
+    x: wgpu::Buffer,
+    h: wgpu::Buffer,
+    br: wgpu::Buffer,
+    /// [rows, n_head·max head_dim] q and the attention output; [rows, max n_head_kv·head_dim]
+    /// k and v.
+    q: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    att: wgpu::Buffer,
+    /// [rows, max n_ff]: gate, up, and GeGLU of them.
+    gate: wgpu::Buffer,
+    up: wgpu::Buffer,
+    act: wgpu::Buffer,
+    /// Split-K partials of a decode step's attention.
+    attn_split: wgpu::Buffer,
+    /// [logit_rows, n_vocab]
+    logits: wgpu::Buffer,
+    logit_rows: usize,
+    top: topk::LogitsTop,
+}
+
+fn max_of(hp: &Hparams, f: impl Fn(&LayerGeom) -> usize) -> usize {
+    hp.layers.iter().map(f).max().unwrap_or(0)
+}
+
+/// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
+/// and [`needs_part`] counts.
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 12] {
+    let q = hp.n_head * max_of(hp, |g| g.head_dim);
+    let kv = max_of(hp, |g| g.n_head_kv * g.head_dim);
+    let ff = max_of(hp, |g| g.n_ff);
+    [
+        ("gemma4.ids", rows),
+        ("gemma4.x", rows * hp.n_embd),
+        ("gemma4.h", rows * hp.n_embd),
+        ("gemma4.br", rows * hp.n_embd),
+        ("gemma4.q", rows * q),
+        ("gemma4.k", rows * kv),
+        ("gemma4.v", rows * kv),
+        ("gemma4.att", rows * q),
+        ("gemma4.gate", rows * ff),
+        ("gemma4.up", rows * ff),
+        ("gemma4.act", rows * ff),
+        ("gemma4.attn_split", split_elems(hp) as usize),
+    ]
+}
+
+/// Split-K scratch of one decode token (16 Mi elements at most, as the split count shrinks
+/// to fit).
+fn split_elems(hp: &Hparams) -> u64 {
+    attention::scratch_elems(
+        1,
+        hp.n_head as u32,
+        max_of(hp, |g| g.head_dim) as u32,
+        attention::MAX_SPLIT,
+    )
+    .min(16 << 20)
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
+        let e = scratch_elems(hp, rows);
+        let f = |i: usize| gpu.buffer((e[i].1.max(1) * 4) as u64, e[i].0);
+        let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, rows);
+        Ok(Scratch {
+            rows,
+            ids: f(0)?,
+            x: f(1)?,
+            h: f(2)?,
+            br: f(3)?,
+            q: f(4)?,
+            k: f(5)?,
+            v: f(6)?,
+            att: f(7)?,
+            gate: f(8)?,
+            up: f(9)?,
+            act: f(10)?,
+            attn_split: f(11)?,
+            logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "gemma4.logits")?,
+            logit_rows,
+            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+        })
+    }
+}
+
+/// What the layers of `part` need beside their weights for `run`: each block's K and V rows
+/// per position at its own geometry, and the scratch of one pass.
+pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
+    let seqs = run.seqs.max(1);
+    let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
+    let rows = run.batch.max(1) as usize;
+    let e = scratch_elems(hp, rows);
+    let logits = (rows * hp.n_vocab) as u64 * 4;
+    let mut buffers: Vec<PassBuffer> = e
+        .iter()
+        .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
+        .collect();
+    // One row of logits (their rows follow the binding limit), and the KV pools at their
+    // first capacity (they grow to `KvShape::max_positions`).
+    buffers.push(PassBuffer::bound("gemma4.logits", hp.n_vocab as u64 * 4));
+    let mut kv_per_token = 0;
+    for l in part.layers.clone() {
+        let g = &hp.layers[l];
+        let kv = kv_shape(g, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+        buffers.extend([
+            PassBuffer::bound("gemma4.kv.k", kv),
+            PassBuffer::bound("gemma4.kv.v", kv),
+        ]);
+        kv_per_token += 2 * (g.n_head_kv * g.head_dim) as u64 * kv_elem * seqs;
+    }
+    Needs {
+        kv_per_token,
+        state: 0,
+        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits,
+        buffers,
+        kv_elem,
+        note: None,
+    }
+}
+
+/// A block's KV rows' shape for `--kv-type` (f16 by default).
+fn kv_shape(g: &LayerGeom, t: KvType) -> KvShape {
+    KvShape {
+        dtype: match t {
+            KvType::Auto | KvType::F16 => attention::KvType::F16,
+            KvType::F32 => attention::KvType::F32,
+        },
+        n_head_kv: g.n_head_kv as u32,
+        head_dim: g.head_dim as u32,
+    }
+}
+
+/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
+fn kv_cap(ctx: usize) -> usize {
+    ctx.clamp(16, 4096)
+}
+
+/// One block's K and V rows for all sequence slots: slot `s` owns rows `s·cap ..`.
+struct Pool {
+    shape: KvShape,
+    /// Rows per slot; grows by doubling (copied on the GPU). Per block: near the binding
+    /// limit, blocks of different geometry fit different counts.
+    cap: usize,
+    /// (K, V) `[slots·cap, n_head_kv, head_dim]`.
+    kv: (wgpu::Buffer, wgpu::Buffer),
+}
+
+/// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
+pub struct GemmaSeq {
+    slot: u32,
+    pos: usize,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+impl SeqState for GemmaSeq {
+    fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl RoundSeq for GemmaSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+}
+
+impl Drop for GemmaSeq {
+    fn drop(&mut self) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.slot);
+    }
+}
+
+pub struct GpuModel {
+    pub gpu: Arc<Gpu>,
+    pub hp: Hparams,
+    tok_embd: GpuTensor,
+    /// `None`: the head is the embedding (tied).
+    output: Option<GpuTensor>,
+    output_norm: GpuTensor,
+    layers: Vec<Layer>,
+    /// RoPE of sliding and of global blocks (`None` where the model has no such block).
+    rope_swa: Option<RopeTable>,
+    rope_global: Option<RopeTable>,
+    slots: usize,
+    pools: Vec<Pool>,
+    free: Arc<Mutex<Vec<u32>>>,
+    scratch: Scratch,
+    /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
+    /// of their logits.
+    hidden_out: bool,
+}
+
+/// What one chunk's pass returns: its wanted logits rows.
+enum ChunkWant {
+    None,
+    Last,
+    All,
+    Top { k: u32, lse: bool },
+}
+
+impl GpuModel {
+    pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
+        let hp = Hparams::from_file(file)?;
+        if opts.part.as_ref().is_some_and(|p| !(p.first && p.last)) {
+            return Err(Error::Unsupported(
+                "a Gemma-4 model split over several devices".into(),
+            ));
+        }
+        let whole = PartSpec::whole(hp.n_layer);
+        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole).buffers;
+        let batch = fit_rows(
+            DEFAULT_BATCH,
+            BufferLimits::of(&gpu.limits),
+            &file.path(),
+            needs,
+        )?;
+        let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
+        let mut done = 0u64;
+        let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {
+            let t = file.require(&w.name(file))?;
+            expect_shape(&t, shape)?;
+            let g = gpu.upload_tensor(&t)?;
+            done += t.data.len() as u64;
+            if let Some(p) = &opts.progress {
+                p(done.min(total), total);
+            }
+            Ok(g)
+        };
+        let (e, v, nh) = (hp.n_embd as u64, hp.n_vocab as u64, hp.n_head as u64);
+        let tok_embd = up(W::TokEmbd, &[v, e])?;
+        let output = match file.tensor(&W::Output.name(file)) {
+            Some(_) => Some(up(W::Output, &[v, e])?),
+            None => None,
+        };
+        let output_norm = up(W::OutputNorm, &[e])?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for (l, g) in hp.layers.iter().enumerate() {
+            let (hd, kvw, ff) = (
+                g.head_dim as u64,
+                (g.n_head_kv * g.head_dim) as u64,
+                g.n_ff as u64,
+            );
+            let v = match file.tensor(&W::V(l).name(file)) {
+                Some(_) => Some(up(W::V(l), &[kvw, e])?),
+                None => None,
+            };
+            let out_scale = match file.tensor(&W::OutScale(l).name(file)) {
+                Some(t) => {
+                    expect_shape(&t, &[1])?;
+                    crate::models::read_f32(&t)?[0]
+                }
+                None => 1.0,
+            };
+            layers.push(Layer {
+                g: *g,
+                attn_norm: up(W::AttnNorm(l), &[e])?,
+                q: up(W::Q(l), &[nh * hd, e])?,
+                k: up(W::K(l), &[kvw, e])?,
+                v,
+                q_norm: up(W::QNorm(l), &[hd])?,
+                k_norm: up(W::KNorm(l), &[hd])?,
+                o: up(W::O(l), &[e, nh * hd])?,
+                post_attn_norm: up(W::PostAttnNorm(l), &[e])?,
+                ffn_norm: up(W::FfnNorm(l), &[e])?,
+                gate: up(W::Gate(l), &[ff, e])?,
+                up: up(W::Up(l), &[ff, e])?,
+                down: up(W::Down(l), &[e, ff])?,
+                post_ffn_norm: up(W::PostFfnNorm(l), &[e])?,
+                out_scale,
+            });
+        }
+        let head_dim_of = |swa: bool| hp.layers.iter().find(|g| g.swa == swa).map(|g| g.head_dim);
+        let rope_swa = match head_dim_of(true) {
+            Some(d) => {
+                let inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta_swa, d);
+                Some(RopeTable::new(&gpu, &inv, "gemma4.rope_swa")?)
+            }
+            None => None,
+        };
+        let rope_global = match head_dim_of(false) {
+            Some(d) => {
+                let inv = global_inv_freq(file, &hp, d)?;
+                Some(RopeTable::new(&gpu, &inv, "gemma4.rope_global")?)
+            }
+            None => None,
+        };
+        let slots = opts.max_seqs.max(1);
+        let cap = kv_cap(opts.ctx);
+        let rows = (slots * cap) as u64;
+        let pools = hp
+            .layers
+            .iter()
+            .map(|g| {
+                let shape = kv_shape(g, opts.kv_type);
+                Ok(Pool {
+                    shape,
+                    cap,
+                    kv: (
+                        gpu.buffer(shape.bytes(rows), "gemma4.kv.k")?,
+                        gpu.buffer(shape.bytes(rows), "gemma4.kv.v")?,
+                    ),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let scratch = Scratch::new(&gpu, &hp, batch)?;
+        Ok(GpuModel {
+            gpu,
+            hp,
+            tok_embd,
+            output,
+            output_norm,
+            layers,
+            rope_swa,
+            rope_global,
+            slots,
+            pools,
+            // Popped from the end: slot 0 first.
+            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
+            scratch,
+            hidden_out: false,
+        })
+    }
+
+    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
+    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
+    /// per item the logits it wants.
+    fn run_items(&mut self, items: &mut [(&mut GemmaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
+        rounds::check_items(items, v)?;
+        let mut out = Vec::with_capacity(items.len());
+        for (seq, toks, want) in items.iter_mut() {
+            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
+                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
+                    (_, false) => ChunkWant::Top {
+                        k: r.top.k,
+                        lse: r.top.lse,
+                    },
+                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
+                    ([_], _) => ChunkWant::Last,
+                    _ => ChunkWant::None,
+                };
+                let p = &r.parts[0];
+                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
+                Ok((logits, top.into_iter().collect()))
+            })?;
+            out.extend(one);
+        }
+        Ok(out)
+    }
+
+    /// One pass over `toks` of the sequence in `slot` from position `pos0`.
+    fn run_chunk(
+        &mut self,
+        slot: u32,
+        pos0: usize,
+        toks: &[u32],
+        want: ChunkWant,
+    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        let gpu = self.gpu.clone();
+        let mut pass = gpu.pass();
+        self.reserve(&mut pass, pos0 + toks.len())?;
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let n = toks.len() as u32;
+        let e = hp.n_embd as u32;
+        gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
+        embed::embed(
+            &mut pass,
+            &self.tok_embd,
+            &sc.ids,
+            0,
+            n,
+            View::new(&sc.x, 0),
+        )?;
+        // HF `Gemma4TextScaledWordEmbedding`: the rows times sqrt(n_embd).
+        ew::scale_inplace(&mut pass, n, e, View::new(&sc.x, 0), (e as f32).sqrt())?;
+        let norm = |pass: &mut Pass<'_>, src: &wgpu::Buffer, dst: &wgpu::Buffer, w| {
+            norm::rms_norm(
+                pass,
+                n,
+                e,
+                View::new(src, 0),
+                Some(View::new(dst, 0)),
+                Some(w),
+                hp.eps,
+            )
+        };
+        for (l, lw) in self.layers.iter().enumerate() {
+            // x += post_attn_norm(attn(attn_norm(x)))
+            norm(&mut pass, &sc.x, &sc.h, &lw.attn_norm)?;
+            self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
+            norm(&mut pass, &sc.br, &sc.h, &lw.post_attn_norm)?;
+            ew::add_inplace(&mut pass, n, e, View::new(&sc.x, 0), View::new(&sc.h, 0))?;
+            // x += post_ffn_norm(down(gelu_tanh(gate h) ⊙ up h)), h = ffn_norm(x)
+            let ff = lw.g.n_ff as u32;
+            norm(&mut pass, &sc.x, &sc.h, &lw.ffn_norm)?;
+            linear(&mut pass, &lw.gate, &sc.h, &sc.gate, n)?;
+            linear(&mut pass, &lw.up, &sc.h, &sc.up, n)?;
+            ew::geglu(
+                &mut pass,
+                n,
+                ff,
+                View::new(&sc.act, 0),
+                View::new(&sc.gate, 0),
+                View::new(&sc.up, 0),
+            )?;
+            linear(&mut pass, &lw.down, &sc.act, &sc.br, n)?;
+            norm(&mut pass, &sc.br, &sc.h, &lw.post_ffn_norm)?;
+            ew::add_inplace(&mut pass, n, e, View::new(&sc.x, 0), View::new(&sc.h, 0))?;
+            if lw.out_scale != 1.0 {
+                ew::scale_inplace(&mut pass, n, e, View::new(&sc.x, 0), lw.out_scale)?;
+            }
+            pass.flush_every(crate::gpu::FLUSH_OPS)?;
+        }
+        let (r0, rows) = match want {
+            ChunkWant::None => {
+                pass.submit()?;
+                return Ok((Vec::new(), None));
+            }
+            ChunkWant::All => (0, n as usize),
+            ChunkWant::Last | ChunkWant::Top { .. } => (n as usize - 1, 1),
+        };
+        // The final norm of the wanted rows only.
+        norm::rms_norm(
+            &mut pass,
+            rows as u32,
+            e,
+            View::new(&sc.x, r0 as u32 * e),
+            Some(View::new(&sc.h, 0)),
+            Some(&self.output_norm),
+            hp.eps,
+        )?;
+        if self.hidden_out {
+            pass.submit()?;
+            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
+            return Ok((h, None));
+        }
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        let v = hp.n_vocab;
+        let softcap = |p: &mut Pass<'_>, rows: usize| match hp.softcap {
+            Some(c) => ew::softcap_inplace(p, rows as u32, v as u32, View::new(&sc.logits, 0), c),
+            None => Ok(()),
+        };
+        if let ChunkWant::Top { k, lse } = want {
+            crate::models::head_rows(
+                &mut pass,
+                head,
+                &sc.h,
+                (0, hp.n_embd),
+                &sc.logits,
+                (0, v),
+                1,
+            )?;
+            softcap(&mut pass, 1)?;
+            sc.top
+                .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+            pass.submit()?;
+            let t = sc.top.read(&gpu, 1, k, lse)?.pop();
+            return Ok((Vec::new(), t));
+        }
+        // The head in runs that fit the logits buffer, each read back.
+        let mut logits = Vec::with_capacity(rows * v);
+        let mut pending = Some(pass);
+        for (r, take) in crate::models::head_runs(&[(0, rows)], sc.logit_rows) {
+            let mut p = pending.take().unwrap_or_else(|| gpu.pass());
+            crate::models::head_rows(
+                &mut p,
+                head,
+                &sc.h,
+                (r, hp.n_embd),
+                &sc.logits,
+                (0, v),
+                take,
+            )?;
+            softcap(&mut p, take)?;
+            p.submit()?;
+            logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
+        }
+        Ok((logits, None))
+    }
+
+    /// Block `l`'s attention over the normed rows in `h`, its output projection in `br`.
+    fn attention(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        lw: &Layer,
+        slot: u32,
+        pos0: u32,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let g = &lw.g;
+        let (nh, nkv, hd) = (hp.n_head as u32, g.n_head_kv as u32, g.head_dim as u32);
+        linear(pass, &lw.q, &sc.h, &sc.q, n)?;
+        linear(pass, &lw.k, &sc.h, &sc.k, n)?;
+        match &lw.v {
+            Some(v) => linear(pass, v, &sc.h, &sc.v, n)?,
+            // V is the K projection before K's norm and RoPE.
+            None => ew::copy(pass, n, nkv * hd, View::new(&sc.v, 0), View::new(&sc.k, 0))?,
+        }
+        // Per-head RMSNorms: q and k with weights, v without.
+        for (buf, heads, w) in [
+            (&sc.q, nh, Some(&lw.q_norm)),
+            (&sc.k, nkv, Some(&lw.k_norm)),
+            (&sc.v, nkv, None),
+        ] {
+            norm::rms_norm(pass, n * heads, hd, View::new(buf, 0), None, w, hp.eps)?;
+        }
+        let table = if g.swa {
+            &self.rope_swa
+        } else {
+            &self.rope_global
+        };
+        let table = table
+            .as_ref()
+            .ok_or_else(|| Error::Invalid(format!("gemma4: block {l} has no RoPE table")))?;
+        for (buf, heads) in [(&sc.q, nh), (&sc.k, nkv)] {
+            rope::rope(
+                pass,
+                &RopeView::packed(buf, 0, n, heads, hd),
+                RopeStyle::Neox,
+                0,
+                table,
+                Positions::From(pos0),
+                false,
+            )?;
+        }
+        let pool = &self.pools[l];
+        let (kc, vc) = &pool.kv;
+        let row0 = slot * pool.cap as u32;
+        let dst = attention::DstRows::Range { row0: row0 + pos0 };
+        attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
+        attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        let n_kv = pos0 + n;
+        // Split-K only when a few query rows face many keys (decode); halved to fit the
+        // scratch, which is sized for one query row.
+        let mut n_split = attention::pick_n_split(n, nh, pool.shape, n_kv, false);
+        while n_split > 1 && attention::scratch_elems(n, nh, hd, n_split) * 4 > sc.attn_split.size()
+        {
+            n_split /= 2;
+        }
+        attention::attention(
+            pass,
+            &Attention {
+                n_q: n,
+                n_head: nh,
+                kv: pool.shape,
+                // Unscaled scores (HF `self.scaling = 1.0`): the q/k norms stand for it.
+                scale: 1.0,
+                q: QView {
+                    buf: &sc.q,
+                    off: 0,
+                    tok_stride: nh * hd,
+                    head_stride: hd,
+                },
+                out: OutView {
+                    buf: &sc.att,
+                    off: 0,
+                    tok_stride: nh * hd,
+                },
+                a: KvSource { k: kc, v: Some(vc) },
+                b: None,
+                keys: Keys::Causal {
+                    row0,
+                    pos0,
+                    n_kv,
+                    window: if g.swa { hp.window as u32 } else { 0 },
+                },
+                sinks: None,
+                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+            },
+        )?;
+        linear(pass, &lw.o, &sc.att, &sc.br, n)
+    }
+
+    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
+    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
+        for p in &mut self.pools {
+            if need > p.cap {
+                p.cap = p.shape.grow_pools(
+                    pass,
+                    std::iter::once(&mut p.kv),
+                    self.slots,
+                    p.cap,
+                    need,
+                    "gemma4.kv",
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Positions per sequence every block's pool can grow to ([`KvShape::max_positions`]).
+    fn max_positions(&self) -> usize {
+        self.pools
+            .iter()
+            .map(|p| p.shape.max_positions(&self.gpu, self.slots))
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn new_gemma_seq(&self) -> Result<GemmaSeq> {
+        let slot = self
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
+                    self.slots
+                ))
+            })?;
+        Ok(GemmaSeq {
+            slot,
+            pos: 0,
+            free: self.free.clone(),
+        })
+    }
+
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    fn copy_rows(&self, src: &GemmaSeq, dst: &mut GemmaSeq) -> Result<()> {
+        let regions: Vec<Region<'_>> = self
+            .pools
+            .iter()
+            .flat_map(|p| {
+                let (cap, s) = (p.cap as u64, p.shape);
+                let (from, to, len) = (
+                    s.bytes(src.slot as u64 * cap),
+                    s.bytes(dst.slot as u64 * cap),
+                    s.bytes(src.pos as u64),
+                );
+                [(&p.kv.0, from, to, len), (&p.kv.1, from, to, len)]
+            })
+            .collect();
+        copy_regions(&self.gpu, &regions, "gemma4.seq.copy_stage")?;
+        dst.pos = src.pos;
+        Ok(())
+    }
+}
+
+/// `y = W x` over `n` rows.
+fn linear(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    n: u32,
+) -> Result<()> {
+    matmul::matmul_opts(pass, w, x, 0, y, 0, n, &MatvecOpts::default())
+}
+
+/// The global blocks' RoPE inverse frequencies over a head of `head_dim`:
+/// `theta^(-2i/head_dim)`, divided by `rope_freqs` (GGUF: 1 for rotated pairs, 1e30 for the
+/// rest) or zero past the rotated pairs (HF's "proportional" RoPE).
+fn global_inv_freq(file: &ModelFile, hp: &Hparams, head_dim: usize) -> Result<Vec<f32>> {
+    let mut inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, head_dim);
+    match hp.rope_pairs_global {
+        Some(pairs) => inv.iter_mut().skip(pairs).for_each(|f| *f = 0.0),
+        None => {
+            let t = file.require(&W::RopeFreqs.gguf_name())?;
+            expect_shape(&t, &[inv.len() as u64])?;
+            for (f, d) in inv.iter_mut().zip(crate::models::read_f32(&t)?) {
+                *f /= d;
+            }
+        }
+    }
+    Ok(inv)
+}
+
+impl FamilyModel for GpuModel {
+    type Seq = GemmaSeq;
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    fn n_vocab(&self) -> usize {
+        self.hp.n_vocab
+    }
+    fn new_seq(&self) -> Result<GemmaSeq> {
+        self.new_gemma_seq()
+    }
+    fn reset(&self, seq: &mut GemmaSeq) -> Result<()> {
+        seq.pos = 0;
+        Ok(())
+    }
+    fn copy_seq(&self, src: &GemmaSeq, dst: &mut GemmaSeq) -> Result<()> {
+        self.copy_rows(src, dst)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
+    }
+    fn forward_batch(
+        &mut self,
+        items: &mut [(&mut GemmaSeq, &[u32], Want)],
+    ) -> Result<Vec<Logits>> {
+        self.run_items(items)
+    }
+    fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
+        Err(Error::Unsupported(
+            "per-dispatch profiles of a Gemma-4 model".into(),
+        ))
+    }
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_positions())
+    }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
+    }
+    /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
+    fn set_link(&mut self, _link: Link) {}
+}
