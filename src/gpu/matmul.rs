@@ -392,7 +392,7 @@ pub fn matmul_indexed(
     y_off: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype) {
+    if let Some(prec) = coopmat::usable_indexed(pass.gpu(), w.dtype) {
         coopmat::matmul_coop_indexed(
             pass, prec, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
         )
