@@ -11,6 +11,9 @@
 //! - `qwen2-tiny`: q/k/v biases. `qwen3-tiny`: per-head q/k norms, tied head.
 //! - `qwen3moe-tiny`: 8 experts, top-2, `norm_topk_prob`; also with half of each layer's
 //!   experts on the CPU (`--gpu-experts 0.5`).
+//! - `mistral-tiny`: `MistralForCausalLM` with a sliding window of 8 over 24 tokens (without
+//!   it transformers' logits move by 0.40 RMS); HF checkpoint only, as llama.cpp's converter
+//!   drops the window.
 
 mod common;
 use common::*;
@@ -66,6 +69,11 @@ fn check_model(name: &str, opts: &LoadOptions) {
 #[test]
 fn llama_tiny() {
     check_model("llama-tiny", &LoadOptions::default());
+}
+
+#[test]
+fn mistral_tiny() {
+    check_model("mistral-tiny", &LoadOptions::default());
 }
 
 #[test]
