@@ -82,7 +82,7 @@ pub static FAMILIES: &[Family] = &[
     },
     Family {
         name: "Llama",
-        archs: llama::GGUF_ARCHS,
+        archs: llama::ARCHS,
         load: |gpu, f, o| Ok(Box::new(llama::gpu::GpuModel::load(gpu, f, o)?)),
         n_layer: |f| Ok(llama::Hparams::from_file(f)?.n_layer),
         needs_part: |f, run, part| {
@@ -92,7 +92,14 @@ pub static FAMILIES: &[Family] = &[
                 part,
             ))
         },
-        products: |f| llama::Hparams::from_file(f).map(|_| AutoProducts::Any),
+        // Router top-k on computed values: f32-level products, as Qwen3.5's MoE.
+        products: |f| {
+            Ok(if llama::Hparams::from_file(f)?.moe.is_some() {
+                AutoProducts::F32
+            } else {
+                AutoProducts::Any
+            })
+        },
         pass_rows: llama::gpu::DEFAULT_BATCH,
     },
 ];
