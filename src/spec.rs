@@ -526,14 +526,14 @@ fn top1(l: &[Logits]) -> Result<u32> {
 }
 
 /// Greedy generation of `n` tokens after `first` on `seq` with speculation, as `lathe bench`
-/// times it (the argmax found on the GPU): what the verify passes did.
+/// times it (the argmax found on the GPU): what the verify passes did, and the tokens.
 pub fn greedy_run(
     engine: &mut Engine,
     seq: &mut Seq,
     first: u32,
     n: usize,
     opts: &SpecOptions,
-) -> Result<SpecStats> {
+) -> Result<(SpecStats, Vec<u32>)> {
     let greedy = Want::Top { k: 1, lse: false };
     let Some(mut s) = Speculator::new(engine, opts)? else {
         return Err(Error::Invalid(format!(
@@ -542,21 +542,59 @@ pub fn greedy_run(
         )));
     };
     let mut logits = s.feed_prompt(engine, seq, &[first], None, greedy)?;
+    let mut out = Vec::with_capacity(n);
     for _ in 1..n {
         let id = top1(std::slice::from_ref(&logits))?;
-        logits = s.next(engine, seq, id, greedy, &mut |_| {})?.0;
+        let (l, id) = s.next(engine, seq, id, greedy, &mut |_| {})?;
+        out.push(id);
+        logits = l;
     }
+    out.push(top1(std::slice::from_ref(&logits))?);
     s.settle(engine, seq, &mut |_| {})?;
-    Ok(s.stats)
+    Ok((s.stats, out))
+}
+
+/// Runs, on a scratch sequence, every pass a speculative generation with `opts` runs, so
+/// that the first timed one compiles nothing (`lathe bench --spec`: the first timed
+/// repetition was a compile, 8.6 tok/s on the H200, issue 34): a one-token prompt piece,
+/// then per `m` in `0..=--draft` a verify pass with `m` drafts kept, so that the rollbacks
+/// of every length (`m + 1` rows fed again), the MTP rows over every number of trunk rows
+/// and a draft model's passes all run once. Nothing when `opts` does not speculate.
+pub fn warm_up(engine: &mut Engine, opts: &SpecOptions) -> Result<()> {
+    let greedy = Want::Top { k: 1, lse: false };
+    let mut seq = engine.new_seq()?;
+    let k = opts.draft;
+    for m in 0..=k {
+        let Some(mut s) = Speculator::new(engine, opts)? else {
+            return Ok(());
+        };
+        engine.reset(&mut seq)?;
+        s.feed_prompt(engine, &mut seq, &[0], None, greedy)?;
+        for keep in [m, 0] {
+            s.prepare(engine, &mut seq, 0, k, &mut |_| {})?;
+            verify_many(engine, &mut [(&mut s, &mut seq, greedy)])?;
+            // `keep` drafts taken whatever they are (the rows' tokens do not matter here).
+            s.accept_all = true;
+            for _ in 0..keep {
+                s.advance(0);
+            }
+            s.accept_all = opts.accept_all;
+        }
+        s.settle(engine, &mut seq, &mut |_| {})?;
+    }
+    Ok(())
 }
 
 /// Seconds of the pieces of a speculative step on `seq` (which must hold a few tokens):
 /// per `k` in `1..max_verify` the verify pass of `k + 1` tokens (then rolled back), one
-/// chained MTP draft, and a plain one-token decode step; each the mean of `reps`.
+/// chained MTP draft, one step of the draft model, and a plain one-token decode step; each
+/// the mean of `reps`.
 #[derive(Clone, Debug)]
 pub struct StepCosts {
     pub verify: Vec<(usize, f64)>,
     pub mtp_draft: Option<f64>,
+    /// A one-token step of the draft model (`--draft-model`), on its own sequence.
+    pub draft_step: Option<f64>,
     pub decode: f64,
 }
 
@@ -565,6 +603,7 @@ pub fn step_costs(
     seq: &mut Seq,
     token: u32,
     reps: usize,
+    draft_model: Option<&DraftModel>,
 ) -> Result<StepCosts> {
     let greedy = Want::Top { k: 1, lse: false };
     let reps = reps.max(1);
@@ -606,9 +645,28 @@ pub fn step_costs(
     } else {
         None
     };
+    let draft_step = match draft_model {
+        Some(dm) => {
+            let mut d = dm.lock();
+            let mut dseq = d.new_seq()?;
+            d.forward_batch_with(&mut [(&mut dseq, &[token, token, token], Want::None)])?;
+            let mut one = d.new_seq()?;
+            let copy = time(&mut || d.copy_seq(&dseq, &mut one))?;
+            Some(
+                time(&mut || {
+                    d.copy_seq(&dseq, &mut one)?;
+                    d.forward_batch_with(&mut [(&mut one, &[token], greedy)])?;
+                    Ok(())
+                })? - copy,
+            )
+        }
+        None => None,
+    };
     Ok(StepCosts {
         verify,
         mtp_draft,
+        draft_step,
         decode,
     })
 }
+
