@@ -637,3 +637,53 @@ fn bench_speculation_warms_up_and_keeps_greedy_output() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `--activations int8`: a verify pass's products quantize each row's x as a lone decode
+/// step's do (the token-group kernels take int8 exactly when one token would), so greedy
+/// output with speculation is the output without it (the demo file is Q8_0: int8 products).
+#[test]
+fn int8_activations_speculation_keeps_greedy_output() {
+    use lathe::engine::ActivationsChoice;
+    use lathe::synth::{self, FileType, PlanOptions};
+    let dir = std::env::temp_dir().join(format!("lathe-spec-int8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("demo-mtp.gguf");
+    let opts = PlanOptions {
+        ftype: Some(FileType::Q8_0),
+        n_vocab: Some(512),
+        mtp: true,
+        ..Default::default()
+    };
+    synth::plan(&synth::preset("demo").unwrap(), &opts, None)
+        .unwrap()
+        .write(&path, 1, None)
+        .unwrap();
+    for fused_loads in [false, true] {
+        let opts = LoadOptions {
+            kv_type: KvType::F16,
+            max_seqs: 2,
+            ctx: 256,
+            activations: ActivationsChoice::Int8,
+            fused_loads,
+            ..Default::default()
+        };
+        let mut eng = Engine::load(&path, &opts).unwrap();
+        assert!(eng.gpu.int8_decode());
+        let (plain, _) = gen(
+            &mut eng,
+            SamplerConfig::greedy(),
+            spec(SpecMode::Off, 1),
+            16,
+        );
+        for k in [1, 3] {
+            let (got, st) = gen(
+                &mut eng,
+                SamplerConfig::greedy(),
+                spec(SpecMode::Mtp, k),
+                16,
+            );
+            assert_eq!(got, plain, "int8, fused loads {fused_loads}, --draft {k}");
+            assert!(st.unwrap().verify_passes > 0);
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
