@@ -525,7 +525,7 @@ impl AutoSpec {
         let mut k = crate::spec::choose_draft(c, n, a, max);
         if k == 0 {
             self.declined += 1;
-            if self.declined % PROBE_EVERY == 0 {
+            if self.declined.is_multiple_of(PROBE_EVERY) {
                 k = 1;
             }
         } else {
