@@ -96,7 +96,7 @@ fn gbps(bytes: f64, bw: f64) -> f64 {
 
 /// The whole report (stdout).
 pub fn report(a: &PlanArgs) -> Result<String> {
-    let o = &a.load.load_options()?;
+    let o = &a.load.load_options(1)?;
     if !(a.vram_bw.unwrap_or(1.0) > 0.0 && a.host_bw > 0.0) {
         return Err(Error::Invalid(
             "--vram-bw and --host-bw must be positive (GB/s)".into(),
