@@ -103,7 +103,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
         ));
     }
     let file = ModelFile::open(&a.model)?;
-    let info = MoeInfo::from_file(&file)?;
+    let info = MoeInfo::from_file(&file, lathe::models::registry::expert_names(&file))?;
     if !o.devices.is_empty() {
         return devices_report(a, o, &file, info);
     }

@@ -330,16 +330,16 @@ impl GpuModel {
         let needs = |rows| needs_part(&hp, RunShape::new(opts, rows), &part);
         let limits = BufferLimits::of(&gpu.limits);
         let batch = fit_rows(DEFAULT_BATCH, limits, &file.path(), |r| needs(r).buffers)?;
-        let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
+        let experts = crate::models::registry::family(file)?.experts;
+        let plan = Plan::new(&gpu, file, experts, opts, &needs, batch)?;
         // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
         let rows = plan.as_ref().map_or(batch, |p| p.rows);
         let embedding = name(W::TokEmbd);
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             let held = part.holds(PartSpec::role(w.name(), hp.n_layer, &embedding, false));
             // The MTP block's experts stay in its stacks (the arena serves the trunk).
-            let arena = plan.is_some()
-                && crate::moe::is_expert_tensor(w.name())
-                && !w.name().starts_with("mtp.");
+            let arena =
+                plan.is_some() && experts.is_expert(w.name()) && !w.name().starts_with("mtp.");
             if !held || arena {
                 return Ok(w.stand_in());
             }

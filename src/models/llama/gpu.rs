@@ -320,7 +320,8 @@ impl GpuModel {
             |r| needs(r).buffers,
         )?;
         // Placement before any upload: offloaded experts go to the arena after the rest.
-        let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
+        let experts = crate::models::registry::family(file)?.experts;
+        let plan = Plan::new(&gpu, file, experts, opts, &needs, batch)?;
         let pass_rows = plan.as_ref().map_or(batch, |p| p.rows);
         let offloaded = plan.is_some();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();

@@ -205,7 +205,8 @@ pub struct ProjSet {
 /// shape); routed experts of an offloaded model are left to the expert arena.
 struct GpuSink<'a> {
     gpu: &'a Gpu,
-    experts_elsewhere: bool,
+    /// The names of the experts the arena holds, when it holds them.
+    experts_elsewhere: Option<&'static crate::moe::ExpertNames>,
     /// Whether this device uploads the named weight (its part's layers, embedding, head).
     held: &'a dyn Fn(&str) -> bool,
     opts: &'a LoadOptions,
