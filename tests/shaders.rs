@@ -222,3 +222,90 @@ fn coop_variants_validate_and_translate_to_spirv() {
     assert!(n >= 16 * 8, "expected every type's variants, got {n}");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// A dev command, not a check: writes every variant that the fixture runs, the selftest and
+/// the cooperative-matrix specs make to `CARGO_TARGET_TMPDIR/shader-dump/`, for comparing two
+/// trees' shaders (`cargo test --test shaders -- --ignored dump_variants`, then `diff -r`):
+/// `wgsl.txt` the preprocessed WGSL of each variant, `spirv.txt` a hash of naga's SPIR-V of the
+/// variant's entry point alone after `naga::compact` (what reaches a driver, whatever unused
+/// functions the source holds).
+#[test]
+#[ignore]
+fn dump_variants() {
+    use std::fmt::Write;
+    use std::hash::{Hash, Hasher};
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
+    let mut specs = Vec::new();
+    let mut models: Vec<_> = std::fs::read_dir(&fx)
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).into_iter().flatten())
+        .map(|f| f.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    models.sort();
+    for model in &models {
+        let mut e = Engine::load(model, &LoadOptions::default()).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let toks: Vec<u32> = (0..70).map(|i| (i * 7 % 500) as u32).collect();
+        e.forward(&mut seq, &toks, false).unwrap();
+        e.forward(&mut seq, &[3], false).unwrap();
+        specs.extend(e.gpu.compiled_specs());
+    }
+    let gpu = lathe::gpu::Gpu::new(&lathe::gpu::AdapterChoice::Auto).unwrap();
+    let checks = lathe::selftest::run(&gpu, false, |_| {});
+    assert!(checks.iter().all(|c| c.passed), "selftest failed");
+    specs.extend(gpu.compiled_specs());
+    for dt in lathe::selftest::TYPES {
+        if dt != lathe::DType::F32 {
+            let cols = lathe::selftest::odd_cols(dt);
+            specs.extend(lathe::gpu::coopmat::variant_specs(dt, cols).unwrap());
+        }
+    }
+    let head = |s: &lathe::gpu::PipelineSpec| {
+        format!(
+            "=== {} entry={} unchecked={} defines={:?}\n",
+            s.label, s.entry, s.unchecked, s.defines
+        )
+    };
+    let mut heads: Vec<(String, lathe::gpu::PipelineSpec)> =
+        specs.into_iter().map(|s| (head(&s), s)).collect();
+    heads.sort_by(|a, b| a.0.cmp(&b.0));
+    heads.dedup_by(|a, b| a.0 == b.0);
+    let (mut wgsl_out, mut spv_out) = (String::new(), String::new());
+    for (h, spec) in &heads {
+        let wgsl = spec.wgsl().unwrap();
+        let mut module = naga::front::wgsl::parse_str(&wgsl).unwrap();
+        module.entry_points.retain(|e| e.name == spec.entry);
+        naga::compact::compact(&mut module, naga::compact::KeepUnused::No);
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap();
+        let spv =
+            naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
+                .unwrap();
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        spv.hash(&mut hasher);
+        write!(
+            spv_out,
+            "{h}{} words, hash {:016x}\n",
+            spv.len(),
+            hasher.finish()
+        )
+        .unwrap();
+        wgsl_out.push_str(h);
+        wgsl_out.push_str(&wgsl);
+    }
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shader-dump");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("wgsl.txt"), wgsl_out).unwrap();
+    std::fs::write(dir.join("spirv.txt"), spv_out).unwrap();
+    eprintln!(
+        "{} variants of {} models written to {}",
+        heads.len(),
+        models.len(),
+        dir.display()
+    );
+}
