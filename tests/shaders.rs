@@ -85,6 +85,14 @@ fn check_uniforms(spec: &lathe::gpu::PipelineSpec, wgsl: &str) -> Result<usize, 
             sizes.extend(rust_sizes(family));
         }
     }
+    // the products' shared pieces declare matvec.rs's uniforms
+    let pieces = lathe::gpu::PIECES;
+    if pieces
+        .iter()
+        .any(|(n, _)| spec.source.contains(&format!("#include \"{n}\"")))
+    {
+        sizes.extend(rust_sizes("matvec"));
+    }
     let flags: Vec<String> = spec
         .defines
         .iter()
