@@ -431,3 +431,42 @@ fn compare_with_base_dump() {
     assert!(differ.is_empty(), "{}", differ.join("\n"));
     assert!(same > 0);
 }
+
+/// A dev command beside [`compare_with_base_dump`]: the variants that two fixture runs compile
+/// on this tree, by label, entry point and defines, all in the previous dump (the typed keys
+/// make the labels and defines they made before; `quantize_x` has lost its `QUANT_X` flag).
+#[test]
+#[ignore]
+fn live_specs_in_base_dump() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shader-dump-base");
+    let spirv = std::fs::read_to_string(dir.join("spirv.txt")).unwrap();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
+    let (mut found, mut missing) = (0, Vec::new());
+    for model in [
+        "qwen35moe-dims/model-q4_k_m.gguf",
+        "dsv4-tiny/model-q8_0.gguf",
+    ] {
+        let mut e = Engine::load(&fx.join(model), &LoadOptions::default()).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        let toks: Vec<u32> = (0..70).map(|i| (i * 7 % 500) as u32).collect();
+        e.forward(&mut seq, &toks, false).unwrap();
+        e.forward(&mut seq, &[3], false).unwrap();
+        for s in e.gpu.compiled_specs() {
+            let mut defines = s.defines.clone();
+            if s.entry == "quantize_x" {
+                defines.insert(0, ("QUANT_X".into(), "true".into()));
+            }
+            let head = format!(
+                "=== {} entry={} unchecked={} defines={:?}",
+                s.label, s.entry, s.unchecked, defines
+            );
+            if spirv.lines().any(|l| l == head) {
+                found += 1;
+            } else {
+                missing.push(head);
+            }
+        }
+    }
+    eprintln!("{found} live variants in the dump, {} not", missing.len());
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
+}
