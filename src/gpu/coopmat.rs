@@ -1,4 +1,4 @@
-//! Products of many tokens on the matrix units (`shaders/matmul_coop.wgsl`, compiled after
+//! Products of many tokens on the matrix units (`shaders/matmul_coop.wgsl`, on the pieces of
 //! `matvec.wgsl`): cooperative matrices of 16x16x16 with f16 inputs and f32 accumulation, for
 //! every stored type but F32. Same contract as the tiled kernels of [`super::matmul`]: dense
 //! `Y[t, r] (=|+=) Σ_c W[r, c] X[t, c]` and the MoE form over a [`MoeRoute`].
@@ -39,10 +39,7 @@ use crate::dtype::DType;
 use crate::{Error, Result};
 use std::sync::Arc;
 
-pub(crate) const SRC: &str = concat!(
-    include_str!("../../shaders/matvec.wgsl"),
-    include_str!("../../shaders/matmul_coop.wgsl")
-);
+pub(crate) const SRC: &str = include_str!("../../shaders/matmul_coop.wgsl");
 
 /// Subgroups per workgroup (`NSG`): 8 (128 rows per workgroup), or 4 (64 rows) when 128-row
 /// tiles would leave the GPU short of workgroups.

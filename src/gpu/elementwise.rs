@@ -149,14 +149,27 @@ fn run_k(
         k,
         _pad: [0; 2],
     };
-    /// Typed key: the entry point.
     #[derive(PartialEq, Eq, Hash)]
-    struct Elementwise(super::StaticName);
-    let pl = pass
-        .gpu()
-        .pipeline_for(Elementwise(super::StaticName(entry)), || {
-            PipelineSpec::new(format!("elementwise_{entry}"), SRC, entry)
-        })?;
+    struct Elementwise {
+        entry: super::StaticName,
+    }
+    impl super::PipelineKey for Elementwise {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            self.entry.0
+        }
+        fn label(&self) -> String {
+            format!("elementwise_{}", self.entry.0)
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Elementwise {
+        entry: super::StaticName(entry),
+    })?;
     let mut bindings = vec![Binding::from(y.buf)];
     bindings.extend(args.iter().map(|a| Binding::from(a.view().buf)));
     pass.dispatch(

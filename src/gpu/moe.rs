@@ -34,11 +34,26 @@ struct Params {
 const _: () = assert!(std::mem::size_of::<Params>() == 48);
 
 fn pipe(gpu: &Gpu, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    /// Typed key: the entry point.
     #[derive(PartialEq, Eq, Hash)]
-    struct Moe(super::StaticName);
-    gpu.pipeline_for(Moe(super::StaticName(entry)), || {
-        PipelineSpec::new(format!("moe_{entry}"), SRC, entry)
+    struct Moe {
+        entry: super::StaticName,
+    }
+    impl super::PipelineKey for Moe {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            self.entry.0
+        }
+        fn label(&self) -> String {
+            format!("moe_{}", self.entry.0)
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec
+        }
+    }
+    gpu.pipeline_for(Moe {
+        entry: super::StaticName(entry),
     })
 }
 

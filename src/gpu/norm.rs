@@ -122,31 +122,58 @@ fn run(
         && [x, yv, zv]
             .iter()
             .all(|v| v.off.is_multiple_of(4) && v.stride_for(dim).is_multiple_of(4));
-    /// Typed key: (mode, weight type, in place, gated, residual, vec4 items).
     #[derive(PartialEq, Eq, Hash)]
-    struct Norm(u32, Option<DType>, bool, bool, bool, bool);
-    let key = Norm(mode_id, wdt, inplace, gated, residual, v4);
-    let pl = pass.gpu().pipeline_for(key, || {
-        let label = format!(
-            "norm_m{mode_id}_w{}{}{}{}{}",
-            wdt.map_or("none", |t| t.name()),
-            if inplace { "_inplace" } else { "" },
-            if gated { "_gated" } else { "" },
-            if residual { "_residual" } else { "" },
-            if v4 { "_v4" } else { "" },
-        );
-        let mut spec = PipelineSpec::new(label, SRC, "main")
-            .define("MODE", format!("{mode_id}u"))
-            .define("INPLACE", inplace)
-            .define("RESIDUAL", residual)
-            .define("GATED", gated)
-            .define("HAS_Z", gated || residual)
-            .define("HAS_W", wdt.is_some())
-            .define("V4", v4);
-        if let Some(t) = wdt {
-            spec = spec.define(&format!("W_{}", t.name()), true);
+    struct Norm {
+        /// `MODE` of norm.wgsl.
+        mode_id: u32,
+        /// The weight's stored type, if any.
+        wdt: Option<DType>,
+        inplace: bool,
+        gated: bool,
+        residual: bool,
+        /// vec4 items.
+        v4: bool,
+    }
+    impl super::PipelineKey for Norm {
+        fn source(&self) -> &'static str {
+            SRC
         }
-        spec
+        fn entry(&self) -> &'static str {
+            "main"
+        }
+        fn label(&self) -> String {
+            format!(
+                "norm_m{}_w{}{}{}{}{}",
+                self.mode_id,
+                self.wdt.map_or("none", |t| t.name()),
+                if self.inplace { "_inplace" } else { "" },
+                if self.gated { "_gated" } else { "" },
+                if self.residual { "_residual" } else { "" },
+                if self.v4 { "_v4" } else { "" },
+            )
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            let spec = spec
+                .define("MODE", format!("{}u", self.mode_id))
+                .define("INPLACE", self.inplace)
+                .define("RESIDUAL", self.residual)
+                .define("GATED", self.gated)
+                .define("HAS_Z", self.gated || self.residual)
+                .define("HAS_W", self.wdt.is_some())
+                .define("V4", self.v4);
+            match self.wdt {
+                Some(t) => spec.define(&format!("W_{}", t.name()), true),
+                None => spec,
+            }
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Norm {
+        mode_id,
+        wdt,
+        inplace,
+        gated,
+        residual,
+        v4,
     })?;
     let params = Params {
         dim,

@@ -185,26 +185,52 @@ fn topk_stages(
         let last = s + 1 == st.len();
         let n_chunks = m.div_ceil(CHUNK);
         let (vals, pack) = (last && own_vals.is_some(), last && packed.is_some());
-        /// Typed key: (k, pairs, final, own values, packed).
         #[derive(PartialEq, Eq, Hash)]
-        struct Topk(u32, bool, bool, bool, bool);
-        let pl = gpu.pipeline_for(Topk(k, pairs, last, vals, pack), || {
-            let label = format!(
-                "topk_k{k}{}{}",
-                if pairs { "_pairs" } else { "" },
-                match (last, vals, pack) {
-                    (false, _, _) => "",
-                    (true, true, _) => "_final_vals",
-                    (true, _, true) => "_final_packed",
-                    _ => "_final",
-                }
-            );
-            PipelineSpec::new(label, SRC, "main")
-                .define("K", format!("{k}u"))
-                .define("PAIRS", pairs)
-                .define("FINAL", last)
-                .define("HAS_VALS", vals)
-                .define("PACKED", pack)
+        struct Topk {
+            k: u32,
+            /// The input is a previous stage's (value, index) pairs.
+            pairs: bool,
+            /// The last stage: writes the caller's outputs.
+            last: bool,
+            /// The last stage writes its own values.
+            vals: bool,
+            /// The last stage writes packed (value, index) words.
+            pack: bool,
+        }
+        impl super::PipelineKey for Topk {
+            fn source(&self) -> &'static str {
+                SRC
+            }
+            fn entry(&self) -> &'static str {
+                "main"
+            }
+            fn label(&self) -> String {
+                format!(
+                    "topk_k{}{}{}",
+                    self.k,
+                    if self.pairs { "_pairs" } else { "" },
+                    match (self.last, self.vals, self.pack) {
+                        (false, _, _) => "",
+                        (true, true, _) => "_final_vals",
+                        (true, _, true) => "_final_packed",
+                        _ => "_final",
+                    }
+                )
+            }
+            fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+                spec.define("K", format!("{}u", self.k))
+                    .define("PAIRS", self.pairs)
+                    .define("FINAL", self.last)
+                    .define("HAS_VALS", self.vals)
+                    .define("PACKED", self.pack)
+            }
+        }
+        let pl = gpu.pipeline_for(Topk {
+            k,
+            pairs,
+            last,
+            vals,
+            pack,
         })?;
         let mut params = Params {
             n: m,
