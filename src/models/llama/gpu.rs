@@ -6,10 +6,11 @@
 use super::{Hparams, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
@@ -374,7 +375,7 @@ impl GpuModel {
             &sc.ids,
             0,
             n,
-            View::new(&sc.x, 0),
+            Operand::new(&sc.x, 0),
         )?;
         let e = hp.n_embd as u32;
         for (l, lw) in self.layers.iter().enumerate() {
@@ -383,8 +384,8 @@ impl GpuModel {
                     pass,
                     n,
                     e,
-                    View::new(&sc.x, 0),
-                    Some(View::new(&sc.h, 0)),
+                    Operand::new(&sc.x, 0),
+                    Some(Operand::new(&sc.h, 0)),
                     Some(w),
                     hp.eps,
                 )
@@ -398,9 +399,9 @@ impl GpuModel {
                 &mut pass,
                 n,
                 hp.n_ff as u32,
-                View::new(&sc.act, 0),
-                View::new(&sc.gate, 0),
-                View::new(&sc.up, 0),
+                Operand::new(&sc.act, 0),
+                Operand::new(&sc.gate, 0),
+                Operand::new(&sc.up, 0),
                 None,
             )?;
             linear(&mut pass, &lw.down, &sc.act, &sc.x, n, true)?;
@@ -419,8 +420,8 @@ impl GpuModel {
             &mut pass,
             rows as u32,
             e,
-            View::new(&sc.x, r0 as u32 * e),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, r0 as u32 * e),
+            Some(Operand::new(&sc.h, 0)),
             Some(&self.output_norm),
             hp.eps,
         )?;
@@ -442,7 +443,7 @@ impl GpuModel {
                 1,
             )?;
             sc.top
-                .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
             pass.submit()?;
             let t = sc.top.read(&gpu, 1, k, lse)?.pop();
             return Ok((Vec::new(), t));
