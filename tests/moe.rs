@@ -6,9 +6,10 @@
 //! the load progress with an arena, and `lathe plan` (and its agreement with the loaders).
 
 use lathe::cpu::moe::{combine_slots, expert_rows};
-use lathe::gpu::elementwise::{self as ew, View};
+use lathe::gpu::elementwise as ew;
 use lathe::gpu::matvec::{self, MatvecOpts};
 use lathe::gpu::moe::{read_back, remap, scatter_rows};
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{AdapterChoice, Gpu};
 use lathe::models::registry::expert_names;
 use lathe::models::ModelFile;
@@ -1371,9 +1372,9 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
             &mut pass,
             pairs_n,
             ff as u32,
-            View::new(&o, 0),
-            View::new(&fg, 0),
-            View::new(&fu, 0),
+            Operand::new(&o, 0),
+            Operand::new(&fg, 0),
+            Operand::new(&fu, 0),
             None,
         )
         .unwrap();
@@ -1412,9 +1413,9 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
                 &mut pass,
                 n as u32,
                 ne as u32,
-                View::new(&y, 0),
-                View::strided(&wb, s, k as u32),
-                View::strided(&moe_out, s * ne as u32, k as u32 * ne as u32),
+                Operand::new(&y, 0),
+                Operand::strided(&wb, s, k as u32),
+                Operand::strided(&moe_out, s * ne as u32, k as u32 * ne as u32),
             )
             .unwrap();
         }

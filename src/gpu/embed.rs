@@ -2,7 +2,7 @@
 //! any stored type lathe reads (F32, F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS,
 //! MXFP4), split in parts or not. CPU reference: `cpu::ops::embed`.
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::{DType, Error, Result};
 
@@ -62,7 +62,7 @@ pub fn embed(
     ids: &wgpu::Buffer,
     ids_off: u32,
     n_tokens: u32,
-    y: View<'_>,
+    y: Operand<'_>,
 ) -> Result<()> {
     let dt = table.dtype;
     if !supported(dt) {

@@ -41,7 +41,6 @@ pub use super::matvec::DENSE_MATVEC_TOKENS;
 /// `Y = X Wᵀ` for `n_tokens` tokens: up to [`DENSE_MATVEC_TOKENS`] through matvec (one token
 /// through [`matvec::matvec_opts`], more through [`matvec::matvec_multi`], every token with the
 /// bits of a one-token product), the matrix-unit or tiled kernel beyond.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
@@ -107,7 +106,6 @@ fn pipeline(
 /// Uniforms of a dense tiled product (the f32 and the int8 kernels) over one weight part of
 /// `rows` rows starting at `row_start`; x rows at `x_off + t * x_stride` (in the int8 kernel:
 /// blocks of the int8 scratch).
-#[allow(clippy::too_many_arguments)]
 fn dense_params(
     geo: &Geometry,
     w: &GpuTensor,

@@ -642,7 +642,6 @@ impl super::PipelineKey for MvKey {
 /// `y[t] = W x[t]` for `n_tokens` tokens (any count; above
 /// [`DENSE_MATVEC_TOKENS`] the tiled
 /// [`matmul`](super::matmul::matmul_tiled) is cheaper); see the module doc for shapes.
-#[allow(clippy::too_many_arguments)]
 pub fn matvec(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
@@ -1428,7 +1427,6 @@ impl QuantX {
 /// (stride 0: cols) into `qx`, per block of 32 as ggml's `quantize_row_q8_1`: d = max|x| / 127,
 /// q = round(x · (1/d)) with ties to even (ggml rounds them away from zero), s = d · Σq.
 /// `cols` must be a multiple of 32. CPU reference: `cpu::q8x::quantize_x`.
-#[allow(clippy::too_many_arguments)]
 pub fn quantize_x(
     pass: &mut Pass<'_>,
     x: &wgpu::Buffer,
@@ -1444,7 +1442,6 @@ pub fn quantize_x(
 /// [`quantize_x`] in two levels, the x of [`matvec_q8x`]: each block also holds its residual
 /// `x − d·q` quantized the same way (d₂, q₂), so x̂ = d·q + d₂·q₂. `qx` needs room for
 /// `2 · n_tokens` rows. CPU reference: `cpu::q8x::quantize_x2`.
-#[allow(clippy::too_many_arguments)]
 pub fn quantize_x2(
     pass: &mut Pass<'_>,
     x: &wgpu::Buffer,

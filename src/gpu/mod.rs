@@ -24,6 +24,7 @@ pub mod matvec;
 pub mod moe;
 mod moe_route;
 pub mod norm;
+pub mod operand;
 pub mod rope;
 pub mod router;
 pub mod softmax;

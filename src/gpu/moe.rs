@@ -5,9 +5,10 @@
 //! are filled from are in `moe/`. CPU references: `moe::remap_ids`, a plain scatter, and the
 //! arena's bytes against the mmap.
 
-use super::elementwise::{self as ew, View};
+use super::elementwise as ew;
 use super::matmul::{self, MoeRoute};
 use super::matvec::{self, MatvecOpts};
+use super::operand::Operand;
 use super::{check_len, grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
 use crate::tensor::MatShape;
 use crate::{Error, Result};
@@ -500,9 +501,9 @@ pub fn routed_ffn(
         pass,
         n * k,
         ff,
-        View::new(b.act, 0),
-        View::new(b.gate, 0),
-        View::new(b.up, 0),
+        Operand::new(b.act, 0),
+        Operand::new(b.gate, 0),
+        Operand::new(b.up, 0),
         limit,
     )?;
     if small {

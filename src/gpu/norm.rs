@@ -1,12 +1,12 @@
 //! Row norms (`shaders/norm.wgsl`): RMSNorm (weighted, unweighted, per head, fused residual),
 //! L2 norm, gated RMSNorm. CPU references: `cpu::ops::{rms_norm, l2_norm, gated_rms_norm}`.
 //!
-//! Rows are [`View`]s of f32 buffers; "per head" is just more rows (`n_rows = n_tokens ·
+//! Rows are [`Operand`]s of f32 buffers; "per head" is just more rows (`n_rows = n_tokens ·
 //! n_heads`, stride = head_dim, or 2·head_dim for Qwen's `[q | gate]` per-head layout). `y:
 //! None` normalises in place. Weights are `GpuTensor`s of F32, F16 or BF16 `[dim]` multiplied
 //! as stored (the loaders turn HF's `1+w` into plain `w`).
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::cpu::ops::L2Mode;
 use crate::{DType, Error, Result};
@@ -45,8 +45,8 @@ enum Mode {
 #[derive(Clone, Copy)]
 enum Extra<'a> {
     None,
-    Gate(View<'a>),
-    Residual(View<'a>),
+    Gate(Operand<'a>),
+    Residual(Operand<'a>),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -55,8 +55,8 @@ fn run(
     mode: Mode,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     extra: Extra<'_>,
     eps: f32,
@@ -208,8 +208,8 @@ pub fn rms_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {
@@ -222,9 +222,9 @@ pub fn add_rms_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    r: View<'_>,
-    y: View<'_>,
+    x: Operand<'_>,
+    r: Operand<'_>,
+    y: Operand<'_>,
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {
@@ -249,8 +249,8 @@ pub fn l2_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     eps: f32,
     mode: L2Mode,
     scale: f32,
@@ -275,9 +275,9 @@ pub fn gated_rms_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    o: View<'_>,
-    z: View<'_>,
-    y: Option<View<'_>>,
+    o: Operand<'_>,
+    z: Operand<'_>,
+    y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {

@@ -22,12 +22,13 @@ use super::{Hparams, ScoreFunc};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::hc::{self, HcShape, HcWeights};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::topk::TopLogits;
@@ -629,9 +630,9 @@ impl GpuModel {
             select,
             hp.norm_topk,
             hp.route_scale,
-            View::new(&sc.router, 0),
-            View::new(&sc.moe_ids, 0),
-            View::new(&sc.moe_w, 0),
+            Operand::new(&sc.router, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
         )?;
         let limit = |v: f32| (v > 0.0).then_some(v);
         let bufs = FfnBufs {
@@ -687,9 +688,9 @@ impl GpuModel {
             pass,
             n,
             fs,
-            View::new(&sc.f_act, 0),
-            View::new(&sc.f_gate, 0),
-            View::new(&sc.f_up, 0),
+            Operand::new(&sc.f_act, 0),
+            Operand::new(&sc.f_gate, 0),
+            Operand::new(&sc.f_up, 0),
             limit(hp.swiglu_limit_shexp[l]),
         )?;
         self.linear(pass, &m.sh_down, &sc.f_act, &sc.blk, n)

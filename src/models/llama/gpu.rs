@@ -8,12 +8,13 @@
 use super::{Hparams, RopeScaling, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
@@ -519,7 +520,7 @@ impl GpuModel {
             &sc.ids,
             0,
             n,
-            View::new(&sc.x, 0),
+            Operand::new(&sc.x, 0),
         )?;
         let e = hp.n_embd as u32;
         for (l, lw) in self.layers.iter().enumerate() {
@@ -528,8 +529,8 @@ impl GpuModel {
                     pass,
                     n,
                     e,
-                    View::new(&sc.x, 0),
-                    Some(View::new(&sc.h, 0)),
+                    Operand::new(&sc.x, 0),
+                    Some(Operand::new(&sc.h, 0)),
                     Some(w),
                     hp.eps,
                 )
@@ -545,9 +546,9 @@ impl GpuModel {
                         &mut pass,
                         n,
                         hp.n_ff as u32,
-                        View::new(&sc.act, 0),
-                        View::new(&sc.gate, 0),
-                        View::new(&sc.up, 0),
+                        Operand::new(&sc.act, 0),
+                        Operand::new(&sc.gate, 0),
+                        Operand::new(&sc.up, 0),
                         None,
                     )?;
                     linear(&mut pass, down, &sc.act, &sc.x, n, true)?;
@@ -577,8 +578,8 @@ impl GpuModel {
             &mut pass,
             rows as u32,
             e,
-            View::new(&sc.x, r0 as u32 * e),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, r0 as u32 * e),
+            Some(Operand::new(&sc.h, 0)),
             Some(&self.output_norm),
             hp.eps,
         )?;
@@ -600,7 +601,7 @@ impl GpuModel {
                 1,
             )?;
             sc.top
-                .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
             pass.submit()?;
             let t = sc.top.read(&gpu, 1, k, lse)?.pop();
             return Ok((Vec::new(), t));
@@ -651,9 +652,9 @@ impl GpuModel {
             m.n_expert as u32,
             k,
             m.norm_topk,
-            View::new(&sc.router, 0),
-            View::new(&sc.moe_ids, 0),
-            View::new(&sc.moe_w, 0),
+            Operand::new(&sc.router, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
         )?;
         let bufs = FfnBufs {
             gate: &sc.f_gate,
@@ -667,9 +668,9 @@ impl GpuModel {
                 n,
                 e,
                 k,
-                View::new(&sc.x, 0),
-                View::new(&sc.moe_w, 0),
-                View::new(&sc.moe_out, 0),
+                Operand::new(&sc.x, 0),
+                Operand::new(&sc.moe_w, 0),
+                Operand::new(&sc.moe_out, 0),
             )
         };
         match self.offload.as_ref().filter(|o| o.has_layer(l)) {
@@ -713,8 +714,8 @@ impl GpuModel {
                     pass,
                     n,
                     heads * hd,
-                    View::new(buf, 0),
-                    View::strided(bias, 0, 0),
+                    Operand::new(buf, 0),
+                    Operand::strided(bias, 0, 0),
                 )?;
             }
         }
@@ -724,7 +725,7 @@ impl GpuModel {
                     pass,
                     n * heads,
                     hd,
-                    View::new(buf, 0),
+                    Operand::new(buf, 0),
                     None,
                     Some(w),
                     hp.eps,
