@@ -2,7 +2,7 @@
 //! timestamps per dispatch where the adapter has them, else the wall clock of submit + wait
 //! (which then includes one submission's overhead). Checks every result against the CPU.
 //! `cargo run --release --example topk_bench -- [N=248320] [ROWS=1] [ITERS=20]`
-use lathe::gpu::elementwise::View;
+use lathe::gpu::operand::Operand;
 use lathe::gpu::topk::LogitsTop;
 use lathe::gpu::{AdapterChoice, Gpu};
 use std::time::Instant;
@@ -33,7 +33,7 @@ fn main() -> lathe::Result<()> {
     let timed = gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY);
     for (k, lse) in [(1, false), (40, false), (64, false), (40, true)] {
         let record = |pass: &mut lathe::gpu::Pass<'_>| {
-            top.record(pass, View::new(&xbuf, 0), rows, 0, k, lse)
+            top.record(pass, Operand::new(&xbuf, 0), rows, 0, k, lse)
         };
         // Warm the pipelines and check the result.
         let mut pass = gpu.pass();

@@ -1,7 +1,7 @@
 // Prefill products: Y[t][row] = sum_c W[row][c] X[t][c] for many tokens, tiled so that each
-// chunk of W is decoded once into workgroup memory and reused by BN tokens. Compiled appended to
+// chunk of W is decoded once into workgroup memory and reused by BN tokens, on the pieces of
 // matvec.wgsl (bindings, Params, the chunk decoders `chunk_w` / `xmap`); with ROUTE defined only
-// the route kernel at the end remains.
+// the route kernel at the end remains (it binds other buffers at the same slots).
 //
 // Tile: BM rows x BN tokens per workgroup of MM_WG threads; the K loop walks the chunks of the
 // row (32 weights each, in the chunk order of matvec.wgsl: the x values are gathered with the same
@@ -17,6 +17,14 @@
 // matmul_id grid: wid.x = row tile, wid.y = tile slot of the route (see route below).
 
 #ifndef ROUTE
+
+#include "bindings"
+#include "x_f32"
+#include "prologue"
+#include "weight_bytes"
+#include "decoders"
+#include "prefill_chunks"
+#include "mv_idx"
 
 #if THIN
 const MM_WG = 64u;

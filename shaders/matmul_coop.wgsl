@@ -1,8 +1,8 @@
 // Prefill products on the matrix units: Y[t][row] = sum_c W[row][c] X[t][c] with cooperative
 // matrices (16x16x16, f16 inputs, f32 accumulators; VK_KHR_cooperative_matrix through wgpu's
-// `wgpu_cooperative_matrix` extension). Compiled appended to matvec.wgsl (bindings, Params, the
-// chunk decoders `chunk_w` / `xmap`, `gather_x`); the `enable` lines below are hoisted to the top
-// by the preprocessor (src/gpu/pipeline.rs).
+// `wgpu_cooperative_matrix` extension), on the pieces of matvec.wgsl (bindings, Params, the
+// chunk decoders `chunk_w` / `xmap`, `gather_x`); the preprocessor (src/gpu/pipeline.rs) puts
+// the `enable` lines below first.
 //
 // Two kernels per product:
 // - `coop_x` stages X as f16 in the chunk order of the weights (chunk c occupies halves
@@ -54,6 +54,14 @@
 // XSPLIT: Ws, Wsl, Xs, Xsl 128 x 80 B = 10 KiB each + Cs 8 KiB = 48 KiB.
 enable f16;
 enable wgpu_cooperative_matrix;
+
+#include "bindings"
+#include "x_f32"
+#include "prologue"
+#include "weight_bytes"
+#include "decoders"
+#include "prefill_chunks"
+#include "mv_idx"
 
 #ifndef CBN
 const CBN = 128u;    // tokens per workgroup: 128 (dense), 64 (MoE, the route's tile)

@@ -2,7 +2,7 @@
 // (`--matmul int8`): Y[t][row] = Σ_g d_x[t][g] · (a · Σ_{i} q_w[row][g][i] · q_x[t][g][i]) − m · s_x[t][g]
 // over the row's 32-element sub-blocks g, the integer sums four codes at a time with
 // dot4I8Packed (ggml's MMQ idea: weights stay as their integer codes, x is quantized per 32
-// values as block_q8_1 by `quantize_x`). Compiled appended to matvec.wgsl with Q8X and MMQ
+// values as block_q8_1 by `quantize_x`). On the pieces of matvec.wgsl, with Q8X and MMQ
 // (bindings: QX codes at 3, XS scales at 5, Y at 4, the MoE route at 6).
 //
 // Per type (the legacy and K quants with integer levels, and the table types IQ4_NL and MXFP4,
@@ -23,6 +23,11 @@
 //
 // matmul_q8 grid: wid.x = row tile, wid.y = token tile. matmul_q8_id: as matmul.wgsl's
 // matmul_id, over the same route.
+
+#include "bindings"
+#include "x_int8"
+#include "weight_bytes"
+#include "decoders"
 
 #if THIN
 const MQ_WG = 64u;

@@ -19,6 +19,7 @@ use crate::{Error, Result};
 use serde_json::{json, Value as Json};
 use std::fmt::Write;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What to measure.
@@ -39,6 +40,9 @@ pub struct BenchOptions {
     pub load: LoadOptions,
     /// Decode with speculation (`--spec`): greedy from the model's own picks.
     pub spec: Option<crate::spec::SpecOptions>,
+    /// The draft model of `--spec draft` (`--draft-model`), loaded on the model's adapter
+    /// with its kernels as `lathe run` and `serve` load it.
+    pub draft_model: Option<std::path::PathBuf>,
     /// Record one more decode step's per-MoE-layer timeline (`--moe-timeline`).
     pub timeline: bool,
     /// Sequences decoded together (`--parallel`): every decode step is one batched pass of
@@ -57,6 +61,7 @@ impl Default for BenchOptions {
             seed: 0,
             load: LoadOptions::default(),
             spec: None,
+            draft_model: None,
             timeline: false,
             parallel: 1,
         }
@@ -156,6 +161,9 @@ pub struct BenchReport {
     pub fused_loads: bool,
     /// What speculation did in the decode test, and what its pieces cost.
     pub spec: Option<(crate::spec::SpecStats, crate::spec::StepCosts)>,
+    /// Pipelines compiled during the timed repetitions (on every device, a draft model's
+    /// included): 0 when the warm-up compiled everything they use.
+    pub compiled_while_timed: usize,
     /// One decode step's per-MoE-layer timeline (`BenchOptions::timeline`; empty without an
     /// expert offload).
     pub timeline: Option<Vec<crate::moe::LayerTimes>>,
@@ -256,9 +264,11 @@ impl BenchReport {
                 "verify_passes": s.verify_passes,
                 "decode_step_ms": c.decode * 1e3,
                 "mtp_draft_ms": c.mtp_draft.map(|t| t * 1e3),
+                "draft_model_step_ms": c.draft_step.map(|t| t * 1e3),
                 "verify_ms": c.verify.iter().map(|(k, t)| json!({"k": k, "ms": t * 1e3})).collect::<Vec<_>>(),
             })),
             "timeline": self.timeline,
+            "compiled_while_timed": self.compiled_while_timed,
             "hops": self.hops.as_ref().and_then(|h| serde_json::to_value(h).ok()),
         })
     }
@@ -363,12 +373,14 @@ impl BenchReport {
             writeln!(
                 s,
                 "\nspeculation: {:.1}% of {} drafts accepted, {:.2} tokens per verify pass; \
-                 decode step {:.3} ms, MTP draft {}",
+                 decode step {:.3} ms, MTP draft {}, draft model step {}",
                 100.0 * st.acceptance(),
                 st.drafted,
                 st.tokens_per_forward(),
                 c.decode * 1e3,
                 c.mtp_draft
+                    .map_or("-".to_string(), |t| format!("{:.3} ms", t * 1e3)),
+                c.draft_step
                     .map_or("-".to_string(), |t| format!("{:.3} ms", t * 1e3))
             )
             .ok();
@@ -382,6 +394,15 @@ impl BenchReport {
                 )
                 .ok();
             }
+        }
+        if self.compiled_while_timed > 0 {
+            writeln!(
+                s,
+                "\nnote: {} pipelines were compiled during the timed repetitions (their speeds \
+                 include the compiles)",
+                self.compiled_while_timed
+            )
+            .ok();
         }
         s
     }
@@ -429,6 +450,11 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             opts.parallel
         )));
     }
+    if opts.draft_model.is_some() && opts.spec.is_none() {
+        return Err(Error::Invalid(
+            "--draft-model drafts for --spec draft".into(),
+        ));
+    }
     if opts.parallel > 1 && (opts.spec.is_some() || opts.timeline) {
         return Err(Error::Invalid(
             "--parallel decodes several sequences without speculation or a timeline".into(),
@@ -445,6 +471,28 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     let t0 = Instant::now();
     let mut e = Engine::load(path, &load_opts)?;
     let load_s = t0.elapsed().as_secs_f64();
+    // The draft model as `lathe run` loads it: the model's adapter, kernels and context; a
+    // sequence for the timed generation and one for its step's cost.
+    let spec = match (&opts.spec, &opts.draft_model) {
+        (Some(so), Some(dp)) => {
+            let d = Engine::load(
+                dp,
+                &LoadOptions {
+                    max_seqs: 2,
+                    save_expert_stats: None,
+                    collect_expert_stats: false,
+                    progress: None,
+                    ..load_opts.clone()
+                },
+            )
+            .map_err(|err| Error::Invalid(format!("--draft-model {}: {err}", dp.display())))?;
+            Some(crate::spec::SpecOptions {
+                draft_model: Some(crate::spec::DraftModel::new(d)),
+                ..so.clone()
+            })
+        }
+        (so, _) => so.clone(),
+    };
     let vocab = e.vocab_size();
     let mut ids = Ids(opts.seed ^ 0x006c_6174_6865);
     let mut seq = e.new_seq()?;
@@ -467,6 +515,22 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             batch_step(&mut e, &mut seq, &mut others, step)?;
         }
     }
+    // and speculation's verify passes, rollbacks and drafts
+    if let (true, Some(so)) = (opts.n_gen > 0, &spec) {
+        crate::spec::warm_up(&mut e, so)?;
+    }
+    // Every device the timed repetitions run on, to count their compiles.
+    let gpus: Vec<Arc<Gpu>> = e
+        .gpus
+        .iter()
+        .cloned()
+        .chain(
+            spec.as_ref()
+                .and_then(|so| so.draft_model.as_ref())
+                .map(|d| d.0.lock().unwrap_or_else(|p| p.into_inner()).gpu.clone()),
+        )
+        .collect();
+    let mut compiled_while_timed = 0;
 
     let fill = |e: &mut Engine, seq: &mut crate::engine::Seq, ids: &mut Ids| -> Result<()> {
         e.reset(seq)?;
@@ -491,9 +555,11 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             fill(&mut e, &mut seq, &mut ids)?;
             let t = ids.take(opts.n_prompt, vocab);
             let before = e.hops();
+            let c0 = compiled(&gpus);
             let s = Instant::now();
             e.forward(&mut seq, &t, false)?;
             secs.push(s.elapsed().as_secs_f64());
+            compiled_while_timed += compiled(&gpus) - c0;
             if let (Some(a), Some(b)) = (e.hops(), before) {
                 crossed = crossed.plus(&a.since(&b));
             }
@@ -507,25 +573,33 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     };
     let matmul = e.gpu.take_matmul().name();
     let mut host_ns = 0u64;
-    let mut spec = None;
-    let decode = if let (true, Some(so)) = (opts.n_gen > 0, &opts.spec) {
+    let mut spec_report = None;
+    let decode = if let (true, Some(so)) = (opts.n_gen > 0, &spec) {
         let mut secs = Vec::with_capacity(opts.reps);
         let mut total = crate::spec::SpecStats::default();
         for _ in 0..opts.reps {
             fill(&mut e, &mut seq, &mut ids)?;
             let first = ids.take(1, vocab)[0];
+            let c0 = compiled(&gpus);
             let s = Instant::now();
-            let st = crate::spec::greedy_run(&mut e, &mut seq, first, opts.n_gen, so)?;
+            let (st, _) = crate::spec::greedy_run(&mut e, &mut seq, first, opts.n_gen, so)?;
             secs.push(s.elapsed().as_secs_f64());
+            compiled_while_timed += compiled(&gpus) - c0;
             total.drafted += st.drafted;
             total.accepted += st.accepted;
             total.verify_passes += st.verify_passes;
             total.tokens += st.tokens;
         }
         let tok = ids.take(1, vocab)[0];
-        spec = Some((
+        spec_report = Some((
             total,
-            crate::spec::step_costs(&mut e, &mut seq, tok, opts.reps * 4)?,
+            crate::spec::step_costs(
+                &mut e,
+                &mut seq,
+                tok,
+                opts.reps * 4,
+                so.draft_model.as_ref(),
+            )?,
         ));
         Some(Stat::new(opts.n_gen, &secs))
     } else if opts.n_gen > 0 {
@@ -539,11 +613,13 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
             let t = ids.take(opts.n_gen * opts.parallel, vocab);
             let h0 = e.gpu.host_ns();
             let before = e.hops();
+            let c0 = compiled(&gpus);
             let s = Instant::now();
             for step in t.chunks(opts.parallel) {
                 batch_step(&mut e, &mut seq, &mut others, step)?;
             }
             secs.push(s.elapsed().as_secs_f64());
+            compiled_while_timed += compiled(&gpus) - c0;
             host_ns += e.gpu.host_ns() - h0;
             if let (Some(a), Some(b)) = (e.hops(), before) {
                 crossed = crossed.plus(&a.since(&b));
@@ -625,10 +701,16 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         matmul,
         activations: if e.gpu.int8_decode() { "int8" } else { "f32" },
         fused_loads: opts.load.fused_loads,
-        spec,
+        spec: spec_report,
+        compiled_while_timed,
         timeline,
         hops,
     })
+}
+
+/// Pipelines compiled so far on `gpus`.
+fn compiled(gpus: &[Arc<Gpu>]) -> usize {
+    gpus.iter().map(|g| g.compiled_specs().len()).sum()
 }
 
 /// One token of each of `seq` and `others`: `step[i]` for sequence i.

@@ -91,8 +91,8 @@ pub struct LoadOptions {
     /// `--fused-loads`, on by default. Qwen3.5-9B decode takes 5.75 dispatches per layer
     /// against 7.75 with it off (SwiGLU joins the gate+up product's store either way,
     /// `matvec::Epilogue::SwiGlu`). The fused products read f32 x (see `ActivationsChoice`).
-    /// `lathe serve` with several sequences at once takes it off by default: its batches
-    /// pay the norm's pass over each token's row in every product workgroup.
+    /// `--fused-loads auto` is [`LoadOptions::fused_loads_auto`] of the command's rows per
+    /// decode pass (the default here: one).
     pub fused_loads: bool,
     /// Several devices (`--devices`): the model's layers split over them in contiguous
     /// ranges (`models::chain`); empty or one: the single device of `adapter`.
@@ -136,7 +136,22 @@ impl std::fmt::Debug for LoadOptions {
     }
 }
 
+/// Most rows per decode pass for which `--fused-loads auto` takes fused loads. The
+/// token-group kernel runs the fused norm's pass over each token's row inside every
+/// workgroup, so batches lose with them (H200, Qwen3.5-9B, issue 34, 2026-12-03: a verify
+/// pass of 4 rows 18.0 ms fused against 11.9 ms unfused, one decode step 5.7 ms; 16 server
+/// streams about 5 against 12 tok/s each). Raise it once that kernel computes the prologue
+/// once per token group: `run`, `serve` and `bench` all follow.
+pub const FUSED_LOADS_AUTO_ROWS: usize = 1;
+
 impl LoadOptions {
+    /// `--fused-loads auto` for a command whose decode passes carry up to `decode_rows`
+    /// rows (sequences decoded together times the rows of a verify pass): the one default
+    /// of `run`, `serve` and `bench`.
+    pub fn fused_loads_auto(decode_rows: usize) -> bool {
+        decode_rows <= FUSED_LOADS_AUTO_ROWS
+    }
+
     /// The `gpu_mem` size of device `i` (of `devices`; 0 for a single device): the one size
     /// given for all, or the device's own; `None`: detect it.
     pub fn gpu_mem_of(&self, i: usize) -> Option<u64> {
@@ -166,7 +181,7 @@ impl Default for LoadOptions {
             expert_stream: Default::default(),
             cold_layers: Default::default(),
             cpu_simd: None,
-            fused_loads: true,
+            fused_loads: LoadOptions::fused_loads_auto(1),
             devices: Vec::new(),
             split: None,
             part: None,

@@ -268,7 +268,8 @@ fn run(cli: Cli) -> lathe::Result<()> {
             prefill,
             load,
         } => {
-            let opts = load.load_options()?;
+            // One row per pass: the prompt's rows as one batch, then single tokens.
+            let opts = load.load_options(1)?;
             // Before the model loads and computes (seconds to minutes), not after.
             lathe::npy::check_writable(&out)?;
             let model = resolve_model(model)?;

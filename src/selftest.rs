@@ -1249,8 +1249,8 @@ fn value_check(name: String, pairs: &[(f32, f32)], mut detail: String) -> Check 
 /// sum written back to x must be the f32 sum exactly. Bound per value `1e-5 · (1 + |v|)`.
 pub fn add_rms_norm(gpu: &Gpu, (rows, dim, off): (u32, u32, u32), seed: u64) -> Result<Check> {
     use crate::cpu::ops;
-    use crate::gpu::elementwise::View;
     use crate::gpu::norm;
+    use crate::gpu::operand::Operand;
     let mut rng = Rng(seed);
     let (r, d, o) = (rows as usize, dim as usize, off as usize);
     let stride = d + o;
@@ -1269,7 +1269,7 @@ pub fn add_rms_norm(gpu: &Gpu, (rows, dim, off): (u32, u32, u32), seed: u64) -> 
         path: Path::new("selftest"),
     })?;
     let (xo, zo, yo) = (o, o + 4, o + 8);
-    let view = |b, at: usize| View::strided(b, at as u32, stride as u32);
+    let view = |b, at: usize| Operand::strided(b, at as u32, stride as u32);
     let mut pass = gpu.pass();
     norm::add_rms_norm(
         &mut pass,

@@ -526,14 +526,14 @@ fn top1(l: &[Logits]) -> Result<u32> {
 }
 
 /// Greedy generation of `n` tokens after `first` on `seq` with speculation, as `lathe bench`
-/// times it (the argmax found on the GPU): what the verify passes did.
+/// times it (the argmax found on the GPU): what the verify passes did, and the tokens.
 pub fn greedy_run(
     engine: &mut Engine,
     seq: &mut Seq,
     first: u32,
     n: usize,
     opts: &SpecOptions,
-) -> Result<SpecStats> {
+) -> Result<(SpecStats, Vec<u32>)> {
     let greedy = Want::Top { k: 1, lse: false };
     let Some(mut s) = Speculator::new(engine, opts)? else {
         return Err(Error::Invalid(format!(
@@ -542,21 +542,59 @@ pub fn greedy_run(
         )));
     };
     let mut logits = s.feed_prompt(engine, seq, &[first], None, greedy)?;
+    let mut out = Vec::with_capacity(n);
     for _ in 1..n {
         let id = top1(std::slice::from_ref(&logits))?;
-        logits = s.next(engine, seq, id, greedy, &mut |_| {})?.0;
+        let (l, id) = s.next(engine, seq, id, greedy, &mut |_| {})?;
+        out.push(id);
+        logits = l;
     }
+    out.push(top1(std::slice::from_ref(&logits))?);
     s.settle(engine, seq, &mut |_| {})?;
-    Ok(s.stats)
+    Ok((s.stats, out))
+}
+
+/// Runs, on a scratch sequence, every pass a speculative generation with `opts` runs, so
+/// that the first timed one compiles nothing (`lathe bench --spec`: the first timed
+/// repetition was a compile, 8.6 tok/s on the H200, issue 34): a one-token prompt piece,
+/// then per `m` in `0..=--draft` a verify pass with `m` drafts kept, so that the rollbacks
+/// of every length (`m + 1` rows fed again), the MTP rows over every number of trunk rows
+/// and a draft model's passes all run once. Nothing when `opts` does not speculate.
+pub fn warm_up(engine: &mut Engine, opts: &SpecOptions) -> Result<()> {
+    let greedy = Want::Top { k: 1, lse: false };
+    let mut seq = engine.new_seq()?;
+    let k = opts.draft;
+    for m in 0..=k {
+        let Some(mut s) = Speculator::new(engine, opts)? else {
+            return Ok(());
+        };
+        engine.reset(&mut seq)?;
+        s.feed_prompt(engine, &mut seq, &[0], None, greedy)?;
+        for keep in [m, 0] {
+            s.prepare(engine, &mut seq, 0, k, &mut |_| {})?;
+            verify_many(engine, &mut [(&mut s, &mut seq, greedy)])?;
+            // `keep` drafts taken whatever they are (the rows' tokens do not matter here).
+            s.accept_all = true;
+            for _ in 0..keep {
+                s.advance(0);
+            }
+            s.accept_all = opts.accept_all;
+        }
+        s.settle(engine, &mut seq, &mut |_| {})?;
+    }
+    Ok(())
 }
 
 /// Seconds of the pieces of a speculative step on `seq` (which must hold a few tokens):
 /// per `k` in `1..max_verify` the verify pass of `k + 1` tokens (then rolled back), one
-/// chained MTP draft, and a plain one-token decode step; each the mean of `reps`.
+/// chained MTP draft, one step of the draft model, and a plain one-token decode step; each
+/// the mean of `reps`.
 #[derive(Clone, Debug)]
 pub struct StepCosts {
     pub verify: Vec<(usize, f64)>,
     pub mtp_draft: Option<f64>,
+    /// A one-token step of the draft model (`--draft-model`), on its own sequence.
+    pub draft_step: Option<f64>,
     pub decode: f64,
 }
 
@@ -565,6 +603,7 @@ pub fn step_costs(
     seq: &mut Seq,
     token: u32,
     reps: usize,
+    draft_model: Option<&DraftModel>,
 ) -> Result<StepCosts> {
     let greedy = Want::Top { k: 1, lse: false };
     let reps = reps.max(1);
@@ -606,9 +645,263 @@ pub fn step_costs(
     } else {
         None
     };
+    let draft_step = match draft_model {
+        Some(dm) => {
+            let mut d = dm.lock();
+            let mut dseq = d.new_seq()?;
+            d.forward_batch_with(&mut [(&mut dseq, &[token, token, token], Want::None)])?;
+            let mut one = d.new_seq()?;
+            let copy = time(&mut || d.copy_seq(&dseq, &mut one))?;
+            Some(
+                time(&mut || {
+                    d.copy_seq(&dseq, &mut one)?;
+                    d.forward_batch_with(&mut [(&mut one, &[token], greedy)])?;
+                    Ok(())
+                })? - copy,
+            )
+        }
+        None => None,
+    };
     Ok(StepCosts {
         verify,
         mtp_draft,
+        draft_step,
         decode,
     })
+}
+
+/// What the device's passes cost, as `serve --spec auto` decides from them
+/// ([`measure_pass_costs`] at warm-up).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassCosts {
+    /// Seconds of a verify pass of `r` rows at index `r - 1`, for `r` in
+    /// `1..=max_verify`. A plain batched decode step of `r` sequences runs the same decode
+    /// kernels over as many rows, so it costs about as much.
+    pub pass: Vec<f64>,
+    /// Seconds to draft one token: a chained MTP row, or a step of the draft model.
+    pub draft: f64,
+}
+
+impl PassCosts {
+    /// Seconds of the verify passes of `n` sequences of `rows` rows each, packed whole into
+    /// passes of up to `pass.len()` rows as [`Speculate::verify_batch`] packs them.
+    fn packed(&self, n: usize, rows: usize) -> f64 {
+        let max = self.pass.len();
+        let per = (max / rows.max(1)).max(1);
+        let full = (n / per) as f64 * self.pass[(per * rows).min(max) - 1];
+        match n % per {
+            0 => full,
+            r => full + self.pass[r * rows - 1],
+        }
+    }
+
+    /// Seconds of a plain batched decode step of `n` sequences. Past the largest verify
+    /// pass measured, the cost of that pass: a lower bound (more rows never cost less), so
+    /// that the choice speculates only where it pays against the cheapest plain step.
+    fn plain(&self, n: usize) -> f64 {
+        self.pass[n.clamp(1, self.pass.len()) - 1]
+    }
+}
+
+/// Tokens one verify pass of `k` drafts yields when each draft is kept with probability
+/// `a` (independently, until the first rejection), counting the row after the last kept
+/// draft: `(1 - a^(k+1)) / (1 - a)` (Leviathan et al. 2023, "Fast Inference from
+/// Transformers via Speculative Decoding", eq. 1).
+pub fn expected_tokens(k: usize, a: f64) -> f64 {
+    let a = a.clamp(0.0, 1.0);
+    if a >= 1.0 {
+        return (k + 1) as f64;
+    }
+    (1.0 - a.powi(k as i32 + 1)) / (1.0 - a)
+}
+
+/// `serve --spec auto`'s choice for `n` sequences speculating together at acceptance `a`:
+/// the draft length in `1..=max_draft` that gives the most expected tokens per second,
+/// or 0 when a plain batched step of the `n` sequences gives more. A speculative step
+/// costs the packed verify passes, `k` drafts per sequence and, when any draft is
+/// rejected, a rollback pass that feeds the kept tokens again; it yields
+/// [`expected_tokens`] per sequence.
+pub fn choose_draft(c: &PassCosts, n: usize, a: f64, max_draft: usize) -> usize {
+    let n = n.max(1);
+    if c.pass.is_empty() {
+        return 0;
+    }
+    let mut best = (0, n as f64 / c.plain(n));
+    for k in 1..=max_draft.min(c.pass.len() - 1) {
+        let tokens = expected_tokens(k, a);
+        let rejected = 1.0 - a.clamp(0.0, 1.0).powi((k * n) as i32);
+        // The kept tokens (all but the row after them) of every sequence, fed again.
+        let kept = ((tokens - 1.0).max(0.0).ceil() as usize).max(1);
+        let cost = c.packed(n, k + 1)
+            + (n * k) as f64 * c.draft
+            + rejected * c.packed(n, kept.min(c.pass.len()));
+        let rate = n as f64 * tokens / cost;
+        if rate > best.1 {
+            best = (k, rate);
+        }
+    }
+    best.0
+}
+
+/// Drafts `serve --spec auto` assumes before it has measured any (pseudo-counts of a
+/// prior at [`PRIOR_ACCEPTANCE`]): enough that the first requests speculate and measure,
+/// few enough that a few replies of real acceptance outweigh it.
+pub const PRIOR_DRAFTS: f64 = 16.0;
+/// The acceptance assumed before measurements: about what MTP drafts of real checkpoints
+/// keep (DeepSeek-V3 reports 85-90% for its second token, arXiv 2412.19437 §5.4.3). Each
+/// rejection costs a rollback pass, so at one half speculation at best breaks even even
+/// with free verify rows, and a lower prior would never measure; random weights keep
+/// almost none and stop speculating after their first replies.
+pub const PRIOR_ACCEPTANCE: f64 = 0.8;
+
+/// The acceptance `serve --spec auto` decides with: what the finished requests measured,
+/// with [`PRIOR_DRAFTS`] drafts at [`PRIOR_ACCEPTANCE`] added.
+pub fn acceptance_estimate(measured: Option<SpecStats>) -> f64 {
+    let (acc, drafted) = measured.map_or((0.0, 0.0), |s| (s.accepted as f64, s.drafted as f64));
+    (acc + PRIOR_DRAFTS * PRIOR_ACCEPTANCE) / (drafted + PRIOR_DRAFTS)
+}
+
+/// Measures [`PassCosts`] on `engine` for speculation with `opts`: verify passes of every
+/// row count up to [`Speculate::max_verify`] (each rolled back) on a fresh sequence holding a
+/// few tokens, and one draft: a chained MTP row, or a one-token step of the draft model on
+/// its own sequence. Each the mean of `reps` after one untimed run (which also compiles).
+pub fn measure_pass_costs(
+    engine: &mut Engine,
+    opts: &SpecOptions,
+    reps: usize,
+) -> Result<PassCosts> {
+    let greedy = Want::Top { k: 1, lse: false };
+    let reps = reps.max(1);
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    let verify_costs = |e: &mut Engine, seq: &mut Seq, rows: usize| -> Result<Vec<f64>> {
+        spec_of(e)?.feed(seq, &[0, 0, 0], Want::None)?;
+        (1..=rows)
+            .map(|r| {
+                let toks = vec![0; r];
+                time(&mut || {
+                    let s = spec_of(e)?;
+                    s.verify(seq, &toks, greedy)?;
+                    s.rollback(seq, &[])
+                })
+            })
+            .collect()
+    };
+    let mut seq = engine.new_seq()?;
+    let max = spec_of(engine)?.max_verify();
+    let pass = verify_costs(engine, &mut seq, max)?;
+    // The drafts `Speculator::new` takes: the MTP block unless --spec draft or none.
+    let mtp = spec_of(engine)?.has_mtp() && opts.mode != SpecMode::Draft;
+    let draft = match (&opts.draft_model, mtp) {
+        (Some(dm), false) => {
+            let mut d = dm.lock();
+            let mut dseq = d.new_seq()?;
+            verify_costs(&mut d, &mut dseq, 1)?[0]
+        }
+        (None, false) => {
+            return Err(Error::Invalid(
+                "no drafts to measure: neither an MTP block nor a draft model".into(),
+            ))
+        }
+        (_, true) => {
+            // The trunk row the chain starts from (the rollbacks above left none).
+            let s = spec_of(engine)?;
+            s.feed(&mut seq, &[0], Want::None)?;
+            s.mtp(&seq, Hidden::Trunk, &[0], greedy)?;
+            time(&mut || {
+                spec_of(engine)?
+                    .mtp(&seq, Hidden::Chain, &[0], greedy)
+                    .map(drop)
+            })?
+        }
+    };
+    Ok(PassCosts { pass, draft })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Verify passes that cost `per_row` seconds a row over a base of `base`.
+    fn costs(base: f64, per_row: f64, draft: f64) -> PassCosts {
+        PassCosts {
+            pass: (1..=8).map(|r| base + per_row * r as f64).collect(),
+            draft,
+        }
+    }
+
+    #[test]
+    fn expected_tokens_follow_the_geometric_series() {
+        assert_eq!(expected_tokens(3, 0.0), 1.0);
+        assert_eq!(expected_tokens(3, 1.0), 4.0);
+        // 1 + a + a^2 + a^3
+        let a: f64 = 0.6;
+        let want = 1.0 + a + a * a + a * a * a;
+        assert!((expected_tokens(3, a) - want).abs() < 1e-12);
+    }
+
+    #[test]
+    fn verify_passes_pack_whole_sequences() {
+        let c = costs(0.0, 1.0, 0.0);
+        // 3 sequences of 4 rows: passes of 8 and 4 rows
+        assert_eq!(c.packed(3, 4), 12.0);
+        // 3 of 3 rows: 6 rows (two sequences) and 3
+        assert_eq!(c.packed(3, 3), 9.0);
+        assert_eq!(c.packed(1, 8), 8.0);
+        assert_eq!(c.plain(3), 3.0);
+        assert_eq!(c.plain(20), 8.0);
+    }
+
+    #[test]
+    fn choice_speculates_only_where_it_pays() {
+        // Weight reads bound the passes (8 rows cost little more than one), drafts are
+        // cheap: speculate, with longer drafts at higher acceptance.
+        let cheap = costs(1.0, 0.02, 0.05);
+        let k_mid = choose_draft(&cheap, 1, 0.8, 7);
+        let k_high = choose_draft(&cheap, 1, 0.95, 7);
+        assert!(k_mid >= 1, "{k_mid}");
+        assert!(k_high > k_mid, "{k_high} > {k_mid}");
+        // never more than asked, nor than a pass holds
+        assert_eq!(choose_draft(&cheap, 1, 0.99, 2), 2);
+        assert!(choose_draft(&cheap, 1, 0.99, 50) <= 7);
+        // Drafts that are never kept: every pass is a verify plus a rollback.
+        assert_eq!(choose_draft(&cheap, 1, 0.0, 7), 0);
+        // Each row costs a decode step (issue 34's fused verify: 4 rows 3.2x a step).
+        let dear = costs(0.0, 1.0, 0.1);
+        assert_eq!(choose_draft(&dear, 1, 0.9, 7), 0);
+        // Many sequences: a plain batched step already serves them all at the cost of one
+        // pass, so what pays for one sequence does not for 8.
+        assert!(choose_draft(&cheap, 1, 0.8, 3) > 0);
+        assert_eq!(choose_draft(&cheap, 8, 0.8, 3), 0);
+        assert_eq!(
+            choose_draft(
+                &PassCosts {
+                    pass: vec![],
+                    draft: 0.0
+                },
+                1,
+                0.9,
+                3
+            ),
+            0
+        );
+    }
+
+    #[test]
+    fn acceptance_estimate_starts_at_the_prior_and_follows_measurements() {
+        assert_eq!(acceptance_estimate(None), PRIOR_ACCEPTANCE);
+        let low = SpecStats {
+            drafted: 1000,
+            accepted: 10,
+            ..Default::default()
+        };
+        let a = acceptance_estimate(Some(low));
+        assert!(a < 0.03 && a > 0.01, "{a}");
+    }
 }

@@ -3,7 +3,8 @@
 //! larger buffer at an offset and row stride whose other elements must stay untouched.
 //! Sizes: odd (3 rows × 33, k 1 / 3) and real (Qwen3.5-35B-A3B: 2048 wide, k 8; 7 rows).
 
-use lathe::gpu::elementwise::{self as ew, View};
+use lathe::gpu::elementwise as ew;
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{AdapterChoice, Gpu};
 
 const GUARD: f32 = -7777.25;
@@ -38,11 +39,19 @@ fn moe_combine_matches_axpy_rows() {
         let wb = gpu.upload_f32(&w, "w").unwrap();
         let run = |fused: bool| {
             let yb = gpu.upload_f32(&y0, "y").unwrap();
-            let yv = View::strided(&yb, y_off as u32, y_stride as u32);
+            let yv = Operand::strided(&yb, y_off as u32, y_stride as u32);
             let mut pass = gpu.pass();
             if fused {
-                ew::moe_combine(&mut pass, n, e, k, yv, View::new(&wb, 0), View::new(&xb, 0))
-                    .unwrap();
+                ew::moe_combine(
+                    &mut pass,
+                    n,
+                    e,
+                    k,
+                    yv,
+                    Operand::new(&wb, 0),
+                    Operand::new(&xb, 0),
+                )
+                .unwrap();
             } else {
                 for s in 0..k {
                     ew::axpy_row(
@@ -50,8 +59,8 @@ fn moe_combine_matches_axpy_rows() {
                         n,
                         e,
                         yv,
-                        View::strided(&wb, s, k),
-                        View::strided(&xb, s * e, k * e),
+                        Operand::strided(&wb, s, k),
+                        Operand::strided(&xb, s * e, k * e),
                     )
                     .unwrap();
                 }
@@ -98,9 +107,9 @@ fn moe_combine_checks_bounds() {
         1,
         16,
         4,
-        View::new(&y, 0),
-        View::new(&w, 0),
-        View::new(&x, 0),
+        Operand::new(&y, 0),
+        Operand::new(&w, 0),
+        Operand::new(&x, 0),
     )
     .err()
     .map(|e| e.to_string())

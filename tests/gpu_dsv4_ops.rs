@@ -9,8 +9,8 @@
 use lathe::cpu;
 use lathe::gpu::attention::{INVALID, SRC_B};
 use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
-use lathe::gpu::elementwise::View;
 use lathe::gpu::hc::{self, HcShape, HcWeights};
+use lathe::gpu::operand::Operand;
 use lathe::gpu::rope::RopeTable;
 use lathe::gpu::router::{self, ScoreFn, Select};
 use lathe::gpu::{AdapterChoice, Gpu, GpuTensor, Pass};
@@ -214,9 +214,9 @@ fn router_matches_reference() {
                 select,
                 true,
                 1.5,
-                View::new(&lb, 0),
-                View::new(&ids, 0),
-                View::new(&wts, 0),
+                Operand::new(&lb, 0),
+                Operand::new(&ids, 0),
+                Operand::new(&wts, 0),
             )
             .unwrap()
         });

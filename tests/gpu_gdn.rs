@@ -406,7 +406,7 @@ const NORM_EPS: f32 = 1e-6;
 /// `norm::gated_rms_norm` on the GPU.
 #[test]
 fn recurrent_normed_matches_cpu_and_unfused() {
-    use lathe::gpu::elementwise::View;
+    use lathe::gpu::operand::Operand;
     let gpu = gpu();
     for (s, lens) in [
         (shape(2, 4, 128, KeyHeadMap::Repeat), vec![1, 1]),
@@ -446,8 +446,8 @@ fn recurrent_normed_matches_cpu_and_unfused() {
             &mut pass,
             (c.rows * s.n_head_v) as u32,
             s.d_v as u32,
-            View::new(&ob, 0),
-            View::new(&zb, 0),
+            Operand::new(&ob, 0),
+            Operand::new(&zb, 0),
             None,
             Some(&wt),
             NORM_EPS,

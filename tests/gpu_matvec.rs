@@ -1563,7 +1563,7 @@ fn int8_x_indexed_moe() {
 #[test]
 fn matvec_prologues() {
     use lathe::cpu::ops;
-    use lathe::gpu::elementwise::View;
+    use lathe::gpu::operand::Operand;
     use matvec::Prologue;
     let g = gpu();
     for (i, dt) in ALL.into_iter().enumerate() {
@@ -1635,8 +1635,8 @@ fn matvec_prologues() {
                 &mut pass,
                 n as u32,
                 c as u32,
-                View::strided(&xb, 4, stride as u32),
-                Some(View::new(&hb, 0)),
+                Operand::strided(&xb, 4, stride as u32),
+                Some(Operand::new(&hb, 0)),
                 Some(&nwt),
                 eps,
             )
@@ -1842,7 +1842,8 @@ fn normed_store_feeds_raw_norm() {
 #[test]
 fn matvec_swiglu_store() {
     use lathe::cpu::ops;
-    use lathe::gpu::elementwise::{self as ew, View};
+    use lathe::gpu::elementwise as ew;
+    use lathe::gpu::operand::Operand;
     use matvec::{Epilogue, Prologue};
     let g = gpu();
     for (i, dt) in ALL.into_iter().enumerate() {
@@ -1896,8 +1897,11 @@ fn matvec_swiglu_store() {
                     matvec::matvec_fused(&mut pass, &wt, &xb, xo, &yp, yo, 1, &opts, pro, st)
                         .unwrap();
                 }
-                let (gv, uv) = (View::strided(&yp, 0, 2 * f), View::strided(&yp, f, 2 * f));
-                ew::swiglu(&mut pass, nt, f, View::new(&yu, 5), gv, uv, None).unwrap();
+                let (gv, uv) = (
+                    Operand::strided(&yp, 0, 2 * f),
+                    Operand::strided(&yp, f, 2 * f),
+                );
+                ew::swiglu(&mut pass, nt, f, Operand::new(&yu, 5), gv, uv, None).unwrap();
                 submit(pass);
                 let multi = g.read_f32(&ym, 5, n * ff).unwrap();
                 let lone = g.read_f32(&yl, 5, n * ff).unwrap();

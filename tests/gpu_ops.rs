@@ -8,7 +8,8 @@
 //! 64 heads × 512, vocab 248,320). Tolerances are stated per test.
 
 use lathe::cpu::ops;
-use lathe::gpu::elementwise::{self as ew, View};
+use lathe::gpu::elementwise as ew;
+use lathe::gpu::operand::Operand;
 use lathe::gpu::rope::{Positions, RopeTable, RopeView};
 use lathe::gpu::{embed, norm, rope, softmax, topk, AdapterChoice, Gpu, GpuTensor, TensorPart};
 use lathe::tensor::TensorRef;
@@ -87,8 +88,8 @@ impl Layout {
         }
         v
     }
-    fn view<'a>(&self, buf: &'a wgpu::Buffer) -> View<'a> {
-        View::strided(buf, self.off as u32, self.stride as u32)
+    fn view<'a>(&self, buf: &'a wgpu::Buffer) -> Operand<'a> {
+        Operand::strided(buf, self.off as u32, self.stride as u32)
     }
 }
 
@@ -302,7 +303,7 @@ fn elementwise_rejects_out_of_bounds_views() {
     let a = gpu.upload_f32(&[0.0; 10], "a").unwrap();
     let y = gpu.buffer(40, "y").unwrap();
     let mut pass = gpu.pass();
-    let err = ew::copy(&mut pass, 2, 6, View::new(&y, 0), View::new(&a, 0)).unwrap_err();
+    let err = ew::copy(&mut pass, 2, 6, Operand::new(&y, 0), Operand::new(&a, 0)).unwrap_err();
     assert!(err.to_string().contains("copy"), "{err}");
 }
 
@@ -522,10 +523,12 @@ fn norm_rejects_bad_weights() {
     let x = gpu.upload_f32(&[1.0; 64], "x").unwrap();
     let (w, _) = weight_tensor(&gpu, DType::Q8_0, &[1.0; 32]);
     let mut pass = gpu.pass();
-    let err = norm::rms_norm(&mut pass, 2, 32, View::new(&x, 0), None, Some(&w), 1e-6).unwrap_err();
+    let err =
+        norm::rms_norm(&mut pass, 2, 32, Operand::new(&x, 0), None, Some(&w), 1e-6).unwrap_err();
     assert!(err.to_string().contains("Q8_0"), "{err}");
     let (w, _) = weight_tensor(&gpu, DType::F32, &[1.0; 16]);
-    let err = norm::rms_norm(&mut pass, 2, 32, View::new(&x, 0), None, Some(&w), 1e-6).unwrap_err();
+    let err =
+        norm::rms_norm(&mut pass, 2, 32, Operand::new(&x, 0), None, Some(&w), 1e-6).unwrap_err();
     assert!(err.to_string().contains("[32]"), "{err}");
 }
 
@@ -951,8 +954,8 @@ fn topk_needs_scratch_for_long_rows() {
         1,
         5000,
         4,
-        View::new(&x, 0),
-        View::new(&ids, 0),
+        Operand::new(&x, 0),
+        Operand::new(&ids, 0),
         None,
         None,
     )
@@ -963,8 +966,8 @@ fn topk_needs_scratch_for_long_rows() {
         1,
         50,
         17,
-        View::new(&x, 0),
-        View::new(&ids, 0),
+        Operand::new(&x, 0),
+        Operand::new(&ids, 0),
         None,
         None,
     )
@@ -1106,9 +1109,9 @@ fn qk_norm_rope_matches_unfused() {
                 let kc = gpu.upload(&fill, "k").unwrap();
                 let vc = gpu.upload(&fill, "v").unwrap();
                 let mut pass = gpu.pass();
-                let q = View::strided(&xb, q_off, 2 * hd);
+                let q = Operand::strided(&xb, q_off, 2 * hd);
                 norm::rms_norm(&mut pass, nh, hd, q, None, Some(&qwt), 1e-6).unwrap();
-                let k = View::new(&xb, k_off);
+                let k = Operand::new(&xb, k_off);
                 norm::rms_norm(&mut pass, nkv, hd, k, None, Some(&kwt), 1e-6).unwrap();
                 let at = Positions::Buffer {
                     buf: &pos_b,

@@ -6,10 +6,12 @@
 //! the load progress with an arena, and `lathe plan` (and its agreement with the loaders).
 
 use lathe::cpu::moe::{combine_slots, expert_rows};
-use lathe::gpu::elementwise::{self as ew, View};
+use lathe::gpu::elementwise as ew;
 use lathe::gpu::matvec::{self, MatvecOpts};
 use lathe::gpu::moe::{read_back, remap, scatter_rows};
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{AdapterChoice, Gpu};
+use lathe::models::registry::expert_names;
 use lathe::models::ModelFile;
 use lathe::moe::budget::{default_margin, ASSUMED_MEMORY};
 use lathe::moe::{
@@ -250,6 +252,7 @@ fn synthetic_info() -> MoeInfo {
         layers: (0..40)
             .map(|l| layer(l, 256, if l % 2 == 0 { DType::Q6_K } else { DType::Q4_K }))
             .collect(),
+        names: lathe::models::registry::FAMILIES[0].experts,
         other_bytes: GIB,
         other_decode_bytes: GIB / 2,
     }
@@ -406,7 +409,10 @@ fn placement_honours_statistics() {
 
 #[test]
 fn stats_file_round_trip() {
-    let info = MoeInfo::from_file(&ModelFile::open(fixture("model-q4_0.gguf")).unwrap()).unwrap();
+    let info = {
+        let f = ModelFile::open(fixture("model-q4_0.gguf")).unwrap();
+        MoeInfo::from_file(&f, expert_names(&f)).unwrap()
+    };
     let mut st = ExpertStats::new(&info);
     st.record(0, &[1, 2, 1, 7, 3, 99]); // 3 tokens of top-2; 99 is padding
     st.record(5, &[1, 2]); // not a MoE layer: ignored
@@ -450,7 +456,7 @@ fn layout_of_the_fixtures() {
         ("model-f32.gguf", DType::F32),
     ] {
         let f = ModelFile::open(fixture(file)).unwrap();
-        let info = MoeInfo::from_file(&f).unwrap();
+        let info = MoeInfo::from_file(&f, expert_names(&f)).unwrap();
         assert_eq!((info.n_layer, info.n_used, info.layers.len()), (4, 2, 4));
         let m = &info.layers[0];
         assert_eq!(
@@ -460,21 +466,21 @@ fn layout_of_the_fixtures() {
         assert_eq!((m.down.rows, m.down.cols), (64, 32));
         let total: u64 = f.tensors().map(|t| t.data.len() as u64).sum();
         assert_eq!(info.other_bytes + info.expert_bytes(), total);
-        let w = ExpertWeights::from_file(&f, m).unwrap();
+        let w = ExpertWeights::from_file(&f, info.names, m).unwrap();
         assert_eq!(w.n_expert(), 8);
         assert_eq!(w.gate.expert(3).unwrap().len() as u64, m.gate.bytes());
     }
     // The HF checkpoint keeps one tensor per expert: same layout, bytes straight from it.
     let hf = ModelFile::open(fixture("")).unwrap();
-    let info = MoeInfo::from_file(&hf).unwrap();
+    let info = MoeInfo::from_file(&hf, expert_names(&hf)).unwrap();
     assert_eq!((info.n_layer, info.n_used, info.layers.len()), (4, 2, 4));
     assert_eq!(info.layers[2].down.dtype, DType::F32);
-    let w = ExpertWeights::from_file(&hf, &info.layers[2]).unwrap();
+    let w = ExpertWeights::from_file(&hf, info.names, &info.layers[2]).unwrap();
     let t = hf
         .require("model.layers.2.mlp.experts.5.down_proj.weight")
         .unwrap();
     assert_eq!(&*w.down.expert(5).unwrap(), t.data);
-    let only = ExpertWeights::from_file_only(&hf, &info.layers[2], &[5]).unwrap();
+    let only = ExpertWeights::from_file_only(&hf, info.names, &info.layers[2], &[5]).unwrap();
     assert_eq!(&*only.down.expert(5).unwrap(), t.data);
     assert!(only.down.expert(4).is_err());
 }
@@ -543,6 +549,7 @@ fn uniform_info(n_layer: usize, n_expert: usize, k: usize) -> MoeInfo {
         layers: (0..n_layer)
             .map(|l| layer(l, n_expert, DType::Q4_K))
             .collect(),
+        names: lathe::models::registry::FAMILIES[0].experts,
         other_bytes: 0,
         other_decode_bytes: 0,
     }
@@ -712,10 +719,10 @@ fn random_pairs(rng: &mut Rng, n_tokens: usize, n_expert: usize, k: usize) -> (V
 fn cold_path_matches_dequantized_reference() {
     for file in ["model-q4_0.gguf", "model-f32.gguf"] {
         let f = ModelFile::open(fixture(file)).unwrap();
-        let info = MoeInfo::from_file(&f).unwrap();
+        let info = MoeInfo::from_file(&f, expert_names(&f)).unwrap();
         let mut rng = Rng(42);
         for m in &info.layers {
-            let w = ExpertWeights::from_file(&f, m).unwrap();
+            let w = ExpertWeights::from_file(&f, info.names, m).unwrap();
             let (ne, k, nt) = (w.n_embd(), info.n_used, 5);
             let x: Vec<f32> = (0..nt * ne).map(|_| rng.f() * 2.0).collect();
             let (ids, wts) = random_pairs(&mut rng, nt, w.n_expert(), k);
@@ -770,8 +777,8 @@ fn cold_path_matches_dequantized_reference() {
 #[test]
 fn cold_path_rejects_bad_pairs() {
     let f = ModelFile::open(fixture("model-q4_0.gguf")).unwrap();
-    let info = MoeInfo::from_file(&f).unwrap();
-    let w = ExpertWeights::from_file(&f, &info.layers[0]).unwrap();
+    let info = MoeInfo::from_file(&f, expert_names(&f)).unwrap();
+    let w = ExpertWeights::from_file(&f, info.names, &info.layers[0]).unwrap();
     let x = vec![0.5f32; 2 * 64];
     let p = |token, expert| ColdPair {
         token,
@@ -935,7 +942,7 @@ fn block_scaled_release_experts() {
     let dir = std::env::temp_dir().join(format!("lathe-moe-scaled-{}", std::process::id()));
     write_scaled_checkpoint(&dir);
     let f = ModelFile::open(&dir).unwrap();
-    let info = MoeInfo::from_file(&f).unwrap();
+    let info = MoeInfo::from_file(&f, expert_names(&f)).unwrap();
     assert_eq!((info.n_layer, info.n_used, info.layers.len()), (2, 2, 2));
     let shape = |dtype, rows, cols| MatShape { dtype, rows, cols };
     let (m0, m1) = (&info.layers[0], &info.layers[1]);
@@ -949,17 +956,15 @@ fn block_scaled_release_experts() {
     // Uploaded non-expert bytes: the bf16 embedding as stored, the FP8 linear as
     // F8_E4M3_B128 with its scale folded in.
     assert_eq!(info.other_bytes, 16 * SC_EMBD + 256 * 2 * 132);
-    assert!(lathe::moe::is_expert_tensor(
-        "layers.0.ffn.experts.2.w2.scale"
-    ));
-    assert!(!lathe::moe::is_expert_tensor("layers.0.attn.wq_a.scale"));
+    assert!(info.names.is_expert("layers.0.ffn.experts.2.w2.scale"));
+    assert!(!info.names.is_expert("layers.0.attn.wq_a.scale"));
 
     let ModelFile::Hf(h) = &f else {
         panic!("a directory opens as a HF checkpoint")
     };
     let mut rng = Rng(11);
     for m in &info.layers {
-        let w = ExpertWeights::from_file(&f, m).unwrap();
+        let w = ExpertWeights::from_file(&f, info.names, m).unwrap();
         let (ne, ff, k, nt) = (w.n_embd(), w.n_ff(), 2, 6);
         let names = ["w1", "w3", "w2"];
         // Each expert's three matrices dequantized from the stored tensors and scales.
@@ -1038,7 +1043,7 @@ fn block_scaled_release_experts() {
         expert_rows(&wp, &x, &pairs, None, &mut again).unwrap();
         assert_eq!(again, out, "layer {}", m.layer);
         // Only the experts a call needs are looked up; the others are errors, not panics.
-        let only = ExpertWeights::from_file_only(&f, m, &[1]).unwrap();
+        let only = ExpertWeights::from_file_only(&f, info.names, m, &[1]).unwrap();
         assert_eq!(only.down.expert(1).unwrap(), w.down.expert(1).unwrap());
         assert!(only.gate.expert(0).is_err() && only.up.rows(2, 0, 1).is_err());
         let p1: Vec<ColdPair> = pairs.iter().filter(|p| p.expert == 1).copied().collect();
@@ -1189,12 +1194,12 @@ fn arena_slots_hold_the_mapped_bytes() {
     let gpu = gpu();
     // Aligned slots: the q4_0 fixture (3456-byte experts), half the experts hot.
     let f = ModelFile::open(fixture("model-q4_0.gguf")).unwrap();
-    let info = MoeInfo::from_file(&f).unwrap();
+    let info = MoeInfo::from_file(&f, expert_names(&f)).unwrap();
     let p = Placement::new(&info, Fill::Fraction(0.5), None).unwrap();
     let weights: Vec<ExpertWeights<'_>> = info
         .layers
         .iter()
-        .map(|m| ExpertWeights::from_file(&f, m).unwrap())
+        .map(|m| ExpertWeights::from_file(&f, info.names, m).unwrap())
         .collect();
     let arena = new_arena(&gpu, &p).unwrap();
     fill_arena(&arena, &gpu, &p, &weights, &mut |_, _| {}).unwrap();
@@ -1258,6 +1263,7 @@ fn arena_slots_hold_the_mapped_bytes() {
             up: w.up.shape,
             down: w.down.shape,
         }],
+        names: lathe::models::registry::FAMILIES[0].experts,
         other_bytes: 0,
         other_decode_bytes: 0,
     };
@@ -1311,9 +1317,9 @@ fn mixed_placement_of_block_scaled_experts() {
 /// MoE layer `li` of `f` under an all-hot and a half-cold arena (steps 4-7 of the recipe in
 /// `moe/mod.rs`): both equal an f64 reference of the routed sum, and each other.
 fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
-    let info = MoeInfo::from_file(f).unwrap();
+    let info = MoeInfo::from_file(f, expert_names(f)).unwrap();
     let m = &info.layers[li];
-    let w = ExpertWeights::from_file(f, m).unwrap();
+    let w = ExpertWeights::from_file(f, info.names, m).unwrap();
     let (ne, ff, k, n) = (w.n_embd(), w.n_ff(), info.n_used, 5usize);
     let mut rng = Rng(99);
     let x: Vec<f32> = (0..n * ne).map(|_| rng.f()).collect();
@@ -1366,9 +1372,9 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
             &mut pass,
             pairs_n,
             ff as u32,
-            View::new(&o, 0),
-            View::new(&fg, 0),
-            View::new(&fu, 0),
+            Operand::new(&o, 0),
+            Operand::new(&fg, 0),
+            Operand::new(&fu, 0),
             None,
         )
         .unwrap();
@@ -1407,9 +1413,9 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
                 &mut pass,
                 n as u32,
                 ne as u32,
-                View::new(&y, 0),
-                View::strided(&wb, s, k as u32),
-                View::strided(&moe_out, s * ne as u32, k as u32 * ne as u32),
+                Operand::new(&y, 0),
+                Operand::strided(&wb, s, k as u32),
+                Operand::strided(&moe_out, s * ne as u32, k as u32 * ne as u32),
             )
             .unwrap();
         }
@@ -1645,7 +1651,7 @@ fn load_progress_counts_arena_uploads() {
     let total: u64 = f.tensors().map(|t| t.data.len() as u64).sum();
     let experts: u64 = f
         .tensors()
-        .filter(|t| lathe::moe::is_expert_tensor(t.name))
+        .filter(|t| expert_names(&f).is_expert(t.name))
         .map(|t| t.data.len() as u64)
         .sum();
     assert!(experts > 0);

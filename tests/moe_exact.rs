@@ -742,7 +742,9 @@ fn dsv4_dims_fp8_experts_offload() {
     let dst = std::env::temp_dir().join(format!("lathe-moe-fp8-experts-{}", std::process::id()));
     write_fp8_experts(&src.join("upstream"), &dst);
     let f = lathe::models::ModelFile::open(&dst).unwrap();
-    let info = lathe::moe::MoeInfo::from_file(&f).unwrap();
+    let info =
+        lathe::moe::MoeInfo::from_file(&f, lathe::models::registry::family(&f).unwrap().experts)
+            .unwrap();
     assert!(info
         .layers
         .iter()

@@ -8,7 +8,7 @@
 mod common;
 
 use lathe::engine::{Engine, LoadOptions, Logits, Want};
-use lathe::gpu::elementwise::View;
+use lathe::gpu::operand::Operand;
 use lathe::gpu::topk::{LogitsTop, MAX_TOP_K};
 use lathe::gpu::{AdapterChoice, Gpu};
 use lathe::sample::{log_sum_exp, Sampler, SamplerConfig, TopLogits};
@@ -184,11 +184,11 @@ fn logits_top_matches_cpu() {
             let mut pass = gpu.pass();
             // Rows 0.. of x into result rows `rows..`, then (lse off) nothing else: the
             // second record must not disturb the first's results.
-            top.record(&mut pass, View::new(&xbuf, 0), rows as u32, 0, k, true)
+            top.record(&mut pass, Operand::new(&xbuf, 0), rows as u32, 0, k, true)
                 .unwrap();
             top.record(
                 &mut pass,
-                View::new(&xbuf, 0),
+                Operand::new(&xbuf, 0),
                 rows as u32,
                 rows as u32,
                 k,
@@ -225,12 +225,12 @@ fn logits_top_rejects_bad_k() {
     let mut pass = gpu.pass();
     for k in [0, MAX_TOP_K + 1] {
         let err = top
-            .record(&mut pass, View::new(&x, 0), 1, 0, k, false)
+            .record(&mut pass, Operand::new(&x, 0), 1, 0, k, false)
             .unwrap_err();
         assert!(err.to_string().contains("k = "), "{err}");
     }
     let err = top
-        .record(&mut pass, View::new(&x, 0), 1, 1, 1, false)
+        .record(&mut pass, Operand::new(&x, 0), 1, 1, 1, false)
         .unwrap_err();
     assert!(err.to_string().contains("rows"), "{err}");
 }
@@ -243,7 +243,7 @@ fn check_logits_top(gpu: &Gpu, what: &str, x: &[f32], n: usize, ks: &[u32]) {
     let top = LogitsTop::new(gpu, rows as u32, n as u32).unwrap();
     for &k in ks {
         let mut pass = gpu.pass();
-        top.record(&mut pass, View::new(&xbuf, 0), rows as u32, 0, k, true)
+        top.record(&mut pass, Operand::new(&xbuf, 0), rows as u32, 0, k, true)
             .unwrap();
         pass.submit().unwrap();
         let got = top.read(gpu, rows as u32, k, true).unwrap();
@@ -541,7 +541,7 @@ fn top_variants_translate_to_every_backend() {
     let top = LogitsTop::new(&gpu, 1, n).unwrap();
     let mut pass = gpu.pass();
     for k in [1, 40] {
-        top.record(&mut pass, View::new(&x, 0), 1, 0, k, true)
+        top.record(&mut pass, Operand::new(&x, 0), 1, 0, k, true)
             .unwrap();
     }
     pass.submit().unwrap();

@@ -66,6 +66,7 @@ fn top_path_streams_what_full_logits_stream() {
             ..Default::default()
         },
         draft_model: None,
+        spec_costs: None,
     };
     let (sched, _thread) = scheduler::start(
         cfg,
@@ -133,6 +134,7 @@ fn a_constraint_shapes_its_own_sequence_only() {
             ..Default::default()
         },
         draft_model: None,
+        spec_costs: None,
     };
     let (sched, _thread) = scheduler::start(
         cfg,

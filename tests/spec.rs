@@ -560,3 +560,130 @@ fn target_as_its_own_draft_model_accepts_everything() {
     self_draft("qwen35-tiny");
     self_draft("qwen35moe-tiny");
 }
+
+/// `lathe bench --spec`: the warm-up compiles every pipeline the timed repetitions use
+/// (none is compiled while they run, on the model's device or the draft model's), and bench's
+/// greedy speculation (MTP drafts, or a draft model as `run` and `serve` run it: here the
+/// target itself, so every draft is kept) gives plain greedy decoding's tokens.
+#[test]
+fn bench_speculation_warms_up_and_keeps_greedy_output() {
+    use lathe::bench::{self, BenchOptions};
+    use lathe::synth::{self, FileType, PlanOptions};
+    let dir = std::env::temp_dir().join(format!("lathe-spec-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("demo-mtp.gguf");
+    let opts = PlanOptions {
+        ftype: Some(FileType::Q8_0),
+        n_vocab: Some(512),
+        mtp: true,
+        ..Default::default()
+    };
+    synth::plan(&synth::preset("demo").unwrap(), &opts, None)
+        .unwrap()
+        .write(&path, 1, None)
+        .unwrap();
+    for (mode, k) in [(SpecMode::Mtp, 3), (SpecMode::Draft, 2)] {
+        let draft_model = (mode == SpecMode::Draft).then(|| path.clone());
+        let o = BenchOptions {
+            n_prompt: 0,
+            n_gen: 10,
+            reps: 1,
+            spec: Some(spec(mode, k)),
+            draft_model,
+            ..Default::default()
+        };
+        let r = bench::run(&path, &o).unwrap();
+        assert_eq!(r.compiled_while_timed, 0, "{mode:?}: compiles while timed");
+        let (st, costs) = r.spec.expect("speculation measured");
+        assert_eq!(r.decode.unwrap().tokens, 10);
+        assert!(st.verify_passes > 0 && st.drafted > 0, "{mode:?}: {st:?}");
+        assert_eq!(costs.draft_step.is_some(), mode == SpecMode::Draft);
+        if mode == SpecMode::Draft {
+            assert_eq!(st.accepted, st.drafted, "the target drafts itself");
+        }
+    }
+    // bench's generation against plain greedy decoding, from one token
+    let mut eng = load(&path, KvType::F16);
+    let first = 141;
+    let plain = {
+        let opts = GenerateOptions {
+            max_tokens: Some(14),
+            sampler: SamplerConfig::greedy(),
+            ignore_eog: true,
+            spec: spec(SpecMode::Off, 1),
+            ..Default::default()
+        };
+        generate(&mut eng, &[first], &opts, |_| {}).unwrap().tokens
+    };
+    let draft = lathe::spec::DraftModel::new(load(&path, KvType::F16));
+    for (mode, k) in [
+        (SpecMode::Mtp, 3),
+        (SpecMode::Draft, 3),
+        (SpecMode::Draft, 1),
+    ] {
+        let so = SpecOptions {
+            draft_model: (mode == SpecMode::Draft).then(|| draft.clone()),
+            ..spec(mode, k)
+        };
+        let mut seq = eng.new_seq().unwrap();
+        let (st, got) = lathe::spec::greedy_run(&mut eng, &mut seq, first, 14, &so).unwrap();
+        assert_eq!(
+            got, plain,
+            "{mode:?} --draft {k}: bench's greedy speculation"
+        );
+        assert!(st.verify_passes > 0);
+    }
+    drop(eng);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--activations int8`: a verify pass's products quantize each row's x as a lone decode
+/// step's do (the token-group kernels take int8 exactly when one token would), so greedy
+/// output with speculation is the output without it (the demo file is Q8_0: int8 products).
+#[test]
+fn int8_activations_speculation_keeps_greedy_output() {
+    use lathe::engine::ActivationsChoice;
+    use lathe::synth::{self, FileType, PlanOptions};
+    let dir = std::env::temp_dir().join(format!("lathe-spec-int8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("demo-mtp.gguf");
+    let opts = PlanOptions {
+        ftype: Some(FileType::Q8_0),
+        n_vocab: Some(512),
+        mtp: true,
+        ..Default::default()
+    };
+    synth::plan(&synth::preset("demo").unwrap(), &opts, None)
+        .unwrap()
+        .write(&path, 1, None)
+        .unwrap();
+    for fused_loads in [false, true] {
+        let opts = LoadOptions {
+            kv_type: KvType::F16,
+            max_seqs: 2,
+            ctx: 256,
+            activations: ActivationsChoice::Int8,
+            fused_loads,
+            ..Default::default()
+        };
+        let mut eng = Engine::load(&path, &opts).unwrap();
+        assert!(eng.gpu.int8_decode());
+        let (plain, _) = gen(
+            &mut eng,
+            SamplerConfig::greedy(),
+            spec(SpecMode::Off, 1),
+            16,
+        );
+        for k in [1, 3] {
+            let (got, st) = gen(
+                &mut eng,
+                SamplerConfig::greedy(),
+                spec(SpecMode::Mtp, k),
+                16,
+            );
+            assert_eq!(got, plain, "int8, fused loads {fused_loads}, --draft {k}");
+            assert!(st.unwrap().verify_passes > 0);
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -12,11 +12,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use lathe::engine::{Engine, KvType, LoadOptions};
+use lathe::engine::{ActivationsChoice, Engine, KvType, LoadOptions};
 use lathe::generate::{generate, GenerateOptions};
 use lathe::sample::SamplerConfig;
 use lathe::server::scheduler::{self, Event, Job, SchedulerConfig};
-use lathe::spec::{SpecMode, SpecOptions, SpecStats};
+use lathe::spec::{PassCosts, SpecMode, SpecOptions, SpecStats};
 use lathe::tokenizer::Tokenizer;
 
 /// Requests at once.
@@ -93,7 +93,7 @@ fn serve(
     sampler: &SamplerConfig,
     ctx: usize,
 ) -> Vec<(Vec<u32>, Option<SpecStats>)> {
-    let waves = serve_waves(path, spec, draft_model, sampler, ctx, &[requests()]);
+    let waves = serve_waves(path, spec, None, draft_model, sampler, ctx, &[requests()]);
     waves[0].iter().map(|r| (r.0.clone(), r.1)).collect()
 }
 
@@ -102,9 +102,11 @@ type Reply = (Vec<u32>, Option<SpecStats>, usize);
 
 /// [`serve`] of several waves of requests on one engine thread, each wave submitted at once
 /// after the last one finished; per request also the prompt tokens its slot held already.
+/// `costs`: what `--spec auto` decides from (`None`: measured on the device).
 fn serve_waves(
     path: &Path,
     spec: SpecOptions,
+    costs: Option<PassCosts>,
     draft_model: Option<&Path>,
     sampler: &SamplerConfig,
     ctx: usize,
@@ -123,6 +125,7 @@ fn serve_waves(
             };
             (p.to_path_buf(), o)
         }),
+        spec_costs: costs,
     };
     let tok_dir =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/deepseek-v4");
@@ -182,8 +185,8 @@ fn serve_waves(
                 .collect::<Vec<_>>(),
         );
     }
-    // The server's counts (/health) add the requests' up.
-    let total = sched.shared.spec.lock().unwrap().expect("counted");
+    // The server's counts (/health) add the requests' up (none when none speculated).
+    let total = sched.shared.spec.lock().unwrap().unwrap_or_default();
     let drafted: usize = out
         .iter()
         .flatten()
@@ -231,19 +234,42 @@ fn greedy_matches_run(preset: &str) {
             );
         }
     }
-    // `--spec auto` speculates while every speculating request's verify rows fit one pass
-    // (8 rows: two requests at --draft 3); the third decodes plainly, with the same reply.
+    // `--spec auto` decides from the pass costs and the acceptance (the prior: no request
+    // has finished when the three start). Measured here (lavapipe) it may choose either
+    // way; where verify rows cost almost nothing beside the pass (weight reads bound it)
+    // every request speculates; where each row costs a decode step none does. The replies
+    // are `run`'s whatever it chose.
     let auto = SpecOptions {
         mode: SpecMode::Auto,
         draft: 3,
         ..Default::default()
     };
-    let got = serve(&path, auto, None, &greedy, 256);
-    for (i, ((ids, _), want)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(ids, want, "{preset}: request {i}, --spec auto");
+    let cheap = PassCosts {
+        pass: (1..=8).map(|r| 1e-3 * (1.0 + 0.01 * r as f64)).collect(),
+        draft: 1e-5,
+    };
+    let dear = PassCosts {
+        pass: (1..=8).map(|r| 1e-3 * r as f64).collect(),
+        draft: 5e-4,
+    };
+    for (costs, speculating) in [(None, None), (Some(cheap), Some(3)), (Some(dear), Some(0))] {
+        let waves = serve_waves(
+            &path,
+            auto.clone(),
+            costs,
+            None,
+            &greedy,
+            256,
+            &[requests()],
+        );
+        for (i, ((ids, _, _), want)) in waves[0].iter().zip(&want).enumerate() {
+            assert_eq!(ids, want, "{preset}: request {i}, --spec auto");
+        }
+        let n = waves[0].iter().filter(|g| g.1.is_some()).count();
+        if let Some(s) = speculating {
+            assert_eq!(n, s, "{preset}: requests speculating under --spec auto");
+        }
     }
-    let n = got.iter().filter(|g| g.1.is_some()).count();
-    assert_eq!(n, 2, "{preset}: requests speculating under --spec auto");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -311,7 +337,7 @@ fn server_draft_model_and_sampled_speculation() {
     for spec in [draft.clone(), mtp(3)] {
         let dm = (spec.mode == SpecMode::Draft).then_some(path.as_path());
         let waves = [requests(), follow.clone()];
-        let got = serve_waves(&path, spec.clone(), dm, &greedy, 256, &waves);
+        let got = serve_waves(&path, spec.clone(), None, dm, &greedy, 256, &waves);
         for (i, (ids, st, _)) in got[0].iter().enumerate() {
             assert_eq!(ids, &want[i], "request {i}, {:?}", spec.mode);
             let st = st.expect("the request speculated");
@@ -420,9 +446,13 @@ fn interleaved(eng: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<Vec<u32>>>
 /// Each sequence's MTP rows read its own trunk rows and its verify rows have its lone run's
 /// bits while other sequences' passes run in between (per-sequence trunk storage,
 /// rollback state and batched verify).
-fn sequences_keep_their_own_trunks(preset: &str) {
-    let (dir, path) = synth_mtp(preset, "trunks");
-    let mut eng = Engine::load(&path, &load_opts()).unwrap();
+fn sequences_keep_their_own_trunks(preset: &str, activations: ActivationsChoice) {
+    let (dir, path) = synth_mtp(preset, &format!("trunks-{activations:?}"));
+    let opts = LoadOptions {
+        activations,
+        ..load_opts()
+    };
+    let mut eng = Engine::load(&path, &opts).unwrap();
     let prompts: Vec<Vec<u32>> = vec![
         vec![3, 141, 59, 265, 358, 97],
         vec![7, 9, 300, 12, 44],
@@ -435,7 +465,7 @@ fn sequences_keep_their_own_trunks(preset: &str) {
         for (step, (a, b)) in alone[0].iter().zip(&together[i]).enumerate() {
             assert!(
                 a == b,
-                "{preset}: sequence {i}, step {step}: bits differ from its lone run"
+                "{preset} {activations:?}: sequence {i}, step {step}: bits differ from its lone run"
             );
         }
     }
@@ -444,10 +474,17 @@ fn sequences_keep_their_own_trunks(preset: &str) {
 
 #[test]
 fn sequences_keep_their_own_trunks_qwen35() {
-    sequences_keep_their_own_trunks("demo");
+    sequences_keep_their_own_trunks("demo", ActivationsChoice::F32);
 }
 
 #[test]
 fn sequences_keep_their_own_trunks_deepseek4() {
-    sequences_keep_their_own_trunks("demo-deepseek4");
+    sequences_keep_their_own_trunks("demo-deepseek4", ActivationsChoice::F32);
+}
+
+/// `--activations int8`: the batched rows' products quantize x as their lone runs do
+/// (the demo file is Q8_0, whose products take int8 x).
+#[test]
+fn sequences_keep_their_own_trunks_qwen35_int8() {
+    sequences_keep_their_own_trunks("demo", ActivationsChoice::Int8);
 }

@@ -8,7 +8,9 @@
 
 use lathe::engine::{Engine, LoadOptions};
 use lathe::gguf::{GgufFile, Value};
-use lathe::synth::{self, Dims, DsDims, FileType, PlanOptions, Preset, QwenDims, QwenMoe, Yarn};
+use lathe::synth::{
+    self, Dims, DsDims, FileType, LlamaDims, PlanOptions, Preset, QwenDims, QwenMoe, Yarn,
+};
 use lathe::DType;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -264,6 +266,99 @@ fn qwen35_plans_match_llama_cpps_files() {
             assert_same_layout(&plan_of(&p, ft, DType::BF16), &shared(name, file));
         }
     }
+}
+
+/// `qwen3-tiny` / `qwen3moe-tiny` of `tests/oracle/make_llama_family.py`: hidden 64, 2
+/// layers, 4 q / 2 kv heads (of 32 and 16), vocabulary 256.
+fn qwen3_tiny(moe: bool) -> Preset {
+    let d = LlamaDims {
+        arch: if moe { "qwen3moe" } else { "qwen3" },
+        n_embd: 64,
+        n_layer: 2,
+        n_ff: 64,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: if moe { 16 } else { 32 },
+        qk_norm: true,
+        n_vocab: 256,
+        tied: !moe,
+        ctx: 4096,
+        rope_theta: 1e6,
+        eps: 1e-6,
+        moe: moe.then_some(QwenMoe {
+            n_expert: 8,
+            n_used: 2,
+            n_ff_exp: 32,
+            n_ff_shexp: 0,
+        }),
+    };
+    // `general.name` as the converter writes it from the directory name.
+    let display = if moe { "Qwen3Moe Tiny" } else { "Qwen3 Tiny" };
+    preset("qwen3-tiny", display, Dims::Llama(d))
+}
+
+#[test]
+fn qwen3_plans_match_llama_cpps_files() {
+    for (moe, name) in [(false, "qwen3-tiny"), (true, "qwen3moe-tiny")] {
+        let plan = plan_of(&qwen3_tiny(moe), FileType::F32, DType::F32);
+        assert_same_layout(&plan, &fixture(name, "model-f32.gguf"));
+    }
+}
+
+/// The release presets of the plain transformer family plan with their released shapes and
+/// a shortened file of each loads and runs (finite logits of order one).
+#[test]
+fn llama_family_presets_plan_and_run() {
+    let gb = |name: &str| {
+        synth::plan(&synth::preset(name).unwrap(), &PlanOptions::default(), None)
+            .unwrap()
+            .data_bytes() as f64
+            / 1e9
+    };
+    // llama.cpp's Q4_K_M files of the releases: Qwen3-8B 5.0 GB, Llama-3.1-8B 4.9 GB,
+    // Qwen3-30B-A3B 18.6 GB.
+    for (name, lo, hi) in [
+        ("qwen3-8b", 4.5, 5.5),
+        ("llama-3.1-8b", 4.4, 5.4),
+        ("qwen3-30b-a3b", 17.0, 20.0),
+    ] {
+        let g = gb(name);
+        assert!((lo..hi).contains(&g), "{name}: {g} GB");
+    }
+    // Each preset at lavapipe scale (its architecture, norms, head tying and routing kept):
+    // hidden 256, 2 layers, heads of 64, 16 experts.
+    let dir = tmp_dir("llama");
+    for name in ["qwen3-8b", "llama-3.1-8b", "qwen3-30b-a3b"] {
+        let mut p = synth::preset(name).unwrap();
+        let Dims::Llama(d) = &mut p.dims else {
+            panic!("{name}: not a Llama-family preset")
+        };
+        (
+            d.n_embd,
+            d.n_layer,
+            d.n_ff,
+            d.n_head,
+            d.n_head_kv,
+            d.head_dim,
+        ) = (256, 2, 512, 4, 2, 64);
+        if let Some(m) = &mut d.moe {
+            (m.n_expert, m.n_used, m.n_ff_exp) = (16, 4, 128);
+        }
+        let opts = PlanOptions {
+            ftype: Some(FileType::Q8_0),
+            n_vocab: Some(512),
+            skew: 4.0,
+            ..Default::default()
+        };
+        let path = dir.join(format!("{name}.gguf"));
+        synth::plan(&p, &opts, None)
+            .unwrap()
+            .write(&path, 3, None)
+            .unwrap();
+        check_forward(&path);
+        std::fs::remove_file(&path).ok();
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use clap::Args;
 use lathe::bench::{self, BenchOptions};
-use lathe::engine::LoadOptions;
 use lathe::Result;
 
 #[derive(Args, Debug)]
@@ -52,10 +51,15 @@ pub struct BenchArgs {
     /// Seed of the random token ids.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// Decode with speculative decoding (mtp: the model's MTP block), greedily from the
-    /// model's own picks; also times verify passes of 2..8 tokens and an MTP draft.
+    /// Decode with speculative decoding (mtp: the model's MTP block; draft: --draft-model),
+    /// greedily from the model's own picks, as `lathe run` and `serve` run it; also times
+    /// verify passes of 2..8 tokens, an MTP draft and a draft model's step.
     #[arg(long, value_name = "MODE")]
     pub spec: Option<lathe::spec::SpecMode>,
+    /// With --spec draft: the draft model (same vocabulary), loaded on the model's adapter
+    /// with its kernels, as `lathe run --draft-model` loads it.
+    #[arg(long, value_name = "FILE", requires = "spec")]
+    pub draft_model: Option<PathBuf>,
     /// Tokens drafted per verify pass (with --spec).
     #[arg(long, value_name = "N", default_value_t = lathe::spec::DEFAULT_DRAFT)]
     pub draft: usize,
@@ -69,19 +73,19 @@ pub struct BenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(p) = &a.draft_model {
+        super::run::check_model_path(p)?;
+    }
     let opts = BenchOptions {
         n_prompt: a.n_prompt,
         n_gen: a.n_gen,
         reps: a.reps,
         depth: a.depth,
         seed: a.seed,
-        load: LoadOptions {
-            // auto: as `lathe serve` decides for the same number of sequences
-            fused_loads: a
-                .load
-                .fused_loads_or(LoadOptions::default().fused_loads && a.parallel == 1),
-            ..a.load.load_options()?
-        },
+        // as `lathe run` and `serve` decide for the same sequences and drafts
+        load: a
+            .load
+            .load_options(a.parallel * a.spec.map_or(1, |_| a.draft + 1))?,
         spec: a.spec.map(|mode| lathe::spec::SpecOptions {
             mode,
             draft: a.draft,
@@ -89,6 +93,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             draft_model: None,
             draft_vocab: a.draft_vocab,
         }),
+        draft_model: a.draft_model,
         timeline: a.moe_timeline,
         parallel: a.parallel,
     };

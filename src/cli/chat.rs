@@ -66,7 +66,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         return Err(no_vocabulary(&args.model.model, hint));
     }
     // The conversation's sequence and its checkpoint.
-    let mut engine = load_engine_seqs(&args.model, 2)?;
+    let mut engine = load_engine_seqs(&args.model, 2, &args.spec)?;
     let Some(tok) = engine.tokenizer.as_ref() else {
         return Err(no_vocabulary(&args.model.model, hint));
     };

@@ -24,10 +24,12 @@ pub struct LoadArgs {
 }
 
 impl LoadArgs {
-    /// The options these flags give, checked (`MoeArgs::checked_gpu_mem`); the command sets what is its
-    /// own (context, sequences, progress) and decides `--fused-loads auto`
-    /// ([`LoadArgs::fused_loads_or`]; left at the default here).
-    pub fn load_options(&self) -> Result<LoadOptions> {
+    /// The options these flags give, checked (`MoeArgs::checked_gpu_mem`), for a command
+    /// whose decode passes carry up to `decode_rows` rows (sequences decoded together times
+    /// the rows of a verify pass: `--fused-loads auto` is
+    /// [`LoadOptions::fused_loads_auto`] of it); the command sets what is its own (context,
+    /// sequences, progress).
+    pub fn load_options(&self, decode_rows: usize) -> Result<LoadOptions> {
         let m = &self.moe;
         let gpu_mem = m.checked_gpu_mem()?;
         let d = LoadOptions::default();
@@ -43,17 +45,15 @@ impl LoadArgs {
             save_expert_stats: m.save_expert_stats.clone(),
             matmul: m.matmul,
             activations: m.activations,
-            fused_loads: m.fused_loads.get().unwrap_or(d.fused_loads),
+            fused_loads: m
+                .fused_loads
+                .get()
+                .unwrap_or(LoadOptions::fused_loads_auto(decode_rows)),
             expert_stream: m.expert_stream,
             cold_layers: m.cold_layers,
             cpu_simd: m.cpu_simd,
             ..d
         })
-    }
-
-    /// `--fused-loads`, with `auto` meaning `auto`.
-    pub fn fused_loads_or(&self, auto: bool) -> bool {
-        self.moe.fused_loads.get().unwrap_or(auto)
     }
 }
 
@@ -77,8 +77,10 @@ pub struct MoeArgs {
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub activations: lathe::engine::ActivationsChoice,
     /// Decode folds the RMSNorms and the output gates into the products (fewer dispatches):
-    /// on, off, or auto (on; `lathe serve` with --parallel above 1 takes off: its batches of
-    /// sequences pay the norm's pass over each token's row in every product's workgroups).
+    /// on, off, or auto (on where every decode pass has one row; off for several sequences
+    /// at once, --parallel above 1, and for speculative decoding's verify passes, --spec mtp
+    /// or draft or a --draft-model: their rows pay the norm's pass over each token's row in
+    /// every product's workgroups).
     #[arg(long, value_name = "ON|OFF|AUTO", default_value = "auto")]
     pub fused_loads: OnOffAuto,
     /// GPU memory to plan for (24GiB, 512MiB, 1.5GB): what the model needs beside its routed

@@ -96,14 +96,14 @@ fn gbps(bytes: f64, bw: f64) -> f64 {
 
 /// The whole report (stdout).
 pub fn report(a: &PlanArgs) -> Result<String> {
-    let o = &a.load.load_options()?;
+    let o = &a.load.load_options(1)?;
     if !(a.vram_bw.unwrap_or(1.0) > 0.0 && a.host_bw > 0.0) {
         return Err(Error::Invalid(
             "--vram-bw and --host-bw must be positive (GB/s)".into(),
         ));
     }
     let file = ModelFile::open(&a.model)?;
-    let info = MoeInfo::from_file(&file)?;
+    let info = MoeInfo::from_file(&file, lathe::models::registry::expert_names(&file))?;
     if !o.devices.is_empty() {
         return devices_report(a, o, &file, info);
     }

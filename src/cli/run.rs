@@ -201,7 +201,8 @@ impl SamplingArgs {
 pub struct SpecArgs {
     /// Drafts from: mtp (the model's multi-token prediction block), draft (--draft-model),
     /// off, or auto (mtp when the file has the block, else the draft model when given; in
-    /// `serve` only while all speculating requests' drafts fit one verify pass).
+    /// `serve` whenever it pays: the draft length, up to --draft, chosen per request from
+    /// verify costs measured at warm-up and the acceptance measured so far).
     #[arg(long = "spec", value_name = "MODE", default_value = "auto")]
     pub mode: lathe::spec::SpecMode,
     /// Tokens drafted per verify pass.
@@ -217,13 +218,25 @@ pub struct SpecArgs {
 }
 
 impl SpecArgs {
+    /// Most rows of one decode pass (one sequence): a verify pass's `--draft` + 1 when
+    /// drafts are asked for (`--spec mtp` or `draft`, or a `--draft-model`); one for `off`
+    /// and for `auto` without a draft model (most files carry no MTP block: `auto` then
+    /// decodes plainly).
+    pub fn decode_rows(&self) -> usize {
+        use lathe::spec::SpecMode;
+        match (self.mode, &self.draft_model) {
+            (SpecMode::Mtp | SpecMode::Draft, _) | (SpecMode::Auto, Some(_)) => self.draft + 1,
+            _ => 1,
+        }
+    }
+
     /// The options, with the draft model loaded (on the model's adapter) when one is given.
     pub fn options(&self, model: &ModelArgs) -> Result<lathe::spec::SpecOptions> {
         let draft_model = match &self.draft_model {
             Some(path) => {
                 check_model_path(path)?;
                 // The model's adapter and kernels; its own experts' placement.
-                let load = model.load.load_options()?;
+                let load = model.load.load_options(self.decode_rows())?;
                 let opts = LoadOptions {
                     adapter: load.adapter,
                     kv_type: load.kv_type,
@@ -301,17 +314,17 @@ pub struct RunArgs {
 }
 
 /// Loads the model with a progress bar on stderr (bytes uploaded), then one line saying what
-/// was loaded where. State for one sequence.
-pub fn load_engine(args: &ModelArgs) -> Result<Engine> {
-    load_engine_seqs(args, 1)
+/// was loaded where. State for one sequence, decoded as `spec` asks.
+pub fn load_engine(args: &ModelArgs, spec: &SpecArgs) -> Result<Engine> {
+    load_engine_seqs(args, 1, spec)
 }
 
 /// [`load_engine`] with state for `max_seqs` sequences (`lathe chat`: the conversation and
 /// its checkpoint).
-pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
+pub fn load_engine_seqs(args: &ModelArgs, max_seqs: usize, spec: &SpecArgs) -> Result<Engine> {
     check_architecture(&args.model)?;
     note_random_weights(&args.model);
-    let opts = args.load.load_options()?;
+    let opts = args.load.load_options(spec.decode_rows())?;
     // A spinner from the start (opening the file, the vocabulary and the device take a
     // while), then a bar of the weight bytes uploaded.
     let spinner = indicatif::ProgressStyle::with_template("{spinner} {msg}")
@@ -574,7 +587,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         Some(_) => String::new(),
         None => prompt_text(&args)?,
     };
-    let mut engine = load_engine(&args.model)?;
+    let mut engine = load_engine(&args.model, &args.spec)?;
     let prompt: Vec<u32> = match (&args.prompt_tokens, engine.tokenizer.as_ref()) {
         (Some(ids), _) => ids.clone(),
         (None, None) => {

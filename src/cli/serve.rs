@@ -124,10 +124,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         // One live sequence per slot.
         max_seqs: a.parallel,
         progress: Some(progress),
-        // --fused-loads auto: off for batches of sequences (H200, 9B, 16 streams: about 5
-        // tok/s a stream with them against 12 without)
-        fused_loads: a.load.fused_loads_or(a.parallel == 1),
-        ..a.load.load_options()?
+        ..a.load.load_options(a.parallel * a.spec.decode_rows())?
     };
     cfg.host = a.host;
     cfg.port = a.port;

@@ -219,7 +219,6 @@ pub fn recurrent(
 /// `(I + A) W = β e^G K̂` by forward substitution; then `Δ = U − W S₀`,
 /// `o_i = e^{G_i} q̂_iᵀS₀ + Σ_{j≤i} e^{G_i−G_j} (q̂_i·k̂_j) Δ_j`,
 /// `S = e^{G_n} S₀ + Σ_j e^{G_n−G_j} k̂_j Δ_jᵀ`. Same arguments as [`recurrent`].
-#[allow(clippy::too_many_arguments)]
 pub fn chunked(
     s: &GdnShape,
     qkv: &[f32],

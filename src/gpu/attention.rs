@@ -185,16 +185,26 @@ pub fn write_kv(
         return Ok(());
     }
     let width = kv.row_elems() as u32;
-    /// Typed key: whether the cache is f16.
     #[derive(PartialEq, Eq, Hash)]
-    struct WriteKv(bool);
-    let f16 = kv.dtype == KvType::F16;
-    let pl = pass.gpu().pipeline_for(WriteKv(f16), || {
-        let label = format!("attention_write_kv_{}", kv.dtype.name());
-        PipelineSpec::new(label, SRC, "write_kv")
-            .define("WRITE", "true")
-            .define("KV_F16", f16)
-    })?;
+    struct WriteKv {
+        kv: KvType,
+    }
+    impl super::PipelineKey for WriteKv {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "write_kv"
+        }
+        fn label(&self) -> String {
+            format!("attention_write_kv_{}", self.kv.name())
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("WRITE", "true")
+                .define("KV_F16", self.kv == KvType::F16)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(WriteKv { kv: kv.dtype })?;
     let (row0, rows_buf, rows_off, use_rows) = match dst {
         DstRows::Range { row0 } => (row0, src, 0, 0),
         DstRows::List { rows, off } => (0, rows, off, 1),
@@ -584,26 +594,50 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
         pad0: 0,
         pad1: 0,
     };
-    /// Typed key: (f16 cache, head width, tiles br, tpr, bk).
     #[derive(PartialEq, Eq, Hash)]
-    struct Attend(bool, u32, u32, u32, u32);
-    let f16 = kv.dtype == KvType::F16;
-    let key = Attend(f16, hd, tiles.br, tiles.tpr, tiles.bk);
-    let pl = pass.gpu().pipeline_for(key, || {
-        let label = format!(
-            "attention_attend_{}_hd{hd}_br{}_tpr{}_bk{}",
-            kv.dtype.name(),
-            tiles.br,
-            tiles.tpr,
-            tiles.bk
-        );
-        PipelineSpec::new(label, SRC, "attend")
-            .define("ATTEND", "true")
-            .define("KV_F16", f16)
-            .define("HD", hd)
-            .define("BR", tiles.br)
-            .define("TPR", tiles.tpr)
-            .define("BK", tiles.bk)
+    struct Attend {
+        kv: KvType,
+        /// Head width.
+        hd: u32,
+        br: u32,
+        tpr: u32,
+        bk: u32,
+    }
+    impl super::PipelineKey for Attend {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "attend"
+        }
+        fn label(&self) -> String {
+            let Attend {
+                kv,
+                hd,
+                br,
+                tpr,
+                bk,
+            } = self;
+            format!(
+                "attention_attend_{}_hd{hd}_br{br}_tpr{tpr}_bk{bk}",
+                kv.name()
+            )
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("ATTEND", "true")
+                .define("KV_F16", self.kv == KvType::F16)
+                .define("HD", self.hd)
+                .define("BR", self.br)
+                .define("TPR", self.tpr)
+                .define("BK", self.bk)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Attend {
+        kv: kv.dtype,
+        hd,
+        br: tiles.br,
+        tpr: tiles.tpr,
+        bk: tiles.bk,
     })?;
     let v_a = at.a.v.unwrap_or(at.a.k);
     let v_b = b.v.unwrap_or(b.k);
@@ -636,15 +670,28 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
             use_desc: rows as u32,
             pad: [0; 3],
         };
-        /// Typed key: the head width.
         #[derive(PartialEq, Eq, Hash)]
-        struct Combine(u32);
-        let pl = pass.gpu().pipeline_for(Combine(hd), || {
-            PipelineSpec::new(format!("attention_combine_hd{hd}"), SRC, "combine")
-                .define("COMBINE", "true")
-                .define("HD", hd)
-                .define("MAX_SPLIT", MAX_SPLIT)
-        })?;
+        struct Combine {
+            /// Head width.
+            hd: u32,
+        }
+        impl super::PipelineKey for Combine {
+            fn source(&self) -> &'static str {
+                SRC
+            }
+            fn entry(&self) -> &'static str {
+                "combine"
+            }
+            fn label(&self) -> String {
+                format!("attention_combine_hd{}", self.hd)
+            }
+            fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+                spec.define("COMBINE", "true")
+                    .define("HD", self.hd)
+                    .define("MAX_SPLIT", MAX_SPLIT)
+            }
+        }
+        let pl = pass.gpu().pipeline_for(Combine { hd })?;
         pass.dispatch(
             &pl,
             "combine",

@@ -3,25 +3,18 @@
 //! [`PipelineCache`](super::pipeline::PipelineCache)
 //! (`pipeline.rs`, below the [`Gpu`] that owns it).
 
-use super::pipeline::PipelineSpec;
+use super::pipeline::{PipelineKey, PipelineSpec};
 use super::Gpu;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 impl Gpu {
-    /// The pipeline of a wrapper's typed `key` (every field that selects the variant; no
-    /// strings but [`StaticName`](super::StaticName)s): one lookup in a map of that key type, without building
-    /// the variant's label and defines. `spec` makes them on the key's first use, compiled
-    /// through [`Gpu::pipeline`] (so two keys of the same variant share its pipeline).
-    pub fn pipeline_for<K>(
-        &self,
-        key: K,
-        spec: impl FnOnce() -> PipelineSpec,
-    ) -> Result<Arc<wgpu::ComputePipeline>>
-    where
-        K: std::hash::Hash + Eq + Send + Sync + 'static,
-    {
+    /// The pipeline of a wrapper's typed `key`: one lookup in a map of that key type, without
+    /// building the variant's label and defines. [`PipelineKey::spec`] makes them on the
+    /// key's first use, compiled through [`Gpu::pipeline`] (so two keys of the same variant
+    /// share its pipeline).
+    pub fn pipeline_for<K: PipelineKey>(&self, key: K) -> Result<Arc<wgpu::ComputePipeline>> {
         type Map<K> = HashMap<K, Arc<wgpu::ComputePipeline>>;
         let id = std::any::TypeId::of::<K>();
         {
@@ -34,7 +27,7 @@ impl Gpu {
                 return Ok(p.clone());
             }
         }
-        let p = self.pipeline(&spec())?;
+        let p = self.pipeline(&key.spec())?;
         let mut typed = self.pipelines.typed.lock().unwrap();
         typed
             .entry(id)

@@ -84,23 +84,32 @@ pub fn conv1d_silu(
     };
     // One token per sequence (decode): conv_out rolls the state in the same dispatch.
     let decode = batch.max_tokens == 1;
-    /// Typed key: (kernel width, one token per sequence).
     #[derive(PartialEq, Eq, Hash)]
-    struct ConvOut(u32, bool);
-    let out = gpu.pipeline_for(ConvOut(k, decode), || {
-        PipelineSpec::new(
-            format!(
-                "conv_out_k{k}_wg{WG}{}",
-                if decode { "_decode" } else { "" }
-            ),
-            SRC,
-            "conv_out",
-        )
-        .define("WG", format!("{WG}u"))
-        .define("K", format!("{k}u"))
-        .define("OUT", 1)
-        .define("DECODE", decode)
-    })?;
+    struct ConvOut {
+        /// Kernel width.
+        k: u32,
+        /// One token per sequence.
+        decode: bool,
+    }
+    impl super::PipelineKey for ConvOut {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "conv_out"
+        }
+        fn label(&self) -> String {
+            let decode = if self.decode { "_decode" } else { "" };
+            format!("conv_out_k{}_wg{WG}{decode}", self.k)
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("WG", format!("{WG}u"))
+                .define("K", format!("{}u", self.k))
+                .define("OUT", 1)
+                .define("DECODE", self.decode)
+        }
+    }
+    let out = gpu.pipeline_for(ConvOut { k, decode })?;
     let n_out = batch.n_seq as u64 * batch.max_tokens as u64 * conv_dim as u64;
     if n_out > u32::MAX as u64 {
         return Err(Error::Invalid(format!(

@@ -1,4 +1,4 @@
-//! Products of many tokens on the matrix units (`shaders/matmul_coop.wgsl`, compiled after
+//! Products of many tokens on the matrix units (`shaders/matmul_coop.wgsl`, on the pieces of
 //! `matvec.wgsl`): cooperative matrices of 16x16x16 with f16 inputs and f32 accumulation, for
 //! every stored type but F32. Same contract as the tiled kernels of [`super::matmul`]: dense
 //! `Y[t, r] (=|+=) Σ_c W[r, c] X[t, c]` and the MoE form over a [`MoeRoute`].
@@ -20,8 +20,9 @@
 //! in workgroup memory, three products per step into one set of accumulators, where
 //! coop-split's 64 x 64 tile reads x from L2. H200, 2026-12-03, 12288x4096 x 512 tokens
 //! (TFLOP/s): Q4_K 63.2 against coop-split 26.2 and tiled 23.2, Q6_K 56.9 against 23.3, Q8_0
-//! 52.2 against 22.0 and tiled 21.1. It covers dense products of split weights; MoE products
-//! and MXFP4 weights (exact in f16: no third product) take coop-split's kernels.
+//! 52.2 against 22.0 and tiled 21.1. It covers dense products of split weights; dense MXFP4
+//! weights (exact in f16: no third product) take coop-split's kernel, MoE products the tiled
+//! f32 one ([`usable_indexed`]).
 //! [`Precision::SplitX`] (`--matmul coop-splitx`) splits the activations only: two products
 //! per step on f16 weights. It holds the committed Qwen3.5 MoE fixture bars (not DeepSeek-V4's)
 //! but missed the bar on a Q8_0 35B-A3B-shaped file, so `auto` no longer takes it (H200,
@@ -38,10 +39,7 @@ use crate::dtype::DType;
 use crate::{Error, Result};
 use std::sync::Arc;
 
-pub(crate) const SRC: &str = concat!(
-    include_str!("../../shaders/matvec.wgsl"),
-    include_str!("../../shaders/matmul_coop.wgsl")
-);
+pub(crate) const SRC: &str = include_str!("../../shaders/matmul_coop.wgsl");
 
 /// Subgroups per workgroup (`NSG`): 8 (128 rows per workgroup), or 4 (64 rows) when 128-row
 /// tiles would leave the GPU short of workgroups.
@@ -70,6 +68,14 @@ const ROW_PAD: u32 = CBN_DENSE;
 /// they run elsewhere.
 pub fn usable(gpu: &Gpu, dtype: DType) -> Option<Precision> {
     Precision::of(gpu).filter(|_| dtype != DType::F32)
+}
+
+/// [`usable`] for the MoE form. At [`Precision::XSplit`] the experts take the tiled f32
+/// kernel (exact as well): coop-split's 64-pair tile is slower than it. H200, 2026-12-03,
+/// Qwen3.5-35B-A3B Q4_K_M pp512 (tok/s): dense on XSTAGE + experts tiled 3527, all tiled 2915,
+/// all coop-split 2593; DeepSeek-V4-Flash 8 layers 2611 / 2407 / 2392.
+pub fn usable_indexed(gpu: &Gpu, dtype: DType) -> Option<Precision> {
+    usable(gpu, dtype).filter(|&p| p != Precision::XSplit)
 }
 
 /// How the operands of a product reach the f16 matrix units.

@@ -5,56 +5,12 @@
 //! that binds one buffer both read-only and writable); updates of a buffer by itself go
 //! through the `*_inplace` ops, `add_inplace` and `axpy_row`.
 
+use super::operand::Operand;
 use super::{grid, Binding, Pass, PipelineSpec};
 use crate::{Error, Result};
 
 const SRC: &str = include_str!("../../shaders/elementwise.wgsl");
 const WG: u32 = 256;
-
-/// Rows of an f32 buffer: row `r` starts at element `off + r·stride`. `stride: None` means
-/// packed rows (stride = the op's row length); `Some(0)` repeats one row for every row.
-#[derive(Clone, Copy, Debug)]
-pub struct View<'a> {
-    pub buf: &'a wgpu::Buffer,
-    /// In elements.
-    pub off: u32,
-    /// In elements; `None` = packed.
-    pub stride: Option<u32>,
-}
-
-impl<'a> View<'a> {
-    /// Packed rows starting at element `off`.
-    pub fn new(buf: &'a wgpu::Buffer, off: u32) -> Self {
-        View {
-            buf,
-            off,
-            stride: None,
-        }
-    }
-    /// Rows `stride` elements apart starting at element `off`.
-    pub fn strided(buf: &'a wgpu::Buffer, off: u32, stride: u32) -> Self {
-        View {
-            buf,
-            off,
-            stride: Some(stride),
-        }
-    }
-    /// The stride for rows of `row_len` elements.
-    pub fn stride_for(&self, row_len: u32) -> u32 {
-        self.stride.unwrap_or(row_len)
-    }
-    /// Last element index (exclusive) touched by `n_rows` rows of `row_len`, for bounds checks.
-    pub(crate) fn end(&self, n_rows: u32, row_len: u32) -> u64 {
-        if n_rows == 0 {
-            return self.off as u64;
-        }
-        self.off as u64 + (n_rows as u64 - 1) * self.stride_for(row_len) as u64 + row_len as u64
-    }
-    /// Errors when the rows run past the end of the buffer (`what` names the operand).
-    pub(crate) fn check(&self, op: &str, what: &str, n_rows: u32, row_len: u32) -> Result<()> {
-        super::check_len(op, what, self.buf, self.end(n_rows, row_len))
-    }
-}
 
 /// Uniforms of `elementwise.wgsl` (same fields, same order).
 #[repr(C)]
@@ -80,12 +36,12 @@ const _: () = assert!(std::mem::size_of::<Params>() == 48);
 /// How an operand is read: a full row, or one scalar per row (`cols = 1`).
 #[derive(Clone, Copy)]
 enum Arg<'a> {
-    Rows(View<'a>),
-    Scalar(View<'a>),
+    Rows(Operand<'a>),
+    Scalar(Operand<'a>),
 }
 
 impl<'a> Arg<'a> {
-    fn view(&self) -> View<'a> {
+    fn view(&self) -> Operand<'a> {
         match self {
             Arg::Rows(v) | Arg::Scalar(v) => *v,
         }
@@ -98,7 +54,7 @@ fn run(
     entry: &'static str,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
+    y: Operand<'_>,
     args: &[Arg<'_>],
     alpha: f32,
 ) -> Result<()> {
@@ -112,7 +68,7 @@ fn run_k(
     entry: &'static str,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
+    y: Operand<'_>,
     args: &[Arg<'_>],
     alpha: f32,
     k: u32,
@@ -149,14 +105,27 @@ fn run_k(
         k,
         _pad: [0; 2],
     };
-    /// Typed key: the entry point.
     #[derive(PartialEq, Eq, Hash)]
-    struct Elementwise(super::StaticName);
-    let pl = pass
-        .gpu()
-        .pipeline_for(Elementwise(super::StaticName(entry)), || {
-            PipelineSpec::new(format!("elementwise_{entry}"), SRC, entry)
-        })?;
+    struct Elementwise {
+        entry: super::StaticName,
+    }
+    impl super::PipelineKey for Elementwise {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            self.entry.0
+        }
+        fn label(&self) -> String {
+            format!("elementwise_{}", self.entry.0)
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Elementwise {
+        entry: super::StaticName(entry),
+    })?;
     let mut bindings = vec![Binding::from(y.buf)];
     bindings.extend(args.iter().map(|a| Binding::from(a.view().buf)));
     pass.dispatch(
@@ -185,9 +154,9 @@ pub fn add(
         pass,
         1,
         n,
-        View::new(y, y_off),
-        View::new(a, a_off),
-        View::new(b, b_off),
+        Operand::new(y, y_off),
+        Operand::new(a, a_off),
+        Operand::new(b, b_off),
     )
 }
 
@@ -196,9 +165,9 @@ pub fn add_rows(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    a: View<'_>,
-    b: View<'_>,
+    y: Operand<'_>,
+    a: Operand<'_>,
+    b: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -216,9 +185,9 @@ pub fn mul(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    a: View<'_>,
-    b: View<'_>,
+    y: Operand<'_>,
+    a: Operand<'_>,
+    b: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -236,20 +205,32 @@ pub fn scale(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    a: View<'_>,
+    y: Operand<'_>,
+    a: Operand<'_>,
     alpha: f32,
 ) -> Result<()> {
     run(pass, "scale", n_rows, n_cols, y, &[Arg::Rows(a)], alpha)
 }
 
 /// `y = a` (a strided copy; use `Pass::copy` for plain byte ranges).
-pub fn copy(pass: &mut Pass<'_>, n_rows: u32, n_cols: u32, y: View<'_>, a: View<'_>) -> Result<()> {
+pub fn copy(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: Operand<'_>,
+    a: Operand<'_>,
+) -> Result<()> {
     run(pass, "copy", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
 }
 
 /// `y = silu(a) = a / (1 + e^−a)`.
-pub fn silu(pass: &mut Pass<'_>, n_rows: u32, n_cols: u32, y: View<'_>, a: View<'_>) -> Result<()> {
+pub fn silu(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: Operand<'_>,
+    a: Operand<'_>,
+) -> Result<()> {
     run(pass, "silu_op", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
 }
 
@@ -258,8 +239,8 @@ pub fn sigmoid(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    a: View<'_>,
+    y: Operand<'_>,
+    a: Operand<'_>,
 ) -> Result<()> {
     run(pass, "sigmoid_op", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
 }
@@ -270,9 +251,9 @@ pub fn swiglu(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    g: View<'_>,
-    u: View<'_>,
+    y: Operand<'_>,
+    g: Operand<'_>,
+    u: Operand<'_>,
     limit: Option<f32>,
 ) -> Result<()> {
     let limit = limit.unwrap_or(f32::MAX);
@@ -333,9 +314,9 @@ pub fn sigmoid_mul(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    g: View<'_>,
-    x: View<'_>,
+    y: Operand<'_>,
+    g: Operand<'_>,
+    x: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -354,9 +335,9 @@ pub fn sigmoid_mul_row(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    g: View<'_>,
-    x: View<'_>,
+    y: Operand<'_>,
+    g: Operand<'_>,
+    x: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -374,8 +355,8 @@ pub fn add_inplace(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    a: View<'_>,
+    y: Operand<'_>,
+    a: Operand<'_>,
 ) -> Result<()> {
     run(pass, "add_inplace", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
 }
@@ -385,8 +366,8 @@ pub fn mul_inplace(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    a: View<'_>,
+    y: Operand<'_>,
+    a: Operand<'_>,
 ) -> Result<()> {
     run(pass, "mul_inplace", n_rows, n_cols, y, &[Arg::Rows(a)], 0.0)
 }
@@ -396,7 +377,7 @@ pub fn scale_inplace(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
+    y: Operand<'_>,
     alpha: f32,
 ) -> Result<()> {
     run(pass, "scale_inplace", n_rows, n_cols, y, &[], alpha)
@@ -407,8 +388,8 @@ pub fn sigmoid_mul_inplace(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    g: View<'_>,
+    y: Operand<'_>,
+    g: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -426,8 +407,8 @@ pub fn sigmoid_mul_row_inplace(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    g: View<'_>,
+    y: Operand<'_>,
+    g: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -447,9 +428,9 @@ pub fn axpy_row(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    w: View<'_>,
-    x: View<'_>,
+    y: Operand<'_>,
+    w: Operand<'_>,
+    x: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -471,9 +452,9 @@ pub fn moe_combine(
     n_rows: u32,
     n_cols: u32,
     k: u32,
-    y: View<'_>,
-    w: View<'_>,
-    x: View<'_>,
+    y: Operand<'_>,
+    w: Operand<'_>,
+    x: Operand<'_>,
 ) -> Result<()> {
     if k == 0 {
         return Ok(());
@@ -481,8 +462,8 @@ pub fn moe_combine(
     let slots = n_cols
         .checked_mul(k)
         .ok_or_else(|| Error::Invalid(format!("moe_combine: {k} slots of {n_cols} columns")))?;
-    let x = View::strided(x.buf, x.off, x.stride_for(slots));
-    let w = View::strided(w.buf, w.off, w.stride_for(k));
+    let x = Operand::strided(x.buf, x.off, x.stride_for(slots));
+    let w = Operand::strided(w.buf, w.off, w.stride_for(k));
     x.check("moe_combine", "x", n_rows, slots)?;
     w.check("moe_combine", "w", n_rows, k)?;
     run_k(

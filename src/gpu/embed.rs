@@ -2,7 +2,7 @@
 //! any stored type lathe reads (F32, F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS,
 //! MXFP4), split in parts or not. CPU reference: `cpu::ops::embed`.
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::{DType, Error, Result};
 
@@ -62,7 +62,7 @@ pub fn embed(
     ids: &wgpu::Buffer,
     ids_off: u32,
     n_tokens: u32,
-    y: View<'_>,
+    y: Operand<'_>,
 ) -> Result<()> {
     let dt = table.dtype;
     if !supported(dt) {
@@ -102,14 +102,27 @@ pub fn embed(
             "embed: {n} elements is too many for one dispatch"
         )));
     }
-    /// Typed key: the table's stored type.
     #[derive(PartialEq, Eq, Hash)]
-    struct Embed(DType);
-    let pl = pass.gpu().pipeline_for(Embed(dt), || {
-        PipelineSpec::new(format!("embed_{}", dt.name()), SRC, "main")
-            .define(&format!("T_{}", dt.name()), true)
-            .define("TYPE_SET", true)
-    })?;
+    struct Embed {
+        /// The table's stored type.
+        dtype: DType,
+    }
+    impl super::PipelineKey for Embed {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "main"
+        }
+        fn label(&self) -> String {
+            format!("embed_{}", self.dtype.name())
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define(&format!("T_{}", self.dtype.name()), true)
+                .define("TYPE_SET", true)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Embed { dtype: dt })?;
     for (k, part) in table.parts.iter().enumerate() {
         if part.n_rows * row_bytes > part.buffer.size() {
             return Err(Error::Invalid(format!(

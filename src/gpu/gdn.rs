@@ -192,21 +192,64 @@ fn workgroups(n: u64, what: &str) -> Result<[u32; 3]> {
     Ok(grid(n as u32))
 }
 
-/// Typed key of the recurrent (decode) kernels: (d_k, d_v, with the gated norm).
+/// Typed key of the recurrent (decode) kernels.
 #[derive(PartialEq, Eq, Hash)]
-struct Recurrent(usize, usize, bool);
+struct Recurrent {
+    d_k: usize,
+    d_v: usize,
+    /// With the gated norm.
+    gnorm: bool,
+}
 
+impl Recurrent {
+    /// The kernel's [`spec`]: its label and defines from one place.
+    fn full(&self) -> PipelineSpec {
+        let sp = spec(
+            "recurrent",
+            "recurrent",
+            (self.d_k, self.d_v),
+            REC_CB * REC_R,
+            &[("CB", REC_CB), ("R", REC_R)],
+        );
+        if !self.gnorm {
+            return sp;
+        }
+        let mut sp = sp.define("GNORM", "true");
+        sp.label.push_str("_gnorm");
+        sp
+    }
+}
+
+impl super::PipelineKey for Recurrent {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        "recurrent"
+    }
+    fn label(&self) -> String {
+        self.full().label
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        PipelineSpec {
+            defines: self.full().defines,
+            ..spec
+        }
+    }
+}
+
+/// A kernel of `kind` for heads of `(d_k, d_v)` on workgroups of `wg`, with `extra` u32 consts.
 fn spec(
     entry: &'static str,
     kind: &str,
-    s: &GdnShape,
+    (d_k, d_v): (usize, usize),
     wg: u32,
     extra: &[(&str, u32)],
 ) -> PipelineSpec {
-    let mut label = format!("gdn_{kind}_dk{}_dv{}_wg{wg}", s.d_k, s.d_v);
+    let mut label = format!("gdn_{kind}_dk{d_k}_dv{d_v}_wg{wg}");
     let mut sp = PipelineSpec::new(String::new(), SRC, entry)
-        .define("DK", format!("{}u", s.d_k))
-        .define("DV", format!("{}u", s.d_v))
+        .define("DK", format!("{d_k}u"))
+        .define("DV", format!("{d_v}u"))
         .define("WG", format!("{wg}u"))
         .define("CHUNK", format!("{CHUNK}u"))
         .define(&kind.to_uppercase(), "true");
@@ -230,17 +273,11 @@ pub fn recurrent(
     if batch.n_seq == 0 {
         return Ok(());
     }
-    let pl = pass
-        .gpu()
-        .pipeline_for(Recurrent(s.d_k, s.d_v, false), || {
-            spec(
-                "recurrent",
-                "recurrent",
-                s,
-                REC_CB * REC_R,
-                &[("CB", REC_CB), ("R", REC_R)],
-            )
-        })?;
+    let pl = pass.gpu().pipeline_for(Recurrent {
+        d_k: s.d_k,
+        d_v: s.d_v,
+        gnorm: false,
+    })?;
     let n_cb = (s.d_v as u64).div_ceil(REC_CB as u64);
     let n = batch.n_seq as u64 * s.n_head_v as u64 * n_cb;
     pass.dispatch(
@@ -307,17 +344,10 @@ pub fn recurrent_normed(
     p.z_off = gn.z_off;
     p.z_stride = gn.z_stride;
     p.eps = gn.eps;
-    let pl = pass.gpu().pipeline_for(Recurrent(s.d_k, s.d_v, true), || {
-        let mut sp = spec(
-            "recurrent",
-            "recurrent",
-            s,
-            REC_CB * REC_R,
-            &[("CB", REC_CB), ("R", REC_R)],
-        )
-        .define("GNORM", "true");
-        sp.label.push_str("_gnorm");
-        sp
+    let pl = pass.gpu().pipeline_for(Recurrent {
+        d_k: s.d_k,
+        d_v: s.d_v,
+        gnorm: true,
     })?;
     let n = batch.n_seq as u64 * s.n_head_v as u64;
     let b: Vec<Binding> = vec![
@@ -452,7 +482,7 @@ pub fn chunked_with(
     let prep = gpu.pipeline(&spec(
         "chunk_prep",
         "prep",
-        s,
+        (s.d_k, s.d_v),
         CHUNK_WG,
         &[("TD", prep_td(wg_mem))],
     ))?;
@@ -462,7 +492,7 @@ pub fn chunked_with(
     let scan = gpu.pipeline(&spec(
         "chunk_scan",
         "scan",
-        s,
+        (s.d_k, s.d_v),
         CHUNK_WG,
         &[("CB", cb), ("NE", ne), ("TD", td)],
     ))?;

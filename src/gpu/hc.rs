@@ -150,7 +150,6 @@ pub fn pre(
 
 /// The head's fold: mixes [n, hc] gate the copies (`σ(m·r·scale + base) + hc_eps`), then the
 /// output norm: `h` [n, n_embd].
-#[allow(clippy::too_many_arguments)]
 pub fn head(
     pass: &mut Pass<'_>,
     s: &HcShape,

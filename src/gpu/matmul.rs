@@ -1,5 +1,5 @@
-//! Weight × activations for prefill (`shaders/matmul.wgsl`, compiled after `matvec.wgsl`, whose
-//! block decoders it shares): `Y[t, r] = Σ_c W[r, c] X[t, c]` for many tokens, tiled 64 rows ×
+//! Weight × activations for prefill (`shaders/matmul.wgsl`, on the pieces of `matvec.wgsl`,
+//! whose block decoders it shares): `Y[t, r] = Σ_c W[r, c] X[t, c]` for many tokens, tiled 64 rows ×
 //! 64 tokens so each decoded chunk of W serves 64 tokens; and the MoE form over a route built on
 //! the GPU (llama.cpp's mul_mat_id idea: each chosen expert is read once for the whole batch).
 //!
@@ -13,17 +13,11 @@ pub use super::moe_route::MoeRoute;
 use super::{coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
-pub(crate) const SRC: &str = concat!(
-    include_str!("../../shaders/matvec.wgsl"),
-    include_str!("../../shaders/matmul.wgsl")
-);
+pub(crate) const SRC: &str = include_str!("../../shaders/matmul.wgsl");
 
-/// The int8-activation kernel (`matmul_q8`), compiled after matvec.wgsl with `Q8X` and `MMQ`
-/// (which leaves matvec's own kernels out).
-pub(crate) const SRC_Q8: &str = concat!(
-    include_str!("../../shaders/matvec.wgsl"),
-    include_str!("../../shaders/matmul_q8.wgsl")
-);
+/// The int8-activation kernel (`matmul_q8`), on matvec.wgsl's pieces with `Q8X` and `MMQ`
+/// (which leaves the decoders' matvec-only slices out).
+pub(crate) const SRC_Q8: &str = include_str!("../../shaders/matmul_q8.wgsl");
 
 /// Rows × tokens of one `matmul_q8` workgroup.
 const BM_Q8: u32 = 64;
@@ -47,7 +41,6 @@ pub use super::matvec::DENSE_MATVEC_TOKENS;
 /// `Y = X Wᵀ` for `n_tokens` tokens: up to [`DENSE_MATVEC_TOKENS`] through matvec (one token
 /// through [`matvec::matvec_opts`], more through [`matvec::matvec_multi`], every token with the
 /// bits of a one-token product), the matrix-unit or tiled kernel beyond.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
@@ -113,7 +106,6 @@ fn pipeline(
 /// Uniforms of a dense tiled product (the f32 and the int8 kernels) over one weight part of
 /// `rows` rows starting at `row_start`; x rows at `x_off + t * x_stride` (in the int8 kernel:
 /// blocks of the int8 scratch).
-#[allow(clippy::too_many_arguments)]
 fn dense_params(
     geo: &Geometry,
     w: &GpuTensor,
@@ -392,7 +384,7 @@ pub fn matmul_indexed(
     y_off: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype) {
+    if let Some(prec) = coopmat::usable_indexed(pass.gpu(), w.dtype) {
         coopmat::matmul_coop_indexed(
             pass, prec, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
         )

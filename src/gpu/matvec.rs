@@ -34,6 +34,8 @@ use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart, MAX_G
 use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = include_str!("../../shaders/matvec.wgsl");
+/// The int8 quantize kernel of [`quantize_x`].
+pub(crate) const QUANT_SRC: &str = include_str!("../../shaders/quantize_x.wgsl");
 
 /// Up to this many tokens a dense product goes through matvec: one token through the
 /// one-token kernel, 2 and more through the token-group kernel ([`matvec_multi`], each
@@ -324,6 +326,51 @@ impl Geometry {
         }
     }
 
+    /// The stored type's part of the geometry.
+    pub fn block_type(&self) -> BlockType {
+        BlockType {
+            dtype: self.dtype,
+            bs: self.bs,
+            bb: self.bb,
+            float: self.float,
+        }
+    }
+
+    /// The family's common defines on `spec` ([`BlockType::defines`]).
+    pub fn defines(&self, spec: PipelineSpec, xvec: bool, slow: bool) -> PipelineSpec {
+        self.block_type().defines(spec, xvec, slow)
+    }
+
+    /// Label suffix naming the defines of [`Geometry::defines`].
+    pub fn label(&self, xvec: bool, slow: bool) -> String {
+        self.block_type().label(xvec, slow)
+    }
+
+    /// Base uniforms for one dispatch over `rows` rows.
+    pub fn params(&self, rows: u32, matvec: bool) -> Params {
+        Params {
+            rows,
+            cols: self.cols,
+            row_bytes: self.row_bytes,
+            n_chunks: self.n_items(matvec),
+            nb_full: self.nb_full,
+            ..Default::default()
+        }
+    }
+}
+
+/// What the family's defines and labels say about a weight: its stored type and (virtual)
+/// block, for pipeline keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BlockType {
+    pub dtype: DType,
+    /// Elements and bytes per (virtual) block.
+    bs: u32,
+    bb: u32,
+    float: bool,
+}
+
+impl BlockType {
     /// The family's common defines on `spec` (`slow`: the FSLOW element-by-element paths).
     pub fn defines(&self, spec: PipelineSpec, xvec: bool, slow: bool) -> PipelineSpec {
         let mut s = spec
@@ -346,7 +393,7 @@ impl Geometry {
         s
     }
 
-    /// Label suffix naming the defines of [`Geometry::defines`].
+    /// Label suffix naming the defines of [`BlockType::defines`].
     pub fn label(&self, xvec: bool, slow: bool) -> String {
         format!(
             "{}{}{}",
@@ -354,18 +401,6 @@ impl Geometry {
             if xvec { "_xv" } else { "_xs" },
             if slow { "_fslow" } else { "" }
         )
-    }
-
-    /// Base uniforms for one dispatch over `rows` rows.
-    pub fn params(&self, rows: u32, matvec: bool) -> Params {
-        Params {
-            rows,
-            cols: self.cols,
-            row_bytes: self.row_bytes,
-            n_chunks: self.n_items(matvec),
-            nb_full: self.nb_full,
-            ..Default::default()
-        }
     }
 }
 
@@ -450,8 +485,8 @@ impl Plan {
     }
 
     /// The pipeline of this split for `geo`, by a typed key ([`Gpu::pipeline_for`]): the
-    /// label and defines ([`Plan::spec`]) are built the first time a variant is asked for,
-    /// not per dispatch.
+    /// label and defines ([`MvKey`]) are built the first time a variant is asked for, not per
+    /// dispatch.
     fn pipeline_keyed(
         &self,
         gpu: &Gpu,
@@ -461,8 +496,8 @@ impl Plan {
         xvec: bool,
         v: Variant,
     ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-        let key = MvKey {
-            dtype: geo.dtype,
+        gpu.pipeline_for(MvKey {
+            ty: geo.block_type(),
             entry: StaticName(entry),
             wg: self.wg,
             r: self.r,
@@ -472,76 +507,7 @@ impl Plan {
             xvec,
             slow: geo.mv_slow(),
             v,
-        };
-        gpu.pipeline_for(key, || {
-            let k_def = format!("{}u", v.conv_k);
-            let tt_def = format!("{}u", v.tt);
-            let mut extra: Vec<(&str, &str)> = Vec::new();
-            if v.q8x {
-                extra.push(("Q8X", "true"));
-            }
-            extra.extend_from_slice(v.pro.0);
-            if v.conv_k > 0 {
-                extra.push(("EPI_CONV", "true"));
-                extra.push(("CONV_K", &k_def));
-            }
-            if v.glu {
-                extra.push(("EPI_GLU", "true"));
-            }
-            if v.nw {
-                extra.push(("EPI_NW", "true"));
-            }
-            if v.tt > 0 {
-                extra.push(("TT", &tt_def));
-                // the types whose slice decode is split from the x dot (chunk_pre / chunk_fin)
-                // and measured faster so: on the H200, 8 tokens of 12288 x 4096 took 81 against
-                // 138 µs (Q6_K) and 139 against 166 (Q8_0); Q4_K gained nothing (117 against 123)
-                // and lost at 2 tokens of 4096 x 12288 (111 against 38), so it keeps the
-                // per-token calls
-                let split = matches!(geo.dtype, DType::Q6_K | DType::Q8_0);
-                if split && !v.q8x && !geo.mv_slow() {
-                    extra.push(("MT_ONCE", "true"));
-                }
-            }
-            extra.extend_from_slice(v.user.0);
-            self.spec(geo, entry, sg, xvec, &extra)
         })
-    }
-
-    fn spec(
-        &self,
-        geo: &Geometry,
-        entry: &'static str,
-        sg: bool,
-        xvec: bool,
-        extra: &[(&str, &str)],
-    ) -> PipelineSpec {
-        let slow = geo.mv_slow();
-        let mut label = format!(
-            "{entry}_{}_r{}x{}_t{}_wg{}_{}",
-            geo.label(xvec, slow),
-            self.r,
-            self.rq,
-            self.tpr,
-            self.wg,
-            if sg { "sg" } else { "wgmem" }
-        );
-        for (n, v) in extra {
-            label.push_str(&format!("_{n}={v}"));
-        }
-        let mut spec = geo
-            .defines(PipelineSpec::new(label, SRC, entry), xvec, slow)
-            .define("R", format!("{}u", self.r))
-            .define("RQ", format!("{}u", self.rq))
-            .define("TPR", format!("{}u", self.tpr))
-            .define("WG", format!("{}u", self.wg));
-        if sg {
-            spec = spec.define("SUBGROUPS", "true");
-        }
-        for (n, v) in extra {
-            spec = spec.define(n, v);
-        }
-        spec
     }
 }
 
@@ -576,25 +542,106 @@ impl Variant {
     }
 }
 
-/// A matvec pipeline's typed key ([`Gpu::pipeline_for`]).
+/// A matvec pipeline's typed key ([`Gpu::pipeline_for`]): the weight's type, the split
+/// ([`Plan`]), the reduction, the x loads and the [`Variant`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct MvKey {
-    dtype: DType,
+    ty: BlockType,
     entry: StaticName,
     wg: u32,
     r: u32,
     rq: u32,
     tpr: u32,
+    /// Reduce through subgroups (`SUBGROUPS`), else workgroup memory.
     sg: bool,
+    /// x read as 16-byte vectors (`XVEC`).
     xvec: bool,
+    /// The element-by-element paths (`FSLOW`, [`Geometry::mv_slow`]).
     slow: bool,
     v: Variant,
+}
+
+impl MvKey {
+    /// The [`Variant`]'s defines, in the order the label names them.
+    fn extra(&self) -> Vec<(&'static str, String)> {
+        let v = self.v;
+        let flag = |n: &'static str| (n, "true".to_string());
+        let mut extra = Vec::new();
+        if v.q8x {
+            extra.push(flag("Q8X"));
+        }
+        extra.extend(v.pro.0.iter().map(|&(n, x)| (n, x.to_string())));
+        if v.conv_k > 0 {
+            extra.push(flag("EPI_CONV"));
+            extra.push(("CONV_K", format!("{}u", v.conv_k)));
+        }
+        if v.glu {
+            extra.push(flag("EPI_GLU"));
+        }
+        if v.nw {
+            extra.push(flag("EPI_NW"));
+        }
+        if v.tt > 0 {
+            extra.push(("TT", format!("{}u", v.tt)));
+            // the types whose slice decode is split from the x dot (chunk_pre / chunk_fin)
+            // and measured faster so: on the H200, 8 tokens of 12288 x 4096 took 81 against
+            // 138 µs (Q6_K) and 139 against 166 (Q8_0); Q4_K gained nothing (117 against 123)
+            // and lost at 2 tokens of 4096 x 12288 (111 against 38), so it keeps the
+            // per-token calls
+            let split = matches!(self.ty.dtype, DType::Q6_K | DType::Q8_0);
+            if split && !v.q8x && !self.slow {
+                extra.push(flag("MT_ONCE"));
+            }
+        }
+        extra.extend(v.user.0.iter().map(|&(n, x)| (n, x.to_string())));
+        extra
+    }
+}
+
+impl super::PipelineKey for MvKey {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        self.entry.0
+    }
+    fn label(&self) -> String {
+        let mut label = format!(
+            "{}_{}_r{}x{}_t{}_wg{}_{}",
+            self.entry.0,
+            self.ty.label(self.xvec, self.slow),
+            self.r,
+            self.rq,
+            self.tpr,
+            self.wg,
+            if self.sg { "sg" } else { "wgmem" }
+        );
+        for (n, v) in self.extra() {
+            label.push_str(&format!("_{n}={v}"));
+        }
+        label
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        let mut spec = self
+            .ty
+            .defines(spec, self.xvec, self.slow)
+            .define("R", format!("{}u", self.r))
+            .define("RQ", format!("{}u", self.rq))
+            .define("TPR", format!("{}u", self.tpr))
+            .define("WG", format!("{}u", self.wg));
+        if self.sg {
+            spec = spec.define("SUBGROUPS", "true");
+        }
+        for (n, v) in self.extra() {
+            spec = spec.define(n, v);
+        }
+        spec
+    }
 }
 
 /// `y[t] = W x[t]` for `n_tokens` tokens (any count; above
 /// [`DENSE_MATVEC_TOKENS`] the tiled
 /// [`matmul`](super::matmul::matmul_tiled) is cheaper); see the module doc for shapes.
-#[allow(clippy::too_many_arguments)]
 pub fn matvec(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
@@ -1380,7 +1427,6 @@ impl QuantX {
 /// (stride 0: cols) into `qx`, per block of 32 as ggml's `quantize_row_q8_1`: d = max|x| / 127,
 /// q = round(x · (1/d)) with ties to even (ggml rounds them away from zero), s = d · Σq.
 /// `cols` must be a multiple of 32. CPU reference: `cpu::q8x::quantize_x`.
-#[allow(clippy::too_many_arguments)]
 pub fn quantize_x(
     pass: &mut Pass<'_>,
     x: &wgpu::Buffer,
@@ -1396,7 +1442,6 @@ pub fn quantize_x(
 /// [`quantize_x`] in two levels, the x of [`matvec_q8x`]: each block also holds its residual
 /// `x − d·q` quantized the same way (d₂, q₂), so x̂ = d·q + d₂·q₂. `qx` needs room for
 /// `2 · n_tokens` rows. CPU reference: `cpu::q8x::quantize_x2`.
-#[allow(clippy::too_many_arguments)]
 pub fn quantize_x2(
     pass: &mut Pass<'_>,
     x: &wgpu::Buffer,
@@ -1439,19 +1484,27 @@ pub(crate) fn quantize_x_levels(
         )));
     }
     check_span("int8 x", "x", x, x_off, x_stride, n_tokens, cols)?;
-    /// Typed key of the quantize kernel: with the second level (X2).
     #[derive(PartialEq, Eq, Hash)]
-    struct QuantizeX(bool);
-    let pipe = gpu.pipeline_for(QuantizeX(two), || {
-        let label = if two {
-            "matvec_quantize_x2"
-        } else {
-            "matvec_quantize_x"
-        };
-        PipelineSpec::new(label, SRC, "quantize_x")
-            .define("QUANT_X", "true")
-            .define("X2", two)
-    })?;
+    struct QuantizeX {
+        /// With the second level (X2).
+        two: bool,
+    }
+    impl super::PipelineKey for QuantizeX {
+        fn source(&self) -> &'static str {
+            QUANT_SRC
+        }
+        fn entry(&self) -> &'static str {
+            "quantize_x"
+        }
+        fn label(&self) -> String {
+            let two = if self.two { "2" } else { "" };
+            format!("matvec_quantize_x{two}")
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("X2", self.two)
+        }
+    }
+    let pipe = gpu.pipeline_for(QuantizeX { two })?;
     let prm = QParams {
         n_blocks,
         n_tokens,

@@ -24,6 +24,7 @@ pub mod matvec;
 pub mod moe;
 mod moe_route;
 pub mod norm;
+pub mod operand;
 pub mod rope;
 pub mod router;
 pub mod softmax;
@@ -38,10 +39,14 @@ pub use disk_cache::cache_dir as pipeline_cache_dir;
 pub use limits::{fit_rows, BufferLimits, PassBuffer};
 pub use memory::{device_memory, DeviceMemory};
 pub use pass::{grid, Encoded, Pass, FLUSH_OPS, MAX_GROUPS};
-pub use pipeline::{preprocess, PipelineSpec, StaticDefines, StaticName};
+pub use pipeline::{
+    expand_includes, preprocess, PipelineKey, PipelineSpec, StaticDefines, StaticName, PIECES,
+};
 pub use recorder::Binding;
 
-/// Every WGSL file, for the naga translation test (`tests/shaders.rs`) and `include_str!`.
+/// Every entry WGSL file by the wrapper (`src/gpu/<name>.rs`) that owns its uniforms, for the
+/// naga translation test (`tests/shaders.rs`) and `include_str!`; the pieces they include are
+/// [`PIECES`].
 pub const SHADERS: &[(&str, &str)] = &[
     ("attention", include_str!("../../shaders/attention.wgsl")),
     ("compress", include_str!("../../shaders/compress.wgsl")),
@@ -60,6 +65,8 @@ pub const SHADERS: &[(&str, &str)] = &[
     ("softmax", include_str!("../../shaders/softmax.wgsl")),
     ("topk", include_str!("../../shaders/topk.wgsl")),
     ("matmul", matmul::SRC),
+    ("matmul", matmul::SRC_Q8),
     ("matmul_coop", coopmat::SRC),
     ("matvec", matvec::SRC),
+    ("matvec", matvec::QUANT_SRC),
 ];

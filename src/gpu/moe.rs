@@ -5,9 +5,10 @@
 //! are filled from are in `moe/`. CPU references: `moe::remap_ids`, a plain scatter, and the
 //! arena's bytes against the mmap.
 
-use super::elementwise::{self as ew, View};
+use super::elementwise as ew;
 use super::matmul::{self, MoeRoute};
 use super::matvec::{self, MatvecOpts};
+use super::operand::Operand;
 use super::{check_len, grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
 use crate::tensor::MatShape;
 use crate::{Error, Result};
@@ -34,11 +35,26 @@ struct Params {
 const _: () = assert!(std::mem::size_of::<Params>() == 48);
 
 fn pipe(gpu: &Gpu, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    /// Typed key: the entry point.
     #[derive(PartialEq, Eq, Hash)]
-    struct Moe(super::StaticName);
-    gpu.pipeline_for(Moe(super::StaticName(entry)), || {
-        PipelineSpec::new(format!("moe_{entry}"), SRC, entry)
+    struct Moe {
+        entry: super::StaticName,
+    }
+    impl super::PipelineKey for Moe {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            self.entry.0
+        }
+        fn label(&self) -> String {
+            format!("moe_{}", self.entry.0)
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec
+        }
+    }
+    gpu.pipeline_for(Moe {
+        entry: super::StaticName(entry),
     })
 }
 
@@ -485,9 +501,9 @@ pub fn routed_ffn(
         pass,
         n * k,
         ff,
-        View::new(b.act, 0),
-        View::new(b.gate, 0),
-        View::new(b.up, 0),
+        Operand::new(b.act, 0),
+        Operand::new(b.gate, 0),
+        Operand::new(b.up, 0),
         limit,
     )?;
     if small {

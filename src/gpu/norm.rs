@@ -1,12 +1,12 @@
 //! Row norms (`shaders/norm.wgsl`): RMSNorm (weighted, unweighted, per head, fused residual),
 //! L2 norm, gated RMSNorm. CPU references: `cpu::ops::{rms_norm, l2_norm, gated_rms_norm}`.
 //!
-//! Rows are [`View`]s of f32 buffers; "per head" is just more rows (`n_rows = n_tokens ·
+//! Rows are [`Operand`]s of f32 buffers; "per head" is just more rows (`n_rows = n_tokens ·
 //! n_heads`, stride = head_dim, or 2·head_dim for Qwen's `[q | gate]` per-head layout). `y:
 //! None` normalises in place. Weights are `GpuTensor`s of F32, F16 or BF16 `[dim]` multiplied
 //! as stored (the loaders turn HF's `1+w` into plain `w`).
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::cpu::ops::L2Mode;
 use crate::{DType, Error, Result};
@@ -45,8 +45,8 @@ enum Mode {
 #[derive(Clone, Copy)]
 enum Extra<'a> {
     None,
-    Gate(View<'a>),
-    Residual(View<'a>),
+    Gate(Operand<'a>),
+    Residual(Operand<'a>),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -55,8 +55,8 @@ fn run(
     mode: Mode,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     extra: Extra<'_>,
     eps: f32,
@@ -122,31 +122,58 @@ fn run(
         && [x, yv, zv]
             .iter()
             .all(|v| v.off.is_multiple_of(4) && v.stride_for(dim).is_multiple_of(4));
-    /// Typed key: (mode, weight type, in place, gated, residual, vec4 items).
     #[derive(PartialEq, Eq, Hash)]
-    struct Norm(u32, Option<DType>, bool, bool, bool, bool);
-    let key = Norm(mode_id, wdt, inplace, gated, residual, v4);
-    let pl = pass.gpu().pipeline_for(key, || {
-        let label = format!(
-            "norm_m{mode_id}_w{}{}{}{}{}",
-            wdt.map_or("none", |t| t.name()),
-            if inplace { "_inplace" } else { "" },
-            if gated { "_gated" } else { "" },
-            if residual { "_residual" } else { "" },
-            if v4 { "_v4" } else { "" },
-        );
-        let mut spec = PipelineSpec::new(label, SRC, "main")
-            .define("MODE", format!("{mode_id}u"))
-            .define("INPLACE", inplace)
-            .define("RESIDUAL", residual)
-            .define("GATED", gated)
-            .define("HAS_Z", gated || residual)
-            .define("HAS_W", wdt.is_some())
-            .define("V4", v4);
-        if let Some(t) = wdt {
-            spec = spec.define(&format!("W_{}", t.name()), true);
+    struct Norm {
+        /// `MODE` of norm.wgsl.
+        mode_id: u32,
+        /// The weight's stored type, if any.
+        wdt: Option<DType>,
+        inplace: bool,
+        gated: bool,
+        residual: bool,
+        /// vec4 items.
+        v4: bool,
+    }
+    impl super::PipelineKey for Norm {
+        fn source(&self) -> &'static str {
+            SRC
         }
-        spec
+        fn entry(&self) -> &'static str {
+            "main"
+        }
+        fn label(&self) -> String {
+            format!(
+                "norm_m{}_w{}{}{}{}{}",
+                self.mode_id,
+                self.wdt.map_or("none", |t| t.name()),
+                if self.inplace { "_inplace" } else { "" },
+                if self.gated { "_gated" } else { "" },
+                if self.residual { "_residual" } else { "" },
+                if self.v4 { "_v4" } else { "" },
+            )
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            let spec = spec
+                .define("MODE", format!("{}u", self.mode_id))
+                .define("INPLACE", self.inplace)
+                .define("RESIDUAL", self.residual)
+                .define("GATED", self.gated)
+                .define("HAS_Z", self.gated || self.residual)
+                .define("HAS_W", self.wdt.is_some())
+                .define("V4", self.v4);
+            match self.wdt {
+                Some(t) => spec.define(&format!("W_{}", t.name()), true),
+                None => spec,
+            }
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Norm {
+        mode_id,
+        wdt,
+        inplace,
+        gated,
+        residual,
+        v4,
     })?;
     let params = Params {
         dim,
@@ -181,8 +208,8 @@ pub fn rms_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {
@@ -195,9 +222,9 @@ pub fn add_rms_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    r: View<'_>,
-    y: View<'_>,
+    x: Operand<'_>,
+    r: Operand<'_>,
+    y: Operand<'_>,
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {
@@ -222,8 +249,8 @@ pub fn l2_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     eps: f32,
     mode: L2Mode,
     scale: f32,
@@ -248,9 +275,9 @@ pub fn gated_rms_norm(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    o: View<'_>,
-    z: View<'_>,
-    y: Option<View<'_>>,
+    o: Operand<'_>,
+    z: Operand<'_>,
+    y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {

@@ -1,9 +1,11 @@
 //! Pipeline cache and the small WGSL preprocessor that makes kernel variants.
 //!
-//! Variants come from one `.wgsl` file per family: the wrapper's typed key turns into
+//! Variants come from one entry `.wgsl` file per family: the wrapper's typed key turns into
 //! `const NAME = value;` lines prepended to the source and `#if NAME` / `#ifdef NAME` /
 //! `#ifndef NAME` / `#else` / `#endif` line blocks. The key's text is the label of the
 //! shader module and pipeline, so validation errors and captures name the variant.
+//! Code that several families share is a piece of [`PIECES`], which a file takes in with
+//! `#include "name"` (expanded before the `#if` blocks, each piece once per module).
 
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -55,16 +57,131 @@ impl PipelineSpec {
     }
 }
 
+/// A wrapper's typed pipeline key: named fields that select one variant (no strings but
+/// [`StaticName`]s, so a lookup hashes a few words), and the two things derived from them, the
+/// variant's label and its defines, so that the name in errors and captures always says what
+/// was compiled. [`Gpu::pipeline_for`](super::Gpu::pipeline_for) looks a key up and makes
+/// its [`PipelineKey::spec`] on first use.
+pub trait PipelineKey: std::hash::Hash + Eq + Send + Sync + 'static {
+    /// The family's entry WGSL file (`include_str!`).
+    fn source(&self) -> &'static str;
+    fn entry(&self) -> &'static str;
+    /// The variant's name, e.g. `topk_k8_pairs_final`.
+    fn label(&self) -> String;
+    /// The variant's defines on `spec` ([`PipelineSpec::define`], in the order the shader's
+    /// consts are declared).
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec;
+    /// Compile without runtime bounds checks ([`PipelineSpec::unchecked`]).
+    fn unchecked(&self) -> bool {
+        false
+    }
+    fn spec(&self) -> PipelineSpec {
+        let spec = PipelineSpec::new(self.label(), self.source(), self.entry());
+        let spec = self.defines(spec);
+        if self.unchecked() {
+            spec.unchecked()
+        } else {
+            spec
+        }
+    }
+}
+
+/// `(name, text)` of `shaders/pieces/<name>.wgsl`.
+macro_rules! piece {
+    ($name:literal) => {
+        (
+            $name,
+            include_str!(concat!("../../shaders/pieces/", $name, ".wgsl")),
+        )
+    };
+}
+
+/// The shared WGSL pieces (`shaders/pieces/`) by the name `#include` gives, in the order
+/// matvec.wgsl includes them: the products' bindings, activation loads, fused prologues,
+/// raw weight bytes and block decoders (one piece per stored type), the prefill chunk gathers
+/// and matvec's row sums, stores and reductions.
+pub const PIECES: &[(&str, &str)] = &[
+    piece!("bindings"),
+    piece!("x_int8"),
+    piece!("x_f32"),
+    piece!("prologue"),
+    piece!("weight_bytes"),
+    piece!("decoders"),
+    piece!("decode_f32"),
+    piece!("decode_f16"),
+    piece!("decode_bf16"),
+    piece!("decode_q4_0"),
+    piece!("decode_q4_1"),
+    piece!("decode_q5_0"),
+    piece!("decode_q5_1"),
+    piece!("decode_q8_0"),
+    piece!("decode_q2_k"),
+    piece!("decode_q3_k"),
+    piece!("decode_q4_k"),
+    piece!("decode_q5_k"),
+    piece!("decode_q6_k"),
+    piece!("decode_iq4_nl"),
+    piece!("decode_iq4_xs"),
+    piece!("decode_mxfp4"),
+    piece!("decode_f8_e4m3_b128"),
+    piece!("decode_mv32"),
+    piece!("prefill_chunks"),
+    piece!("mv_rows"),
+    piece!("mv_store"),
+    piece!("mv_reduce"),
+    piece!("mv_idx"),
+];
+
+/// `src` with every `#include "name"` line replaced by that piece of [`PIECES`] (itself
+/// expanded), each piece once: a second include of a piece adds nothing, as a C header's
+/// include guard would, so pieces can include what they need.
+pub fn expand_includes(src: &str) -> std::result::Result<String, String> {
+    fn expand<'a>(
+        src: &'a str,
+        from: &str,
+        seen: &mut Vec<&'a str>,
+        out: &mut String,
+    ) -> std::result::Result<(), String> {
+        for (i, line) in src.lines().enumerate() {
+            let Some(rest) = line.trim_start().strip_prefix("#include") else {
+                out.push_str(line);
+                out.push('\n');
+                continue;
+            };
+            let name = rest
+                .trim()
+                .strip_prefix('"')
+                .and_then(|r| r.strip_suffix('"'))
+                .ok_or_else(|| {
+                    format!("{from}line {}: #include wants a quoted piece name", i + 1)
+                })?;
+            let (name, text) = PIECES
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| format!("{from}line {}: no shader piece \"{name}\"", i + 1))?;
+            if !seen.contains(name) {
+                seen.push(name);
+                expand(text, &format!("piece \"{name}\" "), seen, out)?;
+            }
+        }
+        Ok(())
+    }
+    let mut out = String::with_capacity(src.len());
+    expand(src, "", &mut Vec::new(), &mut out)?;
+    Ok(out)
+}
+
 fn truthy(defs: &[(String, String)], name: &str) -> bool {
     defs.iter()
         .find(|(n, _)| n == name)
         .is_some_and(|(_, v)| v != "0" && v != "false")
 }
 
-/// Expand `#if/#ifdef/#ifndef/#else/#endif` and prepend the defines as WGSL consts. `enable`
-/// directives go first wherever a file appended to another declares them (WGSL wants them
-/// before any declaration).
+/// Expand `#include`s ([`expand_includes`]) and `#if/#ifdef/#ifndef/#else/#endif`, and
+/// prepend the defines as WGSL consts. `enable` directives go first wherever a file declares
+/// them after included pieces (WGSL wants them before any declaration).
 pub fn preprocess(src: &str, defs: &[(String, String)]) -> std::result::Result<String, String> {
+    let src = &expand_includes(src)?;
     let mut out = String::with_capacity(src.len() + 256);
     for line in src.lines() {
         if line.starts_with("enable ") {
@@ -199,7 +316,42 @@ impl PipelineSpec {
 
 #[cfg(test)]
 mod tests {
-    use super::preprocess;
+    use super::{expand_includes, preprocess, PipelineSpec, PIECES};
+
+    #[test]
+    fn includes_expand_once_and_name_a_missing_piece() {
+        // a piece twice, and again inside another: its text once, where it was first included
+        let out =
+            expand_includes("a\n#include \"decode_q4_k\"\n#include \"decoders\"\nb\n").unwrap();
+        assert_eq!(out.matches("#if TY_Q4_K").count(), 1);
+        assert!(out.find("#if TY_Q4_K") < out.find("#if TY_Q6_K"));
+        assert!(out.starts_with("a\n") && out.ends_with("\nb\n"));
+        assert!(!out.contains("#include"));
+        let e = PipelineSpec::new("v", "x\n  #include \"nope\"\n", "main")
+            .wgsl()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("v: line 2: no shader piece \"nope\""), "{e}");
+        let e = expand_includes("#include decoders\n").unwrap_err();
+        assert!(
+            e.contains("line 1: #include wants a quoted piece name"),
+            "{e}"
+        );
+    }
+
+    /// Every piece is included by an entry file or another piece: none is dead.
+    #[test]
+    fn every_piece_is_included() {
+        for (name, _) in PIECES {
+            let inc = format!("#include \"{name}\"");
+            let used = crate::gpu::SHADERS
+                .iter()
+                .map(|(_, s)| s)
+                .chain(PIECES.iter().map(|(_, s)| s))
+                .any(|s| s.lines().any(|l| l.trim() == inc));
+            assert!(used, "piece {name} is included nowhere");
+        }
+    }
 
     #[test]
     fn preprocess_branches() {

@@ -187,15 +187,26 @@ pub fn qk_norm_rope(pass: &mut Pass<'_>, a: &QkvDecode<'_>, table: &RopeTable) -
     super::check_span(op, "k norm", a.k_norm, 0u32, 0u32, 1u32, hd)?;
     super::check_span(op, "positions", a.positions, a.pos_off, 0u32, 1u32, 1u32)?;
     super::check_span(op, "rows", a.rows, a.row_off, 0u32, 1u32, 1u32)?;
-    /// Typed key of the fused kernel: whether the KV cache is f16.
     #[derive(PartialEq, Eq, Hash)]
-    struct QkNormRope(bool);
-    let pl = pass.gpu().pipeline_for(QkNormRope(a.f16), || {
-        let label = format!("qk_norm_rope_{}", if a.f16 { "f16" } else { "f32" });
-        PipelineSpec::new(label, SRC, "qk_norm_rope")
-            .define("QKNR", true)
-            .define("KV_F16", a.f16)
-    })?;
+    struct QkNormRope {
+        /// The KV cache is f16.
+        f16: bool,
+    }
+    impl super::PipelineKey for QkNormRope {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "qk_norm_rope"
+        }
+        fn label(&self) -> String {
+            format!("qk_norm_rope_{}", if self.f16 { "f16" } else { "f32" })
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("QKNR", true).define("KV_F16", self.f16)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(QkNormRope { f16: a.f16 })?;
     let params = QParams {
         n_head: a.n_head,
         n_head_kv: a.n_head_kv,
@@ -287,18 +298,38 @@ pub fn rope(
     };
     let interleaved = style == RopeStyle::Interleaved;
     let has_pos = pos_buf.is_some();
-    /// Typed key of the plain kernel: (interleaved, positions from a buffer).
     #[derive(PartialEq, Eq, Hash)]
-    struct Rope(bool, bool);
-    let pl = pass.gpu().pipeline_for(Rope(interleaved, has_pos), || {
-        let label = format!(
-            "rope_{}{}",
-            if interleaved { "interleaved" } else { "neox" },
-            if has_pos { "_posbuf" } else { "" }
-        );
-        PipelineSpec::new(label, SRC, "main")
-            .define("INTERLEAVED", interleaved)
-            .define("POS_BUF", has_pos)
+    struct Rope {
+        interleaved: bool,
+        /// Positions from a buffer.
+        has_pos: bool,
+    }
+    impl super::PipelineKey for Rope {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "main"
+        }
+        fn label(&self) -> String {
+            format!(
+                "rope_{}{}",
+                if self.interleaved {
+                    "interleaved"
+                } else {
+                    "neox"
+                },
+                if self.has_pos { "_posbuf" } else { "" }
+            )
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("INTERLEAVED", self.interleaved)
+                .define("POS_BUF", self.has_pos)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Rope {
+        interleaved,
+        has_pos,
     })?;
     let params = Params {
         n_tokens: x.n_tokens,

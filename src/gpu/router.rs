@@ -4,7 +4,7 @@
 //! `cpu::router::route`. Also [`combine`]: the weighted sum of the routed experts' outputs
 //! in one dispatch (CPU reference `cpu::router::combine`).
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::{DType, Error, Result};
 
@@ -68,9 +68,9 @@ pub fn route(
     select: Select<'_>,
     renorm: bool,
     route_scale: f32,
-    logits: View<'_>,
-    ids: View<'_>,
-    weights: View<'_>,
+    logits: Operand<'_>,
+    ids: Operand<'_>,
+    weights: Operand<'_>,
 ) -> Result<()> {
     if n_exp == 0 || n_exp > MAX_EXPERTS || k == 0 || k > n_exp {
         return Err(Error::Invalid(format!(

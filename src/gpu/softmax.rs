@@ -1,7 +1,7 @@
 //! Row softmax (`shaders/softmax.wgsl`), max-subtracted, with an optional scale on the
 //! logits. CPU reference: `cpu::ops::softmax`.
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, Pass, PipelineSpec};
 use crate::{Error, Result};
 
@@ -28,8 +28,8 @@ pub fn softmax(
     pass: &mut Pass<'_>,
     n_rows: u32,
     dim: u32,
-    x: View<'_>,
-    y: Option<View<'_>>,
+    x: Operand<'_>,
+    y: Option<Operand<'_>>,
     scale: f32,
 ) -> Result<()> {
     if n_rows == 0 {

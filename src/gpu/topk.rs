@@ -12,7 +12,7 @@
 //! counting among the few elements that pass it: `topk.wgsl`), so k = 64 costs about what
 //! k = 1 does.
 
-use super::elementwise::View;
+use super::operand::Operand;
 use super::{grid, Binding, Gpu, Pass, PipelineSpec};
 use crate::{Error, Result};
 
@@ -121,8 +121,8 @@ fn check_k(op: &str, k: u32, max_k: u32) -> Result<()> {
 /// itself as f32 bits (`PACKED`), so that one readback brings ids and values.
 #[derive(Clone, Copy)]
 enum Vals<'a> {
-    Own(Option<View<'a>>),
-    Packed(View<'a>),
+    Own(Option<Operand<'a>>),
+    Packed(Operand<'a>),
 }
 
 /// The `k` largest of each of `n_rows` rows of `n` in `x`: indices into `ids` (u32 rows of
@@ -134,9 +134,9 @@ pub fn topk(
     n_rows: u32,
     n: u32,
     k: u32,
-    x: View<'_>,
-    ids: View<'_>,
-    vals: Option<View<'_>>,
+    x: Operand<'_>,
+    ids: Operand<'_>,
+    vals: Option<Operand<'_>>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
     check_k("topk", k, MAX_K)?;
@@ -149,8 +149,8 @@ fn topk_stages(
     n_rows: u32,
     n: u32,
     k: u32,
-    x: View<'_>,
-    ids: View<'_>,
+    x: Operand<'_>,
+    ids: Operand<'_>,
     vals: Vals<'_>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
@@ -185,26 +185,52 @@ fn topk_stages(
         let last = s + 1 == st.len();
         let n_chunks = m.div_ceil(CHUNK);
         let (vals, pack) = (last && own_vals.is_some(), last && packed.is_some());
-        /// Typed key: (k, pairs, final, own values, packed).
         #[derive(PartialEq, Eq, Hash)]
-        struct Topk(u32, bool, bool, bool, bool);
-        let pl = gpu.pipeline_for(Topk(k, pairs, last, vals, pack), || {
-            let label = format!(
-                "topk_k{k}{}{}",
-                if pairs { "_pairs" } else { "" },
-                match (last, vals, pack) {
-                    (false, _, _) => "",
-                    (true, true, _) => "_final_vals",
-                    (true, _, true) => "_final_packed",
-                    _ => "_final",
-                }
-            );
-            PipelineSpec::new(label, SRC, "main")
-                .define("K", format!("{k}u"))
-                .define("PAIRS", pairs)
-                .define("FINAL", last)
-                .define("HAS_VALS", vals)
-                .define("PACKED", pack)
+        struct Topk {
+            k: u32,
+            /// The input is a previous stage's (value, index) pairs.
+            pairs: bool,
+            /// The last stage: writes the caller's outputs.
+            last: bool,
+            /// The last stage writes its own values.
+            vals: bool,
+            /// The last stage writes packed (value, index) words.
+            pack: bool,
+        }
+        impl super::PipelineKey for Topk {
+            fn source(&self) -> &'static str {
+                SRC
+            }
+            fn entry(&self) -> &'static str {
+                "main"
+            }
+            fn label(&self) -> String {
+                format!(
+                    "topk_k{}{}{}",
+                    self.k,
+                    if self.pairs { "_pairs" } else { "" },
+                    match (self.last, self.vals, self.pack) {
+                        (false, _, _) => "",
+                        (true, true, _) => "_final_vals",
+                        (true, _, true) => "_final_packed",
+                        _ => "_final",
+                    }
+                )
+            }
+            fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+                spec.define("K", format!("{}u", self.k))
+                    .define("PAIRS", self.pairs)
+                    .define("FINAL", self.last)
+                    .define("HAS_VALS", self.vals)
+                    .define("PACKED", self.pack)
+            }
+        }
+        let pl = gpu.pipeline_for(Topk {
+            k,
+            pairs,
+            last,
+            vals,
+            pack,
         })?;
         let mut params = Params {
             n: m,
@@ -266,9 +292,9 @@ pub fn argmax(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n: u32,
-    x: View<'_>,
-    ids: View<'_>,
-    vals: Option<View<'_>>,
+    x: Operand<'_>,
+    ids: Operand<'_>,
+    vals: Option<Operand<'_>>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
     topk(pass, n_rows, n, 1, x, ids, vals, scratch)
@@ -285,9 +311,9 @@ pub fn router_softmax_topk(
     n_exp: u32,
     k: u32,
     renorm: bool,
-    logits: View<'_>,
-    ids: View<'_>,
-    weights: View<'_>,
+    logits: Operand<'_>,
+    ids: Operand<'_>,
+    weights: Operand<'_>,
 ) -> Result<()> {
     check_k("router_softmax_topk", k, MAX_K)?;
     if n_exp == 0 || n_exp > ROUTER_MAX_EXPERTS || k > n_exp {
@@ -334,8 +360,8 @@ pub fn log_sum_exp(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n: u32,
-    x: View<'_>,
-    out: View<'_>,
+    x: Operand<'_>,
+    out: Operand<'_>,
 ) -> Result<()> {
     if n_rows == 0 {
         return Ok(());
@@ -424,11 +450,10 @@ impl LogitsTop {
     /// when `lse`, into result rows `row0 ..` (rows laid out for this `k`: every record of a
     /// pass and its [`LogitsTop::read`] use one k). The scratch is shared by all calls of a
     /// pass; the GPU runs them in order.
-    #[allow(clippy::too_many_arguments)]
     pub fn record(
         &self,
         pass: &mut Pass<'_>,
-        logits: View<'_>,
+        logits: Operand<'_>,
         n_rows: u32,
         row0: u32,
         k: u32,
@@ -444,8 +469,8 @@ impl LogitsTop {
         }
         let w = top_row(k);
         let base = row0 * w;
-        let ids = View::strided(&self.out, base, w);
-        let vals = View::strided(&self.out, base + k, w);
+        let ids = Operand::strided(&self.out, base, w);
+        let vals = Operand::strided(&self.out, base + k, w);
         topk_stages(
             pass,
             n_rows,
@@ -457,7 +482,7 @@ impl LogitsTop {
             self.scratch.as_ref(),
         )?;
         if lse {
-            let out = View::strided(&self.out, base + 2 * k, w);
+            let out = Operand::strided(&self.out, base + 2 * k, w);
             log_sum_exp(pass, n_rows, self.n, logits, out)?;
         }
         Ok(())

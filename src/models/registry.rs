@@ -7,7 +7,7 @@ use super::{deepseek4, gemma4, llama, qwen35, ModelFile};
 use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
 use crate::model_file::PartSpec;
-use crate::moe::{Needs, RunShape};
+use crate::moe::{EachExpert, ExpertNames, Needs, RunShape};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -29,7 +29,55 @@ pub struct Family {
     pub products: fn(&ModelFile) -> Result<AutoProducts>,
     /// Rows of one prefill pass the loader sizes its activations for.
     pub pass_rows: usize,
+    /// Where its files keep the routed experts (the planner and the expert arena read them).
+    pub experts: &'static ExpertNames,
 }
+
+/// llama.cpp's GGUF expert stacks (`LLM_TENSOR_FFN_{GATE,UP,DOWN}_EXPS` in `llama-arch.cpp`),
+/// the same for every family.
+const GGUF_STACKS: [&str; 3] = [
+    "blk.{l}.ffn_gate_exps.weight",
+    "blk.{l}.ffn_up_exps.weight",
+    "blk.{l}.ffn_down_exps.weight",
+];
+
+/// Hugging Face checkpoints with one tensor per expert (`mlp.experts.E.{gate,up,down}_proj`),
+/// as Qwen3-MoE's and Qwen3.5's.
+const HF_EXPERTS: EachExpert = EachExpert {
+    names: [
+        "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+        "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+        "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
+    ],
+    packed: false,
+};
+
+/// DeepSeek's release names (`w1` gate, `w3` up, `w2` down, as the `Expert` of DeepSeek-V3's
+/// `inference/model.py`); DeepSeek-V4's I8/U8 experts are e2m1 pairs.
+const DEEPSEEK_EXPERTS: EachExpert = EachExpert {
+    names: [
+        "layers.{l}.ffn.experts.{e}.w1.weight",
+        "layers.{l}.ffn.experts.{e}.w3.weight",
+        "layers.{l}.ffn.experts.{e}.w2.weight",
+    ],
+    packed: true,
+};
+
+static QWEN_EXPERT_NAMES: ExpertNames = ExpertNames {
+    stacks: GGUF_STACKS,
+    each: &[HF_EXPERTS],
+};
+
+static DEEPSEEK_EXPERT_NAMES: ExpertNames = ExpertNames {
+    stacks: GGUF_STACKS,
+    each: &[DEEPSEEK_EXPERTS],
+};
+
+/// A file of no known family (`lathe plan` still sizes it): every naming above.
+static ANY_EXPERT_NAMES: ExpertNames = ExpertNames {
+    stacks: GGUF_STACKS,
+    each: &[HF_EXPERTS, DEEPSEEK_EXPERTS],
+};
 
 /// Every family lathe runs.
 pub static FAMILIES: &[Family] = &[
@@ -63,6 +111,7 @@ pub static FAMILIES: &[Family] = &[
             })
         },
         pass_rows: qwen35::gpu::DEFAULT_BATCH,
+        experts: &QWEN_EXPERT_NAMES,
     },
     Family {
         name: "DeepSeek-V4",
@@ -79,10 +128,11 @@ pub static FAMILIES: &[Family] = &[
         // The indexer's and router's top-k hold the fixtures only at f32 level.
         products: |f| deepseek4::Hparams::from_file(f).map(|_| AutoProducts::F32),
         pass_rows: deepseek4::gpu::DEFAULT_BATCH,
+        experts: &DEEPSEEK_EXPERT_NAMES,
     },
     Family {
         name: "Llama",
-        archs: llama::GGUF_ARCHS,
+        archs: llama::ARCHS,
         load: |gpu, f, o| Ok(Box::new(llama::gpu::GpuModel::load(gpu, f, o)?)),
         n_layer: |f| Ok(llama::Hparams::from_file(f)?.n_layer),
         needs_part: |f, run, part| {
@@ -92,8 +142,16 @@ pub static FAMILIES: &[Family] = &[
                 part,
             ))
         },
-        products: |f| llama::Hparams::from_file(f).map(|_| AutoProducts::Any),
+        // Router top-k on computed values: f32-level products, as Qwen3.5's MoE.
+        products: |f| {
+            Ok(if llama::Hparams::from_file(f)?.moe.is_some() {
+                AutoProducts::F32
+            } else {
+                AutoProducts::Any
+            })
+        },
         pass_rows: llama::gpu::DEFAULT_BATCH,
+        experts: &QWEN_EXPERT_NAMES,
     },
     Family {
         name: "Gemma-4",
@@ -124,6 +182,12 @@ pub fn family(file: &ModelFile) -> Result<&'static Family> {
         Ok(arch) => Error::Unsupported(format!("{}: architecture {arch}", file.path().display())),
         Err(e) => e,
     })
+}
+
+/// Where `file`'s family keeps its routed experts; every known naming for a file of no
+/// known family.
+pub fn expert_names(file: &ModelFile) -> &'static ExpertNames {
+    family_of(file).map_or(&ANY_EXPERT_NAMES, |f| f.experts)
 }
 
 /// Rows of one pass for a file of no known family (the planner still sizes a run for it):

@@ -1,11 +1,9 @@
 //! What a model's routed experts look like (per MoE layer: count, stored type and shape of
 //! the gate, up and down matrices) and where their bytes are in the mapped file.
 //!
-//! Expert tensors are read where the file keeps them: GGUF stacks `blk.N.ffn_{gate,up,down}
-//! _exps.weight` `[n_expert, rows, cols]` (llama.cpp's layout for both Qwen3.5-MoE and
-//! DeepSeek-V4), Hugging Face checkpoints one tensor per expert
-//! (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, or DeepSeek's release names
-//! `layers.N.ffn.experts.E.w{1,3,2}.weight`). Block-scaled release experts are described as
+//! Expert tensors are read where the file keeps them, under the names its family gives
+//! ([`ExpertNames`]): GGUF stacks `[n_expert, rows, cols]` (llama.cpp's layout), or
+//! checkpoints with one tensor per expert. Block-scaled release experts are described as
 //! the type the loaders repack them into, which is what the GPU stores:
 //! - packed e2m1 pairs (I8/U8 `[rows, cols/2]` + E8M0 `.scale` `[rows, cols/32]`): ggml MXFP4
 //!   (the same byte count);
@@ -75,6 +73,8 @@ pub struct MoeInfo {
     pub n_used: usize,
     /// MoE layers in ascending layer order.
     pub layers: Vec<MoeLayerInfo>,
+    /// The names its experts were found under (its family's).
+    pub names: &'static ExpertNames,
     /// Bytes of every tensor that is not a routed expert (what must sit on the GPU beside
     /// the expert arena).
     pub other_bytes: u64,
@@ -83,51 +83,89 @@ pub struct MoeInfo {
     pub other_decode_bytes: u64,
 }
 
-/// Routed-expert tensor names: (layer, expert or `None` for a stack, kind, DeepSeek packed).
-fn parse_expert_name(name: &str) -> Option<(usize, Option<usize>, Kind, bool)> {
-    let num = |s: &str| s.parse::<usize>().ok();
-    if let Some(rest) = name.strip_prefix("blk.") {
-        let (l, rest) = rest.split_once('.')?;
-        let kind = match rest {
-            "ffn_gate_exps.weight" => Kind::Gate,
-            "ffn_up_exps.weight" => Kind::Up,
-            "ffn_down_exps.weight" => Kind::Down,
-            _ => return None,
-        };
-        return Some((num(l)?, None, kind, false));
-    }
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        let (l, rest) = rest.split_once('.')?;
-        let rest = rest.strip_prefix("mlp.experts.")?;
-        let (e, rest) = rest.split_once('.')?;
-        let kind = match rest {
-            "gate_proj.weight" => Kind::Gate,
-            "up_proj.weight" => Kind::Up,
-            "down_proj.weight" => Kind::Down,
-            _ => return None,
-        };
-        return Some((num(l)?, Some(num(e)?), kind, false));
-    }
-    if let Some(rest) = name.strip_prefix("layers.") {
-        let (l, rest) = rest.split_once('.')?;
-        let rest = rest.strip_prefix("ffn.experts.")?;
-        let (e, rest) = rest.split_once('.')?;
-        let kind = match rest {
-            "w1.weight" => Kind::Gate,
-            "w3.weight" => Kind::Up,
-            "w2.weight" => Kind::Down,
-            _ => return None,
-        };
-        return Some((num(l)?, Some(num(e)?), kind, true));
-    }
-    None
+/// Where a family's files keep their routed experts, as name templates (`{l}` the layer,
+/// `{e}` the expert; per kind gate, up, down). The families give theirs
+/// (`models::registry::Family::experts`): this layer knows the layouts, not the names.
+#[derive(Debug)]
+pub struct ExpertNames {
+    /// GGUF stacks `[n_expert, rows, cols]`, `{l}` only.
+    pub stacks: [&'static str; 3],
+    /// Checkpoints with one tensor per expert, in the order a file is looked up.
+    pub each: &'static [EachExpert],
 }
 
-/// True for a routed expert tensor name (GGUF stack, HF per-expert matrix, DeepSeek packed
-/// weight or the block scale of a per-expert matrix): what a loader leaves to the expert
-/// arena.
-pub fn is_expert_tensor(name: &str) -> bool {
-    parse_expert_name(name).is_some() || is_expert_scale(name)
+/// One naming of per-expert matrices.
+#[derive(Debug)]
+pub struct EachExpert {
+    /// Gate, up, down, with `{l}` and `{e}`.
+    pub names: [&'static str; 3],
+    /// Block-scaled I8/U8 weights under these names are packed e2m1 pairs (MXFP4).
+    pub packed: bool,
+}
+
+/// `(l, e)` when `name` is `template` with decimal numbers in its `{l}` / `{e}`.
+fn match_template(template: &str, name: &str) -> Option<(usize, Option<usize>)> {
+    let (mut l, mut e) = (None, None);
+    let (mut tpl, mut rest) = (template, name);
+    while let Some(i) = tpl.find('{') {
+        rest = rest.strip_prefix(&tpl[..i])?;
+        let (key, after) = tpl[i + 1..].split_once('}')?;
+        let n = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let v = rest[..n].parse::<usize>().ok()?;
+        match key {
+            "l" => l = Some(v),
+            "e" => e = Some(v),
+            _ => return None,
+        }
+        (tpl, rest) = (after, &rest[n..]);
+    }
+    (rest == tpl).then_some((l?, e))
+}
+
+fn fill(template: &str, l: usize, e: usize) -> String {
+    template
+        .replace("{l}", &l.to_string())
+        .replace("{e}", &e.to_string())
+}
+
+impl ExpertNames {
+    /// The GGUF stack of `kind` in layer `l`.
+    fn stack(&self, l: usize, kind: Kind) -> String {
+        fill(self.stacks[kind as usize], l, 0)
+    }
+
+    /// Routed-expert tensor names: (layer, expert or `None` for a stack, kind, packed).
+    fn parse(&self, name: &str) -> Option<(usize, Option<usize>, Kind, bool)> {
+        for (t, kind) in self.stacks.iter().zip(Kind::ALL) {
+            if let Some((l, None)) = match_template(t, name) {
+                return Some((l, None, kind, false));
+            }
+        }
+        for each in self.each {
+            for (t, kind) in each.names.iter().zip(Kind::ALL) {
+                if let Some((l, Some(e))) = match_template(t, name) {
+                    return Some((l, Some(e), kind, each.packed));
+                }
+            }
+        }
+        None
+    }
+
+    /// True for a routed expert tensor name (GGUF stack, per-expert matrix or the block
+    /// scale of a per-expert matrix): what a loader leaves to the expert arena.
+    pub fn is_expert(&self, name: &str) -> bool {
+        self.parse(name).is_some() || self.is_scale(name)
+    }
+
+    /// The scale tensor of a per-expert matrix (`X.scale` or `X.weight_scale_inv` beside
+    /// `X.weight`).
+    fn is_scale(&self, name: &str) -> bool {
+        scaled_weight_name(name)
+            .and_then(|w| self.parse(&w))
+            .is_some_and(|p| p.1.is_some())
+    }
 }
 
 /// The weight a block-scale tensor name belongs to (`X.scale` or `X.weight_scale_inv` →
@@ -137,13 +175,6 @@ fn scaled_weight_name(name: &str) -> Option<String> {
         .strip_suffix(".scale")
         .or_else(|| name.strip_suffix(".weight_scale_inv"))?;
     Some(format!("{base}.weight"))
-}
-
-/// The scale tensor of a per-expert matrix (`…w1.scale` beside `…w1.weight`).
-fn is_expert_scale(name: &str) -> bool {
-    scaled_weight_name(name)
-        .and_then(|w| parse_expert_name(&w))
-        .is_some_and(|p| p.1.is_some())
 }
 
 /// Bytes of `t` as the loaders put it on the GPU: an FP8 e4m3 weight becomes `F8_E4M3_B128`
@@ -211,8 +242,9 @@ struct Found {
 }
 
 impl MoeInfo {
-    /// Scan `f`'s tensor names for routed experts. A model without them gives no layers.
-    pub fn from_file(f: &ModelFile) -> Result<MoeInfo> {
+    /// Scan `f`'s tensor names for routed experts named as `names` (its family's). A model
+    /// without them gives no layers.
+    pub fn from_file(f: &ModelFile, names: &'static ExpertNames) -> Result<MoeInfo> {
         let path = f.path();
         let mut found: BTreeMap<usize, Found> = BTreeMap::new();
         let mut other_bytes = 0u64;
@@ -220,8 +252,8 @@ impl MoeInfo {
         let head = has_output_head(f);
         let bad = |t: &TensorRef<'_>, what: String| Error::tensor(t.path, t.name, what);
         for t in f.tensors() {
-            let Some((l, e, kind, packed)) = parse_expert_name(t.name) else {
-                if is_expert_scale(t.name) {
+            let Some((l, e, kind, packed)) = names.parse(t.name) else {
+                if names.is_scale(t.name) {
                     // Counted with its weight (in the repacked type).
                     continue;
                 }
@@ -307,6 +339,7 @@ impl MoeInfo {
             n_layer,
             n_used,
             layers,
+            names,
             other_bytes,
             other_decode_bytes: other_decode,
         })
@@ -326,7 +359,7 @@ impl MoeInfo {
             .to_string();
         let (mut other, mut decode) = (0, 0);
         for t in f.tensors() {
-            if parse_expert_name(t.name).is_some() || is_expert_scale(t.name) {
+            if self.names.is_expert(t.name) {
                 continue;
             }
             let role = PartSpec::role(t.name, self.n_layer, &embd, !head);
@@ -740,43 +773,46 @@ impl<'a> ExpertWeights<'a> {
     /// The experts of MoE layer `info` from the mapped file: stored bytes are borrowed (no
     /// copy); block-scaled release experts are read through their scales
     /// ([`ExpertMats::from_scaled`]: repacked a few rows or one expert at a time).
-    pub fn from_file(f: &'a ModelFile, info: &MoeLayerInfo) -> Result<Self> {
-        Self::read(f, info, None)
+    pub fn from_file(f: &'a ModelFile, names: &ExpertNames, info: &MoeLayerInfo) -> Result<Self> {
+        Self::read(f, names, info, None)
     }
 
     /// [`from_file`](Self::from_file) looking up only `experts` (the others give errors when
     /// read): a checkpoint with one tensor per expert costs a few name lookups per expert,
     /// which the cold path, needing a handful of experts per call, should not pay for all.
-    pub fn from_file_only(f: &'a ModelFile, info: &MoeLayerInfo, experts: &[u32]) -> Result<Self> {
-        Self::read(f, info, Some(experts))
+    pub fn from_file_only(
+        f: &'a ModelFile,
+        names: &ExpertNames,
+        info: &MoeLayerInfo,
+        experts: &[u32],
+    ) -> Result<Self> {
+        Self::read(f, names, info, Some(experts))
     }
 
-    fn read(f: &'a ModelFile, info: &MoeLayerInfo, only: Option<&[u32]>) -> Result<Self> {
+    fn read(
+        f: &'a ModelFile,
+        names: &ExpertNames,
+        info: &MoeLayerInfo,
+        only: Option<&[u32]>,
+    ) -> Result<Self> {
         let l = info.layer;
         let want = |e: usize| only.is_none_or(|o| o.contains(&(e as u32)));
         let mats = |kind: Kind| -> Result<ExpertMats<'a>> {
-            let (kg, kh, kd) = match kind {
-                Kind::Gate => ("gate", "gate_proj", "w1"),
-                Kind::Up => ("up", "up_proj", "w3"),
-                Kind::Down => ("down", "down_proj", "w2"),
-            };
-            if let Some(t) = f.tensor(&format!("blk.{l}.ffn_{kg}_exps.weight")) {
+            let stack = names.stack(l, kind);
+            if let Some(t) = f.tensor(&stack) {
                 return ExpertMats::from_stack(&t);
             }
-            // One tensor per expert: Hugging Face names, else DeepSeek's release names.
-            let hf = |e: usize| format!("model.layers.{l}.mlp.experts.{e}.{kh}.weight");
-            let ds = |e: usize| format!("layers.{l}.ffn.experts.{e}.{kd}.weight");
-            let (name, t0): (&dyn Fn(usize) -> String, _) =
-                match (f.tensor(&hf(0)), f.tensor(&ds(0))) {
-                    (Some(t), _) => (&hf, t),
-                    (None, Some(t)) => (&ds, t),
-                    (None, None) => {
-                        return Err(Error::MissingTensor {
-                            path: f.path(),
-                            name: format!("blk.{l}.ffn_{kg}_exps.weight"),
-                        })
-                    }
-                };
+            // One tensor per expert: the first of the family's namings the file uses.
+            let Some((template, t0)) = names.each.iter().find_map(|each| {
+                let t = each.names[kind as usize];
+                f.tensor(&fill(t, l, 0)).map(|t0| (t, t0))
+            }) else {
+                return Err(Error::MissingTensor {
+                    path: f.path(),
+                    name: stack,
+                });
+            };
+            let name = |e: usize| fill(template, l, e);
             let first = name(0);
             let ts = (0..info.n_expert)
                 .map(|e| want(e).then(|| f.require(&name(e))).transpose())
@@ -852,5 +888,47 @@ impl crate::cpu::moe::Experts for ExpertWeights<'_> {
     }
     fn rows(&self, kind: Kind, e: usize, r0: usize, n: usize) -> Result<Cow<'_, [u8]>> {
         self.mats(kind).rows(e, r0, n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static NAMES: ExpertNames = ExpertNames {
+        stacks: ["s.{l}.gate", "s.{l}.up", "s.{l}.down"],
+        each: &[EachExpert {
+            names: [
+                "p.{l}.x.{e}.g.weight",
+                "p.{l}.x.{e}.u.weight",
+                "p.{l}.x.{e}.d.weight",
+            ],
+            packed: true,
+        }],
+    };
+
+    #[test]
+    fn templates_match_numbers_only_where_placed() {
+        assert_eq!(NAMES.parse("s.12.up"), Some((12, None, Kind::Up, false)));
+        assert_eq!(
+            NAMES.parse("p.3.x.40.d.weight"),
+            Some((3, Some(40), Kind::Down, true))
+        );
+        for not in [
+            "s..up",
+            "s.1a.up",
+            "s.1.up.weight",
+            "p.3.x..d.weight",
+            "q.3.x.4.d.weight",
+        ] {
+            assert_eq!(NAMES.parse(not), None, "{not}");
+        }
+        assert!(NAMES.is_expert("p.3.x.40.g.scale"));
+        assert!(
+            !NAMES.is_expert("s.3.gate.scale"),
+            "a stack has no block scale"
+        );
+        assert_eq!(NAMES.stack(7, Kind::Down), "s.7.down");
+        assert_eq!(fill(NAMES.each[0].names[1], 2, 9), "p.2.x.9.u.weight");
     }
 }

@@ -35,14 +35,14 @@
 //!
 //! # Integration recipe (one MoE layer of a forward)
 //! At load:
-//! 1. `info = MoeInfo::from_file(&file)`; `mem = AdapterMemory::detect(&gpu.info, gpu_mem)`;
+//! 1. `info = MoeInfo::from_file(&file, names)` with the family's `names`; `mem = AdapterMemory::detect(&gpu.info, gpu_mem)`;
 //!    `budget = budget_for(&info, mem.bytes, ctx, &needs)` with the family's `needs` for
 //!    the run (`lathe plan` gets the same numbers through `models::model_budget`). Upload
 //!    the non-expert weights (the output head first: every token reads it) before the arena
 //!    claims memory.
 //! 2. `placement = Placement::new(&info, Fill::Budget(budget.experts), stats.as_ref())`, or
 //!    `Fill::Fraction(f)` for `--gpu-experts f`.
-//! 3. `weights[i] = ExpertWeights::from_file(&file, &info.layers[i])` (borrows the mmap;
+//! 3. `weights[i] = ExpertWeights::from_file(&file, info.names, &info.layers[i])` (borrows the mmap;
 //!    DeepSeek's block-scaled release experts are repacked as they are read);
 //!    `arena = new_arena(&gpu, &placement)`; `fill_arena(&arena, &gpu, &placement, &weights,
 //!    report)`; `remaps = remap_tables(&gpu, &placement)`;
@@ -111,7 +111,7 @@ pub use budget::{
 };
 pub use cache::{CacheConfig, LayerHits, ResidencyCache, Upload};
 pub use layout::{
-    is_expert_tensor, ExpertMats, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo,
+    EachExpert, ExpertMats, ExpertNames, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo,
 };
 pub use offload::{
     fill_arena, new_arena, remap_tables, write_expert, Offload, PlacementReport, Plan,

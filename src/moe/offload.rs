@@ -5,8 +5,8 @@
 
 use super::timeline::{LayerTimes, Recording};
 use super::{
-    budget_for, cold_pairs, AdapterMemory, Budget, Costs, ExpertStats, ExpertWeights, Fill,
-    MemSource, MoeInfo, Needs, Placement, ResidencyCache, COLD,
+    budget_for, cold_pairs, AdapterMemory, Budget, Costs, ExpertNames, ExpertStats, ExpertWeights,
+    Fill, MemSource, MoeInfo, Needs, Placement, ResidencyCache, COLD,
 };
 use super::{ColdLayers, ExpertStream};
 use crate::cpu::moe::{Activations, ColdOptions, ColdPair};
@@ -165,14 +165,16 @@ impl Plan {
     /// pass per token, exactly as without a planner.
     /// `needs`: what the model's family needs beside its weights for the run of `opts`
     /// (KV, state, activations; its `needs` function).
+    /// `names`: where the family's files keep their experts.
     pub fn new(
         gpu: &Gpu,
         file: &ModelFile,
+        names: &'static ExpertNames,
         opts: &LoadOptions,
         needs: &dyn Fn(usize) -> Needs,
         batch: usize,
     ) -> Result<Option<Plan>> {
-        let mut info = MoeInfo::from_file(file)?;
+        let mut info = MoeInfo::from_file(file, names)?;
         if info.layers.is_empty() {
             return Ok(None);
         }
@@ -286,7 +288,7 @@ impl Plan {
         // Fail before any upload when the experts cannot be read where they are stored
         // (missing tensors or scales, types that cannot be repacked).
         for m in &plan.info.layers {
-            ExpertWeights::from_file(file, m)?;
+            ExpertWeights::from_file(file, plan.info.names, m)?;
         }
         if !plan.all_hot() {
             let hot: usize = plan.placement.layers.iter().map(|l| l.n_slots()).sum();
@@ -593,7 +595,7 @@ impl Offload {
         let weights = info
             .layers
             .iter()
-            .map(|m| ExpertWeights::from_file(&file, m))
+            .map(|m| ExpertWeights::from_file(&file, info.names, m))
             .collect::<Result<Vec<_>>>()?;
         let arena = new_arena(gpu, &placement)?;
         // The loaders count the bytes of every tensor of the file and upload all but the
@@ -603,7 +605,7 @@ impl Offload {
             let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
             let experts: u64 = file
                 .tensors()
-                .filter(|t| crate::moe::is_expert_tensor(t.name))
+                .filter(|t| info.names.is_expert(t.name))
                 .map(|t| t.data.len() as u64)
                 .sum();
             (p, total, experts.min(total))
@@ -1008,7 +1010,12 @@ impl Offload {
             let mut experts: Vec<u32> = pairs.iter().map(|p| p.expert).collect();
             experts.sort_unstable();
             experts.dedup();
-            let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], &experts)?;
+            let w = ExpertWeights::from_file_only(
+                &self.file,
+                self.info.names,
+                &self.info.layers[li],
+                &experts,
+            )?;
             let rows_len = pairs.len() * e * 4;
             let np = pairs.len() as u64;
             // Recorded before the rows exist: the upload buffer is unmapped before this pass
@@ -1173,7 +1180,12 @@ impl Offload {
         let aligned = shapes.iter().all(|m| m.bytes().is_multiple_of(4));
         let mut used = None;
         for round in experts.chunks(at.n_slots as usize) {
-            let w = ExpertWeights::from_file_only(&self.file, &self.info.layers[li], round)?;
+            let w = ExpertWeights::from_file_only(
+                &self.file,
+                self.info.names,
+                &self.info.layers[li],
+                round,
+            )?;
             let mut table = vec![COLD; lp.n_expert];
             for (slot, &ex) in round.iter().enumerate() {
                 table[ex as usize] = slot as u32;
@@ -1330,7 +1342,7 @@ impl Offload {
                 .info
                 .layer(u.layer)
                 .expect("the cache uploads experts of MoE layers");
-            let w = ExpertWeights::from_file_only(&self.file, m, &[u.expert])?;
+            let w = ExpertWeights::from_file_only(&self.file, self.info.names, m, &[u.expert])?;
             let g = self.placement.layer(u.layer).expect("placed layer").group;
             write_expert(&self.arena, gpu, g, u.slot, &w, u.expert)?;
             st.traffic.uploaded_bytes += self.placement.groups[g].slot_bytes();

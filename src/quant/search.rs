@@ -32,7 +32,6 @@ fn err<const MAD: bool>(d: f32) -> f32 {
 /// min ≤ 0, weighted by `w`, over `nstep + 1` candidate scales (`rmin + rdelta·is + nmax`
 /// steps over the range); a candidate is kept when its weighted error (|·| if MAD, else
 /// squared) is lower. Writes the levels to `l` and returns (scale, the_min) per group.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn make_qkx2_x8<const N: usize, const MAD: bool>(
     nmax: i32,
     x: &[Lf; N],

@@ -385,6 +385,7 @@ async fn serve(cfg: ServerConfig, given: Given) -> Result<()> {
             };
             (p, opts)
         }),
+        spec_costs: None,
     };
     let (lc, lt) = (cfg.clone(), template.clone());
     let (sched, engine_thread) = scheduler::start(

@@ -40,7 +40,7 @@ use super::metrics::{MemoryKind, Metrics};
 use crate::engine::{Engine, Logits, Seq, TopLogits, Want};
 use crate::generate::{Checkpoint, HeldSeq};
 use crate::sample::{FinishReason, Sampler, SamplerConfig, StopCondition};
-use crate::spec::{SpecMode, SpecOptions, SpecStats, Speculator};
+use crate::spec::{PassCosts, SpecMode, SpecOptions, SpecStats, Speculator};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
 
@@ -161,6 +161,9 @@ pub struct SchedulerConfig {
     pub spec: SpecOptions,
     /// `--draft-model`: loaded after the model, with these options (one sequence per slot).
     pub draft_model: Option<(std::path::PathBuf, crate::engine::LoadOptions)>,
+    /// What `--spec auto` decides from; `None`: measured on the device after the load
+    /// ([`crate::spec::measure_pass_costs`]).
+    pub spec_costs: Option<PassCosts>,
 }
 
 /// Filled by the engine thread once the model is loaded.
@@ -277,7 +280,11 @@ pub fn start(
                         spec.draft_model = Some(crate::spec::DraftModel::new(d));
                     }
                     // A wrong --spec fails here, not at each request.
-                    drop(Speculator::new(&mut engine, &spec)?);
+                    let speculates = Speculator::new(&mut engine, &spec)?.is_some();
+                    let auto = match (spec.mode, speculates) {
+                        (SpecMode::Auto, true) => Some(AutoSpec::new(&mut engine, &spec, &cfg)),
+                        _ => None,
+                    };
                     let mut slots = (0..cfg.n_slots.max(1))
                         .map(|_| Slot::new(&engine))
                         .collect::<Result<Vec<_>>>()?;
@@ -290,11 +297,11 @@ pub fn start(
                             ),
                         }
                     }
-                    Ok((engine, Arc::new(tok), slots, spec))
+                    Ok((engine, Arc::new(tok), slots, spec, auto))
                 })
             }))
             .unwrap_or_else(|_| Err(Error::Invalid("loading crashed (internal error)".into())));
-            let (engine, tokenizer, slots, spec) = match setup {
+            let (engine, tokenizer, slots, spec, auto) = match setup {
                 Ok(x) => x,
                 Err(e) => {
                     fail(&sh, e.to_string());
@@ -339,6 +346,7 @@ pub fn start(
                 shared: sh.clone(),
                 clock: 0,
                 waiting: None,
+                auto,
             };
             w.publish_slots();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.run()));
@@ -452,6 +460,92 @@ struct Worker {
     /// A job of several choices taken from the queue before enough slots were free: it
     /// starts, before any later job, once they are.
     waiting: Option<Job>,
+    /// `--spec auto`'s measurements and last choice; `None` for the other modes and
+    /// models that do not speculate.
+    auto: Option<AutoSpec>,
+}
+
+/// `--spec auto`: the device's pass costs and what was last chosen with them.
+struct AutoSpec {
+    /// `None`: measuring failed, and `auto` does not speculate.
+    costs: Option<PassCosts>,
+    /// The last choice logged: speculating requests (the new one included) and the draft.
+    logged: Option<(usize, usize)>,
+    /// Requests `auto` declined to speculate since the last one that did.
+    declined: usize,
+}
+
+/// While `--spec auto` declines, one request in this many speculates anyway at one draft,
+/// so that the acceptance it decides with stays measured (real text changes it).
+const PROBE_EVERY: usize = 32;
+
+impl AutoSpec {
+    /// The configured costs, else measured on `engine` (logged either way).
+    fn new(engine: &mut Engine, spec: &SpecOptions, cfg: &SchedulerConfig) -> AutoSpec {
+        let costs = match &cfg.spec_costs {
+            Some(c) => Ok(c.clone()),
+            None => crate::spec::measure_pass_costs(engine, spec, 3),
+        };
+        let costs = match costs {
+            Ok(c) => {
+                let ms: Vec<String> = c.pass.iter().map(|t| format!("{:.2}", t * 1e3)).collect();
+                eprintln!(
+                    "lathe serve: --spec auto: verify passes of 1..={} rows cost {} ms, a draft \
+                     {:.2} ms",
+                    c.pass.len(),
+                    ms.join(" / "),
+                    c.draft * 1e3
+                );
+                Some(c)
+            }
+            Err(e) => {
+                eprintln!(
+                    "lathe serve: --spec auto: measuring the verify passes failed ({e}): \
+                     decoding without speculation"
+                );
+                None
+            }
+        };
+        AutoSpec {
+            costs,
+            logged: None,
+            declined: 0,
+        }
+    }
+
+    /// The draft length for a request joining `speculating` speculating ones, at the
+    /// acceptance measured so far (0: decode it plainly); the choice is logged when it
+    /// changes.
+    fn draft(&mut self, speculating: usize, measured: Option<SpecStats>, max: usize) -> usize {
+        let Some(c) = &self.costs else {
+            return 0;
+        };
+        let n = speculating + 1;
+        let a = crate::spec::acceptance_estimate(measured);
+        let mut k = crate::spec::choose_draft(c, n, a, max);
+        if k == 0 {
+            self.declined += 1;
+            if self.declined.is_multiple_of(PROBE_EVERY) {
+                k = 1;
+            }
+        } else {
+            self.declined = 0;
+        }
+        if self.logged != Some((n, k)) {
+            self.logged = Some((n, k));
+            match k {
+                0 => eprintln!(
+                    "lathe serve: --spec auto: {n} requests at acceptance {a:.2}: plain decode \
+                     pays more than speculation"
+                ),
+                k => eprintln!(
+                    "lathe serve: --spec auto: {n} requests at acceptance {a:.2}: speculating \
+                     with {k} drafts"
+                ),
+            }
+        }
+        k
+    }
 }
 
 impl Worker {
@@ -739,7 +833,14 @@ impl Worker {
         let several = follow.is_some() || !job.siblings.is_empty();
         let spec = match job.constraint.is_some() || several {
             true => Ok(None),
-            false => new_speculator(&mut self.engine, &self.cfg.spec, speculating, cached),
+            false => {
+                let measured = self.shared.spec.lock().ok().and_then(|s| *s);
+                let draft = self
+                    .auto
+                    .as_mut()
+                    .map(|a| a.draft(speculating, measured, self.cfg.spec.draft));
+                new_speculator(&mut self.engine, &self.cfg.spec, draft, cached)
+            }
         };
         let spec = match spec {
             Ok(s) => s,
@@ -1329,27 +1430,32 @@ fn end_spec(engine: &mut Engine, shared: &Shared, slot: &mut Slot) -> Option<Spe
     Some(st)
 }
 
-/// The speculation of a request whose slot holds `cached` already, with `speculating`
-/// other requests speculating (`None`: speculation is off, the model cannot run it, or
-/// `--spec auto` and the server is busy).
+/// The speculation of a request whose slot holds `cached` already (`None`: speculation is
+/// off, the model cannot run it, or `--spec auto` chose plain decode).
 ///
-/// `auto` speculates while the verify rows of all speculating requests fit one verify pass
-/// (`Speculate::max_verify`): past that, a plain batched decode step reads the weights once
-/// for every request, where verify passes read them once per that many rows (and each
-/// request drafts and rolls back on its own), so speculation would cost more than it saves.
-/// An explicit `--spec mtp` or `draft` always speculates.
+/// `auto_draft`: `--spec auto`'s draft length ([`AutoSpec::draft`], 0: plain decode): it
+/// speculates whenever the device's measured pass costs and the measured acceptance say
+/// that speculation yields more tokens per second than plain batched decode
+/// ([`crate::spec::choose_draft`]). An explicit `--spec mtp` or `draft` always speculates
+/// with `--draft` tokens.
 fn new_speculator(
     engine: &mut Engine,
     opts: &SpecOptions,
-    speculating: usize,
+    auto_draft: Option<usize>,
     cached: &[u32],
 ) -> Result<Option<Speculator>> {
-    if opts.mode == SpecMode::Auto {
-        let max = engine.model.speculate().map_or(0, |s| s.max_verify());
-        if (speculating + 1) * (opts.draft + 1) > max {
-            return Ok(None);
+    let chosen;
+    let opts = match auto_draft {
+        Some(0) => return Ok(None),
+        Some(k) => {
+            chosen = SpecOptions {
+                draft: k,
+                ..opts.clone()
+            };
+            &chosen
         }
-    }
+        None => opts,
+    };
     let mut s = Speculator::new(engine, opts)?;
     if let Some(s) = &mut s {
         s.held(cached)?;

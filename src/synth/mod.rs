@@ -13,13 +13,14 @@
 mod deepseek4;
 mod fill;
 pub mod ftype;
+mod llama;
 pub mod presets;
 mod qwen35;
 pub mod vocab;
 
 pub use fill::WriteStats;
 pub use ftype::FileType;
-pub use presets::{preset, Dims, DsDims, Preset, QwenDims, QwenMoe, Yarn, PRESET_NAMES};
+pub use presets::{preset, Dims, DsDims, LlamaDims, Preset, QwenDims, QwenMoe, Yarn, PRESET_NAMES};
 pub use vocab::Vocab;
 
 use crate::gguf::{keys, Value};
@@ -220,6 +221,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
     let preset_vocab = match &preset.dims {
         Dims::Qwen35(d) => d.n_vocab,
         Dims::Deepseek4(d) => d.n_vocab,
+        Dims::Llama(d) => d.n_vocab,
     };
     let n_vocab = match vocab {
         // The demo takes the tokenizer's size; a release keeps its (padded) embedding rows.
@@ -250,6 +252,21 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             }
             d.n_vocab = n_vocab;
             deepseek4::draft(&d, opts.skew, opts.mtp)
+        }
+        Dims::Llama(d) => {
+            if opts.mtp {
+                return Err(Error::Invalid(format!(
+                    "--mtp: {} has no multi-token prediction block",
+                    preset.name
+                )));
+            }
+            let mut d = d.clone();
+            if let Some(n) = opts.n_layer {
+                check_layers(n, d.n_layer)?;
+                d.n_layer = n;
+            }
+            d.n_vocab = n_vocab;
+            llama::draft(&d, opts.skew)
         }
     };
     finish(preset, draft, ftype, opts.base, vocab, n_vocab)

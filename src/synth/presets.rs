@@ -90,10 +90,34 @@ pub struct Yarn {
     pub beta_slow: f32,
 }
 
+/// The plain transformer family: `llama`, `qwen3` (q/k norms), `qwen3moe` (routed experts,
+/// no shared one).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaDims {
+    /// GGUF architecture.
+    pub arch: &'static str,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    /// Dense FFN width (MoE files carry it too: the converter writes `intermediate_size`).
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub qk_norm: bool,
+    pub n_vocab: usize,
+    pub tied: bool,
+    pub ctx: usize,
+    pub rope_theta: f32,
+    pub eps: f32,
+    /// Routed experts; `n_ff_shexp` is 0.
+    pub moe: Option<QwenMoe>,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Dims {
     Qwen35(QwenDims),
     Deepseek4(DsDims),
+    Llama(LlamaDims),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -124,7 +148,14 @@ pub const PRESET_NAMES: &[&str] = &[
     "qwen3.5-35b-a3b",
     "qwen3.5-122b-a10b",
     "deepseek-v4-flash",
+    "qwen3-8b",
+    "qwen3-30b-a3b",
+    "llama-3.1-8b",
 ];
+
+/// Qwen3's vocabulary (embedding rows) and Llama 3's.
+pub const QWEN3_VOCAB: usize = 151_936;
+pub const LLAMA3_VOCAB: usize = 128_256;
 
 /// Everything the Qwen3.5 releases share: 256-wide attention heads rotating a quarter,
 /// GDN heads of 128, conv kernel 4, full attention every fourth layer, theta 1e7.
@@ -312,6 +343,79 @@ pub fn preset(name: &str) -> Result<Preset> {
             "Qwen3.5 122B A10B",
             qwen(3072, 48, 0, (32, 2), (16, 64), false, moe(1024)),
         ),
+        // Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B config.json (heads of 128, theta 1e6).
+        "qwen3-8b" => Preset {
+            name: name.to_string(),
+            display: "Qwen3 8B".into(),
+            dims: Dims::Llama(LlamaDims {
+                arch: "qwen3",
+                n_embd: 4096,
+                n_layer: 36,
+                n_ff: 12288,
+                n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                qk_norm: true,
+                n_vocab: QWEN3_VOCAB,
+                tied: false,
+                ctx: 40_960,
+                rope_theta: 1e6,
+                eps: 1e-6,
+                moe: None,
+            }),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
+        "qwen3-30b-a3b" => Preset {
+            name: name.to_string(),
+            display: "Qwen3 30B A3B".into(),
+            dims: Dims::Llama(LlamaDims {
+                arch: "qwen3moe",
+                n_embd: 2048,
+                n_layer: 48,
+                n_ff: 6144,
+                n_head: 32,
+                n_head_kv: 4,
+                head_dim: 128,
+                qk_norm: true,
+                n_vocab: QWEN3_VOCAB,
+                tied: false,
+                ctx: 40_960,
+                rope_theta: 1e6,
+                eps: 1e-6,
+                moe: Some(QwenMoe {
+                    n_expert: 128,
+                    n_used: 8,
+                    n_ff_exp: 768,
+                    n_ff_shexp: 0,
+                }),
+            }),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
+        // meta-llama/Llama-3.1-8B config.json.
+        "llama-3.1-8b" => Preset {
+            name: name.to_string(),
+            display: "Llama 3.1 8B".into(),
+            dims: Dims::Llama(LlamaDims {
+                arch: "llama",
+                n_embd: 4096,
+                n_layer: 32,
+                n_ff: 14336,
+                n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                qk_norm: false,
+                n_vocab: LLAMA3_VOCAB,
+                tied: false,
+                ctx: 131_072,
+                rope_theta: 500_000.0,
+                eps: 1e-5,
+                moe: None,
+            }),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
         // llama.cpp's own V4 files: Q8_0 with the routed experts kept in MXFP4.
         "deepseek-v4-flash" => Preset {
             name: name.to_string(),

@@ -22,12 +22,13 @@ use super::{Hparams, ScoreFunc};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::hc::{self, HcShape, HcWeights};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::topk::TopLogits;
@@ -330,16 +331,16 @@ impl GpuModel {
         let needs = |rows| needs_part(&hp, RunShape::new(opts, rows), &part);
         let limits = BufferLimits::of(&gpu.limits);
         let batch = fit_rows(DEFAULT_BATCH, limits, &file.path(), |r| needs(r).buffers)?;
-        let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
+        let experts = crate::models::registry::family(file)?.experts;
+        let plan = Plan::new(&gpu, file, experts, opts, &needs, batch)?;
         // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
         let rows = plan.as_ref().map_or(batch, |p| p.rows);
         let embedding = name(W::TokEmbd);
         let mut w = weights::load_with(file, &hp, plan.is_some(), |w| {
             let held = part.holds(PartSpec::role(w.name(), hp.n_layer, &embedding, false));
             // The MTP block's experts stay in its stacks (the arena serves the trunk).
-            let arena = plan.is_some()
-                && crate::moe::is_expert_tensor(w.name())
-                && !w.name().starts_with("mtp.");
+            let arena =
+                plan.is_some() && experts.is_expert(w.name()) && !w.name().starts_with("mtp.");
             if !held || arena {
                 return Ok(w.stand_in());
             }
@@ -629,9 +630,9 @@ impl GpuModel {
             select,
             hp.norm_topk,
             hp.route_scale,
-            View::new(&sc.router, 0),
-            View::new(&sc.moe_ids, 0),
-            View::new(&sc.moe_w, 0),
+            Operand::new(&sc.router, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
         )?;
         let limit = |v: f32| (v > 0.0).then_some(v);
         let bufs = FfnBufs {
@@ -687,9 +688,9 @@ impl GpuModel {
             pass,
             n,
             fs,
-            View::new(&sc.f_act, 0),
-            View::new(&sc.f_gate, 0),
-            View::new(&sc.f_up, 0),
+            Operand::new(&sc.f_act, 0),
+            Operand::new(&sc.f_gate, 0),
+            Operand::new(&sc.f_up, 0),
             limit(hp.swiglu_limit_shexp[l]),
         )?;
         self.linear(pass, &m.sh_down, &sc.f_act, &sc.blk, n)

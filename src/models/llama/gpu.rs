@@ -1,15 +1,20 @@
 //! The Llama-family forward on the GPU: one pass (one submission) per chunk of at most
 //! [`DEFAULT_BATCH`] tokens of one sequence. Products run through `matmul` (matvec for a
 //! few rows, the tiled kernels for more), attention over the sequence's KV rows (flash
-//! tiles for a chunk, split-K for one token); only the wanted logits come back.
+//! tiles for a chunk, split-K for one token); only the wanted logits come back. Routed
+//! experts run as `models::qwen35`'s do: stacked on the GPU, or through the expert arena and
+//! the CPU (`moe::Offload`) when the planner leaves some experts cold.
 
-use super::{Hparams, W};
+use super::{Hparams, RopeScaling, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
+use crate::gpu::matmul::MoeRoute;
 use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
@@ -18,8 +23,8 @@ use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::link::Link;
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};
-use crate::models::{expect_shape, ModelFile, SeqState};
-use crate::moe::{Needs, RunShape};
+use crate::models::{expect_shape, ModelFile, SeqState, Weight};
+use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -33,11 +38,29 @@ struct Layer {
     q: GpuTensor,
     k: GpuTensor,
     v: GpuTensor,
+    /// Qwen2: f32 `[n_head·head_dim]`, `[n_head_kv·head_dim]` ×2.
+    bias: Option<[wgpu::Buffer; 3]>,
+    /// Qwen3: per-head RMSNorm weights `[head_dim]` of q and k.
+    qk_norm: Option<(GpuTensor, GpuTensor)>,
     o: GpuTensor,
     ffn_norm: GpuTensor,
-    gate: GpuTensor,
-    up: GpuTensor,
-    down: GpuTensor,
+    ffn: Ffn,
+}
+
+enum Ffn {
+    Dense {
+        gate: GpuTensor,
+        up: GpuTensor,
+        down: GpuTensor,
+    },
+    /// Router `[n_expert, n_embd]`; stacks `[n_expert, n_ff_exp, n_embd]` ×2 and
+    /// `[n_expert, n_embd, n_ff_exp]` (stand-ins without buffers when offloaded).
+    Moe {
+        router: GpuTensor,
+        gate: GpuTensor,
+        up: GpuTensor,
+        down: GpuTensor,
+    },
 }
 
 /// Activation buffers for passes of `rows` tokens (f32 unless said).
@@ -60,6 +83,17 @@ struct Scratch {
     act: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
+    /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
+    /// ids (u32) and weights; [rows·n_used, n_ff_exp] the experts' gate, up and SwiGLU;
+    /// [rows·n_used, n_embd] their unweighted outputs.
+    router: wgpu::Buffer,
+    moe_ids: wgpu::Buffer,
+    moe_w: wgpu::Buffer,
+    f_gate: wgpu::Buffer,
+    f_up: wgpu::Buffer,
+    f_act: wgpu::Buffer,
+    moe_out: wgpu::Buffer,
+    route: Option<MoeRoute>,
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
@@ -68,8 +102,13 @@ struct Scratch {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 11] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 18] {
     let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
+    let (ne, k, fe) = hp
+        .moe
+        .as_ref()
+        .map_or((0, 0, 0), |m| (m.n_expert, m.n_used, m.n_ff_exp));
+    let ff = if hp.moe.is_some() { 0 } else { hp.n_ff };
     [
         ("llama.ids", rows),
         ("llama.x", rows * hp.n_embd),
@@ -78,10 +117,17 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 11] {
         ("llama.k", rows * kv),
         ("llama.v", rows * kv),
         ("llama.att", rows * q),
-        ("llama.gate", rows * hp.n_ff),
-        ("llama.up", rows * hp.n_ff),
-        ("llama.act", rows * hp.n_ff),
+        ("llama.gate", rows * ff),
+        ("llama.up", rows * ff),
+        ("llama.act", rows * ff),
         ("llama.attn_split", split_elems(hp) as usize),
+        ("llama.router", rows * ne),
+        ("llama.moe_ids", rows * k),
+        ("llama.moe_w", rows * k),
+        ("llama.f_gate", rows * k * fe),
+        ("llama.f_up", rows * k * fe),
+        ("llama.f_act", rows * k * fe),
+        ("llama.moe_out", rows * k * hp.n_embd),
     ]
 }
 
@@ -115,6 +161,21 @@ impl Scratch {
             up: f(8)?,
             act: f(9)?,
             attn_split: f(10)?,
+            router: f(11)?,
+            moe_ids: f(12)?,
+            moe_w: f(13)?,
+            f_gate: f(14)?,
+            f_up: f(15)?,
+            f_act: f(16)?,
+            moe_out: f(17)?,
+            route: match &hp.moe {
+                Some(m) => Some(MoeRoute::new(
+                    gpu,
+                    m.n_expert as u32,
+                    (rows * m.n_used) as u32,
+                )?),
+                None => None,
+            },
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "llama.logits")?,
             logit_rows,
             top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
@@ -131,6 +192,9 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let rows = run.batch.max(1) as usize;
     let e = scratch_elems(hp, rows);
     let logits = (rows * hp.n_vocab) as u64 * 4;
+    let route = hp.moe.as_ref().map_or(0, |m| {
+        MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
+    });
     let mut buffers: Vec<PassBuffer> = e
         .iter()
         .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
@@ -148,7 +212,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     Needs {
         kv_per_token: layers * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs,
         state: 0,
-        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits,
+        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits + route,
         buffers,
         kv_elem,
         note: None,
@@ -225,6 +289,8 @@ pub struct GpuModel {
     kv: KvShape,
     pools: Pools,
     scratch: Scratch,
+    /// The expert arena and cold experts when the planner left some experts off the GPU.
+    offload: Option<Offload>,
     /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
     /// of their logits.
     hidden_out: bool,
@@ -247,48 +313,123 @@ impl GpuModel {
             ));
         }
         let whole = PartSpec::whole(hp.n_layer);
-        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole).buffers;
+        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole);
         let batch = fit_rows(
             DEFAULT_BATCH,
             BufferLimits::of(&gpu.limits),
             &file.path(),
-            needs,
+            |r| needs(r).buffers,
         )?;
+        // Placement before any upload: offloaded experts go to the arena after the rest.
+        let experts = crate::models::registry::family(file)?.experts;
+        let plan = Plan::new(&gpu, file, experts, opts, &needs, batch)?;
+        let pass_rows = plan.as_ref().map_or(batch, |p| p.rows);
+        let offloaded = plan.is_some();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
-        let mut done = 0u64;
-        let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {
-            let t = file.require(&w.gguf_name())?;
-            expect_shape(&t, shape)?;
-            let g = gpu.upload_tensor(&t)?;
-            done += t.data.len() as u64;
+        let done = std::cell::Cell::new(0u64);
+        let put = |w: Weight<'_>| -> Result<GpuTensor> {
+            let g = w.with_tensor(|t| gpu.upload_tensor(t))?;
+            done.set(done.get() + g.bytes());
             if let Some(p) = &opts.progress {
-                p(done.min(total), total);
+                p(done.get().min(total), total);
             }
             Ok(g)
         };
+        let shaped = |w: W, shape: &[u64]| -> Result<_> {
+            let t = file.require(&w.name(file))?;
+            expect_shape(&t, shape)?;
+            Ok(t)
+        };
+        let up = |w: W, shape: &[u64]| put(Weight::Stored(shaped(w, shape)?));
         let (e, v, ff) = (hp.n_embd as u64, hp.n_vocab as u64, hp.n_ff as u64);
         let (qw, kvw) = (
             (hp.n_head * hp.head_dim) as u64,
             (hp.n_head_kv * hp.head_dim) as u64,
         );
         let tok_embd = up(W::TokEmbd, &[v, e])?;
-        let output = match file.tensor(&W::Output.gguf_name()) {
-            Some(_) => Some(up(W::Output, &[v, e])?),
-            None => None,
+        let output = match hp.tied {
+            true => None,
+            false => Some(up(W::Output, &[v, e])?),
         };
         let output_norm = up(W::OutputNorm, &[e])?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         for l in 0..hp.n_layer {
+            let bias = match file.tensor(&W::QBias(l).name(file)) {
+                None => None,
+                Some(_) => {
+                    let b = |w: W, n: u64| -> Result<wgpu::Buffer> {
+                        let t = shaped(w, &[n])?;
+                        gpu.upload_f32(&crate::models::read_f32(&t)?, t.name)
+                    };
+                    Some([
+                        b(W::QBias(l), qw)?,
+                        b(W::KBias(l), kvw)?,
+                        b(W::VBias(l), kvw)?,
+                    ])
+                }
+            };
+            let hd = hp.head_dim as u64;
+            let qk_norm = match file.tensor(&W::QNorm(l).name(file)) {
+                None => None,
+                Some(_) => Some((up(W::QNorm(l), &[hd])?, up(W::KNorm(l), &[hd])?)),
+            };
+            let attn_norm = up(W::AttnNorm(l), &[e])?;
+            let (q, k, vv, o) = (
+                up(W::Q(l), &[qw, e])?,
+                up(W::K(l), &[kvw, e])?,
+                up(W::V(l), &[kvw, e])?,
+                up(W::O(l), &[e, qw])?,
+            );
+            let ffn_norm = up(W::FfnNorm(l), &[e])?;
+            let ffn = match &hp.moe {
+                None => Ffn::Dense {
+                    gate: up(W::Gate(l), &[ff, e])?,
+                    up: up(W::Up(l), &[ff, e])?,
+                    down: up(W::Down(l), &[e, ff])?,
+                },
+                Some(m) => {
+                    let (ne, fe) = (m.n_expert as u64, m.n_ff_exp as u64);
+                    let router = up(W::Router(l), &[ne, e])?;
+                    // GGUF stacks, or HF's one matrix per expert stacked at upload.
+                    let stack = |one: fn(usize, usize) -> W, all: W, sh: [u64; 3]| {
+                        if matches!(file, ModelFile::Gguf(_)) {
+                            return Ok(Weight::Stored(shaped(all, &sh)?));
+                        }
+                        let parts = (0..m.n_expert)
+                            .map(|x| shaped(one(l, x), &sh[1..]))
+                            .collect::<Result<Vec<_>>>()?;
+                        Ok::<_, Error>(Weight::Stack {
+                            parts,
+                            shape: sh.to_vec(),
+                        })
+                    };
+                    let ws = [
+                        stack(W::GateExp, W::GateExps(l), [ne, fe, e])?,
+                        stack(W::UpExp, W::UpExps(l), [ne, fe, e])?,
+                        stack(W::DownExp, W::DownExps(l), [ne, e, fe])?,
+                    ];
+                    let [gate, upw, down] = ws.map(|w| match offloaded {
+                        true => Ok(w.stand_in()),
+                        false => put(w),
+                    });
+                    Ffn::Moe {
+                        router,
+                        gate: gate?,
+                        up: upw?,
+                        down: down?,
+                    }
+                }
+            };
             layers.push(Layer {
-                attn_norm: up(W::AttnNorm(l), &[e])?,
-                q: up(W::Q(l), &[qw, e])?,
-                k: up(W::K(l), &[kvw, e])?,
-                v: up(W::V(l), &[kvw, e])?,
-                o: up(W::O(l), &[e, qw])?,
-                ffn_norm: up(W::FfnNorm(l), &[e])?,
-                gate: up(W::Gate(l), &[ff, e])?,
-                up: up(W::Up(l), &[ff, e])?,
-                down: up(W::Down(l), &[e, ff])?,
+                attn_norm,
+                q,
+                k,
+                v: vv,
+                bias,
+                qk_norm,
+                o,
+                ffn_norm,
+                ffn,
             });
         }
         let rope = RopeTable::new(&gpu, &inv_freq(file, &hp)?, "llama.rope")?;
@@ -310,7 +451,11 @@ impl GpuModel {
             // Popped from the end: slot 0 first.
             free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
         };
-        let scratch = Scratch::new(&gpu, &hp, batch)?;
+        let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
+        let offload = match plan {
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
+            None => None,
+        };
         Ok(GpuModel {
             gpu,
             hp,
@@ -322,6 +467,7 @@ impl GpuModel {
             kv,
             pools,
             scratch,
+            offload,
             hidden_out: false,
         })
     }
@@ -374,7 +520,7 @@ impl GpuModel {
             &sc.ids,
             0,
             n,
-            View::new(&sc.x, 0),
+            Operand::new(&sc.x, 0),
         )?;
         let e = hp.n_embd as u32;
         for (l, lw) in self.layers.iter().enumerate() {
@@ -383,8 +529,8 @@ impl GpuModel {
                     pass,
                     n,
                     e,
-                    View::new(&sc.x, 0),
-                    Some(View::new(&sc.h, 0)),
+                    Operand::new(&sc.x, 0),
+                    Some(Operand::new(&sc.h, 0)),
                     Some(w),
                     hp.eps,
                 )
@@ -392,18 +538,31 @@ impl GpuModel {
             norm(&mut pass, &lw.attn_norm)?;
             self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
             norm(&mut pass, &lw.ffn_norm)?;
-            linear(&mut pass, &lw.gate, &sc.h, &sc.gate, n, false)?;
-            linear(&mut pass, &lw.up, &sc.h, &sc.up, n, false)?;
-            ew::swiglu(
-                &mut pass,
-                n,
-                hp.n_ff as u32,
-                View::new(&sc.act, 0),
-                View::new(&sc.gate, 0),
-                View::new(&sc.up, 0),
-                None,
-            )?;
-            linear(&mut pass, &lw.down, &sc.act, &sc.x, n, true)?;
+            match &lw.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    linear(&mut pass, gate, &sc.h, &sc.gate, n, false)?;
+                    linear(&mut pass, up, &sc.h, &sc.up, n, false)?;
+                    ew::swiglu(
+                        &mut pass,
+                        n,
+                        hp.n_ff as u32,
+                        Operand::new(&sc.act, 0),
+                        Operand::new(&sc.gate, 0),
+                        Operand::new(&sc.up, 0),
+                        None,
+                    )?;
+                    linear(&mut pass, down, &sc.act, &sc.x, n, true)?;
+                }
+                Ffn::Moe {
+                    router,
+                    gate,
+                    up,
+                    down,
+                } => {
+                    let stacks = ExpertStacks { gate, up, down };
+                    self.moe(&mut pass, l, router, &stacks, n)?;
+                }
+            }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         let (r0, rows) = match want {
@@ -419,8 +578,8 @@ impl GpuModel {
             &mut pass,
             rows as u32,
             e,
-            View::new(&sc.x, r0 as u32 * e),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, r0 as u32 * e),
+            Some(Operand::new(&sc.h, 0)),
             Some(&self.output_norm),
             hp.eps,
         )?;
@@ -442,7 +601,7 @@ impl GpuModel {
                 1,
             )?;
             sc.top
-                .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
             pass.submit()?;
             let t = sc.top.read(&gpu, 1, k, lse)?.pop();
             return Ok((Vec::new(), t));
@@ -467,6 +626,72 @@ impl GpuModel {
         Ok((logits, None))
     }
 
+    /// Layer `l`'s routed experts over the normed rows in `h`, added to the residual stream:
+    /// softmax top-k of f32 router logits (a near-tie must not flip on rounding), the
+    /// experts' unweighted rows, then their weighted sum in slot order (`moe`'s summation
+    /// contract, the same with and without offload).
+    fn moe(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        router: &GpuTensor,
+        stacks: &ExpertStacks<'_>,
+        n: u32,
+    ) -> Result<()> {
+        let sc = &self.scratch;
+        let m = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
+        let (e, k) = (self.hp.n_embd as u32, m.n_used as u32);
+        let opts = MatvecOpts {
+            exact: true,
+            ..Default::default()
+        };
+        matmul::matmul_opts(pass, router, &sc.h, 0, &sc.router, 0, n, &opts)?;
+        topk::router_softmax_topk(
+            pass,
+            n,
+            m.n_expert as u32,
+            k,
+            m.norm_topk,
+            Operand::new(&sc.router, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
+        )?;
+        let bufs = FfnBufs {
+            gate: &sc.f_gate,
+            up: &sc.f_up,
+            act: &sc.f_act,
+            out: &sc.moe_out,
+        };
+        let mut combine = |p: &mut Pass<'_>| -> Result<()> {
+            ew::moe_combine(
+                p,
+                n,
+                e,
+                k,
+                Operand::new(&sc.x, 0),
+                Operand::new(&sc.moe_w, 0),
+                Operand::new(&sc.moe_out, 0),
+            )
+        };
+        match self.offload.as_ref().filter(|o| o.has_layer(l)) {
+            Some(off) => {
+                let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
+                off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
+                off.cold_ffn(pass, cold, &bufs, None, Some(&mut combine))
+            }
+            None => {
+                let picks = Picks {
+                    ids: &sc.moe_ids,
+                    route: sc.route.as_ref().expect("route made for MoE models"),
+                    n,
+                    k,
+                };
+                routed_ffn(pass, stacks, &sc.h, &picks, &bufs, None)?;
+                combine(pass)
+            }
+        }
+    }
+
     /// Layer `l`'s attention over the normed rows in `h`, added to the residual stream.
     fn attention(
         &self,
@@ -483,6 +708,30 @@ impl GpuModel {
         linear(pass, &lw.q, &sc.h, &sc.q, n, false)?;
         linear(pass, &lw.k, &sc.h, &sc.k, n, false)?;
         linear(pass, &lw.v, &sc.h, &sc.v, n, false)?;
+        if let Some(b) = &lw.bias {
+            for ((buf, heads), bias) in [(&sc.q, nh), (&sc.k, nkv), (&sc.v, nkv)].iter().zip(b) {
+                ew::add_inplace(
+                    pass,
+                    n,
+                    heads * hd,
+                    Operand::new(buf, 0),
+                    Operand::strided(bias, 0, 0),
+                )?;
+            }
+        }
+        if let Some((qn, kn)) = &lw.qk_norm {
+            for (buf, heads, w) in [(&sc.q, nh, qn), (&sc.k, nkv, kn)] {
+                norm::rms_norm(
+                    pass,
+                    n * heads,
+                    hd,
+                    Operand::new(buf, 0),
+                    None,
+                    Some(w),
+                    hp.eps,
+                )?;
+            }
+        }
         let positions = Positions::From(pos0);
         for (buf, heads) in [(&sc.q, nh), (&sc.k, nkv)] {
             rope::rope(
@@ -532,7 +781,7 @@ impl GpuModel {
                     row0,
                     pos0,
                     n_kv,
-                    window: 0,
+                    window: hp.window as u32,
                 },
                 sinks: None,
                 split: (n_split > 1).then_some((&sc.attn_split, n_split)),
@@ -615,17 +864,37 @@ fn linear(
 }
 
 /// RoPE inverse frequencies: `theta^(-2i/n_rot)`, divided by `rope_freqs` where the file has
-/// it (llama.cpp's `freq_factors`) and by a linear scaling factor.
+/// it (llama.cpp's `freq_factors`), by a linear scaling factor, or scaled as Llama 3.1's
+/// (transformers' `_compute_llama3_parameters`: long wavelengths divided by `factor`,
+/// short ones kept, a smooth blend between).
 fn inv_freq(file: &ModelFile, hp: &Hparams) -> Result<Vec<f32>> {
     let mut inv = crate::cpu::ops::rope_inv_freq(hp.rope_theta, hp.n_rot);
-    if let Some(t) = file.tensor(&W::RopeFreqs.gguf_name()) {
+    if let Some(t) = file.tensor(&W::RopeFreqs.name(file)) {
         expect_shape(&t, &[inv.len() as u64])?;
         for (f, d) in inv.iter_mut().zip(crate::models::read_f32(&t)?) {
             *f /= d;
         }
     }
-    for f in &mut inv {
-        *f /= hp.rope_linear;
+    match hp.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear(s) => inv.iter_mut().for_each(|f| *f /= s),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_positions: old,
+        } => {
+            let (lo_wave, hi_wave) = (old / lo, old / hi);
+            for f in &mut inv {
+                let wave = 2.0 * std::f32::consts::PI / *f;
+                if wave > lo_wave {
+                    *f /= factor;
+                } else if wave >= hi_wave {
+                    let smooth = (old / wave - lo) / (hi - lo);
+                    *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                }
+            }
+        }
     }
     Ok(inv)
 }

@@ -3,7 +3,7 @@
 //! (more passes, each read back, only when they outgrow it).
 
 use super::rounds::{RoundOut, TopReq};
-use crate::gpu::elementwise::View;
+use crate::gpu::operand::Operand;
 use crate::gpu::{matmul, topk, GpuTensor, Pass};
 use crate::models::{head_rows, head_runs, read_rows, row_runs};
 use crate::Result;
@@ -50,7 +50,7 @@ pub fn head_logits(
         let rows = chunk.len() as u32;
         head.top.record(
             &mut pass,
-            View::new(head.logits, 0),
+            Operand::new(head.logits, 0),
             rows,
             r0,
             top.k,

@@ -305,7 +305,7 @@ impl GpuModel {
                     &sc.ids,
                     0,
                     nt,
-                    View::strided(&sc.x, j * e, hs.hc * e),
+                    Operand::strided(&sc.x, j * e, hs.hc * e),
                 )?;
             }
         } else {
@@ -504,7 +504,6 @@ impl GpuModel {
 
     /// Append the projected rows of the pass to a compressor's store pool (each row into its
     /// sequence's ring) and pool the windows they complete into `out`.
-    #[allow(clippy::too_many_arguments)]
     fn compress_rows(
         &self,
         pass: &mut Pass<'_>,
@@ -570,13 +569,13 @@ impl GpuModel {
             pass,
             n,
             ql,
-            View::new(&sc.qr, 0),
+            Operand::new(&sc.qr, 0),
             None,
             Some(&a.q_norm),
             hp.eps,
         )?;
         self.linear(pass, &a.wq_b, &sc.qr, &sc.q, n)?;
-        norm::rms_norm(pass, n * nh, hd, View::new(&sc.q, 0), None, None, hp.eps)?;
+        norm::rms_norm(pass, n * nh, hd, Operand::new(&sc.q, 0), None, None, hp.eps)?;
         rope::rope_interleaved(
             pass,
             &RopeView::packed(&sc.q, 0, n, nh, hd),
@@ -590,7 +589,7 @@ impl GpuModel {
             pass,
             n,
             hd,
-            View::new(&sc.kv, 0),
+            Operand::new(&sc.kv, 0),
             None,
             Some(&a.kv_norm),
             hp.eps,

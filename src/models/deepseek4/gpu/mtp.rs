@@ -187,12 +187,19 @@ impl GpuModel {
         let (e, hc, nt) = (hp.n_embd as u32, hp.hc as u32, n as u32);
         let width = (hc * e) as u64 * 4;
         pass.copy(src, src_row as u64 * width, &m.hid, 0, n as u64 * width);
-        embed::embed(pass, &self.w.tok_embd, &sc.ids, 0, nt, View::new(&m.emb, 0))?;
+        embed::embed(
+            pass,
+            &self.w.tok_embd,
+            &sc.ids,
+            0,
+            nt,
+            Operand::new(&m.emb, 0),
+        )?;
         norm::rms_norm(
             pass,
             nt,
             e,
-            View::new(&m.emb, 0),
+            Operand::new(&m.emb, 0),
             None,
             Some(&m.w.enorm),
             hp.eps,
@@ -202,8 +209,8 @@ impl GpuModel {
             pass,
             nt * hc,
             e,
-            View::new(&m.hid, 0),
-            Some(View::new(&m.hn, 0)),
+            Operand::new(&m.hid, 0),
+            Some(Operand::new(&m.hn, 0)),
             Some(&m.w.hnorm),
             hp.eps,
         )?;
@@ -213,8 +220,8 @@ impl GpuModel {
                 pass,
                 nt,
                 e,
-                View::strided(&sc.x, j * e, hc * e),
-                View::new(&m.ep, 0),
+                Operand::strided(&sc.x, j * e, hc * e),
+                Operand::new(&m.ep, 0),
             )?;
         }
         let (l, lw) = (hp.n_layer, &m.w.layer);
@@ -373,7 +380,7 @@ impl GpuModel {
         let e = self.hp.n_embd as u32;
         matmul::matmul(pass, out.w, &sc.h, row * e, &sc.logits, 0, 1)?;
         out.top
-            .record(pass, View::new(&sc.logits, 0), 1, j, 1, false)
+            .record(pass, Operand::new(&sc.logits, 0), 1, j, 1, false)
     }
 
     /// `k` greedy drafts in one submission: the MTP rows over the trunk's last pass (the

@@ -96,7 +96,7 @@ impl GpuModel {
                 &sc.ids,
                 0,
                 n,
-                View::new(&sc.x, 0),
+                Operand::new(&sc.x, 0),
             )?;
         } else {
             self.link.receive_into(&gpu, &sc.x, toks.len(), hp.n_embd)?;
@@ -181,8 +181,8 @@ impl GpuModel {
             &mut pass,
             n,
             hp.n_embd as u32,
-            View::new(&sc.x, 0),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, 0),
+            Some(Operand::new(&sc.h, 0)),
             Some(&self.w.output_norm),
             hp.eps,
         )?;
@@ -235,8 +235,8 @@ impl GpuModel {
             pass,
             n,
             self.hp.n_embd as u32,
-            View::new(&sc.x, 0),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, 0),
+            Some(Operand::new(&sc.h, 0)),
             Some(w),
             self.hp.eps,
         )?;
@@ -339,14 +339,14 @@ impl GpuModel {
             mp.n_used as u32,
             mp.norm_topk,
             self.col(set, 0),
-            View::new(&sc.moe_ids, 0),
-            View::new(&sc.moe_w, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
         )?;
         Ok(set)
     }
 
-    pub(super) fn col(&self, set: &ProjSet, i: usize) -> View<'_> {
-        View::strided(&self.scratch.proj, set.off[i], set.width)
+    pub(super) fn col(&self, set: &ProjSet, i: usize) -> Operand<'_> {
+        Operand::strided(&self.scratch.proj, set.off[i], set.width)
     }
 
     /// `src` (one row of `len` per token) as packed rows: itself for one token, else
@@ -354,7 +354,7 @@ impl GpuModel {
     pub(super) fn packed_rows<'s>(
         &'s self,
         pass: &mut Pass<'_>,
-        src: View<'s>,
+        src: Operand<'s>,
         len: u32,
         n: u32,
         dst: &'s wgpu::Buffer,
@@ -362,7 +362,7 @@ impl GpuModel {
         if n == 1 {
             return Ok((src.buf, src.off));
         }
-        ew::copy(pass, n, len, View::new(dst, 0), src)?;
+        ew::copy(pass, n, len, Operand::new(dst, 0), src)?;
         Ok((dst, 0))
     }
 
@@ -521,8 +521,8 @@ impl GpuModel {
             pass,
             n * hv,
             hp.d_v as u32,
-            View::new(&sc.o, 0),
-            View::new(z, z_off),
+            Operand::new(&sc.o, 0),
+            Operand::new(z, z_off),
             None,
             Some(&g.norm),
             hp.eps,
@@ -606,7 +606,7 @@ impl GpuModel {
             pass,
             n * nh,
             hd,
-            View::strided(qg, qg_off, 2 * hd),
+            Operand::strided(qg, qg_off, 2 * hd),
             None,
             Some(&a.q_norm),
             hp.eps,
@@ -615,7 +615,7 @@ impl GpuModel {
             pass,
             n * nkv,
             hd,
-            View::new(kb, k_off),
+            Operand::new(kb, k_off),
             None,
             Some(&a.k_norm),
             hp.eps,
@@ -783,9 +783,9 @@ impl GpuModel {
             pass,
             n * nh,
             hd,
-            View::new(&sc.att_g, 0),
-            View::strided(qg, qg_off + hd, 2 * hd),
-            View::new(&sc.att, 0),
+            Operand::new(&sc.att_g, 0),
+            Operand::strided(qg, qg_off + hd, 2 * hd),
+            Operand::new(&sc.att, 0),
         )?;
         self.residual(pass, &a.o, &sc.att_g, n, None, next)
     }
@@ -808,13 +808,13 @@ impl GpuModel {
             pass,
             n,
             g.shape[0] as u32,
-            View::new(&sc.o, 0),
+            Operand::new(&sc.o, 0),
             self.col(set, 1),
             self.col(set, 2),
             None,
         )?;
         self.linear(pass, d, &sc.o, out, n, false)?;
-        ew::sigmoid_mul_row_inplace(pass, n, e, View::new(out, 0), self.col(set, 3))
+        ew::sigmoid_mul_row_inplace(pass, n, e, Operand::new(out, 0), self.col(set, 3))
     }
 
     /// Layer `l` up to its FFN: the mixer's norm, GDN or attention (added to the residual
@@ -880,12 +880,12 @@ impl GpuModel {
                 n,
                 e,
                 k,
-                View::new(&sc.x, 0),
-                View::new(&sc.moe_w, 0),
-                View::new(&sc.moe_out, 0),
+                Operand::new(&sc.x, 0),
+                Operand::new(&sc.moe_w, 0),
+                Operand::new(&sc.moe_out, 0),
             )?;
             if m.shared.is_some() {
-                ew::add_inplace(p, n, e, View::new(&sc.x, 0), View::new(&sc.sh_out, 0))?;
+                ew::add_inplace(p, n, e, Operand::new(&sc.x, 0), Operand::new(&sc.sh_out, 0))?;
             }
             if let Some((nl, parts)) = next {
                 ahead = Some(self.layer_head(p, parts, nl, n, false)?);
@@ -941,7 +941,7 @@ impl GpuModel {
                     pass,
                     n,
                     ff,
-                    View::new(&sc.o, 0),
+                    Operand::new(&sc.o, 0),
                     self.col(set, 0),
                     self.col(set, 1),
                     None,
@@ -979,9 +979,9 @@ impl GpuModel {
                     n,
                     e,
                     k,
-                    View::new(&sc.x, 0),
-                    View::new(&sc.moe_w, 0),
-                    View::new(&sc.moe_out, 0),
+                    Operand::new(&sc.x, 0),
+                    Operand::new(&sc.moe_w, 0),
+                    Operand::new(&sc.moe_out, 0),
                 )?;
                 let (g0, u0) = (set.off[1], set.off[2]);
                 if let (Some((_, _, d, _)), true) = (&m.shared, self.fused(n) && u0 > g0) {
@@ -1002,7 +1002,13 @@ impl GpuModel {
                 }
                 if let Some((g, _, d, _)) = &m.shared {
                     self.shared_expert(pass, set, g, d, &sc.moe_out, n)?;
-                    ew::add_inplace(pass, n, e, View::new(&sc.x, 0), View::new(&sc.moe_out, 0))?;
+                    ew::add_inplace(
+                        pass,
+                        n,
+                        e,
+                        Operand::new(&sc.x, 0),
+                        Operand::new(&sc.moe_out, 0),
+                    )?;
                 }
                 Ok(false)
             }

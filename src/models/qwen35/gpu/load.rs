@@ -191,7 +191,9 @@ impl Sink for GpuSink<'_> {
     type Set = ProjSet;
 
     fn one(&mut self, w: Weight<'_>) -> Result<GpuTensor> {
-        let elsewhere = self.experts_elsewhere && crate::moe::is_expert_tensor(w.name());
+        let elsewhere = self
+            .experts_elsewhere
+            .is_some_and(|n| n.is_expert(w.name()));
         if elsewhere || !(self.held)(w.name()) {
             return Ok(w.stand_in());
         }
@@ -228,7 +230,14 @@ impl GpuModel {
         let needs = |rows| state::needs_part(&hp, RunShape::new(opts, rows), &part);
         let limits = BufferLimits::of(&gpu.limits);
         let batch = fit_rows(DEFAULT_BATCH, limits, &file.path(), |r| needs(r).buffers)?;
-        let plan = Plan::new(&gpu, file, opts, &needs, batch)?;
+        let plan = Plan::new(
+            &gpu,
+            file,
+            crate::models::registry::family(file)?.experts,
+            opts,
+            &needs,
+            batch,
+        )?;
         // Rows of one pass: longer where a prompt's cold experts stream (`Plan::rows`).
         let rows = plan.as_ref().map_or(batch, |p| p.rows);
         let ld = crate::models::Loader::<weights::W>::new(file);
@@ -237,7 +246,7 @@ impl GpuModel {
         let held = |name: &str| part.holds(PartSpec::role(name, hp.n_layer, &embedding, tied));
         let sink = GpuSink {
             gpu: &gpu,
-            experts_elsewhere: plan.is_some(),
+            experts_elsewhere: plan.as_ref().map(|p| p.info.names),
             held: &held,
             opts,
             done: 0,

@@ -26,12 +26,13 @@ use super::{HeadMap, Hparams};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::conv::{self, ConvIo};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::gdn::{self, GdnIo, GdnShape, KeyHeadMap, SeqBatch, SeqSpan};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts, Prologue};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
@@ -205,7 +206,8 @@ pub struct ProjSet {
 /// shape); routed experts of an offloaded model are left to the expert arena.
 struct GpuSink<'a> {
     gpu: &'a Gpu,
-    experts_elsewhere: bool,
+    /// The names of the experts the arena holds, when it holds them.
+    experts_elsewhere: Option<&'static crate::moe::ExpertNames>,
     /// Whether this device uploads the named weight (its part's layers, embedding, head).
     held: &'a dyn Fn(&str) -> bool,
     opts: &'a LoadOptions,

@@ -433,7 +433,7 @@ impl GpuModel {
             Want::Top { k, lse } => {
                 matmul::matmul(&mut pass, head, &m.out, (n - 1) * e, &sc.logits, 0, 1)?;
                 sc.top
-                    .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                    .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
                 pass.submit()?;
                 sc.top
                     .read(&gpu, 1, k, lse)?
@@ -509,7 +509,7 @@ impl GpuModel {
             }
             matmul::matmul(&mut pass, head, &m.out, row * e, &sc.logits, 0, 1)?;
             m.top
-                .record(&mut pass, View::new(&sc.logits, 0), 1, j, 1, false)?;
+                .record(&mut pass, Operand::new(&sc.logits, 0), 1, j, 1, false)?;
         }
         pass.submit()?;
         self.spec.trunk = None;
@@ -594,10 +594,16 @@ impl GpuModel {
             .as_ref()
             .expect("the callers check for the block");
         let trunk = match src {
-            Src::Scratch(r) => Some(View::new(&sc.x, r * e)),
-            Src::Saved(r) => Some(View::new(&m.saved, r * e)),
+            Src::Scratch(r) => Some(Operand::new(&sc.x, r * e)),
+            Src::Saved(r) => Some(Operand::new(&m.saved, r * e)),
             Src::Out(r) => {
-                ew::copy(pass, 1, e, View::new(&m.hid, 0), View::new(&m.out, r * e))?;
+                ew::copy(
+                    pass,
+                    1,
+                    e,
+                    Operand::new(&m.hid, 0),
+                    Operand::new(&m.out, r * e),
+                )?;
                 None
             }
         };
@@ -608,19 +614,19 @@ impl GpuModel {
                 n,
                 e,
                 rows,
-                Some(View::new(&m.hid, 0)),
+                Some(Operand::new(&m.hid, 0)),
                 Some(&self.w.output_norm),
                 hp.eps,
             )?;
         }
         let embd = m.embd.as_ref().unwrap_or(&self.w.tok_embd);
-        embed::embed(pass, embd, &sc.ids, 0, n, View::new(&sc.x, 0))?;
+        embed::embed(pass, embd, &sc.ids, 0, n, Operand::new(&sc.x, 0))?;
         norm::rms_norm(
             pass,
             n,
             e,
-            View::new(&sc.x, 0),
-            Some(View::strided(&m.cat, 0, 2 * e)),
+            Operand::new(&sc.x, 0),
+            Some(Operand::strided(&m.cat, 0, 2 * e)),
             Some(&m.enorm),
             hp.eps,
         )?;
@@ -628,8 +634,8 @@ impl GpuModel {
             pass,
             n,
             e,
-            View::new(&m.hid, 0),
-            Some(View::strided(&m.cat, e, 2 * e)),
+            Operand::new(&m.hid, 0),
+            Some(Operand::strided(&m.cat, e, 2 * e)),
             Some(&m.hnorm),
             hp.eps,
         )?;
@@ -649,8 +655,8 @@ impl GpuModel {
             pass,
             n,
             e,
-            View::new(&sc.x, 0),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, 0),
+            Some(Operand::new(&sc.h, 0)),
             Some(&lw.attn_norm),
             hp.eps,
         )?;
@@ -662,8 +668,8 @@ impl GpuModel {
             pass,
             n,
             e,
-            View::new(&sc.x, 0),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, 0),
+            Some(Operand::new(&sc.h, 0)),
             Some(&lw.post_norm),
             hp.eps,
         )?;
@@ -672,8 +678,8 @@ impl GpuModel {
             pass,
             n,
             e,
-            View::new(&sc.x, 0),
-            Some(View::new(&m.out, 0)),
+            Operand::new(&sc.x, 0),
+            Some(Operand::new(&m.out, 0)),
             Some(&m.norm),
             hp.eps,
         )?;
