@@ -278,9 +278,9 @@ pub fn geglu(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
-    g: View<'_>,
-    u: View<'_>,
+    y: Operand<'_>,
+    g: Operand<'_>,
+    u: Operand<'_>,
 ) -> Result<()> {
     run(
         pass,
@@ -298,7 +298,7 @@ pub fn softcap_inplace(
     pass: &mut Pass<'_>,
     n_rows: u32,
     n_cols: u32,
-    y: View<'_>,
+    y: Operand<'_>,
     cap: f32,
 ) -> Result<()> {
     if !(cap.is_finite() && cap > 0.0) {

@@ -73,6 +73,13 @@ static DEEPSEEK_EXPERT_NAMES: ExpertNames = ExpertNames {
     each: &[DEEPSEEK_EXPERTS],
 };
 
+/// Gemma-4: dense files only for now (its MoE files, with fused `ffn_gate_up_exps`, are
+/// refused at load), so no per-expert checkpoint naming.
+static GEMMA4_EXPERT_NAMES: ExpertNames = ExpertNames {
+    stacks: GGUF_STACKS,
+    each: &[],
+};
+
 /// A file of no known family (`lathe plan` still sizes it): every naming above.
 static ANY_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: GGUF_STACKS,
@@ -167,6 +174,7 @@ pub static FAMILIES: &[Family] = &[
         },
         products: |f| gemma4::Hparams::from_file(f).map(|_| AutoProducts::Any),
         pass_rows: gemma4::gpu::DEFAULT_BATCH,
+        experts: &GEMMA4_EXPERT_NAMES,
     },
 ];
 

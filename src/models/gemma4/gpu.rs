@@ -6,10 +6,11 @@
 use super::{Hparams, LayerGeom, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
-use crate::gpu::elementwise::{self as ew, View};
+use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::norm;
+use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
@@ -431,17 +432,17 @@ impl GpuModel {
             &sc.ids,
             0,
             n,
-            View::new(&sc.x, 0),
+            Operand::new(&sc.x, 0),
         )?;
         // HF `Gemma4TextScaledWordEmbedding`: the rows times sqrt(n_embd).
-        ew::scale_inplace(&mut pass, n, e, View::new(&sc.x, 0), (e as f32).sqrt())?;
+        ew::scale_inplace(&mut pass, n, e, Operand::new(&sc.x, 0), (e as f32).sqrt())?;
         let norm = |pass: &mut Pass<'_>, src: &wgpu::Buffer, dst: &wgpu::Buffer, w| {
             norm::rms_norm(
                 pass,
                 n,
                 e,
-                View::new(src, 0),
-                Some(View::new(dst, 0)),
+                Operand::new(src, 0),
+                Some(Operand::new(dst, 0)),
                 Some(w),
                 hp.eps,
             )
@@ -451,7 +452,13 @@ impl GpuModel {
             norm(&mut pass, &sc.x, &sc.h, &lw.attn_norm)?;
             self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
             norm(&mut pass, &sc.br, &sc.h, &lw.post_attn_norm)?;
-            ew::add_inplace(&mut pass, n, e, View::new(&sc.x, 0), View::new(&sc.h, 0))?;
+            ew::add_inplace(
+                &mut pass,
+                n,
+                e,
+                Operand::new(&sc.x, 0),
+                Operand::new(&sc.h, 0),
+            )?;
             // x += post_ffn_norm(down(gelu_tanh(gate h) ⊙ up h)), h = ffn_norm(x)
             let ff = lw.g.n_ff as u32;
             norm(&mut pass, &sc.x, &sc.h, &lw.ffn_norm)?;
@@ -461,15 +468,21 @@ impl GpuModel {
                 &mut pass,
                 n,
                 ff,
-                View::new(&sc.act, 0),
-                View::new(&sc.gate, 0),
-                View::new(&sc.up, 0),
+                Operand::new(&sc.act, 0),
+                Operand::new(&sc.gate, 0),
+                Operand::new(&sc.up, 0),
             )?;
             linear(&mut pass, &lw.down, &sc.act, &sc.br, n)?;
             norm(&mut pass, &sc.br, &sc.h, &lw.post_ffn_norm)?;
-            ew::add_inplace(&mut pass, n, e, View::new(&sc.x, 0), View::new(&sc.h, 0))?;
+            ew::add_inplace(
+                &mut pass,
+                n,
+                e,
+                Operand::new(&sc.x, 0),
+                Operand::new(&sc.h, 0),
+            )?;
             if lw.out_scale != 1.0 {
-                ew::scale_inplace(&mut pass, n, e, View::new(&sc.x, 0), lw.out_scale)?;
+                ew::scale_inplace(&mut pass, n, e, Operand::new(&sc.x, 0), lw.out_scale)?;
             }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
@@ -486,8 +499,8 @@ impl GpuModel {
             &mut pass,
             rows as u32,
             e,
-            View::new(&sc.x, r0 as u32 * e),
-            Some(View::new(&sc.h, 0)),
+            Operand::new(&sc.x, r0 as u32 * e),
+            Some(Operand::new(&sc.h, 0)),
             Some(&self.output_norm),
             hp.eps,
         )?;
@@ -499,7 +512,9 @@ impl GpuModel {
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         let v = hp.n_vocab;
         let softcap = |p: &mut Pass<'_>, rows: usize| match hp.softcap {
-            Some(c) => ew::softcap_inplace(p, rows as u32, v as u32, View::new(&sc.logits, 0), c),
+            Some(c) => {
+                ew::softcap_inplace(p, rows as u32, v as u32, Operand::new(&sc.logits, 0), c)
+            }
             None => Ok(()),
         };
         if let ChunkWant::Top { k, lse } = want {
@@ -514,7 +529,7 @@ impl GpuModel {
             )?;
             softcap(&mut pass, 1)?;
             sc.top
-                .record(&mut pass, View::new(&sc.logits, 0), 1, 0, k, lse)?;
+                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
             pass.submit()?;
             let t = sc.top.read(&gpu, 1, k, lse)?.pop();
             return Ok((Vec::new(), t));
@@ -559,7 +574,13 @@ impl GpuModel {
         match &lw.v {
             Some(v) => linear(pass, v, &sc.h, &sc.v, n)?,
             // V is the K projection before K's norm and RoPE.
-            None => ew::copy(pass, n, nkv * hd, View::new(&sc.v, 0), View::new(&sc.k, 0))?,
+            None => ew::copy(
+                pass,
+                n,
+                nkv * hd,
+                Operand::new(&sc.v, 0),
+                Operand::new(&sc.k, 0),
+            )?,
         }
         // Per-head RMSNorms: q and k with weights, v without.
         for (buf, heads, w) in [
@@ -567,7 +588,7 @@ impl GpuModel {
             (&sc.k, nkv, Some(&lw.k_norm)),
             (&sc.v, nkv, None),
         ] {
-            norm::rms_norm(pass, n * heads, hd, View::new(buf, 0), None, w, hp.eps)?;
+            norm::rms_norm(pass, n * heads, hd, Operand::new(buf, 0), None, w, hp.eps)?;
         }
         let table = if g.swa {
             &self.rope_swa
