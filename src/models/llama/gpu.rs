@@ -11,7 +11,7 @@ use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, Q
 use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
-use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::matvec::{self, Epilogue, MatvecOpts, Prologue};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
@@ -25,7 +25,7 @@ use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 use std::sync::{Arc, Mutex};
 
 /// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
@@ -49,8 +49,7 @@ struct Layer {
 
 enum Ffn {
     Dense {
-        gate: GpuTensor,
-        up: GpuTensor,
+        gate_up: GateUp,
         down: GpuTensor,
     },
     /// Router `[n_expert, n_embd]`; stacks `[n_expert, n_ff_exp, n_embd]` ×2 and
@@ -63,6 +62,15 @@ enum Ffn {
     },
 }
 
+/// A dense FFN's gate and up products, writing `gu` rows `[gate | up]` of `2·n_ff`.
+enum GateUp {
+    /// One `[2·n_ff, n_embd]` weight, gate rows first (both of one stored type): one product,
+    /// and at decode the SwiGLU in its store.
+    Joined(GpuTensor),
+    /// Of different stored types: a product into each half of `gu`'s rows.
+    Apart { gate: GpuTensor, up: GpuTensor },
+}
+
 /// Activation buffers for passes of `rows` tokens (f32 unless said).
 struct Scratch {
     rows: usize,
@@ -71,16 +79,18 @@ struct Scratch {
     /// [rows, n_embd]: the residual stream and its normed copy.
     x: wgpu::Buffer,
     h: wgpu::Buffer,
-    /// [rows, n_head·head_dim], [rows, n_head_kv·head_dim] ×2: q, k, v; `att` the attention
-    /// output.
-    q: wgpu::Buffer,
-    k: wgpu::Buffer,
-    v: wgpu::Buffer,
+    /// A pass of n rows: q `[n, n_head·head_dim]` from element 0, k and v
+    /// `[n, n_head_kv·head_dim]` after it ([`qkv_offs`]; one token's q|k|v are contiguous, as
+    /// `rope::qk_norm_rope` takes them). Sized for `rows`.
+    qkv: wgpu::Buffer,
+    /// [rows, n_head·head_dim]: the attention output.
     att: wgpu::Buffer,
-    /// [rows, n_ff]: gate, up, and SwiGLU of them.
-    gate: wgpu::Buffer,
-    up: wgpu::Buffer,
+    /// [rows, 2·n_ff]: gate | up per row; [rows, n_ff]: SwiGLU of them.
+    gu: wgpu::Buffer,
     act: wgpu::Buffer,
+    /// [1] u32: a decode token's position and KV cache row (`rope::qk_norm_rope`'s inputs).
+    pos: wgpu::Buffer,
+    kv_rows: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
     /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
@@ -102,7 +112,7 @@ struct Scratch {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 18] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 17] {
     let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
     let (ne, k, fe) = hp
         .moe
@@ -113,13 +123,12 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 18] {
         ("llama.ids", rows),
         ("llama.x", rows * hp.n_embd),
         ("llama.h", rows * hp.n_embd),
-        ("llama.q", rows * q),
-        ("llama.k", rows * kv),
-        ("llama.v", rows * kv),
+        ("llama.qkv", rows * (q + 2 * kv)),
         ("llama.att", rows * q),
-        ("llama.gate", rows * ff),
-        ("llama.up", rows * ff),
+        ("llama.gu", rows * 2 * ff),
         ("llama.act", rows * ff),
+        ("llama.pos", 1),
+        ("llama.kv_rows", 1),
         ("llama.attn_split", split_elems(hp) as usize),
         ("llama.router", rows * ne),
         ("llama.moe_ids", rows * k),
@@ -153,21 +162,20 @@ impl Scratch {
             ids: f(0)?,
             x: f(1)?,
             h: f(2)?,
-            q: f(3)?,
-            k: f(4)?,
-            v: f(5)?,
-            att: f(6)?,
-            gate: f(7)?,
-            up: f(8)?,
-            act: f(9)?,
-            attn_split: f(10)?,
-            router: f(11)?,
-            moe_ids: f(12)?,
-            moe_w: f(13)?,
-            f_gate: f(14)?,
-            f_up: f(15)?,
-            f_act: f(16)?,
-            moe_out: f(17)?,
+            qkv: f(3)?,
+            att: f(4)?,
+            gu: f(5)?,
+            act: f(6)?,
+            pos: f(7)?,
+            kv_rows: f(8)?,
+            attn_split: f(9)?,
+            router: f(10)?,
+            moe_ids: f(11)?,
+            moe_w: f(12)?,
+            f_gate: f(13)?,
+            f_up: f(14)?,
+            f_act: f(15)?,
+            moe_out: f(16)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -294,6 +302,9 @@ pub struct GpuModel {
     /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
     /// of their logits.
     hidden_out: bool,
+    /// `LoadOptions::fused_loads`: decode products read the norms and SwiGLU through their
+    /// activation loads and stores (`matvec::Prologue`, `Epilogue`).
+    fused_loads: bool,
 }
 
 /// What one chunk's pass returns: its wanted logits rows.
@@ -327,13 +338,15 @@ impl GpuModel {
         let offloaded = plan.is_some();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let done = std::cell::Cell::new(0u64);
-        let put = |w: Weight<'_>| -> Result<GpuTensor> {
-            let g = w.with_tensor(|t| gpu.upload_tensor(t))?;
+        let count = |g: GpuTensor| -> GpuTensor {
             done.set(done.get() + g.bytes());
             if let Some(p) = &opts.progress {
                 p(done.get().min(total), total);
             }
-            Ok(g)
+            g
+        };
+        let put = |w: Weight<'_>| -> Result<GpuTensor> {
+            Ok(count(w.with_tensor(|t| gpu.upload_tensor(t))?))
         };
         let shaped = |w: W, shape: &[u64]| -> Result<_> {
             let t = file.require(&w.name(file))?;
@@ -382,11 +395,23 @@ impl GpuModel {
             );
             let ffn_norm = up(W::FfnNorm(l), &[e])?;
             let ffn = match &hp.moe {
-                None => Ffn::Dense {
-                    gate: up(W::Gate(l), &[ff, e])?,
-                    up: up(W::Up(l), &[ff, e])?,
-                    down: up(W::Down(l), &[e, ff])?,
-                },
+                None => {
+                    let (g, u) = (shaped(W::Gate(l), &[ff, e])?, shaped(W::Up(l), &[ff, e])?);
+                    let gate_up = if g.dtype == u.dtype {
+                        GateUp::Joined(count(
+                            gpu.upload_concat(&[g, u], &format!("{}+up", g.name))?,
+                        ))
+                    } else {
+                        GateUp::Apart {
+                            gate: put(Weight::Stored(g))?,
+                            up: put(Weight::Stored(u))?,
+                        }
+                    };
+                    Ffn::Dense {
+                        gate_up,
+                        down: up(W::Down(l), &[e, ff])?,
+                    }
+                }
                 Some(m) => {
                     let (ne, fe) = (m.n_expert as u64, m.n_ff_exp as u64);
                     let router = up(W::Router(l), &[ne, e])?;
@@ -469,6 +494,7 @@ impl GpuModel {
             scratch,
             offload,
             hidden_out: false,
+            fused_loads: opts.fused_loads,
         })
     }
 
@@ -523,35 +549,35 @@ impl GpuModel {
             Operand::new(&sc.x, 0),
         )?;
         let e = hp.n_embd as u32;
+        // One token's position and cache row, for the fused q/k norm, RoPE and cache write.
+        if n == 1 {
+            let row = slot * self.pools.cap as u32 + pos0 as u32;
+            gpu.write(&sc.pos, 0, bytemuck::cast_slice(&[pos0 as u32]));
+            gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&[row]));
+        }
+        let fused = self.fused(n);
+        // Whether the last residual product also wrote x · (the next norm's weight) into `h`
+        // (`Epilogue::Normed`), which the next products read through `RmsNormRaw`.
+        let mut weighted = false;
         for (l, lw) in self.layers.iter().enumerate() {
-            let norm = |pass: &mut Pass<'_>, w| {
-                norm::rms_norm(
-                    pass,
-                    n,
-                    e,
-                    Operand::new(&sc.x, 0),
-                    Some(Operand::new(&sc.h, 0)),
-                    Some(w),
-                    hp.eps,
-                )
+            let dense = matches!(lw.ffn, Ffn::Dense { .. });
+            let pre = self.normed(&mut pass, n, &lw.attn_norm, fused, weighted)?;
+            let next = (fused && dense).then_some(&lw.ffn_norm);
+            let at = Chunk {
+                slot,
+                pos0: pos0 as u32,
+                n,
             };
-            norm(&mut pass, &lw.attn_norm)?;
-            self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
-            norm(&mut pass, &lw.ffn_norm)?;
+            weighted = self.attention(&mut pass, l, lw, at, pre, next)?;
             match &lw.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    linear(&mut pass, gate, &sc.h, &sc.gate, n, false)?;
-                    linear(&mut pass, up, &sc.h, &sc.up, n, false)?;
-                    ew::swiglu(
-                        &mut pass,
-                        n,
-                        hp.n_ff as u32,
-                        Operand::new(&sc.act, 0),
-                        Operand::new(&sc.gate, 0),
-                        Operand::new(&sc.up, 0),
-                        None,
-                    )?;
-                    linear(&mut pass, down, &sc.act, &sc.x, n, true)?;
+                Ffn::Dense { gate_up, down } => {
+                    let pre = self.normed(&mut pass, n, &lw.ffn_norm, fused, weighted)?;
+                    let next = self
+                        .layers
+                        .get(l + 1)
+                        .filter(|_| fused)
+                        .map(|nl| &nl.attn_norm);
+                    weighted = self.dense_ffn(&mut pass, gate_up, down, n, pre, next)?;
                 }
                 Ffn::Moe {
                     router,
@@ -559,8 +585,11 @@ impl GpuModel {
                     up,
                     down,
                 } => {
+                    // The router and the experts read normed rows from `h`.
+                    self.normed(&mut pass, n, &lw.ffn_norm, false, weighted)?;
                     let stacks = ExpertStacks { gate, up, down };
                     self.moe(&mut pass, l, router, &stacks, n)?;
+                    weighted = false;
                 }
             }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
@@ -692,63 +721,259 @@ impl GpuModel {
         }
     }
 
-    /// Layer `l`'s attention over the normed rows in `h`, added to the residual stream.
+    /// Whether products of `n` tokens take fused activation loads and stores
+    /// (`LoadOptions::fused_loads`, where `matmul` runs them as matvec).
+    fn fused(&self, n: u32) -> bool {
+        self.fused_loads && matvec::prologue_fits(n)
+    }
+
+    /// RMSNorm with weight `w` of the residual stream as the input of the next products:
+    /// fused into their activation load (returned) when `fused` (`weighted`: the residual
+    /// product before wrote x · w into `h`), else written to `h` (`None`).
+    fn normed<'w>(
+        &'w self,
+        pass: &mut Pass<'_>,
+        n: u32,
+        w: &'w GpuTensor,
+        fused: bool,
+        weighted: bool,
+    ) -> Result<Option<Prologue<'w>>> {
+        let sc = &self.scratch;
+        let eps = self.hp.eps;
+        if fused && weighted {
+            return Ok(Some(Prologue::RmsNormRaw { raw: &sc.x, eps }));
+        }
+        if fused && w.dtype == DType::F32 && w.parts.len() == 1 {
+            let w = &w.parts[0].buffer;
+            return Ok(Some(Prologue::RmsNorm { w, eps, keep: None }));
+        }
+        let e = self.hp.n_embd as u32;
+        let (x, h) = (Operand::new(&sc.x, 0), Operand::new(&sc.h, 0));
+        norm::rms_norm(pass, n, e, x, Some(h), Some(w), eps)?;
+        Ok(None)
+    }
+
+    /// The buffer products reading the layer's input through `pre` read: the residual stream
+    /// (through a norm), or `h` (the normed rows, or x · w for `RmsNormRaw`).
+    fn pre_x(&self, pre: Option<&Prologue<'_>>) -> &wgpu::Buffer {
+        match pre {
+            Some(Prologue::RmsNorm { .. }) => &self.scratch.x,
+            _ => &self.scratch.h,
+        }
+    }
+
+    /// `y[.., y_off..] = W a` over `n` rows read through `pre`, `y_stride` elements between
+    /// rows (0: packed).
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        pass: &mut Pass<'_>,
+        w: &GpuTensor,
+        pre: Option<&Prologue<'_>>,
+        y: &wgpu::Buffer,
+        y_off: u32,
+        y_stride: u32,
+        n: u32,
+    ) -> Result<()> {
+        let opts = MatvecOpts {
+            y_stride,
+            ..Default::default()
+        };
+        let x = self.pre_x(pre);
+        match pre {
+            Some(p) => matvec::matvec_pro(pass, w, x, 0, y, y_off, n, &opts, p),
+            None => matmul::matmul_opts(pass, w, x, 0, y, y_off, n, &opts),
+        }
+    }
+
+    /// `x += W a` over `n` rows of `a` (read through `pro`, `x_stride` elements apart; 0:
+    /// packed); with `next` (the next norm's weight) x · next also written into `h` where the
+    /// fused store takes it (`Epilogue::Normed`): returns whether it did.
+    #[allow(clippy::too_many_arguments)]
+    fn residual(
+        &self,
+        pass: &mut Pass<'_>,
+        w: &GpuTensor,
+        a: &wgpu::Buffer,
+        x_stride: u32,
+        n: u32,
+        pro: Option<&Prologue<'_>>,
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
+        let sc = &self.scratch;
+        let opts = MatvecOpts {
+            accumulate: true,
+            x_stride,
+            ..Default::default()
+        };
+        let e = self.hp.n_embd as u64;
+        let fits = |nw: &&GpuTensor| {
+            self.fused(n)
+                && nw.dtype == DType::F32
+                && nw.parts.len() == 1
+                && nw.shape == [e]
+                && w.parts.len() == 1
+        };
+        if let Some(nw) = next.filter(fits) {
+            let epi = Epilogue::Normed {
+                w: &nw.parts[0].buffer,
+                out: &sc.h,
+            };
+            matvec::matvec_fused(pass, w, a, 0, &sc.x, 0, n, &opts, pro, epi)?;
+            return Ok(true);
+        }
+        match pro {
+            Some(p) => matvec::matvec_pro(pass, w, a, 0, &sc.x, 0, n, &opts, p)?,
+            None => matmul::matmul_opts(pass, w, a, 0, &sc.x, 0, n, &opts)?,
+        }
+        Ok(false)
+    }
+
+    /// A dense FFN over the layer's input read through `pre`, added to the residual stream;
+    /// returns whether the down product wrote x · `next` into `h` ([`Self::residual`]).
+    fn dense_ffn(
+        &self,
+        pass: &mut Pass<'_>,
+        gate_up: &GateUp,
+        down: &GpuTensor,
+        n: u32,
+        pre: Option<Prologue<'_>>,
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
+        let sc = &self.scratch;
+        let ff = self.hp.n_ff as u32;
+        let pre = pre.as_ref();
+        match gate_up {
+            // Decode with f32 x: SwiGLU as the product's store, into `act`.
+            GateUp::Joined(gu)
+                if self.fused(n)
+                    && !self.gpu.int8_decode()
+                    && matvec::glu_fits(gu.n_rows(), gu.parts.len()) =>
+            {
+                let x = self.pre_x(pre);
+                let opts = MatvecOpts::default();
+                let epi = Epilogue::SwiGlu;
+                matvec::matvec_fused(pass, gu, x, 0, &sc.act, 0, n, &opts, pre, epi)?;
+                return self.residual(pass, down, &sc.act, 0, n, None, next);
+            }
+            GateUp::Joined(gu) => self.product(pass, gu, pre, &sc.gu, 0, 0, n)?,
+            GateUp::Apart { gate, up } => {
+                self.product(pass, gate, pre, &sc.gu, 0, 2 * ff, n)?;
+                self.product(pass, up, pre, &sc.gu, ff, 2 * ff, n)?;
+            }
+        }
+        if self.fused(n) {
+            // SwiGLU in the down product's activation load.
+            let glu = Prologue::SwiGlu { up: ff };
+            return self.residual(pass, down, &sc.gu, 2 * ff, n, Some(&glu), next);
+        }
+        ew::swiglu(
+            pass,
+            n,
+            ff,
+            Operand::new(&sc.act, 0),
+            Operand::strided(&sc.gu, 0, 2 * ff),
+            Operand::strided(&sc.gu, ff, 2 * ff),
+            None,
+        )?;
+        self.residual(pass, down, &sc.act, 0, n, None, next)
+    }
+
+    /// Layer `l`'s attention over its input read through `pre` (`None`: the normed rows in
+    /// `h`), added to the residual stream; returns whether the output product wrote x · `next`
+    /// into `h` ([`Self::residual`]).
     fn attention(
         &self,
         pass: &mut Pass<'_>,
         l: usize,
         lw: &Layer,
-        slot: u32,
-        pos0: u32,
-        n: u32,
-    ) -> Result<()> {
+        at: Chunk,
+        pre: Option<Prologue<'_>>,
+        next: Option<&GpuTensor>,
+    ) -> Result<bool> {
         let hp = &self.hp;
         let sc = &self.scratch;
+        let Chunk { slot, pos0, n } = at;
         let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
-        linear(pass, &lw.q, &sc.h, &sc.q, n, false)?;
-        linear(pass, &lw.k, &sc.h, &sc.k, n, false)?;
-        linear(pass, &lw.v, &sc.h, &sc.v, n, false)?;
+        let [q_off, k_off, v_off] = qkv_offs(hp, n);
+        let pre = pre.as_ref();
+        self.product(pass, &lw.q, pre, &sc.qkv, q_off, 0, n)?;
+        self.product(pass, &lw.k, pre, &sc.qkv, k_off, 0, n)?;
+        self.product(pass, &lw.v, pre, &sc.qkv, v_off, 0, n)?;
         if let Some(b) = &lw.bias {
-            for ((buf, heads), bias) in [(&sc.q, nh), (&sc.k, nkv), (&sc.v, nkv)].iter().zip(b) {
+            for ((off, heads), bias) in [(q_off, nh), (k_off, nkv), (v_off, nkv)].iter().zip(b) {
                 ew::add_inplace(
                     pass,
                     n,
                     heads * hd,
-                    Operand::new(buf, 0),
+                    Operand::new(&sc.qkv, *off),
                     Operand::strided(bias, 0, 0),
                 )?;
             }
         }
-        if let Some((qn, kn)) = &lw.qk_norm {
-            for (buf, heads, w) in [(&sc.q, nh, qn), (&sc.k, nkv, kn)] {
-                norm::rms_norm(
-                    pass,
-                    n * heads,
-                    hd,
-                    Operand::new(buf, 0),
-                    None,
-                    Some(w),
-                    hp.eps,
-                )?;
-            }
-        }
-        let positions = Positions::From(pos0);
-        for (buf, heads) in [(&sc.q, nh), (&sc.k, nkv)] {
-            rope::rope(
-                pass,
-                &RopeView::packed(buf, 0, n, heads, hd),
-                hp.rope_style,
-                0,
-                &self.rope,
-                positions,
-                false,
-            )?;
-        }
         let (kc, vc) = &self.pools.kv[l];
         let row0 = slot * self.pools.cap as u32;
-        let dst = attention::DstRows::Range { row0: row0 + pos0 };
-        attention::write_kv(pass, self.kv, &sc.k, 0, nkv * hd, n, kc, dst)?;
-        attention::write_kv(pass, self.kv, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        let one = match &lw.qk_norm {
+            Some((qn, kn))
+                if n == 1
+                    && hp.rope_style == rope::RopeStyle::Neox
+                    && qn.dtype == DType::F32
+                    && kn.dtype == DType::F32
+                    && hd <= 256 =>
+            {
+                Some((qn, kn))
+            }
+            _ => None,
+        };
+        if let Some((qn, kn)) = one {
+            // One token: q/k norms, RoPE and the cache writes in one dispatch.
+            rope::qk_norm_rope(
+                pass,
+                &rope::QkvDecode {
+                    buf: &sc.qkv,
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: hd,
+                    q_off,
+                    q_stride: hd,
+                    k_off,
+                    v_off,
+                    q_norm: &qn.parts[0].buffer,
+                    k_norm: &kn.parts[0].buffer,
+                    eps: hp.eps,
+                    positions: &sc.pos,
+                    pos_off: 0,
+                    rows: &sc.kv_rows,
+                    row_off: 0,
+                    k_cache: kc,
+                    v_cache: vc,
+                    f16: self.kv.dtype == attention::KvType::F16,
+                },
+                &self.rope,
+            )?;
+        } else {
+            if let Some((qn, kn)) = &lw.qk_norm {
+                for (off, heads, w) in [(q_off, nh, qn), (k_off, nkv, kn)] {
+                    let x = Operand::new(&sc.qkv, off);
+                    norm::rms_norm(pass, n * heads, hd, x, None, Some(w), hp.eps)?;
+                }
+            }
+            let positions = Positions::From(pos0);
+            for (off, heads) in [(q_off, nh), (k_off, nkv)] {
+                rope::rope(
+                    pass,
+                    &RopeView::packed(&sc.qkv, off, n, heads, hd),
+                    hp.rope_style,
+                    0,
+                    &self.rope,
+                    positions,
+                    false,
+                )?;
+            }
+            let dst = attention::DstRows::Range { row0: row0 + pos0 };
+            attention::write_kv(pass, self.kv, &sc.qkv, k_off, nkv * hd, n, kc, dst)?;
+            attention::write_kv(pass, self.kv, &sc.qkv, v_off, nkv * hd, n, vc, dst)?;
+        }
         let n_kv = pos0 + n;
         // Split-K only when a few query rows face many keys (decode); halved to fit the
         // scratch, which is sized for one query row.
@@ -765,8 +990,8 @@ impl GpuModel {
                 kv: self.kv,
                 scale: 1.0 / (hd as f32).sqrt(),
                 q: QView {
-                    buf: &sc.q,
-                    off: 0,
+                    buf: &sc.qkv,
+                    off: q_off,
                     tok_stride: nh * hd,
                     head_stride: hd,
                 },
@@ -787,7 +1012,7 @@ impl GpuModel {
                 split: (n_split > 1).then_some((&sc.attn_split, n_split)),
             },
         )?;
-        linear(pass, &lw.o, &sc.att, &sc.x, n, true)
+        self.residual(pass, &lw.o, &sc.att, 0, n, None, next)
     }
 
     /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
@@ -847,20 +1072,22 @@ impl GpuModel {
     }
 }
 
-/// `y = W x` (or `y += W x`) over `n` rows.
-fn linear(
-    pass: &mut Pass<'_>,
-    w: &GpuTensor,
-    x: &wgpu::Buffer,
-    y: &wgpu::Buffer,
+/// Where q, k and v of a pass of `n` rows start in `qkv` (elements): q `[n, n_head·head_dim]`,
+/// then k and v `[n, n_head_kv·head_dim]` each.
+fn qkv_offs(hp: &Hparams, n: u32) -> [u32; 3] {
+    let (q, kv) = (
+        (hp.n_head * hp.head_dim) as u32,
+        (hp.n_head_kv * hp.head_dim) as u32,
+    );
+    [0, n * q, n * (q + kv)]
+}
+
+/// A pass's rows: `n` tokens of the sequence in `slot` from position `pos0`.
+#[derive(Clone, Copy)]
+struct Chunk {
+    slot: u32,
+    pos0: u32,
     n: u32,
-    accumulate: bool,
-) -> Result<()> {
-    let opts = MatvecOpts {
-        accumulate,
-        ..Default::default()
-    };
-    matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
 }
 
 /// RoPE inverse frequencies: `theta^(-2i/n_rot)`, divided by `rope_freqs` where the file has
