@@ -144,3 +144,38 @@ fn fused_loads_match_unfused() {
         }
     }
 }
+
+/// A Qwen3 decode step's dispatches (GPU timestamps, which lavapipe has): per layer the three
+/// products reading the norm through their loads, one q/k norm + RoPE + cache write, the
+/// attention, the output product, gate+up with SwiGLU in its store and the down product —
+/// 8, no separate norm, RoPE, cache write or SwiGLU (the fusions `fused_loads_match_unfused`
+/// checks the numbers of).
+#[test]
+fn qwen3_decode_step_is_eight_dispatches_per_layer() {
+    let path = fixtures().join("qwen3-tiny/model-q8_0.gguf");
+    let mut e = lathe::engine::Engine::load(&path, &LoadOptions::default()).unwrap();
+    let mut seq = e.new_seq().unwrap();
+    e.forward(&mut seq, &[1, 2, 3], false).unwrap();
+    let prof = e.profile_step(&mut seq, 4).unwrap();
+    let labels: Vec<&str> = prof.iter().map(|(l, _)| l.as_str()).collect();
+    let per_layer = labels.iter().filter(|l| l.starts_with("blk.")).count()
+        + labels
+            .iter()
+            .filter(|l| ["attend", "qk_norm_rope"].contains(l))
+            .count();
+    let n_layer = labels.iter().filter(|l| **l == "qk_norm_rope").count();
+    assert!(n_layer > 0, "no fused q/k norm + RoPE in {labels:?}");
+    assert_eq!(per_layer, 8 * n_layer, "{labels:?}");
+    for op in ["rope", "write_kv", "swiglu"] {
+        assert!(
+            !labels.iter().any(|l| l.starts_with(op)),
+            "{op} in {labels:?}"
+        );
+    }
+    // The one norm left is the final one.
+    assert_eq!(
+        labels.iter().filter(|l| l.starts_with("rms_norm")).count(),
+        1,
+        "{labels:?}"
+    );
+}

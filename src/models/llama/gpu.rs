@@ -305,6 +305,8 @@ pub struct GpuModel {
     /// `LoadOptions::fused_loads`: decode products read the norms and SwiGLU through their
     /// activation loads and stores (`matvec::Prologue`, `Epilogue`).
     fused_loads: bool,
+    /// Per-dispatch GPU times of the next pass when set ([`FamilyModel::profile_sink`]).
+    profile: Option<Vec<(String, f64)>>,
 }
 
 /// What one chunk's pass returns: its wanted logits rows.
@@ -495,6 +497,7 @@ impl GpuModel {
             offload,
             hidden_out: false,
             fused_loads: opts.fused_loads,
+            profile: None,
         })
     }
 
@@ -525,7 +528,8 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// One pass over `toks` of the sequence in `slot` from position `pos0`.
+    /// One pass over `toks` of the sequence in `slot` from position `pos0`, its dispatches
+    /// timed into the profile when one is asked for.
     fn run_chunk(
         &mut self,
         slot: u32,
@@ -533,8 +537,27 @@ impl GpuModel {
         toks: &[u32],
         want: ChunkWant,
     ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        let mut prof = self.profile.take();
+        let r = self.chunk(slot, pos0, toks, want, prof.as_mut());
+        if prof.is_some() {
+            self.profile = prof;
+        }
+        r
+    }
+
+    fn chunk(
+        &mut self,
+        slot: u32,
+        pos0: usize,
+        toks: &[u32],
+        want: ChunkWant,
+        mut prof: Option<&mut Vec<(String, f64)>>,
+    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
+        if prof.is_some() {
+            pass.hold();
+        }
         self.reserve(&mut pass, pos0 + toks.len())?;
         let hp = &self.hp;
         let sc = &self.scratch;
@@ -596,7 +619,7 @@ impl GpuModel {
         }
         let (r0, rows) = match want {
             ChunkWant::None => {
-                pass.submit()?;
+                pass.submit_or_profile(prof)?;
                 return Ok((Vec::new(), None));
             }
             ChunkWant::All => (0, n as usize),
@@ -613,7 +636,7 @@ impl GpuModel {
             hp.eps,
         )?;
         if self.hidden_out {
-            pass.submit()?;
+            pass.submit_or_profile(prof)?;
             let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
             return Ok((h, None));
         }
@@ -631,7 +654,7 @@ impl GpuModel {
             )?;
             sc.top
                 .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
-            pass.submit()?;
+            pass.submit_or_profile(prof)?;
             let t = sc.top.read(&gpu, 1, k, lse)?.pop();
             return Ok((Vec::new(), t));
         }
@@ -649,7 +672,7 @@ impl GpuModel {
                 (0, v),
                 take,
             )?;
-            p.submit()?;
+            p.submit_or_profile(prof.as_deref_mut())?;
             logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
         }
         Ok((logits, None))
@@ -1155,9 +1178,7 @@ impl FamilyModel for GpuModel {
         self.run_items(items)
     }
     fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
-        Err(Error::Unsupported(
-            "per-dispatch profiles of a Llama-family model".into(),
-        ))
+        Ok(&mut self.profile)
     }
     fn max_context(&self) -> Option<usize> {
         Some(self.max_positions())
