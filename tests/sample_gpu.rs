@@ -411,7 +411,11 @@ fn dsv4_tiny_top_path_matches_full_logits() {
 /// --parallel` run them) gives every sequence the bits a lone decode step gives it: its
 /// products and its head run the token-group matvec, whose rows have one-token bits.
 fn check_batched_decode_bits(model: &str) {
-    let path = common::fixtures().join(model).join("model-f32.gguf");
+    // The f32 GGUF, or the Hugging Face checkpoint where there is none.
+    let dir = common::fixtures().join(model);
+    let path = Some(dir.join("model-f32.gguf"))
+        .filter(|p| p.exists())
+        .unwrap_or(dir);
     let opts = LoadOptions {
         max_seqs: 10,
         ..LoadOptions::default()
@@ -453,6 +457,17 @@ fn qwen35_batched_decode_has_lone_bits() {
 #[test]
 fn dsv4_batched_decode_has_lone_bits() {
     check_batched_decode_bits("dsv4-tiny");
+}
+
+/// The Llama family's batched rounds: decode rows of several sequences in one pass, their
+/// attention in one `Keys::Ranges` call (interleaved RoPE here; NeoX with q/k norms, which a
+/// lone decode fuses into `qk_norm_rope`, in `qwen3-tiny`; routed experts in `qwen3moe-tiny`;
+/// a sliding window of 8 that positions 8-10 outgrow in `mistral-tiny`).
+#[test]
+fn llama_family_batched_decode_has_lone_bits() {
+    for model in ["llama-tiny", "qwen3-tiny", "qwen3moe-tiny", "mistral-tiny"] {
+        check_batched_decode_bits(model);
+    }
 }
 
 /// One batched forward with items wanting different things (top-k with lse, top-1, full

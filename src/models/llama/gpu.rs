@@ -1,5 +1,6 @@
-//! The Llama-family forward on the GPU: one pass (one submission) per chunk of at most
-//! [`DEFAULT_BATCH`] tokens of one sequence. Products run through `matmul` (matvec for a
+//! The Llama-family forward on the GPU: one pass (one submission) per round of at most
+//! [`DEFAULT_BATCH`] rows of the runtime's scheduler (prefill chunks and the decode rows of
+//! every sequence of a batch). Products run through `matmul` (matvec for a
 //! few rows, the tiled kernels for more), attention over the sequence's KV rows (flash
 //! tiles for a chunk, split-K for one token); only the wanted logits come back. Routed
 //! experts run as `models::qwen35`'s do: stacked on the GPU, or through the expert arena and
@@ -16,12 +17,12 @@ use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
-use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
+use crate::models::runtime::head::{head_logits, Head};
 use crate::models::runtime::link::Link;
-use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
@@ -88,9 +89,11 @@ struct Scratch {
     /// [rows, 2·n_ff]: gate | up per row; [rows, n_ff]: SwiGLU of them.
     gu: wgpu::Buffer,
     act: wgpu::Buffer,
-    /// [1] u32: a decode token's position and KV cache row (`rope::qk_norm_rope`'s inputs).
+    /// [rows] u32: each row's position and KV cache row; [rows, 2] u32 a decode row's
+    /// visible cache rows (`Keys::Ranges`: first, count).
     pos: wgpu::Buffer,
     kv_rows: wgpu::Buffer,
+    ranges: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
     /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
@@ -112,7 +115,7 @@ struct Scratch {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 17] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 18] {
     let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
     let (ne, k, fe) = hp
         .moe
@@ -127,8 +130,9 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 17] {
         ("llama.att", rows * q),
         ("llama.gu", rows * 2 * ff),
         ("llama.act", rows * ff),
-        ("llama.pos", 1),
-        ("llama.kv_rows", 1),
+        ("llama.pos", rows),
+        ("llama.kv_rows", rows),
+        ("llama.ranges", 2 * rows),
         ("llama.attn_split", split_elems(hp) as usize),
         ("llama.router", rows * ne),
         ("llama.moe_ids", rows * k),
@@ -168,14 +172,15 @@ impl Scratch {
             act: f(6)?,
             pos: f(7)?,
             kv_rows: f(8)?,
-            attn_split: f(9)?,
-            router: f(10)?,
-            moe_ids: f(11)?,
-            moe_w: f(12)?,
-            f_gate: f(13)?,
-            f_up: f(14)?,
-            f_act: f(15)?,
-            moe_out: f(16)?,
+            ranges: f(9)?,
+            attn_split: f(10)?,
+            router: f(11)?,
+            moe_ids: f(12)?,
+            moe_w: f(13)?,
+            f_gate: f(14)?,
+            f_up: f(15)?,
+            f_act: f(16)?,
+            moe_out: f(17)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -186,7 +191,7 @@ impl Scratch {
             },
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "llama.logits")?,
             logit_rows,
-            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+            top: topk::LogitsTop::new(gpu, rows as u32, hp.n_vocab as u32)?,
         })
     }
 }
@@ -307,14 +312,6 @@ pub struct GpuModel {
     fused_loads: bool,
     /// Per-dispatch GPU times of the next pass when set ([`FamilyModel::profile_sink`]).
     profile: Option<Vec<(String, f64)>>,
-}
-
-/// What one chunk's pass returns: its wanted logits rows.
-enum ChunkWant {
-    None,
-    Last,
-    All,
-    Top { k: u32, lse: bool },
 }
 
 impl GpuModel {
@@ -501,68 +498,68 @@ impl GpuModel {
         })
     }
 
-    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
-    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
-    /// per item the logits it wants.
+    /// Feed the items in the runtime's rounds of at most [`DEFAULT_BATCH`] rows shared by
+    /// all of them ([`rounds::run_batch`]: prefill chunks first, the decode rows of every
+    /// sequence together after them); per item the logits it wants.
     fn run_items(&mut self, items: &mut [(&mut LlamaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
-        rounds::check_items(items, v)?;
-        let mut out = Vec::with_capacity(items.len());
-        for (seq, toks, want) in items.iter_mut() {
-            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
-                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
-                    (_, false) => ChunkWant::Top {
-                        k: r.top.k,
-                        lse: r.top.lse,
-                    },
-                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
-                    ([_], _) => ChunkWant::Last,
-                    _ => ChunkWant::None,
-                };
-                let p = &r.parts[0];
-                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
-                Ok((logits, top.into_iter().collect()))
-            })?;
-            out.extend(one);
-        }
-        Ok(out)
+        rounds::run_batch(items, v, rows, true, |r| {
+            let mut prof = self.profile.take();
+            let out = self.round(&r.parts, &r.toks, &r.wants, &r.top, prof.as_mut());
+            if prof.is_some() {
+                self.profile = prof;
+            }
+            out
+        })
     }
 
-    /// One pass over `toks` of the sequence in `slot` from position `pos0`, its dispatches
-    /// timed into the profile when one is asked for.
-    fn run_chunk(
+    /// One pass over the rows of `parts` (their tokens `toks` in row order): the logits of
+    /// the `wants` row runs and the top logits of the `top` rows; every dispatch timed into
+    /// `prof` when given.
+    fn round(
         &mut self,
-        slot: u32,
-        pos0: usize,
+        parts: &[Part],
         toks: &[u32],
-        want: ChunkWant,
-    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
-        let mut prof = self.profile.take();
-        let r = self.chunk(slot, pos0, toks, want, prof.as_mut());
-        if prof.is_some() {
-            self.profile = prof;
-        }
-        r
-    }
-
-    fn chunk(
-        &mut self,
-        slot: u32,
-        pos0: usize,
-        toks: &[u32],
-        want: ChunkWant,
-        mut prof: Option<&mut Vec<(String, f64)>>,
-    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        wants: &[(usize, usize)],
+        top: &TopReq,
+        prof: Option<&mut Vec<(String, f64)>>,
+    ) -> Result<RoundOut> {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         if prof.is_some() {
             pass.hold();
         }
-        self.reserve(&mut pass, pos0 + toks.len())?;
-        let hp = &self.hp;
-        let sc = &self.scratch;
+        let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        self.reserve(&mut pass, need)?;
+        let (hp, sc) = (&self.hp, &self.scratch);
         let n = toks.len() as u32;
+        // Per row its position and KV cache row; per decode row the cache rows it sees
+        // (`Keys::Ranges`: the sequence's rows, the last `window` of them with a window).
+        let cap = self.pools.cap as u32;
+        let mut pos = Vec::with_capacity(toks.len());
+        let mut kv_rows = Vec::with_capacity(toks.len());
+        let mut ranges = Vec::new();
+        for p in parts {
+            for j in 0..p.n as u32 {
+                let q = p.pos0 as u32 + j;
+                pos.push(q);
+                kv_rows.push(p.slot * cap + q);
+            }
+            if p.n == 1 {
+                let q = p.pos0 as u32;
+                let seen = match hp.window as u32 {
+                    0 => q + 1,
+                    w => w.min(q + 1),
+                };
+                ranges.extend_from_slice(&[p.slot * cap + q + 1 - seen, seen]);
+            }
+        }
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
+        gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
+        gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
+        if !ranges.is_empty() {
+            gpu.write(&sc.ranges, 0, bytemuck::cast_slice(&ranges));
+        }
         embed::embed(
             &mut pass,
             &self.tok_embd,
@@ -571,13 +568,6 @@ impl GpuModel {
             n,
             Operand::new(&sc.x, 0),
         )?;
-        let e = hp.n_embd as u32;
-        // One token's position and cache row, for the fused q/k norm, RoPE and cache write.
-        if n == 1 {
-            let row = slot * self.pools.cap as u32 + pos0 as u32;
-            gpu.write(&sc.pos, 0, bytemuck::cast_slice(&[pos0 as u32]));
-            gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&[row]));
-        }
         let fused = self.fused(n);
         // Whether the last residual product also wrote x · (the next norm's weight) into `h`
         // (`Epilogue::Normed`), which the next products read through `RmsNormRaw`.
@@ -586,12 +576,7 @@ impl GpuModel {
             let dense = matches!(lw.ffn, Ffn::Dense { .. });
             let pre = self.normed(&mut pass, n, &lw.attn_norm, fused, weighted)?;
             let next = (fused && dense).then_some(&lw.ffn_norm);
-            let at = Chunk {
-                slot,
-                pos0: pos0 as u32,
-                n,
-            };
-            weighted = self.attention(&mut pass, l, lw, at, pre, next)?;
+            weighted = self.attention(&mut pass, l, lw, parts, pre, next)?;
             match &lw.ffn {
                 Ffn::Dense { gate_up, down } => {
                     let pre = self.normed(&mut pass, n, &lw.ffn_norm, fused, weighted)?;
@@ -617,65 +602,30 @@ impl GpuModel {
             }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
-        let (r0, rows) = match want {
-            ChunkWant::None => {
-                pass.submit_or_profile(prof)?;
-                return Ok((Vec::new(), None));
-            }
-            ChunkWant::All => (0, n as usize),
-            ChunkWant::Last | ChunkWant::Top { .. } => (n as usize - 1, 1),
-        };
-        // The final norm of the wanted rows only.
+        if wants.is_empty() && top.rows.is_empty() {
+            pass.submit_or_profile(prof)?;
+            return Ok((Vec::new(), Vec::new()));
+        }
         norm::rms_norm(
             &mut pass,
-            rows as u32,
-            e,
-            Operand::new(&sc.x, r0 as u32 * e),
+            n,
+            hp.n_embd as u32,
+            Operand::new(&sc.x, 0),
             Some(Operand::new(&sc.h, 0)),
             Some(&self.output_norm),
             hp.eps,
         )?;
-        if self.hidden_out {
-            pass.submit_or_profile(prof)?;
-            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
-            return Ok((h, None));
-        }
-        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let v = hp.n_vocab;
-        if let ChunkWant::Top { k, lse } = want {
-            crate::models::head_rows(
-                &mut pass,
-                head,
-                &sc.h,
-                (0, hp.n_embd),
-                &sc.logits,
-                (0, v),
-                1,
-            )?;
-            sc.top
-                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
-            pass.submit_or_profile(prof)?;
-            let t = sc.top.read(&gpu, 1, k, lse)?.pop();
-            return Ok((Vec::new(), t));
-        }
-        // The head in runs that fit the logits buffer, each read back.
-        let mut logits = Vec::with_capacity(rows * v);
-        let mut pending = Some(pass);
-        for (r, take) in crate::models::head_runs(&[(0, rows)], sc.logit_rows) {
-            let mut p = pending.take().unwrap_or_else(|| gpu.pass());
-            crate::models::head_rows(
-                &mut p,
-                head,
-                &sc.h,
-                (r, hp.n_embd),
-                &sc.logits,
-                (0, v),
-                take,
-            )?;
-            p.submit_or_profile(prof.as_deref_mut())?;
-            logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
-        }
-        Ok((logits, None))
+        let head = Head {
+            w: self.output.as_ref().unwrap_or(&self.tok_embd),
+            n_vocab: hp.n_vocab,
+            h: &sc.h,
+            n_embd: hp.n_embd,
+            logits: &sc.logits,
+            logit_rows: sc.logit_rows,
+            top: &sc.top,
+            hidden: self.hidden_out,
+        };
+        head_logits(pass, &head, wants, top, prof)
     }
 
     /// Layer `l`'s routed experts over the normed rows in `h`, added to the residual stream:
@@ -910,13 +860,13 @@ impl GpuModel {
         pass: &mut Pass<'_>,
         l: usize,
         lw: &Layer,
-        at: Chunk,
+        parts: &[Part],
         pre: Option<Prologue<'_>>,
         next: Option<&GpuTensor>,
     ) -> Result<bool> {
         let hp = &self.hp;
         let sc = &self.scratch;
-        let Chunk { slot, pos0, n } = at;
+        let n = parts.iter().map(|p| p.n as u32).sum::<u32>();
         let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
         let [q_off, k_off, v_off] = qkv_offs(hp, n);
         let pre = pre.as_ref();
@@ -935,7 +885,7 @@ impl GpuModel {
             }
         }
         let (kc, vc) = &self.pools.kv[l];
-        let row0 = slot * self.pools.cap as u32;
+        let cap = self.pools.cap as u32;
         let one = match &lw.qk_norm {
             Some((qn, kn))
                 if n == 1
@@ -981,7 +931,10 @@ impl GpuModel {
                     norm::rms_norm(pass, n * heads, hd, x, None, Some(w), hp.eps)?;
                 }
             }
-            let positions = Positions::From(pos0);
+            let positions = Positions::Buffer {
+                buf: &sc.pos,
+                off: 0,
+            };
             for (off, heads) in [(q_off, nh), (k_off, nkv)] {
                 rope::rope(
                     pass,
@@ -993,48 +946,72 @@ impl GpuModel {
                     false,
                 )?;
             }
-            let dst = attention::DstRows::Range { row0: row0 + pos0 };
+            let dst = attention::DstRows::List {
+                rows: &sc.kv_rows,
+                off: 0,
+            };
             attention::write_kv(pass, self.kv, &sc.qkv, k_off, nkv * hd, n, kc, dst)?;
             attention::write_kv(pass, self.kv, &sc.qkv, v_off, nkv * hd, n, vc, dst)?;
         }
-        let n_kv = pos0 + n;
-        // Split-K only when a few query rows face many keys (decode); halved to fit the
-        // scratch, which is sized for one query row.
-        let mut n_split = attention::pick_n_split(n, nh, self.kv, n_kv, false);
-        while n_split > 1 && attention::scratch_elems(n, nh, hd, n_split) * 4 > sc.attn_split.size()
-        {
-            n_split /= 2;
+        let qw = nh * hd;
+        let call = |pass: &mut Pass<'_>, row: u32, n_q: u32, keys: Keys<'_>, max_keys: u32| {
+            // Split-K only when a few query rows face many keys (decode); halved to fit the
+            // scratch, which is sized for one query row.
+            let per_query = matches!(keys, Keys::Ranges { .. });
+            let mut n_split = attention::pick_n_split(n_q, nh, self.kv, max_keys, per_query);
+            while n_split > 1
+                && attention::scratch_elems(n_q, nh, hd, n_split) * 4 > sc.attn_split.size()
+            {
+                n_split /= 2;
+            }
+            attention::attention(
+                pass,
+                &Attention {
+                    n_q,
+                    n_head: nh,
+                    kv: self.kv,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    q: QView {
+                        buf: &sc.qkv,
+                        off: q_off + row * qw,
+                        tok_stride: qw,
+                        head_stride: hd,
+                    },
+                    out: OutView {
+                        buf: &sc.att,
+                        off: row * qw,
+                        tok_stride: qw,
+                    },
+                    a: KvSource { k: kc, v: Some(vc) },
+                    b: None,
+                    keys,
+                    sinks: None,
+                    split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+                },
+            )
+        };
+        // Prefill parts, and a lone decode row: causal over their own slot's rows.
+        let singles: Vec<&Part> = parts.iter().filter(|p| p.n == 1).collect();
+        for p in parts.iter().filter(|p| p.n > 1 || singles.len() == 1) {
+            let (pos0, np) = (p.pos0 as u32, p.n as u32);
+            let keys = Keys::Causal {
+                row0: p.slot * cap,
+                pos0,
+                n_kv: pos0 + np,
+                window: hp.window as u32,
+            };
+            call(pass, p.row as u32, np, keys, pos0 + np)?;
         }
-        attention::attention(
-            pass,
-            &Attention {
-                n_q: n,
-                n_head: nh,
-                kv: self.kv,
-                scale: 1.0 / (hd as f32).sqrt(),
-                q: QView {
-                    buf: &sc.qkv,
-                    off: q_off,
-                    tok_stride: nh * hd,
-                    head_stride: hd,
-                },
-                out: OutView {
-                    buf: &sc.att,
-                    off: 0,
-                    tok_stride: nh * hd,
-                },
-                a: KvSource { k: kc, v: Some(vc) },
-                b: None,
-                keys: Keys::Causal {
-                    row0,
-                    pos0,
-                    n_kv,
-                    window: hp.window as u32,
-                },
-                sinks: None,
-                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
-            },
-        )?;
+        // The decode rows of several sequences (contiguous at the end of the pass): one call.
+        if let [first, _, ..] = singles[..] {
+            let max_keys = singles.iter().map(|p| p.pos0 as u32 + 1).max().unwrap_or(1);
+            let keys = Keys::Ranges {
+                desc: &sc.ranges,
+                off: 0,
+                max_keys,
+            };
+            call(pass, first.row as u32, singles.len() as u32, keys, max_keys)?;
+        }
         self.residual(pass, &lw.o, &sc.att, 0, n, None, next)
     }
 
@@ -1103,14 +1080,6 @@ fn qkv_offs(hp: &Hparams, n: u32) -> [u32; 3] {
         (hp.n_head_kv * hp.head_dim) as u32,
     );
     [0, n * q, n * (q + kv)]
-}
-
-/// A pass's rows: `n` tokens of the sequence in `slot` from position `pos0`.
-#[derive(Clone, Copy)]
-struct Chunk {
-    slot: u32,
-    pos0: u32,
-    n: u32,
 }
 
 /// RoPE inverse frequencies: `theta^(-2i/n_rot)`, divided by `rope_freqs` where the file has
