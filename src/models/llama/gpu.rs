@@ -645,7 +645,14 @@ impl GpuModel {
             exact: true,
             ..Default::default()
         };
-        matmul::matmul_opts(pass, router, &sc.h, 0, &sc.router, 0, n, &opts)?;
+        matmul::matmul_opts(
+            pass,
+            router,
+            Operand::new(&sc.h, 0),
+            Operand::new(&sc.router, 0),
+            n,
+            &opts,
+        )?;
         topk::router_softmax_topk(
             pass,
             n,
@@ -860,7 +867,7 @@ fn linear(
         accumulate,
         ..Default::default()
     };
-    matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
+    matmul::matmul_opts(pass, w, Operand::new(x, 0), Operand::new(y, 0), n, &opts)
 }
 
 /// RoPE inverse frequencies: `theta^(-2i/n_rot)`, divided by `rope_freqs` where the file has
