@@ -25,6 +25,7 @@
 use crate::dtype::DType;
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
+use crate::gpu::operand::Operand;
 use crate::gpu::{coopmat, Gpu, GpuTensor};
 use crate::tensor::TensorRef;
 use crate::{quant, Result};
@@ -336,18 +337,48 @@ fn dense(
     let mut pass = gpu.pass();
     let (y_off, n) = (GUARD as u32, nt as u32);
     match path {
-        KernelPath::Matvec => matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
-        KernelPath::Tiled => matmul::matmul_tiled(&mut pass, &wt, &xb, 0, &yb, y_off, n, &opts)?,
+        KernelPath::Matvec => matvec::matvec_opts(
+            &mut pass,
+            &wt,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, y_off),
+            n,
+            &opts,
+        )?,
+        KernelPath::Tiled => matmul::matmul_tiled(
+            &mut pass,
+            &wt,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, y_off),
+            n,
+            &opts,
+        )?,
         KernelPath::Int8 | KernelPath::Int8x2 => {
             let levels = path.int8_levels().expect("int8 path");
-            matmul::matmul_int8(&mut pass, levels, &wt, &xb, 0, &yb, y_off, n, &opts)?
+            matmul::matmul_int8(
+                &mut pass,
+                levels,
+                &wt,
+                Operand::new(&xb, 0),
+                Operand::new(&yb, y_off),
+                n,
+                &opts,
+            )?
         }
         KernelPath::Coop
         | KernelPath::CoopSplit
         | KernelPath::CoopSplitX
         | KernelPath::CoopXSplit => {
             let prec = path.precision().expect("coop path");
-            coopmat::matmul_coop(&mut pass, prec, &wt, &xb, 0, &yb, y_off, n, &opts)?
+            coopmat::matmul_coop(
+                &mut pass,
+                prec,
+                &wt,
+                Operand::new(&xb, 0),
+                Operand::new(&yb, y_off),
+                n,
+                &opts,
+            )?
         }
     }
     pass.submit()?;
@@ -412,10 +443,24 @@ fn multi(
     };
     let mut pass = gpu.pass();
     let g = GUARD as u32;
-    matvec::matvec_multi(&mut pass, &wt, &xb, 0, &ym, g, nt as u32, &opts)?;
+    matvec::matvec_multi(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&ym, g),
+        nt as u32,
+        &opts,
+    )?;
     for t in 0..nt as u32 {
         let (xo, yo) = (t * cols as u32, g + t * rows as u32);
-        matvec::matvec_opts(&mut pass, &wt, &xb, xo, &yl, yo, 1, &opts)?;
+        matvec::matvec_opts(
+            &mut pass,
+            &wt,
+            Operand::new(&xb, xo),
+            Operand::new(&yl, yo),
+            1,
+            &opts,
+        )?;
     }
     pass.submit()?;
     let got = gpu.read_f32(&ym, 0, n_out + 2 * GUARD)?;
@@ -475,10 +520,26 @@ fn multi_norm(
     let opts = MatvecOpts::default();
     let mut pass = gpu.pass();
     let g = GUARD as u32;
-    matvec::matvec_pro(&mut pass, &wt, &xb, 0, &ym, g, nt as u32, &opts, &pro)?;
+    matvec::matvec_pro(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&ym, g),
+        nt as u32,
+        &opts,
+        &pro,
+    )?;
     for t in 0..nt as u32 {
         let (xo, yo) = (t * cols as u32, g + t * rows as u32);
-        matvec::matvec_pro(&mut pass, &wt, &xb, xo, &yl, yo, 1, &opts, &pro)?;
+        matvec::matvec_pro(
+            &mut pass,
+            &wt,
+            Operand::new(&xb, xo),
+            Operand::new(&yl, yo),
+            1,
+            &opts,
+            &pro,
+        )?;
     }
     pass.submit()?;
     let got = gpu.read_f32(&ym, 0, n_out + 2 * GUARD)?;
@@ -564,7 +625,17 @@ fn indexed(
     let (y_off, n, k) = (GUARD as u32, nt as u32, n_used as u32);
     match path {
         KernelPath::Matvec => matvec::matvec_indexed(
-            &mut pass, &wt, &xb, 0, per_pair, &idb, 0, k, &yb, y_off, n, &opts,
+            &mut pass,
+            &wt,
+            Operand::new(&xb, 0),
+            &matvec::Pairs {
+                ids: Operand::new(&idb, 0),
+                n_tokens: n,
+                n_used: k,
+                x_per_pair: per_pair,
+            },
+            Operand::new(&yb, y_off),
+            &opts,
         )?,
         KernelPath::Tiled
         | KernelPath::Coop
@@ -577,15 +648,47 @@ fn indexed(
             matmul::route(&mut pass, &route, &idb, 0, n, k)?;
             if let Some(levels) = path.int8_levels() {
                 matmul::matmul_int8_indexed(
-                    &mut pass, levels, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                    &mut pass,
+                    levels,
+                    &wt,
+                    Operand::new(&xb, 0),
+                    &matmul::RoutePairs {
+                        route: &route,
+                        n_tokens: n,
+                        n_used: k,
+                        x_per_pair: per_pair,
+                    },
+                    Operand::new(&yb, y_off),
+                    &opts,
                 )?;
             } else if let Some(prec) = path.precision() {
                 coopmat::matmul_coop_indexed(
-                    &mut pass, prec, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                    &mut pass,
+                    prec,
+                    &wt,
+                    Operand::new(&xb, 0),
+                    &matmul::RoutePairs {
+                        route: &route,
+                        n_tokens: n,
+                        n_used: k,
+                        x_per_pair: per_pair,
+                    },
+                    Operand::new(&yb, y_off),
+                    &opts,
                 )?;
             } else {
                 matmul::matmul_indexed_tiled(
-                    &mut pass, &wt, &xb, 0, per_pair, &route, n, k, &yb, y_off, &opts,
+                    &mut pass,
+                    &wt,
+                    Operand::new(&xb, 0),
+                    &matmul::RoutePairs {
+                        route: &route,
+                        n_tokens: n,
+                        n_used: k,
+                        x_per_pair: per_pair,
+                    },
+                    Operand::new(&yb, y_off),
+                    &opts,
                 )?;
             }
         }
@@ -722,22 +825,11 @@ pub fn prologue(
             head_stride: 2 * hd as u32,
         },
     };
-    let opts = MatvecOpts {
-        x_stride: stride as u32,
-        ..Default::default()
-    };
+    let opts = MatvecOpts::default();
     let mut pass = gpu.pass();
-    matvec::matvec_pro(
-        &mut pass,
-        &wt,
-        &xb,
-        4,
-        &yb,
-        GUARD as u32,
-        nt as u32,
-        &opts,
-        &pro,
-    )?;
+    let x = Operand::strided(&xb, 4, stride as u32);
+    let y = Operand::new(&yb, GUARD as u32);
+    matvec::matvec_pro(&mut pass, &wt, x, y, nt as u32, &opts, &pro)?;
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
     let want: Vec<_> = picks(n_out)
@@ -800,14 +892,14 @@ pub fn swiglu_store(
     matvec::matvec_fused(
         &mut pass,
         &wt,
-        &xb,
-        0,
-        &yb,
-        GUARD as u32,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, GUARD as u32),
         nt as u32,
         &MatvecOpts::default(),
-        normed.then_some(&pro),
-        matvec::Epilogue::SwiGlu,
+        matvec::Fused {
+            pro: normed.then_some(&pro),
+            epi: matvec::Epilogue::SwiGlu,
+        },
     )?;
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
@@ -879,20 +971,28 @@ pub fn normed_store(
     };
     let mut pass = gpu.pass();
     let epi = Epilogue::Normed { w: &nwb, out: &hn };
-    matvec::matvec_fused(&mut pass, &pt, &ab, 0, &xb, 0, nt as u32, &acc, None, epi)?;
+    matvec::matvec_fused(
+        &mut pass,
+        &pt,
+        Operand::new(&ab, 0),
+        Operand::new(&xb, 0),
+        nt as u32,
+        &acc,
+        matvec::Fused { pro: None, epi },
+    )?;
     let (o, st) = (MatvecOpts::default(), Epilogue::Store);
     let y0 = GUARD as u32;
     matvec::matvec_fused(
         &mut pass,
         &ct,
-        &hn,
-        0,
-        &yb,
-        y0,
+        Operand::new(&hn, 0),
+        Operand::new(&yb, y0),
         nt as u32,
         &o,
-        Some(&raw),
-        st,
+        matvec::Fused {
+            pro: Some(&raw),
+            epi: st,
+        },
     )?;
     pass.submit()?;
     let xs = gpu.read_f32(&xb, 0, nt * cu)?;
@@ -999,14 +1099,14 @@ pub fn conv_step(
     matvec::matvec_fused(
         &mut pass,
         &wt,
-        &xb,
-        0,
-        &yb,
-        GUARD as u32,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, GUARD as u32),
         nt as u32,
         &MatvecOpts::default(),
-        normed.then_some(&pro),
-        matvec::Epilogue::Conv(&step),
+        matvec::Fused {
+            pro: normed.then_some(&pro),
+            epi: matvec::Epilogue::Conv(&step),
+        },
     )?;
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
@@ -1100,7 +1200,14 @@ pub fn int8(
         ..Default::default()
     };
     let mut pass = gpu.pass();
-    matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, nt as u32, &opts)?;
+    matvec::matvec_opts(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, GUARD as u32),
+        nt as u32,
+        &opts,
+    )?;
     pass.submit()?;
     let got = gpu.read_f32(&yb, 0, n_out + 2 * GUARD)?;
     let base = if acc { 0.5 } else { 0.0 };

@@ -3,6 +3,7 @@
 //! own products. Row lengths include stored rows that are not a multiple of 4 bytes (Q8_0
 //! with 32 columns: 34 bytes), which the upload must still place byte-exactly.
 
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{matvec, AdapterChoice, Gpu, GpuTensor};
 use lathe::tensor::TensorRef;
 use lathe::DType;
@@ -61,7 +62,7 @@ fn product(gpu: &Gpu, w: &GpuTensor, x: &[f32]) -> Vec<f32> {
     let xb = gpu.upload_f32(x, "x").unwrap();
     let yb = gpu.buffer((2 * rows * 4) as u64, "y").unwrap();
     let mut pass = gpu.pass();
-    matvec::matvec(&mut pass, w, &xb, 0, &yb, 0, 2).unwrap();
+    matvec::matvec(&mut pass, w, Operand::new(&xb, 0), Operand::new(&yb, 0), 2).unwrap();
     pass.submit().unwrap();
     gpu.read_f32(&yb, 0, 2 * rows).unwrap()
 }

@@ -10,6 +10,7 @@
 
 use lathe::gpu::matmul::{self, MoeRoute};
 use lathe::gpu::matvec::{self, MatvecOpts};
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{AdapterChoice, Gpu, GpuTensor, Pass, TensorPart};
 use lathe::quant;
 use lathe::tensor::TensorRef;
@@ -214,10 +215,8 @@ fn run_matvec(
     matvec::matvec_opts(
         &mut pass,
         &wt,
-        &xb,
-        x_off as u32,
-        &yb,
-        GUARD as u32,
+        Operand::new(&xb, x_off as u32),
+        Operand::new(&yb, GUARD as u32),
         n_tokens as u32,
         opts,
     )
@@ -307,10 +306,29 @@ fn tuned_bits(
     };
     let mut pass = g.pass();
     match ids {
-        None => matvec::matvec_opts(&mut pass, wt, xb, 0, &yb, 0, 2, &o).unwrap(),
-        Some(ids) => {
-            matvec::matvec_indexed(&mut pass, wt, xb, 0, false, ids, 0, 2, &yb, 0, 2, &o).unwrap()
-        }
+        None => matvec::matvec_opts(
+            &mut pass,
+            wt,
+            Operand::new(xb, 0),
+            Operand::new(&yb, 0),
+            2,
+            &o,
+        )
+        .unwrap(),
+        Some(ids) => matvec::matvec_indexed(
+            &mut pass,
+            wt,
+            Operand::new(xb, 0),
+            &matvec::Pairs {
+                ids: Operand::new(ids, 0),
+                n_tokens: 2,
+                n_used: 2,
+                x_per_pair: false,
+            },
+            Operand::new(&yb, 0),
+            &o,
+        )
+        .unwrap(),
     }
     submit(pass);
     g.read_f32(&yb, 0, n)
@@ -376,11 +394,13 @@ fn matvec_accumulate_and_strides() {
     let mut pass = g.pass();
     let o = MatvecOpts {
         accumulate: true,
-        x_stride: xs as u32,
-        y_stride: ys as u32,
         ..Default::default()
     };
-    matvec::matvec_opts(&mut pass, &wt, &xb, 0, &yb, 0, nt as u32, &o).unwrap();
+    let (xo, yo) = (
+        Operand::strided(&xb, 0, xs as u32),
+        Operand::strided(&yb, 0, ys as u32),
+    );
+    matvec::matvec_opts(&mut pass, &wt, xo, yo, nt as u32, &o).unwrap();
     submit(pass);
     let got = g.read_f32(&yb, 0, nt * ys).unwrap();
     for t in 0..nt {
@@ -417,16 +437,21 @@ fn run_matmul(dt: DType, rows: u64, cols: u64, n_tokens: usize, tiled: bool, see
         matmul::matmul_tiled(
             &mut pass,
             &wt,
-            &xb,
-            0,
-            &yb,
-            GUARD as u32,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, GUARD as u32),
             n_tokens as u32,
             &MatvecOpts::default(),
         )
         .unwrap();
     } else {
-        matmul::matmul(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, n_tokens as u32).unwrap();
+        matmul::matmul(
+            &mut pass,
+            &wt,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, GUARD as u32),
+            n_tokens as u32,
+        )
+        .unwrap();
     }
     submit(pass);
     let got = g.read_f32(&yb, 0, n_tokens * r + 2 * GUARD).unwrap();
@@ -475,7 +500,14 @@ fn multi_part_weights() {
         for nt in [2usize, 67] {
             let yb = out_buffer(g, nt * rows);
             let mut pass = g.pass();
-            matmul::matmul(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, nt as u32).unwrap();
+            matmul::matmul(
+                &mut pass,
+                &wt,
+                Operand::new(&xb, 0),
+                Operand::new(&yb, GUARD as u32),
+                nt as u32,
+            )
+            .unwrap();
             submit(pass);
             let got = g.read_f32(&yb, 0, nt * rows + 2 * GUARD).unwrap();
             let want: Vec<_> = (0..nt * rows)
@@ -528,15 +560,14 @@ fn run_indexed(dt: DType, split: Option<&[u64]>, seed: u64) {
                 matvec::matvec_indexed(
                     &mut pass,
                     &wt,
-                    &xb,
-                    0,
-                    per_pair,
-                    &idb,
-                    3,
-                    n_used as u32,
-                    &yb,
-                    GUARD as u32,
-                    nt as u32,
+                    Operand::new(&xb, 0),
+                    &matvec::Pairs {
+                        ids: Operand::new(&idb, 3),
+                        n_tokens: nt as u32,
+                        n_used: n_used as u32,
+                        x_per_pair: per_pair,
+                    },
+                    Operand::new(&yb, GUARD as u32),
                     &MatvecOpts::default(),
                 )
                 .unwrap();
@@ -546,14 +577,14 @@ fn run_indexed(dt: DType, split: Option<&[u64]>, seed: u64) {
                 matmul::matmul_indexed(
                     &mut pass,
                     &wt,
-                    &xb,
-                    0,
-                    per_pair,
-                    &route,
-                    nt as u32,
-                    n_used as u32,
-                    &yb,
-                    GUARD as u32,
+                    Operand::new(&xb, 0),
+                    &matmul::RoutePairs {
+                        route: &route,
+                        n_tokens: nt as u32,
+                        n_used: n_used as u32,
+                        x_per_pair: per_pair,
+                    },
+                    Operand::new(&yb, GUARD as u32),
                     &MatvecOpts::default(),
                 )
                 .unwrap();
@@ -608,15 +639,50 @@ fn bad_input_is_an_error() {
     let yb = g.buffer(16, "y").unwrap();
     let mut pass = g.pass();
     // x too short for 2 tokens, y too short for an offset, 9 tokens, a 3-D weight
-    assert!(matvec::matvec(&mut pass, &wt, &xb, 0, &yb, 0, 2).is_err());
-    assert!(matvec::matvec(&mut pass, &wt, &xb, 0, &yb, 1, 1).is_err());
-    assert!(matvec::matvec(&mut pass, &wt, &xb, 0, &yb, 0, 9).is_err());
+    assert!(matvec::matvec(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        2
+    )
+    .is_err());
+    assert!(matvec::matvec(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 1),
+        1
+    )
+    .is_err());
+    assert!(matvec::matvec(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        9
+    )
+    .is_err());
     let mut w3 = wt.clone();
     w3.shape = vec![2, 2, 64];
-    assert!(matvec::matvec(&mut pass, &w3, &xb, 0, &yb, 0, 1).is_err());
+    assert!(matvec::matvec(
+        &mut pass,
+        &w3,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        1
+    )
+    .is_err());
     let mut wi = wt.clone();
     wi.dtype = DType::I32;
-    assert!(matvec::matvec(&mut pass, &wi, &xb, 0, &yb, 0, 1).is_err());
+    assert!(matvec::matvec(
+        &mut pass,
+        &wi,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        1
+    )
+    .is_err());
     assert!(pass.is_empty());
 }
 
@@ -634,7 +700,14 @@ fn real(dt: DType, rows: u64, cols: u64, n_tokens: usize) {
     let xb = g.upload_f32(&x, "x").unwrap();
     let yb = out_buffer(g, n_tokens * r);
     let mut pass = g.pass();
-    matmul::matmul(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, n_tokens as u32).unwrap();
+    matmul::matmul(
+        &mut pass,
+        &wt,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, GUARD as u32),
+        n_tokens as u32,
+    )
+    .unwrap();
     submit(pass);
     let got = g.read_f32(&yb, 0, n_tokens * r + 2 * GUARD).unwrap();
     let want: Vec<_> = (0..n_tokens * r)
@@ -707,7 +780,14 @@ fn f8_every_code_and_scale() {
     for nt in [1usize, 3, 67] {
         let yb = out_buffer(g, nt * rows);
         let mut pass = g.pass();
-        matmul::matmul(&mut pass, &wt, &xb, 0, &yb, GUARD as u32, nt as u32).unwrap();
+        matmul::matmul(
+            &mut pass,
+            &wt,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, GUARD as u32),
+            nt as u32,
+        )
+        .unwrap();
         submit(pass);
         let got = g.read_f32(&yb, 0, nt * rows + 2 * GUARD).unwrap();
         let want: Vec<_> = (0..nt * rows)
@@ -756,9 +836,29 @@ fn variants_translate_to_every_backend() {
                 &[&MatvecOpts::default()]
             };
             for o in opts {
-                matvec::matvec_opts(&mut pass, &wt2, &xb, 0, &yb, 0, 2, o).unwrap();
-                matvec::matvec_indexed(&mut pass, &wt, &xb, 0, true, &ids, 0, 2, &yb, 0, 2, o)
-                    .unwrap();
+                matvec::matvec_opts(
+                    &mut pass,
+                    &wt2,
+                    Operand::new(&xb, 0),
+                    Operand::new(&yb, 0),
+                    2,
+                    o,
+                )
+                .unwrap();
+                matvec::matvec_indexed(
+                    &mut pass,
+                    &wt,
+                    Operand::new(&xb, 0),
+                    &matvec::Pairs {
+                        ids: Operand::new(&ids, 0),
+                        n_tokens: 2,
+                        n_used: 2,
+                        x_per_pair: true,
+                    },
+                    Operand::new(&yb, 0),
+                    o,
+                )
+                .unwrap();
             }
             // the fused forms: RMSNorm prologue with the SwiGLU store, one token and a token
             // group
@@ -777,26 +877,55 @@ fn variants_translate_to_every_backend() {
             let normed = matvec::Epilogue::Normed { w: &nwr, out: &hn };
             for nt in [1, 2] {
                 let (o, epi) = (&MatvecOpts::default(), matvec::Epilogue::SwiGlu);
-                matvec::matvec_fused(&mut pass, &wt2, &xb, 0, &yb, 0, nt, o, Some(&pro), epi)
-                    .unwrap();
-                // the residual product's normed store, read by the next through RmsNormRaw
-                matvec::matvec_fused(&mut pass, &wt2, &xb, 0, &yb, 0, nt, o, Some(&raw), normed)
-                    .unwrap();
-            }
-            matmul::matmul_tiled(&mut pass, &wt2, &xb, 0, &yb, 0, 9, &MatvecOpts::default())
+                matvec::matvec_fused(
+                    &mut pass,
+                    &wt2,
+                    Operand::new(&xb, 0),
+                    Operand::new(&yb, 0),
+                    nt,
+                    o,
+                    matvec::Fused {
+                        pro: Some(&pro),
+                        epi,
+                    },
+                )
                 .unwrap();
+                // the residual product's normed store, read by the next through RmsNormRaw
+                matvec::matvec_fused(
+                    &mut pass,
+                    &wt2,
+                    Operand::new(&xb, 0),
+                    Operand::new(&yb, 0),
+                    nt,
+                    o,
+                    matvec::Fused {
+                        pro: Some(&raw),
+                        epi: normed,
+                    },
+                )
+                .unwrap();
+            }
+            matmul::matmul_tiled(
+                &mut pass,
+                &wt2,
+                Operand::new(&xb, 0),
+                Operand::new(&yb, 0),
+                9,
+                &MatvecOpts::default(),
+            )
+            .unwrap();
             matmul::route(&mut pass, &route, &ids, 0, 2, 2).unwrap();
             matmul::matmul_indexed(
                 &mut pass,
                 &wt,
-                &xb,
-                0,
-                false,
-                &route,
-                2,
-                2,
-                &yb,
-                0,
+                Operand::new(&xb, 0),
+                &matmul::RoutePairs {
+                    route: &route,
+                    n_tokens: 2,
+                    n_used: 2,
+                    x_per_pair: false,
+                },
+                Operand::new(&yb, 0),
                 &MatvecOpts::default(),
             )
             .unwrap();
@@ -909,9 +1038,12 @@ fn int8_x_quantize_matches_cpu() {
         let mut pass = g.pass();
         matvec::quantize_x(
             &mut pass,
-            &xb,
-            x_off as u32,
-            stride as u32,
+            // stride 0: packed rows
+            Operand {
+                buf: &xb,
+                off: x_off as u32,
+                stride: (stride != 0).then_some(stride as u32),
+            },
             nt as u32,
             cols as u32,
             &mut qx,
@@ -969,13 +1101,19 @@ fn run_q8x(dt: DType, rows: u64, cols: u64, n_tokens: usize, seed: u64) {
     let yb = out_buffer(g, n_tokens * r);
     let mut qx = matvec::QuantX::new(g, 2 * n_tokens as u32, cols as u32).unwrap();
     let mut pass = g.pass();
-    matvec::quantize_x2(&mut pass, &xb, 0, 0, n_tokens as u32, cols as u32, &mut qx).unwrap();
+    matvec::quantize_x2(
+        &mut pass,
+        Operand::new(&xb, 0),
+        n_tokens as u32,
+        cols as u32,
+        &mut qx,
+    )
+    .unwrap();
     matvec::matvec_q8x(
         &mut pass,
         &wt,
         &qx,
-        &yb,
-        GUARD as u32,
+        Operand::new(&yb, GUARD as u32),
         &MatvecOpts::default(),
     )
     .unwrap();
@@ -1036,8 +1174,6 @@ fn int8_x_one_step_options_and_parts() {
         let opts = MatvecOpts {
             int8_x: true,
             accumulate: true,
-            x_stride: x_stride as u32,
-            y_stride: y_stride as u32,
             ..Default::default()
         };
         let portable = MatvecOpts {
@@ -1047,28 +1183,11 @@ fn int8_x_one_step_options_and_parts() {
         };
         let y2 = g.buffer(4 * (n_out + 2 * GUARD) as u64, "y2").unwrap();
         let mut pass = g.pass();
-        matmul::matmul_opts(
-            &mut pass,
-            &wt,
-            &xb,
-            x_off as u32,
-            &yb,
-            GUARD as u32,
-            nt as u32,
-            &opts,
-        )
-        .unwrap();
-        matvec::matvec_opts(
-            &mut pass,
-            &wt,
-            &xb,
-            x_off as u32,
-            &y2,
-            GUARD as u32,
-            nt as u32,
-            &portable,
-        )
-        .unwrap();
+        let xo = Operand::strided(&xb, x_off as u32, x_stride as u32);
+        let yo = Operand::strided(&yb, GUARD as u32, y_stride as u32);
+        let yp = Operand::strided(&y2, GUARD as u32, y_stride as u32);
+        matmul::matmul_opts(&mut pass, &wt, xo, yo, nt as u32, &opts).unwrap();
+        matvec::matvec_opts(&mut pass, &wt, xo, yp, nt as u32, &portable).unwrap();
         submit(pass);
         let got = g.read_f32(&yb, 0, n_out + 2 * GUARD).unwrap();
         let got2 = g.read_f32(&y2, 0, n_out + 2 * GUARD).unwrap();
@@ -1119,33 +1238,75 @@ fn int8_x_errors_and_fallback() {
     let mut qx = matvec::QuantX::new(g, 1, 256).unwrap();
     let mut pass = g.pass();
     // cols not a multiple of 32, more than the scratch holds, x too short
-    assert!(matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 48, &mut qx).is_err());
-    assert!(matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 512, &mut qx).is_err());
-    assert!(matvec::quantize_x(&mut pass, &xb, 900, 0, 1, 256, &mut qx).is_err());
+    assert!(matvec::quantize_x(&mut pass, Operand::new(&xb, 0), 1, 48, &mut qx).is_err());
+    assert!(matvec::quantize_x(&mut pass, Operand::new(&xb, 0), 1, 512, &mut qx).is_err());
+    assert!(matvec::quantize_x(&mut pass, Operand::new(&xb, 900), 1, 256, &mut qx).is_err());
     // two levels need twice the blocks
-    assert!(matvec::quantize_x2(&mut pass, &xb, 0, 0, 1, 256, &mut qx).is_err());
+    assert!(matvec::quantize_x2(&mut pass, Operand::new(&xb, 0), 1, 256, &mut qx).is_err());
     // nothing quantized yet, then columns that do not match the weight
-    assert!(matvec::matvec_q8x(&mut pass, &w, &qx, &yb, 0, &MatvecOpts::default()).is_err());
-    matvec::quantize_x(&mut pass, &xb, 0, 0, 1, 256, &mut qx).unwrap();
-    assert!(matvec::matvec_q8x(&mut pass, &w, &qx, &yb, 0, &MatvecOpts::default()).is_err());
+    assert!(matvec::matvec_q8x(
+        &mut pass,
+        &w,
+        &qx,
+        Operand::new(&yb, 0),
+        &MatvecOpts::default()
+    )
+    .is_err());
+    matvec::quantize_x(&mut pass, Operand::new(&xb, 0), 1, 256, &mut qx).unwrap();
+    assert!(matvec::matvec_q8x(
+        &mut pass,
+        &w,
+        &qx,
+        Operand::new(&yb, 0),
+        &MatvecOpts::default()
+    )
+    .is_err());
     // one level where the kernels read two: refused
     let w256 = Weight::random(DType::Q4_K, &[8, 256], 1).upload(g);
-    let err = matvec::matvec_q8x(&mut pass, &w256, &qx, &yb, 0, &MatvecOpts::default());
+    let err = matvec::matvec_q8x(
+        &mut pass,
+        &w256,
+        &qx,
+        Operand::new(&yb, 0),
+        &MatvecOpts::default(),
+    );
     assert!(format!("{}", err.unwrap_err()).contains("two"));
     let mut q2x = matvec::QuantX::new(g, 2, 256).unwrap();
-    matvec::quantize_x2(&mut pass, &xb, 0, 0, 1, 256, &mut q2x).unwrap();
-    matvec::matvec_q8x(&mut pass, &w256, &q2x, &yb, 0, &MatvecOpts::default()).unwrap();
+    matvec::quantize_x2(&mut pass, Operand::new(&xb, 0), 1, 256, &mut q2x).unwrap();
+    matvec::matvec_q8x(
+        &mut pass,
+        &w256,
+        &q2x,
+        Operand::new(&yb, 0),
+        &MatvecOpts::default(),
+    )
+    .unwrap();
     // a type without an int8 kernel: an error from matvec_q8x, the f32 path under int8_x
     let ft = f.upload(g);
     let mut q2 = matvec::QuantX::new(g, 2, 512).unwrap();
-    matvec::quantize_x2(&mut pass, &xb, 0, 0, 1, 512, &mut q2).unwrap();
+    matvec::quantize_x2(&mut pass, Operand::new(&xb, 0), 1, 512, &mut q2).unwrap();
     assert!(!matvec::int8_x_supported(DType::F16));
-    assert!(matvec::matvec_q8x(&mut pass, &ft, &q2, &yb, 0, &MatvecOpts::default()).is_err());
+    assert!(matvec::matvec_q8x(
+        &mut pass,
+        &ft,
+        &q2,
+        Operand::new(&yb, 0),
+        &MatvecOpts::default()
+    )
+    .is_err());
     let o = MatvecOpts {
         int8_x: true,
         ..Default::default()
     };
-    matvec::matvec_opts(&mut pass, &ft, &xb, 0, &yb, 0, 1, &o).unwrap();
+    matvec::matvec_opts(
+        &mut pass,
+        &ft,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        1,
+        &o,
+    )
+    .unwrap();
     submit(pass);
     let got = g.read_f32(&yb, 0, 8).unwrap();
     for (r, &v) in got.iter().enumerate() {
@@ -1169,7 +1330,7 @@ fn int8_x_variants_translate_to_every_backend() {
             let yb = g.buffer(16 * 4, "y").unwrap();
             let mut qx = matvec::QuantX::new(g, 4, cols).unwrap();
             let mut pass = g.pass();
-            matvec::quantize_x2(&mut pass, &xb, 0, 0, 2, cols, &mut qx).unwrap();
+            matvec::quantize_x2(&mut pass, Operand::new(&xb, 0), 2, cols, &mut qx).unwrap();
             let w3 = Weight::random(dt, &[2, 4, cols as u64], 3).upload(g);
             let ids = g.upload(bytemuck::cast_slice(&[1u32, 0]), "ids").unwrap();
             for portable in [false, true]
@@ -1180,17 +1341,49 @@ fn int8_x_variants_translate_to_every_backend() {
                     portable,
                     ..Default::default()
                 };
-                matvec::matvec_q8x(&mut pass, &wt, &qx, &yb, 0, &o).unwrap();
-                matvec::matvec_indexed_q8x(&mut pass, &w3, &qx, false, &ids, 0, 1, &yb, 0, 2, &o)
-                    .unwrap();
+                matvec::matvec_q8x(&mut pass, &wt, &qx, Operand::new(&yb, 0), &o).unwrap();
+                matvec::matvec_indexed_q8x(
+                    &mut pass,
+                    &w3,
+                    &qx,
+                    &matvec::Pairs {
+                        ids: Operand::new(&ids, 0),
+                        n_tokens: 2,
+                        n_used: 1,
+                        x_per_pair: false,
+                    },
+                    Operand::new(&yb, 0),
+                    &o,
+                )
+                .unwrap();
             }
             let route = MoeRoute::new(g, 2, 2).unwrap();
             matmul::route(&mut pass, &route, &ids, 0, 2, 1).unwrap();
             for l in [matmul::Int8Levels::One, matmul::Int8Levels::Two] {
                 let o = MatvecOpts::default();
-                matmul::matmul_int8(&mut pass, l, &wt, &xb, 0, &yb, 0, 2, &o).unwrap();
+                matmul::matmul_int8(
+                    &mut pass,
+                    l,
+                    &wt,
+                    Operand::new(&xb, 0),
+                    Operand::new(&yb, 0),
+                    2,
+                    &o,
+                )
+                .unwrap();
                 matmul::matmul_int8_indexed(
-                    &mut pass, l, &w3, &xb, 0, false, &route, 2, 1, &yb, 0, &o,
+                    &mut pass,
+                    l,
+                    &w3,
+                    Operand::new(&xb, 0),
+                    &matmul::RoutePairs {
+                        route: &route,
+                        n_tokens: 2,
+                        n_used: 1,
+                        x_per_pair: false,
+                    },
+                    Operand::new(&yb, 0),
+                    &o,
                 )
                 .unwrap();
             }
@@ -1263,23 +1456,12 @@ fn run_mm_q8(
     let yb = g.upload_f32(&init, "y").unwrap();
     let opts = MatvecOpts {
         accumulate: true,
-        x_stride: x_stride as u32,
-        y_stride: y_stride as u32,
         ..Default::default()
     };
     let mut pass = g.pass();
-    matmul::matmul_int8(
-        &mut pass,
-        levels,
-        &wt,
-        &xb,
-        x_off as u32,
-        &yb,
-        GUARD as u32,
-        nt as u32,
-        &opts,
-    )
-    .unwrap();
+    let xo = Operand::strided(&xb, x_off as u32, x_stride as u32);
+    let yo = Operand::strided(&yb, GUARD as u32, y_stride as u32);
+    matmul::matmul_int8(&mut pass, levels, &wt, xo, yo, nt as u32, &opts).unwrap();
     submit(pass);
     let got = g.read_f32(&yb, 0, n_out + 2 * GUARD).unwrap();
     let rows_x: Vec<f32> = (0..nt)
@@ -1396,14 +1578,14 @@ fn int8_matmul_indexed() {
                     &mut pass,
                     levels,
                     &wt,
-                    &xb,
-                    0,
-                    per_pair,
-                    &route,
-                    nt as u32,
-                    n_used as u32,
-                    &yb,
-                    GUARD as u32,
+                    Operand::new(&xb, 0),
+                    &matmul::RoutePairs {
+                        route: &route,
+                        n_tokens: nt as u32,
+                        n_used: n_used as u32,
+                        x_per_pair: per_pair,
+                    },
+                    Operand::new(&yb, GUARD as u32),
                     &MatvecOpts::default(),
                 )
                 .unwrap();
@@ -1452,10 +1634,46 @@ fn int8_matmul_errors() {
     let o = MatvecOpts::default();
     let l = matmul::Int8Levels::Two;
     // no integer codes, no tokens, x or y too short
-    assert!(matmul::matmul_int8(&mut pass, l, &f, &xb, 0, &yb, 0, 1, &o).is_err());
-    assert!(matmul::matmul_int8(&mut pass, l, &w, &xb, 0, &yb, 0, 0, &o).is_err());
-    assert!(matmul::matmul_int8(&mut pass, l, &w, &xb, 0, &yb, 0, 3, &o).is_err());
-    assert!(matmul::matmul_int8(&mut pass, l, &w, &xb, 0, &yb, 60, 2, &o).is_err());
+    assert!(matmul::matmul_int8(
+        &mut pass,
+        l,
+        &f,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        1,
+        &o
+    )
+    .is_err());
+    assert!(matmul::matmul_int8(
+        &mut pass,
+        l,
+        &w,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        0,
+        &o
+    )
+    .is_err());
+    assert!(matmul::matmul_int8(
+        &mut pass,
+        l,
+        &w,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 0),
+        3,
+        &o
+    )
+    .is_err());
+    assert!(matmul::matmul_int8(
+        &mut pass,
+        l,
+        &w,
+        Operand::new(&xb, 0),
+        Operand::new(&yb, 60),
+        2,
+        &o
+    )
+    .is_err());
     drop(pass);
 }
 
@@ -1495,20 +1713,27 @@ fn int8_x_indexed_moe() {
             let (y1, y2) = (out_buffer(g, np * rows), out_buffer(g, np * rows));
             let mut qx = matvec::QuantX::new(g, 2 * xr as u32, cols as u32).unwrap();
             let mut pass = g.pass();
-            matvec::quantize_x2(&mut pass, &xb, 0, 0, xr as u32, cols as u32, &mut qx).unwrap();
+            matvec::quantize_x2(
+                &mut pass,
+                Operand::new(&xb, 0),
+                xr as u32,
+                cols as u32,
+                &mut qx,
+            )
+            .unwrap();
             let o = MatvecOpts::default();
             let (nu, n) = (n_used as u32, nt as u32);
             matvec::matvec_indexed_q8x(
                 &mut pass,
                 &wt,
                 &qx,
-                per_pair,
-                &idb,
-                1,
-                nu,
-                &y1,
-                GUARD as u32,
-                n,
+                &matvec::Pairs {
+                    ids: Operand::new(&idb, 1),
+                    n_tokens: n,
+                    n_used: nu,
+                    x_per_pair: per_pair,
+                },
+                Operand::new(&y1, GUARD as u32),
                 &o,
             )
             .unwrap();
@@ -1516,15 +1741,14 @@ fn int8_x_indexed_moe() {
             matvec::matvec_indexed(
                 &mut pass,
                 &wt,
-                &xb,
-                0,
-                per_pair,
-                &idb,
-                1,
-                nu,
-                &y2,
-                GUARD as u32,
-                n,
+                Operand::new(&xb, 0),
+                &matvec::Pairs {
+                    ids: Operand::new(&idb, 1),
+                    n_tokens: n,
+                    n_used: nu,
+                    x_per_pair: per_pair,
+                },
+                Operand::new(&y2, GUARD as u32),
                 &o8,
             )
             .unwrap();
@@ -1583,10 +1807,7 @@ fn matvec_prologues() {
             let xb = g.upload_f32(&x, "x").unwrap();
             let nwb = g.upload_f32(&nw, "nw").unwrap();
             let yb = out_buffer(g, n * rows);
-            let opts = MatvecOpts {
-                x_stride: stride as u32,
-                ..Default::default()
-            };
+            let opts = MatvecOpts::default();
             let mut pass = g.pass();
             let pro = Prologue::RmsNorm {
                 w: &nwb,
@@ -1596,10 +1817,8 @@ fn matvec_prologues() {
             matvec::matvec_pro(
                 &mut pass,
                 &wt,
-                &xb,
-                4,
-                &yb,
-                GUARD as u32,
+                Operand::strided(&xb, 4, stride as u32),
+                Operand::new(&yb, GUARD as u32),
                 n as u32,
                 &opts,
                 &pro,
@@ -1644,10 +1863,8 @@ fn matvec_prologues() {
             matvec::matvec_opts(
                 &mut pass,
                 &wt,
-                &hb,
-                0,
-                &y2,
-                GUARD as u32,
+                Operand::new(&hb, 0),
+                Operand::new(&y2, GUARD as u32),
                 n as u32,
                 &Default::default(),
             )
@@ -1669,19 +1886,14 @@ fn matvec_prologues() {
             let x = rng.normals(4 + n * stride, 2.0);
             let xb = g.upload_f32(&x, "x").unwrap();
             let yb = out_buffer(g, n * rows);
-            let opts = MatvecOpts {
-                x_stride: stride as u32,
-                ..Default::default()
-            };
+            let opts = MatvecOpts::default();
             let mut pass = g.pass();
             let pro = Prologue::SwiGlu { up };
             matvec::matvec_pro(
                 &mut pass,
                 &wt,
-                &xb,
-                4,
-                &yb,
-                GUARD as u32,
+                Operand::strided(&xb, 4, stride as u32),
+                Operand::new(&yb, GUARD as u32),
                 n as u32,
                 &opts,
                 &pro,
@@ -1725,10 +1937,8 @@ fn matvec_prologues() {
         matvec::matvec_pro(
             &mut pass,
             &wt,
-            &xb,
-            0,
-            &yb,
-            GUARD as u32,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, GUARD as u32),
             1,
             &Default::default(),
             &pro,
@@ -1785,8 +1995,25 @@ fn normed_store_feeds_raw_norm() {
             let nt = n as u32;
             let mut pass = g.pass();
             let epi = Epilogue::Normed { w: &nwb, out: &hn };
-            matvec::matvec_fused(&mut pass, &pt, &ab, 0, &xf, 0, nt, &acc, None, epi).unwrap();
-            matvec::matvec_opts(&mut pass, &pt, &ab, 0, &xp, 0, nt, &acc).unwrap();
+            matvec::matvec_fused(
+                &mut pass,
+                &pt,
+                Operand::new(&ab, 0),
+                Operand::new(&xf, 0),
+                nt,
+                &acc,
+                matvec::Fused { pro: None, epi },
+            )
+            .unwrap();
+            matvec::matvec_opts(
+                &mut pass,
+                &pt,
+                Operand::new(&ab, 0),
+                Operand::new(&xp, 0),
+                nt,
+                &acc,
+            )
+            .unwrap();
             submit(pass);
             let (xs, xr) = (
                 g.read_f32(&xf, 0, n * c).unwrap(),
@@ -1813,8 +2040,32 @@ fn normed_store_feeds_raw_norm() {
             let o = MatvecOpts::default();
             let st = Epilogue::Store;
             let y0 = GUARD as u32;
-            matvec::matvec_fused(&mut pass, &ct, &xf, 0, &y1, y0, nt, &o, Some(&pro), st).unwrap();
-            matvec::matvec_fused(&mut pass, &ct, &hn, 0, &y2, y0, nt, &o, Some(&raw), st).unwrap();
+            matvec::matvec_fused(
+                &mut pass,
+                &ct,
+                Operand::new(&xf, 0),
+                Operand::new(&y1, y0),
+                nt,
+                &o,
+                matvec::Fused {
+                    pro: Some(&pro),
+                    epi: st,
+                },
+            )
+            .unwrap();
+            matvec::matvec_fused(
+                &mut pass,
+                &ct,
+                Operand::new(&hn, 0),
+                Operand::new(&y2, y0),
+                nt,
+                &o,
+                matvec::Fused {
+                    pro: Some(&raw),
+                    epi: st,
+                },
+            )
+            .unwrap();
             submit(pass);
             let (v1, v2) = (
                 g.read_f32(&y1, 0, n * 23 + 2 * GUARD).unwrap(),
@@ -1882,11 +2133,28 @@ fn matvec_swiglu_store() {
                 let mut pass = g.pass();
                 let nt = n as u32;
                 let epi = Epilogue::SwiGlu;
-                matvec::matvec_fused(&mut pass, &wt, &xb, 0, &ym, 5, nt, &opts, pro, epi).unwrap();
+                matvec::matvec_fused(
+                    &mut pass,
+                    &wt,
+                    Operand::new(&xb, 0),
+                    Operand::new(&ym, 5),
+                    nt,
+                    &opts,
+                    matvec::Fused { pro, epi },
+                )
+                .unwrap();
                 for t in 0..n as u32 {
                     let (xo, yo) = (t * cols as u32, 5 + t * ff as u32);
-                    matvec::matvec_fused(&mut pass, &wt, &xb, xo, &yl, yo, 1, &opts, pro, epi)
-                        .unwrap();
+                    matvec::matvec_fused(
+                        &mut pass,
+                        &wt,
+                        Operand::new(&xb, xo),
+                        Operand::new(&yl, yo),
+                        1,
+                        &opts,
+                        matvec::Fused { pro, epi },
+                    )
+                    .unwrap();
                 }
                 // unfused: the product stored plainly, then swiglu
                 let yp = out_buffer(g, n * 2 * ff);
@@ -1894,8 +2162,16 @@ fn matvec_swiglu_store() {
                 let (st, f) = (Epilogue::Store, ff as u32);
                 for t in 0..n as u32 {
                     let (xo, yo) = (t * cols as u32, t * 2 * f);
-                    matvec::matvec_fused(&mut pass, &wt, &xb, xo, &yp, yo, 1, &opts, pro, st)
-                        .unwrap();
+                    matvec::matvec_fused(
+                        &mut pass,
+                        &wt,
+                        Operand::new(&xb, xo),
+                        Operand::new(&yp, yo),
+                        1,
+                        &opts,
+                        matvec::Fused { pro, epi: st },
+                    )
+                    .unwrap();
                 }
                 let (gv, uv) = (
                     Operand::strided(&yp, 0, 2 * f),
@@ -2007,14 +2283,14 @@ fn matvec_conv_step_matches_unfused() {
         matvec::matvec_fused(
             &mut pass,
             &wt,
-            &xb,
-            0,
-            &y_f,
-            0,
+            Operand::new(&xb, 0),
+            Operand::new(&y_f, 0),
             n as u32,
             &opts,
-            normed.then_some(&pro),
-            matvec::Epilogue::Conv(&step),
+            matvec::Fused {
+                pro: normed.then_some(&pro),
+                epi: matvec::Epilogue::Conv(&step),
+            },
         )
         .unwrap();
         submit(pass);
@@ -2026,9 +2302,26 @@ fn matvec_conv_step_matches_unfused() {
             .unwrap();
         let mut pass = g.pass();
         if normed {
-            matvec::matvec_pro(&mut pass, &wt, &xb, 0, &y_u, 0, n as u32, &opts, &pro).unwrap();
+            matvec::matvec_pro(
+                &mut pass,
+                &wt,
+                Operand::new(&xb, 0),
+                Operand::new(&y_u, 0),
+                n as u32,
+                &opts,
+                &pro,
+            )
+            .unwrap();
         } else {
-            matvec::matvec_opts(&mut pass, &wt, &xb, 0, &y_u, 0, n as u32, &opts).unwrap();
+            matvec::matvec_opts(
+                &mut pass,
+                &wt,
+                Operand::new(&xb, 0),
+                Operand::new(&y_u, 0),
+                n as u32,
+                &opts,
+            )
+            .unwrap();
         }
         let io = ConvIo {
             x: &y_u,
@@ -2100,9 +2393,24 @@ fn batched_rows_equal_lone_tokens() {
                 let opts = MatvecOpts::default();
                 let (xo, n32) = (x_off as u32, nt as u32);
                 if fused {
-                    matvec::matvec_pro(&mut pass, &wt, &xb, xo, &yb, 0, n32, &opts, &norm)
+                    matvec::matvec_pro(
+                        &mut pass,
+                        &wt,
+                        Operand::new(&xb, xo),
+                        Operand::new(&yb, 0),
+                        n32,
+                        &opts,
+                        &norm,
+                    )
                 } else {
-                    matvec::matvec_opts(&mut pass, &wt, &xb, xo, &yb, 0, n32, &opts)
+                    matvec::matvec_opts(
+                        &mut pass,
+                        &wt,
+                        Operand::new(&xb, xo),
+                        Operand::new(&yb, 0),
+                        n32,
+                        &opts,
+                    )
                 }
                 .unwrap();
                 submit(pass);

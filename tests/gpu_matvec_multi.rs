@@ -7,6 +7,7 @@
 //! elements around and between the outputs.
 
 use lathe::gpu::matvec::{self, MatvecOpts, Prologue, Tune};
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{matmul, AdapterChoice, Gpu, GpuTensor};
 use lathe::quant;
 use lathe::tensor::TensorRef;
@@ -127,12 +128,13 @@ impl Layout {
             y0,
         }
     }
-    fn opts(&self, base: &MatvecOpts) -> MatvecOpts {
-        MatvecOpts {
-            x_stride: self.xs as u32,
-            y_stride: self.ys as u32,
-            ..*base
-        }
+    /// x rows of `b` from element `off`, `xs` apart.
+    fn x<'a>(&self, b: &'a wgpu::Buffer, off: usize) -> Operand<'a> {
+        Operand::strided(b, off as u32, self.xs as u32)
+    }
+    /// y rows of `b` from element `off`, `ys` apart.
+    fn y<'a>(&self, b: &'a wgpu::Buffer, off: usize) -> Operand<'a> {
+        Operand::strided(b, off as u32, self.ys as u32)
     }
 }
 
@@ -192,7 +194,7 @@ fn check_plain(
     let g = gpu();
     let nmax = *ts.iter().max().unwrap();
     let lay = Layout::new(w, nmax, pads, base.accumulate);
-    let opts = lay.opts(base);
+    let opts = *base;
     let x = Rng::new(w.rows as u64 * 31 + w.cols as u64).normals(lay.x_off + nmax * lay.xs, 1.0);
     let xb = g.upload_f32(&x, "x").unwrap();
     let run = |n: usize, multi: bool| {
@@ -202,10 +204,8 @@ fn check_plain(
             matvec::matvec_multi(
                 &mut pass,
                 &w.t,
-                &xb,
-                lay.x_off as u32,
-                &yb,
-                lay.y_off as u32,
+                lay.x(&xb, lay.x_off),
+                lay.y(&yb, lay.y_off),
                 n as u32,
                 &opts,
             )
@@ -213,7 +213,7 @@ fn check_plain(
         } else {
             for t in 0..n {
                 let (xo, yo) = (lay.x_off + t * lay.xs, lay.y_off + t * lay.ys);
-                matvec::matvec_opts(&mut pass, &w.t, &xb, xo as u32, &yb, yo as u32, 1, &opts)
+                matvec::matvec_opts(&mut pass, &w.t, lay.x(&xb, xo), lay.y(&yb, yo), 1, &opts)
                     .unwrap();
             }
         }
@@ -374,9 +374,25 @@ fn matmul_small_batches_match_lone_matvec() {
         let yb = g.upload_f32(&vec![0.0; n * 37], "y").unwrap();
         let yl = g.upload_f32(&vec![0.0; n * 37], "y").unwrap();
         let mut pass = g.pass();
-        matmul::matmul_opts(&mut pass, &w.t, &xb, 0, &yb, 0, n as u32, &opts).unwrap();
+        matmul::matmul_opts(
+            &mut pass,
+            &w.t,
+            Operand::new(&xb, 0),
+            Operand::new(&yb, 0),
+            n as u32,
+            &opts,
+        )
+        .unwrap();
         for t in 0..n as u32 {
-            matvec::matvec_opts(&mut pass, &w.t, &xb, t * 512, &yl, t * 37, 1, &opts).unwrap();
+            matvec::matvec_opts(
+                &mut pass,
+                &w.t,
+                Operand::new(&xb, t * 512),
+                Operand::new(&yl, t * 37),
+                1,
+                &opts,
+            )
+            .unwrap();
         }
         pass.submit().unwrap();
         let (a, b) = (
@@ -452,7 +468,6 @@ fn prologues_match_lone_tokens() {
             let keep_m = g.upload_f32(&vec![0.0; nmax * cols], "keep").unwrap();
 
             let opts = MatvecOpts {
-                x_stride: xs as u32,
                 accumulate: kind == 2,
                 ..Default::default()
             };
@@ -461,7 +476,17 @@ fn prologues_match_lone_tokens() {
                 let yl = g.upload_f32(&y0, "y").unwrap();
                 let mut pass = g.pass();
                 let pro = pro_of(kind, 0, &keep_m, &nwb, &gate, cols as u32);
-                matvec::matvec_pro(&mut pass, &w.t, &xb, 0, &ym, 0, n as u32, &opts, &pro).unwrap();
+                let x = Operand::strided(&xb, 0, xs as u32);
+                matvec::matvec_pro(
+                    &mut pass,
+                    &w.t,
+                    x,
+                    Operand::new(&ym, 0),
+                    n as u32,
+                    &opts,
+                    &pro,
+                )
+                .unwrap();
                 pass.submit().unwrap();
                 for t in 0..n {
                     // a lone token keeps its normed row at row 0 of its own buffer
@@ -469,7 +494,9 @@ fn prologues_match_lone_tokens() {
                     let mut pass = g.pass();
                     let pro = pro_of(kind, t, &kl, &nwb, &gate, cols as u32);
                     let (xo, yo) = ((t * xs) as u32, (t * rows) as u32);
-                    matvec::matvec_pro(&mut pass, &w.t, &xb, xo, &yl, yo, 1, &opts, &pro).unwrap();
+                    let x = Operand::strided(&xb, xo, xs as u32);
+                    matvec::matvec_pro(&mut pass, &w.t, x, Operand::new(&yl, yo), 1, &opts, &pro)
+                        .unwrap();
                     pass.submit().unwrap();
                     if kind == 1 {
                         let row = g.read_f32(&kl, 0, cols).unwrap();
@@ -522,10 +549,28 @@ fn tall_normed_product_matches_lone_tokens() {
     let ym = g.buffer((n * rows * 4) as u64, "ym").unwrap();
     let yl = g.buffer((n * rows * 4) as u64, "yl").unwrap();
     let mut pass = g.pass();
-    matvec::matvec_pro(&mut pass, &w.t, &xb, 0, &ym, 0, n as u32, &opts, &pro).unwrap();
+    matvec::matvec_pro(
+        &mut pass,
+        &w.t,
+        Operand::new(&xb, 0),
+        Operand::new(&ym, 0),
+        n as u32,
+        &opts,
+        &pro,
+    )
+    .unwrap();
     for t in 0..n {
         let (xo, yo) = ((t * cols) as u32, (t * rows) as u32);
-        matvec::matvec_pro(&mut pass, &w.t, &xb, xo, &yl, yo, 1, &opts, &pro).unwrap();
+        matvec::matvec_pro(
+            &mut pass,
+            &w.t,
+            Operand::new(&xb, xo),
+            Operand::new(&yl, yo),
+            1,
+            &opts,
+            &pro,
+        )
+        .unwrap();
     }
     pass.submit().unwrap();
     let (a, b) = (
@@ -588,14 +633,14 @@ fn conv_step_matches_lone_sequences() {
             matvec::matvec_fused(
                 &mut pass,
                 &w.t,
-                &xb,
-                xo,
-                y,
-                yo,
+                Operand::new(&xb, xo),
+                Operand::new(y, yo),
                 nt,
                 &opts,
-                Some(&pro),
-                matvec::Epilogue::Conv(&step),
+                matvec::Fused {
+                    pro: Some(&pro),
+                    epi: matvec::Epilogue::Conv(&step),
+                },
             )
             .unwrap();
             pass.submit().unwrap();
@@ -656,9 +701,25 @@ fn int8_decode_device_rows_match_lone_decode() {
             let yb = g8.upload_f32(&vec![0.0; n * 37], "y").unwrap();
             let yl = g8.upload_f32(&vec![0.0; n * 37], "y").unwrap();
             let mut pass = g8.pass();
-            matmul::matmul_opts(&mut pass, &w.t, &xb, 0, &yb, 0, n as u32, &opts).unwrap();
+            matmul::matmul_opts(
+                &mut pass,
+                &w.t,
+                Operand::new(&xb, 0),
+                Operand::new(&yb, 0),
+                n as u32,
+                &opts,
+            )
+            .unwrap();
             for t in 0..n as u32 {
-                matmul::matmul_opts(&mut pass, &w.t, &xb, t * 512, &yl, t * 37, 1, &opts).unwrap();
+                matmul::matmul_opts(
+                    &mut pass,
+                    &w.t,
+                    Operand::new(&xb, t * 512),
+                    Operand::new(&yl, t * 37),
+                    1,
+                    &opts,
+                )
+                .unwrap();
             }
             pass.submit().unwrap();
             let (a, b) = (
@@ -676,7 +737,15 @@ fn int8_decode_device_rows_match_lone_decode() {
                 exact: true,
                 ..Default::default()
             };
-            matmul::matmul_opts(&mut pass, &w.t, &xb, 0, &yf, 0, 1, &exact).unwrap();
+            matmul::matmul_opts(
+                &mut pass,
+                &w.t,
+                Operand::new(&xb, 0),
+                Operand::new(&yf, 0),
+                1,
+                &exact,
+            )
+            .unwrap();
             pass.submit().unwrap();
             let f = g8.read_f32(&yf, 0, 37).unwrap();
             assert!(

@@ -1364,7 +1364,17 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
         let mut pass = gpu.pass();
         for (t, out) in [(&g.gate, &fg), (&g.up, &fu)] {
             matvec::matvec_indexed(
-                &mut pass, t, &xb, 0, false, &slots, 0, k as u32, out, 0, n as u32, &opts,
+                &mut pass,
+                t,
+                Operand::new(&xb, 0),
+                &matvec::Pairs {
+                    ids: Operand::new(&slots, 0),
+                    n_tokens: n as u32,
+                    n_used: k as u32,
+                    x_per_pair: false,
+                },
+                Operand::new(out, 0),
+                &opts,
             )
             .unwrap();
         }
@@ -1379,7 +1389,17 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
         )
         .unwrap();
         matvec::matvec_indexed(
-            &mut pass, &g.down, &o, 0, true, &slots, 0, k as u32, &moe_out, 0, n as u32, &opts,
+            &mut pass,
+            &g.down,
+            Operand::new(&o, 0),
+            &matvec::Pairs {
+                ids: Operand::new(&slots, 0),
+                n_tokens: n as u32,
+                n_used: k as u32,
+                x_per_pair: true,
+            },
+            Operand::new(&moe_out, 0),
+            &opts,
         )
         .unwrap();
         pass.submit().unwrap();

@@ -23,6 +23,7 @@ use clap::Parser;
 use lathe::gpu::coopmat::Precision::{Split as SPLIT, SplitX as SPLITX, F16};
 use lathe::gpu::matmul::Int8Levels::{One as I8, Two as I8X2};
 use lathe::gpu::matvec::{self, MatvecOpts, Tune};
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{coopmat, matmul};
 use lathe::gpu::{AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineSpec};
 use lathe::tensor::TensorRef;
@@ -434,9 +435,24 @@ fn bench_shape(
                             defines: &[],
                             ..opts
                         };
-                        matvec::matvec_pro(pass, w, &x, 0, &y, 0, nt, &o, &norm)?;
+                        matvec::matvec_pro(
+                            pass,
+                            w,
+                            Operand::new(&x, 0),
+                            Operand::new(&y, 0),
+                            nt,
+                            &o,
+                            &norm,
+                        )?;
                     } else {
-                        matvec::matvec_opts(pass, w, &x, 0, &y, 0, nt, &opts)?;
+                        matvec::matvec_opts(
+                            pass,
+                            w,
+                            Operand::new(&x, 0),
+                            Operand::new(&y, 0),
+                            nt,
+                            &opts,
+                        )?;
                     }
                 }
                 Ok(())
@@ -462,9 +478,15 @@ fn bench_shape(
                 // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
                 let mut qx = matvec::QuantX::new(gpu, 2 * nt, cols as u32)?;
                 let mut rec = |pass: &mut Pass<'_>| {
-                    matvec::quantize_x2(pass, &x, 0, 0, nt, cols as u32, &mut qx)?;
+                    matvec::quantize_x2(pass, Operand::new(&x, 0), nt, cols as u32, &mut qx)?;
                     for i in 0..per_pass {
-                        matvec::matvec_q8x(pass, &ws[i % ws.len()], &qx, &y, 0, &opts)?;
+                        matvec::matvec_q8x(
+                            pass,
+                            &ws[i % ws.len()],
+                            &qx,
+                            Operand::new(&y, 0),
+                            &opts,
+                        )?;
                     }
                     Ok(())
                 };
@@ -504,16 +526,59 @@ fn bench_shape(
                     for i in 0..per_pass {
                         let w = &ws[i % ws.len()];
                         match kind {
-                            "coop" => coopmat::matmul_coop(pass, F16, w, &xp, 0, &yp, 0, np, &o)?,
-                            "split" => {
-                                coopmat::matmul_coop(pass, SPLIT, w, &xp, 0, &yp, 0, np, &o)?
-                            }
-                            "splitx" => {
-                                coopmat::matmul_coop(pass, SPLITX, w, &xp, 0, &yp, 0, np, &o)?
-                            }
-                            "int8" => matmul::matmul_int8(pass, I8, w, &xp, 0, &yp, 0, np, &o)?,
-                            "int8x2" => matmul::matmul_int8(pass, I8X2, w, &xp, 0, &yp, 0, np, &o)?,
-                            _ => matmul::matmul_tiled(pass, w, &xp, 0, &yp, 0, np, &o)?,
+                            "coop" => coopmat::matmul_coop(
+                                pass,
+                                F16,
+                                w,
+                                Operand::new(&xp, 0),
+                                Operand::new(&yp, 0),
+                                np,
+                                &o,
+                            )?,
+                            "split" => coopmat::matmul_coop(
+                                pass,
+                                SPLIT,
+                                w,
+                                Operand::new(&xp, 0),
+                                Operand::new(&yp, 0),
+                                np,
+                                &o,
+                            )?,
+                            "splitx" => coopmat::matmul_coop(
+                                pass,
+                                SPLITX,
+                                w,
+                                Operand::new(&xp, 0),
+                                Operand::new(&yp, 0),
+                                np,
+                                &o,
+                            )?,
+                            "int8" => matmul::matmul_int8(
+                                pass,
+                                I8,
+                                w,
+                                Operand::new(&xp, 0),
+                                Operand::new(&yp, 0),
+                                np,
+                                &o,
+                            )?,
+                            "int8x2" => matmul::matmul_int8(
+                                pass,
+                                I8X2,
+                                w,
+                                Operand::new(&xp, 0),
+                                Operand::new(&yp, 0),
+                                np,
+                                &o,
+                            )?,
+                            _ => matmul::matmul_tiled(
+                                pass,
+                                w,
+                                Operand::new(&xp, 0),
+                                Operand::new(&yp, 0),
+                                np,
+                                &o,
+                            )?,
                         }
                     }
                     Ok(())
@@ -576,13 +641,66 @@ fn bench_shape(
                     for i in 0..per_pass {
                         let w = &ws[i % ws.len()];
                         match *kind {
-                            "multi" => matvec::matvec_multi(pass, w, &xb, 0, &yb, 0, nb, o)?,
-                            "int8" => matmul::matmul_int8(pass, I8, w, &xb, 0, &yb, 0, nb, o)?,
-                            "int8x2" => matmul::matmul_int8(pass, I8X2, w, &xb, 0, &yb, 0, nb, o)?,
-                            "matvec" => matvec::matvec_opts(pass, w, &xb, 0, &yb, 0, nb, o)?,
-                            "coop" => coopmat::matmul_coop(pass, F16, w, &xb, 0, &yb, 0, nb, o)?,
-                            "split" => coopmat::matmul_coop(pass, SPLIT, w, &xb, 0, &yb, 0, nb, o)?,
-                            _ => matmul::matmul_tiled(pass, w, &xb, 0, &yb, 0, nb, o)?,
+                            "multi" => matvec::matvec_multi(
+                                pass,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
+                            "int8" => matmul::matmul_int8(
+                                pass,
+                                I8,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
+                            "int8x2" => matmul::matmul_int8(
+                                pass,
+                                I8X2,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
+                            "matvec" => matvec::matvec_opts(
+                                pass,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
+                            "coop" => coopmat::matmul_coop(
+                                pass,
+                                F16,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
+                            "split" => coopmat::matmul_coop(
+                                pass,
+                                SPLIT,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
+                            _ => matmul::matmul_tiled(
+                                pass,
+                                w,
+                                Operand::new(&xb, 0),
+                                Operand::new(&yb, 0),
+                                nb,
+                                o,
+                            )?,
                         }
                     }
                     Ok(())

@@ -33,7 +33,8 @@
 //! halves]`: a tile reads 128 rows from its first); one f32 scale per row.
 
 use super::matvec::{check_span, x_vec, Geometry, MatvecOpts};
-use super::moe_route::MoeRoute;
+use super::moe_route::{MoeRoute, RoutePairs};
+use super::operand::Operand;
 use super::{grid, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::dtype::DType;
 use crate::{Error, Result};
@@ -342,20 +343,18 @@ fn staged_halves(geo: &Geometry) -> u32 {
     geo.n_items(false).div_ceil(2) * 64
 }
 
-/// Stage `n_rows` x rows as f16 (`coop_x`): rows `x_off + i * x_stride`, or with a route the
-/// pairs in its grouped order.
-#[allow(clippy::too_many_arguments)]
+/// Stage `base.n_tokens` x rows as f16 (`coop_x`): rows `x_off + i * x_stride` of `base`, or
+/// with a route the pairs in its grouped order; `xvec`: x read as vectors.
 fn stage(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     geo: &Geometry,
-    x: &wgpu::Buffer,
+    (x, xvec): (&wgpu::Buffer, bool),
     base: super::matvec::Params,
-    xvec: bool,
-    n_rows: u32,
     route: Option<&MoeRoute>,
     prec: Precision,
 ) -> Result<Staged> {
+    let n_rows = base.n_tokens;
     let gpu = pass.gpu();
     let halves = staged_halves(geo) as u64;
     let rows = n_rows as u64 + ROW_PAD as u64;
@@ -379,8 +378,7 @@ fn stage(
         ..STAGE
     };
     let pipe = pipeline(gpu, geo, "coop_x", xvec, t, &[])?;
-    let mut prm = base;
-    prm.n_tokens = n_rows;
+    let prm = base;
     let mut slots = vec![
         (3, Binding::from(x)),
         (9, Binding::from(&xh)),
@@ -411,16 +409,13 @@ fn product_slots(part: &wgpu::Buffer, y: &wgpu::Buffer, st: &Staged) -> Vec<(u32
 }
 
 /// Dense `Y = X Wᵀ` for `n_tokens` tokens on the matrix units at `prec` (see
-/// [`super::matmul::matmul`] for the layout; `opts`: accumulate and strides).
-#[allow(clippy::too_many_arguments)]
+/// [`super::matmul::matmul`] for the layout; `opts`: accumulate).
 pub fn matmul_coop(
     pass: &mut Pass<'_>,
     prec: Precision,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
@@ -438,14 +433,16 @@ pub fn matmul_coop(
             w.name
         )));
     }
-    let (x_stride, y_stride) = geo.strides(opts);
+    let (x_stride, y_stride) = geo.strides(&x, &y);
+    let xvec = x_vec(&x, x_stride, n_tokens);
+    let (x, x_off, y, y_off) = (x.buf, x.off, y.buf, y.off);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
-    let xvec = x_vec(x, x_off, x_stride, n_tokens);
     let mut base = geo.params(geo.rows, false);
     base.x_off = x_off;
     base.x_stride = x_stride;
-    let st = stage(pass, w, &geo, x, base, xvec, n_tokens, None, prec)?;
+    base.n_tokens = n_tokens;
+    let st = stage(pass, w, &geo, (x, xvec), base, None, prec)?;
     let big_tiles = n_tokens.div_ceil(CBN_DENSE);
     // the kernel lab's LAB_NSG8 takes 128-row tiles whatever the product's size
     let lab_big = opts.defines.iter().any(|(n, _)| *n == "LAB_NSG8");
@@ -492,21 +489,21 @@ pub fn matmul_coop(
 
 /// MoE prefill on the matrix units at `prec` over a route filled by [`super::matmul::route`]:
 /// the contract of [`super::matmul::matmul_indexed`].
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_coop_indexed(
     pass: &mut Pass<'_>,
     prec: Precision,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_per_pair: bool,
-    r: &MoeRoute,
-    n_tokens: u32,
-    n_used: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    pairs: &RoutePairs<'_>,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
+    let RoutePairs {
+        route: r,
+        n_tokens,
+        n_used,
+        x_per_pair,
+    } = *pairs;
     let gpu = pass.gpu();
     let geo = Geometry::of(w, true)?;
     if w.dtype == DType::F32 {
@@ -516,8 +513,10 @@ pub fn matmul_coop_indexed(
         )));
     }
     let n_pairs = r.check(w, n_tokens, n_used)?;
-    let (x_stride, y_stride) = geo.strides(opts);
+    let (x_stride, y_stride) = geo.strides(&x, &y);
     let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    let xvec = x_vec(&x, x_stride, x_rows);
+    let (x, x_off, y, y_off) = (x.buf, x.off, y.buf, y.off);
     check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
     let thin = n_pairs < THIN_PAIRS * r.n_expert;
@@ -536,14 +535,14 @@ pub fn matmul_coop_indexed(
             w.name
         )));
     }
-    let xvec = x_vec(x, x_off, x_stride, x_rows);
     let mut base = geo.params(geo.rows, false);
     base.x_off = x_off;
     base.x_stride = x_stride;
     base.n_used = n_used;
     base.x_per_pair = x_per_pair as u32;
     base.pairs_off = r.pairs_off();
-    let st = stage(pass, w, &geo, x, base, xvec, n_pairs, Some(r), prec)?;
+    base.n_tokens = n_pairs;
+    let st = stage(pass, w, &geo, (x, xvec), base, Some(r), prec)?;
     let pipe = pipeline(gpu, &geo, "matmul_coop_id", xvec, t, opts.defines)?;
     let expert_bytes = geo.rows as u64 * geo.row_bytes as u64;
     for part in &w.parts {

@@ -4,12 +4,13 @@
 //! the GPU (llama.cpp's mul_mat_id idea: each chosen expert is read once for the whole batch).
 //!
 //! Shapes (row-major, f32, offsets in elements): `w` [rows, cols] (or [n_expert, rows, cols]);
-//! X: n rows of `cols` at `x_off + t * x_stride`; Y: n rows of `rows` at `y_off + t * y_stride`
-//! (strides default to cols / rows). Types: as [`matvec`](super::matvec). Weights split into
+//! X: n rows of `cols` from `x.off`, `x.stride` apart; Y: n rows of `rows` from `y.off`,
+//! `y.stride` apart ([`Operand`]s; packed: cols / rows apart). Types: as [`matvec`](super::matvec). Weights split into
 //! parts take one dispatch per part.
 
 use super::matvec::{self, check_span, x_vec, Geometry, MatvecOpts};
-pub use super::moe_route::MoeRoute;
+pub use super::moe_route::{MoeRoute, RoutePairs};
+use super::operand::Operand;
 use super::{coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
 use crate::{DType, Error, Result};
 
@@ -44,47 +45,33 @@ pub use super::matvec::DENSE_MATVEC_TOKENS;
 pub fn matmul(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
 ) -> Result<()> {
-    matmul_opts(
-        pass,
-        w,
-        x,
-        x_off,
-        y,
-        y_off,
-        n_tokens,
-        &MatvecOpts::default(),
-    )
+    matmul_opts(pass, w, x, y, n_tokens, &MatvecOpts::default())
 }
 
-/// [`matmul`] with options (accumulate, strides, `exact`; `portable` / `tune` apply to the
-/// matvec path).
-#[allow(clippy::too_many_arguments)]
+/// [`matmul`] with options (accumulate, `exact`; `portable` / `tune` apply to the matvec
+/// path).
 pub fn matmul_opts(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
     if n_tokens == 1 {
-        matvec::matvec_opts(pass, w, x, x_off, y, y_off, n_tokens, opts)
+        matvec::matvec_opts(pass, w, x, y, n_tokens, opts)
     } else if n_tokens <= DENSE_MATVEC_TOKENS {
-        matvec::matvec_multi(pass, w, x, x_off, y, y_off, n_tokens, opts)
+        matvec::matvec_multi(pass, w, x, y, n_tokens, opts)
     } else if let Some(prec) = coopmat::usable(pass.gpu(), w.dtype).filter(|_| !opts.exact) {
-        coopmat::matmul_coop(pass, prec, w, x, x_off, y, y_off, n_tokens, opts)
+        coopmat::matmul_coop(pass, prec, w, x, y, n_tokens, opts)
     } else if let Some(levels) = int8_levels(pass.gpu(), w).filter(|_| !opts.exact) {
-        matmul_int8(pass, levels, w, x, x_off, y, y_off, n_tokens, opts)
+        matmul_int8(pass, levels, w, x, y, n_tokens, opts)
     } else {
-        matmul_tiled(pass, w, x, x_off, y, y_off, n_tokens, opts)
+        matmul_tiled(pass, w, x, y, n_tokens, opts)
     }
 }
 
@@ -134,14 +121,11 @@ fn dense_params(
 
 /// The tiled kernel for any `n_tokens` >= 1 (what [`matmul`] uses above
 /// [`DENSE_MATVEC_TOKENS`]).
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_tiled(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
@@ -153,10 +137,11 @@ pub fn matmul_tiled(
             w.name
         )));
     }
-    let (x_stride, y_stride) = geo.strides(opts);
+    let (x_stride, y_stride) = geo.strides(&x, &y);
+    let xvec = x_vec(&x, x_stride, n_tokens);
+    let (x, x_off, y, y_off) = (x.buf, x.off, y.buf, y.off);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
-    let xvec = x_vec(x, x_off, x_stride, n_tokens);
     let pipe = pipeline(gpu, &geo, "matmul", xvec, false)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
@@ -239,17 +224,14 @@ fn pipeline_q8(
 /// `Y = X Wᵀ` with x quantized to int8 per block of 32 first ([`matvec::quantize_x`], ggml's
 /// block_q8_1, in one or two levels) and the weights' integer codes multiplied four at a time
 /// (`matmul_q8`); `w` of a type [`int8_supported`] lists, with a multiple of 32
-/// columns. Shapes and `opts` (accumulate, strides) as [`matmul_tiled`]. The error against f32
-/// x is at most Σ_blocks e · Σ|w| per output, e = d/2 (one level) or d₂/2 (two).
-#[allow(clippy::too_many_arguments)]
+/// columns. Shapes and `opts` (accumulate) as [`matmul_tiled`]. The error against f32 x is at
+/// most Σ_blocks e · Σ|w| per output, e = d/2 (one level) or d₂/2 (two).
 pub fn matmul_int8(
     pass: &mut Pass<'_>,
     levels: Int8Levels,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
@@ -267,13 +249,15 @@ pub fn matmul_int8(
             w.name
         )));
     }
-    let (x_stride, y_stride) = geo.strides(opts);
-    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
+    let (x_stride, y_stride) = geo.strides(&x, &y);
+    let (y, y_off) = (y.buf, y.off);
+    check_span(&w.name, "x", x.buf, x.off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
     let two = levels == Int8Levels::Two;
     // two levels: twice the blocks (the cache sizes by rows × columns)
     let mut qx = matvec::QuantX::cached(gpu, n_tokens * (1 + two as u32), geo.cols)?;
-    matvec::quantize_x_levels(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx, two)?;
+    let xs = Operand::strided(x.buf, x.off, x_stride);
+    matvec::quantize_x_levels(pass, xs, n_tokens, geo.cols, &mut qx, two)?;
     let pipe = pipeline_q8(gpu, &geo, "matmul_q8", two, false)?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
@@ -367,35 +351,23 @@ pub fn route(
     Ok(())
 }
 
-/// MoE prefill over a route filled by [`route`] for the same `n_tokens` × `n_used`: for each pair
-/// `q = t * n_used + s` with expert `e`: `Y[y_off + q * y_stride ..][..rows] = W[e] · x_q`, `x_q`
-/// the row at `x_off + (x_per_pair ? q : t) * x_stride`. `w` is [n_expert, rows, cols].
-#[allow(clippy::too_many_arguments)]
+/// MoE prefill over the route of `pairs`: for each pair `q` with expert `e`:
+/// `Y[y.off + q · y_stride ..][..rows] = W[e] · x_q`, `x_q` x's row `q` or the pair's token's.
+/// `w` is [n_expert, rows, cols].
 pub fn matmul_indexed(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_per_pair: bool,
-    r: &MoeRoute,
-    n_tokens: u32,
-    n_used: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    pairs: &RoutePairs<'_>,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
     if let Some(prec) = coopmat::usable_indexed(pass.gpu(), w.dtype) {
-        coopmat::matmul_coop_indexed(
-            pass, prec, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
-        )
+        coopmat::matmul_coop_indexed(pass, prec, w, x, pairs, y, opts)
     } else if let Some(levels) = int8_levels(pass.gpu(), w) {
-        matmul_int8_indexed(
-            pass, levels, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
-        )
+        matmul_int8_indexed(pass, levels, w, x, pairs, y, opts)
     } else {
-        matmul_indexed_tiled(
-            pass, w, x, x_off, x_per_pair, r, n_tokens, n_used, y, y_off, opts,
-        )
+        matmul_indexed_tiled(pass, w, x, pairs, y, opts)
     }
 }
 
@@ -405,28 +377,30 @@ struct IndexedRun {
     n_pairs: u32,
     x_rows: u32,
     x_stride: u32,
+    y_off: u32,
     y_stride: u32,
     thin: bool,
     slots: u32,
     row_tiles: u32,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn indexed_run(
     geo: &Geometry,
     w: &GpuTensor,
-    (x, x_off, x_per_pair): (&wgpu::Buffer, u32, bool),
-    r: &MoeRoute,
-    n_tokens: u32,
-    n_used: u32,
-    (y, y_off): (&wgpu::Buffer, u32),
-    opts: &MatvecOpts,
+    x: &Operand<'_>,
+    pairs: &RoutePairs<'_>,
+    y: &Operand<'_>,
 ) -> Result<IndexedRun> {
-    let n_pairs = r.check(w, n_tokens, n_used)?;
-    let (x_stride, y_stride) = geo.strides(opts);
-    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
-    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
+    let r = pairs.route;
+    let n_pairs = r.check(w, pairs.n_tokens, pairs.n_used)?;
+    let (x_stride, y_stride) = geo.strides(x, y);
+    let x_rows = if pairs.x_per_pair {
+        n_pairs
+    } else {
+        pairs.n_tokens
+    };
+    check_span(&w.name, "x", x.buf, x.off, x_stride, x_rows, geo.cols)?;
+    check_span(&w.name, "y", y.buf, y.off, y_stride, n_pairs, geo.rows)?;
     let thin = n_pairs < THIN_PAIRS * r.n_expert;
     let slots = r.max_tiles(n_pairs) * if thin { BN / BN_THIN } else { 1 };
     let row_tiles = geo.rows.div_ceil(BM);
@@ -440,6 +414,7 @@ fn indexed_run(
         n_pairs,
         x_rows,
         x_stride,
+        y_off: y.off,
         y_stride,
         thin,
         slots,
@@ -449,30 +424,28 @@ fn indexed_run(
 
 /// Uniforms of an indexed product over the experts of one weight part; x rows at
 /// `x_off + q * x_stride` (in the int8 kernel: blocks of the int8 scratch).
-#[allow(clippy::too_many_arguments)]
 fn indexed_params(
     geo: &Geometry,
     w: &GpuTensor,
     part: &super::TensorPart,
-    r: &MoeRoute,
+    pairs: &RoutePairs<'_>,
     run: &IndexedRun,
-    (x_off, x_stride, x_per_pair): (u32, u32, bool),
-    y_off: u32,
-    n_used: u32,
+    (x_off, x_stride): (u32, u32),
     opts: &MatvecOpts,
 ) -> Result<matvec::Params> {
+    let r = pairs.route;
     let (e_lo, e_n) = geo.part_experts(w, part, r.n_expert as u64)?;
     let mut prm = geo.params(geo.rows, false);
     prm.x_off = x_off;
     prm.x_stride = x_stride;
-    prm.y_off = y_off;
+    prm.y_off = run.y_off;
     prm.y_stride = run.y_stride;
     prm.accumulate = opts.accumulate as u32;
-    prm.n_used = n_used;
+    prm.n_used = pairs.n_used;
     prm.e_lo = e_lo as u32;
     prm.e_n = e_n as u32;
     prm.expert_bytes = (geo.rows as u64 * geo.row_bytes as u64) as u32;
-    prm.x_per_pair = x_per_pair as u32;
+    prm.x_per_pair = pairs.x_per_pair as u32;
     prm.n_tokens = run.n_pairs;
     prm.n_expert = r.n_expert;
     prm.tiles_off = r.tiles_off();
@@ -482,19 +455,13 @@ fn indexed_params(
 
 /// [`matmul_indexed`] with int8 activations ([`matmul_int8`]'s kernel over the route): the x
 /// rows (one per pair when `x_per_pair`, else per token) are quantized first.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_int8_indexed(
     pass: &mut Pass<'_>,
     levels: Int8Levels,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_per_pair: bool,
-    r: &MoeRoute,
-    n_tokens: u32,
-    n_used: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    pairs: &RoutePairs<'_>,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let gpu = pass.gpu();
@@ -505,32 +472,15 @@ pub fn matmul_int8_indexed(
             w.name, w.dtype, geo.cols
         )));
     }
-    let run = indexed_run(
-        &geo,
-        w,
-        (x, x_off, x_per_pair),
-        r,
-        n_tokens,
-        n_used,
-        (y, y_off),
-        opts,
-    )?;
+    let run = indexed_run(&geo, w, &x, pairs, &y)?;
     let two = levels == Int8Levels::Two;
     let mut qx = matvec::QuantX::cached(gpu, run.x_rows * (1 + two as u32), geo.cols)?;
-    matvec::quantize_x_levels(
-        pass,
-        x,
-        x_off,
-        run.x_stride,
-        run.x_rows,
-        geo.cols,
-        &mut qx,
-        two,
-    )?;
+    let xs = Operand::strided(x.buf, x.off, run.x_stride);
+    matvec::quantize_x_levels(pass, xs, run.x_rows, geo.cols, &mut qx, two)?;
     let pipe = pipeline_q8(gpu, &geo, "matmul_q8_id", two, run.thin)?;
+    let (y, r) = (y.buf, pairs.route);
     for part in &w.parts {
-        let xs = (0, geo.cols, x_per_pair);
-        let prm = indexed_params(&geo, w, part, r, &run, xs, y_off, n_used, opts)?;
+        let prm = indexed_params(&geo, w, part, pairs, &run, (0, geo.cols), opts)?;
         pass.dispatch(
             &pipe,
             &w.name,
@@ -555,37 +505,22 @@ pub fn matmul_int8_indexed(
 }
 
 /// [`matmul_indexed`] on the tiled f32 kernel whatever the device offers.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_indexed_tiled(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_per_pair: bool,
-    r: &MoeRoute,
-    n_tokens: u32,
-    n_used: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    pairs: &RoutePairs<'_>,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, true)?;
-    let run = indexed_run(
-        &geo,
-        w,
-        (x, x_off, x_per_pair),
-        r,
-        n_tokens,
-        n_used,
-        (y, y_off),
-        opts,
-    )?;
-    let xvec = x_vec(x, x_off, run.x_stride, run.x_rows);
+    let run = indexed_run(&geo, w, &x, pairs, &y)?;
+    let xvec = x_vec(&x, run.x_stride, run.x_rows);
     let pipe = pipeline(gpu, &geo, "matmul_id", xvec, run.thin)?;
+    let (x_off, x, y, r) = (x.off, x.buf, y.buf, pairs.route);
     for part in &w.parts {
-        let xs = (x_off, run.x_stride, x_per_pair);
-        let prm = indexed_params(&geo, w, part, r, &run, xs, y_off, n_used, opts)?;
+        let prm = indexed_params(&geo, w, part, pairs, &run, (x_off, run.x_stride), opts)?;
         pass.dispatch(
             &pipe,
             &w.name,

@@ -4,8 +4,10 @@
 //!
 //! Shapes (row-major, f32 activations, offsets in elements):
 //! - `w`: [rows, cols] (or [n_expert, rows, cols] for [`matvec_indexed`]) in its stored type.
-//! - `x`: n_tokens rows of `cols` at `x_off + t * x_stride` (stride defaults to cols).
-//! - `y`: n_tokens rows of `rows` at `y_off + t * y_stride` (stride defaults to rows).
+//! - `x`: an [`Operand`], n_tokens rows of `cols` from `x.off`, `x.stride` apart (packed:
+//!   cols).
+//! - `y`: an [`Operand`], n_tokens rows of `rows` from `y.off`, `y.stride` apart (packed:
+//!   rows).
 //!
 //! Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS,
 //! MXFP4 (ggml block layouts), F8_E4M3_B128 (lathe's FP8 block, `quant::BlockF8B128`). CPU
@@ -29,6 +31,7 @@
 //! kernels take two. (MXFP4 has none: its e2m1 codes need a table to become integers, which
 //! costs about what the f32 path's conversion does.)
 
+use super::operand::Operand;
 use super::pipeline::{StaticDefines, StaticName};
 use super::{grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart, MAX_GROUPS};
 use crate::{DType, Error, Result};
@@ -88,10 +91,6 @@ const _: () = assert!(std::mem::size_of::<Params>() == 96);
 pub struct MatvecOpts {
     /// `y += W x` instead of `y = W x` (saves an add pass after e.g. a residual projection).
     pub accumulate: bool,
-    /// Elements between consecutive tokens' x rows; 0 means cols.
-    pub x_stride: u32,
-    /// Elements between consecutive tokens' y rows; 0 means rows.
-    pub y_stride: u32,
     /// Reduce through workgroup memory even when the adapter has subgroups (tests, debugging).
     pub portable: bool,
     /// Work split override (benchmarks); `None` takes [`Tune::default`].
@@ -224,11 +223,9 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
-    /// Elements between consecutive tokens' x rows and y rows: `opts`' strides, 0 meaning
-    /// packed rows (cols, rows).
-    pub fn strides(&self, opts: &MatvecOpts) -> (u32, u32) {
-        let or = |s: u32, packed: u32| if s == 0 { packed } else { s };
-        (or(opts.x_stride, self.cols), or(opts.y_stride, self.rows))
+    /// Elements between consecutive tokens' x rows and y rows (packed: cols, rows).
+    pub fn strides(&self, x: &Operand<'_>, y: &Operand<'_>) -> (u32, u32) {
+        (x.stride_for(self.cols), y.stride_for(self.rows))
     }
 
     /// The experts (first, count) that `part` of a stacked `[n_expert, rows, cols]` weight
@@ -405,8 +402,8 @@ impl BlockType {
 }
 
 /// Whether x can be read as 16-byte vectors: every row start a multiple of 4 elements.
-pub(crate) fn x_vec(x: &wgpu::Buffer, x_off: u32, x_stride: u32, n_rows: u32) -> bool {
-    x_off.is_multiple_of(4) && (x_stride.is_multiple_of(4) || n_rows <= 1) && x.size() >= 16
+pub(crate) fn x_vec(x: &Operand<'_>, x_stride: u32, n_rows: u32) -> bool {
+    x.off.is_multiple_of(4) && (x_stride.is_multiple_of(4) || n_rows <= 1) && x.buf.size() >= 16
 }
 
 pub(crate) use super::check_span;
@@ -645,22 +642,11 @@ impl super::PipelineKey for MvKey {
 pub fn matvec(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
 ) -> Result<()> {
-    matvec_opts(
-        pass,
-        w,
-        x,
-        x_off,
-        y,
-        y_off,
-        n_tokens,
-        &MatvecOpts::default(),
-    )
+    matvec_opts(pass, w, x, y, n_tokens, &MatvecOpts::default())
 }
 
 /// The x and y strides of a dense product of `n_tokens` tokens, with the token count and both
@@ -668,10 +654,9 @@ pub fn matvec(
 fn dense_spans(
     w: &GpuTensor,
     geo: &Geometry,
-    (x, x_off): (&wgpu::Buffer, u32),
-    (y, y_off): (&wgpu::Buffer, u32),
+    x: &Operand<'_>,
+    y: &Operand<'_>,
     n_tokens: u32,
-    opts: &MatvecOpts,
 ) -> Result<(u32, u32)> {
     if !(1..=MAX_GROUPS).contains(&n_tokens) {
         return Err(Error::Invalid(format!(
@@ -679,43 +664,41 @@ fn dense_spans(
             w.name
         )));
     }
-    let (x_stride, y_stride) = geo.strides(opts);
-    check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
-    check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
+    let (x_stride, y_stride) = geo.strides(x, y);
+    check_span(&w.name, "x", x.buf, x.off, x_stride, n_tokens, geo.cols)?;
+    check_span(&w.name, "y", y.buf, y.off, y_stride, n_tokens, geo.rows)?;
     Ok((x_stride, y_stride))
 }
 
-/// [`matvec`] with options (accumulate, strides, reduction path, work split).
-#[allow(clippy::too_many_arguments)]
+/// [`matvec`] with options (accumulate, reduction path, work split).
 pub fn matvec_opts(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
-    let (x_stride, y_stride) = dense_spans(w, &geo, (x, x_off), (y, y_off), n_tokens, opts)?;
+    let (x_stride, y_stride) = dense_spans(w, &geo, &x, &y, n_tokens)?;
     if takes_int8(gpu, &geo, opts, n_tokens) {
         let mut qx = QuantX::cached(gpu, 2 * n_tokens, geo.cols)?;
-        quantize_x2(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
-        return matvec_q8x(pass, w, &qx, y, y_off, opts);
+        let xs = Operand::strided(x.buf, x.off, x_stride);
+        quantize_x2(pass, xs, n_tokens, geo.cols, &mut qx)?;
+        return matvec_q8x(pass, w, &qx, Operand::strided(y.buf, y.off, y_stride), opts);
     }
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
-    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    let xvec = x_vec(&x, x_stride, n_tokens);
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, xvec, Variant::plain(opts))?;
     for part in &w.parts {
         let rows = part.n_rows as u32;
         let (gy, gz) = pl.groups(rows);
         let mut prm = geo.params(rows, true);
-        prm.x_off = x_off;
+        prm.x_off = x.off;
         prm.x_stride = x_stride;
-        prm.y_off = y_off + part.row_start as u32;
+        prm.y_off = y.off + part.row_start as u32;
         prm.y_stride = y_stride;
         prm.accumulate = opts.accumulate as u32;
         pass.dispatch(
@@ -725,8 +708,8 @@ pub fn matvec_opts(
             &[
                 (&part.buffer).into(),
                 (&part.buffer).into(),
-                x.into(),
-                Binding::from(y),
+                x.buf.into(),
+                Binding::from(y.buf),
             ],
             [n_tokens, gy, gz],
         );
@@ -787,25 +770,31 @@ impl Plan {
     }
 }
 
+/// What selects a variant beside the weight's geometry and the split: the reduction
+/// (subgroups or workgroup memory), the x loads (vectors or scalars) and the [`Variant`].
+#[derive(Clone, Copy)]
+struct Pick {
+    sg: bool,
+    xvec: bool,
+    v: Variant,
+}
+
 /// `matvec_multi` dispatches for `n_tokens` tokens: per token run ([`token_groups`]) and weight
 /// part. `prm` holds everything but the rows, y offset and first token; `slots` are the
 /// bindings beyond the weight part's (1, 2).
-#[allow(clippy::too_many_arguments)]
 fn dispatch_multi(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    geo: &Geometry,
-    pl: &Plan,
-    (sg, xvec): (bool, bool),
-    variant: Variant,
+    (geo, pl): (&Geometry, &Plan),
+    pick: Pick,
     prm: Params,
     slots: &[(u32, Binding)],
     n_tokens: u32,
 ) -> Result<()> {
     let gpu = pass.gpu();
     for (t0, tt, groups) in token_groups(n_tokens) {
-        let v = Variant { tt, ..variant };
-        let pipe = pl.pipeline_keyed(gpu, geo, "matvec_multi", sg, xvec, v)?;
+        let v = Variant { tt, ..pick.v };
+        let pipe = pl.pipeline_keyed(gpu, geo, "matvec_multi", pick.sg, pick.xvec, v)?;
         for part in &w.parts {
             let rows = part.n_rows as u32;
             let (gy, gz) = pl.groups(rows);
@@ -830,49 +819,41 @@ fn dispatch_multi(
 /// [`matvec_opts`] run on that token alone (same lanes per row, slice order and reduction;
 /// `opts.int8_x` included), so a batched row equals a lone decode: speculative decoding's
 /// verify step and the server's batches rely on it.
-#[allow(clippy::too_many_arguments)]
 pub fn matvec_multi(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
-    let (x_stride, y_stride) = dense_spans(w, &geo, (x, x_off), (y, y_off), n_tokens, opts)?;
+    let (x_stride, y_stride) = dense_spans(w, &geo, &x, &y, n_tokens)?;
     // int8 x exactly when a lone decode of each token would take it: the bits must match
     if takes_int8(gpu, &geo, opts, 1) {
         let mut qx = QuantX::cached(gpu, 2 * n_tokens, geo.cols)?;
-        quantize_x2(pass, x, x_off, x_stride, n_tokens, geo.cols, &mut qx)?;
-        return matvec_q8x_multi(pass, w, &qx, y, y_off, opts);
+        let xs = Operand::strided(x.buf, x.off, x_stride);
+        quantize_x2(pass, xs, n_tokens, geo.cols, &mut qx)?;
+        let ys = Operand::strided(y.buf, y.off, y_stride);
+        return matvec_q8x_multi(pass, w, &qx, ys, opts);
     }
     let pl = Plan::new(&geo, opts)?.multi(opts);
-    let sg = use_subgroups(gpu, opts);
-    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    let pick = Pick {
+        sg: use_subgroups(gpu, opts),
+        xvec: x_vec(&x, x_stride, n_tokens),
+        v: Variant::plain(opts),
+    };
     let prm = Params {
-        x_off,
+        x_off: x.off,
         x_stride,
-        y_off,
+        y_off: y.off,
         y_stride,
         accumulate: opts.accumulate as u32,
         ..geo.params(0, true)
     };
-    let slots = [(3, x.into()), (4, Binding::from(y))];
-    dispatch_multi(
-        pass,
-        w,
-        &geo,
-        &pl,
-        (sg, xvec),
-        Variant::plain(opts),
-        prm,
-        &slots,
-        n_tokens,
-    )
+    let slots = [(3, x.buf.into()), (4, Binding::from(y.buf))];
+    dispatch_multi(pass, w, (&geo, &pl), pick, prm, &slots, n_tokens)
 }
 
 /// Rows from which a one-token product reading x through the RMSNorm prologue takes 8 rows per
@@ -1017,20 +998,35 @@ pub fn conv_step_fits(
 
 /// [`matvec_opts`] reading x through `pro` (f32 activations; `opts.int8_x` is not taken). A
 /// weight split into parts recomputes the prologue per part.
-#[allow(clippy::too_many_arguments)]
 pub fn matvec_pro(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
     pro: &Prologue<'_>,
 ) -> Result<()> {
-    let epi = Epilogue::Store;
-    matvec_fused(pass, w, x, x_off, y, y_off, n_tokens, opts, Some(pro), epi)
+    let fused = Fused {
+        pro: Some(pro),
+        epi: Epilogue::Store,
+    };
+    matvec_fused(pass, w, x, y, n_tokens, opts, fused)
+}
+
+/// The elementwise steps fused into a product ([`matvec_fused`]): what x is read through
+/// (`None`: x as stored) and what the product writes.
+#[derive(Clone, Copy)]
+pub struct Fused<'a> {
+    pub pro: Option<&'a Prologue<'a>>,
+    pub epi: Epilogue<'a>,
+}
+
+impl<'a> Fused<'a> {
+    /// x as stored, written through `epi`.
+    pub fn epi(epi: Epilogue<'a>) -> Self {
+        Fused { pro: None, epi }
+    }
 }
 
 /// What a fused product ([`matvec_fused`]) writes.
@@ -1068,19 +1064,17 @@ pub fn glu_fits(rows: u64, parts: usize) -> bool {
 /// fewer; [`Epilogue::Normed`] adds the next norm's input. Two or more tokens take the
 /// token-group kernel ([`matvec_multi`]): each token's outputs have the bits of the same call
 /// for that token alone.
-#[allow(clippy::too_many_arguments)]
 pub fn matvec_fused(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    x: Operand<'_>,
+    y: Operand<'_>,
     n_tokens: u32,
     opts: &MatvecOpts,
-    pro: Option<&Prologue<'_>>,
-    epi: Epilogue<'_>,
+    Fused { pro, epi }: Fused<'_>,
 ) -> Result<()> {
+    let (xo, yo) = (x, y);
+    let (x, x_off, y, y_off) = (x.buf, x.off, y.buf, y.off);
     let gpu = pass.gpu();
     let geo = Geometry::of(w, false)?;
     if !(1..=MAX_GROUPS).contains(&n_tokens) || !opts.defines.is_empty() {
@@ -1105,15 +1099,11 @@ pub fn matvec_fused(
     }
     // SwiGLU writes one value per row pair
     let y_len = if glu { geo.rows / 2 } else { geo.rows };
-    let x_stride = geo.strides(opts).0;
-    let y_stride = if opts.y_stride == 0 {
-        y_len
-    } else {
-        opts.y_stride
-    };
+    let x_stride = xo.stride_for(geo.cols);
+    let y_stride = yo.stride_for(y_len);
     check_span(&w.name, "x", x, x_off, x_stride, n_tokens, geo.cols)?;
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, y_len)?;
-    let xvec = x_vec(x, x_off, x_stride, n_tokens);
+    let xvec = x_vec(&xo, x_stride, n_tokens);
     // (binding number, buffer) beyond the plain product's, and the prologue words
     let mut extra: Vec<(u32, Binding)> = Vec::new();
     let mut word = match pro {
@@ -1246,17 +1236,12 @@ pub fn matvec_fused(
         };
         let mut slots = vec![(3, x.into()), (4, Binding::from(y))];
         slots.extend(extra.iter().cloned());
-        return dispatch_multi(
-            pass,
-            w,
-            &geo,
-            &pl,
-            (sg, xvec),
-            variant,
-            prm,
-            &slots,
-            n_tokens,
-        );
+        let pick = Pick {
+            sg,
+            xvec,
+            v: variant,
+        };
+        return dispatch_multi(pass, w, (&geo, &pl), pick, prm, &slots, n_tokens);
     }
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, xvec, variant)?;
     for part in &w.parts {
@@ -1423,20 +1408,18 @@ impl QuantX {
     }
 }
 
-/// Records the quantization of `n_tokens` rows of `cols` f32 values at `x_off + t * x_stride`
-/// (stride 0: cols) into `qx`, per block of 32 as ggml's `quantize_row_q8_1`: d = max|x| / 127,
+/// Records the quantization of `n_tokens` rows of `cols` f32 values of `x` (packed: cols
+/// apart) into `qx`, per block of 32 as ggml's `quantize_row_q8_1`: d = max|x| / 127,
 /// q = round(x · (1/d)) with ties to even (ggml rounds them away from zero), s = d · Σq.
 /// `cols` must be a multiple of 32. CPU reference: `cpu::q8x::quantize_x`.
 pub fn quantize_x(
     pass: &mut Pass<'_>,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_stride: u32,
+    x: Operand<'_>,
     n_tokens: u32,
     cols: u32,
     qx: &mut QuantX,
 ) -> Result<()> {
-    quantize_x_levels(pass, x, x_off, x_stride, n_tokens, cols, qx, false)
+    quantize_x_levels(pass, x, n_tokens, cols, qx, false)
 }
 
 /// [`quantize_x`] in two levels, the x of [`matvec_q8x`]: each block also holds its residual
@@ -1444,32 +1427,27 @@ pub fn quantize_x(
 /// `2 · n_tokens` rows. CPU reference: `cpu::q8x::quantize_x2`.
 pub fn quantize_x2(
     pass: &mut Pass<'_>,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_stride: u32,
+    x: Operand<'_>,
     n_tokens: u32,
     cols: u32,
     qx: &mut QuantX,
 ) -> Result<()> {
-    quantize_x_levels(pass, x, x_off, x_stride, n_tokens, cols, qx, true)
+    quantize_x_levels(pass, x, n_tokens, cols, qx, true)
 }
 
 /// [`quantize_x`], with `two`: each block also holds its residual `x − d·q` quantized the same
 /// way (d₂, q₂; shader define X2), interleaved per block (codes of block o at 4o and 4o + 2 in
 /// vec4 units, scales at 2o and 2o + 1), so the scratch needs twice the blocks.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_x_levels(
     pass: &mut Pass<'_>,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_stride: u32,
+    x: Operand<'_>,
     n_tokens: u32,
     cols: u32,
     qx: &mut QuantX,
     two: bool,
 ) -> Result<()> {
     let gpu = pass.gpu();
-    let x_stride = if x_stride == 0 { cols } else { x_stride };
+    let (x, x_off, x_stride) = (x.buf, x.off, x.stride_for(cols));
     if cols == 0 || !cols.is_multiple_of(Q8X_BLOCK) || !(1..=MAX_GROUPS).contains(&n_tokens) {
         return Err(Error::Invalid(format!(
             "int8 x: {n_tokens} rows of {cols} values (need 1..={MAX_GROUPS} rows of a multiple of {Q8X_BLOCK})"
@@ -1527,16 +1505,15 @@ pub(crate) fn quantize_x_levels(
 /// `y[t] = W x̂[t]` for the `qx.n_tokens` rows quantized into `qx` in two levels
 /// ([`quantize_x2`]); `w` of a type with an int8 kernel ([`int8_x_supported`]) and `qx.cols`
 /// columns; y as [`matvec`].
-/// Of `opts`, accumulate, y_stride, portable, tune and defines apply.
+/// Of `opts`, accumulate, portable, tune and defines apply.
 pub fn matvec_q8x(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     qx: &QuantX,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    q8x_product(pass, w, qx, y, y_off, opts, false)
+    q8x_product(pass, w, qx, y, opts, false)
 }
 
 /// [`matvec_q8x`] through the token-group kernel (as [`matvec_multi`]): each token's outputs
@@ -1545,19 +1522,17 @@ pub fn matvec_q8x_multi(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     qx: &QuantX,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
-    q8x_product(pass, w, qx, y, y_off, opts, true)
+    q8x_product(pass, w, qx, y, opts, true)
 }
 
 fn q8x_product(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     qx: &QuantX,
-    y: &wgpu::Buffer,
-    y_off: u32,
+    y: Operand<'_>,
     opts: &MatvecOpts,
     multi: bool,
 ) -> Result<()> {
@@ -1577,11 +1552,7 @@ fn q8x_product(
             geo.cols
         )));
     }
-    let y_stride = if opts.y_stride == 0 {
-        geo.rows
-    } else {
-        opts.y_stride
-    };
+    let (y, y_off, y_stride) = (y.buf, y.off, y.stride_for(geo.rows));
     check_span(&w.name, "y", y, y_off, y_stride, n_tokens, geo.rows)?;
     let pl = Plan::with_items(&geo, opts, geo.n_blocks * lanes)?;
     let sg = use_subgroups(gpu, opts);
@@ -1603,7 +1574,8 @@ fn q8x_product(
             (5, Binding::from(&qx.scales)),
         ];
         let pl = pl.multi(opts);
-        return dispatch_multi(pass, w, &geo, &pl, (sg, false), v, prm, &slots, n_tokens);
+        let pick = Pick { sg, xvec: false, v };
+        return dispatch_multi(pass, w, (&geo, &pl), pick, prm, &slots, n_tokens);
     }
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec", sg, false, v)?;
     for part in &w.parts {
@@ -1632,76 +1604,82 @@ fn q8x_product(
     Ok(())
 }
 
-/// MoE decode: for each token `t < n_tokens` and slot `s < n_used`, with pair `q = t * n_used +
-/// s` and expert `e = ids[ids_off + q]` (u32 [n_tokens, n_used]):
-/// `y[y_off + q * y_stride ..][..rows] = W[e] · x_q`, where `x_q` is the row at
-/// `x_off + (x_per_pair ? q : t) * x_stride` (per token for gate/up, per pair for down).
-/// `w` is [n_expert, rows, cols]; strides default to cols / rows. Ids >= n_expert write nothing.
+/// The (token, slot) pairs of a routed product: pair `q = t · n_used + s` for token
+/// `t < n_tokens` and slot `s < n_used`, its expert `ids[ids.off + q]` (u32
+/// `[n_tokens, n_used]`, packed), its x row the token's or its own (`x_per_pair`: per pair
+/// for a down projection, per token for gate and up).
+#[derive(Clone, Copy, Debug)]
+pub struct Pairs<'a> {
+    pub ids: Operand<'a>,
+    pub n_tokens: u32,
+    pub n_used: u32,
+    pub x_per_pair: bool,
+}
+
+impl Pairs<'_> {
+    /// Rows of x the pairs read: one per pair or one per token.
+    fn x_rows(&self, n_pairs: u32) -> u32 {
+        if self.x_per_pair {
+            n_pairs
+        } else {
+            self.n_tokens
+        }
+    }
+}
+
+/// MoE decode: for each pair `q` of `pairs` with expert `e`:
+/// `y[y.off + q · y_stride ..][..rows] = W[e] · x_q`, where `x_q` is x's row `q` or the pair's
+/// token's ([`Pairs::x_per_pair`]). `w` is [n_expert, rows, cols]; strides default to
+/// cols / rows. Ids >= n_expert write nothing.
 /// With `opts.int8_x` and a type that has an int8 kernel, x is quantized first
 /// ([`matvec_indexed_q8x`]).
-#[allow(clippy::too_many_arguments)]
 pub fn matvec_indexed(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
-    x: &wgpu::Buffer,
-    x_off: u32,
-    x_per_pair: bool,
-    ids: &wgpu::Buffer,
-    ids_off: u32,
-    n_used: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
-    n_tokens: u32,
+    x: Operand<'_>,
+    pairs: &Pairs<'_>,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let geo = Geometry::of(w, true)?;
-    let n_pairs = check_pairs(w, n_tokens, n_used)?;
-    let (x_stride, _) = geo.strides(opts);
-    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
-    check_span(&w.name, "x", x, x_off, x_stride, x_rows, geo.cols)?;
+    let n_pairs = check_pairs(w, pairs)?;
+    let x_stride = x.stride_for(geo.cols);
+    let x_rows = pairs.x_rows(n_pairs);
+    check_span(&w.name, "x", x.buf, x.off, x_stride, x_rows, geo.cols)?;
     // each pair is a one-token product: int8 x exactly when a lone decode's pairs take it (a
     // speculative verify step's rows must have a lone decode's bits)
     if takes_int8(pass.gpu(), &geo, opts, 1) {
         let mut qx = QuantX::cached(pass.gpu(), 2 * x_rows, geo.cols)?;
-        quantize_x2(pass, x, x_off, x_stride, x_rows, geo.cols, &mut qx)?;
-        return matvec_indexed_q8x(
-            pass, w, &qx, x_per_pair, ids, ids_off, n_used, y, y_off, n_tokens, opts,
-        );
+        let xs = Operand::strided(x.buf, x.off, x_stride);
+        quantize_x2(pass, xs, x_rows, geo.cols, &mut qx)?;
+        return matvec_indexed_q8x(pass, w, &qx, pairs, y, opts);
     }
     let gpu = pass.gpu();
     let pl = Plan::new(&geo, opts)?;
     let sg = use_subgroups(gpu, opts);
-    let xvec = x_vec(x, x_off, x_stride, x_rows);
+    let xvec = x_vec(&x, x_stride, x_rows);
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec_id", sg, xvec, Variant::plain(opts))?;
-    let xb = Binding::from(x);
     let ind = Indexed {
-        x_off,
+        x: Binding::from(x.buf),
+        scales: None,
+        x_off: x.off,
         x_stride,
-        x_per_pair,
-        ids,
-        ids_off,
-        n_used,
+        pairs,
         n_pairs,
+        y,
     };
-    dispatch_indexed(pass, w, &geo, &pl, &pipe, &xb, None, &ind, y, y_off, opts)
+    dispatch_indexed(pass, w, &geo, &pl, &pipe, &ind, opts)
 }
 
 /// [`matvec_indexed`] with x already quantized in two levels ([`quantize_x2`]): `qx` holds the
 /// x rows (one per pair when `x_per_pair`, else one per token) of `w`'s columns; `w` of a type with an int8
-/// kernel ([`int8_x_supported`]). Of `opts`, accumulate, y_stride, portable, tune and defines
-/// apply.
-#[allow(clippy::too_many_arguments)]
+/// kernel ([`int8_x_supported`]). Of `opts`, accumulate, portable, tune and defines apply.
 pub fn matvec_indexed_q8x(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     qx: &QuantX,
-    x_per_pair: bool,
-    ids: &wgpu::Buffer,
-    ids_off: u32,
-    n_used: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
-    n_tokens: u32,
+    pairs: &Pairs<'_>,
+    y: Operand<'_>,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let gpu = pass.gpu();
@@ -1709,8 +1687,8 @@ pub fn matvec_indexed_q8x(
     let lanes = q8x_lanes(geo.dtype).ok_or_else(|| {
         Error::Unsupported(format!("{}: int8-x matvec of {} weights", w.name, w.dtype))
     })?;
-    let n_pairs = check_pairs(w, n_tokens, n_used)?;
-    let x_rows = if x_per_pair { n_pairs } else { n_tokens };
+    let n_pairs = check_pairs(w, pairs)?;
+    let x_rows = pairs.x_rows(n_pairs);
     if qx.cols != geo.cols || qx.n_tokens < x_rows || !qx.two {
         return Err(Error::Invalid(format!(
             "{}: int8 x holds {} rows of {} values in {} level(s), the product needs {x_rows} \
@@ -1729,35 +1707,22 @@ pub fn matvec_indexed_q8x(
         ..Variant::plain(opts)
     };
     let pipe = pl.pipeline_keyed(gpu, &geo, "matvec_id", sg, false, v)?;
-    let xb = Binding::from(&qx.qs);
+    // bindings: W, W4, QX, Y, XS, IDX
     let ind = Indexed {
+        x: Binding::from(&qx.qs),
+        scales: Some(Binding::from(&qx.scales)),
         x_off: 0,
         x_stride: geo.cols, // elements: the kernel reads block (x_off + row * x_stride) / 32
-        x_per_pair,
-        ids,
-        ids_off,
-        n_used,
+        pairs,
         n_pairs,
-    };
-    // bindings: W, W4, QX, Y, XS, IDX
-    let scales = Binding::from(&qx.scales);
-    dispatch_indexed(
-        pass,
-        w,
-        &geo,
-        &pl,
-        &pipe,
-        &xb,
-        Some(&scales),
-        &ind,
         y,
-        y_off,
-        opts,
-    )
+    };
+    dispatch_indexed(pass, w, &geo, &pl, &pipe, &ind, opts)
 }
 
-/// Pairs of an indexed product, checked.
-fn check_pairs(w: &GpuTensor, n_tokens: u32, n_used: u32) -> Result<u32> {
+/// Pairs of an indexed product, checked (the ids packed).
+fn check_pairs(w: &GpuTensor, pairs: &Pairs<'_>) -> Result<u32> {
+    let (n_tokens, n_used) = (pairs.n_tokens, pairs.n_used);
     let n_pairs = n_tokens as u64 * n_used as u64;
     if n_used == 0 || n_tokens == 0 || n_pairs > u32::MAX as u64 / 2 {
         return Err(Error::Invalid(format!(
@@ -1765,51 +1730,49 @@ fn check_pairs(w: &GpuTensor, n_tokens: u32, n_used: u32) -> Result<u32> {
             w.name
         )));
     }
+    if pairs.ids.stride.is_some_and(|s| s != n_used) {
+        return Err(Error::Invalid(format!(
+            "{}: ids rows {:?} apart, the kernel reads them packed ({n_used})",
+            w.name, pairs.ids.stride
+        )));
+    }
     Ok(n_pairs as u32)
 }
 
-/// The x side and the ids of an indexed product.
+/// The operands of an indexed product: x's binding (with the int8 kernels' scales, bound
+/// before the ids) and rows, the pairs and y.
 struct Indexed<'a> {
+    x: Binding,
+    scales: Option<Binding>,
     x_off: u32,
     x_stride: u32,
-    x_per_pair: bool,
-    ids: &'a wgpu::Buffer,
-    ids_off: u32,
-    n_used: u32,
+    pairs: &'a Pairs<'a>,
     n_pairs: u32,
+    y: Operand<'a>,
 }
 
-/// One `matvec_id` dispatch per part and run of at most 65535 pairs; `scales`: the int8
-/// kernels' extra binding (before the ids).
-#[allow(clippy::too_many_arguments)]
+/// One `matvec_id` dispatch per part and run of at most 65535 pairs.
 fn dispatch_indexed(
     pass: &mut Pass<'_>,
     w: &GpuTensor,
     geo: &Geometry,
     pl: &Plan,
     pipe: &std::sync::Arc<wgpu::ComputePipeline>,
-    x: &Binding,
-    scales: Option<&Binding>,
     ind: &Indexed<'_>,
-    y: &wgpu::Buffer,
-    y_off: u32,
     opts: &MatvecOpts,
 ) -> Result<()> {
     let n_expert = w.shape[0];
     let n_pairs = ind.n_pairs;
-    let y_stride = if opts.y_stride == 0 {
-        geo.rows
-    } else {
-        opts.y_stride
-    };
+    let (y, y_off, y_stride) = (ind.y.buf, ind.y.off, ind.y.stride_for(geo.rows));
+    let (ids, ids_off) = (ind.pairs.ids.buf, ind.pairs.ids.off);
     check_span(&w.name, "y", y, y_off, y_stride, n_pairs, geo.rows)?;
-    if (ind.ids_off as u64 + n_pairs as u64) * 4 > ind.ids.size() {
+    if (ids_off as u64 + n_pairs as u64) * 4 > ids.size() {
         return Err(Error::Invalid(format!(
             "{}: ids need {} u32 at offset {}, buffer holds {}",
             w.name,
             n_pairs,
-            ind.ids_off,
-            ind.ids.size() / 4
+            ids_off,
+            ids.size() / 4
         )));
     }
     let (gy, gz) = pl.groups(geo.rows);
@@ -1822,20 +1785,20 @@ fn dispatch_indexed(
         prm.y_off = y_off;
         prm.y_stride = y_stride;
         prm.accumulate = opts.accumulate as u32;
-        prm.n_used = ind.n_used;
-        prm.ids_off = ind.ids_off;
+        prm.n_used = ind.pairs.n_used;
+        prm.ids_off = ids_off;
         prm.e_lo = e_lo as u32;
         prm.e_n = e_n as u32;
         prm.expert_bytes = expert_bytes as u32;
-        prm.x_per_pair = ind.x_per_pair as u32;
+        prm.x_per_pair = ind.pairs.x_per_pair as u32;
         let mut bindings: Vec<Binding> = vec![
             (&part.buffer).into(),
             (&part.buffer).into(),
-            x.clone(),
+            ind.x.clone(),
             y.into(),
         ];
-        bindings.extend(scales.cloned());
-        bindings.push(ind.ids.into());
+        bindings.extend(ind.scales.clone());
+        bindings.push(ids.into());
         let mut q0 = 0;
         while q0 < n_pairs {
             let n = (n_pairs - q0).min(MAX_GROUPS);

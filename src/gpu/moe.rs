@@ -489,12 +489,36 @@ pub fn routed_ffn(
     let small = n <= matvec::MAX_TOKENS;
     if small {
         for (m, y) in [(w.gate, b.gate), (w.up, b.up)] {
-            matvec::matvec_indexed(pass, m, x, 0, false, ids, 0, k, y, 0, n, &opts)?;
+            matvec::matvec_indexed(
+                pass,
+                m,
+                Operand::new(x, 0),
+                &matvec::Pairs {
+                    ids: Operand::new(ids, 0),
+                    n_tokens: n,
+                    n_used: k,
+                    x_per_pair: false,
+                },
+                Operand::new(y, 0),
+                &opts,
+            )?;
         }
     } else {
         matmul::route(pass, route, ids, 0, n, k)?;
         for (m, y) in [(w.gate, b.gate), (w.up, b.up)] {
-            matmul::matmul_indexed(pass, m, x, 0, false, route, n, k, y, 0, &opts)?;
+            matmul::matmul_indexed(
+                pass,
+                m,
+                Operand::new(x, 0),
+                &matmul::RoutePairs {
+                    route,
+                    n_tokens: n,
+                    n_used: k,
+                    x_per_pair: false,
+                },
+                Operand::new(y, 0),
+                &opts,
+            )?;
         }
     }
     ew::swiglu(
@@ -507,8 +531,32 @@ pub fn routed_ffn(
         limit,
     )?;
     if small {
-        matvec::matvec_indexed(pass, w.down, b.act, 0, true, ids, 0, k, b.out, 0, n, &opts)
+        matvec::matvec_indexed(
+            pass,
+            w.down,
+            Operand::new(b.act, 0),
+            &matvec::Pairs {
+                ids: Operand::new(ids, 0),
+                n_tokens: n,
+                n_used: k,
+                x_per_pair: true,
+            },
+            Operand::new(b.out, 0),
+            &opts,
+        )
     } else {
-        matmul::matmul_indexed(pass, w.down, b.act, 0, true, route, n, k, b.out, 0, &opts)
+        matmul::matmul_indexed(
+            pass,
+            w.down,
+            Operand::new(b.act, 0),
+            &matmul::RoutePairs {
+                route,
+                n_tokens: n,
+                n_used: k,
+                x_per_pair: true,
+            },
+            Operand::new(b.out, 0),
+            &opts,
+        )
     }
 }

@@ -83,3 +83,14 @@ impl MoeRoute {
         self.pairs_off
     }
 }
+
+/// The (token, slot) pairs of a routed product over a [`MoeRoute`] filled by [`super::matmul::route`] for
+/// them: pair `q = t · n_used + s` for token `t < n_tokens`, slot `s < n_used`; its x row the
+/// token's or its own (`x_per_pair`, as [`super::matvec::Pairs`]).
+#[derive(Clone, Copy)]
+pub struct RoutePairs<'a> {
+    pub route: &'a MoeRoute,
+    pub n_tokens: u32,
+    pub n_used: u32,
+    pub x_per_pair: bool,
+}

@@ -15,6 +15,7 @@ pub mod runtime;
 pub mod spec;
 
 use crate::forward::{LoadOptions, Logits, Want};
+use crate::gpu::operand::Operand;
 use crate::gpu::{matmul, AutoProducts, Gpu};
 pub use crate::model_file::ModelFile;
 use crate::moe::{budget_for, Budget, MoeInfo, Needs, Offload, RunShape};
@@ -169,7 +170,13 @@ pub(crate) fn head_rows(
     n: usize,
 ) -> Result<()> {
     let (x_off, y_off) = ((row * cols) as u32, (j * vocab) as u32);
-    matmul::matmul(pass, head, x, x_off, y, y_off, n as u32)
+    matmul::matmul(
+        pass,
+        head,
+        Operand::new(x, x_off),
+        Operand::new(y, y_off),
+        n as u32,
+    )
 }
 
 /// The rows `wants` (`(first row, rows)` runs) of `buf` (`[rows, width]` f32), read back in

@@ -731,7 +731,14 @@ fn linear(
     y: &wgpu::Buffer,
     n: u32,
 ) -> Result<()> {
-    matmul::matmul_opts(pass, w, x, 0, y, 0, n, &MatvecOpts::default())
+    matmul::matmul_opts(
+        pass,
+        w,
+        Operand::new(x, 0),
+        Operand::new(y, 0),
+        n,
+        &MatvecOpts::default(),
+    )
 }
 
 /// The global blocks' RoPE inverse frequencies over a head of `head_dim`:

@@ -647,7 +647,14 @@ impl GpuModel {
             exact: true,
             ..Default::default()
         };
-        matmul::matmul_opts(pass, router, &sc.h, 0, &sc.router, 0, n, &opts)?;
+        matmul::matmul_opts(
+            pass,
+            router,
+            Operand::new(&sc.h, 0),
+            Operand::new(&sc.router, 0),
+            n,
+            &opts,
+        )?;
         topk::router_softmax_topk(
             pass,
             n,
@@ -735,40 +742,30 @@ impl GpuModel {
         }
     }
 
-    /// `y[.., y_off..] = W a` over `n` rows read through `pre`, `y_stride` elements between
-    /// rows (0: packed).
-    #[allow(clippy::too_many_arguments)]
+    /// `y = W a` over `n` rows read through `pre`.
     fn product(
         &self,
         pass: &mut Pass<'_>,
         w: &GpuTensor,
         pre: Option<&Prologue<'_>>,
-        y: &wgpu::Buffer,
-        y_off: u32,
-        y_stride: u32,
+        y: Operand<'_>,
         n: u32,
     ) -> Result<()> {
-        let opts = MatvecOpts {
-            y_stride,
-            ..Default::default()
-        };
-        let x = self.pre_x(pre);
+        let opts = MatvecOpts::default();
+        let x = Operand::new(self.pre_x(pre), 0);
         match pre {
-            Some(p) => matvec::matvec_pro(pass, w, x, 0, y, y_off, n, &opts, p),
-            None => matmul::matmul_opts(pass, w, x, 0, y, y_off, n, &opts),
+            Some(p) => matvec::matvec_pro(pass, w, x, y, n, &opts, p),
+            None => matmul::matmul_opts(pass, w, x, y, n, &opts),
         }
     }
 
-    /// `x += W a` over `n` rows of `a` (read through `pro`, `x_stride` elements apart; 0:
-    /// packed); with `next` (the next norm's weight) x · next also written into `h` where the
+    /// `x += W a` over `n` rows of `a` (read through `pro`); with `next` (the next norm's weight) x · next also written into `h` where the
     /// fused store takes it (`Epilogue::Normed`): returns whether it did.
-    #[allow(clippy::too_many_arguments)]
     fn residual(
         &self,
         pass: &mut Pass<'_>,
         w: &GpuTensor,
-        a: &wgpu::Buffer,
-        x_stride: u32,
+        a: Operand<'_>,
         n: u32,
         pro: Option<&Prologue<'_>>,
         next: Option<&GpuTensor>,
@@ -776,7 +773,6 @@ impl GpuModel {
         let sc = &self.scratch;
         let opts = MatvecOpts {
             accumulate: true,
-            x_stride,
             ..Default::default()
         };
         let e = self.hp.n_embd as u64;
@@ -792,12 +788,13 @@ impl GpuModel {
                 w: &nw.parts[0].buffer,
                 out: &sc.h,
             };
-            matvec::matvec_fused(pass, w, a, 0, &sc.x, 0, n, &opts, pro, epi)?;
+            let y = Operand::new(&sc.x, 0);
+            matvec::matvec_fused(pass, w, a, y, n, &opts, matvec::Fused { pro, epi })?;
             return Ok(true);
         }
         match pro {
-            Some(p) => matvec::matvec_pro(pass, w, a, 0, &sc.x, 0, n, &opts, p)?,
-            None => matmul::matmul_opts(pass, w, a, 0, &sc.x, 0, n, &opts)?,
+            Some(p) => matvec::matvec_pro(pass, w, a, Operand::new(&sc.x, 0), n, &opts, p)?,
+            None => matmul::matmul_opts(pass, w, a, Operand::new(&sc.x, 0), n, &opts)?,
         }
         Ok(false)
     }
@@ -823,22 +820,31 @@ impl GpuModel {
                     && !self.gpu.int8_decode()
                     && matvec::glu_fits(gu.n_rows(), gu.parts.len()) =>
             {
-                let x = self.pre_x(pre);
+                let x = Operand::new(self.pre_x(pre), 0);
                 let opts = MatvecOpts::default();
-                let epi = Epilogue::SwiGlu;
-                matvec::matvec_fused(pass, gu, x, 0, &sc.act, 0, n, &opts, pre, epi)?;
-                return self.residual(pass, down, &sc.act, 0, n, None, next);
+                let fused = matvec::Fused {
+                    pro: pre,
+                    epi: Epilogue::SwiGlu,
+                };
+                let act = Operand::new(&sc.act, 0);
+                matvec::matvec_fused(pass, gu, x, act, n, &opts, fused)?;
+                return self.residual(pass, down, act, n, None, next);
             }
-            GateUp::Joined(gu) => self.product(pass, gu, pre, &sc.gu, 0, 0, n)?,
+            GateUp::Joined(gu) => self.product(pass, gu, pre, Operand::new(&sc.gu, 0), n)?,
             GateUp::Apart { gate, up } => {
-                self.product(pass, gate, pre, &sc.gu, 0, 2 * ff, n)?;
-                self.product(pass, up, pre, &sc.gu, ff, 2 * ff, n)?;
+                let (g, u) = (
+                    Operand::strided(&sc.gu, 0, 2 * ff),
+                    Operand::strided(&sc.gu, ff, 2 * ff),
+                );
+                self.product(pass, gate, pre, g, n)?;
+                self.product(pass, up, pre, u, n)?;
             }
         }
         if self.fused(n) {
             // SwiGLU in the down product's activation load.
             let glu = Prologue::SwiGlu { up: ff };
-            return self.residual(pass, down, &sc.gu, 2 * ff, n, Some(&glu), next);
+            let gu = Operand::strided(&sc.gu, 0, 2 * ff);
+            return self.residual(pass, down, gu, n, Some(&glu), next);
         }
         ew::swiglu(
             pass,
@@ -849,7 +855,7 @@ impl GpuModel {
             Operand::strided(&sc.gu, ff, 2 * ff),
             None,
         )?;
-        self.residual(pass, down, &sc.act, 0, n, None, next)
+        self.residual(pass, down, Operand::new(&sc.act, 0), n, None, next)
     }
 
     /// Layer `l`'s attention over its input read through `pre` (`None`: the normed rows in
@@ -870,9 +876,9 @@ impl GpuModel {
         let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
         let [q_off, k_off, v_off] = qkv_offs(hp, n);
         let pre = pre.as_ref();
-        self.product(pass, &lw.q, pre, &sc.qkv, q_off, 0, n)?;
-        self.product(pass, &lw.k, pre, &sc.qkv, k_off, 0, n)?;
-        self.product(pass, &lw.v, pre, &sc.qkv, v_off, 0, n)?;
+        self.product(pass, &lw.q, pre, Operand::new(&sc.qkv, q_off), n)?;
+        self.product(pass, &lw.k, pre, Operand::new(&sc.qkv, k_off), n)?;
+        self.product(pass, &lw.v, pre, Operand::new(&sc.qkv, v_off), n)?;
         if let Some(b) = &lw.bias {
             for ((off, heads), bias) in [(q_off, nh), (k_off, nkv), (v_off, nkv)].iter().zip(b) {
                 ew::add_inplace(
@@ -1012,7 +1018,7 @@ impl GpuModel {
             };
             call(pass, first.row as u32, singles.len() as u32, keys, max_keys)?;
         }
-        self.residual(pass, &lw.o, &sc.att, 0, n, None, next)
+        self.residual(pass, &lw.o, Operand::new(&sc.att, 0), n, None, next)
     }
 
     /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).

@@ -74,10 +74,8 @@ pub fn head_logits(
         matmul::matmul(
             p,
             head.w,
-            head.h,
-            (r * e) as u32,
-            head.logits,
-            (used * v) as u32,
+            Operand::new(head.h, (r * e) as u32),
+            Operand::new(head.logits, (used * v) as u32),
             take as u32,
         )?;
         used += take;

@@ -462,7 +462,7 @@ impl GpuModel {
         y: &wgpu::Buffer,
         n: u32,
     ) -> Result<()> {
-        matmul::matmul(pass, w, x, 0, y, 0, n)
+        matmul::matmul(pass, w, Operand::new(x, 0), Operand::new(y, 0), n)
     }
 
     /// [`Self::linear`] in f32 whatever the device's product path: for the products that feed
@@ -480,7 +480,7 @@ impl GpuModel {
             exact: true,
             ..Default::default()
         };
-        matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
+        matmul::matmul_opts(pass, w, Operand::new(x, 0), Operand::new(y, 0), n, &opts)
     }
 
     /// A compressor's kv | score projections of all `n` rows into `cmp` (rows of 2·width).
@@ -494,12 +494,14 @@ impl GpuModel {
         let sc = &self.scratch;
         // f32 products: the indexer's compressed keys decide its top-k (see MatvecOpts::exact)
         let opts = MatvecOpts {
-            y_stride: 2 * width,
             exact: true,
             ..Default::default()
         };
-        matmul::matmul_opts(pass, &c.wkv, &sc.h, 0, &sc.cmp, 0, n, &opts)?;
-        matmul::matmul_opts(pass, &c.wgate, &sc.h, 0, &sc.cmp, width, n, &opts)
+        let x = Operand::new(&sc.h, 0);
+        let kv = Operand::strided(&sc.cmp, 0, 2 * width);
+        let score = Operand::strided(&sc.cmp, width, 2 * width);
+        matmul::matmul_opts(pass, &c.wkv, x, kv, n, &opts)?;
+        matmul::matmul_opts(pass, &c.wgate, x, score, n, &opts)
     }
 
     /// Append the projected rows of the pass to a compressor's store pool (each row into its
@@ -667,20 +669,30 @@ impl GpuModel {
         let opts = MatvecOpts::default();
         if n <= matvec::MAX_TOKENS {
             matvec::matvec_indexed(
-                pass, &a.wo_a, &sc.att, 0, true, &sc.wo_ids, 0, og, &sc.mid, 0, n, &opts,
+                pass,
+                &a.wo_a,
+                Operand::new(&sc.att, 0),
+                &matvec::Pairs {
+                    ids: Operand::new(&sc.wo_ids, 0),
+                    n_tokens: n,
+                    n_used: og,
+                    x_per_pair: true,
+                },
+                Operand::new(&sc.mid, 0),
+                &opts,
             )?;
         } else {
             matmul::matmul_indexed(
                 pass,
                 &a.wo_a,
-                &sc.att,
-                0,
-                true,
-                &sc.wo_route,
-                n,
-                og,
-                &sc.mid,
-                0,
+                Operand::new(&sc.att, 0),
+                &matmul::RoutePairs {
+                    route: &sc.wo_route,
+                    n_tokens: n,
+                    n_used: og,
+                    x_per_pair: true,
+                },
+                Operand::new(&sc.mid, 0),
                 &opts,
             )?;
         }

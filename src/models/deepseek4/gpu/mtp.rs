@@ -378,7 +378,13 @@ impl GpuModel {
         hc::head(pass, &self.hc_shape(), nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
         let out = self.draft_head();
         let e = self.hp.n_embd as u32;
-        matmul::matmul(pass, out.w, &sc.h, row * e, &sc.logits, 0, 1)?;
+        matmul::matmul(
+            pass,
+            out.w,
+            Operand::new(&sc.h, row * e),
+            Operand::new(&sc.logits, 0),
+            1,
+        )?;
         out.top
             .record(pass, Operand::new(&sc.logits, 0), 1, j, 1, false)
     }

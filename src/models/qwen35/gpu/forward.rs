@@ -299,11 +299,27 @@ impl GpuModel {
                 w: &nw.parts[0].buffer,
                 out: &sc.h,
             };
-            matvec::matvec_fused(pass, w, a, 0, &sc.x, 0, n, &opts, pro, epi)?;
+            matvec::matvec_fused(
+                pass,
+                w,
+                Operand::new(a, 0),
+                Operand::new(&sc.x, 0),
+                n,
+                &opts,
+                matvec::Fused { pro, epi },
+            )?;
             return Ok(true);
         }
         match pro {
-            Some(p) => matvec::matvec_pro(pass, w, a, 0, &sc.x, 0, n, &opts, p)?,
+            Some(p) => matvec::matvec_pro(
+                pass,
+                w,
+                Operand::new(a, 0),
+                Operand::new(&sc.x, 0),
+                n,
+                &opts,
+                p,
+            )?,
             None => self.linear(pass, w, a, &sc.x, n, true)?,
         }
         Ok(false)
@@ -381,7 +397,7 @@ impl GpuModel {
             accumulate,
             ..Default::default()
         };
-        matmul::matmul_opts(pass, w, x, 0, y, 0, n, &opts)
+        matmul::matmul_opts(pass, w, Operand::new(x, 0), Operand::new(y, 0), n, &opts)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -921,7 +937,18 @@ impl GpuModel {
                     let x = self.pre_x(pre.as_ref());
                     let opts = MatvecOpts::default();
                     let epi = matvec::Epilogue::SwiGlu;
-                    matvec::matvec_fused(pass, gu, x, 0, &sc.o, 0, n, &opts, pre.as_ref(), epi)?;
+                    matvec::matvec_fused(
+                        pass,
+                        gu,
+                        Operand::new(x, 0),
+                        Operand::new(&sc.o, 0),
+                        n,
+                        &opts,
+                        matvec::Fused {
+                            pro: pre.as_ref(),
+                            epi,
+                        },
+                    )?;
                     return self.residual(pass, down, &sc.o, n, None, next);
                 }
                 self.run_set(pass, set, n, pre)?;
@@ -930,11 +957,11 @@ impl GpuModel {
                 if self.fused(n) && u0 > g0 {
                     let opts = MatvecOpts {
                         accumulate: true,
-                        x_stride: set.width,
                         ..Default::default()
                     };
                     let glu = Prologue::SwiGlu { up: u0 - g0 };
-                    matvec::matvec_pro(pass, down, &sc.proj, g0, &sc.x, 0, n, &opts, &glu)?;
+                    let x = Operand::strided(&sc.proj, g0, set.width);
+                    matvec::matvec_pro(pass, down, x, Operand::new(&sc.x, 0), n, &opts, &glu)?;
                     return Ok(false);
                 }
                 ew::swiglu(
@@ -987,17 +1014,15 @@ impl GpuModel {
                 if let (Some((_, _, d, _)), true) = (&m.shared, self.fused(n) && u0 > g0) {
                     // The shared expert's SwiGLU, down product, sigmoid gate and residual add
                     // in one dispatch.
-                    let opts = MatvecOpts {
-                        x_stride: set.width,
-                        ..Default::default()
-                    };
+                    let opts = MatvecOpts::default();
                     let glu = Prologue::SwiGluGated {
                         up: u0 - g0,
                         gate: &sc.proj,
                         off: set.off[3],
                         stride: set.width,
                     };
-                    matvec::matvec_pro(pass, d, &sc.proj, g0, &sc.x, 0, n, &opts, &glu)?;
+                    let x = Operand::strided(&sc.proj, g0, set.width);
+                    matvec::matvec_pro(pass, d, x, Operand::new(&sc.x, 0), n, &opts, &glu)?;
                     return Ok(false);
                 }
                 if let Some((g, _, d, _)) = &m.shared {

@@ -30,16 +30,15 @@ impl ProjSet {
         pro: Option<&Prologue<'_>>,
         conv: Option<&matvec::ConvStep<'_>>,
     ) -> Result<()> {
-        let opts = MatvecOpts {
-            y_stride: self.width,
-            ..Default::default()
-        };
+        let opts = MatvecOpts::default();
+        let x = Operand::new(x, 0);
         for (w, col) in &self.groups {
+            let y = Operand::strided(y, *col, self.width);
             match (pro, conv.filter(|_| *col == 0)) {
-                (None, None) => matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?,
-                (p, c) => {
+                (None, None) => matmul::matmul_opts(pass, w, x, y, n, &opts)?,
+                (pro, c) => {
                     let epi = c.map_or(matvec::Epilogue::Store, matvec::Epilogue::Conv);
-                    matvec::matvec_fused(pass, w, x, 0, y, *col, n, &opts, p, epi)?
+                    matvec::matvec_fused(pass, w, x, y, n, &opts, matvec::Fused { pro, epi })?
                 }
             }
         }
@@ -77,12 +76,12 @@ impl ProjSet {
         exact: bool,
     ) -> Result<()> {
         let opts = MatvecOpts {
-            y_stride: self.width,
             exact,
             ..Default::default()
         };
         for (w, col) in &self.groups {
-            matmul::matmul_opts(pass, w, x, 0, y, *col, n, &opts)?;
+            let y = Operand::strided(y, *col, self.width);
+            matmul::matmul_opts(pass, w, Operand::new(x, 0), y, n, &opts)?;
         }
         Ok(())
     }

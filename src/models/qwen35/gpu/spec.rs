@@ -431,7 +431,13 @@ impl GpuModel {
         let v = hp.n_vocab;
         let out = match want {
             Want::Top { k, lse } => {
-                matmul::matmul(&mut pass, head, &m.out, (n - 1) * e, &sc.logits, 0, 1)?;
+                matmul::matmul(
+                    &mut pass,
+                    head,
+                    Operand::new(&m.out, (n - 1) * e),
+                    Operand::new(&sc.logits, 0),
+                    1,
+                )?;
                 sc.top
                     .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
                 pass.submit()?;
@@ -446,7 +452,13 @@ impl GpuModel {
                 Vec::new()
             }
             Want::All | Want::Last => {
-                matmul::matmul(&mut pass, head, &m.out, 0, &sc.logits, 0, n)?;
+                matmul::matmul(
+                    &mut pass,
+                    head,
+                    Operand::new(&m.out, 0),
+                    Operand::new(&sc.logits, 0),
+                    n,
+                )?;
                 pass.submit()?;
                 gpu.read_f32(&sc.logits, 0, n as usize * v)?
                     .chunks_exact(v)
@@ -507,7 +519,13 @@ impl GpuModel {
                 self.record_mtp(&mut pass, seq.slot, (last + j) as usize, 1, Src::Out(row))?;
                 row = 0;
             }
-            matmul::matmul(&mut pass, head, &m.out, row * e, &sc.logits, 0, 1)?;
+            matmul::matmul(
+                &mut pass,
+                head,
+                Operand::new(&m.out, row * e),
+                Operand::new(&sc.logits, 0),
+                1,
+            )?;
             m.top
                 .record(&mut pass, Operand::new(&sc.logits, 0), 1, j, 1, false)?;
         }
@@ -639,7 +657,13 @@ impl GpuModel {
             Some(&m.hnorm),
             hp.eps,
         )?;
-        matmul::matmul(pass, &m.fc, &m.cat, 0, &sc.x, 0, n)?;
+        matmul::matmul(
+            pass,
+            &m.fc,
+            Operand::new(&m.cat, 0),
+            Operand::new(&sc.x, 0),
+            n,
+        )?;
         let l = hp.n_layer;
         let lw = &self.w.layers[l];
         let parts = [Part {
