@@ -14,6 +14,10 @@
 //
 // COMBINE (its own entry): one thread per (token, d): y[t][d] += Σ_s w[t][s]·x[t·k + s][d],
 // the routed experts' outputs weighed and added in slot order (one dispatch for all slots).
+//
+// EXPERT_SCALE (its own entry): one thread per (token, slot): w[i] *= scale[ids[i]], the
+// chosen experts' weights times a learned per-expert factor (Gemma-4's
+// `router.per_expert_scale`).
 
 const WG = 256u;
 
@@ -40,6 +44,28 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     var acc = y[i];
     for (var s = 0u; s < cp.k; s++) { acc += w[t * cp.k + s] * x[(t * cp.k + s) * e + d]; }
     y[i] = acc;
+}
+#else
+#if EXPERT_SCALE
+struct SParams {
+    n: u32,        // ids and weights (tokens · k)
+    n_exp: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+@group(0) @binding(0) var<uniform> sp: SParams;
+@group(0) @binding(1) var<storage, read_write> w: array<f32>;
+@group(0) @binding(2) var<storage, read> ids: array<u32>;
+@group(0) @binding(3) var<storage, read> scale: array<f32>;
+
+@compute @workgroup_size(WG)
+fn expert_scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= sp.n) { return; }
+    // An id past the table (none comes from the router) leaves its weight as it is.
+    let e = ids[i];
+    if (e < sp.n_exp) { w[i] *= scale[e]; }
 }
 #else
 
@@ -143,4 +169,5 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         }
     }
 }
+#endif
 #endif

@@ -41,3 +41,36 @@ fn check_model(name: &str) {
 fn gemma4_tiny() {
     check_model("gemma4-tiny");
 }
+
+/// The MoE fixture's experts as the planner sees them, from GGUF (`ffn_gate_up_exps`) and HF
+/// (`experts.gate_up_proj`): fused gate+up stacks split in place, gate rows first, so an
+/// expert's gate and up are the first and last halves of its fused matrix.
+#[test]
+fn gemma4moe_tiny_experts_read_fused() {
+    use lathe::model_file::ModelFile;
+    use lathe::moe::{ExpertWeights, MoeInfo};
+    let dir = fixtures().join("gemma4moe-tiny");
+    for path in [dir.join("model-f32.gguf"), dir.clone()] {
+        let f = ModelFile::open(&path).unwrap();
+        let names = lathe::models::registry::expert_names(&f);
+        let info = MoeInfo::from_file(&f, names).unwrap();
+        assert_eq!((info.n_layer, info.n_used, info.layers.len()), (3, 2, 3));
+        let m = &info.layers[1];
+        assert_eq!((m.n_expert, m.n_ff(), m.n_embd()), (4, 32, 64));
+        let w = ExpertWeights::from_file(&f, names, m).unwrap();
+        let fused = f
+            .tensors()
+            .find(|t| t.name.contains(".1.") && t.name.contains("gate_up"))
+            .unwrap();
+        let half = (32 * 64 * 4) as usize;
+        for e in 0..4 {
+            let all = &fused.data[e * 2 * half..(e + 1) * 2 * half];
+            assert_eq!(&w.gate.expert(e).unwrap()[..], &all[..half]);
+            assert_eq!(&w.up.expert(e).unwrap()[..], &all[half..]);
+        }
+        let hp = lathe::models::gemma4::Hparams::from_file(&f).unwrap();
+        let moe = hp.moe.unwrap();
+        assert_eq!((moe.n_expert, moe.n_used, moe.n_ff_exp), (4, 2, 32));
+        assert!(hp.layers.iter().all(|g| g.moe));
+    }
+}

@@ -716,3 +716,35 @@ fn moe_combine_matches_reference() {
         assert_close(&format!("moe combine {n}×{e}, k {k}"), &got, &want, 1e-6);
     }
 }
+
+#[test]
+fn expert_scale_matches_reference() {
+    let gpu = gpu();
+    let mut rng = Rng(17);
+    // Odd pair counts past one workgroup, and Gemma-4 26B-A4B's 128 experts, top-8.
+    for (n, ne) in [(1usize, 4usize), (7 * 6, 37), (300 * 8, 128)] {
+        let w = rng.vec(n, 1.0);
+        let scale = rng.vec(ne, 2.0);
+        // Every expert and one id past the table (kept as it is).
+        let ids: Vec<u32> = (0..n as u32)
+            .map(|i| {
+                if i == 3 {
+                    ne as u32
+                } else {
+                    (i * 11 + 5) % ne as u32
+                }
+            })
+            .collect();
+        let wb = gpu.upload_f32(&w, "w").unwrap();
+        let ib = gpu.upload(bytemuck::cast_slice(&ids), "ids").unwrap();
+        let sb = tensor(&gpu, &[ne as u64], &scale);
+        submit(&gpu, |p| {
+            router::expert_scale(p, n as u32, &wb, &ib, &sb).unwrap()
+        });
+        let mut want = w.clone();
+        cpu::router::expert_scale(&mut want, &ids, &scale);
+        assert_ne!(want, w, "the scales change the weights");
+        let got = gpu.read_f32(&wb, 0, n).unwrap();
+        assert_close(&format!("expert scale {n} pairs of {ne}"), &got, &want, 0.0);
+    }
+}

@@ -3,9 +3,10 @@
 //! any expert; DeepSeek's block-scaled release experts are repacked a task's rows at a time,
 //! see `moe::layout`), while the GPU runs the hot experts.
 //!
-//! Each expert is a SwiGLU FFN `y = down(silu(g) ⊙ u)`, `g = gate·x`, `u = up·x`, with
-//! DeepSeek-V4's optional clamp (model.py `Expert.forward`): `g ← min(g, limit)`,
-//! `u ← clamp(u, −limit, limit)`. The activation runs in f32 as the GPU's `swiglu` does.
+//! Each expert is a gated FFN `y = down(act(g) ⊙ u)`, `g = gate·x`, `u = up·x` ([`Glu`]):
+//! SwiGLU with DeepSeek-V4's optional clamp (model.py `Expert.forward`): `g ← min(g, limit)`,
+//! `u ← clamp(u, −limit, limit)`; or Gemma's GeGLU (tanh GELU). The activation runs in f32
+//! as the GPU's `swiglu` / `geglu` do.
 //!
 //! Work is grouped by expert: all pairs of one expert (a prefill batch's tokens) go through
 //! each of its rows at once (`quant::dot_many`: each block decoded once for up to 16 tokens,
@@ -42,6 +43,25 @@ impl Kind {
             Kind::Gate => "gate",
             Kind::Up => "up",
             Kind::Down => "down",
+        }
+    }
+}
+
+/// The gated activation of an expert FFN: `act(g) ⊙ u`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Glu {
+    /// `silu(g) ⊙ u`, with DeepSeek-V4's clamp `limit` when given.
+    Swiglu(Option<f32>),
+    /// `gelu_tanh(g) ⊙ u` (Gemma's experts, HF `Gemma4TextExperts`).
+    GegluTanh,
+}
+
+impl Glu {
+    #[inline]
+    fn apply(self, g: f32, u: f32) -> f32 {
+        match self {
+            Glu::Swiglu(limit) => swiglu(g, u, limit),
+            Glu::GegluTanh => super::ops::gelu_tanh(g) * u,
         }
     }
 }
@@ -270,6 +290,18 @@ pub fn expert_rows_with(
     opts: &ColdOptions,
     out: &mut [f32],
 ) -> Result<()> {
+    expert_rows_glu(w, x, pairs, Glu::Swiglu(limit), opts, out)
+}
+
+/// [`expert_rows_with`] for experts of any gated activation `glu`.
+pub fn expert_rows_glu(
+    w: &(impl Experts + ?Sized),
+    x: &[f32],
+    pairs: &[ColdPair],
+    glu: Glu,
+    opts: &ColdOptions,
+    out: &mut [f32],
+) -> Result<()> {
     let (gs, us, ds) = (w.shape(Kind::Gate), w.shape(Kind::Up), w.shape(Kind::Down));
     let (e_dim, ff) = (gs.cols as usize, gs.rows as usize);
     let layer = w.layer();
@@ -334,7 +366,7 @@ pub fn expert_rows_with(
     let (act, rest) = scratch[..need].split_at_mut(ff * total_pairs);
     let (act_t, y) = rest.split_at_mut(ff * total_pairs);
 
-    // Phase 1: act = swiglu(gate·x, up·x), each row read once for all of its group's tokens.
+    // Phase 1: act = glu(gate·x, up·x), each row read once for all of its group's tokens.
     let (gd, ud) = (gs.dtype, us.dtype);
     let (gb, ub) = (gs.row_bytes() as usize, us.row_bytes() as usize);
     tasks(act, &groups, ff, e_dim)
@@ -359,7 +391,7 @@ pub fn expert_rows_with(
                 opts.dots(gd, gr, gx, gq, row_out);
                 opts.dots(ud, ur, gx, gq, up);
                 for (o, &uv) in row_out.iter_mut().zip(up.iter()) {
-                    *o = swiglu(*o, uv, limit);
+                    *o = glu.apply(*o, uv);
                 }
             }
             Ok(())

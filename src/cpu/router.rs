@@ -77,3 +77,13 @@ pub fn combine(y: &mut [f32], w: &[f32], x: &[f32], k: usize, n_embd: usize) {
         }
     }
 }
+
+/// `w[i] *= scale[ids[i]]` (ids past `scale` keep their weight), in f32 as the GPU's
+/// `expert_scale` does: Gemma-4's per-expert output scales on a router's chosen weights.
+pub fn expert_scale(w: &mut [f32], ids: &[u32], scale: &[f32]) {
+    for (w, &e) in w.iter_mut().zip(ids) {
+        if let Some(s) = scale.get(e as usize) {
+            *w *= s;
+        }
+    }
+}

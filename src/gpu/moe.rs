@@ -10,6 +10,7 @@ use super::matmul::{self, MoeRoute};
 use super::matvec::{self, MatvecOpts};
 use super::operand::Operand;
 use super::{check_len, grid, Binding, Gpu, GpuTensor, Pass, PipelineSpec, TensorPart};
+pub use crate::cpu::moe::Glu;
 use crate::tensor::MatShape;
 use crate::{Error, Result};
 
@@ -443,7 +444,7 @@ pub fn map_read(
     Ok((ids_v, x_v))
 }
 
-/// Scratch of one routed FFN: `gate`, `up` `[rows·n_used, n_ff]`, `act` (SwiGLU output, same
+/// Scratch of one routed FFN: `gate`, `up` `[rows·n_used, n_ff]`, `act` (gated output, same
 /// size), `out` `[rows·n_used, n_embd]` (the per-pair buffer `moe_out`).
 pub struct FfnBufs<'b> {
     pub gate: &'b wgpu::Buffer,
@@ -483,6 +484,18 @@ pub fn routed_ffn(
     b: &FfnBufs<'_>,
     limit: Option<f32>,
 ) -> Result<()> {
+    routed_ffn_glu(pass, w, x, p, b, Glu::Swiglu(limit))
+}
+
+/// [`routed_ffn`] for experts of any gated activation `glu` (Gemma's GeGLU).
+pub fn routed_ffn_glu(
+    pass: &mut Pass<'_>,
+    w: &ExpertStacks<'_>,
+    x: &wgpu::Buffer,
+    p: &Picks<'_>,
+    b: &FfnBufs<'_>,
+    glu: Glu,
+) -> Result<()> {
     let (ids, route, n, k) = (p.ids, p.route, p.n, p.k);
     let ff = w.gate.shape[1] as u32;
     let opts = MatvecOpts::default();
@@ -521,15 +534,15 @@ pub fn routed_ffn(
             )?;
         }
     }
-    ew::swiglu(
-        pass,
-        n * k,
-        ff,
+    let (act, g, u) = (
         Operand::new(b.act, 0),
         Operand::new(b.gate, 0),
         Operand::new(b.up, 0),
-        limit,
-    )?;
+    );
+    match glu {
+        Glu::Swiglu(limit) => ew::swiglu(pass, n * k, ff, act, g, u, limit)?,
+        Glu::GegluTanh => ew::geglu(pass, n * k, ff, act, g, u)?,
+    }
     if small {
         matvec::matvec_indexed(
             pass,

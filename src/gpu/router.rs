@@ -2,7 +2,8 @@
 //! sigmoid or sqrt(softplus); top-k of score + bias, or a hash table's ids; weights =
 //! the chosen unbiased scores, renormalised, times `route_scale`. CPU reference:
 //! `cpu::router::route`. Also [`combine`]: the weighted sum of the routed experts' outputs
-//! in one dispatch (CPU reference `cpu::router::combine`).
+//! in one dispatch (CPU reference `cpu::router::combine`), and [`expert_scale`]: the chosen
+//! weights times a per-expert factor (CPU reference `cpu::router::expert_scale`).
 
 use super::operand::Operand;
 use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
@@ -236,6 +237,69 @@ pub fn combine(
         &prm,
         &[Binding::from(y), w.into(), x.into()],
         grid((n as u32).div_ceil(256)),
+    );
+    Ok(())
+}
+
+/// Uniforms of `expert_scale`.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct ScaleParams {
+    n: u32,
+    n_exp: u32,
+    _pad: [u32; 2],
+}
+const _: () = assert!(std::mem::size_of::<ScaleParams>() == 16);
+
+/// `w[i] *= scale[ids[i]]` for the `n` (token, slot) pairs of a router's output: `w` f32 and
+/// `ids` u32 `[n]` packed from 0, `scale` F32 `[n_exp]` (Gemma-4's per-expert output scales,
+/// HF `Gemma4TextRouter.per_expert_scale`). Ids at or past `n_exp` keep their weight.
+pub fn expert_scale(
+    pass: &mut Pass<'_>,
+    n: u32,
+    w: &wgpu::Buffer,
+    ids: &wgpu::Buffer,
+    scale: &GpuTensor,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let n_exp = scale.n_rows() * scale.row_len();
+    if scale.dtype != DType::F32 || scale.parts.len() != 1 || n_exp > u32::MAX as u64 {
+        return Err(Error::Invalid(format!(
+            "expert_scale: `{}` is {} {:?}, expected F32 in one buffer",
+            scale.name, scale.dtype, scale.shape
+        )));
+    }
+    for (what, b) in [("w", w), ("ids", ids)] {
+        if n as u64 * 4 > b.size() {
+            return Err(Error::Invalid(format!(
+                "expert_scale: {what} needs {n} elements, its buffer holds {}",
+                b.size() / 4
+            )));
+        }
+    }
+    if n > u32::MAX - 256 {
+        return Err(Error::Invalid("expert_scale: too many pairs".into()));
+    }
+    let pl = pass.gpu().pipeline(
+        &PipelineSpec::new("router_expert_scale", SRC, "expert_scale").define("EXPERT_SCALE", true),
+    )?;
+    let prm = ScaleParams {
+        n,
+        n_exp: n_exp as u32,
+        _pad: [0; 2],
+    };
+    pass.dispatch(
+        &pl,
+        "expert_scale",
+        &prm,
+        &[
+            Binding::from(w),
+            ids.into(),
+            (&scale.parts[0].buffer).into(),
+        ],
+        grid(n.div_ceil(256)),
     );
     Ok(())
 }

@@ -7,7 +7,7 @@ use super::{deepseek4, gemma4, llama, qwen35, ModelFile};
 use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
 use crate::model_file::PartSpec;
-use crate::moe::{EachExpert, ExpertNames, Needs, RunShape};
+use crate::moe::{EachExpert, ExpertNames, FusedStacks, Needs, RunShape};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -63,26 +63,43 @@ const DEEPSEEK_EXPERTS: EachExpert = EachExpert {
     packed: true,
 };
 
+/// Gemma-4's fused gate+up stacks: llama.cpp's converter writes `ffn_gate_up_exps`
+/// (`LLM_TENSOR_FFN_GATE_UP_EXPS`) beside the usual down stack; transformers'
+/// `Gemma4TextExperts` keeps `gate_up_proj` `[E, 2·F, H]` and `down_proj` `[E, H, F]`.
+const GEMMA4_FUSED: [FusedStacks; 2] = [
+    FusedStacks {
+        gate_up: "blk.{l}.ffn_gate_up_exps.weight",
+        down: "blk.{l}.ffn_down_exps.weight",
+    },
+    FusedStacks {
+        gate_up: "model.layers.{l}.experts.gate_up_proj",
+        down: "model.layers.{l}.experts.down_proj",
+    },
+];
+
 static QWEN_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: GGUF_STACKS,
+    fused: &[],
     each: &[HF_EXPERTS],
 };
 
 static DEEPSEEK_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: GGUF_STACKS,
+    fused: &[],
     each: &[DEEPSEEK_EXPERTS],
 };
 
-/// Gemma-4: dense files only for now (its MoE files, with fused `ffn_gate_up_exps`, are
-/// refused at load), so no per-expert checkpoint naming.
+/// Gemma-4: fused stacks (GGUF files may also carry separate gate and up stacks).
 static GEMMA4_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: GGUF_STACKS,
+    fused: &GEMMA4_FUSED,
     each: &[],
 };
 
 /// A file of no known family (`lathe plan` still sizes it): every naming above.
 static ANY_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: GGUF_STACKS,
+    fused: &GEMMA4_FUSED,
     each: &[HF_EXPERTS, DEEPSEEK_EXPERTS],
 };
 

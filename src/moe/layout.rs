@@ -2,8 +2,9 @@
 //! the gate, up and down matrices) and where their bytes are in the mapped file.
 //!
 //! Expert tensors are read where the file keeps them, under the names its family gives
-//! ([`ExpertNames`]): GGUF stacks `[n_expert, rows, cols]` (llama.cpp's layout), or
-//! checkpoints with one tensor per expert. Block-scaled release experts are described as
+//! ([`ExpertNames`]): GGUF stacks `[n_expert, rows, cols]` (llama.cpp's layout), stacks whose
+//! gate and up matrices are one tensor ([`FusedStacks`]), or checkpoints with one tensor per
+//! expert. Block-scaled release experts are described as
 //! the type the loaders repack them into, which is what the GPU stores:
 //! - packed e2m1 pairs (I8/U8 `[rows, cols/2]` + E8M0 `.scale` `[rows, cols/32]`): ggml MXFP4
 //!   (the same byte count);
@@ -90,8 +91,20 @@ pub struct MoeInfo {
 pub struct ExpertNames {
     /// GGUF stacks `[n_expert, rows, cols]`, `{l}` only.
     pub stacks: [&'static str; 3],
+    /// Stacks with gate and up fused, in the order a file is looked up.
+    pub fused: &'static [FusedStacks],
     /// Checkpoints with one tensor per expert, in the order a file is looked up.
     pub each: &'static [EachExpert],
+}
+
+/// Stacks whose gate and up matrices are one tensor `[n_expert, 2·n_ff, n_embd]`, gate rows
+/// first (llama.cpp's `ffn_gate_up_exps`, transformers' `experts.gate_up_proj`), beside a
+/// down stack `[n_expert, n_embd, n_ff]`; `{l}` only. Each half is read in place: an expert's
+/// gate and up are contiguous row ranges of its fused matrix.
+#[derive(Debug)]
+pub struct FusedStacks {
+    pub gate_up: &'static str,
+    pub down: &'static str,
 }
 
 /// One naming of per-expert matrices.
@@ -143,6 +156,11 @@ impl ExpertNames {
                 return Some((l, None, kind, false));
             }
         }
+        for f in self.fused {
+            if let Some((l, None)) = match_template(f.down, name) {
+                return Some((l, None, Kind::Down, false));
+            }
+        }
         for each in self.each {
             for (t, kind) in each.names.iter().zip(Kind::ALL) {
                 if let Some((l, Some(e))) = match_template(t, name) {
@@ -156,7 +174,17 @@ impl ExpertNames {
     /// True for a routed expert tensor name (GGUF stack, per-expert matrix or the block
     /// scale of a per-expert matrix): what a loader leaves to the expert arena.
     pub fn is_expert(&self, name: &str) -> bool {
-        self.parse(name).is_some() || self.is_scale(name)
+        self.parse(name).is_some() || self.is_scale(name) || self.fused_layer(name).is_some()
+    }
+
+    /// The layer of a fused gate+up stack named `name`.
+    fn fused_layer(&self, name: &str) -> Option<usize> {
+        self.fused
+            .iter()
+            .find_map(|f| match match_template(f.gate_up, name) {
+                Some((l, None)) => Some(l),
+                _ => None,
+            })
     }
 
     /// The scale tensor of a per-expert matrix (`X.scale` or `X.weight_scale_inv` beside
@@ -221,10 +249,17 @@ fn counts(f: &ModelFile) -> Result<(Option<u64>, Option<u64>)> {
             ))
         }
         ModelFile::Hf(h) => {
-            let k = match h.cfg_opt_u64("num_experts_per_tok")? {
-                Some(k) => Some(k),
-                None => h.cfg_opt_u64("n_activated_experts")?,
-            };
+            // Qwen's and Llama's, DeepSeek's, Gemma-4's config key.
+            let mut k = None;
+            for key in [
+                "num_experts_per_tok",
+                "n_activated_experts",
+                "top_k_experts",
+            ] {
+                if k.is_none() {
+                    k = h.cfg_opt_u64(key)?;
+                }
+            }
             let n = match h.cfg_opt_u64("num_hidden_layers")? {
                 Some(n) => Some(n),
                 None => h.cfg_opt_u64("n_layers")?,
@@ -252,6 +287,29 @@ impl MoeInfo {
         let head = has_output_head(f);
         let bad = |t: &TensorRef<'_>, what: String| Error::tensor(t.path, t.name, what);
         for t in f.tensors() {
+            if let Some(l) = names.fused_layer(t.name) {
+                let [n, rows2, cols] = t.shape[..] else {
+                    return Err(bad(
+                        &t,
+                        format!("fused expert stack of shape {:?}", t.shape),
+                    ));
+                };
+                if !rows2.is_multiple_of(2) {
+                    return Err(bad(&t, format!("fused gate+up stack of {rows2} rows")));
+                }
+                let s = MatShape {
+                    dtype: t.dtype,
+                    rows: rows2 / 2,
+                    cols,
+                };
+                let entry = found.entry(l).or_default();
+                for kind in [Kind::Gate, Kind::Up] {
+                    if entry.stack.insert(kind, (s, n)).is_some() {
+                        return Err(bad(&t, format!("a second {} stack", kind.name())));
+                    }
+                }
+                continue;
+            }
             let Some((l, e, kind, packed)) = names.parse(t.name) else {
                 if names.is_scale(t.name) {
                     // Counted with its weight (in the repacked type).
@@ -529,6 +587,44 @@ impl<'a> ExpertMats<'a> {
         })
     }
 
+    /// The gate (`Kind::Gate`) or up half of a fused stack `[n_expert, 2·rows, cols]`
+    /// ([`FusedStacks`]): per expert its first or last `rows` rows, borrowed in place.
+    pub fn from_fused(t: &TensorRef<'a>, kind: Kind) -> Result<ExpertMats<'a>> {
+        let bad = |what: String| Error::tensor(t.path, t.name, what);
+        let [n, rows2, cols] = t.shape[..] else {
+            return Err(bad(format!("fused expert stack of shape {:?}", t.shape)));
+        };
+        let shape = MatShape {
+            dtype: t.dtype,
+            rows: rows2 / 2,
+            cols,
+        };
+        let half = shape.bytes() as usize;
+        let eb = 2 * half;
+        if kind == Kind::Down
+            || !rows2.is_multiple_of(2)
+            || half == 0
+            || eb.checked_mul(n as usize) != Some(t.data.len())
+        {
+            return Err(bad(format!(
+                "{} bytes do not hold {n} fused gate+up experts of {rows2}x{cols} {} \
+                 ({} half)",
+                t.data.len(),
+                t.dtype,
+                kind.name()
+            )));
+        }
+        let off = if kind == Kind::Gate { 0 } else { half };
+        Self::stored(
+            shape,
+            t.name,
+            t.data
+                .chunks_exact(eb)
+                .map(|c| Some(&c[off..off + half]))
+                .collect(),
+        )
+    }
+
     /// One slice per expert, in `shape.dtype` (HF per-expert tensors, or bytes repacked by
     /// the caller).
     pub fn from_parts(shape: MatShape, name: &str, experts: Vec<&'a [u8]>) -> Result<Self> {
@@ -802,6 +898,18 @@ impl<'a> ExpertWeights<'a> {
             if let Some(t) = f.tensor(&stack) {
                 return ExpertMats::from_stack(&t);
             }
+            for fu in names.fused {
+                let (name, fused) = match kind {
+                    Kind::Down => (fu.down, false),
+                    Kind::Gate | Kind::Up => (fu.gate_up, true),
+                };
+                if let Some(t) = f.tensor(&fill(name, l, 0)) {
+                    return match fused {
+                        true => ExpertMats::from_fused(&t, kind),
+                        false => ExpertMats::from_stack(&t),
+                    };
+                }
+            }
             // One tensor per expert: the first of the family's namings the file uses.
             let Some((template, t0)) = names.each.iter().find_map(|each| {
                 let t = each.names[kind as usize];
@@ -897,6 +1005,10 @@ mod tests {
 
     static NAMES: ExpertNames = ExpertNames {
         stacks: ["s.{l}.gate", "s.{l}.up", "s.{l}.down"],
+        fused: &[FusedStacks {
+            gate_up: "f.{l}.gate_up",
+            down: "f.{l}.down",
+        }],
         each: &[EachExpert {
             names: [
                 "p.{l}.x.{e}.g.weight",
@@ -929,6 +1041,9 @@ mod tests {
             "a stack has no block scale"
         );
         assert_eq!(NAMES.stack(7, Kind::Down), "s.7.down");
+        assert_eq!(NAMES.parse("f.5.down"), Some((5, None, Kind::Down, false)));
+        assert_eq!(NAMES.fused_layer("f.5.gate_up"), Some(5));
+        assert!(NAMES.is_expert("f.5.gate_up") && !NAMES.is_expert("f.5.gate"));
         assert_eq!(fill(NAMES.each[0].names[1], 2, 9), "p.2.x.9.u.weight");
     }
 }

@@ -111,7 +111,8 @@ pub use budget::{
 };
 pub use cache::{CacheConfig, LayerHits, ResidencyCache, Upload};
 pub use layout::{
-    EachExpert, ExpertMats, ExpertNames, ExpertWeights, Kind, MatShape, MoeInfo, MoeLayerInfo,
+    EachExpert, ExpertMats, ExpertNames, ExpertWeights, FusedStacks, Kind, MatShape, MoeInfo,
+    MoeLayerInfo,
 };
 pub use offload::{
     fill_arena, new_arena, remap_tables, write_expert, Offload, PlacementReport, Plan,

@@ -14,7 +14,8 @@ use crate::forward::LoadOptions;
 use crate::gpu::limits::BufferUse;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::moe::{
-    remap, routed_ffn, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Picks, RemapTables,
+    remap, routed_ffn_glu, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Glu, Picks,
+    RemapTables,
 };
 use crate::gpu::{check_len, fit_rows, BufferLimits, Gpu, Pass, PassBuffer};
 use crate::model_file::ModelFile;
@@ -873,6 +874,19 @@ impl Offload {
         b: &FfnBufs<'_>,
         limit: Option<f32>,
     ) -> Result<()> {
+        self.hot_ffn_glu(pass, layer, x, n, b, Glu::Swiglu(limit))
+    }
+
+    /// [`hot_ffn`](Self::hot_ffn) for experts of any gated activation (Gemma's GeGLU).
+    pub fn hot_ffn_glu(
+        &self,
+        pass: &mut Pass<'_>,
+        layer: usize,
+        x: &wgpu::Buffer,
+        n: u32,
+        b: &FfnBufs<'_>,
+        glu: Glu,
+    ) -> Result<()> {
         let lp = self
             .placement
             .layer(layer)
@@ -895,7 +909,7 @@ impl Offload {
             n,
             k: self.n_used,
         };
-        routed_ffn(pass, &stacks, x, &picks, b, limit)
+        routed_ffn_glu(pass, &stacks, x, &picks, b, glu)
     }
 
     /// Steps 7-8. `pass` holds the hot experts and the shared expert (`hot`): submitted
@@ -921,6 +935,18 @@ impl Offload {
         cold: Option<Cold>,
         b: &FfnBufs<'_>,
         limit: Option<f32>,
+        after: Option<After<'_>>,
+    ) -> Result<()> {
+        self.cold_ffn_glu(pass, cold, b, Glu::Swiglu(limit), after)
+    }
+
+    /// [`cold_ffn`](Self::cold_ffn) for experts of any gated activation (Gemma's GeGLU).
+    pub fn cold_ffn_glu(
+        &self,
+        pass: &mut Pass<'_>,
+        cold: Option<Cold>,
+        b: &FfnBufs<'_>,
+        glu: Glu,
         mut after: Option<After<'_>>,
     ) -> Result<()> {
         let has_after = after.is_some();
@@ -1005,7 +1031,7 @@ impl Offload {
             drop(warm.take());
         }
         if streamed {
-            self.stream_layer(pass, li, &c, &pairs, b, limit)?;
+            self.stream_layer(pass, li, &c, &pairs, b, glu)?;
         } else if !pairs.is_empty() {
             let mut experts: Vec<u32> = pairs.iter().map(|p| p.expert).collect();
             experts.sort_unstable();
@@ -1065,11 +1091,11 @@ impl Offload {
                     });
                 }
                 drop(warm.take());
-                crate::cpu::moe::expert_rows_with(
+                crate::cpu::moe::expert_rows_glu(
                     &w,
                     &h,
                     &pairs,
-                    limit,
+                    glu,
                     &opts,
                     bytemuck::cast_slice_mut(rows),
                 )
@@ -1158,7 +1184,7 @@ impl Offload {
         c: &Cold,
         pairs: &[ColdPair],
         b: &FfnBufs<'_>,
-        limit: Option<f32>,
+        glu: Glu,
     ) -> Result<()> {
         let gpu = pass.gpu();
         let st = self.streams.as_ref().expect("streams_batch checked");
@@ -1210,7 +1236,7 @@ impl Offload {
                 n: c.n,
                 k: self.n_used,
             };
-            routed_ffn(pass, &stacks, &c.x, &picks, b, limit)?;
+            routed_ffn_glu(pass, &stacks, &c.x, &picks, b, glu)?;
             let sub = self.submit(pass, None)?;
             if let Some(i) = used {
                 st.last_use.lock().unwrap_or_else(|p| p.into_inner())[i] = sub;

@@ -38,7 +38,13 @@ DENSE = dict(
                            "rope_theta": 1000000.0},
     },
 )
-SPECS = {"gemma4-tiny": dict(cfg=DENSE, seed=0, n_tokens=24)}
+# The MoE variant (the family's 26B-A4B layout): every block runs the dense MLP as a shared
+# branch beside 4 routed GeGLU experts of 32 (top-2), gate and up stored fused.
+MOE = dict(DENSE, num_hidden_layers=3, vocab_size=256, intermediate_size=64,
+           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+           enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+SPECS = {"gemma4-tiny": dict(cfg=DENSE, seed=0, n_tokens=24),
+         "gemma4moe-tiny": dict(cfg=MOE, seed=4, n_tokens=24)}
 
 
 def perturb(model, seed):
@@ -48,7 +54,9 @@ def perturb(model, seed):
             if not p.is_floating_point() or p.numel() == 0 or "inv_freq" in n or "embed_scale" in n:
                 continue
             if p.numel() == 1 or torch.all(p == p.flatten()[0]):
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.1)
+                # Per-expert output scales vary more, so that a dropped one shows.
+                s = 0.5 if "per_expert_scale" in n else 0.1
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * s)
 
 
 def logits_of(model, toks):

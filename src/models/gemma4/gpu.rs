@@ -263,6 +263,12 @@ enum ChunkWant {
 impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
         let hp = Hparams::from_file(file)?;
+        if hp.moe.is_some() {
+            return Err(Error::Unsupported(format!(
+                "{}: the Gemma-4 MoE forward (its experts are read, not run yet)",
+                file.path().display()
+            )));
+        }
         if opts.part.as_ref().is_some_and(|p| !(p.first && p.last)) {
             return Err(Error::Unsupported(
                 "a Gemma-4 model split over several devices".into(),

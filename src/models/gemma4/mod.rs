@@ -17,7 +17,16 @@
 //!   `norm_shift` is 0, so GGUF and HF weights are the same numbers.
 //! - Attention scores are not scaled (`self.scaling = 1.0`): the q/k norms set the scale.
 //!
-//! MoE blocks (`ffn_gate_inp`), per-layer embeddings and KV sharing are refused by name.
+//! MoE blocks (the 26B-A4B layout; a block is MoE when its file has the router
+//! `ffn_gate_inp`, as llama.cpp decides): the dense MLP runs as a shared branch, normed by
+//! `post_ffw_norm_1`, beside the routed experts, whose input is `pre_ffw_norm_2(x)` and whose
+//! weighted sum is normed by `post_ffw_norm_2`; the two add before `post_ffw_norm`. The
+//! router reads the block's input `x` itself: `proj · (rms_norm(x) ⊙ scale / sqrt(n_embd))`
+//! (HF `Gemma4TextRouter`), softmax over all experts, top-k renormalised, each weight times
+//! its expert's `per_expert_scale` (GGUF `ffn_down_exps.scale`). Experts are GeGLU, gate and
+//! up fused in one stack, gate rows first (the registry's `ExpertNames`).
+//!
+//! Per-layer embeddings and KV sharing are refused by name.
 
 pub mod gpu;
 
@@ -69,8 +78,14 @@ pub enum W {
     PostFfnNorm(usize),
     /// `[1]`: the block's output multiplier.
     OutScale(usize),
-    /// Present only in MoE blocks (refused).
+    /// MoE blocks only: the router `[n_expert, n_embd]`, its input scale `[n_embd]`, the
+    /// per-expert output scales `[n_expert]`, and the norms of the two branches `[n_embd]`.
     Router(usize),
+    RouterScale(usize),
+    ExpertScale(usize),
+    PreFfnNorm2(usize),
+    PostFfnNorm1(usize),
+    PostFfnNorm2(usize),
 }
 
 impl W {
@@ -97,6 +112,11 @@ impl W {
             PostFfnNorm(l) => b(l, "post_ffw_norm.weight"),
             OutScale(l) => b(l, "layer_output_scale.weight"),
             Router(l) => b(l, "ffn_gate_inp.weight"),
+            RouterScale(l) => b(l, "ffn_gate_inp.scale"),
+            ExpertScale(l) => b(l, "ffn_down_exps.scale"),
+            PreFfnNorm2(l) => b(l, "pre_ffw_norm_2.weight"),
+            PostFfnNorm1(l) => b(l, "post_ffw_norm_1.weight"),
+            PostFfnNorm2(l) => b(l, "post_ffw_norm_2.weight"),
         }
     }
 
@@ -123,6 +143,11 @@ impl W {
             PostFfnNorm(l) => b(l, "post_feedforward_layernorm.weight"),
             OutScale(l) => b(l, "layer_scalar"),
             Router(l) => b(l, "router.proj.weight"),
+            RouterScale(l) => b(l, "router.scale"),
+            ExpertScale(l) => b(l, "router.per_expert_scale"),
+            PreFfnNorm2(l) => b(l, "pre_feedforward_layernorm_2.weight"),
+            PostFfnNorm1(l) => b(l, "post_feedforward_layernorm_1.weight"),
+            PostFfnNorm2(l) => b(l, "post_feedforward_layernorm_2.weight"),
         }
     }
 
@@ -143,7 +168,22 @@ pub struct LayerGeom {
     pub head_dim: usize,
     pub n_head_kv: usize,
     pub n_ff: usize,
+    /// A MoE block (its file has the router): the dense FFN is its shared branch.
+    pub moe: bool,
 }
+
+/// The routed experts of the MoE blocks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Moe {
+    pub n_expert: usize,
+    /// Experts per token (top-k).
+    pub n_used: usize,
+    /// Each expert's FFN width.
+    pub n_ff_exp: usize,
+}
+
+/// Experts per token and each expert's FFN width, as a MoE file's metadata says.
+type ExpertCounts = (Option<usize>, Option<usize>);
 
 /// Hyper-parameters.
 #[derive(Clone, Debug)]
@@ -163,26 +203,54 @@ pub struct Hparams {
     pub eps: f32,
     /// `final_logit_softcapping`.
     pub softcap: Option<f32>,
+    /// `Some` when any block is MoE.
+    pub moe: Option<Moe>,
 }
 
 impl Hparams {
     pub fn from_file(f: &ModelFile) -> Result<Hparams> {
-        let hp = match f {
+        let (mut hp, (n_used, n_ff_exp)) = match f {
             ModelFile::Gguf(g) => Self::from_gguf(g)?,
             ModelFile::Hf(h) => Self::from_hf(h)?,
         };
-        // Variants lathe does not run yet, found by tensor presence as llama.cpp does.
-        let path = f.path();
-        let unsupported = |what: &str, name: String| {
-            Err(Error::Unsupported(format!(
-                "{}: Gemma-4 {what} (tensor `{name}`)",
-                path.display()
-            )))
-        };
+        // MoE blocks by tensor presence, as llama.cpp decides (`ffn_gate_inp`).
+        let mut n_expert = None;
         for l in 0..hp.n_layer {
-            if f.tensor(&W::Router(l).name(f)).is_some() {
-                return unsupported("MoE blocks", W::Router(l).name(f));
+            let Some(r) = f.tensor(&W::Router(l).name(f)) else {
+                continue;
+            };
+            let n = match r.shape {
+                [n, e] if *e as usize == hp.n_embd && *n > 0 => *n as usize,
+                s => {
+                    return Err(Error::tensor(
+                        r.path,
+                        r.name,
+                        format!("shape {s:?}, expected [n_expert, {}]", hp.n_embd),
+                    ))
+                }
+            };
+            if *n_expert.get_or_insert(n) != n {
+                return Err(Error::tensor(
+                    r.path,
+                    r.name,
+                    format!("{n} experts, earlier blocks have {}", n_expert.unwrap_or(0)),
+                ));
             }
+            hp.layers[l].moe = true;
+        }
+        if let Some(n_expert) = n_expert {
+            let n_used = n_used.unwrap_or(0);
+            if n_used == 0 || n_used > n_expert {
+                return Err(Error::format(
+                    f.path(),
+                    format!("Gemma-4: {n_used} experts used of {n_expert}"),
+                ));
+            }
+            hp.moe = Some(Moe {
+                n_expert,
+                n_used,
+                n_ff_exp: n_ff_exp.unwrap_or(0),
+            });
         }
         Ok(hp)
     }
@@ -220,7 +288,8 @@ impl Hparams {
         Ok(self)
     }
 
-    fn from_gguf(g: &GgufFile) -> Result<Hparams> {
+    /// The hyper-parameters, the experts a token uses and their FFN width (MoE files).
+    fn from_gguf(g: &GgufFile) -> Result<(Hparams, ExpertCounts)> {
         use gguf_keys::*;
         let arch = g.architecture()?.to_string();
         if !ARCHS.contains(&arch.as_str()) {
@@ -296,10 +365,15 @@ impl Hparams {
                 head_dim: if swa[l] { hd_swa } else { hd_full },
                 n_head_kv: kv[l] as usize,
                 n_ff: ff[l] as usize,
+                moe: false,
             })
             .collect();
         let embd = g.require(&W::TokEmbd.gguf_name())?;
         let n_vocab = vocab_of(&embd, n_embd)?;
+        let n_used = (
+            g.opt_usize(&k(keys::EXPERT_USED_COUNT))?,
+            g.opt_usize(&k(keys::EXPERT_FEED_FORWARD_LENGTH))?,
+        );
         Hparams {
             n_layer,
             n_embd,
@@ -316,11 +390,13 @@ impl Hparams {
                 .opt_f32(&k(keys::ATTENTION_LAYERNORM_RMS_EPS))?
                 .unwrap_or(1e-6),
             softcap: g.opt_f32(&k(FINAL_LOGIT_SOFTCAPPING))?,
+            moe: None,
         }
         .check(g.path())
+        .map(|hp| (hp, n_used))
     }
 
-    fn from_hf(h: &HfModel) -> Result<Hparams> {
+    fn from_hf(h: &HfModel) -> Result<(Hparams, ExpertCounts)> {
         let arch = h.architecture()?;
         if !ARCHS.contains(&arch.as_str()) {
             return Err(Error::Unsupported(format!(
@@ -339,12 +415,6 @@ impl Hparams {
                     h.config_path().display()
                 )));
             }
-        }
-        if h.cfg_opt_bool("enable_moe_block")?.unwrap_or(false) {
-            return Err(Error::Unsupported(format!(
-                "{}: Gemma-4 MoE blocks (enable_moe_block)",
-                h.config_path().display()
-            )));
         }
         if let Some(a) = h.cfg_opt_str("hidden_activation")? {
             if a != "gelu_pytorch_tanh" {
@@ -383,6 +453,7 @@ impl Hparams {
                 head_dim: over("head_dim")?.map_or(hd, |v| v as usize),
                 n_head_kv: over("num_key_value_heads")?.map_or(kv, |v| v as usize),
                 n_ff,
+                moe: false,
             });
         }
         let rp = |t: &str, k: &str| h.cfg_opt_f64(&format!("rope_parameters.{t}.{k}"));
@@ -407,6 +478,10 @@ impl Hparams {
         let frac = rp("full_attention", "partial_rotary_factor")?.unwrap_or(1.0);
         let n_embd = h.cfg_u64("hidden_size")? as usize;
         let embd = h.require(&W::TokEmbd.hf_name())?;
+        let n_used = (
+            h.cfg_opt_u64("top_k_experts")?.map(|k| k as usize),
+            h.cfg_opt_u64("moe_intermediate_size")?.map(|k| k as usize),
+        );
         Hparams {
             n_layer,
             n_embd,
@@ -420,8 +495,10 @@ impl Hparams {
             rope_pairs_global: Some((frac * hd_full as f64 / 2.0) as usize),
             eps: h.cfg_opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             softcap: h.cfg_opt_f64("final_logit_softcapping")?.map(|c| c as f32),
+            moe: None,
         }
         .check(&h.config_path())
+        .map(|hp| (hp, n_used))
     }
 }
 
