@@ -9,7 +9,7 @@
 use lathe::engine::{Engine, LoadOptions};
 use lathe::gguf::{GgufFile, Value};
 use lathe::synth::{
-    self, Dims, DsDims, FileType, LlamaDims, PlanOptions, Preset, QwenDims, QwenMoe, Yarn,
+    self, Dims, DsDims, FileType, LlamaDims, PlanOptions, Preset, QwenDims, QwenMoe, StepDims, Yarn,
 };
 use lathe::DType;
 use std::path::{Path, PathBuf};
@@ -814,5 +814,104 @@ fn bad_arguments_fail_with_one_line() {
         .output()
         .unwrap();
     assert_eq!(r.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `step37-tiny` of `tests/oracle/make_step37.py`: hidden 64, 5 layers (full, sliding,
+/// sliding, full, sliding: 2 or 3 heads of 16 over 1 KV head), 2 dense, 4 experts top-2.
+fn step37_tiny() -> Preset {
+    let d = StepDims {
+        n_embd: 64,
+        n_layer: 5,
+        n_ff: 64,
+        n_head: 2,
+        n_head_swa: 3,
+        n_head_kv: 1,
+        head_dim: 16,
+        swa: vec![false, true, true, false, true],
+        window: 8,
+        n_dense: 2,
+        n_vocab: 256,
+        ctx: 4096,
+        rope_theta: 5e6,
+        rope_theta_swa: 1e4,
+        rope_freqs: true,
+        eps: 1e-5,
+        moe: QwenMoe {
+            n_expert: 4,
+            n_used: 2,
+            n_ff_exp: 16,
+            n_ff_shexp: 16,
+        },
+        route_scale: 3.0,
+        clamp_exp: vec![0.0; 5],
+        clamp_shexp: vec![0.0; 5],
+    };
+    preset("step37-tiny", "Step37 Tiny", Dims::Step(d))
+}
+
+#[test]
+fn step37_plans_match_llama_cpps_files() {
+    for (ft, file) in [
+        (FileType::F32, "model-f32.gguf"),
+        (FileType::Q8_0, "model-q8_0.gguf"),
+    ] {
+        let plan = plan_of(&step37_tiny(), ft, DType::F32);
+        assert_same_layout(&plan, &fixture("step37-tiny", file));
+    }
+}
+
+/// The release preset plans at Step-3.7-Flash's size (196B text parameters, 11B active:
+/// the model card's numbers less the 1.8B vision tower), and a shortened, narrowed file of it
+/// (its per-layer geometry, dense-then-MoE layout and routing kept) loads and runs.
+#[test]
+fn step37_preset_plans_and_runs() {
+    let p = synth::preset("step-3.7-flash").unwrap();
+    let plan = synth::plan(&p, &PlanOptions::default(), None).unwrap();
+    let params: u64 = plan.tensors.iter().map(|t| t.n_elements()).sum();
+    assert!(
+        (190e9..200e9).contains(&(params as f64)),
+        "{params} parameters"
+    );
+    assert_eq!(
+        plan.get("step35.attention.head_count"),
+        Some(&Value::Array(
+            (0..45)
+                .map(|l| Value::I32(if l % 4 == 0 { 64 } else { 96 }))
+                .collect()
+        ))
+    );
+    let mut p = p;
+    let Dims::Step(d) = &mut p.dims else {
+        panic!("step-3.7-flash: not a Step preset")
+    };
+    (
+        d.n_embd,
+        d.n_ff,
+        d.n_head,
+        d.n_head_swa,
+        d.n_head_kv,
+        d.head_dim,
+    ) = (256, 512, 2, 3, 1, 64);
+    (
+        d.moe.n_expert,
+        d.moe.n_used,
+        d.moe.n_ff_exp,
+        d.moe.n_ff_shexp,
+    ) = (16, 4, 64, 64);
+    let opts = PlanOptions {
+        ftype: Some(FileType::Q8_0),
+        n_layer: Some(5),
+        n_vocab: Some(512),
+        skew: 4.0,
+        ..Default::default()
+    };
+    let dir = tmp_dir("step37");
+    let path = dir.join("step37.gguf");
+    synth::plan(&p, &opts, None)
+        .unwrap()
+        .write(&path, 3, None)
+        .unwrap();
+    check_forward(&path);
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -13,6 +13,7 @@ pub mod qwen35;
 pub mod registry;
 pub mod runtime;
 pub mod spec;
+pub mod step37;
 
 use crate::forward::{LoadOptions, Logits, Want};
 use crate::gpu::operand::Operand;

@@ -3,7 +3,7 @@
 //! (llama.cpp keeps the same kind of table in `llama-arch.cpp`).
 
 use super::runtime::link;
-use super::{deepseek4, gemma4, llama, qwen35, ModelFile};
+use super::{deepseek4, gemma4, llama, qwen35, step37, ModelFile};
 use crate::forward::LoadOptions;
 use crate::gpu::{AutoProducts, Gpu};
 use crate::model_file::PartSpec;
@@ -93,6 +93,15 @@ static DEEPSEEK_EXPERT_NAMES: ExpertNames = ExpertNames {
 static GEMMA4_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: GGUF_STACKS,
     fused: &GEMMA4_FUSED,
+    each: &[],
+};
+
+/// Step-3.7: GGUF stacks; its checkpoints stack the experts too (`moe.gate_proj.weight
+/// [E, I, H]`), which the planner does not see as experts (one stack naming here), so they
+/// load whole.
+static STEP37_EXPERT_NAMES: ExpertNames = ExpertNames {
+    stacks: GGUF_STACKS,
+    fused: &[],
     each: &[],
 };
 
@@ -192,6 +201,29 @@ pub static FAMILIES: &[Family] = &[
         products: |f| gemma4::Hparams::from_file(f).map(|_| AutoProducts::Any),
         pass_rows: gemma4::gpu::DEFAULT_BATCH,
         experts: &GEMMA4_EXPERT_NAMES,
+    },
+    Family {
+        name: "Step-3.7",
+        archs: step37::ARCHS,
+        load: |gpu, f, o| Ok(Box::new(step37::gpu::GpuModel::load(gpu, f, o)?)),
+        n_layer: |f| Ok(step37::Hparams::from_file(f)?.n_layer),
+        needs_part: |f, run, part| {
+            Ok(step37::gpu::needs_part(
+                &step37::Hparams::from_file(f)?,
+                run,
+                part,
+            ))
+        },
+        // Router top-k on computed values: f32-level products, as the other MoE families.
+        products: |f| {
+            Ok(if step37::Hparams::from_file(f)?.moe.is_some() {
+                AutoProducts::F32
+            } else {
+                AutoProducts::Any
+            })
+        },
+        pass_rows: step37::gpu::DEFAULT_BATCH,
+        experts: &STEP37_EXPERT_NAMES,
     },
 ];
 

@@ -332,7 +332,8 @@ pub(crate) fn quantized_types(
 }
 
 /// `tensor_type_fallback`: a row length the block size does not divide takes a type of
-/// 32-element blocks instead, or F16 when even that does not divide it.
+/// 32-element blocks instead, or F16 when even that does not divide it (a 32-block type
+/// goes straight to F16).
 fn fallback(name: &str, ty: DType, ncols: u64) -> Result<DType> {
     if ncols.is_multiple_of(ty.block_size() as u64) {
         return Ok(ty);
@@ -343,6 +344,7 @@ fn fallback(name: &str, ty: DType, ncols: u64) -> Result<DType> {
         DType::Q5_K => DType::Q5_1,
         DType::Q6_K => DType::Q8_0,
         DType::IQ4_XS => DType::IQ4_NL,
+        other if other.block_size() <= 32 => other,
         other => {
             return Err(Error::Invalid(format!(
                 "{name}: rows of {ncols} are not whole {other} blocks, and llama-quantize has no \
@@ -403,6 +405,7 @@ mod tests {
         assert_eq!(fallback("x", DType::Q4_K, 128).unwrap(), DType::Q5_0);
         assert_eq!(fallback("x", DType::Q6_K, 128).unwrap(), DType::Q8_0);
         assert_eq!(fallback("x", DType::Q4_K, 48).unwrap(), DType::F16);
+        assert_eq!(fallback("x", DType::Q8_0, 48).unwrap(), DType::F16);
         assert_eq!(trimmed(&[1, 256]), [256]);
         assert_eq!(trimmed(&[1]), [1]);
     }

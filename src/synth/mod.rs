@@ -16,11 +16,14 @@ pub mod ftype;
 mod llama;
 pub mod presets;
 mod qwen35;
+mod step37;
 pub mod vocab;
 
 pub use fill::WriteStats;
 pub use ftype::FileType;
-pub use presets::{preset, Dims, DsDims, LlamaDims, Preset, QwenDims, QwenMoe, Yarn, PRESET_NAMES};
+pub use presets::{
+    preset, Dims, DsDims, LlamaDims, Preset, QwenDims, QwenMoe, StepDims, Yarn, PRESET_NAMES,
+};
 pub use vocab::Vocab;
 
 use crate::gguf::{keys, Value};
@@ -222,6 +225,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
         Dims::Qwen35(d) => d.n_vocab,
         Dims::Deepseek4(d) => d.n_vocab,
         Dims::Llama(d) => d.n_vocab,
+        Dims::Step(d) => d.n_vocab,
     };
     let n_vocab = match vocab {
         // The demo takes the tokenizer's size; a release keeps its (padded) embedding rows.
@@ -267,6 +271,22 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             }
             d.n_vocab = n_vocab;
             llama::draft(&d, opts.skew)
+        }
+        Dims::Step(d) => {
+            if opts.mtp {
+                return Err(Error::Invalid(format!(
+                    "--mtp: {}'s MTP blocks ship in their own file (not synthesized)",
+                    preset.name
+                )));
+            }
+            let mut d = d.clone();
+            if let Some(n) = opts.n_layer {
+                check_layers(n, d.n_layer)?;
+                d.n_layer = n;
+                d.n_dense = d.n_dense.min(n);
+            }
+            d.n_vocab = n_vocab;
+            step37::draft(&d, opts.skew)
         }
     };
     finish(preset, draft, ftype, opts.base, vocab, n_vocab)

@@ -113,11 +113,45 @@ pub struct LlamaDims {
     pub moe: Option<QwenMoe>,
 }
 
+/// Step-3.5/3.7-Flash (`step35`): sliding and full layers with their own query heads, dense
+/// layers first, then sigmoid-routed experts with a shared one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepDims {
+    pub n_embd: usize,
+    pub n_layer: usize,
+    /// Width of the leading dense blocks' FFN.
+    pub n_ff: usize,
+    /// Query heads of full and of sliding layers; KV heads of both.
+    pub n_head: usize,
+    pub n_head_swa: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Per layer: sliding window (else full attention).
+    pub swa: Vec<bool>,
+    pub window: usize,
+    /// The first this-many layers are dense.
+    pub n_dense: usize,
+    pub n_vocab: usize,
+    pub ctx: usize,
+    pub rope_theta: f32,
+    pub rope_theta_swa: f32,
+    /// llama3 divisors of the full layers (`rope_freqs.weight`).
+    pub rope_freqs: bool,
+    pub eps: f32,
+    pub moe: QwenMoe,
+    /// `moe_router_scaling_factor`.
+    pub route_scale: f32,
+    /// Per layer SwiGLU clamps of the routed and the shared experts (0: none).
+    pub clamp_exp: Vec<f32>,
+    pub clamp_shexp: Vec<f32>,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Dims {
     Qwen35(QwenDims),
     Deepseek4(DsDims),
     Llama(LlamaDims),
+    Step(StepDims),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -151,11 +185,55 @@ pub const PRESET_NAMES: &[&str] = &[
     "qwen3-8b",
     "qwen3-30b-a3b",
     "llama-3.1-8b",
+    "step-3.7-flash",
 ];
 
 /// Qwen3's vocabulary (embedding rows) and Llama 3's.
 pub const QWEN3_VOCAB: usize = 151_936;
 pub const LLAMA3_VOCAB: usize = 128_256;
+/// Step-3.7's vocabulary (transformers' `Step3p7TextConfig` default, from the release).
+pub const STEP37_VOCAB: usize = 128_815;
+
+/// Step-3.7-Flash (stepfun-ai/Step-3.7-Flash `config.json`, `text_config`): 45 layers, full
+/// attention on every fourth from 0 (64 heads, RoPE 5e6 on half the head, llama3 factors),
+/// sliding window 512 elsewhere (96 heads, RoPE 1e4 on all of it), 8 KV heads of 128; 3 dense
+/// layers, then 288 experts top-8 of 1280 with a 1280 shared expert; SwiGLU clamps 7 (routed)
+/// and 16 (shared) on the last two layers. The MTP blocks ship in their own file.
+fn step_3_7_flash() -> StepDims {
+    let n_layer = 45;
+    let clamp = |v: f32| {
+        (0..n_layer)
+            .map(|l| if l >= 43 { v } else { 0.0 })
+            .collect()
+    };
+    StepDims {
+        n_embd: 4096,
+        n_layer,
+        n_ff: 11264,
+        n_head: 64,
+        n_head_swa: 96,
+        n_head_kv: 8,
+        head_dim: 128,
+        swa: (0..n_layer).map(|l| l % 4 != 0).collect(),
+        window: 512,
+        n_dense: 3,
+        n_vocab: STEP37_VOCAB,
+        ctx: 262_144,
+        rope_theta: 5e6,
+        rope_theta_swa: 1e4,
+        rope_freqs: true,
+        eps: 1e-5,
+        moe: QwenMoe {
+            n_expert: 288,
+            n_used: 8,
+            n_ff_exp: 1280,
+            n_ff_shexp: 1280,
+        },
+        route_scale: 3.0,
+        clamp_exp: clamp(7.0),
+        clamp_shexp: clamp(16.0),
+    }
+}
 
 /// Everything the Qwen3.5 releases share: 256-wide attention heads rotating a quarter,
 /// GDN heads of 128, conv kernel 4, full attention every fourth layer, theta 1e7.
@@ -413,6 +491,13 @@ pub fn preset(name: &str) -> Result<Preset> {
                 eps: 1e-5,
                 moe: None,
             }),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
+        "step-3.7-flash" => Preset {
+            name: name.to_string(),
+            display: "Step 3.7 Flash".into(),
+            dims: Dims::Step(step_3_7_flash()),
             default_type: FileType::Q4_K_M,
             demo: false,
         },

@@ -1,0 +1,1015 @@
+//! The Step-3.7 forward on the GPU: one pass (one submission) per chunk of at most
+//! [`DEFAULT_BATCH`] tokens of one sequence, as the Llama family's. Each block has its own
+//! geometry (heads, rotary width, RoPE base, window), so its own KV pool and RoPE table.
+//! Routed experts run through the shared MoE blocks (`gpu::moe::routed_ffn`, the sigmoid
+//! router of `gpu::router`), or through the expert arena and the CPU (`moe::Offload`) when
+//! the planner leaves some experts cold.
+
+use super::{Hparams, LayerGeom, Llama3, W};
+use crate::forward::{KvType, LoadOptions, Logits, Want};
+use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::elementwise as ew;
+use crate::gpu::matmul;
+use crate::gpu::matmul::MoeRoute;
+use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
+use crate::gpu::norm;
+use crate::gpu::operand::Operand;
+use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
+use crate::gpu::router::{self, ScoreFn, Select};
+use crate::gpu::topk::TopLogits;
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::model_file::PartSpec;
+use crate::models::runtime::family::FamilyModel;
+use crate::models::runtime::link::Link;
+use crate::models::runtime::rounds::{self, RoundSeq};
+use crate::models::runtime::state::{copy_regions, Region};
+use crate::models::{expect_shape, read_f32, ModelFile, SeqState, Weight};
+use crate::moe::{Needs, Offload, Plan, RunShape};
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
+/// the other families').
+pub const DEFAULT_BATCH: usize = 512;
+
+/// One block's weights (`[out, in]` products as stored; norms as `1+w`).
+struct Layer {
+    g: LayerGeom,
+    attn_norm: GpuTensor,
+    q: GpuTensor,
+    k: GpuTensor,
+    v: GpuTensor,
+    /// `[head_dim]` each.
+    q_norm: GpuTensor,
+    k_norm: GpuTensor,
+    /// `[n_head, n_embd]`; `None` only where the file says the model has no gate.
+    gate: Option<GpuTensor>,
+    o: GpuTensor,
+    ffn_norm: GpuTensor,
+    /// A dense block's FFN, or a MoE block's shared expert beside its routed `experts`.
+    mlp: Mlp,
+    experts: Option<Experts>,
+    rope: RopeTable,
+}
+
+/// A SwiGLU: gate and up `[n_ff, n_embd]`, down `[n_embd, n_ff]`.
+struct Mlp {
+    gate: GpuTensor,
+    up: GpuTensor,
+    down: GpuTensor,
+}
+
+/// Router `[n_expert, n_embd]` and its f32 selection bias `[n_expert]`; stacks
+/// `[n_expert, n_ff_exp, n_embd]` ×2 and `[n_expert, n_embd, n_ff_exp]` (stand-ins without
+/// buffers when offloaded).
+struct Experts {
+    router: GpuTensor,
+    bias: Option<GpuTensor>,
+    gate: GpuTensor,
+    up: GpuTensor,
+    down: GpuTensor,
+}
+
+/// Widest query and FFN rows over the trunk's blocks.
+fn widths(hp: &Hparams) -> (usize, usize, usize) {
+    let trunk = &hp.layers[..hp.n_layer];
+    let nh = trunk.iter().map(|g| g.n_head).max().unwrap_or(1);
+    let nkv = trunk.iter().map(|g| g.n_head_kv).max().unwrap_or(1);
+    let ff = hp
+        .moe
+        .as_ref()
+        .map_or(0, |m| m.n_ff_shexp)
+        .max(if trunk.iter().any(|g| !g.moe) {
+            hp.n_ff
+        } else {
+            0
+        });
+    (nh, nkv, ff)
+}
+
+/// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
+/// and [`needs_part`] counts.
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 19] {
+    let (nh, nkv, ff) = widths(hp);
+    let (q, kv) = (nh * hp.head_dim, nkv * hp.head_dim);
+    let (ne, k, fe) = hp
+        .moe
+        .as_ref()
+        .map_or((0, 0, 0), |m| (m.n_expert, m.n_used, m.n_ff_exp));
+    [
+        ("step37.ids", rows),
+        ("step37.x", rows * hp.n_embd),
+        ("step37.h", rows * hp.n_embd),
+        ("step37.q", rows * q),
+        ("step37.k", rows * kv),
+        ("step37.v", rows * kv),
+        ("step37.att", rows * q),
+        ("step37.attn_gate", rows * nh),
+        ("step37.gate", rows * ff),
+        ("step37.up", rows * ff),
+        ("step37.act", rows * ff),
+        ("step37.attn_split", split_elems(hp) as usize),
+        ("step37.router", rows * ne),
+        ("step37.moe_ids", rows * k),
+        ("step37.moe_w", rows * k),
+        ("step37.f_gate", rows * k * fe),
+        ("step37.f_up", rows * k * fe),
+        ("step37.f_act", rows * k * fe),
+        ("step37.moe_out", rows * k * hp.n_embd),
+    ]
+}
+
+/// Split-K scratch of one decode token (16 Mi elements at most, as the split count shrinks
+/// to fit).
+fn split_elems(hp: &Hparams) -> u64 {
+    let (nh, _, _) = widths(hp);
+    attention::scratch_elems(1, nh as u32, hp.head_dim as u32, attention::MAX_SPLIT).min(16 << 20)
+}
+
+/// Activation buffers for passes of `rows` tokens (f32 unless said).
+struct Scratch {
+    rows: usize,
+    /// [rows] u32 token ids.
+    ids: wgpu::Buffer,
+    /// [rows, n_embd]: the residual stream and its normed copy.
+    x: wgpu::Buffer,
+    h: wgpu::Buffer,
+    /// [rows, n_head·head_dim], [rows, n_head_kv·head_dim] ×2 (widest block): q, k, v;
+    /// `att` the attention output; `attn_gate` [rows, n_head] the gate logits.
+    q: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    att: wgpu::Buffer,
+    attn_gate: wgpu::Buffer,
+    /// [rows, max(n_ff, n_ff_shexp)]: gate, up and SwiGLU of a dense or shared FFN.
+    gate: wgpu::Buffer,
+    up: wgpu::Buffer,
+    act: wgpu::Buffer,
+    /// Split-K partials of a decode step's attention.
+    attn_split: wgpu::Buffer,
+    /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
+    /// ids (u32) and weights; [rows·n_used, n_ff_exp] the experts' gate, up and SwiGLU;
+    /// [rows·n_used, n_embd] their unweighted outputs.
+    router: wgpu::Buffer,
+    moe_ids: wgpu::Buffer,
+    moe_w: wgpu::Buffer,
+    f_gate: wgpu::Buffer,
+    f_up: wgpu::Buffer,
+    f_act: wgpu::Buffer,
+    moe_out: wgpu::Buffer,
+    route: Option<MoeRoute>,
+    /// [logit_rows, n_vocab]
+    logits: wgpu::Buffer,
+    logit_rows: usize,
+    top: topk::LogitsTop,
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, hp: &Hparams, rows: usize) -> Result<Scratch> {
+        let e = scratch_elems(hp, rows);
+        let f = |i: usize| gpu.buffer((e[i].1.max(1) * 4) as u64, e[i].0);
+        let logit_rows = ((gpu.max_binding() / 4) as usize / hp.n_vocab).clamp(1, rows);
+        Ok(Scratch {
+            rows,
+            ids: f(0)?,
+            x: f(1)?,
+            h: f(2)?,
+            q: f(3)?,
+            k: f(4)?,
+            v: f(5)?,
+            att: f(6)?,
+            attn_gate: f(7)?,
+            gate: f(8)?,
+            up: f(9)?,
+            act: f(10)?,
+            attn_split: f(11)?,
+            router: f(12)?,
+            moe_ids: f(13)?,
+            moe_w: f(14)?,
+            f_gate: f(15)?,
+            f_up: f(16)?,
+            f_act: f(17)?,
+            moe_out: f(18)?,
+            route: match &hp.moe {
+                Some(m) => Some(MoeRoute::new(
+                    gpu,
+                    m.n_expert as u32,
+                    (rows * m.n_used) as u32,
+                )?),
+                None => None,
+            },
+            logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "step37.logits")?,
+            logit_rows,
+            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+        })
+    }
+}
+
+/// What the layers of `part` need beside their weights for `run`: f16 or f32 K and V rows
+/// per position (each block its own KV heads), and the scratch of one pass.
+pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
+    let seqs = run.seqs.max(1);
+    let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
+    let rows = run.batch.max(1) as usize;
+    let e = scratch_elems(hp, rows);
+    let logits = (rows * hp.n_vocab) as u64 * 4;
+    let route = hp.moe.as_ref().map_or(0, |m| {
+        MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
+    });
+    let mut buffers: Vec<PassBuffer> = e
+        .iter()
+        .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
+        .collect();
+    // One row of logits (their rows follow the binding limit), and the KV pools at their
+    // first capacity (they grow to `KvShape::max_positions`).
+    buffers.push(PassBuffer::bound("step37.logits", hp.n_vocab as u64 * 4));
+    let mut kv_per_token = 0;
+    for l in part.layers.clone() {
+        let g = &hp.layers[l];
+        let kv = kv_shape(hp, g, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+        buffers.extend([
+            PassBuffer::bound("step37.kv.k", kv),
+            PassBuffer::bound("step37.kv.v", kv),
+        ]);
+        kv_per_token += 2 * (g.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs;
+    }
+    Needs {
+        kv_per_token,
+        state: 0,
+        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits + route,
+        buffers,
+        kv_elem,
+        note: None,
+    }
+}
+
+/// Block `g`'s KV rows for `--kv-type` (f16 by default).
+fn kv_shape(hp: &Hparams, g: &LayerGeom, t: KvType) -> KvShape {
+    KvShape {
+        dtype: match t {
+            KvType::Auto | KvType::F16 => attention::KvType::F16,
+            KvType::F32 => attention::KvType::F32,
+        },
+        n_head_kv: g.n_head_kv as u32,
+        head_dim: hp.head_dim as u32,
+    }
+}
+
+/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
+fn kv_cap(ctx: usize) -> usize {
+    ctx.clamp(16, 4096)
+}
+
+/// One block's K and V rows for all sequence slots: slot `s` owns rows `s·cap ..`.
+struct Pool {
+    shape: KvShape,
+    /// Rows per slot; grows by doubling (copied on the GPU).
+    cap: usize,
+    /// `[slots·cap, n_head_kv, head_dim]` each.
+    kv: (wgpu::Buffer, wgpu::Buffer),
+}
+
+/// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
+pub struct StepSeq {
+    slot: u32,
+    pos: usize,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+impl SeqState for StepSeq {
+    fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl RoundSeq for StepSeq {
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    fn set_pos(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+}
+
+impl Drop for StepSeq {
+    fn drop(&mut self) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.slot);
+    }
+}
+
+pub struct GpuModel {
+    pub gpu: Arc<Gpu>,
+    pub hp: Hparams,
+    tok_embd: GpuTensor,
+    output: GpuTensor,
+    output_norm: GpuTensor,
+    layers: Vec<Layer>,
+    slots: usize,
+    pools: Vec<Pool>,
+    free: Arc<Mutex<Vec<u32>>>,
+    scratch: Scratch,
+    /// The expert arena and cold experts when the planner left some experts off the GPU.
+    offload: Option<Offload>,
+    /// [`FamilyModel::hidden_out`]: the wanted rows' final-norm hidden states come back
+    /// instead of their logits.
+    hidden_out: bool,
+}
+
+/// What one chunk's pass returns: its wanted logits rows.
+enum ChunkWant {
+    None,
+    Last,
+    All,
+    Top { k: u32, lse: bool },
+}
+
+/// The tensor `w` of `file`, checked against `shape`.
+fn shaped<'f>(file: &'f ModelFile, w: W, shape: &[u64]) -> Result<crate::tensor::TensorRef<'f>> {
+    let t = file.require(&w.name(file))?;
+    expect_shape(&t, shape)?;
+    Ok(t)
+}
+
+/// An RMSNorm weight as the kernels multiply by it: GGUF stores `1+w`, HF `w`.
+fn norm_weight<'f>(file: &'f ModelFile, w: W, n: u64) -> Result<Weight<'f>> {
+    let t = shaped(file, w, &[n])?;
+    Ok(match file {
+        ModelFile::Gguf(_) => Weight::Stored(t),
+        ModelFile::Hf(_) => Weight::F32 {
+            name: t.name.to_string(),
+            shape: vec![n],
+            data: read_f32(&t)?.iter().map(|x| 1.0 + x).collect(),
+        },
+    })
+}
+
+impl GpuModel {
+    pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
+        let hp = Hparams::from_file(file)?;
+        if opts.part.as_ref().is_some_and(|p| !(p.first && p.last)) {
+            return Err(Error::Unsupported(
+                "a Step-3.7 model split over several devices".into(),
+            ));
+        }
+        let gated = Hparams::gated(file)?;
+        let whole = PartSpec::whole(hp.n_layer);
+        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole);
+        let batch = fit_rows(
+            DEFAULT_BATCH,
+            BufferLimits::of(&gpu.limits),
+            &file.path(),
+            |r| needs(r).buffers,
+        )?;
+        // Placement before any upload: offloaded experts go to the arena after the rest.
+        let experts = crate::models::registry::family(file)?.experts;
+        let plan = Plan::new(&gpu, file, experts, opts, &needs, batch)?;
+        let pass_rows = plan.as_ref().map_or(batch, |p| p.rows);
+        let offloaded = plan.is_some();
+        let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
+        let done = std::cell::Cell::new(0u64);
+        let put = |w: Weight<'_>| -> Result<GpuTensor> {
+            let g = w.with_tensor(|t| gpu.upload_tensor(t))?;
+            done.set(done.get() + g.bytes());
+            if let Some(p) = &opts.progress {
+                p(done.get().min(total), total);
+            }
+            Ok(g)
+        };
+        let up = |w: W, shape: &[u64]| put(Weight::Stored(shaped(file, w, shape)?));
+        let norm = |w: W, n: u64| put(norm_weight(file, w, n)?);
+        let (e, v, hd) = (hp.n_embd as u64, hp.n_vocab as u64, hp.head_dim as u64);
+        let mlp = |g: W, u: W, d: W, ff: u64| -> Result<Mlp> {
+            Ok(Mlp {
+                gate: up(g, &[ff, e])?,
+                up: up(u, &[ff, e])?,
+                down: up(d, &[e, ff])?,
+            })
+        };
+        let tok_embd = up(W::TokEmbd, &[v, e])?;
+        let output = up(W::Output, &[v, e])?;
+        let output_norm = norm(W::OutputNorm, e)?;
+        let rope_freqs = match file {
+            ModelFile::Gguf(_) => match file.tensor(&W::RopeFreqs.gguf_name()) {
+                Some(t) => Some(read_f32(&t)?),
+                None => None,
+            },
+            ModelFile::Hf(_) => None,
+        };
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for l in 0..hp.n_layer {
+            let g = hp.layers[l];
+            let (qw, kvw) = ((g.n_head as u64) * hd, (g.n_head_kv as u64) * hd);
+            let gate = match gated {
+                // Required: a missing gate would drop the per-head sigmoid silently.
+                true => Some(up(W::Gate(l), &[g.n_head as u64, e])?),
+                false => None,
+            };
+            let (mlp_w, experts) = match (&hp.moe, g.moe) {
+                (Some(m), true) => {
+                    let (ne, fe) = (m.n_expert as u64, m.n_ff_exp as u64);
+                    let router = up(W::Router(l), &[ne, e])?;
+                    let bias = match file.tensor(&W::RouterBias(l).name(file)) {
+                        None => None,
+                        Some(_) => {
+                            let t = shaped(file, W::RouterBias(l), &[ne])?;
+                            Some(put(Weight::F32 {
+                                name: t.name.to_string(),
+                                shape: vec![ne],
+                                data: read_f32(&t)?,
+                            })?)
+                        }
+                    };
+                    let ws = [
+                        (W::GateExps(l), [ne, fe, e]),
+                        (W::UpExps(l), [ne, fe, e]),
+                        (W::DownExps(l), [ne, e, fe]),
+                    ]
+                    .map(|(w, sh)| {
+                        let w = Weight::Stored(shaped(file, w, &sh)?);
+                        match offloaded {
+                            true => Ok(w.stand_in()),
+                            false => put(w),
+                        }
+                    });
+                    let [gate_x, up_x, down_x] = ws;
+                    let shared = mlp(
+                        W::GateShexp(l),
+                        W::UpShexp(l),
+                        W::DownShexp(l),
+                        m.n_ff_shexp as u64,
+                    )?;
+                    let x = Experts {
+                        router,
+                        bias,
+                        gate: gate_x?,
+                        up: up_x?,
+                        down: down_x?,
+                    };
+                    (shared, Some(x))
+                }
+                _ => (
+                    mlp(W::FfnGate(l), W::FfnUp(l), W::FfnDown(l), hp.n_ff as u64)?,
+                    None,
+                ),
+            };
+            let inv = inv_freq(&hp, &g, rope_freqs.as_deref(), file)?;
+            layers.push(Layer {
+                g,
+                attn_norm: norm(W::AttnNorm(l), e)?,
+                q: up(W::Q(l), &[qw, e])?,
+                k: up(W::K(l), &[kvw, e])?,
+                v: up(W::V(l), &[kvw, e])?,
+                q_norm: norm(W::QNorm(l), hd)?,
+                k_norm: norm(W::KNorm(l), hd)?,
+                gate,
+                o: up(W::O(l), &[e, qw])?,
+                ffn_norm: norm(W::FfnNorm(l), e)?,
+                mlp: mlp_w,
+                experts,
+                rope: RopeTable::new(&gpu, &inv, "step37.rope")?,
+            });
+        }
+        let slots = opts.max_seqs.max(1);
+        let cap = kv_cap(opts.ctx);
+        let rows = (slots * cap) as u64;
+        let pools = layers
+            .iter()
+            .map(|lw| {
+                let shape = kv_shape(&hp, &lw.g, opts.kv_type);
+                Ok(Pool {
+                    shape,
+                    cap,
+                    kv: (
+                        gpu.buffer(shape.bytes(rows), "step37.kv.k")?,
+                        gpu.buffer(shape.bytes(rows), "step37.kv.v")?,
+                    ),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
+        let offload = match plan {
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
+            None => None,
+        };
+        Ok(GpuModel {
+            gpu,
+            hp,
+            tok_embd,
+            output,
+            output_norm,
+            layers,
+            slots,
+            pools,
+            // Popped from the end: slot 0 first.
+            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
+            scratch,
+            offload,
+            hidden_out: false,
+        })
+    }
+
+    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
+    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
+    /// per item the logits it wants.
+    fn run_items(&mut self, items: &mut [(&mut StepSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
+        rounds::check_items(items, v)?;
+        let mut out = Vec::with_capacity(items.len());
+        for (seq, toks, want) in items.iter_mut() {
+            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
+                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
+                    (_, false) => ChunkWant::Top {
+                        k: r.top.k,
+                        lse: r.top.lse,
+                    },
+                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
+                    ([_], _) => ChunkWant::Last,
+                    _ => ChunkWant::None,
+                };
+                let p = &r.parts[0];
+                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
+                Ok((logits, top.into_iter().collect()))
+            })?;
+            out.extend(one);
+        }
+        Ok(out)
+    }
+
+    /// One pass over `toks` of the sequence in `slot` from position `pos0`.
+    fn run_chunk(
+        &mut self,
+        slot: u32,
+        pos0: usize,
+        toks: &[u32],
+        want: ChunkWant,
+    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        let gpu = self.gpu.clone();
+        let mut pass = gpu.pass();
+        self.reserve(&mut pass, pos0 + toks.len())?;
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let n = toks.len() as u32;
+        let e = hp.n_embd as u32;
+        gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
+        embed::embed(
+            &mut pass,
+            &self.tok_embd,
+            &sc.ids,
+            0,
+            n,
+            Operand::new(&sc.x, 0),
+        )?;
+        for (l, lw) in self.layers.iter().enumerate() {
+            let norm = |pass: &mut Pass<'_>, w| {
+                norm::rms_norm(
+                    pass,
+                    n,
+                    e,
+                    Operand::new(&sc.x, 0),
+                    Some(Operand::new(&sc.h, 0)),
+                    Some(w),
+                    hp.eps,
+                )
+            };
+            norm(&mut pass, &lw.attn_norm)?;
+            self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
+            norm(&mut pass, &lw.ffn_norm)?;
+            if let Some(x) = &lw.experts {
+                let stacks = ExpertStacks {
+                    gate: &x.gate,
+                    up: &x.up,
+                    down: &x.down,
+                };
+                self.moe(&mut pass, l, &x.router, x.bias.as_ref(), &stacks, n)?;
+            }
+            self.swiglu(&mut pass, &lw.mlp, n)?;
+            pass.flush_every(crate::gpu::FLUSH_OPS)?;
+        }
+        let (r0, rows) = match want {
+            ChunkWant::None => {
+                pass.submit()?;
+                return Ok((Vec::new(), None));
+            }
+            ChunkWant::All => (0, n as usize),
+            ChunkWant::Last | ChunkWant::Top { .. } => (n as usize - 1, 1),
+        };
+        // The final norm of the wanted rows only.
+        norm::rms_norm(
+            &mut pass,
+            rows as u32,
+            e,
+            Operand::new(&sc.x, r0 as u32 * e),
+            Some(Operand::new(&sc.h, 0)),
+            Some(&self.output_norm),
+            hp.eps,
+        )?;
+        if self.hidden_out {
+            pass.submit()?;
+            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
+            return Ok((h, None));
+        }
+        let v = hp.n_vocab;
+        if let ChunkWant::Top { k, lse } = want {
+            crate::models::head_rows(
+                &mut pass,
+                &self.output,
+                &sc.h,
+                (0, hp.n_embd),
+                &sc.logits,
+                (0, v),
+                1,
+            )?;
+            sc.top
+                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
+            pass.submit()?;
+            let t = sc.top.read(&gpu, 1, k, lse)?.pop();
+            return Ok((Vec::new(), t));
+        }
+        // The head in runs that fit the logits buffer, each read back.
+        let mut logits = Vec::with_capacity(rows * v);
+        let mut pending = Some(pass);
+        for (r, take) in crate::models::head_runs(&[(0, rows)], sc.logit_rows) {
+            let mut p = pending.take().unwrap_or_else(|| gpu.pass());
+            crate::models::head_rows(
+                &mut p,
+                &self.output,
+                &sc.h,
+                (r, hp.n_embd),
+                &sc.logits,
+                (0, v),
+                take,
+            )?;
+            p.submit()?;
+            logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
+        }
+        Ok((logits, None))
+    }
+
+    /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert.
+    fn swiglu(&self, pass: &mut Pass<'_>, m: &Mlp, n: u32) -> Result<()> {
+        let sc = &self.scratch;
+        linear(pass, &m.gate, &sc.h, &sc.gate, n, false)?;
+        linear(pass, &m.up, &sc.h, &sc.up, n, false)?;
+        ew::swiglu(
+            pass,
+            n,
+            m.gate.shape[0] as u32,
+            Operand::new(&sc.act, 0),
+            Operand::new(&sc.gate, 0),
+            Operand::new(&sc.up, 0),
+            None,
+        )?;
+        linear(pass, &m.down, &sc.act, &sc.x, n, true)
+    }
+
+    /// Block `l`'s routed experts over the normed rows in `h`, added to the residual
+    /// stream: f32 router logits (a near-tie must not flip on rounding), sigmoid scores,
+    /// top-k of score + bias, the experts' unweighted rows, then their weighted sum in slot
+    /// order (`moe`'s summation contract, the same with and without offload).
+    fn moe(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        router: &GpuTensor,
+        bias: Option<&GpuTensor>,
+        stacks: &ExpertStacks<'_>,
+        n: u32,
+    ) -> Result<()> {
+        let sc = &self.scratch;
+        let m = self.hp.moe.as_ref().expect("MoE block in a MoE model");
+        let (e, k) = (self.hp.n_embd as u32, m.n_used as u32);
+        let opts = MatvecOpts {
+            exact: true,
+            ..Default::default()
+        };
+        let (x, y) = (Operand::new(&sc.h, 0), Operand::new(&sc.router, 0));
+        matmul::matmul_opts(pass, router, x, y, n, &opts)?;
+        router::route(
+            pass,
+            n,
+            m.n_expert as u32,
+            k,
+            ScoreFn::Sigmoid,
+            Select::TopK { bias },
+            m.norm,
+            m.scale,
+            Operand::new(&sc.router, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
+        )?;
+        let bufs = FfnBufs {
+            gate: &sc.f_gate,
+            up: &sc.f_up,
+            act: &sc.f_act,
+            out: &sc.moe_out,
+        };
+        let mut combine = |p: &mut Pass<'_>| -> Result<()> {
+            ew::moe_combine(
+                p,
+                n,
+                e,
+                k,
+                Operand::new(&sc.x, 0),
+                Operand::new(&sc.moe_w, 0),
+                Operand::new(&sc.moe_out, 0),
+            )
+        };
+        match self.offload.as_ref().filter(|o| o.has_layer(l)) {
+            Some(off) => {
+                let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
+                off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
+                off.cold_ffn(pass, cold, &bufs, None, Some(&mut combine))
+            }
+            None => {
+                let picks = Picks {
+                    ids: &sc.moe_ids,
+                    route: sc.route.as_ref().expect("route made for MoE models"),
+                    n,
+                    k,
+                };
+                routed_ffn(pass, stacks, &sc.h, &picks, &bufs, None)?;
+                combine(pass)
+            }
+        }
+    }
+
+    /// Block `l`'s attention over the normed rows in `h`, added to the residual stream:
+    /// q/k per-head norms, RoPE on the block's rotated dims, attention over the block's own
+    /// KV rows (its window on sliding blocks), each head's output times sigmoid of its gate.
+    fn attention(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        lw: &Layer,
+        slot: u32,
+        pos0: u32,
+        n: u32,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let sc = &self.scratch;
+        let g = &lw.g;
+        let (nh, nkv, hd) = (g.n_head as u32, g.n_head_kv as u32, hp.head_dim as u32);
+        linear(pass, &lw.q, &sc.h, &sc.q, n, false)?;
+        linear(pass, &lw.k, &sc.h, &sc.k, n, false)?;
+        linear(pass, &lw.v, &sc.h, &sc.v, n, false)?;
+        for (buf, heads, w) in [(&sc.q, nh, &lw.q_norm), (&sc.k, nkv, &lw.k_norm)] {
+            norm::rms_norm(
+                pass,
+                n * heads,
+                hd,
+                Operand::new(buf, 0),
+                None,
+                Some(w),
+                hp.eps,
+            )?;
+            rope::rope(
+                pass,
+                &RopeView::packed(buf, 0, n, heads, hd),
+                RopeStyle::Neox,
+                0,
+                &lw.rope,
+                Positions::From(pos0),
+                false,
+            )?;
+        }
+        let pool = &self.pools[l];
+        let (kc, vc) = &pool.kv;
+        let row0 = slot * pool.cap as u32;
+        let dst = attention::DstRows::Range { row0: row0 + pos0 };
+        attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
+        attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        let n_kv = pos0 + n;
+        // Split-K only when a few query rows face many keys (decode); halved to fit the
+        // scratch, which is sized for one query row.
+        let mut n_split = attention::pick_n_split(n, nh, pool.shape, n_kv, false);
+        while n_split > 1 && attention::scratch_elems(n, nh, hd, n_split) * 4 > sc.attn_split.size()
+        {
+            n_split /= 2;
+        }
+        attention::attention(
+            pass,
+            &Attention {
+                n_q: n,
+                n_head: nh,
+                kv: pool.shape,
+                scale: 1.0 / (hd as f32).sqrt(),
+                q: QView {
+                    buf: &sc.q,
+                    off: 0,
+                    tok_stride: nh * hd,
+                    head_stride: hd,
+                },
+                out: OutView {
+                    buf: &sc.att,
+                    off: 0,
+                    tok_stride: nh * hd,
+                },
+                a: KvSource { k: kc, v: Some(vc) },
+                b: None,
+                keys: Keys::Causal {
+                    row0,
+                    pos0,
+                    n_kv,
+                    window: if g.swa { hp.window as u32 } else { 0 },
+                },
+                sinks: None,
+                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+            },
+        )?;
+        if let Some(gate) = &lw.gate {
+            // att [n, nh, hd] as n·nh rows, each times sigmoid of its head's gate logit.
+            linear(pass, gate, &sc.h, &sc.attn_gate, n, false)?;
+            ew::sigmoid_mul_row_inplace(
+                pass,
+                n * nh,
+                hd,
+                Operand::new(&sc.att, 0),
+                Operand::new(&sc.attn_gate, 0),
+            )?;
+        }
+        linear(pass, &lw.o, &sc.att, &sc.x, n, true)
+    }
+
+    /// Grow every block's KV rows to at least `need` (doubling; old rows copied on the GPU).
+    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
+        for p in &mut self.pools {
+            if need > p.cap {
+                p.cap = p.shape.grow_pools(
+                    pass,
+                    std::iter::once(&mut p.kv),
+                    self.slots,
+                    p.cap,
+                    need,
+                    "step37.kv",
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Positions per sequence every block's pool can grow to ([`KvShape::max_positions`]).
+    fn max_positions(&self) -> usize {
+        self.pools
+            .iter()
+            .map(|p| p.shape.max_positions(&self.gpu, self.slots))
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn new_step_seq(&self) -> Result<StepSeq> {
+        let slot = self
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
+                    self.slots
+                ))
+            })?;
+        Ok(StepSeq {
+            slot,
+            pos: 0,
+            free: self.free.clone(),
+        })
+    }
+
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    fn copy_rows(&self, src: &StepSeq, dst: &mut StepSeq) -> Result<()> {
+        let regions: Vec<Region<'_>> = self
+            .pools
+            .iter()
+            .flat_map(|p| {
+                let (cap, s) = (p.cap as u64, p.shape);
+                let (from, to, len) = (
+                    s.bytes(src.slot as u64 * cap),
+                    s.bytes(dst.slot as u64 * cap),
+                    s.bytes(src.pos as u64),
+                );
+                [(&p.kv.0, from, to, len), (&p.kv.1, from, to, len)]
+            })
+            .collect();
+        copy_regions(&self.gpu, &regions, "step37.seq.copy_stage")?;
+        dst.pos = src.pos;
+        Ok(())
+    }
+}
+
+/// `y = W x` (or `y += W x`) over `n` rows.
+fn linear(
+    pass: &mut Pass<'_>,
+    w: &GpuTensor,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    n: u32,
+    accumulate: bool,
+) -> Result<()> {
+    let opts = MatvecOpts {
+        accumulate,
+        ..Default::default()
+    };
+    matmul::matmul_opts(pass, w, Operand::new(x, 0), Operand::new(y, 0), n, &opts)
+}
+
+/// Block `g`'s RoPE inverse frequencies over its `n_rot` dims: `theta^(-2i/n_rot)`; on full
+/// blocks divided by the first `n_rot/2` of `rope_freqs` (GGUF, llama.cpp's
+/// `freq_factors`) or scaled as Llama 3.1's (HF `rope_scaling`, transformers'
+/// `_compute_llama3_parameters`: long wavelengths divided by `factor`, short ones kept, a
+/// smooth blend between). Sliding blocks take neither (llama.cpp passes them no factors).
+fn inv_freq(
+    hp: &Hparams,
+    g: &LayerGeom,
+    rope_freqs: Option<&[f32]>,
+    file: &ModelFile,
+) -> Result<Vec<f32>> {
+    let mut inv = crate::cpu::ops::rope_inv_freq(g.rope_theta, g.n_rot);
+    if g.swa {
+        return Ok(inv);
+    }
+    if let Some(d) = rope_freqs {
+        if d.len() < inv.len() {
+            return Err(Error::tensor(
+                file.path(),
+                W::RopeFreqs.gguf_name(),
+                format!("{} factors for {} rotated pairs", d.len(), inv.len()),
+            ));
+        }
+        inv.iter_mut().zip(d).for_each(|(f, d)| *f /= d);
+    }
+    if let Some(Llama3 {
+        factor,
+        low_freq_factor: lo,
+        high_freq_factor: hi,
+        original_max_positions: old,
+    }) = hp.llama3
+    {
+        let (lo_wave, hi_wave) = (old / lo, old / hi);
+        for f in &mut inv {
+            let wave = 2.0 * std::f32::consts::PI / *f;
+            if wave > lo_wave {
+                *f /= factor;
+            } else if wave >= hi_wave {
+                let smooth = (old / wave - lo) / (hi - lo);
+                *f = (1.0 - smooth) * *f / factor + smooth * *f;
+            }
+        }
+    }
+    Ok(inv)
+}
+
+impl FamilyModel for GpuModel {
+    type Seq = StepSeq;
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    fn n_vocab(&self) -> usize {
+        self.hp.n_vocab
+    }
+    fn new_seq(&self) -> Result<StepSeq> {
+        self.new_step_seq()
+    }
+    fn reset(&self, seq: &mut StepSeq) -> Result<()> {
+        seq.pos = 0;
+        Ok(())
+    }
+    fn copy_seq(&self, src: &StepSeq, dst: &mut StepSeq) -> Result<()> {
+        self.copy_rows(src, dst)
+    }
+    fn hidden_out(&mut self, on: bool) -> Result<()> {
+        self.hidden_out = on;
+        Ok(())
+    }
+    fn forward_batch(&mut self, items: &mut [(&mut StepSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
+        self.run_items(items)
+    }
+    fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
+        Err(Error::Unsupported(
+            "per-dispatch profiles of a Step-3.7 model".into(),
+        ))
+    }
+    fn offload(&self) -> Option<&Offload> {
+        self.offload.as_ref()
+    }
+    fn routed_experts(&self) -> usize {
+        self.hp.moe.as_ref().map_or(0, |m| {
+            m.n_expert
+                * self.hp.layers[..self.hp.n_layer]
+                    .iter()
+                    .filter(|g| g.moe)
+                    .count()
+        })
+    }
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_positions())
+    }
+    fn pass_rows(&self) -> usize {
+        self.scratch.rows
+    }
+    /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
+    fn set_link(&mut self, _link: Link) {}
+}
