@@ -367,10 +367,11 @@ fn matmul_small_batches_match_lone_matvec() {
     let g = gpu();
     let _l = serial();
     let w = Weight::random(g, DType::Q4_K, 37, 512, 700);
-    let x = Rng::new(701).normals(24 * 512, 1.0);
+    let most = matmul::DENSE_MATVEC_TOKENS as usize;
+    let x = Rng::new(701).normals(most * 512, 1.0);
     let xb = g.upload_f32(&x, "x").unwrap();
     let opts = MatvecOpts::default();
-    for n in [2usize, 7, matmul::DENSE_MATVEC_TOKENS as usize] {
+    for n in [2usize, 7, most] {
         let yb = g.upload_f32(&vec![0.0; n * 37], "y").unwrap();
         let yl = g.upload_f32(&vec![0.0; n * 37], "y").unwrap();
         let mut pass = g.pass();

@@ -43,13 +43,13 @@ pub(crate) const QUANT_SRC: &str = include_str!("../../shaders/quantize_x.wgsl")
 /// Up to this many tokens a dense product goes through matvec: one token through the
 /// one-token kernel, 2 and more through the token-group kernel ([`matvec_multi`], each
 /// weight slice decoded once per group of up to 8 tokens, each token's bits those of the
-/// one-token kernel). Measured on the H200 before the token-group kernel: per-token matvec's
-/// cost grows about linearly from one token (4096x12288 Q4_K: 21 us, 8 tokens 126 us) while the
-/// tiled kernel costs the same for 2 to 64 tokens (~740 us), so the crossing was near 32 tokens
-/// (near 24 for F16 rows of 4096); the token-group kernel moves it up, the matrix-unit kernel
-/// down (`bench_kernels --batch`). Batched decode of several sequences and the speculative
-/// verify step land here.
-pub const DENSE_MATVEC_TOKENS: u32 = 24;
+/// one-token kernel). Measured on the H200 (2026-12-03, `bench_kernels --batch`, µs for 24 /
+/// 32 tokens): Q4_K 4096x12288 token-group ~210 / 283, matrix units 490 / 500 at any count up to
+/// 32, tiled ~740; 12288x4096 ~200 / 268 against 234 / 238 (Q6_K 258 against 266, Q8_0 291
+/// against 300 at 32). So the token-group kernel wins or ties up to 32 tokens on every type
+/// and shape measured, more so where there are no matrix units (the tiled kernel). Batched
+/// decode of several sequences and the speculative verify step land here.
+pub const DENSE_MATVEC_TOKENS: u32 = 32;
 
 /// Above this many tokens the MoE forwards switch from the per-pair indexed matvec to the
 /// routed tiled kernel (matvec reads the weights once per token from L2 and decodes them once
