@@ -12,7 +12,7 @@ use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::matvec::MatvecOpts;
-use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
+use crate::gpu::moe::{routed_ffn_glu, ExpertStacks, FfnBufs, Glu, Picks};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
@@ -586,7 +586,7 @@ impl GpuModel {
                 };
                 self.moe(&mut pass, l, &x.router, x.bias.as_ref(), &stacks, n)?;
             }
-            self.swiglu(&mut pass, &lw.mlp, n)?;
+            self.swiglu(&mut pass, &lw.mlp, lw.g.clamp_shexp, n)?;
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         let (r0, rows) = match want {
@@ -649,20 +649,18 @@ impl GpuModel {
         Ok((logits, None))
     }
 
-    /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert.
-    fn swiglu(&self, pass: &mut Pass<'_>, m: &Mlp, n: u32) -> Result<()> {
+    /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert, with
+    /// Step's clamp after SiLU where the block has a `limit`.
+    fn swiglu(&self, pass: &mut Pass<'_>, m: &Mlp, limit: Option<f32>, n: u32) -> Result<()> {
         let sc = &self.scratch;
         linear(pass, &m.gate, &sc.h, &sc.gate, n, false)?;
         linear(pass, &m.up, &sc.h, &sc.up, n, false)?;
-        ew::swiglu(
-            pass,
-            n,
-            m.gate.shape[0] as u32,
-            Operand::new(&sc.act, 0),
-            Operand::new(&sc.gate, 0),
-            Operand::new(&sc.up, 0),
-            None,
-        )?;
+        let (ff, act) = (m.gate.shape[0] as u32, Operand::new(&sc.act, 0));
+        let (g, u) = (Operand::new(&sc.gate, 0), Operand::new(&sc.up, 0));
+        match limit {
+            Some(l) => ew::swiglu_act_clamp(pass, n, ff, act, g, u, l)?,
+            None => ew::swiglu(pass, n, ff, act, g, u, None)?,
+        }
         linear(pass, &m.down, &sc.act, &sc.x, n, true)
     }
 
@@ -682,6 +680,10 @@ impl GpuModel {
         let sc = &self.scratch;
         let m = self.hp.moe.as_ref().expect("MoE block in a MoE model");
         let (e, k) = (self.hp.n_embd as u32, m.n_used as u32);
+        let glu = match self.hp.layers[l].clamp_exp {
+            Some(limit) => Glu::SwigluActClamp(limit),
+            None => Glu::Swiglu(None),
+        };
         let opts = MatvecOpts {
             exact: true,
             ..Default::default()
@@ -721,8 +723,8 @@ impl GpuModel {
         match self.offload.as_ref().filter(|o| o.has_layer(l)) {
             Some(off) => {
                 let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
-                off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
-                off.cold_ffn(pass, cold, &bufs, None, Some(&mut combine))
+                off.hot_ffn_glu(pass, l, &sc.h, n, &bufs, glu)?;
+                off.cold_ffn_glu(pass, cold, &bufs, glu, Some(&mut combine))
             }
             None => {
                 let picks = Picks {
@@ -731,7 +733,7 @@ impl GpuModel {
                     n,
                     k,
                 };
-                routed_ffn(pass, stacks, &sc.h, &picks, &bufs, None)?;
+                routed_ffn_glu(pass, stacks, &sc.h, &picks, &bufs, glu)?;
                 combine(pass)
             }
         }
