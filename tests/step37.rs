@@ -84,3 +84,116 @@ fn step37_missing_attn_gate_is_named() {
         "error does not name {drop}: {e}"
     );
 }
+
+/// Greedy tokens of `path` (the MTP block from `mtp` where given) after a prompt of the
+/// fixture's tokens, speculating as `spec` asks; the speculation counts where it ran.
+fn greedy(
+    path: &std::path::Path,
+    mtp: Option<&std::path::Path>,
+    spec: lathe::spec::SpecOptions,
+) -> (Vec<u32>, Option<lathe::spec::SpecStats>) {
+    use lathe::generate::{generate, GenerateOptions};
+    let opts = LoadOptions {
+        max_seqs: 2,
+        ctx: 128,
+        mtp_model: mtp.map(|p| p.to_path_buf()),
+        ..Default::default()
+    };
+    let mut eng = lathe::engine::Engine::load(path, &opts).unwrap();
+    let dir = fixtures().join(NAME);
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let prompt: Vec<u32> = toks.data[..12].iter().map(|&t| t as u32).collect();
+    let g = GenerateOptions {
+        max_tokens: Some(20),
+        sampler: lathe::sample::SamplerConfig::greedy(),
+        ignore_eog: true,
+        spec,
+        ..Default::default()
+    };
+    let out = generate(&mut eng, &prompt, &g, |_| {}).unwrap();
+    (out.tokens, out.spec)
+}
+
+fn spec(mode: lathe::spec::SpecMode, draft: usize) -> lathe::spec::SpecOptions {
+    lathe::spec::SpecOptions {
+        mode,
+        draft,
+        ..Default::default()
+    }
+}
+
+/// `--spec mtp` with the MTP block from its own GGUF (`mtp-f32.gguf`: 6 blocks declared,
+/// the trunk's file 5) and from the HF checkpoint that holds both: greedy output token for
+/// token the plain decode's, for drafts of 1 to 3 (verify rows are one-token passes).
+#[test]
+fn step37_mtp_speculation_keeps_greedy_output() {
+    use lathe::spec::SpecMode;
+    let dir = fixtures().join(NAME);
+    let (trunk, mtp) = (dir.join("model-f32.gguf"), dir.join("mtp-f32.gguf"));
+    let (plain, none) = greedy(&trunk, None, spec(SpecMode::Off, 1));
+    assert!(none.is_none());
+    assert_eq!(plain.len(), 20);
+    for k in 1..=3 {
+        let (got, st) = greedy(&trunk, Some(&mtp), spec(SpecMode::Mtp, k));
+        assert_eq!(got, plain, "gguf + mtp-f32.gguf, --draft {k}");
+        let st = st.expect("speculation ran");
+        assert!(st.verify_passes > 0 && st.drafted == k * st.verify_passes);
+        eprintln!(
+            "step37 draft {k}: acceptance {:.2}, {:.2} tokens per pass",
+            st.acceptance(),
+            st.tokens_per_forward()
+        );
+    }
+    let (hf_plain, _) = greedy(&dir, None, spec(SpecMode::Off, 1));
+    let (hf, st) = greedy(&dir, None, spec(SpecMode::Mtp, 2));
+    assert_eq!(hf, hf_plain, "hf with its own MTP block, --draft 2");
+    assert!(st.is_some_and(|s| s.verify_passes > 0));
+}
+
+/// An MTP file that does not fit the trunk is refused with the file named: one whose
+/// head dim is not the trunk's, and the trunk's own file (no MTP block).
+#[test]
+fn step37_mismatched_mtp_file_is_named() {
+    use lathe::gguf::{GgufFile, GgufWriter};
+    let dir = fixtures().join(NAME);
+    let trunk = dir.join("model-f32.gguf");
+    let src = GgufFile::open(dir.join("mtp-f32.gguf")).unwrap();
+    let key = "step35.attention.key_length";
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata() {
+        let v = match k.as_str() {
+            "step35.attention.key_length" | "step35.attention.value_length" => {
+                lathe::gguf::Value::U32(8)
+            }
+            _ => v.clone(),
+        };
+        w.set(k.clone(), v).unwrap();
+    }
+    assert!(
+        src.metadata().iter().any(|(k, _)| k == key),
+        "{key} in the fixture"
+    );
+    let tensors: Vec<_> = src.tensors().collect();
+    for t in &tensors {
+        w.add_tensor_info(t.name, t.dtype, t.shape).unwrap();
+    }
+    let bad = std::env::temp_dir().join(format!("step37-mtp-hd8-{}.gguf", std::process::id()));
+    w.write(&bad, |i, out| out.write_all(tensors[i].data))
+        .unwrap();
+    for (mtp, says) in [(bad.clone(), "head_dim 8"), (trunk.clone(), "no MTP block")] {
+        let opts = LoadOptions {
+            mtp_model: Some(mtp.clone()),
+            ..Default::default()
+        };
+        let e = match lathe::engine::Engine::load(&trunk, &opts) {
+            Ok(_) => panic!("{} loaded as the MTP block", mtp.display()),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains(&mtp.display().to_string()) && e.contains(says),
+            "error does not name {} ({says}): {e}",
+            mtp.display()
+        );
+    }
+    std::fs::remove_file(&bad).unwrap();
+}
