@@ -197,3 +197,36 @@ fn step37_mismatched_mtp_file_is_named() {
     }
     std::fs::remove_file(&bad).unwrap();
 }
+
+/// The MTP block's logits over the fixture's sequence (row `p`: the trunk's row `p` and
+/// token `p + 1`, the last row token 0) against `mtp-logits.npy` (transformers' decoder layer
+/// with the MTP weights, wired as llama.cpp's `graph_mtp`), at the fixtures' bar: from the
+/// separate GGUF beside the trunk's, and from the HF checkpoint.
+#[test]
+fn step37_mtp_logits_match_reference() {
+    use lathe::engine::Want;
+    use lathe::models::spec::Hidden;
+    let dir = fixtures().join(NAME);
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+    let want = lathe::npy::read_f32(dir.join("mtp-logits.npy")).unwrap();
+    let mut next = ids[1..].to_vec();
+    next.push(0);
+    for (path, mtp) in [
+        (dir.join("model-f32.gguf"), Some(dir.join("mtp-f32.gguf"))),
+        (dir.clone(), None),
+    ] {
+        let opts = LoadOptions {
+            mtp_model: mtp.clone(),
+            ..Default::default()
+        };
+        let mut eng = lathe::engine::Engine::load(&path, &opts).unwrap();
+        let mut seq = eng.new_seq().unwrap();
+        let s = eng.model.speculate().expect("Step speculates");
+        s.feed(&mut seq, &ids, Want::None).unwrap();
+        let rows = s.mtp(&seq, Hidden::Trunk, &next, Want::All).unwrap();
+        let got: Vec<f32> = rows.into_iter().flat_map(|l| l.into_full()).collect();
+        let sc = score(&got, &want.data, 256);
+        assert_bar(&format!("{} mtp", path.display()), &sc, None);
+    }
+}

@@ -25,7 +25,8 @@ sequence and incrementally (all but the last 4 tokens, then one at a time); the 
 reference is llama.cpp on its dequantized f32 copy (ref-q8_0.npy). The sequence (24) is longer
 than the window (8). SwiGLU clamps (`swiglu_limits`, `swiglu_limits_shared`) are set on blocks
 1, 3 and 4 at limits the activations exceed: without them the logits move by
-`unclamped_vs_clamped_rms` (oracle.json), far past the bar.
+`unclamped_vs_clamped_rms` (oracle.json), far past the bar. mtp-logits.npy: the MTP block's
+logits over the sequence (`mtp_logits`).
 """
 import json, os, shutil, subprocess, sys, warnings
 
@@ -96,6 +97,50 @@ def add_mtp(d, seed):
     }.items():
         w[f"{b}.{k}"] = t.contiguous()
     save_file(w, path, metadata={"format": "pt"})
+
+
+def mtp_logits(model, d, toks):
+    """The MTP block's logits over the sequence: row `p` reads the trunk's residual stream
+    after its last block (before the final norm) at `p` and token `p + 1` (the last row token
+    0), at position `p`, as llama.cpp's `graph_mtp` and vLLM's `step3p5_mtp` wire it:
+    `eh_proj([enorm(embed) | hnorm(h)])`, one decoder block, `shared_head.norm`, then
+    `shared_head.output`. The block is transformers' own decoder layer built for trunk
+    block 1 (sliding, dense, 3 heads: the MTP block's geometry) with the MTP weights and no
+    clamp (the converter pads the MTP block's limits with 0), fed the mask and rotary
+    tables the trunk's block 1 gets."""
+    from safetensors.torch import load_file
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7DecoderLayer, Step3p7RMSNorm
+    lm = model.model.language_model
+    cfg = lm.config
+    got = {}
+    h1 = lm.layers[1].register_forward_pre_hook(
+        lambda m, a, kw: got.update(kw=dict(kw)), with_kwargs=True)
+    h2 = lm.layers[N_TRUNK - 1].register_forward_hook(lambda m, a, o: got.update(h=o))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([toks]), use_cache=False)
+    h1.remove(); h2.remove()
+    assert TEXT["layer_types"][1] == TEXT["layer_types"][N_TRUNK] == "sliding_attention"
+    assert "1" not in TEXT["moe_layers_enum"].split(",")
+    w = load_file(f"{d}/model.safetensors")
+    b = f"model.layers.{N_TRUNK}."
+    blk = Step3p7DecoderLayer(cfg, 1).eval()
+    blk.mlp.limit = float("inf")
+    blk.load_state_dict({k[len(b):]: v for k, v in w.items()
+                         if k.startswith(b) and k[len(b):].split(".")[0] in
+                         ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")})
+    norm = lambda name: Step3p7RMSNorm(TEXT["hidden_size"], eps=TEXT["rms_norm_eps"])
+    en, hn, hdn = norm("e"), norm("h"), norm("head")
+    en.weight.data, hn.weight.data = w[b + "enorm.weight"], w[b + "hnorm.weight"]
+    hdn.weight.data = w[b + "transformer.shared_head.norm.weight"]
+    nxt = torch.tensor([toks[1:] + [0]])
+    with torch.no_grad():
+        e = model.get_input_embeddings()(nxt)
+        x = torch.cat([en(e), hn(got["h"])], dim=-1) @ w[b + "eh_proj.weight"].T
+        kw = {k: v for k, v in got["kw"].items() if k in ("attention_mask", "position_ids",
+                                                         "position_embeddings")}
+        out = blk(x, **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        return (hdn(out) @ w[b + "transformer.shared_head.output.weight"].T)[0].numpy()
 
 
 def logits_of(model, toks):
@@ -183,12 +228,15 @@ def build(out, src, oracle, quantize, dump):
         raise SystemExit(f"the SwiGLU clamps move the logits by only {clamp_rms} RMS")
     np.save(f"{d}/tokens.npy", np.array(toks, dtype=np.int32))
     np.save(f"{d}/logits.npy", full)
+    mtp = mtp_logits(model, d, toks)
+    np.save(f"{d}/mtp-logits.npy", mtp)
     v = TEXT["vocab_size"]
     info = {"family": "step37", "hf_class": type(model).__name__, "seed": SEED,
             "weights": "f32", "n_tokens": len(toks), "vocab": v,
             "logits_std": float(full.std()),
             "incremental_vs_full_max_abs": float(np.abs(full - incr).max()),
             "unclamped_vs_clamped_rms": clamp_rms,
+            "mtp_logits_std": float(mtp.std()),
             "argmax": full.argmax(-1).tolist()}
     json.dump(info, open(f"{d}/oracle.json", "w"), indent=1)
     convert_py = os.path.join(oracle, "convert.py")
