@@ -230,3 +230,49 @@ fn step37_mtp_logits_match_reference() {
         assert_bar(&format!("{} mtp", path.display()), &sc, None);
     }
 }
+
+/// A verify pass, a rollback that keeps two of its three rows, the MTP block over the kept
+/// rows, and the next verify row: every verify row bit-equal to plain one-token decode at its
+/// position (the rejected row's KV rewritten before it is read).
+#[test]
+fn step37_verify_and_rollback_match_decode() {
+    use lathe::engine::Want;
+    use lathe::models::spec::Hidden;
+    let dir = fixtures().join(NAME);
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+    let opts = LoadOptions {
+        mtp_model: Some(dir.join("mtp-f32.gguf")),
+        ..Default::default()
+    };
+    let mut eng = lathe::engine::Engine::load(&dir.join("model-f32.gguf"), &opts).unwrap();
+    // Plain decode of ids[12..16] after the prompt ids[..12].
+    let mut plain = eng.new_seq().unwrap();
+    eng.forward(&mut plain, &ids[..12], false).unwrap();
+    let decode: Vec<Vec<f32>> = (12..16)
+        .map(|p| eng.forward(&mut plain, &ids[p..p + 1], false).unwrap())
+        .collect();
+    let mut seq = eng.new_seq().unwrap();
+    let s = eng.model.speculate().expect("Step speculates");
+    s.feed(&mut seq, &ids[..12], Want::None).unwrap();
+    // Row 14 is fed a wrong token, then rolled back.
+    let rows = s
+        .verify(&mut seq, &[ids[12], ids[13], 7], Want::All)
+        .unwrap();
+    for (j, r) in rows.iter().take(2).enumerate() {
+        assert_eq!(r.clone().into_full(), decode[j], "verify row {j}");
+    }
+    s.rollback(&mut seq, &ids[12..14]).unwrap();
+    assert_eq!(seq.pos(), 14);
+    let d = s.mtp(&seq, Hidden::Trunk, &ids[13..15], Want::All).unwrap();
+    assert_eq!(d.len(), 2, "one MTP row per kept trunk row");
+    let rows = s.verify(&mut seq, &ids[14..16], Want::All).unwrap();
+    for (j, r) in rows.iter().enumerate() {
+        assert_eq!(
+            r.clone().into_full(),
+            decode[2 + j],
+            "verify row {} after rollback",
+            2 + j
+        );
+    }
+}
