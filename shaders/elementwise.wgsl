@@ -129,6 +129,17 @@ fn swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     y[yi(rc)] = silu(g) * u;
 }
 
+// y = min(silu(a), alpha) * clamp(b, -alpha, alpha): Step-3.5/3.7's clamped SwiGLU, the
+// limit applied to SiLU's output (transformers' Step3p7MLP, llama.cpp's `ffn_silu_clamped`).
+@compute @workgroup_size(WG)
+fn swiglu_act_clamp(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let rc = coord(wid, nwg, lid);
+    if (rc.x >= p.n_rows) { return; }
+    let u = clamp(b[bi(rc)], -p.alpha, p.alpha);
+    y[yi(rc)] = min(silu(a[ai(rc)]), p.alpha) * u;
+}
+
 // y = gelu_tanh(a) * b: GeGLU with gate a, up b (Gemma's FFN).
 @compute @workgroup_size(WG)
 fn geglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -107,6 +107,9 @@ pub struct LoadOptions {
     /// one after another through the devices, so the first device starts the next while
     /// the second runs the one before (`--micro-batches`; 1: the batch at once).
     pub micro_batches: usize,
+    /// A multi-token prediction block kept in a file of its own (`--mtp-model`): Step-3.5/3.7
+    /// ship theirs apart from the trunk (llama.cpp's converter `--mtp`).
+    pub mtp_model: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -132,6 +135,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("split", &self.split)
             .field("part", &self.part)
             .field("micro_batches", &self.micro_batches)
+            .field("mtp_model", &self.mtp_model)
             .finish()
     }
 }
@@ -186,6 +190,7 @@ impl Default for LoadOptions {
             split: None,
             part: None,
             micro_batches: 1,
+            mtp_model: None,
         }
     }
 }

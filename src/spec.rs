@@ -224,7 +224,7 @@ impl Speculator {
         let draft = match (mode, &opts.draft_model) {
             (SpecMode::Mtp, _) if !has_mtp => {
                 return Err(Error::Invalid(format!(
-                    "{}: --spec mtp, but the file has no MTP block",
+                    "{}: --spec mtp, but the file has no MTP block (a block kept in a file of its own, as Step-3.5/3.7 ship it, is given by --mtp-model FILE)",
                     engine.path.display()
                 )))
             }

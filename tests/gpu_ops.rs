@@ -163,6 +163,7 @@ enum Ew {
     Sigmoid,
     Swiglu,
     SwigluLimit,
+    SwigluActClamp,
     Geglu,
     Softcap,
     SigmoidMul,
@@ -186,7 +187,8 @@ fn elementwise_matches_cpu() {
         let la = Layout::new(rows, cols, 1, cols + 5);
         let lb = Layout::new(rows, cols, 0, cols);
         let ls = Layout::new(rows, 1, 2, 3);
-        // Gates reach ±20 so SwiGLU's clamp at 10 bites; sigmoids see both tails.
+        // Gates reach ±20 so SwiGLU's clamps at 10 (before SiLU) and 3 (after) bite; sigmoids
+        // see both tails.
         let a = rng.vec(rows * cols, 8.0);
         let b = rng.vec(rows * cols, 8.0);
         let s = rng.vec(rows, 3.0);
@@ -205,6 +207,7 @@ fn elementwise_matches_cpu() {
             Sigmoid,
             Swiglu,
             SwigluLimit,
+            SwigluActClamp,
             Geglu,
             Softcap,
             SigmoidMul,
@@ -249,6 +252,7 @@ fn elementwise_matches_cpu() {
                     Sigmoid => ew::sigmoid(p, r, c, yv, av),
                     Swiglu => ew::swiglu(p, r, c, yv, av, bv, None),
                     SwigluLimit => ew::swiglu(p, r, c, yv, av, bv, Some(10.0)),
+                    SwigluActClamp => ew::swiglu_act_clamp(p, r, c, yv, av, bv, 3.0),
                     Geglu => ew::geglu(p, r, c, yv, av, bv),
                     Softcap => ew::softcap_inplace(p, r, c, yv, alpha),
                     SigmoidMul => ew::sigmoid_mul(p, r, c, yv, av, bv),
@@ -265,6 +269,7 @@ fn elementwise_matches_cpu() {
             let want: Vec<f32> = match op {
                 Swiglu => ops::swiglu(&a, &b, None),
                 SwigluLimit => ops::swiglu(&a, &b, Some(10.0)),
+                SwigluActClamp => ops::swiglu_act_clamp(&a, &b, 3.0),
                 Geglu => ops::geglu(&a, &b),
                 _ => (0..rows * cols)
                     .map(|i| {
@@ -285,7 +290,7 @@ fn elementwise_matches_cpu() {
                             SigmoidMulInplace => ops::sigmoid(x) * y,
                             SigmoidMulRowInplace => ops::sigmoid(row_s) * y,
                             AxpyRow => y + row_s * x,
-                            Swiglu | SwigluLimit | Geglu => unreachable!(),
+                            Swiglu | SwigluLimit | SwigluActClamp | Geglu => unreachable!(),
                         }
                     })
                     .collect(),

@@ -818,7 +818,8 @@ fn bad_arguments_fail_with_one_line() {
 }
 
 /// `step37-tiny` of `tests/oracle/make_step37.py`: hidden 64, 5 layers (full, sliding,
-/// sliding, full, sliding: 2 or 3 heads of 16 over 1 KV head), 2 dense, 4 experts top-2.
+/// sliding, full, sliding: 2 or 3 heads of 16 over 1 KV head), 2 dense, 4 experts top-2,
+/// SwiGLU clamps on blocks 1, 3 and 4.
 fn step37_tiny() -> Preset {
     let d = StepDims {
         n_embd: 64,
@@ -844,8 +845,8 @@ fn step37_tiny() -> Preset {
             n_ff_shexp: 16,
         },
         route_scale: 3.0,
-        clamp_exp: vec![0.0; 5],
-        clamp_shexp: vec![0.0; 5],
+        clamp_exp: vec![0.0, 0.0, 0.0, 0.6, 0.6],
+        clamp_shexp: vec![0.0, 0.5, 0.0, 0.0, 0.5],
     };
     preset("step37-tiny", "Step37 Tiny", Dims::Step(d))
 }

@@ -19,6 +19,10 @@ pub struct LoadArgs {
     /// DeepSeek-V4), f16 or f32.
     #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub kv_type: KvType,
+    /// The model's multi-token prediction block in a file of its own (Step-3.5/3.7 ship it
+    /// apart from the trunk: llama.cpp's converter writes it with --mtp), for --spec mtp.
+    #[arg(long, value_name = "FILE")]
+    pub mtp_model: Option<PathBuf>,
     #[command(flatten)]
     pub moe: MoeArgs,
 }
@@ -52,6 +56,7 @@ impl LoadArgs {
             expert_stream: m.expert_stream,
             cold_layers: m.cold_layers,
             cpu_simd: m.cpu_simd,
+            mtp_model: self.mtp_model.clone(),
             ..d
         })
     }

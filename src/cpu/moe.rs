@@ -52,6 +52,9 @@ impl Kind {
 pub enum Glu {
     /// `silu(g) ⊙ u`, with DeepSeek-V4's clamp `limit` when given.
     Swiglu(Option<f32>),
+    /// `min(silu(g), limit) ⊙ clamp(u, ±limit)`: Step-3.5/3.7's clamp, after SiLU
+    /// (`ops::swiglu_act_clamp`).
+    SwigluActClamp(f32),
     /// `gelu_tanh(g) ⊙ u` (Gemma's experts, HF `Gemma4TextExperts`).
     GegluTanh,
 }
@@ -61,6 +64,10 @@ impl Glu {
     fn apply(self, g: f32, u: f32) -> f32 {
         match self {
             Glu::Swiglu(limit) => swiglu(g, u, limit),
+            Glu::SwigluActClamp(l) => {
+                let s = g / (1.0 + (-g).exp());
+                s.min(l) * u.clamp(-l, l)
+            }
             Glu::GegluTanh => super::ops::gelu_tanh(g) * u,
         }
     }

@@ -130,6 +130,22 @@ pub fn swiglu(g: &[f32], u: &[f32], limit: Option<f32>) -> Vec<f32> {
         .collect()
 }
 
+/// Step-3.5/3.7's clamped SwiGLU `min(silu(g), limit) · clamp(u, −limit, limit)`
+/// (transformers' `Step3p7MLP.forward` / `Step3p7Experts._apply_gate`, llama.cpp's
+/// `build_ffn` for step35): the clamp follows SiLU.
+#[track_caller]
+pub fn swiglu_act_clamp(g: &[f32], u: &[f32], limit: f32) -> Vec<f32> {
+    assert_eq!(
+        g.len(),
+        u.len(),
+        "cpu::ops::swiglu_act_clamp: g and u lengths"
+    );
+    g.iter()
+        .zip(u)
+        .map(|(&g, &u)| (silu(g).min(limit) as f64 * u.clamp(-limit, limit) as f64) as f32)
+        .collect()
+}
+
 /// GELU with PyTorch's tanh approximation (`gelu(approximate="tanh")`, HF
 /// `gelu_pytorch_tanh`): `x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))`.
 pub fn gelu_tanh(x: f32) -> f32 {

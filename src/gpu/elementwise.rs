@@ -1,5 +1,5 @@
 //! Elementwise kernels (`shaders/elementwise.wgsl`) over `[n_rows, n_cols]` views of f32
-//! buffers. CPU references: `cpu::ops` (`silu`, `sigmoid`, `swiglu`, `geglu`, `softcap`) or plain arithmetic.
+//! buffers. CPU references: `cpu::ops` (`silu`, `sigmoid`, `swiglu`, `swiglu_act_clamp`, `geglu`, `softcap`) or plain arithmetic.
 //!
 //! Buffers: an op's output and its inputs must be different buffers (wgpu rejects a dispatch
 //! that binds one buffer both read-only and writable); updates of a buffer by itself go
@@ -265,6 +265,34 @@ pub fn swiglu(
     run(
         pass,
         "swiglu",
+        n_rows,
+        n_cols,
+        y,
+        &[Arg::Rows(g), Arg::Rows(u)],
+        limit,
+    )
+}
+
+/// Step-3.5/3.7's clamped SwiGLU `y = min(silu(g), limit) ⊙ clamp(u, ±limit)`
+/// (`cpu::ops::swiglu_act_clamp`): the limit bounds SiLU's output, where [`swiglu`]'s
+/// DeepSeek clamp bounds its input.
+pub fn swiglu_act_clamp(
+    pass: &mut Pass<'_>,
+    n_rows: u32,
+    n_cols: u32,
+    y: Operand<'_>,
+    g: Operand<'_>,
+    u: Operand<'_>,
+    limit: f32,
+) -> Result<()> {
+    if limit.is_nan() || limit < 0.0 {
+        return Err(Error::Invalid(format!(
+            "swiglu_act_clamp: clamp limit {limit} must be ≥ 0"
+        )));
+    }
+    run(
+        pass,
+        "swiglu_act_clamp",
         n_rows,
         n_cols,
         y,

@@ -541,6 +541,7 @@ pub fn routed_ffn_glu(
     );
     match glu {
         Glu::Swiglu(limit) => ew::swiglu(pass, n * k, ff, act, g, u, limit)?,
+        Glu::SwigluActClamp(limit) => ew::swiglu_act_clamp(pass, n * k, ff, act, g, u, limit)?,
         Glu::GegluTanh => ew::geglu(pass, n * k, ff, act, g, u)?,
     }
     if small {

@@ -23,7 +23,10 @@ Made as ../shared/oracle/build_models.py makes the others: zero-initialised norm
 computes `x̂·(1+w)`) and the router bias get N(0, 0.1) noise; reference logits for the whole
 sequence and incrementally (all but the last 4 tokens, then one at a time); the q8_0 file's
 reference is llama.cpp on its dequantized f32 copy (ref-q8_0.npy). The sequence (24) is longer
-than the window (8).
+than the window (8). SwiGLU clamps (`swiglu_limits`, `swiglu_limits_shared`) are set on blocks
+1, 3 and 4 at limits the activations exceed: without them the logits move by
+`unclamped_vs_clamped_rms` (oracle.json), far past the bar. mtp-logits.npy: the MTP block's
+logits over the sequence (`mtp_logits`).
 """
 import json, os, shutil, subprocess, sys, warnings
 
@@ -34,6 +37,12 @@ import torch
 N_TRUNK = 5
 TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention",
          "sliding_attention", "sliding_attention"]
+# SwiGLU clamps as the release sets them (its last MoE blocks, 43-44: routed experts at 7, the
+# shared expert at 16), scaled to this model's activations so they bite; one dense block too,
+# since the dense FFN reads `swiglu_limits_shared` as the shared expert does (transformers'
+# Step3p7MLP, llama.cpp's build_ffn). The MTP block (5) is unclamped, as the converter pads it.
+LIMITS = [0.0, 0.0, 0.0, 0.6, 0.6, 0.0]
+LIMITS_SHARED = [0.0, 0.5, 0.0, 0.0, 0.5, 0.0]
 TEXT = dict(
     hidden_size=64, intermediate_size=64, num_hidden_layers=N_TRUNK, num_attention_heads=2,
     num_attention_groups=1, head_dim=16, vocab_size=256, rms_norm_eps=1e-5,
@@ -45,7 +54,7 @@ TEXT = dict(
     moe_num_experts=4, moe_top_k=2, moe_intermediate_size=16, share_expert_dim=16,
     moe_layers_enum="2,3,4", moe_router_activation="sigmoid", moe_router_scaling_factor=3.0,
     norm_expert_weight=True, use_moe_router_bias=True, need_fp32_gate=True,
-    use_head_wise_attn_gate=True, swiglu_limits=[0.0] * 6, swiglu_limits_shared=[0.0] * 6,
+    use_head_wise_attn_gate=True, swiglu_limits=LIMITS, swiglu_limits_shared=LIMITS_SHARED,
     num_nextn_predict_layers=1, tie_word_embeddings=False, initializer_range=0.08,
     rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
@@ -88,6 +97,50 @@ def add_mtp(d, seed):
     }.items():
         w[f"{b}.{k}"] = t.contiguous()
     save_file(w, path, metadata={"format": "pt"})
+
+
+def mtp_logits(model, d, toks):
+    """The MTP block's logits over the sequence: row `p` reads the trunk's residual stream
+    after its last block (before the final norm) at `p` and token `p + 1` (the last row token
+    0), at position `p`, as llama.cpp's `graph_mtp` and vLLM's `step3p5_mtp` wire it:
+    `eh_proj([enorm(embed) | hnorm(h)])`, one decoder block, `shared_head.norm`, then
+    `shared_head.output`. The block is transformers' own decoder layer built for trunk
+    block 1 (sliding, dense, 3 heads: the MTP block's geometry) with the MTP weights and no
+    clamp (the converter pads the MTP block's limits with 0), fed the mask and rotary
+    tables the trunk's block 1 gets."""
+    from safetensors.torch import load_file
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7DecoderLayer, Step3p7RMSNorm
+    lm = model.model.language_model
+    cfg = lm.config
+    got = {}
+    h1 = lm.layers[1].register_forward_pre_hook(
+        lambda m, a, kw: got.update(kw=dict(kw)), with_kwargs=True)
+    h2 = lm.layers[N_TRUNK - 1].register_forward_hook(lambda m, a, o: got.update(h=o))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([toks]), use_cache=False)
+    h1.remove(); h2.remove()
+    assert TEXT["layer_types"][1] == TEXT["layer_types"][N_TRUNK] == "sliding_attention"
+    assert "1" not in TEXT["moe_layers_enum"].split(",")
+    w = load_file(f"{d}/model.safetensors")
+    b = f"model.layers.{N_TRUNK}."
+    blk = Step3p7DecoderLayer(cfg, 1).eval()
+    blk.mlp.limit = float("inf")
+    blk.load_state_dict({k[len(b):]: v for k, v in w.items()
+                         if k.startswith(b) and k[len(b):].split(".")[0] in
+                         ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")})
+    norm = lambda name: Step3p7RMSNorm(TEXT["hidden_size"], eps=TEXT["rms_norm_eps"])
+    en, hn, hdn = norm("e"), norm("h"), norm("head")
+    en.weight.data, hn.weight.data = w[b + "enorm.weight"], w[b + "hnorm.weight"]
+    hdn.weight.data = w[b + "transformer.shared_head.norm.weight"]
+    nxt = torch.tensor([toks[1:] + [0]])
+    with torch.no_grad():
+        e = model.get_input_embeddings()(nxt)
+        x = torch.cat([en(e), hn(got["h"])], dim=-1) @ w[b + "eh_proj.weight"].T
+        kw = {k: v for k, v in got["kw"].items() if k in ("attention_mask", "position_ids",
+                                                         "position_embeddings")}
+        out = blk(x, **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        return (hdn(out) @ w[b + "transformer.shared_head.output.weight"].T)[0].numpy()
 
 
 def logits_of(model, toks):
@@ -162,13 +215,28 @@ def build(out, src, oracle, quantize, dump):
     full, incr = logits_of(model, toks)
     if np.abs(full - incr).max() > 1e-3:
         raise SystemExit("incremental logits differ from the full pass")
+    # The clamps must matter: without them the logits move well past the fixtures' bar.
+    limited = [m for m in model.modules() if hasattr(m, "limit")]
+    kept = [m.limit for m in limited]
+    for m in limited:
+        m.limit = float("inf")
+    unclamped, _ = logits_of(model, toks)
+    for m, x in zip(limited, kept):
+        m.limit = x
+    clamp_rms = float(np.sqrt(((unclamped - full) ** 2).mean()))
+    if clamp_rms < 0.05:
+        raise SystemExit(f"the SwiGLU clamps move the logits by only {clamp_rms} RMS")
     np.save(f"{d}/tokens.npy", np.array(toks, dtype=np.int32))
     np.save(f"{d}/logits.npy", full)
+    mtp = mtp_logits(model, d, toks)
+    np.save(f"{d}/mtp-logits.npy", mtp)
     v = TEXT["vocab_size"]
     info = {"family": "step37", "hf_class": type(model).__name__, "seed": SEED,
             "weights": "f32", "n_tokens": len(toks), "vocab": v,
             "logits_std": float(full.std()),
             "incremental_vs_full_max_abs": float(np.abs(full - incr).max()),
+            "unclamped_vs_clamped_rms": clamp_rms,
+            "mtp_logits_std": float(mtp.std()),
             "argmax": full.argmax(-1).tolist()}
     json.dump(info, open(f"{d}/oracle.json", "w"), indent=1)
     convert_py = os.path.join(oracle, "convert.py")

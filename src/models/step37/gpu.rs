@@ -12,7 +12,7 @@ use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::matvec::MatvecOpts;
-use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
+use crate::gpu::moe::{routed_ffn_glu, ExpertStacks, FfnBufs, Glu, Picks};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
@@ -32,6 +32,8 @@ use std::sync::{Arc, Mutex};
 /// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
 /// the other families').
 pub const DEFAULT_BATCH: usize = 512;
+
+mod mtp;
 
 /// One block's weights (`[out, in]` products as stored; norms as `1+w`).
 struct Layer {
@@ -71,9 +73,9 @@ struct Experts {
     down: GpuTensor,
 }
 
-/// Widest query and FFN rows over the trunk's blocks.
+/// Widest query and FFN rows over the blocks (the trunk's and any MTP block's).
 fn widths(hp: &Hparams) -> (usize, usize, usize) {
-    let trunk = &hp.layers[..hp.n_layer];
+    let trunk = &hp.layers;
     let nh = trunk.iter().map(|g| g.n_head).max().unwrap_or(1);
     let nkv = trunk.iter().map(|g| g.n_head_kv).max().unwrap_or(1);
     let ff = hp
@@ -272,6 +274,8 @@ struct Pool {
 
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct StepSeq {
+    /// Unique per sequence of the model (slots are reused): what speculation keys its rows by.
+    id: u64,
     slot: u32,
     pos: usize,
     free: Arc<Mutex<Vec<u32>>>,
@@ -317,6 +321,11 @@ pub struct GpuModel {
     /// [`FamilyModel::hidden_out`]: the wanted rows' final-norm hidden states come back
     /// instead of their logits.
     hidden_out: bool,
+    /// The MTP block (block `n_layer`; its KV pool is `pools[n_layer]`) and what
+    /// speculation keeps.
+    mtp: Option<mtp::Mtp>,
+    spec: mtp::SpecState,
+    next_id: std::sync::atomic::AtomicU64,
 }
 
 /// What one chunk's pass returns: its wanted logits rows.
@@ -356,6 +365,15 @@ impl GpuModel {
             ));
         }
         let gated = Hparams::gated(file)?;
+        let mut hp = hp;
+        let draft = mtp::open_draft(file, &hp, opts)?;
+        if let Some((_, dhp)) = &draft {
+            // The block's geometry from the file that holds it: the scratch is sized over it.
+            hp.layers.truncate(hp.n_layer);
+            hp.layers.push(dhp.layers[dhp.n_layer]);
+            hp.n_nextn = 1;
+        }
+        let hp = hp;
         let whole = PartSpec::whole(hp.n_layer);
         let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole);
         let batch = fit_rows(
@@ -381,103 +399,35 @@ impl GpuModel {
         };
         let up = |w: W, shape: &[u64]| put(Weight::Stored(shaped(file, w, shape)?));
         let norm = |w: W, n: u64| put(norm_weight(file, w, n)?);
-        let (e, v, hd) = (hp.n_embd as u64, hp.n_vocab as u64, hp.head_dim as u64);
-        let mlp = |g: W, u: W, d: W, ff: u64| -> Result<Mlp> {
-            Ok(Mlp {
-                gate: up(g, &[ff, e])?,
-                up: up(u, &[ff, e])?,
-                down: up(d, &[e, ff])?,
-            })
-        };
+        let (e, v) = (hp.n_embd as u64, hp.n_vocab as u64);
         let tok_embd = up(W::TokEmbd, &[v, e])?;
         let output = up(W::Output, &[v, e])?;
         let output_norm = norm(W::OutputNorm, e)?;
-        let rope_freqs = match file {
-            ModelFile::Gguf(_) => match file.tensor(&W::RopeFreqs.gguf_name()) {
-                Some(t) => Some(read_f32(&t)?),
-                None => None,
-            },
-            ModelFile::Hf(_) => None,
+        let rope_freqs = rope_freqs(file)?;
+        let layers = (0..hp.n_layer)
+            .map(|l| {
+                load_layer(
+                    &gpu,
+                    file,
+                    &hp,
+                    l,
+                    gated,
+                    offloaded,
+                    rope_freqs.as_deref(),
+                    &put,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mtp = match &draft {
+            Some((df, dhp)) => Some(mtp::Mtp::load(&gpu, df, dhp, &hp, pass_rows, &put)?),
+            None => None,
         };
-        let mut layers = Vec::with_capacity(hp.n_layer);
-        for l in 0..hp.n_layer {
-            let g = hp.layers[l];
-            let (qw, kvw) = ((g.n_head as u64) * hd, (g.n_head_kv as u64) * hd);
-            let gate = match gated {
-                // Required: a missing gate would drop the per-head sigmoid silently.
-                true => Some(up(W::Gate(l), &[g.n_head as u64, e])?),
-                false => None,
-            };
-            let (mlp_w, experts) = match (&hp.moe, g.moe) {
-                (Some(m), true) => {
-                    let (ne, fe) = (m.n_expert as u64, m.n_ff_exp as u64);
-                    let router = up(W::Router(l), &[ne, e])?;
-                    let bias = match file.tensor(&W::RouterBias(l).name(file)) {
-                        None => None,
-                        Some(_) => {
-                            let t = shaped(file, W::RouterBias(l), &[ne])?;
-                            Some(put(Weight::F32 {
-                                name: t.name.to_string(),
-                                shape: vec![ne],
-                                data: read_f32(&t)?,
-                            })?)
-                        }
-                    };
-                    let ws = [
-                        (W::GateExps(l), [ne, fe, e]),
-                        (W::UpExps(l), [ne, fe, e]),
-                        (W::DownExps(l), [ne, e, fe]),
-                    ]
-                    .map(|(w, sh)| {
-                        let w = Weight::Stored(shaped(file, w, &sh)?);
-                        match offloaded {
-                            true => Ok(w.stand_in()),
-                            false => put(w),
-                        }
-                    });
-                    let [gate_x, up_x, down_x] = ws;
-                    let shared = mlp(
-                        W::GateShexp(l),
-                        W::UpShexp(l),
-                        W::DownShexp(l),
-                        m.n_ff_shexp as u64,
-                    )?;
-                    let x = Experts {
-                        router,
-                        bias,
-                        gate: gate_x?,
-                        up: up_x?,
-                        down: down_x?,
-                    };
-                    (shared, Some(x))
-                }
-                _ => (
-                    mlp(W::FfnGate(l), W::FfnUp(l), W::FfnDown(l), hp.n_ff as u64)?,
-                    None,
-                ),
-            };
-            let inv = inv_freq(&hp, &g, rope_freqs.as_deref(), file)?;
-            layers.push(Layer {
-                g,
-                attn_norm: norm(W::AttnNorm(l), e)?,
-                q: up(W::Q(l), &[qw, e])?,
-                k: up(W::K(l), &[kvw, e])?,
-                v: up(W::V(l), &[kvw, e])?,
-                q_norm: norm(W::QNorm(l), hd)?,
-                k_norm: norm(W::KNorm(l), hd)?,
-                gate,
-                o: up(W::O(l), &[e, qw])?,
-                ffn_norm: norm(W::FfnNorm(l), e)?,
-                mlp: mlp_w,
-                experts,
-                rope: RopeTable::new(&gpu, &inv, "step37.rope")?,
-            });
-        }
         let slots = opts.max_seqs.max(1);
         let cap = kv_cap(opts.ctx);
         let rows = (slots * cap) as u64;
         let pools = layers
             .iter()
+            .chain(mtp.as_ref().map(|m| &m.layer))
             .map(|lw| {
                 let shape = kv_shape(&hp, &lw.g, opts.kv_type);
                 Ok(Pool {
@@ -509,6 +459,9 @@ impl GpuModel {
             scratch,
             offload,
             hidden_out: false,
+            mtp,
+            spec: Default::default(),
+            next_id: Default::default(),
         })
     }
 
@@ -550,10 +503,8 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         self.reserve(&mut pass, pos0 + toks.len())?;
-        let hp = &self.hp;
         let sc = &self.scratch;
         let n = toks.len() as u32;
-        let e = hp.n_embd as u32;
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
         embed::embed(
             &mut pass,
@@ -564,31 +515,68 @@ impl GpuModel {
             Operand::new(&sc.x, 0),
         )?;
         for (l, lw) in self.layers.iter().enumerate() {
-            let norm = |pass: &mut Pass<'_>, w| {
-                norm::rms_norm(
-                    pass,
-                    n,
-                    e,
-                    Operand::new(&sc.x, 0),
-                    Some(Operand::new(&sc.h, 0)),
-                    Some(w),
-                    hp.eps,
-                )
-            };
-            norm(&mut pass, &lw.attn_norm)?;
-            self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
-            norm(&mut pass, &lw.ffn_norm)?;
-            if let Some(x) = &lw.experts {
-                let stacks = ExpertStacks {
-                    gate: &x.gate,
-                    up: &x.up,
-                    down: &x.down,
-                };
-                self.moe(&mut pass, l, &x.router, x.bias.as_ref(), &stacks, n)?;
-            }
-            self.swiglu(&mut pass, &lw.mlp, n)?;
+            self.block(&mut pass, l, lw, slot, pos0 as u32, n)?;
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
+        self.head(
+            pass,
+            n,
+            want,
+            (&self.output_norm, &self.output),
+            self.hidden_out,
+        )
+    }
+
+    /// Block `l` (weights `lw`) over the `n` rows of the residual stream in `x`.
+    fn block(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        lw: &Layer,
+        slot: u32,
+        pos0: u32,
+        n: u32,
+    ) -> Result<()> {
+        let (hp, sc) = (&self.hp, &self.scratch);
+        let e = hp.n_embd as u32;
+        let norm = |pass: &mut Pass<'_>, w| {
+            norm::rms_norm(
+                pass,
+                n,
+                e,
+                Operand::new(&sc.x, 0),
+                Some(Operand::new(&sc.h, 0)),
+                Some(w),
+                hp.eps,
+            )
+        };
+        norm(pass, &lw.attn_norm)?;
+        self.attention(pass, l, lw, slot, pos0, n)?;
+        norm(pass, &lw.ffn_norm)?;
+        if let Some(x) = &lw.experts {
+            let stacks = ExpertStacks {
+                gate: &x.gate,
+                up: &x.up,
+                down: &x.down,
+            };
+            self.moe(pass, l, &x.router, x.bias.as_ref(), &stacks, n)?;
+        }
+        self.swiglu(pass, &lw.mlp, lw.g.clamp_shexp, n)
+    }
+
+    /// The wanted rows of the `n` in `x` through the final norm and the head
+    /// (`(norm, output)`; `hidden`: the normed rows come back instead), `pass` submitted.
+    fn head(
+        &self,
+        mut pass: Pass<'_>,
+        n: u32,
+        want: ChunkWant,
+        (final_norm, output): (&GpuTensor, &GpuTensor),
+        hidden: bool,
+    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        let gpu = self.gpu.clone();
+        let (hp, sc) = (&self.hp, &self.scratch);
+        let e = hp.n_embd as u32;
         let (r0, rows) = match want {
             ChunkWant::None => {
                 pass.submit()?;
@@ -604,10 +592,10 @@ impl GpuModel {
             e,
             Operand::new(&sc.x, r0 as u32 * e),
             Some(Operand::new(&sc.h, 0)),
-            Some(&self.output_norm),
+            Some(final_norm),
             hp.eps,
         )?;
-        if self.hidden_out {
+        if hidden {
             pass.submit()?;
             let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
             return Ok((h, None));
@@ -616,7 +604,7 @@ impl GpuModel {
         if let ChunkWant::Top { k, lse } = want {
             crate::models::head_rows(
                 &mut pass,
-                &self.output,
+                output,
                 &sc.h,
                 (0, hp.n_embd),
                 &sc.logits,
@@ -636,7 +624,7 @@ impl GpuModel {
             let mut p = pending.take().unwrap_or_else(|| gpu.pass());
             crate::models::head_rows(
                 &mut p,
-                &self.output,
+                output,
                 &sc.h,
                 (r, hp.n_embd),
                 &sc.logits,
@@ -649,20 +637,18 @@ impl GpuModel {
         Ok((logits, None))
     }
 
-    /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert.
-    fn swiglu(&self, pass: &mut Pass<'_>, m: &Mlp, n: u32) -> Result<()> {
+    /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert, with
+    /// Step's clamp after SiLU where the block has a `limit`.
+    fn swiglu(&self, pass: &mut Pass<'_>, m: &Mlp, limit: Option<f32>, n: u32) -> Result<()> {
         let sc = &self.scratch;
         linear(pass, &m.gate, &sc.h, &sc.gate, n, false)?;
         linear(pass, &m.up, &sc.h, &sc.up, n, false)?;
-        ew::swiglu(
-            pass,
-            n,
-            m.gate.shape[0] as u32,
-            Operand::new(&sc.act, 0),
-            Operand::new(&sc.gate, 0),
-            Operand::new(&sc.up, 0),
-            None,
-        )?;
+        let (ff, act) = (m.gate.shape[0] as u32, Operand::new(&sc.act, 0));
+        let (g, u) = (Operand::new(&sc.gate, 0), Operand::new(&sc.up, 0));
+        match limit {
+            Some(l) => ew::swiglu_act_clamp(pass, n, ff, act, g, u, l)?,
+            None => ew::swiglu(pass, n, ff, act, g, u, None)?,
+        }
         linear(pass, &m.down, &sc.act, &sc.x, n, true)
     }
 
@@ -682,6 +668,10 @@ impl GpuModel {
         let sc = &self.scratch;
         let m = self.hp.moe.as_ref().expect("MoE block in a MoE model");
         let (e, k) = (self.hp.n_embd as u32, m.n_used as u32);
+        let glu = match self.hp.layers[l].clamp_exp {
+            Some(limit) => Glu::SwigluActClamp(limit),
+            None => Glu::Swiglu(None),
+        };
         let opts = MatvecOpts {
             exact: true,
             ..Default::default()
@@ -721,8 +711,8 @@ impl GpuModel {
         match self.offload.as_ref().filter(|o| o.has_layer(l)) {
             Some(off) => {
                 let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
-                off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
-                off.cold_ffn(pass, cold, &bufs, None, Some(&mut combine))
+                off.hot_ffn_glu(pass, l, &sc.h, n, &bufs, glu)?;
+                off.cold_ffn_glu(pass, cold, &bufs, glu, Some(&mut combine))
             }
             None => {
                 let picks = Picks {
@@ -731,7 +721,7 @@ impl GpuModel {
                     n,
                     k,
                 };
-                routed_ffn(pass, stacks, &sc.h, &picks, &bufs, None)?;
+                routed_ffn_glu(pass, stacks, &sc.h, &picks, &bufs, glu)?;
                 combine(pass)
             }
         }
@@ -873,6 +863,9 @@ impl GpuModel {
                 ))
             })?;
         Ok(StepSeq {
+            id: self
+                .next_id
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             slot,
             pos: 0,
             free: self.free.clone(),
@@ -897,6 +890,113 @@ impl GpuModel {
         copy_regions(&self.gpu, &regions, "step37.seq.copy_stage")?;
         dst.pos = src.pos;
         Ok(())
+    }
+}
+
+/// Block `l` of `file` (geometry `hp.layers[l]`), each weight through `put`; its routed
+/// experts as stand-ins when `offloaded` (the arena holds them).
+#[allow(clippy::too_many_arguments)]
+fn load_layer(
+    gpu: &Gpu,
+    file: &ModelFile,
+    hp: &Hparams,
+    l: usize,
+    gated: bool,
+    offloaded: bool,
+    rope_freqs: Option<&[f32]>,
+    put: &dyn Fn(Weight<'_>) -> Result<GpuTensor>,
+) -> Result<Layer> {
+    let up = |w: W, shape: &[u64]| put(Weight::Stored(shaped(file, w, shape)?));
+    let norm = |w: W, n: u64| put(norm_weight(file, w, n)?);
+    let (e, hd) = (hp.n_embd as u64, hp.head_dim as u64);
+    let mlp = |g: W, u: W, d: W, ff: u64| -> Result<Mlp> {
+        Ok(Mlp {
+            gate: up(g, &[ff, e])?,
+            up: up(u, &[ff, e])?,
+            down: up(d, &[e, ff])?,
+        })
+    };
+    let g = hp.layers[l];
+    let (qw, kvw) = ((g.n_head as u64) * hd, (g.n_head_kv as u64) * hd);
+    let gate = match gated {
+        // Required: a missing gate would drop the per-head sigmoid silently.
+        true => Some(up(W::Gate(l), &[g.n_head as u64, e])?),
+        false => None,
+    };
+    let (mlp_w, experts) = match (&hp.moe, g.moe) {
+        (Some(m), true) => {
+            let (ne, fe) = (m.n_expert as u64, m.n_ff_exp as u64);
+            let router = up(W::Router(l), &[ne, e])?;
+            let bias = match file.tensor(&W::RouterBias(l).name(file)) {
+                None => None,
+                Some(_) => {
+                    let t = shaped(file, W::RouterBias(l), &[ne])?;
+                    Some(put(Weight::F32 {
+                        name: t.name.to_string(),
+                        shape: vec![ne],
+                        data: read_f32(&t)?,
+                    })?)
+                }
+            };
+            let ws = [
+                (W::GateExps(l), [ne, fe, e]),
+                (W::UpExps(l), [ne, fe, e]),
+                (W::DownExps(l), [ne, e, fe]),
+            ]
+            .map(|(w, sh)| {
+                let w = Weight::Stored(shaped(file, w, &sh)?);
+                match offloaded {
+                    true => Ok(w.stand_in()),
+                    false => put(w),
+                }
+            });
+            let [gate_x, up_x, down_x] = ws;
+            let shared = mlp(
+                W::GateShexp(l),
+                W::UpShexp(l),
+                W::DownShexp(l),
+                m.n_ff_shexp as u64,
+            )?;
+            let x = Experts {
+                router,
+                bias,
+                gate: gate_x?,
+                up: up_x?,
+                down: down_x?,
+            };
+            (shared, Some(x))
+        }
+        _ => (
+            mlp(W::FfnGate(l), W::FfnUp(l), W::FfnDown(l), hp.n_ff as u64)?,
+            None,
+        ),
+    };
+    let inv = inv_freq(hp, &g, rope_freqs, file)?;
+    Ok(Layer {
+        g,
+        attn_norm: norm(W::AttnNorm(l), e)?,
+        q: up(W::Q(l), &[qw, e])?,
+        k: up(W::K(l), &[kvw, e])?,
+        v: up(W::V(l), &[kvw, e])?,
+        q_norm: norm(W::QNorm(l), hd)?,
+        k_norm: norm(W::KNorm(l), hd)?,
+        gate,
+        o: up(W::O(l), &[e, qw])?,
+        ffn_norm: norm(W::FfnNorm(l), e)?,
+        mlp: mlp_w,
+        experts,
+        rope: RopeTable::new(gpu, &inv, "step37.rope")?,
+    })
+}
+
+/// A GGUF file's llama3 divisors (`rope_freqs.weight`), where it has them.
+fn rope_freqs(file: &ModelFile) -> Result<Option<Vec<f32>>> {
+    match file {
+        ModelFile::Gguf(_) => match file.tensor(&W::RopeFreqs.gguf_name()) {
+            Some(t) => Ok(Some(read_f32(&t)?)),
+            None => Ok(None),
+        },
+        ModelFile::Hf(_) => Ok(None),
     }
 }
 
@@ -1012,4 +1112,7 @@ impl FamilyModel for GpuModel {
     }
     /// One device holds the whole model ([`GpuModel::load`] refuses a part): no neighbours.
     fn set_link(&mut self, _link: Link) {}
+    fn speculate(&mut self) -> Option<&mut dyn crate::models::spec::Speculate> {
+        Some(self)
+    }
 }

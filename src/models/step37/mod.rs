@@ -18,8 +18,12 @@
 //! - Router: `sigmoid(logits)` in f32, top-k of sigmoid + `router_bias` (selection only),
 //!   weights the unbiased sigmoids of the winners renormalised, times
 //!   `moe_router_scaling_factor`; the shared expert's output is added unweighted.
-//! - SwiGLU clamps (`swiglu_limits`, on the release's last two blocks) clamp SiLU's output,
-//!   not its input as DeepSeek's do: not run yet, refused by name.
+//! - SwiGLU clamps (`swiglu_limits` for the routed experts, `swiglu_limits_shared` for the
+//!   shared expert and the dense FFN; the release sets them on blocks 43-44, at 7 and 16):
+//!   `min(silu(g), L) ⊙ clamp(u, ±L)`, SiLU's output bounded, not its input as DeepSeek's
+//!   (transformers' `Step3p7MLP` / `Step3p7Experts._apply_gate`; llama.cpp's `build_ffn` and
+//!   `build_moe_ffn` for step35 with `swiglu_clamp_shexp` / `swiglu_clamp_exp`). A limit of 0
+//!   means none (llama.cpp: none at or below 1e-6).
 
 pub mod gpu;
 
@@ -180,6 +184,9 @@ pub struct LayerGeom {
     pub rope_theta: f32,
     /// Routed experts and a shared expert (else a dense SwiGLU of `n_ff`).
     pub moe: bool,
+    /// SwiGLU clamp limits of the routed experts, and of the shared expert or dense FFN.
+    pub clamp_exp: Option<f32>,
+    pub clamp_shexp: Option<f32>,
 }
 
 /// The routed experts of the MoE blocks.
@@ -327,9 +334,8 @@ impl Hparams {
         let n_rot_swa = g.opt_usize(&k(ROPE_DIMENSION_COUNT_SWA))?.unwrap_or(n_rot);
         let theta = g.opt_f32(&k(keys::ROPE_FREQ_BASE))?.unwrap_or(10000.0);
         let theta_swa = g.opt_f32(&k(ROPE_FREQ_BASE_SWA))?.unwrap_or(theta);
-        for name in [keys::SWIGLU_CLAMP_EXP, keys::SWIGLU_CLAMP_SHEXP] {
-            refuse_clamps(g.path(), &k(name), &opt_f32_per_layer(g, &k(name), n_all)?)?;
-        }
+        let clamp_exp = limits(opt_f32_per_layer(g, &k(keys::SWIGLU_CLAMP_EXP), n_all)?);
+        let clamp_shexp = limits(opt_f32_per_layer(g, &k(keys::SWIGLU_CLAMP_SHEXP), n_all)?);
         let moe = match g.opt_usize(&k(keys::EXPERT_COUNT))? {
             Some(n_expert) if n_expert > 0 => {
                 // llama.cpp's step35 defaults the gating to sigmoid (`expert_gating_func` 2).
@@ -361,6 +367,8 @@ impl Hparams {
                 rope_theta: if swa[l] { theta_swa } else { theta },
                 // Dense or MoE by tensor presence, as llama.cpp's graph decides.
                 moe: f.tensor(&W::Router(l).gguf_name()).is_some(),
+                clamp_exp: clamp_exp[l],
+                clamp_shexp: clamp_shexp[l],
             })
             .collect();
         Ok(Hparams {
@@ -443,10 +451,13 @@ impl Hparams {
         }
         let theta = per_layer("rope_theta", 10000.0)?;
         let partial = per_layer("partial_rotary_factors", 1.0)?;
-        for key in ["swiglu_limits", "swiglu_limits_shared"] {
-            let v: Vec<f32> = per_layer(key, 0.0)?.iter().map(|&x| x as f32).collect();
-            refuse_clamps(&h.config_path(), key, &v)?;
-        }
+        let [clamp_exp, clamp_shexp] =
+            ["swiglu_limits", "swiglu_limits_shared"].map(|key| -> Result<Vec<Option<f32>>> {
+                Ok(limits(
+                    per_layer(key, 0.0)?.iter().map(|&x| x as f32).collect(),
+                ))
+            });
+        let (clamp_exp, clamp_shexp) = (clamp_exp?, clamp_shexp?);
         // transformers' Step3p7TextConfig: MoE from block 3 on when the list is absent.
         let moe_layers: Vec<usize> = match h.cfg_value("moe_layers_enum") {
             None | Some(serde_json::Value::Null) => (3..n_layer).collect(),
@@ -493,6 +504,8 @@ impl Hparams {
                 n_rot: rot as usize,
                 rope_theta: theta[l] as f32,
                 moe: moe_layers.contains(&l),
+                clamp_exp: clamp_exp[l],
+                clamp_shexp: clamp_shexp[l],
             });
         }
         let any_moe = layers.iter().any(|g| g.moe);
@@ -580,16 +593,9 @@ fn opt_f32_per_layer(g: &GgufFile, key: &str, n: usize) -> Result<Vec<f32>> {
     }
 }
 
-/// SwiGLU clamps are not run yet: a file that sets one is refused by its key and block.
-fn refuse_clamps(path: &std::path::Path, key: &str, limits: &[f32]) -> Result<()> {
-    match limits.iter().position(|&x| x > 1e-6) {
-        None => Ok(()),
-        Some(l) => Err(Error::Unsupported(format!(
-            "{}: {key} = {} on block {l} (Step's SwiGLU clamp after SiLU is not run yet)",
-            path.display(),
-            limits[l]
-        ))),
-    }
+/// Per-block clamp limits, `None` where unclamped (llama.cpp's `limit > 1e-6` test).
+fn limits(v: Vec<f32>) -> Vec<Option<f32>> {
+    v.into_iter().map(|x| (x > 1e-6).then_some(x)).collect()
 }
 
 /// `[n_vocab, n_embd]` of the embedding (GGUF lists the dims the other way).
