@@ -13,6 +13,10 @@ use lathe::engine::{logits, LoadOptions};
 const NAME: &str = "step37-tiny";
 
 fn check(file: &str) {
+    check_with(file, &LoadOptions::default())
+}
+
+fn check_with(file: &str, opts: &LoadOptions) {
     let dir = fixtures().join(NAME);
     let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
     let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
@@ -28,7 +32,7 @@ fn check(file: &str) {
         .and_then(|s| s.strip_suffix(".gguf"))
         .unwrap_or("f32");
     for prefill in [t, t - 4] {
-        let (got, vocab) = logits(&path, &ids, prefill, &LoadOptions::default()).unwrap();
+        let (got, vocab) = logits(&path, &ids, prefill, opts).unwrap();
         let s = score(&got, &want.data, vocab);
         let label = format!(
             "{NAME}/{} prefill {prefill}",
@@ -51,6 +55,19 @@ fn step37_tiny_gguf_q8_0() {
 #[test]
 fn step37_tiny_hf() {
     check("");
+}
+
+/// Half of each MoE layer's experts off the GPU (the arena and the CPU's cold path, the
+/// SwiGLU clamp of blocks 3-4 included), from the GGUF stacks and from the checkpoint's
+/// `moe.*_proj.weight` stacks: the same logits at the same bar.
+#[test]
+fn step37_tiny_offloaded() {
+    let opts = LoadOptions {
+        gpu_experts: Some(0.5),
+        ..Default::default()
+    };
+    check_with("model-f32.gguf", &opts);
+    check_with("", &opts);
 }
 
 /// The head-wise gate is part of the architecture: a step35 file without one block's

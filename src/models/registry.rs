@@ -41,6 +41,14 @@ const GGUF_STACKS: [&str; 3] = [
     "blk.{l}.ffn_down_exps.weight",
 ];
 
+/// Step-3.5/3.7's checkpoints keep stacks `[n_expert, rows, cols]` as GGUF does (the
+/// release's `moe.{gate,up,down}_proj.weight`; `step37::W::hf_name`).
+const STEP37_HF_STACKS: [&str; 3] = [
+    "model.layers.{l}.moe.gate_proj.weight",
+    "model.layers.{l}.moe.up_proj.weight",
+    "model.layers.{l}.moe.down_proj.weight",
+];
+
 /// Hugging Face checkpoints with one tensor per expert (`mlp.experts.E.{gate,up,down}_proj`),
 /// as Qwen3-MoE's and Qwen3.5's.
 const HF_EXPERTS: EachExpert = EachExpert {
@@ -78,20 +86,20 @@ const GEMMA4_FUSED: [FusedStacks; 2] = [
 ];
 
 static QWEN_EXPERT_NAMES: ExpertNames = ExpertNames {
-    stacks: GGUF_STACKS,
+    stacks: &[GGUF_STACKS],
     fused: &[],
     each: &[HF_EXPERTS],
 };
 
 static DEEPSEEK_EXPERT_NAMES: ExpertNames = ExpertNames {
-    stacks: GGUF_STACKS,
+    stacks: &[GGUF_STACKS],
     fused: &[],
     each: &[DEEPSEEK_EXPERTS],
 };
 
 /// Gemma-4: fused stacks (GGUF files may also carry separate gate and up stacks).
 static GEMMA4_EXPERT_NAMES: ExpertNames = ExpertNames {
-    stacks: GGUF_STACKS,
+    stacks: &[GGUF_STACKS],
     fused: &GEMMA4_FUSED,
     each: &[],
 };
@@ -100,14 +108,14 @@ static GEMMA4_EXPERT_NAMES: ExpertNames = ExpertNames {
 /// [E, I, H]`), which the planner does not see as experts (one stack naming here), so they
 /// load whole.
 static STEP37_EXPERT_NAMES: ExpertNames = ExpertNames {
-    stacks: GGUF_STACKS,
+    stacks: &[GGUF_STACKS, STEP37_HF_STACKS],
     fused: &[],
     each: &[],
 };
 
 /// A file of no known family (`lathe plan` still sizes it): every naming above.
 static ANY_EXPERT_NAMES: ExpertNames = ExpertNames {
-    stacks: GGUF_STACKS,
+    stacks: &[GGUF_STACKS, STEP37_HF_STACKS],
     fused: &GEMMA4_FUSED,
     each: &[HF_EXPERTS, DEEPSEEK_EXPERTS],
 };

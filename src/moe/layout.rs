@@ -89,8 +89,9 @@ pub struct MoeInfo {
 /// (`models::registry::Family::experts`): this layer knows the layouts, not the names.
 #[derive(Debug)]
 pub struct ExpertNames {
-    /// GGUF stacks `[n_expert, rows, cols]`, `{l}` only.
-    pub stacks: [&'static str; 3],
+    /// Stacks `[n_expert, rows, cols]` (GGUF's, and checkpoints that keep them so, as
+    /// Step's `moe.gate_proj.weight`), `{l}` only, in the order a file is looked up.
+    pub stacks: &'static [[&'static str; 3]],
     /// Stacks with gate and up fused, in the order a file is looked up.
     pub fused: &'static [FusedStacks],
     /// Checkpoints with one tensor per expert, in the order a file is looked up.
@@ -144,16 +145,20 @@ fn fill(template: &str, l: usize, e: usize) -> String {
 }
 
 impl ExpertNames {
-    /// The GGUF stack of `kind` in layer `l`.
-    fn stack(&self, l: usize, kind: Kind) -> String {
-        fill(self.stacks[kind as usize], l, 0)
+    /// The names a stack of `kind` in layer `l` may have.
+    fn stacks(&self, l: usize, kind: Kind) -> impl Iterator<Item = String> + '_ {
+        self.stacks
+            .iter()
+            .map(move |s| fill(s[kind as usize], l, 0))
     }
 
     /// Routed-expert tensor names: (layer, expert or `None` for a stack, kind, packed).
     fn parse(&self, name: &str) -> Option<(usize, Option<usize>, Kind, bool)> {
-        for (t, kind) in self.stacks.iter().zip(Kind::ALL) {
-            if let Some((l, None)) = match_template(t, name) {
-                return Some((l, None, kind, false));
+        for s in self.stacks {
+            for (t, kind) in s.iter().zip(Kind::ALL) {
+                if let Some((l, None)) = match_template(t, name) {
+                    return Some((l, None, kind, false));
+                }
             }
         }
         for f in self.fused {
@@ -249,12 +254,13 @@ fn counts(f: &ModelFile) -> Result<(Option<u64>, Option<u64>)> {
             ))
         }
         ModelFile::Hf(h) => {
-            // Qwen's and Llama's, DeepSeek's, Gemma-4's config key.
+            // Qwen's and Llama's, DeepSeek's, Gemma-4's, Step's config key.
             let mut k = None;
             for key in [
                 "num_experts_per_tok",
                 "n_activated_experts",
                 "top_k_experts",
+                "moe_top_k",
             ] {
                 if k.is_none() {
                     k = h.cfg_opt_u64(key)?;
@@ -894,8 +900,7 @@ impl<'a> ExpertWeights<'a> {
         let l = info.layer;
         let want = |e: usize| only.is_none_or(|o| o.contains(&(e as u32)));
         let mats = |kind: Kind| -> Result<ExpertMats<'a>> {
-            let stack = names.stack(l, kind);
-            if let Some(t) = f.tensor(&stack) {
+            if let Some(t) = names.stacks(l, kind).find_map(|s| f.tensor(&s)) {
                 return ExpertMats::from_stack(&t);
             }
             for fu in names.fused {
@@ -917,7 +922,7 @@ impl<'a> ExpertWeights<'a> {
             }) else {
                 return Err(Error::MissingTensor {
                     path: f.path(),
-                    name: stack,
+                    name: names.stacks(l, kind).collect::<Vec<_>>().join(" or "),
                 });
             };
             let name = |e: usize| fill(template, l, e);
@@ -1004,7 +1009,7 @@ mod tests {
     use super::*;
 
     static NAMES: ExpertNames = ExpertNames {
-        stacks: ["s.{l}.gate", "s.{l}.up", "s.{l}.down"],
+        stacks: &[["s.{l}.gate", "s.{l}.up", "s.{l}.down"]],
         fused: &[FusedStacks {
             gate_up: "f.{l}.gate_up",
             down: "f.{l}.down",
@@ -1040,7 +1045,10 @@ mod tests {
             !NAMES.is_expert("s.3.gate.scale"),
             "a stack has no block scale"
         );
-        assert_eq!(NAMES.stack(7, Kind::Down), "s.7.down");
+        assert_eq!(
+            NAMES.stacks(7, Kind::Down).collect::<Vec<_>>(),
+            ["s.7.down"]
+        );
         assert_eq!(NAMES.parse("f.5.down"), Some((5, None, Kind::Down, false)));
         assert_eq!(NAMES.fused_layer("f.5.gate_up"), Some(5));
         assert!(NAMES.is_expert("f.5.gate_up") && !NAMES.is_expert("f.5.gate"));
