@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use lathe::engine::{logits, LoadOptions};
 
-fn check_model(name: &str) {
+fn check_model(name: &str, opts: &LoadOptions) {
     let dir = fixtures().join(name);
     let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
     let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
@@ -26,7 +26,7 @@ fn check_model(name: &str) {
             .and_then(|s| s.strip_suffix(".gguf"))
             .unwrap_or("f32");
         for prefill in [t, t - 4] {
-            let (got, vocab) = logits(&path, &ids, prefill, &LoadOptions::default()).unwrap();
+            let (got, vocab) = logits(&path, &ids, prefill, opts).unwrap();
             let s = score(&got, &want.data, vocab);
             let label = format!(
                 "{name}/{} prefill {prefill}",
@@ -39,7 +39,7 @@ fn check_model(name: &str) {
 
 #[test]
 fn gemma4_tiny() {
-    check_model("gemma4-tiny");
+    check_model("gemma4-tiny", &LoadOptions::default());
 }
 
 /// The MoE fixture's experts as the planner sees them, from GGUF (`ffn_gate_up_exps`) and HF
@@ -73,4 +73,21 @@ fn gemma4moe_tiny_experts_read_fused() {
         assert_eq!((moe.n_expert, moe.n_used, moe.n_ff_exp), (4, 2, 32));
         assert!(hp.layers.iter().all(|g| g.moe));
     }
+}
+
+/// The MoE fixture (three MoE blocks, 4 experts, 2 per token) at the same bars.
+#[test]
+fn gemma4moe_tiny() {
+    check_model("gemma4moe-tiny", &LoadOptions::default());
+}
+
+/// Half the experts left on the CPU (`moe::Offload`: the arena's hot experts and the CPU's
+/// cold GeGLU pairs summed in slot order), at the same bars.
+#[test]
+fn gemma4moe_tiny_offloaded() {
+    let opts = LoadOptions {
+        gpu_experts: Some(0.5),
+        ..Default::default()
+    };
+    check_model("gemma4moe-tiny", &opts);
 }

@@ -206,7 +206,13 @@ pub static FAMILIES: &[Family] = &[
                 part,
             ))
         },
-        products: |f| gemma4::Hparams::from_file(f).map(|_| AutoProducts::Any),
+        products: |f| {
+            Ok(if gemma4::Hparams::from_file(f)?.moe.is_some() {
+                AutoProducts::F32
+            } else {
+                AutoProducts::Any
+            })
+        },
         pass_rows: gemma4::gpu::DEFAULT_BATCH,
         experts: &GEMMA4_EXPERT_NAMES,
     },

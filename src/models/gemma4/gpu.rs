@@ -1,26 +1,29 @@
 //! The Gemma-4 forward on the GPU: one pass (one submission) per chunk of at most
 //! [`DEFAULT_BATCH`] tokens of one sequence, as the Llama family's. Each block's attention
 //! has its own geometry ([`LayerGeom`]), so each has its own KV pool shape and its RoPE
-//! table (sliding or global); only the wanted logits come back.
+//! table (sliding or global); only the wanted logits come back. MoE blocks run their
+//! routed experts as the Llama family's Qwen3-MoE does: stacked on the GPU, or through the
+//! expert arena and the CPU (`moe::Offload`) when the planner leaves some experts cold.
 
 use super::{Hparams, LayerGeom, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise as ew;
-use crate::gpu::matmul;
+use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::moe::{routed_ffn_glu, ExpertStacks, FfnBufs, Glu, Picks};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
-use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::gpu::{embed, fit_rows, router, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::link::Link;
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};
-use crate::models::{expect_shape, ModelFile, SeqState};
-use crate::moe::{Needs, RunShape};
+use crate::models::{expect_shape, ModelFile, SeqState, Weight};
+use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -46,6 +49,28 @@ struct Layer {
     post_ffn_norm: GpuTensor,
     /// The block's output multiplier (`layer_scalar`), 1 when the file has none.
     out_scale: f32,
+    /// MoE blocks: the routed branch beside the dense one.
+    moe: Option<MoeBlock>,
+}
+
+/// A MoE block's routed experts (module doc).
+struct MoeBlock {
+    /// `[n_expert, n_embd]`.
+    router: GpuTensor,
+    /// `[n_embd]`: the router input's scale times `1/sqrt(n_embd)`, one vector folded at
+    /// load, the weight of the router's RMSNorm.
+    router_in: GpuTensor,
+    /// `[n_expert]` F32: each expert's output scale.
+    expert_scale: GpuTensor,
+    /// `[n_embd]`: the norms of the routed input, the dense and the routed outputs.
+    pre_norm_2: GpuTensor,
+    post_norm_1: GpuTensor,
+    post_norm_2: GpuTensor,
+    /// Stacks `[n_expert, n_ff_exp, n_embd]` ×2 (the fused stack's halves) and
+    /// `[n_expert, n_embd, n_ff_exp]` (stand-ins without buffers when offloaded).
+    gate: GpuTensor,
+    up: GpuTensor,
+    down: GpuTensor,
 }
 
 /// Activation buffers for passes of `rows` tokens (f32 unless said).
@@ -69,6 +94,20 @@ struct Scratch {
     act: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
+    /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
+    /// ids (u32) and weights; [rows·n_used, n_ff_exp] the experts' gate, up and GeGLU;
+    /// [rows·n_used, n_embd] their unweighted outputs; [rows, n_embd] their weighted sum,
+    /// and zeros it starts from (never written: wgpu buffers start zeroed).
+    router: wgpu::Buffer,
+    moe_ids: wgpu::Buffer,
+    moe_w: wgpu::Buffer,
+    f_gate: wgpu::Buffer,
+    f_up: wgpu::Buffer,
+    f_act: wgpu::Buffer,
+    moe_out: wgpu::Buffer,
+    moe_sum: wgpu::Buffer,
+    zeros: wgpu::Buffer,
+    route: Option<MoeRoute>,
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
@@ -81,10 +120,13 @@ fn max_of(hp: &Hparams, f: impl Fn(&LayerGeom) -> usize) -> usize {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 12] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 21] {
     let q = hp.n_head * max_of(hp, |g| g.head_dim);
     let kv = max_of(hp, |g| g.n_head_kv * g.head_dim);
     let ff = max_of(hp, |g| g.n_ff);
+    let (ne, k, fe, me) = hp.moe.as_ref().map_or((0, 0, 0, 0), |m| {
+        (m.n_expert, m.n_used, m.n_ff_exp, hp.n_embd)
+    });
     [
         ("gemma4.ids", rows),
         ("gemma4.x", rows * hp.n_embd),
@@ -98,6 +140,15 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 12] {
         ("gemma4.up", rows * ff),
         ("gemma4.act", rows * ff),
         ("gemma4.attn_split", split_elems(hp) as usize),
+        ("gemma4.router", rows * ne),
+        ("gemma4.moe_ids", rows * k),
+        ("gemma4.moe_w", rows * k),
+        ("gemma4.f_gate", rows * k * fe),
+        ("gemma4.f_up", rows * k * fe),
+        ("gemma4.f_act", rows * k * fe),
+        ("gemma4.moe_out", rows * k * me),
+        ("gemma4.moe_sum", rows * me),
+        ("gemma4.zeros", rows * me),
     ]
 }
 
@@ -132,6 +183,23 @@ impl Scratch {
             up: f(9)?,
             act: f(10)?,
             attn_split: f(11)?,
+            router: f(12)?,
+            moe_ids: f(13)?,
+            moe_w: f(14)?,
+            f_gate: f(15)?,
+            f_up: f(16)?,
+            f_act: f(17)?,
+            moe_out: f(18)?,
+            moe_sum: f(19)?,
+            zeros: f(20)?,
+            route: match &hp.moe {
+                Some(m) => Some(MoeRoute::new(
+                    gpu,
+                    m.n_expert as u32,
+                    (rows * m.n_used) as u32,
+                )?),
+                None => None,
+            },
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "gemma4.logits")?,
             logit_rows,
             top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
@@ -147,6 +215,9 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let rows = run.batch.max(1) as usize;
     let e = scratch_elems(hp, rows);
     let logits = (rows * hp.n_vocab) as u64 * 4;
+    let route = hp.moe.as_ref().map_or(0, |m| {
+        MoeRoute::bytes(m.n_expert as u32, (rows * m.n_used) as u32)
+    });
     let mut buffers: Vec<PassBuffer> = e
         .iter()
         .map(|&(l, n)| PassBuffer::bound(l, n as u64 * 4))
@@ -167,7 +238,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     Needs {
         kv_per_token,
         state: 0,
-        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits,
+        activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits + route,
         buffers,
         kv_elem,
         note: None,
@@ -247,6 +318,8 @@ pub struct GpuModel {
     pools: Vec<Pool>,
     free: Arc<Mutex<Vec<u32>>>,
     scratch: Scratch,
+    /// The expert arena and cold experts when the planner left some experts off the GPU.
+    offload: Option<Offload>,
     /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
     /// of their logits.
     hidden_out: bool,
@@ -263,37 +336,40 @@ enum ChunkWant {
 impl GpuModel {
     pub fn load(gpu: Arc<Gpu>, file: &ModelFile, opts: &LoadOptions) -> Result<GpuModel> {
         let hp = Hparams::from_file(file)?;
-        if hp.moe.is_some() {
-            return Err(Error::Unsupported(format!(
-                "{}: the Gemma-4 MoE forward (its experts are read, not run yet)",
-                file.path().display()
-            )));
-        }
         if opts.part.as_ref().is_some_and(|p| !(p.first && p.last)) {
             return Err(Error::Unsupported(
                 "a Gemma-4 model split over several devices".into(),
             ));
         }
         let whole = PartSpec::whole(hp.n_layer);
-        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole).buffers;
+        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole);
         let batch = fit_rows(
             DEFAULT_BATCH,
             BufferLimits::of(&gpu.limits),
             &file.path(),
-            needs,
+            |r| needs(r).buffers,
         )?;
+        // Placement before any upload: offloaded experts go to the arena after the rest.
+        let experts = crate::models::registry::family(file)?.experts;
+        let plan = Plan::new(&gpu, file, experts, opts, &needs, batch)?;
+        let pass_rows = plan.as_ref().map_or(batch, |p| p.rows);
+        let offloaded = plan.is_some();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
-        let mut done = 0u64;
-        let mut up = |w: W, shape: &[u64]| -> Result<GpuTensor> {
-            let t = file.require(&w.name(file))?;
-            expect_shape(&t, shape)?;
-            let g = gpu.upload_tensor(&t)?;
-            done += t.data.len() as u64;
+        let done = std::cell::Cell::new(0u64);
+        let put = |w: Weight<'_>| -> Result<GpuTensor> {
+            let g = w.with_tensor(|t| gpu.upload_tensor(t))?;
+            done.set(done.get() + g.bytes());
             if let Some(p) = &opts.progress {
-                p(done.min(total), total);
+                p(done.get().min(total), total);
             }
             Ok(g)
         };
+        let shaped = |w: W, shape: &[u64]| -> Result<_> {
+            let t = file.require(&w.name(file))?;
+            expect_shape(&t, shape)?;
+            Ok(t)
+        };
+        let up = |w: W, shape: &[u64]| put(Weight::Stored(shaped(w, shape)?));
         let (e, v, nh) = (hp.n_embd as u64, hp.n_vocab as u64, hp.n_head as u64);
         let tok_embd = up(W::TokEmbd, &[v, e])?;
         let output = match file.tensor(&W::Output.name(file)) {
@@ -335,6 +411,10 @@ impl GpuModel {
                 down: up(W::Down(l), &[e, ff])?,
                 post_ffn_norm: up(W::PostFfnNorm(l), &[e])?,
                 out_scale,
+                moe: match (&hp.moe, g.moe) {
+                    (Some(m), true) => Some(MoeBlock::load(&hp, m, l, &shaped, &put, offloaded)?),
+                    _ => None,
+                },
             });
         }
         let head_dim_of = |swa: bool| hp.layers.iter().find(|g| g.swa == swa).map(|g| g.head_dim);
@@ -370,7 +450,11 @@ impl GpuModel {
                 })
             })
             .collect::<Result<_>>()?;
-        let scratch = Scratch::new(&gpu, &hp, batch)?;
+        let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
+        let offload = match plan {
+            Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
+            None => None,
+        };
         Ok(GpuModel {
             gpu,
             hp,
@@ -385,6 +469,7 @@ impl GpuModel {
             // Popped from the end: slot 0 first.
             free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
             scratch,
+            offload,
             hidden_out: false,
         })
     }
@@ -479,6 +564,35 @@ impl GpuModel {
                 Operand::new(&sc.up, 0),
             )?;
             linear(&mut pass, &lw.down, &sc.act, &sc.br, n)?;
+            if let Some(mb) = &lw.moe {
+                // br = post_norm_1(dense) + post_norm_2(routed experts of x)
+                norm::rms_norm(
+                    &mut pass,
+                    n,
+                    e,
+                    Operand::new(&sc.br, 0),
+                    None,
+                    Some(&mb.post_norm_1),
+                    hp.eps,
+                )?;
+                self.moe(&mut pass, l, mb, n)?;
+                norm::rms_norm(
+                    &mut pass,
+                    n,
+                    e,
+                    Operand::new(&sc.moe_sum, 0),
+                    None,
+                    Some(&mb.post_norm_2),
+                    hp.eps,
+                )?;
+                ew::add_inplace(
+                    &mut pass,
+                    n,
+                    e,
+                    Operand::new(&sc.br, 0),
+                    Operand::new(&sc.moe_sum, 0),
+                )?;
+            }
             norm(&mut pass, &sc.br, &sc.h, &lw.post_ffn_norm)?;
             ew::add_inplace(
                 &mut pass,
@@ -559,6 +673,78 @@ impl GpuModel {
             logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
         }
         Ok((logits, None))
+    }
+
+    /// Block `l`'s routed experts of the residual rows `x` into `moe_sum` (`h` is
+    /// overwritten): the router on `x` through its weightless RMSNorm times the folded
+    /// scale, softmax top-k of f32 router logits (a near-tie must not flip on rounding),
+    /// renormalised and times each expert's output scale; the GeGLU experts on
+    /// `pre_norm_2(x)`; their weighted sum in slot order from zero (`moe`'s summation
+    /// contract, the same with and without offload).
+    fn moe(&self, pass: &mut Pass<'_>, l: usize, mb: &MoeBlock, n: u32) -> Result<()> {
+        let (hp, sc) = (&self.hp, &self.scratch);
+        let m = hp.moe.as_ref().expect("MoE block in a MoE model");
+        let (e, k) = (hp.n_embd as u32, m.n_used as u32);
+        let (x, h) = (Operand::new(&sc.x, 0), Operand::new(&sc.h, 0));
+        norm::rms_norm(pass, n, e, x, Some(h), Some(&mb.router_in), hp.eps)?;
+        let exact = MatvecOpts {
+            exact: true,
+            ..Default::default()
+        };
+        matmul::matmul_opts(pass, &mb.router, h, Operand::new(&sc.router, 0), n, &exact)?;
+        topk::router_softmax_topk(
+            pass,
+            n,
+            m.n_expert as u32,
+            k,
+            true,
+            Operand::new(&sc.router, 0),
+            Operand::new(&sc.moe_ids, 0),
+            Operand::new(&sc.moe_w, 0),
+        )?;
+        router::expert_scale(pass, n * k, &sc.moe_w, &sc.moe_ids, &mb.expert_scale)?;
+        norm::rms_norm(pass, n, e, x, Some(h), Some(&mb.pre_norm_2), hp.eps)?;
+        let sum_bytes = n as u64 * e as u64 * 4;
+        pass.copy(&sc.zeros, 0, &sc.moe_sum, 0, sum_bytes);
+        let bufs = FfnBufs {
+            gate: &sc.f_gate,
+            up: &sc.f_up,
+            act: &sc.f_act,
+            out: &sc.moe_out,
+        };
+        let mut combine = |p: &mut Pass<'_>| -> Result<()> {
+            ew::moe_combine(
+                p,
+                n,
+                e,
+                k,
+                Operand::new(&sc.moe_sum, 0),
+                Operand::new(&sc.moe_w, 0),
+                Operand::new(&sc.moe_out, 0),
+            )
+        };
+        match self.offload.as_ref().filter(|o| o.has_layer(l)) {
+            Some(off) => {
+                let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
+                off.hot_ffn_glu(pass, l, &sc.h, n, &bufs, Glu::GegluTanh)?;
+                off.cold_ffn_glu(pass, cold, &bufs, Glu::GegluTanh, Some(&mut combine))
+            }
+            None => {
+                let stacks = ExpertStacks {
+                    gate: &mb.gate,
+                    up: &mb.up,
+                    down: &mb.down,
+                };
+                let picks = Picks {
+                    ids: &sc.moe_ids,
+                    route: sc.route.as_ref().expect("route made for MoE models"),
+                    n,
+                    k,
+                };
+                routed_ffn_glu(pass, &stacks, &sc.h, &picks, &bufs, Glu::GegluTanh)?;
+                combine(pass)
+            }
+        }
     }
 
     /// Block `l`'s attention over the normed rows in `h`, its output projection in `br`.
@@ -726,6 +912,71 @@ impl GpuModel {
         copy_regions(&self.gpu, &regions, "gemma4.seq.copy_stage")?;
         dst.pos = src.pos;
         Ok(())
+    }
+}
+
+impl MoeBlock {
+    /// Block `l`'s router, scales, branch norms and expert stacks; the stacks as stand-ins
+    /// when `offloaded` (the arena holds them).
+    fn load<'f>(
+        hp: &Hparams,
+        m: &super::Moe,
+        l: usize,
+        shaped: &dyn Fn(W, &[u64]) -> Result<crate::tensor::TensorRef<'f>>,
+        put: &dyn Fn(Weight<'_>) -> Result<GpuTensor>,
+        offloaded: bool,
+    ) -> Result<MoeBlock> {
+        let (e, ne, fe) = (hp.n_embd as u64, m.n_expert as u64, m.n_ff_exp as u64);
+        let vec = |w: W| put(Weight::Stored(shaped(w, &[e])?));
+        // HF `Gemma4TextRouter`: `proj(rms_norm(x) · scale · hidden_size^-0.5)`; llama.cpp
+        // scales by `1/sqrtf(n_embd)` then multiplies by `ffn_gate_inp.scale`.
+        let rs = shaped(W::RouterScale(l), &[e])?;
+        let root = 1.0 / (hp.n_embd as f32).sqrt();
+        let router_in = put(Weight::F32 {
+            name: rs.name.to_string(),
+            shape: vec![e],
+            data: crate::models::read_f32(&rs)?
+                .iter()
+                .map(|s| s * root)
+                .collect(),
+        })?;
+        let es = shaped(W::ExpertScale(l), &[ne])?;
+        let expert_scale = put(Weight::F32 {
+            name: es.name.to_string(),
+            shape: vec![ne],
+            data: crate::models::read_f32(&es)?,
+        })?;
+        // The fused stack's gate and up halves as two stacks: per expert its first and last
+        // `n_ff_exp` rows (`Weight::Rows` of the stack flattened to `[n_expert·2·n_ff_exp,
+        // n_embd]`).
+        let gu = shaped(W::GateUpExps(l), &[ne, 2 * fe, e])?;
+        let half = |first: u64| Weight::Rows {
+            src: gu,
+            rows: (0..ne)
+                .flat_map(|x| (0..fe).map(move |r| x * 2 * fe + first + r))
+                .collect(),
+            shape: vec![ne, fe, e],
+        };
+        let ws = [
+            half(0),
+            half(fe),
+            Weight::Stored(shaped(W::DownExps(l), &[ne, e, fe])?),
+        ];
+        let [gate, upw, down] = ws.map(|w| match offloaded {
+            true => Ok(w.stand_in()),
+            false => put(w),
+        });
+        Ok(MoeBlock {
+            router: put(Weight::Stored(shaped(W::Router(l), &[ne, e])?))?,
+            router_in,
+            expert_scale,
+            pre_norm_2: vec(W::PreFfnNorm2(l))?,
+            post_norm_1: vec(W::PostFfnNorm1(l))?,
+            post_norm_2: vec(W::PostFfnNorm2(l))?,
+            gate: gate?,
+            up: upw?,
+            down: down?,
+        })
     }
 }
 

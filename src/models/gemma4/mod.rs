@@ -86,6 +86,11 @@ pub enum W {
     PreFfnNorm2(usize),
     PostFfnNorm1(usize),
     PostFfnNorm2(usize),
+    /// MoE blocks only: the fused gate+up stack `[n_expert, 2·n_ff_exp, n_embd]` (gate rows
+    /// first) and the down stack `[n_expert, n_embd, n_ff_exp]`, as the registry's
+    /// `GEMMA4_FUSED` names them for the planner.
+    GateUpExps(usize),
+    DownExps(usize),
 }
 
 impl W {
@@ -117,6 +122,8 @@ impl W {
             PreFfnNorm2(l) => b(l, "pre_ffw_norm_2.weight"),
             PostFfnNorm1(l) => b(l, "post_ffw_norm_1.weight"),
             PostFfnNorm2(l) => b(l, "post_ffw_norm_2.weight"),
+            GateUpExps(l) => b(l, "ffn_gate_up_exps.weight"),
+            DownExps(l) => b(l, "ffn_down_exps.weight"),
         }
     }
 
@@ -148,6 +155,8 @@ impl W {
             PreFfnNorm2(l) => b(l, "pre_feedforward_layernorm_2.weight"),
             PostFfnNorm1(l) => b(l, "post_feedforward_layernorm_1.weight"),
             PostFfnNorm2(l) => b(l, "post_feedforward_layernorm_2.weight"),
+            GateUpExps(l) => b(l, "experts.gate_up_proj"),
+            DownExps(l) => b(l, "experts.down_proj"),
         }
     }
 
@@ -246,10 +255,18 @@ impl Hparams {
                     format!("Gemma-4: {n_used} experts used of {n_expert}"),
                 ));
             }
+            let n_ff_exp = n_ff_exp.unwrap_or(0);
+            if n_ff_exp == 0 {
+                return Err(Error::format(
+                    f.path(),
+                    "Gemma-4 MoE: no expert FFN width (GGUF expert_feed_forward_length, \
+                     HF moe_intermediate_size)",
+                ));
+            }
             hp.moe = Some(Moe {
                 n_expert,
                 n_used,
-                n_ff_exp: n_ff_exp.unwrap_or(0),
+                n_ff_exp,
             });
         }
         Ok(hp)
