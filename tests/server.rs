@@ -1785,7 +1785,16 @@ fn metrics_tokenize_props_slots_and_rejection_log() {
         assert!(t0.elapsed() < Duration::from_secs(10), "{sl}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let log = s.log().join("\n");
+    // The server's stderr reaches the log through a reader thread: wait for the lines (up to
+    // 10 s) rather than assume they landed when the slots went idle.
+    let t0 = Instant::now();
+    let mut log = s.log().join("\n");
+    while !(log.contains("POST /v1/completions: 400 Bad Request:") && log.contains("finish length"))
+        && t0.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(50));
+        log = s.log().join("\n");
+    }
     assert!(
         log.contains("POST /v1/completions: 400 Bad Request:") && log.contains("temperature"),
         "{log}"
