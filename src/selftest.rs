@@ -1350,6 +1350,138 @@ fn value_check(name: String, pairs: &[(f32, f32)], mut detail: String) -> Check 
     }
 }
 
+/// The gated activations and scales the Gemma-4 and Step-3.7 forwards run, on `rows` rows of
+/// `cols` whose operands start at odd offsets with a stride of `cols + 3`: GeGLU (tanh GELU),
+/// Step's clamped SwiGLU (limit 3, so both clamps bite on normals of scale 4), the final
+/// logit softcap (cap 5) and the router's per-expert scale (ids past the table keep their
+/// weight). Against the CPU references (`cpu::ops`, `cpu::router::expert_scale`), bound per
+/// value `1e-5 · (1 + |v|)`; elements outside the rows must stay untouched.
+pub fn gated_activations(
+    gpu: &Gpu,
+    (rows, cols): (u32, u32),
+    seed: u64,
+) -> Vec<(String, Result<Check>)> {
+    use crate::cpu::ops;
+    use crate::gpu::elementwise as ew;
+    use crate::gpu::operand::Operand;
+    let (r, c) = (rows as usize, cols as usize);
+    let stride = c + 3;
+    let len = 5 + r * stride;
+    let at = |i: usize, j: usize| 5 + i * stride + j;
+    let mut rng = Rng(seed);
+    let g = rng.normals(len, 4.0);
+    let u = rng.normals(len, 4.0);
+    let logits = rng.normals(len, 20.0);
+    let run = |name: &str, y0: &[f32], want: &dyn Fn(usize, usize) -> f32| -> Result<Check> {
+        let gb = gpu.upload_f32(&g, "selftest.g")?;
+        let ub = gpu.upload_f32(&u, "selftest.u")?;
+        let yb = gpu.upload_f32(y0, "selftest.y")?;
+        let view = |b, off: usize| Operand::strided(b, off as u32, stride as u32);
+        let mut pass = gpu.pass();
+        match name {
+            "geglu" => ew::geglu(
+                &mut pass,
+                rows,
+                cols,
+                view(&yb, 5),
+                view(&gb, 5),
+                view(&ub, 5),
+            )?,
+            "swiglu_act_clamp" => ew::swiglu_act_clamp(
+                &mut pass,
+                rows,
+                cols,
+                view(&yb, 5),
+                view(&gb, 5),
+                view(&ub, 5),
+                3.0,
+            )?,
+            _ => ew::softcap_inplace(&mut pass, rows, cols, view(&yb, 5), 5.0)?,
+        }
+        pass.submit()?;
+        let got = gpu.read_f32(&yb, 0, len)?;
+        let mut pairs = Vec::with_capacity(r * c);
+        let mut detail = String::new();
+        for k in 0..len {
+            let inside = k >= 5 && (k - 5) % stride < c;
+            if inside {
+                let (i, j) = ((k - 5) / stride, (k - 5) % stride);
+                pairs.push((got[k], want(i, j)));
+            } else if got[k].to_bits() != y0[k].to_bits() && detail.is_empty() {
+                detail = format!("element {k} outside the rows was written");
+            }
+        }
+        Ok(value_check(format!("{name} {rows}x{cols}"), &pairs, detail))
+    };
+    let mut out = Vec::new();
+    let blank = vec![SENTINEL; len];
+    let row = |v: &[f32], i: usize| v[at(i, 0)..at(i, 0) + c].to_vec();
+    let geglu: Vec<Vec<f32>> = (0..r)
+        .map(|i| ops::geglu(&row(&g, i), &row(&u, i)))
+        .collect();
+    out.push((
+        "geglu".to_string(),
+        run("geglu", &blank, &|i, j| geglu[i][j]),
+    ));
+    let clamp: Vec<Vec<f32>> = (0..r)
+        .map(|i| ops::swiglu_act_clamp(&row(&g, i), &row(&u, i), 3.0))
+        .collect();
+    out.push((
+        "swiglu_act_clamp".to_string(),
+        run("swiglu_act_clamp", &blank, &|i, j| clamp[i][j]),
+    ));
+    out.push((
+        "softcap".to_string(),
+        run("softcap", &logits, &|i, j| {
+            ops::softcap(logits[at(i, j)], 5.0)
+        }),
+    ));
+    out.push((
+        "expert_scale".to_string(),
+        expert_scale(gpu, rows * cols, seed),
+    ));
+    out
+}
+
+/// `router::expert_scale` on `n` (token, slot) pairs over 37 experts, some ids past the
+/// table, against `cpu::router::expert_scale`: one f32 product each, so bit for bit.
+fn expert_scale(gpu: &Gpu, n: u32, seed: u64) -> Result<Check> {
+    use crate::gpu::router;
+    let mut rng = Rng(seed);
+    let n_exp = 37usize;
+    let w = rng.normals(n as usize, 1.0);
+    let scale = rng.normals(n_exp, 1.0);
+    let ids: Vec<u32> = (0..n)
+        .map(|_| (rng.next() % (n_exp as u64 + 3)) as u32)
+        .collect();
+    let wb = gpu.upload_f32(&w, "selftest.w")?;
+    let ib = gpu.upload(bytemuck::cast_slice(&ids), "selftest.ids")?;
+    let st = gpu.upload_tensor(&TensorRef {
+        name: "selftest.expert_scale",
+        dtype: DType::F32,
+        shape: &[n_exp as u64],
+        data: bytemuck::cast_slice(&scale),
+        path: Path::new("selftest"),
+    })?;
+    let mut pass = gpu.pass();
+    router::expert_scale(&mut pass, n, &wb, &ib, &st)?;
+    pass.submit()?;
+    let got = gpu.read_f32(&wb, 0, n as usize)?;
+    let mut want = w.clone();
+    crate::cpu::router::expert_scale(&mut want, &ids, &scale);
+    let detail = match (0..n as usize).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        Some(i) => format!(
+            "pair {i} (expert {}): {} , want {}",
+            ids[i], got[i], want[i]
+        ),
+        None => String::new(),
+    };
+    let pairs: Vec<(f32, f32)> = got.iter().copied().zip(want.iter().copied()).collect();
+    let mut c = value_check(format!("expert_scale {n} pairs"), &pairs, detail.clone());
+    c.passed = detail.is_empty();
+    Ok(c)
+}
+
 /// The residual add + RMSNorm of decode and prefill (`norm::add_rms_norm`, f32 weight) on
 /// `rows` rows of `dim` whose x, residual and y rows start at element `off` (and `off + 4`,
 /// `off + 8`) with a stride of `dim + off`. Against the CPU (`ops::rms_norm` of x + r); the
@@ -2002,6 +2134,11 @@ pub fn run(gpu: &Gpu, full: bool, mut each: impl FnMut(&Check)) -> Vec<Check> {
                 &format!("{} {dt} accumulate", p.name()),
                 dense(gpu, p, dt, (129, odd_cols(dt), 300), true, 300),
             );
+        }
+    }
+    for (i, shape) in [(3, 1001), (64, 4096)].into_iter().enumerate() {
+        for (name, c) in gated_activations(gpu, shape, 900 + i as u64) {
+            push(&name, c);
         }
     }
     fused(gpu, full, &mut push);

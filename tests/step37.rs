@@ -215,6 +215,30 @@ fn step37_mismatched_mtp_file_is_named() {
     std::fs::remove_file(&bad).unwrap();
 }
 
+/// `--mtp-model` with a trunk of another family (whose files carry no separate MTP block)
+/// is refused with both files and the family named, not silently ignored.
+#[test]
+fn mtp_model_on_another_family_is_refused() {
+    let mtp = fixtures().join(NAME).join("mtp-f32.gguf");
+    let trunk = fixtures().join("gemma4-tiny").join("model-f32.gguf");
+    let opts = LoadOptions {
+        mtp_model: Some(mtp.clone()),
+        ..Default::default()
+    };
+    let e = match lathe::engine::Engine::load(&trunk, &opts) {
+        Ok(_) => panic!("{} loaded with an MTP file", trunk.display()),
+        Err(e) => e.to_string(),
+    };
+    for want in [
+        "--mtp-model".to_string(),
+        mtp.display().to_string(),
+        trunk.display().to_string(),
+        "Gemma-4".to_string(),
+    ] {
+        assert!(e.contains(&want), "error lacks {want}: {e}");
+    }
+}
+
 /// The MTP block's logits over the fixture's sequence (row `p`: the trunk's row `p` and
 /// token `p + 1`, the last row token 0) against `mtp-logits.npy` (transformers' decoder layer
 /// with the MTP weights, wired as llama.cpp's `graph_mtp`), at the fixtures' bar: from the

@@ -9,7 +9,8 @@
 use lathe::engine::{Engine, LoadOptions};
 use lathe::gguf::{GgufFile, Value};
 use lathe::synth::{
-    self, Dims, DsDims, FileType, LlamaDims, PlanOptions, Preset, QwenDims, QwenMoe, StepDims, Yarn,
+    self, Dims, DsDims, FileType, GemmaDims, LlamaDims, PlanOptions, Preset, QwenDims, QwenMoe,
+    StepDims, Yarn,
 };
 use lathe::DType;
 use std::path::{Path, PathBuf};
@@ -915,4 +916,137 @@ fn step37_preset_plans_and_runs() {
         .unwrap();
     check_forward(&path);
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `gemma4-tiny` and `gemma4moe-tiny` of `tests/oracle/make_gemma4.py`: hidden 64, 2 heads,
+/// 1 KV head, sliding heads of 32 and global heads of 64 (a quarter of them rotating),
+/// window 8, V from K on global layers; the MoE one with 4 experts top-2 of 32.
+fn gemma4_tiny(swa: Vec<bool>, n_ff: usize, n_vocab: usize, moe: Option<QwenMoe>) -> GemmaDims {
+    GemmaDims {
+        n_embd: 64,
+        n_layer: swa.len(),
+        n_ff,
+        n_head: 2,
+        n_head_kv: 1,
+        n_head_kv_global: 1,
+        head_dim_swa: 32,
+        head_dim: 64,
+        swa,
+        window: 8,
+        n_vocab,
+        ctx: 4096,
+        rope_theta: 1e6,
+        rope_theta_swa: 1e4,
+        rope_frac: 0.25,
+        eps: 1e-6,
+        softcap: 30.0,
+        k_eq_v: true,
+        moe,
+    }
+}
+
+#[test]
+fn gemma4_plans_match_llama_cpps_files() {
+    let dense = gemma4_tiny(vec![true, true, false, true, false], 128, 512, None);
+    let moe = gemma4_tiny(
+        vec![true, false, false],
+        64,
+        256,
+        Some(QwenMoe {
+            n_expert: 4,
+            n_used: 2,
+            n_ff_exp: 32,
+            n_ff_shexp: 0,
+        }),
+    );
+    for (name, display, dims) in [
+        ("gemma4-tiny", "Gemma4 Tiny", dense),
+        ("gemma4moe-tiny", "Gemma4Moe Tiny", moe),
+    ] {
+        let p = preset(name, display, Dims::Gemma(dims));
+        for (ft, file) in [
+            (FileType::F32, "model-f32.gguf"),
+            (FileType::Q8_0, "model-q8_0.gguf"),
+        ] {
+            assert_same_layout(&plan_of(&p, ft, DType::F32), &fixture(name, file));
+        }
+    }
+}
+
+/// The release presets plan at their sizes (the model cards: 30.7B for the 31B; 25.2B in
+/// all and 3.8B active for the 26B-A4B, vision towers excluded, which are not in these
+/// text-only files), with the global layers' own KV head counts as an array; shortened,
+/// narrowed files of both (sliding and global layers, MoE routing kept) load and run.
+#[test]
+fn gemma4_presets_plan_and_run() {
+    for (name, lo, hi) in [
+        ("gemma-4-31b", 30.0e9, 31.5e9),
+        ("gemma-4-26b-a4b", 24.5e9, 26.0e9),
+    ] {
+        let p = synth::preset(name).unwrap();
+        let plan = synth::plan(&p, &PlanOptions::default(), None).unwrap();
+        let params: u64 = plan.tensors.iter().map(|t| t.n_elements()).sum();
+        assert!(
+            (lo..hi).contains(&(params as f64)),
+            "{name}: {params} parameters"
+        );
+        let Dims::Gemma(d) = &p.dims else {
+            panic!("{name}: not a Gemma preset")
+        };
+        let kv = |l: usize| {
+            if l % 6 == 5 {
+                d.n_head_kv_global
+            } else {
+                d.n_head_kv
+            }
+        };
+        assert_eq!(
+            plan.get("gemma4.attention.head_count_kv"),
+            Some(&Value::Array(
+                (0..d.n_layer).map(|l| Value::I32(kv(l) as i32)).collect()
+            )),
+            "{name}"
+        );
+        assert!(
+            plan.tensor("blk.5.attn_v.weight").is_none(),
+            "{name}: V is K on global layers"
+        );
+        assert!(plan.tensor("blk.4.attn_v.weight").is_some(), "{name}");
+        assert!(
+            plan.tensor("output.weight").is_none(),
+            "{name}: the head is tied"
+        );
+
+        let mut p = p;
+        let Dims::Gemma(d) = &mut p.dims else {
+            unreachable!()
+        };
+        (
+            d.n_embd,
+            d.n_ff,
+            d.n_head,
+            d.head_dim_swa,
+            d.head_dim,
+            d.window,
+        ) = (256, 512, 4, 64, 128, 4);
+        (d.n_head_kv, d.n_head_kv_global) = (2, 1);
+        if let Some(m) = &mut d.moe {
+            (m.n_expert, m.n_used, m.n_ff_exp) = (16, 4, 64);
+        }
+        let opts = PlanOptions {
+            ftype: Some(FileType::Q8_0),
+            n_layer: Some(7),
+            n_vocab: Some(512),
+            skew: 4.0,
+            ..Default::default()
+        };
+        let dir = tmp_dir(name);
+        let path = dir.join("gemma4.gguf");
+        synth::plan(&p, &opts, None)
+            .unwrap()
+            .write(&path, 3, None)
+            .unwrap();
+        check_forward(&path);
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

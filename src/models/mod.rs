@@ -43,7 +43,17 @@ pub fn load_part(
     file: &ModelFile,
     opts: &LoadOptions,
 ) -> Result<Box<dyn runtime::link::Part>> {
-    (registry::family(file)?.load)(gpu, file, opts)
+    let family = registry::family(file)?;
+    if let (Some(mtp), false) = (&opts.mtp_model, family.mtp_file) {
+        return Err(Error::Invalid(format!(
+            "--mtp-model {}: {} is a {} model, whose family has no separate MTP file \
+             (only Step-3.5/3.7's ships one)",
+            mtp.display(),
+            file.path().display(),
+            family.name
+        )));
+    }
+    (family.load)(gpu, file, opts)
 }
 
 /// What the engine asks of a loaded model, whatever its family: one implementation per

@@ -31,6 +31,9 @@ pub struct Family {
     pub pass_rows: usize,
     /// Where its files keep the routed experts (the planner and the expert arena read them).
     pub experts: &'static ExpertNames,
+    /// Its multi-token prediction block ships in a separate GGUF (`--mtp-model`), as
+    /// Step-3.5/3.7's does; other families carry theirs in the trunk's file or have none.
+    pub mtp_file: bool,
 }
 
 /// llama.cpp's GGUF expert stacks (`LLM_TENSOR_FFN_{GATE,UP,DOWN}_EXPS` in `llama-arch.cpp`),
@@ -153,6 +156,7 @@ pub static FAMILIES: &[Family] = &[
         },
         pass_rows: qwen35::gpu::DEFAULT_BATCH,
         experts: &QWEN_EXPERT_NAMES,
+        mtp_file: false,
     },
     Family {
         name: "DeepSeek-V4",
@@ -170,6 +174,7 @@ pub static FAMILIES: &[Family] = &[
         products: |f| deepseek4::Hparams::from_file(f).map(|_| AutoProducts::F32),
         pass_rows: deepseek4::gpu::DEFAULT_BATCH,
         experts: &DEEPSEEK_EXPERT_NAMES,
+        mtp_file: false,
     },
     Family {
         name: "Llama",
@@ -193,6 +198,7 @@ pub static FAMILIES: &[Family] = &[
         },
         pass_rows: llama::gpu::DEFAULT_BATCH,
         experts: &QWEN_EXPERT_NAMES,
+        mtp_file: false,
     },
     Family {
         name: "Gemma-4",
@@ -215,6 +221,7 @@ pub static FAMILIES: &[Family] = &[
         },
         pass_rows: gemma4::gpu::DEFAULT_BATCH,
         experts: &GEMMA4_EXPERT_NAMES,
+        mtp_file: false,
     },
     Family {
         name: "Step-3.7",
@@ -238,6 +245,7 @@ pub static FAMILIES: &[Family] = &[
         },
         pass_rows: step37::gpu::DEFAULT_BATCH,
         experts: &STEP37_EXPERT_NAMES,
+        mtp_file: true,
     },
 ];
 

@@ -208,6 +208,13 @@ fn sample(init: &Init, prep: &Prepared, row: usize, col: usize, rng: &mut Rng) -
         Init::Normal { std } => std * rng.normal(),
         Init::Around { mean, std } => mean + std * rng.normal(),
         Init::Uniform { lo, hi } => lo + (hi - lo) * rng.uniform(),
+        Init::Split { n, head, tail } => {
+            if col < n {
+                head
+            } else {
+                tail
+            }
+        }
         Init::Router { std, .. } => {
             std * prep.gains.get(row).copied().unwrap_or(1.0) * rng.normal()
         }
@@ -254,6 +261,20 @@ fn fill_rows(t: &TensorPlan, prep: &Prepared, mut rng: Rng, row0: usize, out: &m
                 match t.init {
                     Init::Uniform { lo, hi } => {
                         write_row(t.dtype, row, &mut rng, |_, g| lo + (hi - lo) * g.uniform())
+                    }
+                    Init::Split { n, head, tail } => {
+                        write_row(
+                            t.dtype,
+                            row,
+                            &mut rng,
+                            |c, _| {
+                                if c < n {
+                                    head
+                                } else {
+                                    tail
+                                }
+                            },
+                        )
                     }
                     Init::ExpertBias { .. } => write_row(t.dtype, row, &mut rng, |c, _| {
                         0.5 * (prep.gains.get(c).copied().unwrap_or(1.0) - 1.0)

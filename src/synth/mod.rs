@@ -13,6 +13,7 @@
 mod deepseek4;
 mod fill;
 pub mod ftype;
+mod gemma4;
 mod llama;
 pub mod presets;
 mod qwen35;
@@ -22,7 +23,8 @@ pub mod vocab;
 pub use fill::WriteStats;
 pub use ftype::FileType;
 pub use presets::{
-    preset, Dims, DsDims, LlamaDims, Preset, QwenDims, QwenMoe, StepDims, Yarn, PRESET_NAMES,
+    preset, Dims, DsDims, GemmaDims, LlamaDims, Preset, QwenDims, QwenMoe, StepDims, Yarn,
+    PRESET_NAMES,
 };
 pub use vocab::Vocab;
 
@@ -40,6 +42,9 @@ pub enum Init {
     Around { mean: f32, std: f32 },
     /// Uniform on `[lo, hi)`.
     Uniform { lo: f32, hi: f32 },
+    /// `head` for the first `n` elements of a row, `tail` for the rest (Gemma-4's
+    /// proportional-RoPE divisors).
+    Split { n: usize, head: f32, tail: f32 },
     /// Router rows `[n_expert, n_embd]`: `N(0, std²)` times a per-expert gain
     /// `1 + skew·e^(−rank/top_k)`, `rank` a permutation seeded by `layer`. A larger row norm
     /// gives larger logits of either sign, so the expert lands in the top-k far more often.
@@ -226,6 +231,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
         Dims::Deepseek4(d) => d.n_vocab,
         Dims::Llama(d) => d.n_vocab,
         Dims::Step(d) => d.n_vocab,
+        Dims::Gemma(d) => d.n_vocab,
     };
     let n_vocab = match vocab {
         // The demo takes the tokenizer's size; a release keeps its (padded) embedding rows.
@@ -287,6 +293,21 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             }
             d.n_vocab = n_vocab;
             step37::draft(&d, opts.skew)
+        }
+        Dims::Gemma(d) => {
+            if opts.mtp {
+                return Err(Error::Invalid(format!(
+                    "--mtp: {} has no multi-token prediction block",
+                    preset.name
+                )));
+            }
+            let mut d = d.clone();
+            if let Some(n) = opts.n_layer {
+                check_layers(n, d.n_layer)?;
+                d.n_layer = n;
+            }
+            d.n_vocab = n_vocab;
+            gemma4::draft(&d, opts.skew)
         }
     };
     finish(preset, draft, ftype, opts.base, vocab, n_vocab)

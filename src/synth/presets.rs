@@ -146,12 +146,45 @@ pub struct StepDims {
     pub clamp_shexp: Vec<f32>,
 }
 
+/// Gemma-4 (`gemma4`): sliding and global layers with their own head size and KV head count,
+/// a GELU-gated dense FFN on every layer and, in MoE layouts, routed experts beside it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GemmaDims {
+    pub n_embd: usize,
+    pub n_layer: usize,
+    /// The dense FFN's width (the shared branch of MoE layers).
+    pub n_ff: usize,
+    pub n_head: usize,
+    /// KV heads of sliding and of global layers.
+    pub n_head_kv: usize,
+    pub n_head_kv_global: usize,
+    /// Head size of sliding and of global layers.
+    pub head_dim_swa: usize,
+    pub head_dim: usize,
+    /// Per layer: sliding window (else global attention).
+    pub swa: Vec<bool>,
+    pub window: usize,
+    pub n_vocab: usize,
+    pub ctx: usize,
+    pub rope_theta: f32,
+    pub rope_theta_swa: f32,
+    /// The global layers' `partial_rotary_factor` (their other pairs do not turn).
+    pub rope_frac: f32,
+    pub eps: f32,
+    pub softcap: f32,
+    /// Global layers take V from the K projection (`attention_k_eq_v`: no `attn_v`).
+    pub k_eq_v: bool,
+    /// Routed experts beside the dense branch; `n_ff_shexp` is 0.
+    pub moe: Option<QwenMoe>,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Dims {
     Qwen35(QwenDims),
     Deepseek4(DsDims),
     Llama(LlamaDims),
     Step(StepDims),
+    Gemma(GemmaDims),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -186,6 +219,8 @@ pub const PRESET_NAMES: &[&str] = &[
     "qwen3-30b-a3b",
     "llama-3.1-8b",
     "step-3.7-flash",
+    "gemma-4-31b",
+    "gemma-4-26b-a4b",
 ];
 
 /// Qwen3's vocabulary (embedding rows) and Llama 3's.
@@ -193,6 +228,8 @@ pub const QWEN3_VOCAB: usize = 151_936;
 pub const LLAMA3_VOCAB: usize = 128_256;
 /// Step-3.7's vocabulary (transformers' `Step3p7TextConfig` default, from the release).
 pub const STEP37_VOCAB: usize = 128_815;
+/// Gemma-4's vocabulary.
+pub const GEMMA4_VOCAB: usize = 262_144;
 
 /// Step-3.7-Flash (stepfun-ai/Step-3.7-Flash `config.json`, `text_config`): 45 layers, full
 /// attention on every fourth from 0 (64 heads, RoPE 5e6 on half the head, llama3 factors),
@@ -232,6 +269,41 @@ fn step_3_7_flash() -> StepDims {
         route_scale: 3.0,
         clamp_exp: clamp(7.0),
         clamp_shexp: clamp(16.0),
+    }
+}
+
+/// What the Gemma-4 releases share (google/gemma-4-31B and gemma-4-26B-A4B `config.json`,
+/// `text_config`): a global layer after every five sliding ones (the last layer is global),
+/// window 1024, sliding heads of 256 with RoPE 1e4 on all of them, global heads of 512 with
+/// RoPE 1e6 on a quarter and V taken from K, logits softcapped at 30.
+fn gemma(
+    n_embd: usize,
+    n_layer: usize,
+    n_ff: usize,
+    n_head: usize,
+    kv_heads: (usize, usize),
+    moe: Option<QwenMoe>,
+) -> GemmaDims {
+    GemmaDims {
+        n_embd,
+        n_layer,
+        n_ff,
+        n_head,
+        n_head_kv: kv_heads.0,
+        n_head_kv_global: kv_heads.1,
+        head_dim_swa: 256,
+        head_dim: 512,
+        swa: (0..n_layer).map(|l| l % 6 != 5).collect(),
+        window: 1024,
+        n_vocab: GEMMA4_VOCAB,
+        ctx: 262_144,
+        rope_theta: 1e6,
+        rope_theta_swa: 1e4,
+        rope_frac: 0.25,
+        eps: 1e-6,
+        softcap: 30.0,
+        k_eq_v: true,
+        moe,
     }
 }
 
@@ -498,6 +570,33 @@ pub fn preset(name: &str) -> Result<Preset> {
             name: name.to_string(),
             display: "Step 3.7 Flash".into(),
             dims: Dims::Step(step_3_7_flash()),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
+        "gemma-4-31b" => Preset {
+            name: name.to_string(),
+            display: "Gemma 4 31B".into(),
+            dims: Dims::Gemma(gemma(5376, 60, 21504, 32, (16, 4), None)),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
+        // 128 experts top-8 of 704 beside a 2112-wide dense branch.
+        "gemma-4-26b-a4b" => Preset {
+            name: name.to_string(),
+            display: "Gemma 4 26B A4B".into(),
+            dims: Dims::Gemma(gemma(
+                2816,
+                30,
+                2112,
+                16,
+                (8, 2),
+                Some(QwenMoe {
+                    n_expert: 128,
+                    n_used: 8,
+                    n_ff_exp: 704,
+                    n_ff_shexp: 0,
+                }),
+            )),
             default_type: FileType::Q4_K_M,
             demo: false,
         },
