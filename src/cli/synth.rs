@@ -10,9 +10,9 @@ use lathe::{Error, Result};
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
-    /// Model shape: demo, qwen3.5-0.8b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b,
-    /// qwen3.5-35b-a3b, qwen3.5-122b-a10b, deepseek-v4-flash.
-    #[arg(long, value_name = "NAME")]
+    /// Model shape: a released model's, or the small demos.
+    #[arg(long, value_name = "NAME",
+          value_parser = clap::builder::PossibleValuesParser::new(synth::PRESET_NAMES))]
     pub preset: String,
     /// File type as llama-quantize names it: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1,
     /// q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, mxfp4_moe (default: q4_k_m; q8_0 with MXFP4
