@@ -533,16 +533,13 @@ impl GpuModel {
         // The norm takes z as packed [n·Hv, dv] rows: one token's are (in `proj`), several
         // tokens' are not (a row of `proj` per token), so those are packed first.
         let (z, z_off) = self.packed_rows(pass, self.col(set, 1), vd, n, &sc.z)?;
-        norm::gated_rms_norm(
-            pass,
-            n * hv,
-            hp.d_v as u32,
-            Operand::new(&sc.o, 0),
-            Operand::new(z, z_off),
-            None,
-            Some(&g.norm),
-            hp.eps,
-        )?;
+        let rms = norm::Rms {
+            n_rows: n * hv,
+            dim: hp.d_v as u32,
+            eps: hp.eps,
+        };
+        let (o, z) = (Operand::new(&sc.o, 0), Operand::new(z, z_off));
+        norm::gated_rms_norm(pass, rms, o, z, None, Some(&g.norm))?;
         self.residual(pass, &g.out, &sc.o, n, None, next)
     }
 
