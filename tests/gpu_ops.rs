@@ -898,17 +898,13 @@ fn topk_matches_cpu() {
                 )
                 .unwrap();
             } else {
-                topk::topk(
-                    &mut pass,
-                    rows as u32,
-                    n as u32,
-                    k as u32,
-                    lx.view(&xbuf),
-                    li.view(&ibuf),
-                    Some(lv.view(&vbuf)),
-                    scratch.as_ref(),
-                )
-                .unwrap();
+                let shape = topk::TopkShape {
+                    n_rows: rows as u32,
+                    n: n as u32,
+                    k: k as u32,
+                };
+                let (xv, iv, vv) = (lx.view(&xbuf), li.view(&ibuf), lv.view(&vbuf));
+                topk::topk(&mut pass, shape, xv, iv, Some(vv), scratch.as_ref()).unwrap();
             }
             pass.submit().unwrap();
             let ifull = gpu.read_f32(&ibuf, 0, li.len()).unwrap();
@@ -938,29 +934,21 @@ fn topk_needs_scratch_for_long_rows() {
     let x = gpu.buffer(4 * 5000, "x").unwrap();
     let ids = gpu.buffer(64, "ids").unwrap();
     let mut pass = gpu.pass();
-    let err = topk::topk(
-        &mut pass,
-        1,
-        5000,
-        4,
-        Operand::new(&x, 0),
-        Operand::new(&ids, 0),
-        None,
-        None,
-    )
-    .unwrap_err();
+    let shape = topk::TopkShape {
+        n_rows: 1,
+        n: 5000,
+        k: 4,
+    };
+    let (xv, iv) = (Operand::new(&x, 0), Operand::new(&ids, 0));
+    let err = topk::topk(&mut pass, shape, xv, iv, None, None).unwrap_err();
     assert!(err.to_string().contains("TopkScratch"), "{err}");
-    let err = topk::topk(
-        &mut pass,
-        1,
-        50,
-        17,
-        Operand::new(&x, 0),
-        Operand::new(&ids, 0),
-        None,
-        None,
-    )
-    .unwrap_err();
+    let shape = topk::TopkShape {
+        n_rows: 1,
+        n: 50,
+        k: 17,
+    };
+    let (xv, iv) = (Operand::new(&x, 0), Operand::new(&ids, 0));
+    let err = topk::topk(&mut pass, shape, xv, iv, None, None).unwrap_err();
     assert!(err.to_string().contains("k = 17"), "{err}");
 }
 
