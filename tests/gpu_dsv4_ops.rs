@@ -9,7 +9,7 @@
 use lathe::cpu;
 use lathe::gpu::attention::{INVALID, SRC_B};
 use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
-use lathe::gpu::hc::{self, HcShape, HcWeights};
+use lathe::gpu::hc::{self, HcInput, HcShape, HcWeights};
 use lathe::gpu::operand::Operand;
 use lathe::gpu::rope::RopeTable;
 use lathe::gpu::router::{self, ScoreFn, Select};
@@ -121,32 +121,38 @@ fn hc_pre_post_head_match_reference() {
                 scale: &ts,
                 norm: &tn,
             };
-            hc::pre(p, &s, n as u32, &xb, &mb, &w, &h, &pc).unwrap();
+            let inp = HcInput {
+                n_tok: n as u32,
+                x: &xb,
+                mixes: &mb,
+            };
+            hc::pre(p, &s, inp, &w, &h, &pc).unwrap();
             let w = HcWeights {
                 base: &thb,
                 scale: &ths,
                 norm: &tn,
             };
-            hc::head(p, &s, n as u32, &xb, &hmb, &w, &hh).unwrap();
+            let inp = HcInput {
+                n_tok: n as u32,
+                x: &xb,
+                mixes: &hmb,
+            };
+            hc::head(p, &s, inp, &w, &hh).unwrap();
             hc::post(p, &s, n as u32, &xb, &bb, &pc).unwrap();
         });
-        let (want_h, want_pc) = cpu::hc::pre(
-            &x,
-            &fn_mix,
-            &base,
-            &scale,
-            &norm,
-            hc_n,
-            iters as usize,
-            1e-6,
-            1e-6,
-        );
+        let cs = cpu::hc::HcShape {
+            hc: hc_n,
+            iters: iters as usize,
+            eps: 1e-6,
+            hc_eps: 1e-6,
+        };
+        let (want_h, want_pc) = cpu::hc::pre(&x, &fn_mix, &base, &scale, &norm, &cs);
         let what = format!("hc {hc_n}×{e}, {n} tokens");
         let got_pc = gpu.read_f32(&pc, 0, want_pc.len()).unwrap();
         assert_close(&format!("{what}: post/comb"), &got_pc, &want_pc, 1e-5);
         let got_h = gpu.read_f32(&h, 0, n * e).unwrap();
         assert_close(&format!("{what}: pre"), &got_h, &want_h, 1e-4);
-        let want_hh = cpu::hc::head(&x, &fn_mix[..n * hc_n], &hb, hs[0], &norm, hc_n, 1e-6, 1e-6);
+        let want_hh = cpu::hc::head(&x, &fn_mix[..n * hc_n], &hb, hs[0], &norm, &cs);
         let got_hh = gpu.read_f32(&hh, 0, n * e).unwrap();
         assert_close(&format!("{what}: head"), &got_hh, &want_hh, 1e-4);
         // post from the GPU's own (post, comb), so the check is of the mixing alone.

@@ -61,9 +61,12 @@ impl RowTabs {
     }
 }
 
-/// The output head a pass ends with (the model's, or a draft's first rows only, see
-/// `Speculate::set_draft_vocab`) and the buffer its top-k goes to.
+/// The output head a pass ends with: the fold of the copies and the final norm (the
+/// model's, or its MTP block's), the output matrix (the model's, or a draft's first rows
+/// only, see `Speculate::set_draft_vocab`) and the buffer its top-k goes to.
 pub(super) struct HeadOut<'a> {
+    pub hc: &'a weights::Hc<GpuTensor>,
+    pub norm: &'a GpuTensor,
     /// [n_vocab, n_embd]
     pub w: &'a GpuTensor,
     pub top: &'a topk::LogitsTop,
@@ -350,14 +353,14 @@ impl GpuModel {
                 .hand_off(pass, &sc.x, rb, n, width, prof.as_mut())?;
             (Vec::new(), Vec::new())
         } else {
-            let hh = &self.w.hc_head;
             let out = HeadOut {
+                hc: &self.w.hc_head,
+                norm: &self.w.output_norm,
                 w: &self.w.output,
                 top: &sc.top,
                 n_vocab: hp.n_vocab,
             };
-            let norm = &self.w.output_norm;
-            self.head(pass, hh, norm, &out, nt, wants, top, &mut prof)?
+            self.head(pass, &out, nt, wants, top, &mut prof)?
         };
         if let (Some(all), Some(new)) = (self.profile.as_mut(), prof) {
             all.extend(new);
@@ -398,28 +401,21 @@ impl GpuModel {
             scale: &site.scale,
             norm,
         };
-        hc::pre(
-            pass,
-            &self.hc_shape(),
-            nt,
-            &sc.x,
-            &sc.mixes,
-            &hw,
-            &sc.h,
-            &sc.pc,
-        )
+        let inp = HcInput {
+            n_tok: nt,
+            x: &sc.x,
+            mixes: &sc.mixes,
+        };
+        hc::pre(pass, &self.hc_shape(), inp, &hw, &sc.h, &sc.pc)
     }
 
     /// The head over the rows of the residual stream `x`: fold (sigmoid gate) and final norm
     /// into `h`, then the runtime's head and readback ([`head_logits`]: the top rows'
     /// logits with a decode step's bits and their top-k, then the wanted runs). Submits
     /// `pass`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn head(
         &self,
         mut pass: Pass<'_>,
-        hh: &weights::Hc<GpuTensor>,
-        out_norm: &GpuTensor,
         out: &HeadOut<'_>,
         nt: u32,
         wants: &[(usize, usize)],
@@ -433,13 +429,19 @@ impl GpuModel {
             return Ok((Vec::new(), Vec::new()));
         }
         let hs = self.hc_shape();
+        let hh = out.hc;
         self.linear_exact(&mut pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
         let hw = HcWeights {
             base: &hh.base,
             scale: &hh.scale,
-            norm: out_norm,
+            norm: out.norm,
         };
-        hc::head(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
+        let inp = HcInput {
+            n_tok: nt,
+            x: &sc.x,
+            mixes: &sc.mixes,
+        };
+        hc::head(&mut pass, &hs, inp, &hw, &sc.h)?;
         let head = Head {
             w: out.w,
             n_vocab: out.n_vocab,
