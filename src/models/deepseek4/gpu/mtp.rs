@@ -229,7 +229,7 @@ impl GpuModel {
         let hs = self.hc_shape();
         self.route_groups(pass, nt)?;
         self.hc_pre(pass, &lw.hc_attn, &lw.attn_norm, nt)?;
-        self.attn_block(pass, st, std::slice::from_ref(part), tabs, l, &lw.attn, nt)?;
+        self.attn_block(pass, st, std::slice::from_ref(part), tabs, l, &lw.attn)?;
         hc::post(pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
         self.hc_pre(pass, &lw.hc_ffn, &lw.ffn_norm, nt)?;
         self.moe_block(pass, l, &lw.moe, nt)?;
