@@ -494,7 +494,9 @@ fn indexer_case(
             d,
             ratio,
         };
-        want.extend(cpu::compress::index_scores(qt, wt, kk, &ix, 1, pos[t], n_ent));
+        want.extend(cpu::compress::index_scores(
+            qt, wt, kk, &ix, 1, pos[t], n_ent,
+        ));
     }
     let what = format!("indexer {nh}×{d} top-{k} of {n_ent}, {slots} slots");
     // Masked entries are -1e30 on both sides: compare them exactly, scores with the tolerance.
@@ -598,9 +600,7 @@ fn index_list_matches_reference() {
             off: 1,
             n_idx: stride as u32,
         };
-        submit(&gpu, |p| {
-            compress::index_list(p, &l, rv, list).unwrap()
-        });
+        submit(&gpu, |p| compress::index_list(p, &l, rv, list).unwrap());
         let got = gpu.read_u32(&buf, 1, n * stride).unwrap();
         for (t, &(pos, slot)) in rows.iter().enumerate() {
             let (nw, n_idx) = (n_win(pos), n_win(pos) + comp(pos));

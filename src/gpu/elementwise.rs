@@ -58,7 +58,15 @@ fn run(
     args: &[Arg<'_>],
     alpha: f32,
 ) -> Result<()> {
-    run_k(pass, entry, n_rows, n_cols, y, args, Scalars { alpha, k: 0 })
+    run_k(
+        pass,
+        entry,
+        n_rows,
+        n_cols,
+        y,
+        args,
+        Scalars { alpha, k: 0 },
+    )
 }
 
 /// The scalar uniforms of an op (`Params::alpha`, `Params::k`).

@@ -311,7 +311,11 @@ pub fn remap(
         &pipe(pass.gpu(), "remap")?,
         "moe_remap",
         &prm,
-        &[(&tables.buffer).into(), Binding::from(slots.buf), ids.buf.into()],
+        &[
+            (&tables.buffer).into(),
+            Binding::from(slots.buf),
+            ids.buf.into(),
+        ],
         grid(n.div_ceil(WG)),
     );
     Ok(())

@@ -127,8 +127,12 @@ fn run(
     let inplace = y.is_none();
     let mode_id = match f {
         Formula::Rms(_) => 0,
-        Formula::L2(L2 { mode: L2Mode::Hf, .. }) => 1,
-        Formula::L2(L2 { mode: L2Mode::Ggml, .. }) => 2,
+        Formula::L2(L2 {
+            mode: L2Mode::Hf, ..
+        }) => 1,
+        Formula::L2(L2 {
+            mode: L2Mode::Ggml, ..
+        }) => 2,
     };
     let yv = y.unwrap_or(x);
     let zv = z.unwrap_or(x);

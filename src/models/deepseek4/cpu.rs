@@ -619,4 +619,3 @@ fn swiglu(gate: &Mat, up: &Mat, down: &Mat, e: usize, x: &[f32], lim: f32) -> Ve
         .collect();
     down.mv_at(e, &h)
 }
-
