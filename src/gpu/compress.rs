@@ -227,8 +227,8 @@ impl CmpShape {
 }
 
 /// Append the `rows` (each at its position, into its slot's ring of the `store` pool) to the
-/// store: `src` rows of kv | score (`width` each, packed stride 2·width); the score half gets
-/// `ape` (F32 [m, width]) row `pos % m` added.
+/// store: `src` rows of kv | score (`width` each) at its stride (packed: 2·width); the score
+/// half gets `ape` (F32 [m, width]) row `pos % m` added.
 pub fn store(
     pass: &mut Pass<'_>,
     s: &CmpShape,
