@@ -1510,16 +1510,13 @@ pub fn add_rms_norm(gpu: &Gpu, (rows, dim, off): (u32, u32, u32), seed: u64) -> 
     let (xo, zo, yo) = (o, o + 4, o + 8);
     let view = |b, at: usize| Operand::strided(b, at as u32, stride as u32);
     let mut pass = gpu.pass();
-    norm::add_rms_norm(
-        &mut pass,
-        rows,
+    let rms = norm::Rms {
+        n_rows: rows,
         dim,
-        view(&xb, xo),
-        view(&zb, zo),
-        view(&yb, yo),
-        Some(&wt),
-        1e-6,
-    )?;
+        eps: 1e-6,
+    };
+    let (xv, zv, yv) = (view(&xb, xo), view(&zb, zo), view(&yb, yo));
+    norm::add_rms_norm(&mut pass, rms, xv, zv, yv, Some(&wt))?;
     pass.submit()?;
     let got_x = gpu.read_f32(&xb, 0, len)?;
     let got_y = gpu.read_f32(&yb, 0, len)?;

@@ -1,5 +1,6 @@
 //! GPU runtime basics on whatever adapter the machine has (lavapipe in CI).
 
+use lathe::gpu::operand::Operand;
 use lathe::gpu::{elementwise, AdapterChoice, Gpu};
 
 #[test]
@@ -13,7 +14,12 @@ fn add_odd_length_and_offsets() {
     let bb = gpu.upload_f32(&b, "b").unwrap();
     let yb = gpu.buffer((n as u64 + 7) * 4, "y").unwrap();
     let mut pass = gpu.pass();
-    elementwise::add(&mut pass, &ab, 5, &bb, 0, &yb, 7, n as u32).unwrap();
+    let (y, a_v, b_v) = (
+        Operand::new(&yb, 7),
+        Operand::new(&ab, 5),
+        Operand::new(&bb, 0),
+    );
+    elementwise::add_rows(&mut pass, 1, n as u32, y, a_v, b_v).unwrap();
     pass.submit().unwrap();
     let y = gpu.read_f32(&yb, 0, n + 7).unwrap();
     assert!(

@@ -9,7 +9,7 @@
 use lathe::cpu;
 use lathe::gpu::attention::{INVALID, SRC_B};
 use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
-use lathe::gpu::hc::{self, HcShape, HcWeights};
+use lathe::gpu::hc::{self, HcInput, HcShape, HcWeights};
 use lathe::gpu::operand::Operand;
 use lathe::gpu::rope::RopeTable;
 use lathe::gpu::router::{self, ScoreFn, Select};
@@ -121,32 +121,38 @@ fn hc_pre_post_head_match_reference() {
                 scale: &ts,
                 norm: &tn,
             };
-            hc::pre(p, &s, n as u32, &xb, &mb, &w, &h, &pc).unwrap();
+            let inp = HcInput {
+                n_tok: n as u32,
+                x: &xb,
+                mixes: &mb,
+            };
+            hc::pre(p, &s, inp, &w, &h, &pc).unwrap();
             let w = HcWeights {
                 base: &thb,
                 scale: &ths,
                 norm: &tn,
             };
-            hc::head(p, &s, n as u32, &xb, &hmb, &w, &hh).unwrap();
+            let inp = HcInput {
+                n_tok: n as u32,
+                x: &xb,
+                mixes: &hmb,
+            };
+            hc::head(p, &s, inp, &w, &hh).unwrap();
             hc::post(p, &s, n as u32, &xb, &bb, &pc).unwrap();
         });
-        let (want_h, want_pc) = cpu::hc::pre(
-            &x,
-            &fn_mix,
-            &base,
-            &scale,
-            &norm,
-            hc_n,
-            iters as usize,
-            1e-6,
-            1e-6,
-        );
+        let cs = cpu::hc::HcShape {
+            hc: hc_n,
+            iters: iters as usize,
+            eps: 1e-6,
+            hc_eps: 1e-6,
+        };
+        let (want_h, want_pc) = cpu::hc::pre(&x, &fn_mix, &base, &scale, &norm, &cs);
         let what = format!("hc {hc_n}×{e}, {n} tokens");
         let got_pc = gpu.read_f32(&pc, 0, want_pc.len()).unwrap();
         assert_close(&format!("{what}: post/comb"), &got_pc, &want_pc, 1e-5);
         let got_h = gpu.read_f32(&h, 0, n * e).unwrap();
         assert_close(&format!("{what}: pre"), &got_h, &want_h, 1e-4);
-        let want_hh = cpu::hc::head(&x, &fn_mix[..n * hc_n], &hb, hs[0], &norm, hc_n, 1e-6, 1e-6);
+        let want_hh = cpu::hc::head(&x, &fn_mix[..n * hc_n], &hb, hs[0], &norm, &cs);
         let got_hh = gpu.read_f32(&hh, 0, n * e).unwrap();
         assert_close(&format!("{what}: head"), &got_hh, &want_hh, 1e-4);
         // post from the GPU's own (post, comb), so the check is of the mixing alone.
@@ -278,6 +284,12 @@ fn compressor_case(
         cap: CmpShape::store_rows(ratio as u32, overlap, max_chunk as u32),
     };
     let cap = s.cap as usize;
+    let cs = cpu::compress::Shape {
+        ratio,
+        d,
+        overlap,
+        cap,
+    };
     let ape = rng.vec(ratio * width, 0.5);
     let norm = rng.vec(d, 1.0);
     let tape = tensor(gpu, &[ratio as u64, width as u64], &ape);
@@ -307,9 +319,7 @@ fn compressor_case(
             rs.extend((0..nk).map(|_| k as u32));
             cpu::compress::store(
                 &mut cpu_store[k],
-                cap,
-                ratio,
-                width,
+                &cs,
                 pos[k],
                 &src[1 + row * stride..],
                 stride,
@@ -318,17 +328,7 @@ fn compressor_case(
             );
             for w in pos[k] / ratio..(pos[k] + nk) / ratio {
                 wins.push((w as u32, k as u32));
-                let e = cpu::compress::pool(
-                    &cpu_store[k],
-                    cap,
-                    ratio,
-                    d,
-                    overlap,
-                    w,
-                    &norm,
-                    &inv_freq,
-                    1e-6,
-                );
+                let e = cpu::compress::pool(&cpu_store[k], &cs, w, &norm, &inv_freq, 1e-6);
                 want[k].extend_from_slice(&e);
                 step_want.extend(e);
             }
@@ -353,16 +353,22 @@ fn compressor_case(
             tab: &tb,
             tab_rows: n as u32,
             row0: 5,
+            n_tok: n as u32,
+        };
+        let en = compress::EntryNorm {
+            w: &tnorm,
+            eps: 1e-6,
         };
         submit(gpu, |p| {
-            compress::store(p, &s, n as u32, rows, &sb, 1, stride as u32, &tape, &store).unwrap();
+            let src = Operand::strided(&sb, 1, stride as u32);
+            compress::store(p, &s, rows, src, &tape, &store).unwrap();
             let out = compress::PoolOut::CacheRows { buf: &cache };
-            compress::pool(p, &s, wv, &tnorm, &table, 1e-6, &store, out).unwrap();
+            compress::pool(p, &s, wv, en, &table, &store, out).unwrap();
             let out = compress::PoolOut::Packed {
                 buf: &stage,
                 off: 3,
             };
-            compress::pool(p, &s, wv, &tnorm, &table, 1e-6, &store, out).unwrap();
+            compress::pool(p, &s, wv, en, &table, &store, out).unwrap();
         });
         let what = format!("compressor ratio {ratio} d {d} overlap {overlap} step {step:?}");
         let got = gpu.read_f32(&stage, 3, n_win * d).unwrap();
@@ -450,6 +456,7 @@ fn indexer_case(
         tab: &tb,
         tab_rows: n as u32,
         row0: 2,
+        n_tok: n as u32,
     };
     // Lists: window slots owned by someone else (guards), the picks, guards after them.
     let n_win = |t: usize| window.min(pos[t] + 1);
@@ -465,40 +472,30 @@ fn indexer_case(
         n_idx: stride as u32,
     };
     submit(gpu, |p| {
-        compress::index_scores(
-            p,
-            &s,
-            n as u32,
-            rows,
-            1,
-            n_ent as u32,
-            cap_e as u32,
-            &qb,
-            &wb,
-            &kb,
-            &scores,
-        )
-        .unwrap();
-        compress::select_topk(
-            p,
-            &s,
-            n as u32,
-            rows,
-            n_ent as u32,
-            cap_e as u32,
-            window as u32,
-            &scores,
-            list,
-        )
-        .unwrap();
+        let queries = compress::Queries {
+            q: &qb,
+            w: &wb,
+            row0: 1,
+        };
+        let ents = compress::SlotEntries {
+            n_ent: n_ent as u32,
+            cap_e: cap_e as u32,
+        };
+        compress::index_scores(p, &s, rows, queries, &kb, ents, &scores).unwrap();
+        compress::select_topk(p, &s, rows, ents, window as u32, &scores, list).unwrap();
     });
     let got = gpu.read_f32(&scores, 0, n * n_ent).unwrap();
     let mut want = Vec::new();
     for t in 0..n {
         let kk = &keys[slot[t] * cap_e * d..][..n_ent * d];
         let (qt, wt) = (&q[(1 + t) * nh * d..][..nh * d], &w[(1 + t) * nh..][..nh]);
+        let ix = cpu::compress::Indexer {
+            n_head: nh,
+            d,
+            ratio,
+        };
         want.extend(cpu::compress::index_scores(
-            qt, wt, kk, 1, pos[t], n_ent, nh, d, ratio,
+            qt, wt, kk, &ix, 1, pos[t], n_ent,
         ));
     }
     let what = format!("indexer {nh}×{d} top-{k} of {n_ent}, {slots} slots");
@@ -596,15 +593,14 @@ fn index_list_matches_reference() {
             tab: &tb,
             tab_rows: n as u32,
             row0: 0,
+            n_tok: n as u32,
         };
         let list = compress::ListView {
             buf: &buf,
             off: 1,
             n_idx: stride as u32,
         };
-        submit(&gpu, |p| {
-            compress::index_list(p, &l, n as u32, rv, list).unwrap()
-        });
+        submit(&gpu, |p| compress::index_list(p, &l, rv, list).unwrap());
         let got = gpu.read_u32(&buf, 1, n * stride).unwrap();
         for (t, &(pos, slot)) in rows.iter().enumerate() {
             let (nw, n_idx) = (n_win(pos), n_win(pos) + comp(pos));
@@ -660,6 +656,7 @@ fn select_topk_breaks_ties_like_a_sort() {
             tab: &tb,
             tab_rows: n as u32,
             row0: 0,
+            n_tok: n as u32,
         };
         let list = compress::ListView {
             buf: &idx,
@@ -667,18 +664,11 @@ fn select_topk_breaks_ties_like_a_sort() {
             n_idx: n_slots as u32,
         };
         submit(&gpu, |p| {
-            compress::select_topk(
-                p,
-                &s,
-                n as u32,
-                rows,
-                n_ent as u32,
-                n_ent as u32,
-                0,
-                &sb,
-                list,
-            )
-            .unwrap()
+            let ents = compress::SlotEntries {
+                n_ent: n_ent as u32,
+                cap_e: n_ent as u32,
+            };
+            compress::select_topk(p, &s, rows, ents, 0, &sb, list).unwrap()
         });
         let got = gpu.read_u32(&idx, 0, n * n_slots).unwrap();
         for t in 0..n {

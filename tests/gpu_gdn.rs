@@ -442,17 +442,13 @@ fn recurrent_normed_matches_cpu_and_unfused() {
             })
             .unwrap();
         let mut pass = gpu.pass();
-        lathe::gpu::norm::gated_rms_norm(
-            &mut pass,
-            (c.rows * s.n_head_v) as u32,
-            s.d_v as u32,
-            Operand::new(&ob, 0),
-            Operand::new(&zb, 0),
-            None,
-            Some(&wt),
-            NORM_EPS,
-        )
-        .unwrap();
+        let rms = lathe::gpu::norm::Rms {
+            n_rows: (c.rows * s.n_head_v) as u32,
+            dim: s.d_v as u32,
+            eps: NORM_EPS,
+        };
+        let (o, z) = (Operand::new(&ob, 0), Operand::new(&zb, 0));
+        lathe::gpu::norm::gated_rms_norm(&mut pass, rms, o, z, None, Some(&wt)).unwrap();
         pass.submit().unwrap();
         let unfused = gpu.read_f32(&ob, 0, c.rows * ov).unwrap();
         for sp in &c.spans {

@@ -361,6 +361,11 @@ fn norms_match_cpu() {
         let xbuf = gpu.upload_f32(&lx.place(&x), "x").unwrap();
         let zbuf = gpu.upload_f32(&lz.place(&z), "z").unwrap();
         let (n, d) = (rows as u32, dim as u32);
+        let rms = norm::Rms {
+            n_rows: n,
+            dim: d,
+            eps,
+        };
         for wt in [None, Some(DType::F32), Some(DType::F16), Some(DType::BF16)] {
             let (wtensor, wref) = match wt {
                 Some(t) => {
@@ -407,17 +412,8 @@ fn norms_match_cpu() {
             let before = vec![GUARD; ly.len()];
             let ybuf = gpu.upload_f32(&before, "y").unwrap();
             let full = run(&gpu, &ybuf, |p| {
-                norm::gated_rms_norm(
-                    p,
-                    n,
-                    d,
-                    lx.view(&xbuf),
-                    lz.view(&zbuf),
-                    Some(ly.view(&ybuf)),
-                    wtensor.as_ref(),
-                    eps,
-                )
-                .unwrap()
+                let (o, z) = (lx.view(&xbuf), lz.view(&zbuf));
+                norm::gated_rms_norm(p, rms, o, z, Some(ly.view(&ybuf)), wtensor.as_ref()).unwrap()
             });
             assert_guards(&format!("gated {what}"), &ly, &full, &before);
             assert_close(
@@ -435,17 +431,8 @@ fn norms_match_cpu() {
         let before = vec![GUARD; ly.len()];
         let ybuf = gpu.upload_f32(&before, "y").unwrap();
         let full = run(&gpu, &ybuf, |p| {
-            norm::add_rms_norm(
-                p,
-                n,
-                d,
-                lx.view(&hbuf),
-                lz.view(&zbuf),
-                ly.view(&ybuf),
-                Some(&wt),
-                eps,
-            )
-            .unwrap()
+            let (x, r) = (lx.view(&hbuf), lz.view(&zbuf));
+            norm::add_rms_norm(p, rms, x, r, ly.view(&ybuf), Some(&wt)).unwrap()
         });
         let h: Vec<f32> = x.iter().zip(&z).map(|(a, b)| a + b).collect();
         let what = format!("add_rms_norm {rows}x{dim} aligned {aligned}");
@@ -467,17 +454,14 @@ fn norms_match_cpu() {
             let before = vec![GUARD; ly.len()];
             let ybuf = gpu.upload_f32(&before, "y").unwrap();
             let full = run(&gpu, &ybuf, |p| {
-                norm::l2_norm(
-                    p,
-                    n,
-                    d,
-                    lx.view(&xbuf),
-                    Some(ly.view(&ybuf)),
+                let l2 = norm::L2 {
+                    n_rows: n,
+                    dim: d,
                     eps,
                     mode,
                     scale,
-                )
-                .unwrap()
+                };
+                norm::l2_norm(p, l2, lx.view(&xbuf), Some(ly.view(&ybuf))).unwrap()
             });
             let what = format!("l2_norm {mode:?} {rows}x{dim} aligned {aligned}");
             assert_guards(&what, &ly, &full, &before);
@@ -914,17 +898,13 @@ fn topk_matches_cpu() {
                 )
                 .unwrap();
             } else {
-                topk::topk(
-                    &mut pass,
-                    rows as u32,
-                    n as u32,
-                    k as u32,
-                    lx.view(&xbuf),
-                    li.view(&ibuf),
-                    Some(lv.view(&vbuf)),
-                    scratch.as_ref(),
-                )
-                .unwrap();
+                let shape = topk::TopkShape {
+                    n_rows: rows as u32,
+                    n: n as u32,
+                    k: k as u32,
+                };
+                let (xv, iv, vv) = (lx.view(&xbuf), li.view(&ibuf), lv.view(&vbuf));
+                topk::topk(&mut pass, shape, xv, iv, Some(vv), scratch.as_ref()).unwrap();
             }
             pass.submit().unwrap();
             let ifull = gpu.read_f32(&ibuf, 0, li.len()).unwrap();
@@ -954,29 +934,21 @@ fn topk_needs_scratch_for_long_rows() {
     let x = gpu.buffer(4 * 5000, "x").unwrap();
     let ids = gpu.buffer(64, "ids").unwrap();
     let mut pass = gpu.pass();
-    let err = topk::topk(
-        &mut pass,
-        1,
-        5000,
-        4,
-        Operand::new(&x, 0),
-        Operand::new(&ids, 0),
-        None,
-        None,
-    )
-    .unwrap_err();
+    let shape = topk::TopkShape {
+        n_rows: 1,
+        n: 5000,
+        k: 4,
+    };
+    let (xv, iv) = (Operand::new(&x, 0), Operand::new(&ids, 0));
+    let err = topk::topk(&mut pass, shape, xv, iv, None, None).unwrap_err();
     assert!(err.to_string().contains("TopkScratch"), "{err}");
-    let err = topk::topk(
-        &mut pass,
-        1,
-        50,
-        17,
-        Operand::new(&x, 0),
-        Operand::new(&ids, 0),
-        None,
-        None,
-    )
-    .unwrap_err();
+    let shape = topk::TopkShape {
+        n_rows: 1,
+        n: 50,
+        k: 17,
+    };
+    let (xv, iv) = (Operand::new(&x, 0), Operand::new(&ids, 0));
+    let err = topk::topk(&mut pass, shape, xv, iv, None, None).unwrap_err();
     assert!(err.to_string().contains("k = 17"), "{err}");
 }
 

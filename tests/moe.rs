@@ -1145,8 +1145,9 @@ fn remap_and_scatter_kernels_match_the_cpu() {
     let sb = gpu
         .upload(bytemuck::cast_slice(&vec![0xABCDu32; n + 12]), "slots")
         .unwrap();
+    let (ids_v, slots_v) = (Operand::new(&ib, 5), Operand::new(&sb, 9));
     let mut pass = gpu.pass();
-    remap(&mut pass, &tables, 1, &ib, 5, &sb, 9, n as u32).unwrap();
+    remap(&mut pass, &tables, 1, ids_v, slots_v, n as u32).unwrap();
     pass.submit().unwrap();
     let got = gpu.read_u32(&sb, 0, n + 12).unwrap();
     let want = remap_ids(&p.layer(1).unwrap().remap, &ids[5..]);
@@ -1162,7 +1163,7 @@ fn remap_and_scatter_kernels_match_the_cpu() {
     t1[ids[5] as usize] = 3;
     tables.write(&gpu, 1, &t1).unwrap();
     let mut pass = gpu.pass();
-    remap(&mut pass, &tables, 1, &ib, 5, &sb, 9, n as u32).unwrap();
+    remap(&mut pass, &tables, 1, ids_v, slots_v, n as u32).unwrap();
     pass.submit().unwrap();
     assert_eq!(gpu.read_u32(&sb, 9, n).unwrap(), remap_ids(&t1, &ids[5..]));
     assert!(tables.write(&gpu, 1, &t1[..3]).is_err());
@@ -1175,7 +1176,12 @@ fn remap_and_scatter_kernels_match_the_cpu() {
     let xb = gpu.upload(bytemuck::cast_slice(&index), "index").unwrap();
     let ob = gpu.upload_f32(&vec![-1f32; 4 + 12 * 9], "out").unwrap();
     let mut pass = gpu.pass();
-    scatter_rows(&mut pass, &rb, 0, &xb, 0, 5, 7, &ob, 4, 9, 12).unwrap();
+    let (rv, xv, ov) = (
+        Operand::new(&rb, 0),
+        Operand::new(&xb, 0),
+        Operand::strided(&ob, 4, 9),
+    );
+    scatter_rows(&mut pass, rv, xv, 5, 7, ov, 12).unwrap();
     pass.submit().unwrap();
     let got = gpu.read_f32(&ob, 0, 4 + 12 * 9).unwrap();
     let mut want = vec![-1f32; 4 + 12 * 9];
@@ -1350,7 +1356,8 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
         let y = buf(n * ne, "y");
         // 4. remap
         let mut pass = gpu.pass();
-        remap(&mut pass, &tables, m.layer, &idb, 0, &slots, 0, pairs_n).unwrap();
+        let (ids_v, slots_v) = (Operand::new(&idb, 0), Operand::new(&slots, 0));
+        remap(&mut pass, &tables, m.layer, ids_v, slots_v, pairs_n).unwrap();
         // 5. the one readback (ids and the FFN input rows)
         pass.submit().unwrap();
         let (rid, rx) = read_back(gpu, (&idb, 0, pairs_n), (&xb, 0, (n * ne) as u32)).unwrap();
@@ -1415,15 +1422,11 @@ fn mixed_placement_case(gpu: &Gpu, f: &ModelFile, li: usize, what: &str) {
                 .unwrap();
             scatter_rows(
                 &mut pass,
-                &cr,
-                0,
-                &ci,
-                0,
+                Operand::new(&cr, 0),
+                Operand::new(&ci, 0),
                 pairs.len() as u32,
                 ne as u32,
-                &moe_out,
-                0,
-                ne as u32,
+                Operand::new(&moe_out, 0),
                 pairs_n,
             )
             .unwrap();

@@ -349,36 +349,41 @@ fn main() -> Result<()> {
     } else {
         args.variant.iter().map(|v| parse_variant(v)).collect()
     };
-    let nt = args.tokens;
+    let run = Run {
+        total,
+        passes,
+        stream,
+    };
     for &(rows, cols) in &shapes {
-        bench_shape(
-            &gpu,
-            &args,
-            (rows, cols),
-            total,
-            passes,
-            stream,
-            &tunes,
-            &variants,
-            nt,
-        )?;
+        bench_shape(&gpu, &args, (rows, cols), &run, &tunes, &variants)?;
     }
     Ok(())
 }
 
-/// Every measurement the arguments ask for on `rows x cols` matrices.
-#[allow(clippy::too_many_arguments)]
+/// How every measurement of a shape runs: `total` bytes of weights (copies of the matrix, so
+/// that they do not sit in a cache), `passes` timed passes, and the f32 stream bandwidth
+/// (GB/s) results are a share of.
+struct Run {
+    total: u64,
+    passes: u32,
+    stream: f64,
+}
+
+/// Every measurement the arguments ask for on `rows x cols` matrices (`args.tokens` rows of x).
 fn bench_shape(
     gpu: &Gpu,
     args: &Args,
     (rows, cols): (u64, u64),
-    total: u64,
-    passes: u32,
-    stream: f64,
+    run: &Run,
     tunes: &[Option<Tune>],
     variants: &[&'static [(&'static str, &'static str)]],
-    nt: u32,
 ) -> Result<()> {
+    let Run {
+        total,
+        passes,
+        stream,
+    } = *run;
+    let nt = args.tokens;
     let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
     for name in args.types.split(',') {
         let Some(dt) = DType::from_name(name.trim()) else {

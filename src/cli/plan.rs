@@ -148,7 +148,12 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     .ok();
     writeln!(s, "adapter: {adapter}: memory {}", mem.describe()).ok();
     writeln!(s, "bandwidth: {}", describe_bw(&bw)).ok();
-    placement_report(&mut s, a, o, run, &info, stats.as_ref(), &budget, &nd, &bw)?;
+    let dev = DeviceBudget {
+        budget: &budget,
+        needs: &nd,
+        bw: &bw,
+    };
+    placement_report(&mut s, a, o, run, &info, stats.as_ref(), &dev)?;
     Ok(s)
 }
 
@@ -295,17 +300,12 @@ fn devices_report(
         )
         .ok();
         writeln!(s, "bandwidth: {}", describe_bw(&bws[i])).ok();
-        cold += placement_report(
-            &mut s,
-            a,
-            o,
-            run,
-            &pi,
-            stats.as_ref(),
-            &budget,
-            &nd,
-            &bws[i],
-        )?;
+        let dev = DeviceBudget {
+            budget: &budget,
+            needs: &nd,
+            bw: &bws[i],
+        };
+        cold += placement_report(&mut s, a, o, run, &pi, stats.as_ref(), &dev)?;
     }
     writeln!(
         s,
@@ -320,9 +320,16 @@ fn devices_report(
     Ok(s)
 }
 
+/// The device a placement is planned for (the only one, or one of `--devices`): its memory
+/// budget, what the budget was computed from, its bandwidth.
+struct DeviceBudget<'a> {
+    budget: &'a lathe::moe::Budget,
+    needs: &'a lathe::moe::Needs,
+    bw: &'a SourcedBandwidth,
+}
+
 /// The budget, placement and decode-step bytes of `info`'s experts (a whole model, or one
-/// device's part) under `budget`. Returns the experts left on the CPU.
-#[allow(clippy::too_many_arguments)]
+/// device's part) on `dev`. Returns the experts left on the CPU.
 fn placement_report(
     s: &mut String,
     a: &PlanArgs,
@@ -330,10 +337,13 @@ fn placement_report(
     run: RunShape,
     info: &MoeInfo,
     stats: Option<&ExpertStats>,
-    budget: &lathe::moe::Budget,
-    nd: &lathe::moe::Needs,
-    bw: &SourcedBandwidth,
+    dev: &DeviceBudget<'_>,
 ) -> Result<usize> {
+    let DeviceBudget {
+        budget,
+        needs: nd,
+        bw,
+    } = *dev;
     let vram_bw = bw.bytes_per_s / 1e9;
     let fill = match o.gpu_experts {
         Some(f) => Fill::Fraction(f),
@@ -503,7 +513,8 @@ fn placement_report(
         }
     )
     .ok();
-    expected_speed(s, a, o, run.batch, info, fill, stats, vram - hot, vram_bw)?;
+    let experts = Experts { info, fill, stats };
+    expected_speed(s, a, o, run.batch, &experts, vram - hot, vram_bw)?;
     Ok(placement
         .layers
         .iter()
@@ -511,21 +522,28 @@ fn placement_report(
         .sum())
 }
 
+/// The routed experts to place: the model's (or a device part's), how many stay on the GPU,
+/// and the routing statistics that pick which.
+struct Experts<'a> {
+    info: &'a MoeInfo,
+    fill: Fill,
+    stats: Option<&'a ExpertStats>,
+}
+
 /// Expected decode and prefill speed of the routed experts for each way of keeping experts
 /// off the GPU, from the measured link, CPU and GPU speeds (`--hop-ms`, `--host-bw`,
-/// `--vram-bw`, `--link-bw`), and the flag that picks each.
-#[allow(clippy::too_many_arguments)]
+/// `--vram-bw`, `--link-bw`), and the flag that picks each. `other_vram`: the bytes a decode
+/// step reads besides the hot experts.
 fn expected_speed(
     s: &mut String,
     a: &PlanArgs,
     o: &LoadOptions,
     batch: u64,
-    info: &MoeInfo,
-    fill: Fill,
-    stats: Option<&ExpertStats>,
+    experts: &Experts<'_>,
     other_vram: f64,
     vram_bw: f64,
 ) -> Result<()> {
+    let Experts { info, fill, stats } = *experts;
     let c = lathe::moe::Costs {
         hop_s: a.hop_ms / 1e3,
         host_bytes_per_s: a.host_bw * 1e9,

@@ -8,20 +8,39 @@ use super::ops;
 pub const INVALID: u32 = 0xffff_ffff;
 pub const SRC_B: u32 = 0x8000_0000;
 
-/// Append tokens `pos0..pos0+n` to a store ring `[cap][2·width]`: `src` rows (stride
+/// One compressor (`gpu::compress::CmpShape`): ratio, entries of `d` channels, overlapping
+/// windows or not, a store ring of `cap` rows.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub ratio: usize,
+    pub d: usize,
+    pub overlap: bool,
+    pub cap: usize,
+}
+
+impl Shape {
+    /// Elements of the kv (and of the score) projection per token: 2·d when overlapping.
+    pub fn width(&self) -> usize {
+        if self.overlap {
+            2 * self.d
+        } else {
+            self.d
+        }
+    }
+}
+
+/// Append tokens `pos0..pos0+n_tok` to a store ring `[cap][2·width]`: `src` rows (stride
 /// `src_stride`) of kv | score, the score half plus `ape[(pos % ratio)·width ..]`.
-#[allow(clippy::too_many_arguments)]
 pub fn store(
     store: &mut [f32],
-    cap: usize,
-    ratio: usize,
-    width: usize,
+    s: &Shape,
     pos0: usize,
     src: &[f32],
     src_stride: usize,
     n_tok: usize,
     ape: &[f32],
 ) {
+    let (cap, ratio, width) = (s.cap, s.ratio, s.width());
     for t in 0..n_tok {
         let pos = pos0 + t;
         let row = &mut store[(pos % cap) * 2 * width..][..2 * width];
@@ -38,19 +57,21 @@ pub fn store(
 /// the window's scores weighs its kv (overlapping: previous window's channels `..d` and this
 /// window's `d..`, none before window 0), RMSNorm · `norm`, RoPE on the last
 /// `2·inv_freq.len()` channels at position `w·ratio`.
-#[allow(clippy::too_many_arguments)]
 pub fn pool(
     store: &[f32],
-    cap: usize,
-    ratio: usize,
-    d: usize,
-    overlap: bool,
+    s: &Shape,
     w: usize,
     norm: &[f32],
     inv_freq: &[f32],
     eps: f32,
 ) -> Vec<f32> {
-    let width = if overlap { 2 * d } else { d };
+    let Shape {
+        ratio,
+        d,
+        overlap,
+        cap,
+    } = *s;
+    let width = s.width();
     let at = |q: usize, c: usize| {
         let row = &store[(q % cap) * 2 * width..][..2 * width];
         (row[width + c], row[c])
@@ -86,20 +107,26 @@ pub fn pool(
     ent
 }
 
+/// An indexer (`gpu::compress::IndexerShape` less top-k): heads of `d`, compressor ratio.
+#[derive(Clone, Copy, Debug)]
+pub struct Indexer {
+    pub n_head: usize,
+    pub d: usize,
+    pub ratio: usize,
+}
+
 /// Indexer scores `[n_tok, n_ent]`: `Σ_h relu(q[t,h]·keys[i])·w[t,h] / sqrt(d·n_head)` for
 /// `i < (pos0+t+1)/ratio`, −1e30 otherwise.
-#[allow(clippy::too_many_arguments)]
 pub fn index_scores(
     q: &[f32],
     w: &[f32],
     keys: &[f32],
+    ix: &Indexer,
     n_tok: usize,
     pos0: usize,
     n_ent: usize,
-    n_head: usize,
-    d: usize,
-    ratio: usize,
 ) -> Vec<f32> {
+    let Indexer { n_head, d, ratio } = *ix;
     let scale = 1.0 / ((d * n_head) as f64).sqrt();
     let mut out = vec![-1.0e30f32; n_tok * n_ent];
     for t in 0..n_tok {

@@ -75,19 +75,33 @@ fn fold_norm(x: &[f32], g: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     y.iter().zip(w).map(|(v, w)| v * r * w).collect()
 }
 
+/// Copies and constants of the hyper-connections (`gpu::hc::HcShape`; n_embd is the norm's
+/// length).
+#[derive(Clone, Copy, Debug)]
+pub struct HcShape {
+    pub hc: usize,
+    /// Sinkhorn iterations (block sites).
+    pub iters: usize,
+    /// RMSNorm epsilon (the copies' RMS and the fold's norm).
+    pub eps: f32,
+    pub hc_eps: f32,
+}
+
 /// Block site for `n` tokens: returns `h` [n, n_embd] and `pc` [n, hc + hc·hc].
-#[allow(clippy::too_many_arguments)]
 pub fn pre(
     x: &[f32],
     mixes: &[f32],
     base: &[f32],
     scale: &[f32],
     norm: &[f32],
-    hc: usize,
-    iters: usize,
-    eps: f32,
-    hc_eps: f32,
+    s: &HcShape,
 ) -> (Vec<f32>, Vec<f32>) {
+    let HcShape {
+        hc,
+        iters,
+        eps,
+        hc_eps,
+    } = *s;
     let e = norm.len();
     let nm = (2 + hc) * hc;
     let (mut h, mut pc) = (Vec::new(), Vec::new());
@@ -102,18 +116,18 @@ pub fn pre(
     (h, pc)
 }
 
-/// Head fold for `n` tokens: `h` [n, n_embd].
-#[allow(clippy::too_many_arguments)]
+/// Head fold for `n` tokens: `h` [n, n_embd] (`s.iters` unused).
 pub fn head(
     x: &[f32],
     mixes: &[f32],
     base: &[f32],
     scale: f32,
     norm: &[f32],
-    hc: usize,
-    eps: f32,
-    hc_eps: f32,
+    s: &HcShape,
 ) -> Vec<f32> {
+    let HcShape {
+        hc, eps, hc_eps, ..
+    } = *s;
     let e = norm.len();
     let mut h = Vec::new();
     for (xt, mt) in x.chunks(hc * e).zip(mixes.chunks(hc)) {

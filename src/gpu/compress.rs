@@ -21,6 +21,7 @@
 //! [`attention::Keys::Rows`]: super::attention::Keys::Rows
 
 use super::attention::{INVALID, SRC_B};
+use super::operand::Operand;
 use super::rope::RopeTable;
 use super::{check_f32, check_len, grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::{Error, Result};
@@ -127,13 +128,15 @@ struct IndexParams {
 const _: () = assert!(std::mem::size_of::<IndexParams>() == 48);
 
 /// The rows of a call in a pass's row table: `tab` (u32) gives row `r` the position `tab[r]`
-/// and the sequence slot `tab[tab_rows + r]`; the call's token `t` is row `row0 + t` (a
-/// table of `tab_rows` rows may start at an offset: `row0` counts from the buffer's start).
+/// and the sequence slot `tab[tab_rows + r]`; the call's `n_tok` tokens are rows `row0 + t`
+/// (a table of `tab_rows` rows may start at an offset: `row0` counts from the buffer's
+/// start).
 #[derive(Clone, Copy, Debug)]
 pub struct Rows<'a> {
     pub tab: &'a wgpu::Buffer,
     pub tab_rows: u32,
     pub row0: u32,
+    pub n_tok: u32,
 }
 
 impl Rows<'_> {
@@ -142,8 +145,8 @@ impl Rows<'_> {
         debug_assert_eq!(pos.len(), slots.len());
         pos.iter().chain(slots).copied().collect()
     }
-    fn check(&self, what: &str, n_tok: u32) -> Result<()> {
-        let end = self.row0 as u64 + self.tab_rows as u64 + n_tok as u64;
+    fn check(&self, what: &str) -> Result<()> {
+        let end = self.row0 as u64 + self.tab_rows as u64 + self.n_tok as u64;
         check_len(what, "row table", self.tab, end)
     }
 }
@@ -223,21 +226,20 @@ impl CmpShape {
     }
 }
 
-/// Append `n_tok` rows (each at its position, into its slot's ring of the `store` pool) to
-/// the store: `src` rows of kv | score (`width` each) at `src_off + t·src_stride`; the score
+/// Append the `rows` (each at its position, into its slot's ring of the `store` pool) to the
+/// store: `src` rows of kv | score (`width` each) at its stride (packed: 2·width); the score
 /// half gets `ape` (F32 [m, width]) row `pos % m` added.
-#[allow(clippy::too_many_arguments)]
 pub fn store(
     pass: &mut Pass<'_>,
     s: &CmpShape,
-    n_tok: u32,
     rows: Rows<'_>,
-    src: &wgpu::Buffer,
-    src_off: u32,
-    src_stride: u32,
+    src: Operand<'_>,
     ape: &GpuTensor,
     store: &wgpu::Buffer,
 ) -> Result<()> {
+    let n_tok = rows.n_tok;
+    let (src_off, src_stride) = (src.off, src.stride_for(2 * s.width()));
+    let src = src.buf;
     s.check()?;
     let w = s.width();
     check_f32("compress_store", ape, s.ratio as u64 * w as u64)?;
@@ -258,7 +260,7 @@ pub fn store(
         src,
         src_off as u64 + (n_tok as u64 - 1) * src_stride as u64 + 2 * w as u64,
     )?;
-    rows.check("compress_store", n_tok)?;
+    rows.check("compress_store")?;
     s.check_store("compress_store", store)?;
     let threads = n_tok as u64 * 2 * w as u64;
     if threads > (u32::MAX - 256) as u64 {
@@ -292,21 +294,27 @@ pub fn store(
     Ok(())
 }
 
+/// The RMSNorm of a compressor's entries: weight `w` (F32 [d]) and epsilon.
+#[derive(Clone, Copy)]
+pub struct EntryNorm<'a> {
+    pub w: &'a GpuTensor,
+    pub eps: f32,
+}
+
 /// Pool the windows of `wins` (each complete in its slot's store ring) into entries: f32
-/// rows of `d` where `out` says, RMSNorm with `norm` (F32 [d], epsilon `eps`) and RoPE from
-/// `table` on the last `2·table.n_freq` channels at position `w·m`.
-#[allow(clippy::too_many_arguments)]
+/// rows of `d` where `out` says, RMSNorm with `norm` and RoPE from `table` on the last
+/// `2·table.n_freq` channels at position `w·m`.
 pub fn pool(
     pass: &mut Pass<'_>,
     s: &CmpShape,
     wins: Windows<'_>,
-    norm: &GpuTensor,
+    norm: EntryNorm<'_>,
     table: &RopeTable,
-    eps: f32,
     store: &wgpu::Buffer,
     out: PoolOut<'_>,
 ) -> Result<()> {
     let n_win = wins.n_win;
+    let EntryNorm { w: norm, eps } = norm;
     s.check()?;
     check_f32("compress_pool", norm, s.d as u64)?;
     if 2 * table.n_freq > s.d {
@@ -386,26 +394,40 @@ pub struct IndexerShape {
     pub top_k: u32,
 }
 
-/// Indexer scores of `n_tok` rows (each at its position, in its slot) against the first
+/// The indexer's queries of a call: `q` [rows, n_head, d] and head weights `w` [rows, n_head],
+/// packed f32; the call's token `t` reads row `row0 + t`.
+#[derive(Clone, Copy, Debug)]
+pub struct Queries<'a> {
+    pub q: &'a wgpu::Buffer,
+    pub w: &'a wgpu::Buffer,
+    pub row0: u32,
+}
+
+/// The compressed entries a call's tokens look at: the first `n_ent` of their sequence slot
+/// in a pool of `cap_e` entries per slot.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotEntries {
+    pub n_ent: u32,
+    pub cap_e: u32,
+}
+
+/// Indexer scores of the `rows` (each at its position, in its slot) against the first
 /// `n_ent` entries of their slot in `keys` (a pool of f32 rows of d, `cap_e` per slot):
 /// `scores[t·n_ent + i] = scale·Σ_h relu(q[r,h]·keys[slot·cap_e + i])·w[r,h]` with
-/// `r = q_row0 + t`, for the entries the token sees (`i < (pos+1)/m`), −1e30 for the rest.
-/// `q` [rows, n_head, d] and `w` [rows, n_head] packed; `scale` = d^-½·n_head^-½ (model.py's
-/// weights scaling).
-#[allow(clippy::too_many_arguments)]
+/// `r = queries.row0 + t`, for the entries the token sees (`i < (pos+1)/m`), −1e30 for the
+/// rest; `scale` = d^-½·n_head^-½ (model.py's weights scaling).
 pub fn index_scores(
     pass: &mut Pass<'_>,
     s: &IndexerShape,
-    n_tok: u32,
     rows: Rows<'_>,
-    q_row0: u32,
-    n_ent: u32,
-    cap_e: u32,
-    q: &wgpu::Buffer,
-    w: &wgpu::Buffer,
+    queries: Queries<'_>,
     keys: &wgpu::Buffer,
+    ents: SlotEntries,
     scores: &wgpu::Buffer,
 ) -> Result<()> {
+    let n_tok = rows.n_tok;
+    let Queries { q, w, row0: q_row0 } = queries;
+    let SlotEntries { n_ent, cap_e } = ents;
     if s.ratio == 0 || s.d == 0 || s.n_head == 0 {
         return Err(Error::Invalid(format!("index_scores: {s:?}")));
     }
@@ -417,7 +439,7 @@ pub fn index_scores(
             "index_scores: {n_ent} entries in slots of {cap_e}"
         )));
     }
-    rows.check("index_scores", n_tok)?;
+    rows.check("index_scores")?;
     let n = n_tok as u64;
     let end = n + q_row0 as u64;
     check_len("index_scores", "q", q, end * (s.n_head * s.d) as u64)?;
@@ -470,18 +492,17 @@ pub fn index_scores(
 /// slots, as `SRC_B | (slot·cap_e + entry)` in entry order, ties to the lower entry:
 /// `min(k, visible)` slots, the rest of the list is [`index_list`]'s. `list.n_idx` must
 /// hold every token's window and picks.
-#[allow(clippy::too_many_arguments)]
 pub fn select_topk(
     pass: &mut Pass<'_>,
     s: &IndexerShape,
-    n_tok: u32,
     rows: Rows<'_>,
-    n_ent: u32,
-    cap_e: u32,
+    ents: SlotEntries,
     window: u32,
     scores: &wgpu::Buffer,
     list: ListView<'_>,
 ) -> Result<()> {
+    let n_tok = rows.n_tok;
+    let SlotEntries { n_ent, cap_e } = ents;
     if n_tok == 0 || s.top_k == 0 {
         return Ok(());
     }
@@ -492,7 +513,7 @@ pub fn select_topk(
             list.n_idx
         )));
     }
-    rows.check("select_topk", n_tok)?;
+    rows.check("select_topk")?;
     let n = n_tok as u64;
     check_len("select_topk", "scores", scores, n * n_ent.max(1) as u64)?;
     let idx = list.buf;
@@ -552,15 +573,15 @@ pub struct IndexList {
     pub cap_e: u32,
 }
 
-/// Write the slots [`IndexList`] describes for `n_tok` rows into `list` (the indexer's picks
+/// Write the slots [`IndexList`] describes for the `rows` into `list` (the indexer's picks
 /// are left alone unless `fill_comp`).
 pub fn index_list(
     pass: &mut Pass<'_>,
     l: &IndexList,
-    n_tok: u32,
     rows: Rows<'_>,
     list: ListView<'_>,
 ) -> Result<()> {
+    let n_tok = rows.n_tok;
     if l.ring < l.window || l.window == 0 {
         return Err(Error::Invalid(format!("index_list: {l:?}")));
     }
@@ -571,7 +592,7 @@ pub fn index_list(
     if threads > (u32::MAX - 256) as u64 {
         return Err(Error::Invalid("index_list: too many slots".into()));
     }
-    rows.check("index_list", n_tok)?;
+    rows.check("index_list")?;
     let idx = list.buf;
     check_len("index_list", "idx", idx, list.off as u64 + threads)?;
     let pl = pass

@@ -58,11 +58,27 @@ fn run(
     args: &[Arg<'_>],
     alpha: f32,
 ) -> Result<()> {
-    run_k(pass, entry, n_rows, n_cols, y, args, alpha, 0)
+    run_k(
+        pass,
+        entry,
+        n_rows,
+        n_cols,
+        y,
+        args,
+        Scalars { alpha, k: 0 },
+    )
+}
+
+/// The scalar uniforms of an op (`Params::alpha`, `Params::k`).
+#[derive(Clone, Copy)]
+struct Scalars {
+    /// Scale, or SwiGLU's clamp limit.
+    alpha: f32,
+    /// Slots of `moe_combine`.
+    k: u32,
 }
 
 /// [`run`] with the slot count of `moe_combine`.
-#[allow(clippy::too_many_arguments)]
 fn run_k(
     pass: &mut Pass<'_>,
     entry: &'static str,
@@ -70,8 +86,7 @@ fn run_k(
     n_cols: u32,
     y: Operand<'_>,
     args: &[Arg<'_>],
-    alpha: f32,
-    k: u32,
+    sc: Scalars,
 ) -> Result<()> {
     let n = n_rows as u64 * n_cols as u64;
     if n == 0 {
@@ -101,8 +116,8 @@ fn run_k(
         a_stride: offs[0].1,
         b_off: offs[1].0,
         b_stride: offs[1].1,
-        alpha,
-        k,
+        alpha: sc.alpha,
+        k: sc.k,
         _pad: [0; 2],
     };
     #[derive(PartialEq, Eq, Hash)]
@@ -136,28 +151,6 @@ fn run_k(
         grid((n as u32).div_ceil(WG)),
     );
     Ok(())
-}
-
-/// `y[y_off..][..n] = a[a_off..][..n] + b[b_off..][..n]` (offsets in elements).
-#[allow(clippy::too_many_arguments)]
-pub fn add(
-    pass: &mut Pass<'_>,
-    a: &wgpu::Buffer,
-    a_off: u32,
-    b: &wgpu::Buffer,
-    b_off: u32,
-    y: &wgpu::Buffer,
-    y_off: u32,
-    n: u32,
-) -> Result<()> {
-    add_rows(
-        pass,
-        1,
-        n,
-        Operand::new(y, y_off),
-        Operand::new(a, a_off),
-        Operand::new(b, b_off),
-    )
 }
 
 /// `y = a + b` on `[n_rows, n_cols]`.
@@ -501,7 +494,6 @@ pub fn moe_combine(
         n_cols,
         y,
         &[Arg::Rows(x), Arg::Scalar(w)],
-        0.0,
-        k,
+        Scalars { alpha: 0.0, k },
     )
 }

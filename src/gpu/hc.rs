@@ -71,18 +71,25 @@ pub struct HcWeights<'a> {
     pub norm: &'a GpuTensor,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What a fold reads: `n_tok` tokens' copies `x` [n_tok, hc, n_embd] and their unscaled
+/// mixes (rows of [`HcShape::n_mix`] for a block site, of hc for the head).
+#[derive(Clone, Copy)]
+pub struct HcInput<'a> {
+    pub n_tok: u32,
+    pub x: &'a wgpu::Buffer,
+    pub mixes: &'a wgpu::Buffer,
+}
+
 fn fold(
     pass: &mut Pass<'_>,
     s: &HcShape,
     head: bool,
-    n_tok: u32,
-    x: &wgpu::Buffer,
-    mixes: &wgpu::Buffer,
+    inp: HcInput<'_>,
     w: &HcWeights<'_>,
     h: &wgpu::Buffer,
     pc: Option<&wgpu::Buffer>,
 ) -> Result<()> {
+    let HcInput { n_tok, x, mixes } = inp;
     s.check()?;
     let op = if head { "hc_head" } else { "hc_pre" };
     let n_mix = if head { s.hc } else { s.n_mix() };
@@ -131,21 +138,18 @@ fn fold(
     Ok(())
 }
 
-/// Block input of one site for `n_tok` tokens: from the copies `x` [n, hc, n_embd] and the
+/// Block input of one site for `n` tokens: from the copies `x` [n, hc, n_embd] and the
 /// unscaled mixes [n, (2+hc)·hc], write `h` [n, n_embd] = rmsnorm(Σ_j pre[j]·x[j])·norm and
 /// `pc` [n, hc + hc·hc] = (post, Sinkhorn-normalised comb).
-#[allow(clippy::too_many_arguments)]
 pub fn pre(
     pass: &mut Pass<'_>,
     s: &HcShape,
-    n_tok: u32,
-    x: &wgpu::Buffer,
-    mixes: &wgpu::Buffer,
+    inp: HcInput<'_>,
     w: &HcWeights<'_>,
     h: &wgpu::Buffer,
     pc: &wgpu::Buffer,
 ) -> Result<()> {
-    fold(pass, s, false, n_tok, x, mixes, w, h, Some(pc))
+    fold(pass, s, false, inp, w, h, Some(pc))
 }
 
 /// The head's fold: mixes [n, hc] gate the copies (`σ(m·r·scale + base) + hc_eps`), then the
@@ -153,13 +157,11 @@ pub fn pre(
 pub fn head(
     pass: &mut Pass<'_>,
     s: &HcShape,
-    n_tok: u32,
-    x: &wgpu::Buffer,
-    mixes: &wgpu::Buffer,
+    inp: HcInput<'_>,
     w: &HcWeights<'_>,
     h: &wgpu::Buffer,
 ) -> Result<()> {
-    fold(pass, s, true, n_tok, x, mixes, w, h, None)
+    fold(pass, s, true, inp, w, h, None)
 }
 
 /// After a block: `x[j] = post[j]·blk + Σ_i comb[i][j]·x[i]` in place, `blk` [n, n_embd],

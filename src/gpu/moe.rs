@@ -279,25 +279,23 @@ impl RemapTables {
     }
 }
 
-/// `slots[slots_off + i] = table_L[ids[ids_off + i]]` for `i < n` (`u32::MAX` for ids outside the
-/// table): router ids → arena slot ids of layer `layer`. `ids` and `slots` u32 buffers (must
-/// be different buffers).
-#[allow(clippy::too_many_arguments)]
+/// `slots.buf[slots.off + i] = table_L[ids.buf[ids.off + i]]` for `i < n` (`u32::MAX` for ids
+/// outside the table): router ids → arena slot ids of layer `layer`. `ids` and `slots` are
+/// u32 (in different buffers); their strides are not used.
 pub fn remap(
     pass: &mut Pass<'_>,
     tables: &RemapTables,
     layer: usize,
-    ids: &wgpu::Buffer,
-    ids_off: u32,
-    slots: &wgpu::Buffer,
-    slots_off: u32,
+    ids: Operand<'_>,
+    slots: Operand<'_>,
     n: u32,
 ) -> Result<()> {
     let (tab_off, n_expert) = tables
         .table(layer)
         .ok_or_else(|| Error::Invalid(format!("moe remap: layer {layer} is not a MoE layer")))?;
-    check_len("moe", "remap ids", ids, ids_off as u64 + n as u64)?;
-    check_len("moe", "remap slots", slots, slots_off as u64 + n as u64)?;
+    let (ids_off, slots_off) = (ids.off, slots.off);
+    check_len("moe", "remap ids", ids.buf, ids_off as u64 + n as u64)?;
+    check_len("moe", "remap slots", slots.buf, slots_off as u64 + n as u64)?;
     if n == 0 {
         return Ok(());
     }
@@ -313,32 +311,39 @@ pub fn remap(
         &pipe(pass.gpu(), "remap")?,
         "moe_remap",
         &prm,
-        &[(&tables.buffer).into(), Binding::from(slots), ids.into()],
+        &[
+            (&tables.buffer).into(),
+            Binding::from(slots.buf),
+            ids.buf.into(),
+        ],
         grid(n.div_ceil(WG)),
     );
     Ok(())
 }
 
-/// Row r < n_rows of `rows` (f32 `[n_rows, width]` from `rows_off`) goes to row
-/// `index[index_off + r]` of `out` (at `out_off + row·out_stride`); index values ≥ `n_out`
-/// are skipped. Puts the CPU's cold expert rows into the per-pair buffer: `index` =
-/// `token·n_used + slot` of each cold pair, `n_out` = `n_tokens·n_used`.
-#[allow(clippy::too_many_arguments)]
+/// Row r < n_rows of `rows` (f32 `[n_rows, width]`, packed) goes to row `index` word r (u32)
+/// of `out` (rows of `width` at its stride); index values ≥ `n_out` are skipped. Puts the
+/// CPU's cold expert rows into the per-pair buffer: `index` = `token·n_used + slot` of each
+/// cold pair, `n_out` = `n_tokens·n_used`.
 pub fn scatter_rows(
     pass: &mut Pass<'_>,
-    rows: &wgpu::Buffer,
-    rows_off: u32,
-    index: &wgpu::Buffer,
-    index_off: u32,
+    rows: Operand<'_>,
+    index: Operand<'_>,
     n_rows: u32,
     width: u32,
-    out: &wgpu::Buffer,
-    out_off: u32,
-    out_stride: u32,
+    out: Operand<'_>,
     n_out: u32,
 ) -> Result<()> {
     if n_rows == 0 || width == 0 {
         return Ok(());
+    }
+    let (rows_off, index_off, out_off) = (rows.off, index.off, out.off);
+    let out_stride = out.stride_for(width);
+    if rows.stride_for(width) != width {
+        return Err(Error::Invalid(format!(
+            "moe scatter: rows of {width} at stride {} (packed rows only)",
+            rows.stride_for(width)
+        )));
     }
     if out_stride < width {
         return Err(Error::Invalid(format!(
@@ -351,17 +356,17 @@ pub fn scatter_rows(
             "moe scatter: {n_rows} rows of {width}"
         )));
     }
-    check_len("moe", "scatter rows", rows, rows_off as u64 + total)?;
+    check_len("moe", "scatter rows", rows.buf, rows_off as u64 + total)?;
     check_len(
         "moe",
         "scatter index",
-        index,
+        index.buf,
         index_off as u64 + n_rows as u64,
     )?;
     check_len(
         "moe",
         "scatter output",
-        out,
+        out.buf,
         out_off as u64 + (n_out.max(1) as u64 - 1) * out_stride as u64 + width as u64,
     )?;
     let prm = Params {
@@ -378,7 +383,7 @@ pub fn scatter_rows(
         &pipe(pass.gpu(), "scatter_rows")?,
         "moe_scatter_rows",
         &prm,
-        &[rows.into(), Binding::from(out), index.into()],
+        &[rows.buf.into(), Binding::from(out.buf), index.buf.into()],
         grid((total as u32).div_ceil(WG)),
     );
     Ok(())

@@ -34,11 +34,30 @@ struct Params {
 }
 const _: () = assert!(std::mem::size_of::<Params>() == 48);
 
-/// Which formula (`norm.wgsl`'s `MODE`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    Rms,
-    L2(L2Mode),
+/// An RMSNorm's rows and epsilon: `n_rows` rows of `dim`.
+#[derive(Clone, Copy, Debug)]
+pub struct Rms {
+    pub n_rows: u32,
+    pub dim: u32,
+    pub eps: f32,
+}
+
+/// An L2 norm's rows and parameters: `n_rows` rows of `dim`, the formula's epsilon (see
+/// [`L2Mode`]) and the factor the normalised rows are multiplied by.
+#[derive(Clone, Copy, Debug)]
+pub struct L2 {
+    pub n_rows: u32,
+    pub dim: u32,
+    pub eps: f32,
+    pub mode: L2Mode,
+    pub scale: f32,
+}
+
+/// Which formula (`norm.wgsl`'s `MODE`) with its parameters.
+#[derive(Clone, Copy, Debug)]
+enum Formula {
+    Rms(Rms),
+    L2(L2),
 }
 
 /// The second input: a gate (`silu(z)` multiplies the output) or a residual (`x += z` first).
@@ -49,24 +68,23 @@ enum Extra<'a> {
     Residual(Operand<'a>),
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run(
     pass: &mut Pass<'_>,
-    mode: Mode,
-    n_rows: u32,
-    dim: u32,
+    f: Formula,
     x: Operand<'_>,
     y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
     extra: Extra<'_>,
-    eps: f32,
-    scale: f32,
 ) -> Result<()> {
-    let op = match (mode, extra) {
-        (Mode::Rms, Extra::Gate(_)) => "gated_rms_norm",
-        (Mode::Rms, Extra::Residual(_)) => "add_rms_norm",
-        (Mode::Rms, Extra::None) => "rms_norm",
-        (Mode::L2(_), _) => "l2_norm",
+    let op = match (f, extra) {
+        (Formula::Rms(_), Extra::Gate(_)) => "gated_rms_norm",
+        (Formula::Rms(_), Extra::Residual(_)) => "add_rms_norm",
+        (Formula::Rms(_), Extra::None) => "rms_norm",
+        (Formula::L2(_), _) => "l2_norm",
+    };
+    let (n_rows, dim, eps, scale) = match f {
+        Formula::Rms(r) => (r.n_rows, r.dim, r.eps, 1.0),
+        Formula::L2(l) => (l.n_rows, l.dim, l.eps, l.scale),
     };
     if n_rows == 0 {
         return Ok(());
@@ -107,10 +125,14 @@ fn run(
         z.check(op, if gated { "z" } else { "residual" }, n_rows, dim)?;
     }
     let inplace = y.is_none();
-    let mode_id = match mode {
-        Mode::Rms => 0,
-        Mode::L2(L2Mode::Hf) => 1,
-        Mode::L2(L2Mode::Ggml) => 2,
+    let mode_id = match f {
+        Formula::Rms(_) => 0,
+        Formula::L2(L2 {
+            mode: L2Mode::Hf, ..
+        }) => 1,
+        Formula::L2(L2 {
+            mode: L2Mode::Ggml, ..
+        }) => 2,
     };
     let yv = y.unwrap_or(x);
     let zv = z.unwrap_or(x);
@@ -213,84 +235,36 @@ pub fn rms_norm(
     w: Option<&GpuTensor>,
     eps: f32,
 ) -> Result<()> {
-    run(pass, Mode::Rms, n_rows, dim, x, y, w, Extra::None, eps, 1.0)
+    let f = Formula::Rms(Rms { n_rows, dim, eps });
+    run(pass, f, x, y, w, Extra::None)
 }
 
 /// Fused residual add and RMSNorm: `x += r` (written back to `x`), then `y = rmsnorm(x) · w`.
-#[allow(clippy::too_many_arguments)]
 pub fn add_rms_norm(
     pass: &mut Pass<'_>,
-    n_rows: u32,
-    dim: u32,
+    rms: Rms,
     x: Operand<'_>,
     r: Operand<'_>,
     y: Operand<'_>,
     w: Option<&GpuTensor>,
-    eps: f32,
 ) -> Result<()> {
-    run(
-        pass,
-        Mode::Rms,
-        n_rows,
-        dim,
-        x,
-        Some(y),
-        w,
-        Extra::Residual(r),
-        eps,
-        1.0,
-    )
+    run(pass, Formula::Rms(rms), x, Some(y), w, Extra::Residual(r))
 }
 
-/// L2 norm per row times `scale`: `x · rsqrt(Σx² + eps)` ([`L2Mode::Hf`], the default) or
+/// L2 norm per row times `l2.scale`: `x · rsqrt(Σx² + eps)` ([`L2Mode::Hf`], the default) or
 /// `x / max(‖x‖, eps)` ([`L2Mode::Ggml`]). `y: None` in place.
-#[allow(clippy::too_many_arguments)]
-pub fn l2_norm(
-    pass: &mut Pass<'_>,
-    n_rows: u32,
-    dim: u32,
-    x: Operand<'_>,
-    y: Option<Operand<'_>>,
-    eps: f32,
-    mode: L2Mode,
-    scale: f32,
-) -> Result<()> {
-    run(
-        pass,
-        Mode::L2(mode),
-        n_rows,
-        dim,
-        x,
-        y,
-        None,
-        Extra::None,
-        eps,
-        scale,
-    )
+pub fn l2_norm(pass: &mut Pass<'_>, l2: L2, x: Operand<'_>, y: Option<Operand<'_>>) -> Result<()> {
+    run(pass, Formula::L2(l2), x, y, None, Extra::None)
 }
 
 /// Gated RMSNorm (Qwen3.5 GDN output): `y = w ⊙ rmsnorm(o) ⊙ silu(z)`, `y: None` writes over `o`.
-#[allow(clippy::too_many_arguments)]
 pub fn gated_rms_norm(
     pass: &mut Pass<'_>,
-    n_rows: u32,
-    dim: u32,
+    rms: Rms,
     o: Operand<'_>,
     z: Operand<'_>,
     y: Option<Operand<'_>>,
     w: Option<&GpuTensor>,
-    eps: f32,
 ) -> Result<()> {
-    run(
-        pass,
-        Mode::Rms,
-        n_rows,
-        dim,
-        o,
-        y,
-        w,
-        Extra::Gate(z),
-        eps,
-        1.0,
-    )
+    run(pass, Formula::Rms(rms), o, y, w, Extra::Gate(z))
 }

@@ -125,35 +125,37 @@ enum Vals<'a> {
     Packed(Operand<'a>),
 }
 
-/// The `k` largest of each of `n_rows` rows of `n` in `x`: indices into `ids` (u32 rows of
-/// `k`), values into `vals` (f32 rows of `k`) if given. `scratch` is required when
-/// [`needs_scratch`]`(n)`.
-#[allow(clippy::too_many_arguments)]
+/// A top-k selection: the `k` largest of each of `n_rows` rows of `n`.
+#[derive(Clone, Copy, Debug)]
+pub struct TopkShape {
+    pub n_rows: u32,
+    pub n: u32,
+    pub k: u32,
+}
+
+/// The `k` largest of each row of `x`: indices into `ids` (u32 rows of `k`), values into
+/// `vals` (f32 rows of `k`) if given. `scratch` is required when [`needs_scratch`]`(n)`.
 pub fn topk(
     pass: &mut Pass<'_>,
-    n_rows: u32,
-    n: u32,
-    k: u32,
+    shape: TopkShape,
     x: Operand<'_>,
     ids: Operand<'_>,
     vals: Option<Operand<'_>>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
-    check_k("topk", k, MAX_K)?;
-    topk_stages(pass, n_rows, n, k, x, ids, Vals::Own(vals), scratch)
+    check_k("topk", shape.k, MAX_K)?;
+    topk_stages(pass, shape, x, ids, Vals::Own(vals), scratch)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn topk_stages(
     pass: &mut Pass<'_>,
-    n_rows: u32,
-    n: u32,
-    k: u32,
+    shape: TopkShape,
     x: Operand<'_>,
     ids: Operand<'_>,
     vals: Vals<'_>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
+    let TopkShape { n_rows, n, k } = shape;
     if n_rows == 0 {
         return Ok(());
     }
@@ -297,7 +299,8 @@ pub fn argmax(
     vals: Option<Operand<'_>>,
     scratch: Option<&TopkScratch>,
 ) -> Result<()> {
-    topk(pass, n_rows, n, 1, x, ids, vals, scratch)
+    let shape = TopkShape { n_rows, n, k: 1 };
+    topk(pass, shape, x, ids, vals, scratch)
 }
 
 /// Qwen's MoE router in one kernel: per row of `n_exp` ≤ [`ROUTER_MAX_EXPERTS`] logits,
@@ -471,16 +474,13 @@ impl LogitsTop {
         let base = row0 * w;
         let ids = Operand::strided(&self.out, base, w);
         let vals = Operand::strided(&self.out, base + k, w);
-        topk_stages(
-            pass,
+        let shape = TopkShape {
             n_rows,
-            self.n,
+            n: self.n,
             k,
-            logits,
-            ids,
-            Vals::Packed(vals),
-            self.scratch.as_ref(),
-        )?;
+        };
+        let vals = Vals::Packed(vals);
+        topk_stages(pass, shape, logits, ids, vals, self.scratch.as_ref())?;
         if lse {
             let out = Operand::strided(&self.out, base + 2 * k, w);
             log_sum_exp(pass, n_rows, self.n, logits, out)?;

@@ -294,15 +294,9 @@ impl Client {
             hash_prefix(&mut out, have, &mut hasher).map_err(io)?;
         }
         progress.start(&file.path, file.size, have);
-        let result = self.transfer(
-            repo,
-            commit,
-            file,
-            &mut out,
-            &mut have,
-            &mut hasher,
-            progress,
-        );
+        let mut part = Partial { out, have, hasher };
+        let result = self.transfer(repo, commit, file, &mut part, progress);
+        let Partial { out, have, hasher } = part;
         let result = result.and_then(|()| {
             if have != file.size {
                 return Err(Fail::Network(format!(
@@ -331,17 +325,15 @@ impl Client {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn transfer(
         &self,
         repo: &str,
         commit: &str,
         file: &RemoteFile,
-        out: &mut File,
-        have: &mut u64,
-        hasher: &mut Check,
+        part: &mut Partial,
         progress: &mut dyn Progress,
     ) -> Result<(), Fail> {
+        let Partial { out, have, hasher } = part;
         if *have == file.size {
             return Ok(());
         }
@@ -389,6 +381,14 @@ impl Client {
         }
         Ok(())
     }
+}
+
+/// A download in progress: the partial file appended to, the bytes it holds, and the hash
+/// of those bytes so far.
+struct Partial {
+    out: File,
+    have: u64,
+    hasher: Check,
 }
 
 /// The hash a download is checked against: the LFS sha256 (`X-Linked-Etag`), or for a file

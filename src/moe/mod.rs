@@ -54,7 +54,7 @@
 //! Per MoE layer L, `n` tokens, `k = n_used`, `g = placement.layer(L).group`:
 //! 4. In the forward's pass: router matvec → `topk::router_softmax_topk` → `moe_ids` u32
 //!    `[n, k]` and `moe_w` f32 `[n, k]` as today, then `gpu::moe::remap(pass, &remaps, L,
-//!    &moe_ids, 0, &slot_ids, 0, n·k)`.
+//!    moe_ids, slot_ids, n·k)`.
 //! 5. Only if the layer has cold experts now (`cache.remap(L)` holds a `COLD`): submit the
 //!    pass, then `(ids, h) = gpu::moe::read_back(&gpu, (&moe_ids, 0, n·k), (&h, 0,
 //!    n·n_embd))`: the ONE readback of this layer (chosen ids and FFN input rows, one
@@ -70,8 +70,8 @@
 //!    `cpu::moe::Warm`; each cold expert read once for all the batch's tokens; `cold`: the
 //!    activations as the GPU's and the `--cpu-simd` level); `gpu.write` `rows` to
 //!    `cold_rows` and `token·k + slot` of each pair to `cold_index` (ordered before the next
-//!    submission); in the next pass `scatter_rows(pass, &cold_rows, 0, &cold_index, 0,
-//!    pairs.len(), n_embd, &moe_out, 0, n_embd, n·k)`. Then the unchanged combine: one
+//!    submission); in the next pass `scatter_rows(pass, cold_rows, cold_index,
+//!    pairs.len(), n_embd, moe_out, n·k)`. Then the unchanged combine: one
 //!    dispatch that adds the top-k slots in order per row (`ew::moe_combine`,
 //!    `router::combine`), the shared expert added after.
 //!    `cold_ffn`'s `after` lets the model record the combine and the next layer up to its

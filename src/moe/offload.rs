@@ -17,6 +17,7 @@ use crate::gpu::moe::{
     remap, routed_ffn_glu, scatter_rows, ExpertArena, ExpertStacks, FfnBufs, Glu, Picks,
     RemapTables,
 };
+use crate::gpu::operand::Operand;
 use crate::gpu::{check_len, fit_rows, BufferLimits, Gpu, Pass, PassBuffer};
 use crate::model_file::ModelFile;
 use crate::{Error, Result};
@@ -826,7 +827,8 @@ impl Offload {
             )));
         }
         let nk = n * self.n_used;
-        remap(pass, &self.remaps, layer, ids, 0, &self.slot_ids, 0, nk)?;
+        let slots = Operand::new(&self.slot_ids, 0);
+        remap(pass, &self.remaps, layer, Operand::new(ids, 0), slots, nk)?;
         let any_cold = {
             let mut st = self.state();
             if self.placement.layers.first().map(|l| l.layer) == Some(layer) {
@@ -1050,15 +1052,11 @@ impl Offload {
             pass.copy(&self.upload, rows_len as u64, &self.cold_index, 0, np * 4);
             scatter_rows(
                 pass,
-                &self.cold_rows,
-                0,
-                &self.cold_index,
-                0,
+                Operand::new(&self.cold_rows, 0),
+                Operand::new(&self.cold_index, 0),
                 np as u32,
                 self.n_embd,
-                b.out,
-                0,
-                self.n_embd,
+                Operand::strided(b.out, 0, self.n_embd),
                 n * self.n_used,
             )?;
             // int8 activations exactly where the GPU's experts take them (its indexed
@@ -1224,7 +1222,8 @@ impl Offload {
                 }
             }
             st.remaps.write(gpu, c.layer, &table)?;
-            remap(pass, &st.remaps, c.layer, &c.ids, 0, &st.ids, 0, nk)?;
+            let (ids, slots) = (Operand::new(&c.ids, 0), Operand::new(&st.ids, 0));
+            remap(pass, &st.remaps, c.layer, ids, slots, nk)?;
             let stacks = ExpertStacks {
                 gate: &at.gate,
                 up: &at.up,

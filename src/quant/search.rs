@@ -375,8 +375,7 @@ mod tests {
     //! versions on random groups (normal, heavy-tailed, one-signed, flat and zero).
     use super::*;
 
-    #[allow(clippy::too_many_arguments)]
-    fn make_qkx2_ref<const N: usize>(
+    fn make_qkx2_ref<const N: usize, const MAD: bool>(
         nmax: i32,
         x: &[f32; N],
         w: &[f32; N],
@@ -384,7 +383,6 @@ mod tests {
         rmin: f32,
         rdelta: f32,
         nstep: i32,
-        use_mad: bool,
     ) -> (f32, f32) {
         let (mut min, mut max) = (x[0], x[0]);
         let mut sum_w = w[0];
@@ -406,7 +404,7 @@ mod tests {
             l.fill(0);
             return (0.0, -min);
         }
-        let e = |d: f32| if use_mad { d.abs() } else { d * d };
+        let e = |d: f32| if MAD { d.abs() } else { d * d };
         let iscale = nmax as f32 / (max - min);
         let mut scale = 1.0 / iscale;
         let mut best_error = 0f32;
@@ -587,7 +585,7 @@ mod tests {
                 let mut l = [0u8; N];
                 let xs: &[f32; N] = x[N * k..N * k + N].try_into().unwrap();
                 let ws: &[f32; N] = w[N * k..N * k + N].try_into().unwrap();
-                let (rs, rm) = make_qkx2_ref(nmax, xs, ws, &mut l, rmin, 0.1, nstep, MAD);
+                let (rs, rm) = make_qkx2_ref::<N, MAD>(nmax, xs, ws, &mut l, rmin, 0.1, nstep);
                 assert_eq!(
                     (s[k].to_bits(), m[k].to_bits()),
                     (rs.to_bits(), rm.to_bits())

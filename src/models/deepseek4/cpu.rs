@@ -350,24 +350,12 @@ impl CpuModel {
         st.window[pos % hp.window] = kv;
 
         // Compressed entries: entry i exists once window i closes, i.e. i < (pos+1)/ratio.
-        let ratio = hp.compress_ratio[l];
-        let overlap = hp.overlap(l);
         if let (Some(c), Some(cs)) = (&a.cmp, st.cmp.as_mut()) {
-            compress_step(c, cs, x, pos, ratio, hd, overlap, freqs, hp.eps);
+            self.compress_step(l, c, cs, x, pos, hd);
         }
         let mut picked: Vec<usize> = Vec::new();
         if let (Some(ix), Some(is)) = (&a.ix, st.ix.as_mut()) {
-            compress_step(
-                &ix.cmp,
-                is,
-                x,
-                pos,
-                ratio,
-                hp.ix_head_dim,
-                overlap,
-                freqs,
-                hp.eps,
-            );
+            self.compress_step(l, &ix.cmp, is, x, pos, hp.ix_head_dim);
             picked = self.index_topk(ix, is, x, &qr, pos, freqs);
         } else if let Some(cs) = &st.cmp {
             picked = (0..cs.entries.len()).collect();
@@ -426,6 +414,68 @@ impl CpuModel {
             })
             .collect();
         a.wo_b.mv(&mid)
+    }
+
+    /// Advance one of layer `l`'s compressors (entries of `d`) by the token at `pos`
+    /// (model.py `Compressor.forward`, decode branch). When the window closes, pool it per
+    /// channel with a softmax over its tokens' scores (overlapping: the previous window's
+    /// channels `..d` and this window's `d..`, 2m rows; before the first window the missing
+    /// half is kv 0 with score −∞), then weighted RMSNorm and RoPE at the window's first
+    /// position.
+    fn compress_step(
+        &self,
+        l: usize,
+        c: &Compressor<Mat>,
+        s: &mut CmpState,
+        x: &[f32],
+        pos: usize,
+        d: usize,
+    ) {
+        let hp = &self.hp;
+        let (ratio, overlap) = (hp.compress_ratio[l], hp.overlap(l));
+        let (freqs, eps) = (&self.freqs[l], hp.eps);
+        let kv = c.wkv.mv(x);
+        let ape = c.ape.row(pos % ratio);
+        let score: Vec<f32> = c.wgate.mv(x).iter().zip(ape).map(|(s, a)| s + a).collect();
+        s.cur_kv.push(kv);
+        s.cur_score.push(score);
+        if s.cur_kv.len() < ratio {
+            return;
+        }
+        let mut entry = vec![0f32; d];
+        let mut rows: Vec<(f32, f32)> = Vec::with_capacity(2 * ratio);
+        for (ch, out) in entry.iter_mut().enumerate() {
+            rows.clear();
+            if overlap {
+                for r in 0..ratio {
+                    rows.push(match (s.prev_score.get(r), s.prev_kv.get(r)) {
+                        (Some(sc), Some(kv)) => (sc[ch], kv[ch]),
+                        _ => (f32::NEG_INFINITY, 0.0),
+                    });
+                }
+                rows.extend((0..ratio).map(|r| (s.cur_score[r][d + ch], s.cur_kv[r][d + ch])));
+            } else {
+                rows.extend((0..ratio).map(|r| (s.cur_score[r][ch], s.cur_kv[r][ch])));
+            }
+            let m = rows.iter().map(|r| r.0).fold(f32::NEG_INFINITY, f32::max) as f64;
+            let (mut num, mut den) = (0f64, 0f64);
+            for &(sc, v) in &rows {
+                let p = (sc as f64 - m).exp();
+                num += p * v as f64;
+                den += p;
+            }
+            *out = (num / den) as f32;
+        }
+        let mut entry = ops::rms_norm(&entry, c.norm.data.len(), Some(&c.norm.data), eps);
+        rope_tail(&mut entry, freqs, pos + 1 - ratio, false);
+        s.entries.push(entry);
+        if overlap {
+            s.prev_kv = std::mem::take(&mut s.cur_kv);
+            s.prev_score = std::mem::take(&mut s.cur_score);
+        } else {
+            s.cur_kv.clear();
+            s.cur_score.clear();
+        }
     }
 
     /// Lightning indexer (model.py `Indexer.forward`): per entry i, `Σ_h relu(q_h·k_i)·w_h`
@@ -568,65 +618,4 @@ fn swiglu(gate: &Mat, up: &Mat, down: &Mat, e: usize, x: &[f32], lim: f32) -> Ve
         })
         .collect();
     down.mv_at(e, &h)
-}
-
-/// Advance one compressor by the token at `pos` (model.py `Compressor.forward`, decode
-/// branch). When the window closes, pool it per channel with a softmax over its tokens'
-/// scores (overlapping: the previous window's channels `..d` and this window's `d..`, 2m
-/// rows; before the first window the missing half is kv 0 with score −∞), then weighted
-/// RMSNorm and RoPE at the window's first position.
-#[allow(clippy::too_many_arguments)]
-fn compress_step(
-    c: &Compressor<Mat>,
-    s: &mut CmpState,
-    x: &[f32],
-    pos: usize,
-    ratio: usize,
-    d: usize,
-    overlap: bool,
-    freqs: &[f32],
-    eps: f32,
-) {
-    let kv = c.wkv.mv(x);
-    let ape = c.ape.row(pos % ratio);
-    let score: Vec<f32> = c.wgate.mv(x).iter().zip(ape).map(|(s, a)| s + a).collect();
-    s.cur_kv.push(kv);
-    s.cur_score.push(score);
-    if s.cur_kv.len() < ratio {
-        return;
-    }
-    let mut entry = vec![0f32; d];
-    let mut rows: Vec<(f32, f32)> = Vec::with_capacity(2 * ratio);
-    for (ch, out) in entry.iter_mut().enumerate() {
-        rows.clear();
-        if overlap {
-            for r in 0..ratio {
-                rows.push(match (s.prev_score.get(r), s.prev_kv.get(r)) {
-                    (Some(sc), Some(kv)) => (sc[ch], kv[ch]),
-                    _ => (f32::NEG_INFINITY, 0.0),
-                });
-            }
-            rows.extend((0..ratio).map(|r| (s.cur_score[r][d + ch], s.cur_kv[r][d + ch])));
-        } else {
-            rows.extend((0..ratio).map(|r| (s.cur_score[r][ch], s.cur_kv[r][ch])));
-        }
-        let m = rows.iter().map(|r| r.0).fold(f32::NEG_INFINITY, f32::max) as f64;
-        let (mut num, mut den) = (0f64, 0f64);
-        for &(sc, v) in &rows {
-            let p = (sc as f64 - m).exp();
-            num += p * v as f64;
-            den += p;
-        }
-        *out = (num / den) as f32;
-    }
-    let mut entry = ops::rms_norm(&entry, c.norm.data.len(), Some(&c.norm.data), eps);
-    rope_tail(&mut entry, freqs, pos + 1 - ratio, false);
-    s.entries.push(entry);
-    if overlap {
-        s.prev_kv = std::mem::take(&mut s.cur_kv);
-        s.prev_score = std::mem::take(&mut s.cur_score);
-    } else {
-        s.cur_kv.clear();
-        s.cur_score.clear();
-    }
 }

@@ -23,7 +23,7 @@ use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, DstRows, Keys, KvShape, KvSource, OutView, QView};
 use crate::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use crate::gpu::elementwise as ew;
-use crate::gpu::hc::{self, HcShape, HcWeights};
+use crate::gpu::hc::{self, HcInput, HcShape, HcWeights};
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::{self, MatvecOpts};
 use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};

@@ -61,9 +61,12 @@ impl RowTabs {
     }
 }
 
-/// The output head a pass ends with (the model's, or a draft's first rows only, see
-/// `Speculate::set_draft_vocab`) and the buffer its top-k goes to.
+/// The output head a pass ends with: the fold of the copies and the final norm (the
+/// model's, or its MTP block's), the output matrix (the model's, or a draft's first rows
+/// only, see `Speculate::set_draft_vocab`) and the buffer its top-k goes to.
 pub(super) struct HeadOut<'a> {
+    pub hc: &'a weights::Hc<GpuTensor>,
+    pub norm: &'a GpuTensor,
     /// [n_vocab, n_embd]
     pub w: &'a GpuTensor,
     pub top: &'a topk::LogitsTop,
@@ -326,7 +329,7 @@ impl GpuModel {
             self.hc_pre(&mut pass, &lw.hc_attn, &lw.attn_norm, nt)?;
             self.trace
                 .point(&mut pass, "attn_in", l, &sc.h, n * hp.n_embd);
-            self.attn_block(&mut pass, st, parts, &tabs, l, &lw.attn, nt)?;
+            self.attn_block(&mut pass, st, parts, &tabs, l, &lw.attn)?;
             self.trace
                 .point(&mut pass, "attn_out", l, blk, n * hp.n_embd);
             hc::post(&mut pass, &hs, nt, x, blk, &sc.pc)?;
@@ -350,14 +353,14 @@ impl GpuModel {
                 .hand_off(pass, &sc.x, rb, n, width, prof.as_mut())?;
             (Vec::new(), Vec::new())
         } else {
-            let hh = &self.w.hc_head;
             let out = HeadOut {
+                hc: &self.w.hc_head,
+                norm: &self.w.output_norm,
                 w: &self.w.output,
                 top: &sc.top,
                 n_vocab: hp.n_vocab,
             };
-            let norm = &self.w.output_norm;
-            self.head(pass, hh, norm, &out, nt, wants, top, &mut prof)?
+            self.head(pass, &out, nt, wants, top, &mut prof)?
         };
         if let (Some(all), Some(new)) = (self.profile.as_mut(), prof) {
             all.extend(new);
@@ -398,28 +401,21 @@ impl GpuModel {
             scale: &site.scale,
             norm,
         };
-        hc::pre(
-            pass,
-            &self.hc_shape(),
-            nt,
-            &sc.x,
-            &sc.mixes,
-            &hw,
-            &sc.h,
-            &sc.pc,
-        )
+        let inp = HcInput {
+            n_tok: nt,
+            x: &sc.x,
+            mixes: &sc.mixes,
+        };
+        hc::pre(pass, &self.hc_shape(), inp, &hw, &sc.h, &sc.pc)
     }
 
     /// The head over the rows of the residual stream `x`: fold (sigmoid gate) and final norm
     /// into `h`, then the runtime's head and readback ([`head_logits`]: the top rows'
     /// logits with a decode step's bits and their top-k, then the wanted runs). Submits
     /// `pass`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn head(
         &self,
         mut pass: Pass<'_>,
-        hh: &weights::Hc<GpuTensor>,
-        out_norm: &GpuTensor,
         out: &HeadOut<'_>,
         nt: u32,
         wants: &[(usize, usize)],
@@ -433,13 +429,19 @@ impl GpuModel {
             return Ok((Vec::new(), Vec::new()));
         }
         let hs = self.hc_shape();
+        let hh = out.hc;
         self.linear_exact(&mut pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
         let hw = HcWeights {
             base: &hh.base,
             scale: &hh.scale,
-            norm: out_norm,
+            norm: out.norm,
         };
-        hc::head(&mut pass, &hs, nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
+        let inp = HcInput {
+            n_tok: nt,
+            x: &sc.x,
+            mixes: &sc.mixes,
+        };
+        hc::head(&mut pass, &hs, inp, &hw, &sc.h)?;
         let head = Head {
             w: out.w,
             n_vocab: out.n_vocab,
@@ -516,36 +518,31 @@ impl GpuModel {
         out: compress::PoolOut<'_>,
     ) -> Result<compress::Windows<'_>> {
         let s = cs.shape;
-        let w = s.width();
         let tab = &self.scratch.tab.buf;
-        compress::store(
-            pass,
-            &s,
-            tabs.n,
-            self.rows(tabs, 0),
-            &self.scratch.cmp,
-            0,
-            2 * w,
-            &c.ape,
-            &cs.store,
-        )?;
+        let rows = self.rows(tabs, 0, tabs.n);
+        let src = Operand::new(&self.scratch.cmp, 0);
+        compress::store(pass, &s, rows, src, &c.ape, &cs.store)?;
         let wins = tabs.windows(tab, s.ratio as usize);
-        compress::pool(pass, &s, wins, &c.norm, table, self.hp.eps, &cs.store, out)?;
+        let norm = compress::EntryNorm {
+            w: &c.norm,
+            eps: self.hp.eps,
+        };
+        compress::pool(pass, &s, wins, norm, table, &cs.store, out)?;
         Ok(wins)
     }
 
-    /// The rows of `tabs` from row `row` on, for the compressor kernels.
-    fn rows<'a>(&'a self, tabs: &RowTabs, row: usize) -> compress::Rows<'a> {
+    /// `n_tok` rows of `tabs` from row `row` on, for the compressor kernels.
+    fn rows<'a>(&'a self, tabs: &RowTabs, row: usize, n_tok: u32) -> compress::Rows<'a> {
         compress::Rows {
             tab: &self.scratch.tab.buf,
             tab_rows: tabs.n,
             row0: tabs.pos + row as u32,
+            n_tok,
         }
     }
 
     /// Layer `l`'s attention over the rows of `parts` (`st`: the layer's state pools, `tabs`:
     /// the rows' tables): `h` in, `blk` out.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attn_block(
         &self,
         pass: &mut Pass<'_>,
@@ -554,8 +551,8 @@ impl GpuModel {
         tabs: &RowTabs,
         l: usize,
         a: &Attn<GpuTensor>,
-        n: u32,
     ) -> Result<()> {
+        let n = tabs.n;
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
@@ -658,10 +655,10 @@ impl GpuModel {
         }
         // One attention call per chunk part, one for all row-wise rows (a decode step's each).
         for p in parts.iter().filter(|p| !p.rowwise) {
-            self.attend(pass, st, tabs, l, a, p.row, p.n, p.pos0 + p.n)?;
+            self.attend(pass, st, tabs, l, a, Some(p))?;
         }
         if tabs.rw0 < n as usize {
-            self.attend(pass, st, tabs, l, a, tabs.rw0, n as usize - tabs.rw0, 0)?;
+            self.attend(pass, st, tabs, l, a, None)?;
         }
         // Grouped low-rank output: wo_a as a stack of o_groups matrices, token t's group g
         // (pair t·o_groups + g) reading its slice of the heads; then wo_b.
@@ -699,12 +696,11 @@ impl GpuModel {
         self.linear(pass, &a.wo_b, &sc.mid, &sc.blk, n)
     }
 
-    /// The attention of `cnt` rows from `row` on: the indexer's top-k (ratio-4 layers), the
-    /// index lists, one flash-attention call with sinks, the inverse RoPE of its output.
-    /// `pos_end` > 0: one chunk of a sequence ending there (one list length for all its
-    /// rows); 0: row-wise rows, each attending as a one-token decode step (its own list and
-    /// split, from the tables' descriptors).
-    #[allow(clippy::too_many_arguments)]
+    /// The attention of the rows of chunk part `Some(p)` or of the row-wise rows (`None`):
+    /// the indexer's top-k (ratio-4 layers), the index lists, one flash-attention call with
+    /// sinks, the inverse RoPE of its output. A chunk of a sequence ending at `pos_end` has
+    /// one list length for all its rows; row-wise rows each attend as a one-token decode
+    /// step (its own list and split, from the tables' descriptors).
     fn attend(
         &self,
         pass: &mut Pass<'_>,
@@ -712,10 +708,12 @@ impl GpuModel {
         tabs: &RowTabs,
         l: usize,
         a: &Attn<GpuTensor>,
-        row: usize,
-        cnt: usize,
-        pos_end: usize,
+        part: Option<&Part>,
     ) -> Result<()> {
+        let (row, cnt, pos_end) = match part {
+            Some(p) => (p.row, p.n, p.pos0 + p.n),
+            None => (tabs.rw0, tabs.n as usize - tabs.rw0, 0),
+        };
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
@@ -739,7 +737,7 @@ impl GpuModel {
             off: tabs.lists,
             n_idx,
         };
-        let rows = self.rows(tabs, row);
+        let rows = self.rows(tabs, row, n);
         let cap_e = self.pools.cap_e(ratio) as u32;
         if let (Some(_), Some(is)) = (&a.ix, &st.ix) {
             let ish = IndexerShape {
@@ -748,30 +746,15 @@ impl GpuModel {
                 ratio: ratio as u32,
                 top_k: hp.ix_topk as u32,
             };
-            compress::index_scores(
-                pass,
-                &ish,
-                n,
-                rows,
-                row as u32,
-                n_ent,
-                cap_e,
-                &sc.ixq,
-                &sc.ixw,
-                &is.cache,
-                &sc.scores.buf,
-            )?;
-            compress::select_topk(
-                pass,
-                &ish,
-                n,
-                rows,
-                n_ent,
-                cap_e,
-                hp.window as u32,
-                &sc.scores.buf,
-                list,
-            )?;
+            let queries = compress::Queries {
+                q: &sc.ixq,
+                w: &sc.ixw,
+                row0: row as u32,
+            };
+            let ents = compress::SlotEntries { n_ent, cap_e };
+            let scores = &sc.scores.buf;
+            compress::index_scores(pass, &ish, rows, queries, &is.cache, ents, scores)?;
+            compress::select_topk(pass, &ish, rows, ents, hp.window as u32, scores, list)?;
         }
         compress::index_list(
             pass,
@@ -783,7 +766,6 @@ impl GpuModel {
                 top_k: if has_ix { hp.ix_topk as u32 } else { 0 },
                 cap_e,
             },
-            n,
             rows,
             list,
         )?;

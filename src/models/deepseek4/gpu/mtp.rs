@@ -229,7 +229,7 @@ impl GpuModel {
         let hs = self.hc_shape();
         self.route_groups(pass, nt)?;
         self.hc_pre(pass, &lw.hc_attn, &lw.attn_norm, nt)?;
-        self.attn_block(pass, st, std::slice::from_ref(part), tabs, l, &lw.attn, nt)?;
+        self.attn_block(pass, st, std::slice::from_ref(part), tabs, l, &lw.attn)?;
         hc::post(pass, &hs, nt, &sc.x, &sc.blk, &sc.pc)?;
         self.hc_pre(pass, &lw.hc_ffn, &lw.ffn_norm, nt)?;
         self.moe_block(pass, l, &lw.moe, nt)?;
@@ -314,20 +314,24 @@ impl GpuModel {
             Want::Last => wants.push((n - 1, 1)),
             Want::None => {}
         }
+        let (hc, norm) = (&m.w.hc_head, &m.w.norm);
         let out = match (&m.draft, draft) {
             (Some((w, top)), true) => HeadOut {
+                hc,
+                norm,
                 w,
                 top,
                 n_vocab: w.shape[0] as usize,
             },
             _ => HeadOut {
+                hc,
+                norm,
                 w: &self.w.output,
                 top: &self.scratch.top,
                 n_vocab: self.hp.n_vocab,
             },
         };
-        let (hh, norm) = (&m.w.hc_head, &m.w.norm);
-        let (logits, tops) = self.head(pass, hh, norm, &out, n as u32, &wants, &top, &mut None)?;
+        let (logits, tops) = self.head(pass, &out, n as u32, &wants, &top, &mut None)?;
         let v = out.n_vocab;
         // Where `MtpGpu::trunk` rows were read, they are used up (another MTP pass needs a
         // new one); the sequence's saved rows stay.
@@ -347,15 +351,22 @@ impl GpuModel {
 }
 
 impl GpuModel {
-    /// The drafts' head: the trimmed one ([`Speculate::set_draft_vocab`]) or the model's.
+    /// The drafts' head: the MTP block's fold and norm, then the trimmed output matrix
+    /// ([`Speculate::set_draft_vocab`]) or the model's.
     fn draft_head(&self) -> HeadOut<'_> {
-        match self.spec.mtp.as_ref().and_then(|m| m.draft.as_ref()) {
+        let m = self.spec.mtp.as_ref().expect("the model has an MTP block");
+        let (hc, norm) = (&m.w.hc_head, &m.w.norm);
+        match &m.draft {
             Some((w, top)) => HeadOut {
+                hc,
+                norm,
                 w,
                 top,
                 n_vocab: w.shape[0] as usize,
             },
             None => HeadOut {
+                hc,
+                norm,
                 w: &self.w.output,
                 top: &self.scratch.top,
                 n_vocab: self.hp.n_vocab,
@@ -367,16 +378,20 @@ impl GpuModel {
     /// block's hc fold and norm, the drafts' head, its best id into result row `j`.
     fn record_draft_top(&self, pass: &mut Pass<'_>, nt: u32, row: u32, j: u32) -> Result<()> {
         let sc = &self.scratch;
-        let m = self.spec.mtp.as_ref().expect("the model has an MTP block");
-        let hh = &m.w.hc_head;
+        let out = self.draft_head();
+        let hh = out.hc;
         self.linear_exact(pass, &hh.fn_, &sc.x, &sc.mixes, nt)?;
         let hw = HcWeights {
             base: &hh.base,
             scale: &hh.scale,
-            norm: &m.w.norm,
+            norm: out.norm,
         };
-        hc::head(pass, &self.hc_shape(), nt, &sc.x, &sc.mixes, &hw, &sc.h)?;
-        let out = self.draft_head();
+        let inp = HcInput {
+            n_tok: nt,
+            x: &sc.x,
+            mixes: &sc.mixes,
+        };
+        hc::head(pass, &self.hc_shape(), inp, &hw, &sc.h)?;
         let e = self.hp.n_embd as u32;
         matmul::matmul(
             pass,

@@ -400,17 +400,24 @@ impl GpuModel {
         matmul::matmul_opts(pass, w, Operand::new(x, 0), Operand::new(y, 0), n, &opts)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Layer `l`'s mixer weights, which [`Self::layer_head`] dispatched on.
+    fn mixer(&self, l: usize) -> &Mixer<GpuTensor> {
+        &self.w.layers[l].mixer
+    }
+
+    /// GDN layer `l` (see [`Self::layer_head`]).
     pub(super) fn gdn_block(
         &self,
         pass: &mut Pass<'_>,
         parts: &[Part],
         l: usize,
-        g: &weights::Gdn<GpuTensor>,
         n: u32,
         pre: Option<Prologue<'_>>,
         next: Option<&GpuTensor>,
     ) -> Result<bool> {
+        let Mixer::Gdn(g) = self.mixer(l) else {
+            unreachable!("layer {l} is a GDN layer")
+        };
         let hp = &self.hp;
         let sc = &self.scratch;
         let cd = hp.conv_dim() as u32;
@@ -533,30 +540,29 @@ impl GpuModel {
         // The norm takes z as packed [n·Hv, dv] rows: one token's are (in `proj`), several
         // tokens' are not (a row of `proj` per token), so those are packed first.
         let (z, z_off) = self.packed_rows(pass, self.col(set, 1), vd, n, &sc.z)?;
-        norm::gated_rms_norm(
-            pass,
-            n * hv,
-            hp.d_v as u32,
-            Operand::new(&sc.o, 0),
-            Operand::new(z, z_off),
-            None,
-            Some(&g.norm),
-            hp.eps,
-        )?;
+        let rms = norm::Rms {
+            n_rows: n * hv,
+            dim: hp.d_v as u32,
+            eps: hp.eps,
+        };
+        let (o, z) = (Operand::new(&sc.o, 0), Operand::new(z, z_off));
+        norm::gated_rms_norm(pass, rms, o, z, None, Some(&g.norm))?;
         self.residual(pass, &g.out, &sc.o, n, None, next)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Full-attention layer `l` (see [`Self::layer_head`]).
     pub(super) fn attn_block(
         &self,
         pass: &mut Pass<'_>,
         parts: &[Part],
         l: usize,
-        a: &weights::Attn<GpuTensor>,
         n: u32,
         pre: Option<Prologue<'_>>,
         next: Option<&GpuTensor>,
     ) -> Result<bool> {
+        let Mixer::Attn(a) = self.mixer(l) else {
+            unreachable!("layer {l} is a full-attention layer")
+        };
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, nkv, hd) = (hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim as u32);
@@ -599,7 +605,7 @@ impl GpuModel {
         } else {
             self.qk_prep(pass, set, a, n, (qg, qg_off), (kc, vc))?;
         }
-        self.attend(pass, parts, a, n, (qg, qg_off), (kc, vc), next)
+        self.attend(pass, parts, l, n, Operand::new(qg, qg_off), next)
     }
 
     /// Per-head q/k RMSNorm, RoPE, and k and v into the KV cache (several tokens, or norms
@@ -669,19 +675,24 @@ impl GpuModel {
         attention::write_kv(pass, shape, &sc.proj, set.off[2], set.width, n, vc, dst)
     }
 
-    /// Attention over the cache for every part, the output gate and the o product (added to
-    /// the residual stream).
-    #[allow(clippy::too_many_arguments)]
+    /// Layer `l`'s attention over its cache for every part, the output gate and the o
+    /// product (added to the residual stream); `qg`: the rows of q | gate per head.
     fn attend(
         &self,
         pass: &mut Pass<'_>,
         parts: &[Part],
-        a: &weights::Attn<GpuTensor>,
+        l: usize,
         n: u32,
-        (qg, qg_off): (&wgpu::Buffer, u32),
-        (kc, vc): (&wgpu::Buffer, &wgpu::Buffer),
+        qg: Operand<'_>,
         next: Option<&GpuTensor>,
     ) -> Result<bool> {
+        let Mixer::Attn(a) = self.mixer(l) else {
+            unreachable!("layer {l} is a full-attention layer")
+        };
+        let (kc, vc) = self.pools.kv[l]
+            .as_ref()
+            .expect("attention layer has a KV cache");
+        let (qg, qg_off) = (qg.buf, qg.off);
         let hp = &self.hp;
         let sc = &self.scratch;
         let (nh, hd) = (hp.n_head as u32, hp.head_dim as u32);
@@ -850,8 +861,8 @@ impl GpuModel {
         let keep = !matches!(lw.ffn, Ffn::Dense { .. });
         let next = (!keep).then_some(&lw.post_norm);
         let weighted = match &lw.mixer {
-            Mixer::Gdn(g) => self.gdn_block(pass, parts, l, g, n, pre, next)?,
-            Mixer::Attn(a) => self.attn_block(pass, parts, l, a, n, pre, next)?,
+            Mixer::Gdn(_) => self.gdn_block(pass, parts, l, n, pre, next)?,
+            Mixer::Attn(_) => self.attn_block(pass, parts, l, n, pre, next)?,
         };
         self.normed(pass, n, &lw.post_norm, keep, weighted)
     }

@@ -684,10 +684,7 @@ impl GpuModel {
             Some(&lw.attn_norm),
             hp.eps,
         )?;
-        let Mixer::Attn(a) = &lw.mixer else {
-            unreachable!("the MTP layer is full attention")
-        };
-        self.attn_block(pass, &parts, l, a, n, None, None)?;
+        self.attn_block(pass, &parts, l, n, None, None)?;
         norm::rms_norm(
             pass,
             n,
