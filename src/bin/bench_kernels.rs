@@ -754,7 +754,7 @@ fn bench_shape(
 ///
 /// Fragments are named variables (never arrays: WGSL has no unroll, and an array of
 /// cooperative matrices indexed by a loop variable can land in function memory).
-#[derive(Clone, Copy, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct LabTile {
     stream: bool,
     bm: u32,
