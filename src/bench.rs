@@ -13,7 +13,7 @@
 //! bandwidth comes from [`stream_bandwidth`], a read-only kernel of 16-byte coalesced loads.
 
 use crate::engine::{Engine, LoadOptions, Seq, GREEDY};
-use crate::gpu::{grid, AdapterChoice, Binding, Gpu, PipelineSpec};
+use crate::gpu::{grid, AdapterChoice, Binding, Gpu, PipelineKey, PipelineSpec};
 use crate::inspect::human_bytes;
 use crate::{Error, Result};
 use serde_json::{json, Value as Json};
@@ -848,11 +848,24 @@ pub fn stream_bandwidth(gpu: &Gpu) -> Result<Bandwidth> {
         off += n;
     }
     let dst = gpu.buffer(256 * 4, "bench.stream.out")?;
-    let pipeline = gpu.pipeline(&PipelineSpec::new(
-        "bench_stream_read_wg256",
-        STREAM_WGSL,
-        "stream_read",
-    ))?;
+    /// The probe's one variant: no fields.
+    #[derive(PartialEq, Eq, Hash)]
+    struct StreamRead;
+    impl PipelineKey for StreamRead {
+        fn source(&self) -> &'static str {
+            STREAM_WGSL
+        }
+        fn entry(&self) -> &'static str {
+            "stream_read"
+        }
+        fn label(&self) -> String {
+            "bench_stream_read_wg256".into()
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec
+        }
+    }
+    let pipeline = gpu.pipeline_for(StreamRead)?;
     let n_words = (bytes / 16) as u32;
     let groups = if cpu {
         STREAM_GROUPS_CPU

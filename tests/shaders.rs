@@ -248,12 +248,13 @@ fn dump_variants() {
         .flat_map(|d| std::fs::read_dir(d.unwrap().path()).into_iter().flatten())
         .map(|f| f.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .filter(|p| !p.file_name().unwrap().to_str().unwrap().starts_with("mtp"))
         .collect();
     models.sort();
     for model in &models {
         let mut e = Engine::load(model, &LoadOptions::default()).unwrap();
         let mut seq = e.new_seq().unwrap();
-        let toks: Vec<u32> = (0..70).map(|i| (i * 7 % 500) as u32).collect();
+        let toks: Vec<u32> = (0..70).map(|i| (i * 7 % 250) as u32).collect();
         e.forward(&mut seq, &toks, false).unwrap();
         e.forward(&mut seq, &[3], false).unwrap();
         specs.extend(e.gpu.compiled_specs());

@@ -25,7 +25,9 @@ use lathe::gpu::matmul::Int8Levels::{One as I8, Two as I8X2};
 use lathe::gpu::matvec::{self, MatvecOpts, Tune};
 use lathe::gpu::operand::Operand;
 use lathe::gpu::{coopmat, matmul};
-use lathe::gpu::{AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineSpec};
+use lathe::gpu::{
+    AdapterChoice, Binding, Gpu, GpuTensor, Pass, PipelineKey, PipelineSpec, StaticName,
+};
 use lathe::tensor::TensorRef;
 use lathe::{quant, DType, Result};
 use std::path::Path;
@@ -207,7 +209,24 @@ fn stream_bandwidth(gpu: &Gpu, bytes: u64, passes: u32) -> Result<f64> {
         .map(|_| gpu.buffer(chunk, "stream"))
         .collect::<Result<_>>()?;
     let dst = gpu.buffer(1 << 20, "stream_dst")?;
-    let pipe = gpu.pipeline(&PipelineSpec::new("bench_stream", STREAM_WGSL, "stream"))?;
+    /// The probe's one variant: no fields.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Stream;
+    impl PipelineKey for Stream {
+        fn source(&self) -> &'static str {
+            STREAM_WGSL
+        }
+        fn entry(&self) -> &'static str {
+            "stream"
+        }
+        fn label(&self) -> String {
+            "bench_stream".into()
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec
+        }
+    }
+    let pipe = gpu.pipeline_for(Stream)?;
     let n4 = (chunk / 16) as u32;
     let per_thread = 16u32;
     let groups = n4.div_ceil(256 * per_thread);
@@ -740,7 +759,7 @@ fn bench_shape(
 ///
 /// Fragments are named variables (never arrays: WGSL has no unroll, and an array of
 /// cooperative matrices indexed by a loop variable can land in function memory).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct LabTile {
     stream: bool,
     bm: u32,
@@ -754,6 +773,35 @@ struct LabTile {
     three: bool,
     /// Runtime bounds checks off (indices proven in range by construction).
     unchecked: bool,
+}
+
+/// A lab tile's pipeline key: the tile and its generated WGSL ([`LabTile::wgsl`], leaked once
+/// per tile timed).
+#[derive(PartialEq, Eq, Hash)]
+struct Lab {
+    tile: LabTile,
+    wgsl: StaticName,
+}
+
+impl PipelineKey for Lab {
+    fn source(&self) -> &'static str {
+        self.wgsl.0
+    }
+    fn entry(&self) -> &'static str {
+        "lab"
+    }
+    fn label(&self) -> String {
+        format!("lab_{}", self.tile.name())
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        spec
+    }
+    // every index is in range by construction: tile offsets are constants plus the subgroup
+    // id (< SGM * SGN) and the thread id (< WG), the grid is size / BM x size / BN and the
+    // steps size / BK, all exact (size is a multiple of 256)
+    fn unchecked(&self) -> bool {
+        self.tile.unchecked
+    }
 }
 
 /// The lab's default set: lathe's tile shapes (8 subgroups of 64 rows x 32 tokens, steps of
@@ -1090,15 +1138,10 @@ fn bench_lab(gpu: &Gpu, tiles: &[LabTile], size: u32, peak: f64, passes: u32) ->
             );
             continue;
         }
-        let wgsl: &'static str = Box::leak(t.wgsl().into_boxed_str());
-        let mut spec = PipelineSpec::new(format!("lab_{}", t.name()), wgsl, "lab");
-        if t.unchecked {
-            // every index is in range by construction: tile offsets are constants plus the
-            // subgroup id (< SGM * SGN) and the thread id (< WG), the grid is size / BM x
-            // size / BN and the steps size / BK, all exact (size is a multiple of 256)
-            spec = spec.unchecked();
-        }
-        let pipe = gpu.pipeline(&spec)?;
+        let pipe = gpu.pipeline_for(Lab {
+            tile: *t,
+            wgsl: StaticName(Box::leak(t.wgsl().into_boxed_str())),
+        })?;
         let prm = LabParams {
             m: size,
             n: size,

@@ -31,6 +31,60 @@ const SRC: &str = include_str!("../../shaders/compress.wgsl");
 // The index-list tags are the attention kernel's (compress.wgsl repeats them).
 const _: () = assert!(INVALID == 0xffff_ffff && SRC_B == 0x8000_0000);
 
+/// The family's pipeline keys ([`Gpu::pipeline_for`](super::Gpu::pipeline_for)), one variant
+/// per kernel.
+#[derive(PartialEq, Eq, Hash)]
+enum Kernel {
+    Store,
+    /// Pooled rows of width `d`.
+    Pool {
+        d: u32,
+    },
+    /// Index scores over keys of width `d`, `hg` heads per workgroup-memory load.
+    Score {
+        d: u32,
+        hg: u32,
+    },
+    Select,
+    Index,
+}
+
+impl super::PipelineKey for Kernel {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        match self {
+            Kernel::Store => "store_rows",
+            Kernel::Pool { .. } => "pool",
+            Kernel::Score { .. } => "score",
+            Kernel::Select => "select_topk",
+            Kernel::Index => "index_list",
+        }
+    }
+    fn label(&self) -> String {
+        match self {
+            Kernel::Store => "compress_store".into(),
+            Kernel::Pool { d } => format!("compress_pool_d{d}"),
+            Kernel::Score { d, hg } => format!("compress_score_d{d}_hg{hg}"),
+            Kernel::Select => "compress_select".into(),
+            Kernel::Index => "compress_index".into(),
+        }
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        match *self {
+            Kernel::Store => spec.define("STORE", true),
+            Kernel::Pool { d } => spec.define("POOL", true).define("D", format!("{d}u")),
+            Kernel::Score { d, hg } => spec
+                .define("SCORE", true)
+                .define("D", format!("{d}u"))
+                .define("HG", format!("{hg}u")),
+            Kernel::Select => spec.define("SELECT", true),
+            Kernel::Index => spec.define("INDEX", true),
+        }
+    }
+}
+
 /// Uniforms of `store_rows` (same fields, same order).
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -266,9 +320,7 @@ pub fn store(
     if threads > (u32::MAX - 256) as u64 {
         return Err(Error::Invalid("compress_store: too many elements".into()));
     }
-    let pl = pass
-        .gpu()
-        .pipeline(&PipelineSpec::new("compress_store", SRC, "store_rows").define("STORE", true))?;
+    let pl = pass.gpu().pipeline_for(Kernel::Store)?;
     let prm = StoreParams {
         n_tok,
         row0: rows.row0,
@@ -349,11 +401,7 @@ pub fn pool(
             (buf, 0, 1)
         }
     };
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(format!("compress_pool_d{}", s.d), SRC, "pool")
-            .define("POOL", true)
-            .define("D", format!("{}u", s.d)),
-    )?;
+    let pl = pass.gpu().pipeline_for(Kernel::Pool { d: s.d })?;
     let prm = PoolParams {
         n_win,
         ratio: s.ratio,
@@ -452,12 +500,7 @@ pub fn index_scores(
     }
     // Heads per workgroup-memory load: HG·d floats ≤ 8 KiB.
     let hg = (2048 / s.d).clamp(1, 16);
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(format!("compress_score_d{}_hg{hg}", s.d), SRC, "score")
-            .define("SCORE", true)
-            .define("D", format!("{}u", s.d))
-            .define("HG", format!("{hg}u")),
-    )?;
+    let pl = pass.gpu().pipeline_for(Kernel::Score { d: s.d, hg })?;
     let prm = ScoreParams {
         n_tok,
         row0: rows.row0,
@@ -523,9 +566,7 @@ pub fn select_topk(
         idx,
         list.off as u64 + n * list.n_idx as u64,
     )?;
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new("compress_select", SRC, "select_topk").define("SELECT", true),
-    )?;
+    let pl = pass.gpu().pipeline_for(Kernel::Select)?;
     let prm = SelectParams {
         n_tok,
         row0: rows.row0,
@@ -595,9 +636,7 @@ pub fn index_list(
     rows.check("index_list")?;
     let idx = list.buf;
     check_len("index_list", "idx", idx, list.off as u64 + threads)?;
-    let pl = pass
-        .gpu()
-        .pipeline(&PipelineSpec::new("compress_index", SRC, "index_list").define("INDEX", true))?;
+    let pl = pass.gpu().pipeline_for(Kernel::Index)?;
     let prm = IndexParams {
         n_tok,
         row0: rows.row0,

@@ -131,11 +131,27 @@ pub fn conv1d_silu(
         grid((n_out as u32).div_ceil(WG)),
     );
     if k > 1 && !decode {
-        let upd = gpu.pipeline(
-            &PipelineSpec::new(format!("conv_state_k{k}_wg{WG}"), SRC, "conv_state")
-                .define("WG", format!("{WG}u"))
-                .define("K", format!("{k}u")),
-        )?;
+        #[derive(PartialEq, Eq, Hash)]
+        struct ConvState {
+            /// Kernel width.
+            k: u32,
+        }
+        impl super::PipelineKey for ConvState {
+            fn source(&self) -> &'static str {
+                SRC
+            }
+            fn entry(&self) -> &'static str {
+                "conv_state"
+            }
+            fn label(&self) -> String {
+                format!("conv_state_k{}_wg{WG}", self.k)
+            }
+            fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+                spec.define("WG", format!("{WG}u"))
+                    .define("K", format!("{}u", self.k))
+            }
+        }
+        let upd = gpu.pipeline_for(ConvState { k })?;
         pass.dispatch(
             &upd,
             "conv_state",

@@ -32,10 +32,13 @@
 //! with `halves` = the row's 32-weight chunks rounded up to pairs, times 32 (`[rows + 128,
 //! halves]`: a tile reads 128 rows from its first); one f32 scale per row.
 
-use super::matvec::{check_span, x_vec, Geometry, MatvecOpts};
+use super::matvec::{check_span, x_vec, BlockType, Geometry, MatvecOpts};
 use super::moe_route::{MoeRoute, RoutePairs};
 use super::operand::Operand;
-use super::{grid, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
+use super::{
+    grid, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineKey, PipelineSpec, StaticDefines,
+    StaticName, MAX_GROUPS,
+};
 use crate::dtype::DType;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -80,7 +83,7 @@ pub fn usable_indexed(gpu: &Gpu, dtype: DType) -> Option<Precision> {
 }
 
 /// How the operands of a product reach the f16 matrix units.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Precision {
     /// Weights round to f16 (F16 / BF16 weights are exact; their activations split in two).
     F16,
@@ -132,7 +135,7 @@ struct Staged {
 
 /// A kernel variant: the MoE form or not, tokens per workgroup (`CBN`), subgroups (`NSG`),
 /// and the operands' precision.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Tile {
     id: bool,
     cbn: u32,
@@ -206,59 +209,118 @@ fn product_tile(t: Tile, dtype: DType) -> Tile {
     }
 }
 
-/// The pipeline variant of `entry` for weights of `geo`.
-fn spec(
+/// Typed key of the family's kernels: the weights' type, the entry point, the x loads, the
+/// tile and the kernel lab's defines ([`MatvecOpts::defines`]).
+#[derive(PartialEq, Eq, Hash)]
+struct Coop {
+    ty: BlockType,
+    entry: StaticName,
+    /// x read as 16-byte vectors.
+    xvec: bool,
+    /// The element-by-element paths of misaligned float rows.
+    slow: bool,
+    tile: Tile,
+    extra: StaticDefines,
+}
+
+/// The key of `entry`'s variant for weights of `geo`.
+fn key(
     geo: &Geometry,
     entry: &'static str,
     xvec: bool,
     t: Tile,
-    extra: &[(&str, &str)],
-) -> PipelineSpec {
-    let slow = geo.misaligned();
-    let sp = split_x(geo.dtype, t.prec);
-    let sw = split_w(geo.dtype, t.prec) && entry != "coop_x";
-    // products of f16 operands in one accumulator on 8-subgroup tiles stage x through
-    // workgroup memory too: H200, 512 tokens, 12288 x 4096 Q4_K 0.52 ms against 0.83 with x
-    // fragments from L2; 4-subgroup tiles (64 rows share each copy) ran 4096 x 12288 in 1.04
-    // against 0.72 ms, so they keep L2. The kernel lab's LAB_NOXSTAGE keeps L2 for comparison.
-    // Without the decode (LAB_NODECODE) this tile takes 0.355 ms (145 TFLOP/s): Q4_K 0.455,
-    // Q6_K 0.570, MXFP4 0.551, Q8_0 0.710. Measured slower on the H200 and dropped: weights
-    // decoded once into an f16 copy that every token tile then copies (0.662 ms for every
-    // type; 9B prefill 4520 against 5800 tok/s), and 4 subgroups of 64 rows x 64 tokens on
-    // the same 128 x 128 tile (Q4_K 0.649 ms).
-    let lab_l2 = extra.iter().any(|(n, _)| *n == "LAB_NOXSTAGE");
-    let big = entry != "coop_x" && !t.thin() && t.nsg == NSG_BIG;
-    // split weights on the XSTAGE tile: `coop-xsplit` (or the kernel lab's LAB_XSPLIT)
-    let xsplit = big && sw && !t.id && xsplit_tile(t.prec, extra);
-    let xs = (big && !sp && !sw && !lab_l2) || xsplit;
-    let mut label = format!(
-        "{entry}_{}{}{}{}{}{}_n{}_g{}",
-        geo.label(xvec, slow),
-        if t.id { "_id" } else { "" },
-        if sp { "_split" } else { "" },
-        if sw { "_wsplit" } else { "" },
-        if xs { "_xstage" } else { "" },
-        if xsplit { "_xsplit" } else { "" },
-        t.cbn,
-        t.nsg
-    );
-    for (n, v) in extra {
-        label += &format!("_{n}={v}");
+    extra: &'static [(&'static str, &'static str)],
+) -> Coop {
+    Coop {
+        ty: geo.block_type(),
+        entry: StaticName(entry),
+        xvec,
+        slow: geo.misaligned(),
+        tile: t,
+        extra: StaticDefines(extra),
     }
-    let mut s = geo
-        .defines(PipelineSpec::new(label, SRC, entry), xvec, slow)
-        .define("CBN", format!("{}u", t.cbn))
-        .define("NSG", format!("{}u", t.nsg))
-        .define("TT", format!("{}u", (t.cbn / 64).max(1)))
-        .define("TT2", t.cbn == 128)
-        .define("THIN", t.thin())
-        .define("SPLIT", sp)
-        .define("WSPLIT", sw && !xsplit)
-        .define("XSTAGE", xs)
-        .define("XSPLIT", xsplit)
-        .define("ID", t.id);
-    for (n, v) in extra {
-        s = s.define(n, v);
+}
+
+/// What a [`Coop`] key's variant stages and splits.
+struct Flags {
+    /// Split activations (`SPLIT`).
+    sp: bool,
+    /// Split weights.
+    sw: bool,
+    /// x (and split weights) staged in workgroup memory (`XSTAGE`).
+    xs: bool,
+    /// Split weights on the XSTAGE tile (`XSPLIT`).
+    xsplit: bool,
+}
+
+impl Coop {
+    fn flags(&self) -> Flags {
+        let (entry, t, extra) = (self.entry.0, self.tile, self.extra.0);
+        let sp = split_x(self.ty.dtype, t.prec);
+        let sw = split_w(self.ty.dtype, t.prec) && entry != "coop_x";
+        // products of f16 operands in one accumulator on 8-subgroup tiles stage x through
+        // workgroup memory too: H200, 512 tokens, 12288 x 4096 Q4_K 0.52 ms against 0.83 with x
+        // fragments from L2; 4-subgroup tiles (64 rows share each copy) ran 4096 x 12288 in 1.04
+        // against 0.72 ms, so they keep L2. The kernel lab's LAB_NOXSTAGE keeps L2 for comparison.
+        // Without the decode (LAB_NODECODE) this tile takes 0.355 ms (145 TFLOP/s): Q4_K 0.455,
+        // Q6_K 0.570, MXFP4 0.551, Q8_0 0.710. Measured slower on the H200 and dropped: weights
+        // decoded once into an f16 copy that every token tile then copies (0.662 ms for every
+        // type; 9B prefill 4520 against 5800 tok/s), and 4 subgroups of 64 rows x 64 tokens on
+        // the same 128 x 128 tile (Q4_K 0.649 ms).
+        let lab_l2 = extra.iter().any(|(n, _)| *n == "LAB_NOXSTAGE");
+        let big = entry != "coop_x" && !t.thin() && t.nsg == NSG_BIG;
+        // split weights on the XSTAGE tile: `coop-xsplit` (or the kernel lab's LAB_XSPLIT)
+        let xsplit = big && sw && !t.id && xsplit_tile(t.prec, extra);
+        let xs = (big && !sp && !sw && !lab_l2) || xsplit;
+        Flags { sp, sw, xs, xsplit }
+    }
+}
+
+impl super::PipelineKey for Coop {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        self.entry.0
+    }
+    fn label(&self) -> String {
+        let (t, f) = (self.tile, self.flags());
+        let mut label = format!(
+            "{}_{}{}{}{}{}{}_n{}_g{}",
+            self.entry.0,
+            self.ty.label(self.xvec, self.slow),
+            if t.id { "_id" } else { "" },
+            if f.sp { "_split" } else { "" },
+            if f.sw { "_wsplit" } else { "" },
+            if f.xs { "_xstage" } else { "" },
+            if f.xsplit { "_xsplit" } else { "" },
+            t.cbn,
+            t.nsg
+        );
+        for (n, v) in self.extra.0 {
+            label += &format!("_{n}={v}");
+        }
+        label
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        let (t, f) = (self.tile, self.flags());
+        let mut s = self
+            .ty
+            .defines(spec, self.xvec, self.slow)
+            .define("CBN", format!("{}u", t.cbn))
+            .define("NSG", format!("{}u", t.nsg))
+            .define("TT", format!("{}u", (t.cbn / 64).max(1)))
+            .define("TT2", t.cbn == 128)
+            .define("THIN", t.thin())
+            .define("SPLIT", f.sp)
+            .define("WSPLIT", f.sw && !f.xsplit)
+            .define("XSTAGE", f.xs)
+            .define("XSPLIT", f.xsplit)
+            .define("ID", t.id);
+        for (n, v) in self.extra.0 {
+            s = s.define(n, v);
+        }
+        s
     }
     // The kernel lab's LAB_UNCHECKED compiles the product without naga's bounds checks, to
     // time what the clamps cost (naga's `Restrict` policy puts a `UMin` on every
@@ -266,10 +328,9 @@ fn spec(
     // Its workgroup indices are constant tile offsets plus lane and subgroup ids below the
     // workgroup size, so in range; its storage reads are clamped in the shader (weight rows to
     // `p.rows - 1`, staged x rows padded by ROW_PAD, stores guarded by `row < p.rows`).
-    if entry != "coop_x" && extra.iter().any(|(n, _)| *n == "LAB_UNCHECKED") {
-        s = s.unchecked();
+    fn unchecked(&self) -> bool {
+        self.entry.0 != "coop_x" && self.extra.0.iter().any(|(n, _)| *n == "LAB_UNCHECKED")
     }
-    s
 }
 
 fn pipeline(
@@ -278,9 +339,9 @@ fn pipeline(
     entry: &'static str,
     xvec: bool,
     t: Tile,
-    extra: &[(&str, &str)],
+    extra: &'static [(&'static str, &'static str)],
 ) -> Result<Arc<wgpu::ComputePipeline>> {
-    gpu.pipeline(&spec(geo, entry, xvec, t, extra))
+    gpu.pipeline_for(key(geo, entry, xvec, t, extra))
 }
 
 /// Whether dense products of split weights at `prec` take the 8-subgroup XSTAGE tile of 128
@@ -311,16 +372,16 @@ pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
         let geo = Geometry::of(&w, id)?;
         for xvec in [false, true] {
             for prec in [Precision::F16, Precision::Split, Precision::SplitX] {
-                v.push(spec(&geo, "coop_x", xvec, Tile { id, prec, ..STAGE }, &[]));
+                v.push(key(&geo, "coop_x", xvec, Tile { id, prec, ..STAGE }, &[]).spec());
                 if id {
                     for t in [MOE, THIN] {
                         let t = product_tile(Tile { prec, ..t }, dtype);
-                        v.push(spec(&geo, "matmul_coop_id", xvec, t, &[]));
+                        v.push(key(&geo, "matmul_coop_id", xvec, t, &[]).spec());
                     }
                 } else {
                     for nsg in [NSG_BIG, NSG_SMALL] {
                         let t = product_tile(Tile { nsg, prec, ..STAGE }, dtype);
-                        v.push(spec(&geo, "matmul_coop", xvec, t, &[]));
+                        v.push(key(&geo, "matmul_coop", xvec, t, &[]).spec());
                     }
                     // coop-xsplit's dense tile (its staging and MoE tiles are Split's)
                     if split_w(dtype, prec) {
@@ -329,7 +390,7 @@ pub fn variant_specs(dtype: DType, cols: u64) -> Result<Vec<PipelineSpec>> {
                             prec: Precision::XSplit,
                             ..STAGE
                         };
-                        v.push(spec(&geo, "matmul_coop", xvec, t, &[]));
+                        v.push(key(&geo, "matmul_coop", xvec, t, &[]).spec());
                     }
                 }
             }

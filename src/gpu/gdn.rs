@@ -192,73 +192,81 @@ fn workgroups(n: u64, what: &str) -> Result<[u32; 3]> {
     Ok(grid(n as u32))
 }
 
-/// Typed key of the recurrent (decode) kernels.
+/// Typed key of the family's kernels ([`Gpu::pipeline_for`](super::Gpu::pipeline_for)):
+/// the heads' widths and the kernel.
 #[derive(PartialEq, Eq, Hash)]
-struct Recurrent {
+struct Key {
     d_k: usize,
     d_v: usize,
-    /// With the gated norm.
-    gnorm: bool,
+    kernel: Kernel,
 }
 
-impl Recurrent {
-    /// The kernel's [`spec`]: its label and defines from one place.
-    fn full(&self) -> PipelineSpec {
-        let sp = spec(
-            "recurrent",
-            "recurrent",
-            (self.d_k, self.d_v),
-            REC_CB * REC_R,
-            &[("CB", REC_CB), ("R", REC_R)],
-        );
-        if !self.gnorm {
-            return sp;
+#[derive(PartialEq, Eq, Hash)]
+enum Kernel {
+    /// The recurrent (decode) rule, with the gated norm when `gnorm`.
+    Recurrent { gnorm: bool },
+    /// The chunked rule's prep (`td`: `TD` of gdn.wgsl).
+    Prep { td: u32 },
+    /// The chunked rule's scan over column blocks of `cb` (`NE`, `TD`: gdn.wgsl's).
+    Scan { cb: u32, ne: u32, td: u32 },
+}
+
+impl Key {
+    /// The kernel's name in the label (upper case: its flag), its workgroup size and its
+    /// other u32 consts, in the order the label names them.
+    fn parts(&self) -> (&'static str, u32, Vec<(&'static str, u32)>) {
+        match self.kernel {
+            Kernel::Recurrent { .. } => (
+                "recurrent",
+                REC_CB * REC_R,
+                vec![("CB", REC_CB), ("R", REC_R)],
+            ),
+            Kernel::Prep { td } => ("prep", CHUNK_WG, vec![("TD", td)]),
+            Kernel::Scan { cb, ne, td } => {
+                ("scan", CHUNK_WG, vec![("CB", cb), ("NE", ne), ("TD", td)])
+            }
         }
-        let mut sp = sp.define("GNORM", "true");
-        sp.label.push_str("_gnorm");
-        sp
     }
 }
 
-impl super::PipelineKey for Recurrent {
+impl super::PipelineKey for Key {
     fn source(&self) -> &'static str {
         SRC
     }
     fn entry(&self) -> &'static str {
-        "recurrent"
-    }
-    fn label(&self) -> String {
-        self.full().label
-    }
-    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
-        PipelineSpec {
-            defines: self.full().defines,
-            ..spec
+        match self.kernel {
+            Kernel::Recurrent { .. } => "recurrent",
+            Kernel::Prep { .. } => "chunk_prep",
+            Kernel::Scan { .. } => "chunk_scan",
         }
     }
-}
-
-/// A kernel of `kind` for heads of `(d_k, d_v)` on workgroups of `wg`, with `extra` u32 consts.
-fn spec(
-    entry: &'static str,
-    kind: &str,
-    (d_k, d_v): (usize, usize),
-    wg: u32,
-    extra: &[(&str, u32)],
-) -> PipelineSpec {
-    let mut label = format!("gdn_{kind}_dk{d_k}_dv{d_v}_wg{wg}");
-    let mut sp = PipelineSpec::new(String::new(), SRC, entry)
-        .define("DK", format!("{d_k}u"))
-        .define("DV", format!("{d_v}u"))
-        .define("WG", format!("{wg}u"))
-        .define("CHUNK", format!("{CHUNK}u"))
-        .define(&kind.to_uppercase(), "true");
-    for (n, v) in extra {
-        label.push_str(&format!("_{}{v}", n.to_lowercase()));
-        sp = sp.define(n, format!("{v}u"));
+    fn label(&self) -> String {
+        let (kind, wg, extra) = self.parts();
+        let mut label = format!("gdn_{kind}_dk{}_dv{}_wg{wg}", self.d_k, self.d_v);
+        for (n, v) in extra {
+            label.push_str(&format!("_{}{v}", n.to_lowercase()));
+        }
+        if self.kernel == (Kernel::Recurrent { gnorm: true }) {
+            label.push_str("_gnorm");
+        }
+        label
     }
-    sp.label = label;
-    sp
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        let (kind, wg, extra) = self.parts();
+        let mut sp = spec
+            .define("DK", format!("{}u", self.d_k))
+            .define("DV", format!("{}u", self.d_v))
+            .define("WG", format!("{wg}u"))
+            .define("CHUNK", format!("{CHUNK}u"))
+            .define(&kind.to_uppercase(), "true");
+        for (n, v) in extra {
+            sp = sp.define(n, format!("{v}u"));
+        }
+        if self.kernel == (Kernel::Recurrent { gnorm: true }) {
+            sp = sp.define("GNORM", "true");
+        }
+        sp
+    }
 }
 
 /// The recurrent rule over every token of every sequence in `batch`, in token order:
@@ -273,10 +281,10 @@ pub fn recurrent(
     if batch.n_seq == 0 {
         return Ok(());
     }
-    let pl = pass.gpu().pipeline_for(Recurrent {
+    let pl = pass.gpu().pipeline_for(Key {
         d_k: s.d_k,
         d_v: s.d_v,
-        gnorm: false,
+        kernel: Kernel::Recurrent { gnorm: false },
     })?;
     let n_cb = (s.d_v as u64).div_ceil(REC_CB as u64);
     let n = batch.n_seq as u64 * s.n_head_v as u64 * n_cb;
@@ -344,10 +352,10 @@ pub fn recurrent_normed(
     p.z_off = gn.z_off;
     p.z_stride = gn.z_stride;
     p.eps = gn.eps;
-    let pl = pass.gpu().pipeline_for(Recurrent {
+    let pl = pass.gpu().pipeline_for(Key {
         d_k: s.d_k,
         d_v: s.d_v,
-        gnorm: true,
+        kernel: Kernel::Recurrent { gnorm: true },
     })?;
     let n = batch.n_seq as u64 * s.n_head_v as u64;
     let b: Vec<Binding> = vec![
@@ -479,23 +487,21 @@ pub fn chunked_with(
             "gdn chunked: scratch of {need} bytes is too large"
         )));
     }
-    let prep = gpu.pipeline(&spec(
-        "chunk_prep",
-        "prep",
-        (s.d_k, s.d_v),
-        CHUNK_WG,
-        &[("TD", prep_td(wg_mem))],
-    ))?;
+    let prep = gpu.pipeline_for(Key {
+        d_k: s.d_k,
+        d_v: s.d_v,
+        kernel: Kernel::Prep {
+            td: prep_td(wg_mem),
+        },
+    })?;
     let (cb, td) = scan_tiles(wg_mem, s)?;
     // CB ≥ 4 makes the CHUNK × CB tiles a whole number of entries per thread.
     let ne = CHUNK as u32 * cb / CHUNK_WG;
-    let scan = gpu.pipeline(&spec(
-        "chunk_scan",
-        "scan",
-        (s.d_k, s.d_v),
-        CHUNK_WG,
-        &[("CB", cb), ("NE", ne), ("TD", td)],
-    ))?;
+    let scan = gpu.pipeline_for(Key {
+        d_k: s.d_k,
+        d_v: s.d_v,
+        kernel: Kernel::Scan { cb, ne, td },
+    })?;
     let seqs = Binding::from(&batch.table);
     let n_prep = batch.n_seq as u64 * p.max_chunks as u64 * s.n_head_v as u64;
     if opts.prep {

@@ -12,6 +12,47 @@ use crate::{Error, Result};
 
 const SRC: &str = include_str!("../../shaders/hc.wgsl");
 const WG: u32 = 256;
+
+/// The family's pipeline keys ([`Gpu::pipeline_for`](super::Gpu::pipeline_for)) for `hc`
+/// streams.
+#[derive(PartialEq, Eq, Hash)]
+enum Kernel {
+    /// The pre-block fold, or the output head's (`head`).
+    Fold {
+        head: bool,
+        hc: u32,
+    },
+    Post {
+        hc: u32,
+    },
+}
+
+impl super::PipelineKey for Kernel {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        match self {
+            Kernel::Fold { .. } => "fold",
+            Kernel::Post { .. } => "post",
+        }
+    }
+    fn label(&self) -> String {
+        match *self {
+            Kernel::Fold { head: true, hc } => format!("hc_head_hc{hc}"),
+            Kernel::Fold { head: false, hc } => format!("hc_pre_hc{hc}"),
+            Kernel::Post { hc } => format!("hc_post_hc{hc}"),
+        }
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        let (flag, hc) = match *self {
+            Kernel::Fold { head: true, hc } => ("HEAD", hc),
+            Kernel::Fold { head: false, hc } => ("PRE", hc),
+            Kernel::Post { hc } => ("POST", hc),
+        };
+        spec.define(flag, true).define("HC", format!("{hc}u"))
+    }
+}
 /// Largest supported copy count (the kernels keep `hc·hc` values in registers).
 pub const MAX_HC: u32 = 16;
 
@@ -103,16 +144,7 @@ fn fold(
     check_len(op, "x", x, n * (s.hc * s.n_embd) as u64)?;
     check_len(op, "mixes", mixes, n * n_mix as u64)?;
     check_len(op, "h", h, n * s.n_embd as u64)?;
-    let flag = if head { "HEAD" } else { "PRE" };
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(
-            format!("hc_{}_hc{}", flag.to_lowercase(), s.hc),
-            SRC,
-            "fold",
-        )
-        .define(flag, true)
-        .define("HC", format!("{}u", s.hc)),
-    )?;
+    let pl = pass.gpu().pipeline_for(Kernel::Fold { head, hc: s.hc })?;
     let params = Params {
         n_tok,
         n_embd: s.n_embd,
@@ -188,11 +220,7 @@ pub fn post(
             "hc_post: {threads} elements is too many for one dispatch"
         )));
     }
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(format!("hc_post_hc{}", s.hc), SRC, "post")
-            .define("POST", true)
-            .define("HC", format!("{}u", s.hc)),
-    )?;
+    let pl = pass.gpu().pipeline_for(Kernel::Post { hc: s.hc })?;
     let params = Params {
         n_tok,
         n_embd: s.n_embd,

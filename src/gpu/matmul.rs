@@ -8,10 +8,12 @@
 //! `y.stride` apart ([`Operand`]s; packed: cols / rows apart). Types: as [`matvec`](super::matvec). Weights split into
 //! parts take one dispatch per part.
 
-use super::matvec::{self, check_span, x_vec, Geometry, MatvecOpts};
+use super::matvec::{self, check_span, x_vec, BlockType, Geometry, MatvecOpts};
 pub use super::moe_route::{MoeRoute, RoutePairs};
 use super::operand::Operand;
-use super::{coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, MAX_GROUPS};
+use super::{
+    coopmat, Binding, Gpu, GpuTensor, MatmulPath, Pass, PipelineSpec, StaticName, MAX_GROUPS,
+};
 use crate::{DType, Error, Result};
 
 pub(crate) const SRC: &str = include_str!("../../shaders/matmul.wgsl");
@@ -75,6 +77,37 @@ pub fn matmul_opts(
     }
 }
 
+/// Typed key of the tiled f32 kernels (`matmul`, `matmul_id`).
+#[derive(PartialEq, Eq, Hash)]
+struct Tiled {
+    ty: BlockType,
+    entry: StaticName,
+    /// x read as 16-byte vectors.
+    xvec: bool,
+    /// The element-by-element paths of misaligned float rows.
+    slow: bool,
+    /// The thin MoE tile ([`BN_THIN`] tokens).
+    thin: bool,
+}
+
+impl super::PipelineKey for Tiled {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        self.entry.0
+    }
+    fn label(&self) -> String {
+        let bn = if self.thin { BN_THIN } else { BN };
+        let ty = self.ty.label(self.xvec, self.slow);
+        format!("{}_{ty}_bm{BM}_bn{bn}", self.entry.0)
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        let spec = spec.define("THIN", self.thin);
+        self.ty.defines(spec, self.xvec, self.slow)
+    }
+}
+
 fn pipeline(
     gpu: &Gpu,
     geo: &Geometry,
@@ -82,12 +115,14 @@ fn pipeline(
     xvec: bool,
     thin: bool,
 ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    // a partial last float block is handled chunk by chunk: only misaligned rows go slow
-    let slow = geo.misaligned();
-    let bn = if thin { BN_THIN } else { BN };
-    let label = format!("{entry}_{}_bm{BM}_bn{bn}", geo.label(xvec, slow));
-    let spec = PipelineSpec::new(label, SRC, entry).define("THIN", thin);
-    gpu.pipeline(&geo.defines(spec, xvec, slow))
+    gpu.pipeline_for(Tiled {
+        ty: geo.block_type(),
+        entry: StaticName(entry),
+        xvec,
+        // a partial last float block is handled chunk by chunk: only misaligned rows go slow
+        slow: geo.misaligned(),
+        thin,
+    })
 }
 
 /// Uniforms of a dense tiled product (the f32 and the int8 kernels) over one weight part of
@@ -200,6 +235,42 @@ pub fn int8_levels(gpu: &Gpu, w: &GpuTensor) -> Option<Int8Levels> {
     fits.then_some(levels)
 }
 
+/// Typed key of the int8-activation kernel (`matmul_q8`).
+#[derive(PartialEq, Eq, Hash)]
+struct Int8 {
+    ty: BlockType,
+    entry: StaticName,
+    /// Two int8 levels.
+    two: bool,
+    thin: bool,
+}
+
+impl super::PipelineKey for Int8 {
+    fn source(&self) -> &'static str {
+        SRC_Q8
+    }
+    fn entry(&self) -> &'static str {
+        self.entry.0
+    }
+    fn label(&self) -> String {
+        format!(
+            "{}{}{}_{}",
+            self.entry.0,
+            if self.two { "_x2" } else { "" },
+            if self.thin { "_thin" } else { "" },
+            self.ty.label(false, false)
+        )
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        let spec = spec
+            .define("Q8X", "true")
+            .define("MMQ", "true")
+            .define("X2", self.two)
+            .define("THIN", self.thin);
+        self.ty.defines(spec, false, false)
+    }
+}
+
 fn pipeline_q8(
     gpu: &Gpu,
     geo: &Geometry,
@@ -207,18 +278,12 @@ fn pipeline_q8(
     two: bool,
     thin: bool,
 ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-    let label = format!(
-        "{entry}{}{}_{}",
-        if two { "_x2" } else { "" },
-        if thin { "_thin" } else { "" },
-        geo.label(false, false)
-    );
-    let spec = PipelineSpec::new(label, SRC_Q8, entry)
-        .define("Q8X", "true")
-        .define("MMQ", "true")
-        .define("X2", two)
-        .define("THIN", thin);
-    gpu.pipeline(&geo.defines(spec, false, false))
+    gpu.pipeline_for(Int8 {
+        ty: geo.block_type(),
+        entry: StaticName(entry),
+        two,
+        thin,
+    })
 }
 
 /// `Y = X Wᵀ` with x quantized to int8 per block of 32 first ([`matvec::quantize_x`], ggml's
@@ -330,8 +395,24 @@ pub fn route(
         )));
     }
     let gpu = pass.gpu();
-    let spec = PipelineSpec::new("matmul_route", SRC, "route").define("ROUTE", "true");
-    let pipe = gpu.pipeline(&spec)?;
+    /// One variant: no fields.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Route;
+    impl super::PipelineKey for Route {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "route"
+        }
+        fn label(&self) -> String {
+            "matmul_route".into()
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("ROUTE", "true")
+        }
+    }
+    let pipe = gpu.pipeline_for(Route)?;
     let prm = RouteParams {
         n_pairs: n_pairs as u32,
         n_expert: r.n_expert,

@@ -333,16 +333,6 @@ impl Geometry {
         }
     }
 
-    /// The family's common defines on `spec` ([`BlockType::defines`]).
-    pub fn defines(&self, spec: PipelineSpec, xvec: bool, slow: bool) -> PipelineSpec {
-        self.block_type().defines(spec, xvec, slow)
-    }
-
-    /// Label suffix naming the defines of [`Geometry::defines`].
-    pub fn label(&self, xvec: bool, slow: bool) -> String {
-        self.block_type().label(xvec, slow)
-    }
-
     /// Base uniforms for one dispatch over `rows` rows.
     pub fn params(&self, rows: u32, matvec: bool) -> Params {
         Params {

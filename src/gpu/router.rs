@@ -10,6 +10,45 @@ use super::{grid, Binding, GpuTensor, Pass, PipelineSpec};
 use crate::{DType, Error, Result};
 
 const SRC: &str = include_str!("../../shaders/router.wgsl");
+
+/// The family's pipeline keys ([`Gpu::pipeline_for`](super::Gpu::pipeline_for)), one variant
+/// per kernel.
+#[derive(PartialEq, Eq, Hash)]
+enum Kernel {
+    /// The router over `ne` (a power of two ≥ 64) expert slots.
+    Route {
+        ne: u32,
+    },
+    Combine,
+    ExpertScale,
+}
+
+impl super::PipelineKey for Kernel {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        match self {
+            Kernel::Route { .. } => "main",
+            Kernel::Combine => "combine",
+            Kernel::ExpertScale => "expert_scale",
+        }
+    }
+    fn label(&self) -> String {
+        match self {
+            Kernel::Route { ne } => format!("router_ne{ne}"),
+            Kernel::Combine => "router_combine".into(),
+            Kernel::ExpertScale => "router_expert_scale".into(),
+        }
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        match *self {
+            Kernel::Route { ne } => spec.define("NE", ne),
+            Kernel::Combine => spec.define("COMBINE", true),
+            Kernel::ExpertScale => spec.define("EXPERT_SCALE", true),
+        }
+    }
+}
 /// Most experts one router handles (workgroup memory: 3 × 4 bytes each).
 pub const MAX_EXPERTS: u32 = 1024;
 
@@ -141,9 +180,7 @@ pub fn route(
         }
     };
     let ne = n_exp.next_power_of_two().max(64);
-    let pl = pass
-        .gpu()
-        .pipeline(&PipelineSpec::new(format!("router_ne{ne}"), SRC, "main").define("NE", ne))?;
+    let pl = pass.gpu().pipeline_for(Kernel::Route { ne })?;
     let params = Params {
         n_tok,
         n_exp,
@@ -222,9 +259,7 @@ pub fn combine(
     if n > (u32::MAX - 256) as u64 {
         return Err(Error::Invalid("moe combine: too many elements".into()));
     }
-    let pl = pass
-        .gpu()
-        .pipeline(&PipelineSpec::new("router_combine", SRC, "combine").define("COMBINE", true))?;
+    let pl = pass.gpu().pipeline_for(Kernel::Combine)?;
     let prm = CombineParams {
         n_tok,
         n_embd,
@@ -282,9 +317,7 @@ pub fn expert_scale(
     if n > u32::MAX - 256 {
         return Err(Error::Invalid("expert_scale: too many pairs".into()));
     }
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new("router_expert_scale", SRC, "expert_scale").define("EXPERT_SCALE", true),
-    )?;
+    let pl = pass.gpu().pipeline_for(Kernel::ExpertScale)?;
     let prm = ScaleParams {
         n,
         n_exp: n_exp as u32,

@@ -42,15 +42,28 @@ pub fn softmax(
     if let Some(y) = &y {
         y.check("softmax", "y", n_rows, dim)?;
     }
+    #[derive(PartialEq, Eq, Hash)]
+    struct Softmax {
+        /// y is x.
+        inplace: bool,
+    }
+    impl super::PipelineKey for Softmax {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "main"
+        }
+        fn label(&self) -> String {
+            let inplace = if self.inplace { "_inplace" } else { "" };
+            format!("softmax{inplace}")
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("INPLACE", self.inplace)
+        }
+    }
     let inplace = y.is_none();
-    let label = if inplace {
-        "softmax_inplace"
-    } else {
-        "softmax"
-    };
-    let pl = pass
-        .gpu()
-        .pipeline(&PipelineSpec::new(label, SRC, "main").define("INPLACE", inplace))?;
+    let pl = pass.gpu().pipeline_for(Softmax { inplace })?;
     let yv = y.unwrap_or(x);
     let params = Params {
         dim,

@@ -330,11 +330,26 @@ pub fn router_softmax_topk(
     logits.check("router_softmax_topk", "logits", n_rows, n_exp)?;
     ids.check("router_softmax_topk", "ids", n_rows, k)?;
     weights.check("router_softmax_topk", "weights", n_rows, k)?;
-    let pl = pass.gpu().pipeline(
-        &PipelineSpec::new(format!("topk_router_k{k}"), SRC, "router")
-            .define("K", format!("{k}u"))
-            .define("ROUTER", true),
-    )?;
+    #[derive(PartialEq, Eq, Hash)]
+    struct Router {
+        k: u32,
+    }
+    impl super::PipelineKey for Router {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "router"
+        }
+        fn label(&self) -> String {
+            format!("topk_router_k{}", self.k)
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("K", format!("{}u", self.k))
+                .define("ROUTER", true)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Router { k })?;
     let params = Params {
         n: n_exp,
         n_rows,
@@ -374,9 +389,24 @@ pub fn log_sum_exp(
     }
     x.check("log_sum_exp", "x", n_rows, n)?;
     out.check("log_sum_exp", "out", n_rows, 1)?;
-    let pl = pass
-        .gpu()
-        .pipeline(&PipelineSpec::new("topk_lse", SRC, "lse").define("LSE", true))?;
+    /// One variant: no fields.
+    #[derive(PartialEq, Eq, Hash)]
+    struct Lse;
+    impl super::PipelineKey for Lse {
+        fn source(&self) -> &'static str {
+            SRC
+        }
+        fn entry(&self) -> &'static str {
+            "lse"
+        }
+        fn label(&self) -> String {
+            "topk_lse".into()
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("LSE", true)
+        }
+    }
+    let pl = pass.gpu().pipeline_for(Lse)?;
     let params = Params {
         n,
         n_rows,
