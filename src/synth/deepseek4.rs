@@ -6,7 +6,7 @@
 //! (`llama-quantize --tensor-type exps=mxfp4`).
 
 use super::presets::DsDims;
-use super::{fan_in, near_one, ArchDraft, Draft, Init, Kind};
+use super::{fan_in, norm, weight, ArchDraft, Draft, Init, Kind};
 use crate::gguf::{keys, Value};
 use crate::DType;
 
@@ -107,12 +107,7 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
         meta.push((k(keys::NEXTN_PREDICT_LAYERS), 1u32.into()));
     }
 
-    let w = |name: String, shape: &[usize]| {
-        let fan = *shape.last().expect("weights have a row length");
-        Draft::new(name, shape, Kind::Out, fan_in(fan))
-    };
     let f32v = |name: String, shape: &[usize], init: Init| Draft::new(name, shape, Kind::F32, init);
-    let norm = |name: String, n: usize| f32v(name, &[n], near_one());
     let mix = (2 + d.hc) * d.hc;
     let hc_in = d.hc * h;
     let shexp = d.n_ff_exp * d.n_shared;
@@ -150,19 +145,19 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
     for l in 0..n {
         experts(&mut t, &format!("blk.{l}."));
     }
-    t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("token_embd.weight".into(), &[d.n_vocab, h]));
     t.push(f32v(
         "output_hc_base.weight".into(),
         &[d.hc],
         Init::Normal { std: 0.1 },
     ));
-    t.push(w("output_hc_fn.weight".into(), &[d.hc, hc_in]));
+    t.push(weight("output_hc_fn.weight".into(), &[d.hc, hc_in]));
     t.push(f32v(
         "output_hc_scale.weight".into(),
         &[1],
         Init::Uniform { lo: 0.1, hi: 1.0 },
     ));
-    t.push(w("output.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("output.weight".into(), &[d.n_vocab, h]));
     // One block's tensors but its experts: `prefix` names it, `l` seeds its routing.
     let block = |t: &mut Vec<Draft>, prefix: &str, l: usize, ratio: usize, hashed: bool| {
         let b = |s: &str| format!("{prefix}{s}");
@@ -174,32 +169,53 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
         if ratio > 0 {
             // Ratio-4 compressors overlap windows: twice the width.
             let c = if ratio == 4 { 2 } else { 1 };
-            t.push(w(b("attn_compressor_ape.weight"), &[ratio, c * d.head_dim]));
+            t.push(weight(
+                b("attn_compressor_ape.weight"),
+                &[ratio, c * d.head_dim],
+            ));
             t.push(norm(b("attn_compressor_norm.weight"), d.head_dim));
-            t.push(w(b("attn_compressor_gate.weight"), &[c * d.head_dim, h]));
-            t.push(w(b("attn_compressor_kv.weight"), &[c * d.head_dim, h]));
+            t.push(weight(
+                b("attn_compressor_gate.weight"),
+                &[c * d.head_dim, h],
+            ));
+            t.push(weight(b("attn_compressor_kv.weight"), &[c * d.head_dim, h]));
         }
         if ratio == 4 {
-            t.push(w(b("indexer_compressor_ape.weight"), &[4, 2 * d.ix_dim]));
+            t.push(weight(
+                b("indexer_compressor_ape.weight"),
+                &[4, 2 * d.ix_dim],
+            ));
             t.push(norm(b("indexer_compressor_norm.weight"), d.ix_dim));
-            t.push(w(b("indexer_compressor_gate.weight"), &[2 * d.ix_dim, h]));
-            t.push(w(b("indexer_compressor_kv.weight"), &[2 * d.ix_dim, h]));
-            t.push(w(b("indexer.proj.weight"), &[d.ix_heads, h]));
-            t.push(w(
+            t.push(weight(
+                b("indexer_compressor_gate.weight"),
+                &[2 * d.ix_dim, h],
+            ));
+            t.push(weight(
+                b("indexer_compressor_kv.weight"),
+                &[2 * d.ix_dim, h],
+            ));
+            t.push(weight(b("indexer.proj.weight"), &[d.ix_heads, h]));
+            t.push(weight(
                 b("indexer.attn_q_b.weight"),
                 &[d.ix_heads * d.ix_dim, d.q_lora],
             ));
         }
         t.push(norm(b("attn_kv_a_norm.weight"), d.head_dim));
         t.push(norm(b("attn_q_a_norm.weight"), d.q_lora));
-        t.push(w(b("attn_kv.weight"), &[d.head_dim, h]));
-        t.push(w(
+        t.push(weight(b("attn_kv.weight"), &[d.head_dim, h]));
+        t.push(weight(
             b("attn_output_a.weight"),
             &[d.o_groups * d.o_lora, d.n_head * d.head_dim / d.o_groups],
         ));
-        t.push(w(b("attn_output_b.weight"), &[h, d.o_groups * d.o_lora]));
-        t.push(w(b("attn_q_a.weight"), &[d.q_lora, h]));
-        t.push(w(b("attn_q_b.weight"), &[d.n_head * d.head_dim, d.q_lora]));
+        t.push(weight(
+            b("attn_output_b.weight"),
+            &[h, d.o_groups * d.o_lora],
+        ));
+        t.push(weight(b("attn_q_a.weight"), &[d.q_lora, h]));
+        t.push(weight(
+            b("attn_q_b.weight"),
+            &[d.n_head * d.head_dim, d.q_lora],
+        ));
         t.push(norm(b("attn_norm.weight"), h));
         if !hashed {
             t.push(f32v(
@@ -224,9 +240,9 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
                 layer: l,
             },
         ));
-        t.push(w(b("ffn_gate_shexp.weight"), &[shexp, h]));
-        t.push(w(b("ffn_down_shexp.weight"), &[h, shexp]));
-        t.push(w(b("ffn_up_shexp.weight"), &[shexp, h]));
+        t.push(weight(b("ffn_gate_shexp.weight"), &[shexp, h]));
+        t.push(weight(b("ffn_down_shexp.weight"), &[h, shexp]));
+        t.push(weight(b("ffn_up_shexp.weight"), &[shexp, h]));
         t.push(norm(b("ffn_norm.weight"), h));
         for s in ["attn", "ffn"] {
             t.push(f32v(
@@ -234,7 +250,7 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
                 &[mix],
                 Init::Normal { std: 0.1 },
             ));
-            t.push(w(b(&format!("hc_{s}_fn.weight")), &[mix, hc_in]));
+            t.push(weight(b(&format!("hc_{s}_fn.weight")), &[mix, hc_in]));
             t.push(f32v(
                 b(&format!("hc_{s}_scale.weight")),
                 &[3],
@@ -251,8 +267,8 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
         let p = "mtp.0.";
         experts(&mut t, p);
         block(&mut t, p, n, 0, false);
-        t.push(w(format!("{p}e_proj.weight"), &[h, h]));
-        t.push(w(format!("{p}h_proj.weight"), &[h, h]));
+        t.push(weight(format!("{p}e_proj.weight"), &[h, h]));
+        t.push(weight(format!("{p}h_proj.weight"), &[h, h]));
         for s in ["enorm", "hnorm", "norm"] {
             t.push(norm(format!("{p}{s}.weight"), h));
         }
@@ -261,7 +277,7 @@ pub(super) fn draft(d: &DsDims, skew: f32, mtp: bool) -> ArchDraft {
             &[d.hc],
             Init::Normal { std: 0.1 },
         ));
-        t.push(w(format!("{p}hc_head_fn.weight"), &[d.hc, hc_in]));
+        t.push(weight(format!("{p}hc_head_fn.weight"), &[d.hc, hc_in]));
         t.push(f32v(
             format!("{p}hc_head_scale.weight"),
             &[1],

@@ -10,7 +10,7 @@
 //! Per-layer embeddings and KV sharing (E2B/E4B) are not written: lathe refuses them.
 
 use super::presets::GemmaDims;
-use super::{fan_in, near_one, ArchDraft, Draft, Init, Kind};
+use super::{norm, router, weight, ArchDraft, Draft, Init, Kind};
 use crate::gguf::{keys, Value};
 
 /// llama.cpp's Gemma-4 keys (`LLM_KV_*`) that `gguf::keys` does not share.
@@ -82,11 +82,6 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
     meta.push((k(ROPE_DIMENSION_COUNT_SWA), (d.head_dim_swa as u32).into()));
 
     let mut t: Vec<Draft> = Vec::new();
-    let w = |name: String, shape: &[usize]| {
-        let fan = *shape.last().expect("weights have a row length");
-        Draft::new(name, shape, Kind::Out, fan_in(fan))
-    };
-    let norm = |name: String, n: usize| Draft::new(name, &[n], Kind::F32, near_one());
     // HF's `_compute_proportional_rope_parameters`: int(factor · head_dim // 2) pairs turn.
     t.push(Draft::new(
         "rope_freqs.weight",
@@ -98,21 +93,21 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
             tail: 1e30,
         },
     ));
-    t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("token_embd.weight".into(), &[d.n_vocab, h]));
     for l in 0..n {
         let b = |s: &str| format!("blk.{l}.{s}");
         let hd = head_dim(l);
         let (q_width, kv_width) = (d.n_head * hd, kv_heads(l) * hd);
         if let Some(m) = &d.moe {
             let (e, f) = (m.n_expert, m.n_ff_exp);
-            t.push(w(b("ffn_down_exps.weight"), &[e, h, f]));
-            t.push(w(b("ffn_gate_up_exps.weight"), &[e, 2 * f, h]));
+            t.push(weight(b("ffn_down_exps.weight"), &[e, h, f]));
+            t.push(weight(b("ffn_gate_up_exps.weight"), &[e, 2 * f, h]));
         }
         t.push(norm(b("attn_norm.weight"), h));
         t.push(norm(b("layer_output_scale.weight"), 1));
-        t.push(w(b("ffn_down.weight"), &[h, d.n_ff]));
-        t.push(w(b("ffn_gate.weight"), &[d.n_ff, h]));
-        t.push(w(b("ffn_up.weight"), &[d.n_ff, h]));
+        t.push(weight(b("ffn_down.weight"), &[h, d.n_ff]));
+        t.push(weight(b("ffn_gate.weight"), &[d.n_ff, h]));
+        t.push(weight(b("ffn_up.weight"), &[d.n_ff, h]));
         t.push(norm(b("post_attention_norm.weight"), h));
         t.push(norm(b("post_ffw_norm.weight"), h));
         if d.moe.is_some() {
@@ -124,26 +119,16 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
             let e = m.n_expert;
             t.push(norm(b("pre_ffw_norm_2.weight"), h));
             t.push(norm(b("ffn_down_exps.scale"), e));
-            t.push(Draft::new(
-                b("ffn_gate_inp.weight"),
-                &[e, h],
-                Kind::F32,
-                Init::Router {
-                    std: 1.0 / (h as f32).sqrt(),
-                    skew,
-                    top_k: m.n_used,
-                    layer: l,
-                },
-            ));
+            t.push(router(b("ffn_gate_inp.weight"), (e, h), skew, m.n_used, l));
             t.push(norm(b("ffn_gate_inp.scale"), h));
         }
         t.push(norm(b("attn_k_norm.weight"), hd));
-        t.push(w(b("attn_k.weight"), &[kv_width, h]));
-        t.push(w(b("attn_output.weight"), &[h, q_width]));
+        t.push(weight(b("attn_k.weight"), &[kv_width, h]));
+        t.push(weight(b("attn_output.weight"), &[h, q_width]));
         t.push(norm(b("attn_q_norm.weight"), hd));
-        t.push(w(b("attn_q.weight"), &[q_width, h]));
+        t.push(weight(b("attn_q.weight"), &[q_width, h]));
         if d.swa[l] || !d.k_eq_v {
-            t.push(w(b("attn_v.weight"), &[kv_width, h]));
+            t.push(weight(b("attn_v.weight"), &[kv_width, h]));
         }
     }
     t.push(norm("output_norm.weight".into(), h));

@@ -6,7 +6,7 @@
 //! weights see, not the work, and synth files are for speed and memory.
 
 use super::presets::LlamaDims;
-use super::{fan_in, near_one, ArchDraft, Draft, Init, Kind};
+use super::{norm, router, weight, ArchDraft, Draft};
 use crate::gguf::{keys, Value};
 
 pub(super) fn draft(d: &LlamaDims, skew: f32) -> ArchDraft {
@@ -47,53 +47,38 @@ pub(super) fn draft(d: &LlamaDims, skew: f32) -> ArchDraft {
     }
 
     let mut t: Vec<Draft> = Vec::new();
-    let w = |name: String, shape: &[usize]| {
-        let fan = *shape.last().expect("weights have a row length");
-        Draft::new(name, shape, Kind::Out, fan_in(fan))
-    };
-    let norm = |name: String, n: usize| Draft::new(name, &[n], Kind::F32, near_one());
     if !d.tied {
-        t.push(w("output.weight".into(), &[d.n_vocab, h]));
+        t.push(weight("output.weight".into(), &[d.n_vocab, h]));
     }
-    t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("token_embd.weight".into(), &[d.n_vocab, h]));
     for l in 0..d.n_layer {
         let b = |s: &str| format!("blk.{l}.{s}");
         t.push(norm(b("attn_norm.weight"), h));
         match &d.moe {
             None => {
-                t.push(w(b("ffn_down.weight"), &[h, d.n_ff]));
-                t.push(w(b("ffn_gate.weight"), &[d.n_ff, h]));
-                t.push(w(b("ffn_up.weight"), &[d.n_ff, h]));
+                t.push(weight(b("ffn_down.weight"), &[h, d.n_ff]));
+                t.push(weight(b("ffn_gate.weight"), &[d.n_ff, h]));
+                t.push(weight(b("ffn_up.weight"), &[d.n_ff, h]));
             }
             Some(m) => {
                 let (e, f) = (m.n_expert, m.n_ff_exp);
-                t.push(w(b("ffn_down_exps.weight"), &[e, h, f]));
-                t.push(w(b("ffn_gate_exps.weight"), &[e, f, h]));
-                t.push(w(b("ffn_up_exps.weight"), &[e, f, h]));
-                t.push(Draft::new(
-                    b("ffn_gate_inp.weight"),
-                    &[e, h],
-                    Kind::F32,
-                    Init::Router {
-                        std: 1.0 / (h as f32).sqrt(),
-                        skew,
-                        top_k: m.n_used,
-                        layer: l,
-                    },
-                ));
+                t.push(weight(b("ffn_down_exps.weight"), &[e, h, f]));
+                t.push(weight(b("ffn_gate_exps.weight"), &[e, f, h]));
+                t.push(weight(b("ffn_up_exps.weight"), &[e, f, h]));
+                t.push(router(b("ffn_gate_inp.weight"), (e, h), skew, m.n_used, l));
             }
         }
         t.push(norm(b("ffn_norm.weight"), h));
         if d.qk_norm {
             t.push(norm(b("attn_k_norm.weight"), d.head_dim));
         }
-        t.push(w(b("attn_k.weight"), &[kv_width, h]));
-        t.push(w(b("attn_output.weight"), &[h, q_heads]));
+        t.push(weight(b("attn_k.weight"), &[kv_width, h]));
+        t.push(weight(b("attn_output.weight"), &[h, q_heads]));
         if d.qk_norm {
             t.push(norm(b("attn_q_norm.weight"), d.head_dim));
         }
-        t.push(w(b("attn_q.weight"), &[q_heads, h]));
-        t.push(w(b("attn_v.weight"), &[kv_width, h]));
+        t.push(weight(b("attn_q.weight"), &[q_heads, h]));
+        t.push(weight(b("attn_v.weight"), &[kv_width, h]));
     }
     t.push(norm("output_norm.weight".into(), h));
     ArchDraft {

@@ -209,6 +209,39 @@ fn fan_in(n: usize) -> Init {
     }
 }
 
+/// A weight matrix in the `--outtype`, `N(0, 1/row length)`.
+fn weight(name: String, shape: &[usize]) -> Draft {
+    let fan = *shape.last().expect("weights have a row length");
+    Draft::new(name, shape, Kind::Out, fan_in(fan))
+}
+
+/// A norm's weight `[n]`, F32 near one.
+fn norm(name: String, n: usize) -> Draft {
+    Draft::new(name, &[n], Kind::F32, near_one())
+}
+
+/// An F32 router `[n_expert, n_embd]` of layer `layer` (llama.cpp keeps Qwen's, Step's and
+/// Gemma's routers in F32), skewed towards a few experts per layer by `skew`.
+fn router(
+    name: String,
+    (n_expert, n_embd): (usize, usize),
+    skew: f32,
+    top_k: usize,
+    layer: usize,
+) -> Draft {
+    Draft::new(
+        name,
+        &[n_expert, n_embd],
+        Kind::F32,
+        Init::Router {
+            std: 1.0 / (n_embd as f32).sqrt(),
+            skew,
+            top_k,
+            layer,
+        },
+    )
+}
+
 /// Norm weights stored as `1 + w` (or plain weights near one).
 fn near_one() -> Init {
     Init::Around {
@@ -264,12 +297,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             deepseek4::draft(&d, opts.skew, opts.mtp)
         }
         Dims::Llama(d) => {
-            if opts.mtp {
-                return Err(Error::Invalid(format!(
-                    "--mtp: {} has no multi-token prediction block",
-                    preset.name
-                )));
-            }
+            no_mtp_block(preset, opts)?;
             let mut d = d.clone();
             if let Some(n) = opts.n_layer {
                 check_layers(n, d.n_layer)?;
@@ -295,12 +323,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             step37::draft(&d, opts.skew)
         }
         Dims::Gemma(d) => {
-            if opts.mtp {
-                return Err(Error::Invalid(format!(
-                    "--mtp: {} has no multi-token prediction block",
-                    preset.name
-                )));
-            }
+            no_mtp_block(preset, opts)?;
             let mut d = d.clone();
             if let Some(n) = opts.n_layer {
                 check_layers(n, d.n_layer)?;
@@ -311,6 +334,17 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
         }
     };
     finish(preset, draft, ftype, opts.base, vocab, n_vocab)
+}
+
+/// `--mtp` for a release that ships no multi-token prediction block.
+fn no_mtp_block(preset: &Preset, opts: &PlanOptions) -> Result<()> {
+    if opts.mtp {
+        return Err(Error::Invalid(format!(
+            "--mtp: {} has no multi-token prediction block",
+            preset.name
+        )));
+    }
+    Ok(())
 }
 
 fn check_layers(n: usize, max: usize) -> Result<()> {

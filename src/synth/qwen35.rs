@@ -4,7 +4,7 @@
 //! gate per head, experts stacked `[n_expert, rows, cols]`), and the `qwen35*.` keys.
 
 use super::presets::QwenDims;
-use super::{fan_in, near_one, ArchDraft, Draft, Init, Kind};
+use super::{fan_in, norm, router, weight, ArchDraft, Draft, Init, Kind};
 use crate::gguf::{keys, Value};
 
 /// MRoPE sections over the rotated pairs, Qwen's 11 / 11 / 10 split of 32 scaled to the
@@ -90,19 +90,14 @@ pub(super) fn draft(d: &QwenDims, skew: f32, mtp: bool) -> ArchDraft {
     }
 
     let mut t: Vec<Draft> = Vec::new();
-    let w = |name: String, shape: &[usize]| {
-        let fan = *shape.last().expect("weights have a row length");
-        Draft::new(name, shape, Kind::Out, fan_in(fan))
-    };
-    let norm = |name: String, n: usize| Draft::new(name, &[n], Kind::F32, near_one());
     if !d.tied {
-        t.push(w("output.weight".into(), &[d.n_vocab, h]));
+        t.push(weight("output.weight".into(), &[d.n_vocab, h]));
     }
-    t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("token_embd.weight".into(), &[d.n_vocab, h]));
     for l in 0..n_blocks {
         let b = |s: &str| format!("blk.{l}.{s}");
         if l == d.n_layer {
-            t.push(w(b("nextn.eh_proj.weight"), &[h, 2 * h]));
+            t.push(weight(b("nextn.eh_proj.weight"), &[h, 2 * h]));
             t.push(norm(b("nextn.enorm.weight"), h));
             t.push(norm(b("nextn.hnorm.weight"), h));
             t.push(norm(b("nextn.shared_head_norm.weight"), h));
@@ -132,38 +127,28 @@ pub(super) fn draft(d: &QwenDims, skew: f32, mtp: bool) -> ArchDraft {
                     std: 0.1,
                 },
             ));
-            t.push(w(b("ssm_alpha.weight"), &[d.n_v_heads, h]));
-            t.push(w(b("ssm_beta.weight"), &[d.n_v_heads, h]));
-            t.push(w(b("attn_qkv.weight"), &[conv_dim, h]));
-            t.push(w(b("attn_gate.weight"), &[inner, h]));
+            t.push(weight(b("ssm_alpha.weight"), &[d.n_v_heads, h]));
+            t.push(weight(b("ssm_beta.weight"), &[d.n_v_heads, h]));
+            t.push(weight(b("attn_qkv.weight"), &[conv_dim, h]));
+            t.push(weight(b("attn_gate.weight"), &[inner, h]));
             t.push(norm(b("ssm_norm.weight"), d.d_v));
-            t.push(w(b("ssm_out.weight"), &[h, inner]));
+            t.push(weight(b("ssm_out.weight"), &[h, inner]));
         }
         match &d.moe {
             None => {
-                t.push(w(b("ffn_down.weight"), &[h, d.n_ff]));
-                t.push(w(b("ffn_gate.weight"), &[d.n_ff, h]));
-                t.push(w(b("ffn_up.weight"), &[d.n_ff, h]));
+                t.push(weight(b("ffn_down.weight"), &[h, d.n_ff]));
+                t.push(weight(b("ffn_gate.weight"), &[d.n_ff, h]));
+                t.push(weight(b("ffn_up.weight"), &[d.n_ff, h]));
             }
             Some(m) => {
                 let (e, f) = (m.n_expert, m.n_ff_exp);
-                t.push(w(b("ffn_down_exps.weight"), &[e, h, f]));
-                t.push(w(b("ffn_gate_exps.weight"), &[e, f, h]));
-                t.push(w(b("ffn_up_exps.weight"), &[e, f, h]));
-                t.push(Draft::new(
-                    b("ffn_gate_inp.weight"),
-                    &[e, h],
-                    Kind::F32,
-                    Init::Router {
-                        std: 1.0 / (h as f32).sqrt(),
-                        skew,
-                        top_k: m.n_used,
-                        layer: l,
-                    },
-                ));
-                t.push(w(b("ffn_down_shexp.weight"), &[h, m.n_ff_shexp]));
-                t.push(w(b("ffn_gate_shexp.weight"), &[m.n_ff_shexp, h]));
-                t.push(w(b("ffn_up_shexp.weight"), &[m.n_ff_shexp, h]));
+                t.push(weight(b("ffn_down_exps.weight"), &[e, h, f]));
+                t.push(weight(b("ffn_gate_exps.weight"), &[e, f, h]));
+                t.push(weight(b("ffn_up_exps.weight"), &[e, f, h]));
+                t.push(router(b("ffn_gate_inp.weight"), (e, h), skew, m.n_used, l));
+                t.push(weight(b("ffn_down_shexp.weight"), &[h, m.n_ff_shexp]));
+                t.push(weight(b("ffn_gate_shexp.weight"), &[m.n_ff_shexp, h]));
+                t.push(weight(b("ffn_up_shexp.weight"), &[m.n_ff_shexp, h]));
                 t.push(Draft::new(
                     b("ffn_gate_inp_shexp.weight"),
                     &[1, h],
@@ -175,12 +160,12 @@ pub(super) fn draft(d: &QwenDims, skew: f32, mtp: bool) -> ArchDraft {
         t.push(norm(b("post_attention_norm.weight"), h));
         if is_full(l) {
             t.push(norm(b("attn_k_norm.weight"), d.head_dim));
-            t.push(w(b("attn_k.weight"), &[kv_width, h]));
-            t.push(w(b("attn_output.weight"), &[h, q_heads]));
+            t.push(weight(b("attn_k.weight"), &[kv_width, h]));
+            t.push(weight(b("attn_output.weight"), &[h, q_heads]));
             t.push(norm(b("attn_q_norm.weight"), d.head_dim));
             // Per head: the query, then its output gate.
-            t.push(w(b("attn_q.weight"), &[2 * q_heads, h]));
-            t.push(w(b("attn_v.weight"), &[kv_width, h]));
+            t.push(weight(b("attn_q.weight"), &[2 * q_heads, h]));
+            t.push(weight(b("attn_v.weight"), &[kv_width, h]));
         }
     }
     t.push(norm("output_norm.weight".into(), h));

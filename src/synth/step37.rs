@@ -5,7 +5,7 @@
 //! and a shared expert, the head-wise `attn_gate` on every block.
 
 use super::presets::StepDims;
-use super::{fan_in, near_one, ArchDraft, Draft, Init, Kind};
+use super::{norm, router, weight, ArchDraft, Draft, Init, Kind};
 use crate::gguf::{keys, Value};
 
 pub(super) fn draft(d: &StepDims, skew: f32) -> ArchDraft {
@@ -57,11 +57,6 @@ pub(super) fn draft(d: &StepDims, skew: f32) -> ArchDraft {
     ];
 
     let mut t: Vec<Draft> = Vec::new();
-    let w = |name: String, shape: &[usize]| {
-        let fan = *shape.last().expect("weights have a row length");
-        Draft::new(name, shape, Kind::Out, fan_in(fan))
-    };
-    let norm = |name: String, n: usize| Draft::new(name, &[n], Kind::F32, near_one());
     if d.rope_freqs {
         // Divisors ≥ 1 over head_dim/2 (the full layers use the first n_rot/2).
         t.push(Draft::new(
@@ -71,32 +66,22 @@ pub(super) fn draft(d: &StepDims, skew: f32) -> ArchDraft {
             Init::Uniform { lo: 1.0, hi: 8.0 },
         ));
     }
-    t.push(w("output.weight".into(), &[d.n_vocab, h]));
-    t.push(w("token_embd.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("output.weight".into(), &[d.n_vocab, h]));
+    t.push(weight("token_embd.weight".into(), &[d.n_vocab, h]));
     for l in 0..n {
         let b = |s: &str| format!("blk.{l}.{s}");
         let q_width = heads(l) * d.head_dim;
         let kv_width = d.n_head_kv * d.head_dim;
         t.push(norm(b("attn_norm.weight"), h));
         if l < d.n_dense {
-            t.push(w(b("ffn_down.weight"), &[h, d.n_ff]));
-            t.push(w(b("ffn_gate.weight"), &[d.n_ff, h]));
-            t.push(w(b("ffn_up.weight"), &[d.n_ff, h]));
+            t.push(weight(b("ffn_down.weight"), &[h, d.n_ff]));
+            t.push(weight(b("ffn_gate.weight"), &[d.n_ff, h]));
+            t.push(weight(b("ffn_up.weight"), &[d.n_ff, h]));
         } else {
             let (e, f) = (m.n_expert, m.n_ff_exp);
-            t.push(w(b("ffn_down_exps.weight"), &[e, h, f]));
-            t.push(Draft::new(
-                b("ffn_gate_inp.weight"),
-                &[e, h],
-                Kind::F32,
-                Init::Router {
-                    std: 1.0 / (h as f32).sqrt(),
-                    skew,
-                    top_k: m.n_used,
-                    layer: l,
-                },
-            ));
-            t.push(w(b("ffn_gate_exps.weight"), &[e, f, h]));
+            t.push(weight(b("ffn_down_exps.weight"), &[e, h, f]));
+            t.push(router(b("ffn_gate_inp.weight"), (e, h), skew, m.n_used, l));
+            t.push(weight(b("ffn_gate_exps.weight"), &[e, f, h]));
             t.push(Draft::new(
                 b("exp_probs_b.bias"),
                 &[e],
@@ -107,20 +92,20 @@ pub(super) fn draft(d: &StepDims, skew: f32) -> ArchDraft {
                     layer: l,
                 },
             ));
-            t.push(w(b("ffn_up_exps.weight"), &[e, f, h]));
+            t.push(weight(b("ffn_up_exps.weight"), &[e, f, h]));
         }
         t.push(norm(b("ffn_norm.weight"), h));
-        t.push(w(b("attn_gate.weight"), &[heads(l), h]));
+        t.push(weight(b("attn_gate.weight"), &[heads(l), h]));
         t.push(norm(b("attn_k_norm.weight"), d.head_dim));
-        t.push(w(b("attn_k.weight"), &[kv_width, h]));
-        t.push(w(b("attn_output.weight"), &[h, q_width]));
+        t.push(weight(b("attn_k.weight"), &[kv_width, h]));
+        t.push(weight(b("attn_output.weight"), &[h, q_width]));
         t.push(norm(b("attn_q_norm.weight"), d.head_dim));
-        t.push(w(b("attn_q.weight"), &[q_width, h]));
-        t.push(w(b("attn_v.weight"), &[kv_width, h]));
+        t.push(weight(b("attn_q.weight"), &[q_width, h]));
+        t.push(weight(b("attn_v.weight"), &[kv_width, h]));
         if l >= d.n_dense {
-            t.push(w(b("ffn_down_shexp.weight"), &[h, m.n_ff_shexp]));
-            t.push(w(b("ffn_gate_shexp.weight"), &[m.n_ff_shexp, h]));
-            t.push(w(b("ffn_up_shexp.weight"), &[m.n_ff_shexp, h]));
+            t.push(weight(b("ffn_down_shexp.weight"), &[h, m.n_ff_shexp]));
+            t.push(weight(b("ffn_gate_shexp.weight"), &[m.n_ff_shexp, h]));
+            t.push(weight(b("ffn_up_shexp.weight"), &[m.n_ff_shexp, h]));
         }
     }
     t.push(norm("output_norm.weight".into(), h));
