@@ -91,3 +91,14 @@ fn gemma4moe_tiny_offloaded() {
     };
     check_model("gemma4moe-tiny", &opts);
 }
+
+/// Sequences fed in one `forward_batch` get the logits each gets alone, dense and MoE.
+#[test]
+fn gemma4_batched_equals_lone() {
+    for name in ["gemma4-tiny", "gemma4moe-tiny"] {
+        let dir = fixtures().join(name);
+        let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+        let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+        check_batched_equals_lone(name, &dir.join("model-q8_0.gguf"), &ids);
+    }
+}

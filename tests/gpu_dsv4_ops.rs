@@ -12,7 +12,7 @@ use lathe::gpu::compress::{self, CmpShape, IndexList, IndexerShape};
 use lathe::gpu::hc::{self, HcInput, HcShape, HcWeights};
 use lathe::gpu::operand::Operand;
 use lathe::gpu::rope::RopeTable;
-use lathe::gpu::router::{self, ScoreFn, Select};
+use lathe::gpu::router::{self, RouterRows, ScoreFn, Scoring, Select};
 use lathe::gpu::{AdapterChoice, Gpu, GpuTensor, Pass};
 use lathe::tensor::TensorRef;
 use lathe::DType;
@@ -211,20 +211,21 @@ fn router_matches_reference() {
             }
         };
         submit(&gpu, |p| {
-            router::route(
-                p,
-                n as u32,
-                ne as u32,
-                k as u32,
+            let rows = RouterRows {
+                n_tok: n as u32,
+                n_exp: ne as u32,
+                k: k as u32,
+                logits: Operand::new(&lb, 0),
+                ids: Operand::new(&ids, 0),
+                weights: Operand::new(&wts, 0),
+            };
+            let how = Scoring {
                 func,
                 select,
-                true,
-                1.5,
-                Operand::new(&lb, 0),
-                Operand::new(&ids, 0),
-                Operand::new(&wts, 0),
-            )
-            .unwrap()
+                renorm: true,
+                route_scale: 1.5,
+            };
+            router::route(p, &rows, &how).unwrap()
         });
         let got_ids = gpu.read_u32(&ids, 0, n * k).unwrap();
         let got_w = gpu.read_f32(&wts, 0, n * k).unwrap();

@@ -11,6 +11,7 @@ use lathe::cpu::ops;
 use lathe::gpu::elementwise as ew;
 use lathe::gpu::operand::Operand;
 use lathe::gpu::rope::{Positions, RopeTable, RopeView};
+use lathe::gpu::router::RouterRows;
 use lathe::gpu::{embed, norm, rope, softmax, topk, AdapterChoice, Gpu, GpuTensor, TensorPart};
 use lathe::tensor::TensorRef;
 use lathe::DType;
@@ -986,17 +987,15 @@ fn router_matches_cpu() {
             let ibuf = gpu.upload_f32(&vec![GUARD; li.len()], "ids").unwrap();
             let wbuf = gpu.upload_f32(&vec![GUARD; lw.len()], "w").unwrap();
             let mut pass = gpu.pass();
-            topk::router_softmax_topk(
-                &mut pass,
-                n_tok as u32,
-                n_exp as u32,
-                k as u32,
-                renorm,
-                lx.view(&xbuf),
-                li.view(&ibuf),
-                lw.view(&wbuf),
-            )
-            .unwrap();
+            let rows = RouterRows {
+                n_tok: n_tok as u32,
+                n_exp: n_exp as u32,
+                k: k as u32,
+                logits: lx.view(&xbuf),
+                ids: li.view(&ibuf),
+                weights: lw.view(&wbuf),
+            };
+            topk::router_softmax_topk(&mut pass, &rows, renorm).unwrap();
             pass.submit().unwrap();
             let ifull = gpu.read_f32(&ibuf, 0, li.len()).unwrap();
             let wfull = gpu.read_f32(&wbuf, 0, lw.len()).unwrap();

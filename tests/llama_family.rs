@@ -179,3 +179,15 @@ fn qwen3_decode_step_is_eight_dispatches_per_layer() {
         "{labels:?}"
     );
 }
+
+/// Sequences fed in one `forward_batch` (shared rounds: prefill parts beside each other,
+/// then the decode rows of all in one attention call) get the logits each gets alone.
+#[test]
+fn llama_batched_equals_lone() {
+    for name in ["llama-tiny", "qwen3moe-tiny"] {
+        let dir = fixtures().join(name);
+        let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+        let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+        check_batched_equals_lone(name, &dir.join("model-q8_0.gguf"), &ids);
+    }
+}

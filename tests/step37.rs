@@ -317,3 +317,12 @@ fn step37_verify_and_rollback_match_decode() {
         );
     }
 }
+
+/// Sequences fed in one `forward_batch` get the logits each gets alone.
+#[test]
+fn step37_batched_equals_lone() {
+    let dir = fixtures().join(NAME);
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+    check_batched_equals_lone(NAME, &dir.join("model-q8_0.gguf"), &ids);
+}

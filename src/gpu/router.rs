@@ -96,22 +96,44 @@ pub enum Select<'a> {
     },
 }
 
-/// One router call over `n_tok` rows of `logits` (rows of `n_exp`); writes `ids` (u32) and
-/// `weights` (f32) rows of `k`.
-#[allow(clippy::too_many_arguments)]
-pub fn route(
-    pass: &mut Pass<'_>,
-    n_tok: u32,
-    n_exp: u32,
-    k: u32,
-    func: ScoreFn,
-    select: Select<'_>,
-    renorm: bool,
-    route_scale: f32,
-    logits: Operand<'_>,
-    ids: Operand<'_>,
-    weights: Operand<'_>,
-) -> Result<()> {
+/// The rows of one router call: `n_tok` rows of `n_exp` logits in; `ids` (u32) and
+/// `weights` (f32) rows of `k` out. Also what `topk::router_softmax_topk` takes.
+#[derive(Clone, Copy)]
+pub struct RouterRows<'a> {
+    pub n_tok: u32,
+    pub n_exp: u32,
+    pub k: u32,
+    pub logits: Operand<'a>,
+    pub ids: Operand<'a>,
+    pub weights: Operand<'a>,
+}
+
+/// How [`route`] scores and picks: the score function, the selection, whether the chosen
+/// weights are renormalised to sum 1, and the factor they are multiplied by after.
+#[derive(Clone, Copy)]
+pub struct Scoring<'a> {
+    pub func: ScoreFn,
+    pub select: Select<'a>,
+    pub renorm: bool,
+    pub route_scale: f32,
+}
+
+/// One router call over `rows` as `how` says.
+pub fn route(pass: &mut Pass<'_>, rows: &RouterRows<'_>, how: &Scoring<'_>) -> Result<()> {
+    let RouterRows {
+        n_tok,
+        n_exp,
+        k,
+        logits,
+        ids,
+        weights,
+    } = *rows;
+    let Scoring {
+        func,
+        select,
+        renorm,
+        route_scale,
+    } = *how;
     if n_exp == 0 || n_exp > MAX_EXPERTS || k == 0 || k > n_exp {
         return Err(Error::Invalid(format!(
             "router: {n_exp} experts (1..={MAX_EXPERTS}), k = {k}"

@@ -13,6 +13,7 @@
 //! k = 1 does.
 
 use super::operand::Operand;
+use super::router::RouterRows;
 use super::{grid, Binding, Gpu, Pass, PipelineSpec};
 use crate::{Error, Result};
 
@@ -307,17 +308,15 @@ pub fn argmax(
 /// softmax over all experts, top-`k` (on the logits; ties to the lower index), the winners'
 /// probabilities, renormalised to sum 1 when `renorm`. Writes `ids` (u32 rows of k) and
 /// `weights` (f32 rows of k), best first.
-#[allow(clippy::too_many_arguments)]
-pub fn router_softmax_topk(
-    pass: &mut Pass<'_>,
-    n_rows: u32,
-    n_exp: u32,
-    k: u32,
-    renorm: bool,
-    logits: Operand<'_>,
-    ids: Operand<'_>,
-    weights: Operand<'_>,
-) -> Result<()> {
+pub fn router_softmax_topk(pass: &mut Pass<'_>, rows: &RouterRows<'_>, renorm: bool) -> Result<()> {
+    let RouterRows {
+        n_tok: n_rows,
+        n_exp,
+        k,
+        logits,
+        ids,
+        weights,
+    } = *rows;
     check_k("router_softmax_topk", k, MAX_K)?;
     if n_exp == 0 || n_exp > ROUTER_MAX_EXPERTS || k > n_exp {
         return Err(Error::Invalid(format!(

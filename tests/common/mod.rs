@@ -120,3 +120,76 @@ pub fn assert_bar(label: &str, s: &Score, llama: Option<f64>) {
         s.top1
     );
 }
+
+/// Three sequences fed together by `forward_batch` (prompts of different lengths in one
+/// round, then decode steps of all three in one round) against each fed alone: per
+/// sequence the same logits, bit for bit. `model` needs `max_seqs` ≥ 3.
+pub fn check_batched_equals_lone(label: &str, model: &Path, ids: &[u32]) {
+    use lathe::engine::{Engine, LoadOptions, Want};
+    assert!(
+        ids.len() >= 12,
+        "{label}: the fixture has {} tokens",
+        ids.len()
+    );
+    let opts = LoadOptions {
+        max_seqs: 3,
+        ..Default::default()
+    };
+    let mut e = Engine::load(model, &opts).unwrap();
+    let prompts = [&ids[..5], &ids[2..9], &ids[1..2]];
+    let steps = [&ids[9..11], &ids[3..5], &ids[10..12]];
+    let mut lone = Vec::new();
+    for (p, s) in prompts.iter().zip(steps) {
+        let mut seq = e.new_seq().unwrap();
+        let mut rows = vec![e.forward(&mut seq, p, true).unwrap()];
+        for t in s.chunks(1) {
+            rows.push(e.forward(&mut seq, t, false).unwrap());
+        }
+        lone.push(rows);
+    }
+    let mut seqs: Vec<_> = (0..3).map(|_| e.new_seq().unwrap()).collect();
+    let mut together: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 3];
+    let [a, b, c] = &mut seqs[..] else {
+        unreachable!("three sequences")
+    };
+    let r = e
+        .forward_batch(&mut [
+            (a, prompts[0], Want::All),
+            (b, prompts[1], Want::All),
+            (c, prompts[2], Want::All),
+        ])
+        .unwrap();
+    r.into_iter()
+        .zip(&mut together)
+        .for_each(|(r, t)| t.push(r));
+    for j in 0..2 {
+        let [a, b, c] = &mut seqs[..] else {
+            unreachable!("three sequences")
+        };
+        let r = e
+            .forward_batch(&mut [
+                (a, &steps[0][j..j + 1], Want::Last),
+                (b, &steps[1][j..j + 1], Want::Last),
+                (c, &steps[2][j..j + 1], Want::Last),
+            ])
+            .unwrap();
+        r.into_iter()
+            .zip(&mut together)
+            .for_each(|(r, t)| t.push(r));
+    }
+    for (i, (l, t)) in lone.iter().zip(&together).enumerate() {
+        for (round, (lr, tr)) in l.iter().zip(t).enumerate() {
+            assert_eq!(lr.len(), tr.len(), "{label}: sequence {i} round {round}");
+            let same = lr.iter().zip(tr).all(|(x, y)| x.to_bits() == y.to_bits());
+            let worst = lr
+                .iter()
+                .zip(tr)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                same,
+                "{label}: sequence {i} round {round} batched differs from alone by {worst:.3e}"
+            );
+        }
+    }
+}

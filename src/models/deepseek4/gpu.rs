@@ -30,7 +30,7 @@ use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
-use crate::gpu::router::{self, ScoreFn, Select};
+use crate::gpu::router::{self, RouterRows, ScoreFn, Scoring, Select};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
@@ -621,19 +621,21 @@ impl GpuModel {
             ScoreFunc::Sigmoid => ScoreFn::Sigmoid,
             ScoreFunc::SqrtSoftplus => ScoreFn::SqrtSoftplus,
         };
-        router::route(
-            pass,
-            n,
-            ne,
+        let rows = RouterRows {
+            n_tok: n,
+            n_exp: ne,
             k,
+            logits: Operand::new(&sc.router, 0),
+            ids: Operand::new(&sc.moe_ids, 0),
+            weights: Operand::new(&sc.moe_w, 0),
+        };
+        let how = Scoring {
             func,
             select,
-            hp.norm_topk,
-            hp.route_scale,
-            Operand::new(&sc.router, 0),
-            Operand::new(&sc.moe_ids, 0),
-            Operand::new(&sc.moe_w, 0),
-        )?;
+            renorm: hp.norm_topk,
+            route_scale: hp.route_scale,
+        };
+        router::route(pass, &rows, &how)?;
         let limit = |v: f32| (v > 0.0).then_some(v);
         let bufs = FfnBufs {
             gate: &sc.f_gate,

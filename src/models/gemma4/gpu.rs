@@ -11,15 +11,16 @@ use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, Q
 use crate::gpu::elementwise as ew;
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::MatvecOpts;
-use crate::gpu::moe::{routed_ffn_glu, ExpertStacks, FfnBufs, Glu, Picks};
+use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
 use crate::gpu::topk::TopLogits;
-use crate::gpu::{embed, fit_rows, router, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
+use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::link::Link;
+use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
@@ -676,75 +677,48 @@ impl GpuModel {
     }
 
     /// Block `l`'s routed experts of the residual rows `x` into `moe_sum` (`h` is
-    /// overwritten): the router on `x` through its weightless RMSNorm times the folded
-    /// scale, softmax top-k of f32 router logits (a near-tie must not flip on rounding),
-    /// renormalised and times each expert's output scale; the GeGLU experts on
-    /// `pre_norm_2(x)`; their weighted sum in slot order from zero (`moe`'s summation
-    /// contract, the same with and without offload).
+    /// overwritten; `runtime::moe`): the router on `x` through its weightless RMSNorm times
+    /// the folded scale, softmax top-k renormalised and times each expert's output scale;
+    /// the GeGLU experts on `pre_norm_2(x)`, their weighted sum from zero.
     fn moe(&self, pass: &mut Pass<'_>, l: usize, mb: &MoeBlock, n: u32) -> Result<()> {
         let (hp, sc) = (&self.hp, &self.scratch);
         let m = hp.moe.as_ref().expect("MoE block in a MoE model");
-        let (e, k) = (hp.n_embd as u32, m.n_used as u32);
+        let e = hp.n_embd as u32;
+        let layer = MoeLayer {
+            layer: l,
+            n_embd: e,
+            n_expert: m.n_expert as u32,
+            k: m.n_used as u32,
+            router_w: &mb.router,
+            router: Router::Softmax { renorm: true },
+            expert_scale: Some(&mb.expert_scale),
+            glu: Glu::GegluTanh,
+            stacks: ExpertStacks {
+                gate: &mb.gate,
+                up: &mb.up,
+                down: &mb.down,
+            },
+        };
+        let msc = MoeScratch {
+            logits: &sc.router,
+            ids: &sc.moe_ids,
+            weights: &sc.moe_w,
+            ffn: FfnBufs {
+                gate: &sc.f_gate,
+                up: &sc.f_up,
+                act: &sc.f_act,
+                out: &sc.moe_out,
+            },
+            route: sc.route.as_ref(),
+        };
         let (x, h) = (Operand::new(&sc.x, 0), Operand::new(&sc.h, 0));
         norm::rms_norm(pass, n, e, x, Some(h), Some(&mb.router_in), hp.eps)?;
-        let exact = MatvecOpts {
-            exact: true,
-            ..Default::default()
-        };
-        matmul::matmul_opts(pass, &mb.router, h, Operand::new(&sc.router, 0), n, &exact)?;
-        topk::router_softmax_topk(
-            pass,
-            n,
-            m.n_expert as u32,
-            k,
-            true,
-            Operand::new(&sc.router, 0),
-            Operand::new(&sc.moe_ids, 0),
-            Operand::new(&sc.moe_w, 0),
-        )?;
-        router::expert_scale(pass, n * k, &sc.moe_w, &sc.moe_ids, &mb.expert_scale)?;
+        layer.route(pass, &msc, &sc.h, n)?;
         norm::rms_norm(pass, n, e, x, Some(h), Some(&mb.pre_norm_2), hp.eps)?;
         let sum_bytes = n as u64 * e as u64 * 4;
         pass.copy(&sc.zeros, 0, &sc.moe_sum, 0, sum_bytes);
-        let bufs = FfnBufs {
-            gate: &sc.f_gate,
-            up: &sc.f_up,
-            act: &sc.f_act,
-            out: &sc.moe_out,
-        };
-        let mut combine = |p: &mut Pass<'_>| -> Result<()> {
-            ew::moe_combine(
-                p,
-                n,
-                e,
-                k,
-                Operand::new(&sc.moe_sum, 0),
-                Operand::new(&sc.moe_w, 0),
-                Operand::new(&sc.moe_out, 0),
-            )
-        };
-        match self.offload.as_ref().filter(|o| o.has_layer(l)) {
-            Some(off) => {
-                let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
-                off.hot_ffn_glu(pass, l, &sc.h, n, &bufs, Glu::GegluTanh)?;
-                off.cold_ffn_glu(pass, cold, &bufs, Glu::GegluTanh, Some(&mut combine))
-            }
-            None => {
-                let stacks = ExpertStacks {
-                    gate: &mb.gate,
-                    up: &mb.up,
-                    down: &mb.down,
-                };
-                let picks = Picks {
-                    ids: &sc.moe_ids,
-                    route: sc.route.as_ref().expect("route made for MoE models"),
-                    n,
-                    k,
-                };
-                routed_ffn_glu(pass, &stacks, &sc.h, &picks, &bufs, Glu::GegluTanh)?;
-                combine(pass)
-            }
-        }
+        let off = self.offload.as_ref();
+        layer.experts(pass, &msc, off, (&sc.h, &sc.moe_sum), n)
     }
 
     /// Block `l`'s attention over the normed rows in `h`, its output projection in `br`.

@@ -13,7 +13,7 @@ use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::matvec::{self, Epilogue, MatvecOpts, Prologue};
-use crate::gpu::moe::{routed_ffn, ExpertStacks, FfnBufs, Picks};
+use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
@@ -22,6 +22,7 @@ use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
 use crate::models::runtime::link::Link;
+use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
@@ -596,7 +597,7 @@ impl GpuModel {
                     // The router and the experts read normed rows from `h`.
                     self.normed(&mut pass, n, &lw.ffn_norm, false, weighted)?;
                     let stacks = ExpertStacks { gate, up, down };
-                    self.moe(&mut pass, l, router, &stacks, n)?;
+                    self.moe(&mut pass, l, router, stacks, n)?;
                     weighted = false;
                 }
             }
@@ -628,77 +629,44 @@ impl GpuModel {
         head_logits(pass, &head, wants, top, prof)
     }
 
-    /// Layer `l`'s routed experts over the normed rows in `h`, added to the residual stream:
-    /// softmax top-k of f32 router logits (a near-tie must not flip on rounding), the
-    /// experts' unweighted rows, then their weighted sum in slot order (`moe`'s summation
-    /// contract, the same with and without offload).
+    /// Layer `l`'s routed experts over the normed rows in `h`, added to the residual stream
+    /// (`runtime::moe`: softmax top-k, SwiGLU experts).
     fn moe(
         &self,
         pass: &mut Pass<'_>,
         l: usize,
         router: &GpuTensor,
-        stacks: &ExpertStacks<'_>,
+        stacks: ExpertStacks<'_>,
         n: u32,
     ) -> Result<()> {
         let sc = &self.scratch;
         let m = self.hp.moe.as_ref().expect("MoE layer in a MoE model");
-        let (e, k) = (self.hp.n_embd as u32, m.n_used as u32);
-        let opts = MatvecOpts {
-            exact: true,
-            ..Default::default()
+        let layer = MoeLayer {
+            layer: l,
+            n_embd: self.hp.n_embd as u32,
+            n_expert: m.n_expert as u32,
+            k: m.n_used as u32,
+            router_w: router,
+            router: Router::Softmax {
+                renorm: m.norm_topk,
+            },
+            expert_scale: None,
+            glu: Glu::Swiglu(None),
+            stacks,
         };
-        matmul::matmul_opts(
-            pass,
-            router,
-            Operand::new(&sc.h, 0),
-            Operand::new(&sc.router, 0),
-            n,
-            &opts,
-        )?;
-        topk::router_softmax_topk(
-            pass,
-            n,
-            m.n_expert as u32,
-            k,
-            m.norm_topk,
-            Operand::new(&sc.router, 0),
-            Operand::new(&sc.moe_ids, 0),
-            Operand::new(&sc.moe_w, 0),
-        )?;
-        let bufs = FfnBufs {
-            gate: &sc.f_gate,
-            up: &sc.f_up,
-            act: &sc.f_act,
-            out: &sc.moe_out,
+        let msc = MoeScratch {
+            logits: &sc.router,
+            ids: &sc.moe_ids,
+            weights: &sc.moe_w,
+            ffn: FfnBufs {
+                gate: &sc.f_gate,
+                up: &sc.f_up,
+                act: &sc.f_act,
+                out: &sc.moe_out,
+            },
+            route: sc.route.as_ref(),
         };
-        let mut combine = |p: &mut Pass<'_>| -> Result<()> {
-            ew::moe_combine(
-                p,
-                n,
-                e,
-                k,
-                Operand::new(&sc.x, 0),
-                Operand::new(&sc.moe_w, 0),
-                Operand::new(&sc.moe_out, 0),
-            )
-        };
-        match self.offload.as_ref().filter(|o| o.has_layer(l)) {
-            Some(off) => {
-                let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
-                off.hot_ffn(pass, l, &sc.h, n, &bufs, None)?;
-                off.cold_ffn(pass, cold, &bufs, None, Some(&mut combine))
-            }
-            None => {
-                let picks = Picks {
-                    ids: &sc.moe_ids,
-                    route: sc.route.as_ref().expect("route made for MoE models"),
-                    n,
-                    k,
-                };
-                routed_ffn(pass, stacks, &sc.h, &picks, &bufs, None)?;
-                combine(pass)
-            }
-        }
+        layer.run(pass, &msc, self.offload.as_ref(), (&sc.h, &sc.x), n)
     }
 
     /// Whether products of `n` tokens take fused activation loads and stores

@@ -12,16 +12,16 @@ use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
 use crate::gpu::matvec::MatvecOpts;
-use crate::gpu::moe::{routed_ffn_glu, ExpertStacks, FfnBufs, Glu, Picks};
+use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
-use crate::gpu::router::{self, ScoreFn, Select};
 use crate::gpu::topk::TopLogits;
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::link::Link;
+use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, RoundSeq};
 use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, read_f32, ModelFile, SeqState, Weight};
@@ -404,19 +404,17 @@ impl GpuModel {
         let output = up(W::Output, &[v, e])?;
         let output_norm = norm(W::OutputNorm, e)?;
         let rope_freqs = rope_freqs(file)?;
+        let src = LayerSrc {
+            gpu: &gpu,
+            file,
+            hp: &hp,
+            gated,
+            offloaded,
+            rope_freqs: rope_freqs.as_deref(),
+            put: &put,
+        };
         let layers = (0..hp.n_layer)
-            .map(|l| {
-                load_layer(
-                    &gpu,
-                    file,
-                    &hp,
-                    l,
-                    gated,
-                    offloaded,
-                    rope_freqs.as_deref(),
-                    &put,
-                )
-            })
+            .map(|l| load_layer(&src, l))
             .collect::<Result<Vec<_>>>()?;
         let mtp = match &draft {
             Some((df, dhp)) => Some(mtp::Mtp::load(&gpu, df, dhp, &hp, pass_rows, &put)?),
@@ -554,12 +552,7 @@ impl GpuModel {
         self.attention(pass, l, lw, slot, pos0, n)?;
         norm(pass, &lw.ffn_norm)?;
         if let Some(x) = &lw.experts {
-            let stacks = ExpertStacks {
-                gate: &x.gate,
-                up: &x.up,
-                down: &x.down,
-            };
-            self.moe(pass, l, &x.router, x.bias.as_ref(), &stacks, n)?;
+            self.moe(pass, l, x, n)?;
         }
         self.swiglu(pass, &lw.mlp, lw.g.clamp_shexp, n)
     }
@@ -652,79 +645,47 @@ impl GpuModel {
         linear(pass, &m.down, &sc.act, &sc.x, n, true)
     }
 
-    /// Block `l`'s routed experts over the normed rows in `h`, added to the residual
-    /// stream: f32 router logits (a near-tie must not flip on rounding), sigmoid scores,
-    /// top-k of score + bias, the experts' unweighted rows, then their weighted sum in slot
-    /// order (`moe`'s summation contract, the same with and without offload).
-    fn moe(
-        &self,
-        pass: &mut Pass<'_>,
-        l: usize,
-        router: &GpuTensor,
-        bias: Option<&GpuTensor>,
-        stacks: &ExpertStacks<'_>,
-        n: u32,
-    ) -> Result<()> {
+    /// Block `l`'s routed experts over the normed rows in `h`, added to the residual stream
+    /// (`runtime::moe`): sigmoid scores, top-k of score + bias, SwiGLU experts with Step's
+    /// clamp where the block has one.
+    fn moe(&self, pass: &mut Pass<'_>, l: usize, x: &Experts, n: u32) -> Result<()> {
         let sc = &self.scratch;
         let m = self.hp.moe.as_ref().expect("MoE block in a MoE model");
-        let (e, k) = (self.hp.n_embd as u32, m.n_used as u32);
-        let glu = match self.hp.layers[l].clamp_exp {
-            Some(limit) => Glu::SwigluActClamp(limit),
-            None => Glu::Swiglu(None),
+        let layer = MoeLayer {
+            layer: l,
+            n_embd: self.hp.n_embd as u32,
+            n_expert: m.n_expert as u32,
+            k: m.n_used as u32,
+            router_w: &x.router,
+            router: Router::Sigmoid {
+                bias: x.bias.as_ref(),
+                renorm: m.norm,
+                scale: m.scale,
+            },
+            expert_scale: None,
+            glu: match self.hp.layers[l].clamp_exp {
+                Some(limit) => Glu::SwigluActClamp(limit),
+                None => Glu::Swiglu(None),
+            },
+            stacks: ExpertStacks {
+                gate: &x.gate,
+                up: &x.up,
+                down: &x.down,
+            },
         };
-        let opts = MatvecOpts {
-            exact: true,
-            ..Default::default()
+        let msc = MoeScratch {
+            logits: &sc.router,
+            ids: &sc.moe_ids,
+            weights: &sc.moe_w,
+            ffn: FfnBufs {
+                gate: &sc.f_gate,
+                up: &sc.f_up,
+                act: &sc.f_act,
+                out: &sc.moe_out,
+            },
+            route: sc.route.as_ref(),
         };
-        let (x, y) = (Operand::new(&sc.h, 0), Operand::new(&sc.router, 0));
-        matmul::matmul_opts(pass, router, x, y, n, &opts)?;
-        router::route(
-            pass,
-            n,
-            m.n_expert as u32,
-            k,
-            ScoreFn::Sigmoid,
-            Select::TopK { bias },
-            m.norm,
-            m.scale,
-            Operand::new(&sc.router, 0),
-            Operand::new(&sc.moe_ids, 0),
-            Operand::new(&sc.moe_w, 0),
-        )?;
-        let bufs = FfnBufs {
-            gate: &sc.f_gate,
-            up: &sc.f_up,
-            act: &sc.f_act,
-            out: &sc.moe_out,
-        };
-        let mut combine = |p: &mut Pass<'_>| -> Result<()> {
-            ew::moe_combine(
-                p,
-                n,
-                e,
-                k,
-                Operand::new(&sc.x, 0),
-                Operand::new(&sc.moe_w, 0),
-                Operand::new(&sc.moe_out, 0),
-            )
-        };
-        match self.offload.as_ref().filter(|o| o.has_layer(l)) {
-            Some(off) => {
-                let cold = off.route(pass, l, &sc.moe_ids, &sc.h, n)?;
-                off.hot_ffn_glu(pass, l, &sc.h, n, &bufs, glu)?;
-                off.cold_ffn_glu(pass, cold, &bufs, glu, Some(&mut combine))
-            }
-            None => {
-                let picks = Picks {
-                    ids: &sc.moe_ids,
-                    route: sc.route.as_ref().expect("route made for MoE models"),
-                    n,
-                    k,
-                };
-                routed_ffn_glu(pass, stacks, &sc.h, &picks, &bufs, glu)?;
-                combine(pass)
-            }
-        }
+        layer.run(pass, &msc, self.offload.as_ref(), (&sc.h, &sc.x), n)
     }
 
     /// Block `l`'s attention over the normed rows in `h`, added to the residual stream:
@@ -893,19 +854,30 @@ impl GpuModel {
     }
 }
 
-/// Block `l` of `file` (geometry `hp.layers[l]`), each weight through `put`; its routed
-/// experts as stand-ins when `offloaded` (the arena holds them).
-#[allow(clippy::too_many_arguments)]
-fn load_layer(
-    gpu: &Gpu,
-    file: &ModelFile,
-    hp: &Hparams,
-    l: usize,
+/// Where [`load_layer`] reads blocks from: `file` (geometry `hp`), its attention gates
+/// required when `gated`, its routed experts as stand-ins when `offloaded` (the arena
+/// holds them), its llama3 divisors, each weight uploaded through `put`.
+struct LayerSrc<'a, 'f> {
+    gpu: &'a Gpu,
+    file: &'f ModelFile,
+    hp: &'a Hparams,
     gated: bool,
     offloaded: bool,
-    rope_freqs: Option<&[f32]>,
-    put: &dyn Fn(Weight<'_>) -> Result<GpuTensor>,
-) -> Result<Layer> {
+    rope_freqs: Option<&'a [f32]>,
+    put: &'a dyn Fn(Weight<'_>) -> Result<GpuTensor>,
+}
+
+/// Block `l` of `src` (geometry `hp.layers[l]`).
+fn load_layer(src: &LayerSrc<'_, '_>, l: usize) -> Result<Layer> {
+    let LayerSrc {
+        gpu,
+        file,
+        hp,
+        gated,
+        offloaded,
+        rope_freqs,
+        put,
+    } = *src;
     let up = |w: W, shape: &[u64]| put(Weight::Stored(shaped(file, w, shape)?));
     let norm = |w: W, n: u64| put(norm_weight(file, w, n)?);
     let (e, hd) = (hp.n_embd as u64, hp.head_dim as u64);

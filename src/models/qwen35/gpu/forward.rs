@@ -3,6 +3,7 @@
 
 use super::state::kv_shape;
 use super::*;
+use crate::gpu::router::RouterRows;
 
 impl GpuModel {
     pub(super) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -348,16 +349,15 @@ impl GpuModel {
             Some(p) => set.run_fused(pass, self.pre_x(Some(&p)), &sc.proj, n, Some(&p), None)?,
             None => set.run_opts(pass, &sc.h, &sc.proj, n, true)?,
         }
-        topk::router_softmax_topk(
-            pass,
-            n,
-            mp.n_expert as u32,
-            mp.n_used as u32,
-            mp.norm_topk,
-            self.col(set, 0),
-            Operand::new(&sc.moe_ids, 0),
-            Operand::new(&sc.moe_w, 0),
-        )?;
+        let rows = RouterRows {
+            n_tok: n,
+            n_exp: mp.n_expert as u32,
+            k: mp.n_used as u32,
+            logits: self.col(set, 0),
+            ids: Operand::new(&sc.moe_ids, 0),
+            weights: Operand::new(&sc.moe_w, 0),
+        };
+        topk::router_softmax_topk(pass, &rows, mp.norm_topk)?;
         Ok(set)
     }
 

@@ -132,7 +132,16 @@ impl Mtp {
         let l = dhp.n_layer;
         let gated = Hparams::gated(file)?;
         let freqs = rope_freqs(file)?;
-        let layer = load_layer(gpu, file, dhp, l, gated, false, freqs.as_deref(), put)?;
+        let src = LayerSrc {
+            gpu,
+            file,
+            hp: dhp,
+            gated,
+            offloaded: false,
+            rope_freqs: freqs.as_deref(),
+            put,
+        };
+        let layer = load_layer(&src, l)?;
         let (e, v) = (hp.n_embd as u64, hp.n_vocab as u64);
         let norm = |w: W| put(norm_weight(file, w, e)?);
         let has = |w: W| file.tensor(&w.name(file)).is_some();
