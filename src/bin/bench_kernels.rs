@@ -397,13 +397,6 @@ fn bench_shape(
     tunes: &[Option<Tune>],
     variants: &[&'static [(&'static str, &'static str)]],
 ) -> Result<()> {
-    let Run {
-        total,
-        passes,
-        stream,
-    } = *run;
-    let nt = args.tokens;
-    let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
     for name in args.types.split(',') {
         let Some(dt) = DType::from_name(name.trim()) else {
             eprintln!("unknown type {name}");
@@ -414,329 +407,298 @@ fn bench_shape(
             eprintln!("{dt}: {rows}x{cols} not supported");
             continue;
         }
-        let n_mat = total.div_ceil(one).max(1);
+        let n_mat = run.total.div_ceil(one).max(1);
         let t0 = Instant::now();
         let ws: Vec<GpuTensor> = (0..n_mat)
             .map(|i| make_weight(gpu, dt, rows, cols, 7 + i))
             .collect::<Result<_>>()?;
-        let x = gpu.upload_f32(&vec![0.01; (cols * nt as u64) as usize], "x")?;
-        let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
-        let nw = gpu.upload_f32(&vec![1.0; cols as usize], "nw")?;
-        let norm = matvec::Prologue::RmsNorm {
-            w: &nw,
-            eps: 1e-6,
-            keep: None,
-        };
         gpu.wait()?;
-        let setup = t0.elapsed();
-        let modes: &[bool] = if args.int8_x && matvec::int8_x_supported(dt) {
-            &[false, true]
-        } else {
-            &[false]
+        let m = Matrices {
+            dt,
+            rows,
+            cols,
+            one,
+            ws,
+            setup: t0.elapsed(),
         };
-        for ((tune, defines), &int8_x) in tunes
-            .iter()
-            .filter(|_| !args.no_matvec)
-            .flat_map(|t| variants.iter().map(move |v| (t, *v)))
-            .flat_map(|tv| modes.iter().map(move |m| (tv, m)))
-        {
-            let opts = MatvecOpts {
-                tune: *tune,
-                defines,
-                int8_x,
-                ..Default::default()
-            };
-            let per_pass = if cpu {
-                n_mat as usize
-            } else {
-                (64 / n_mat as usize).max(2) * n_mat as usize
-            };
-            let mut rec = |pass: &mut Pass<'_>| {
-                for i in 0..per_pass {
-                    let w = &ws[i % ws.len()];
-                    if args.norm && !int8_x {
-                        let o = MatvecOpts {
-                            defines: &[],
-                            ..opts
-                        };
-                        matvec::matvec_pro(
-                            pass,
-                            w,
-                            Operand::new(&x, 0),
-                            Operand::new(&y, 0),
-                            nt,
-                            &o,
-                            &norm,
-                        )?;
-                    } else {
-                        matvec::matvec_opts(
-                            pass,
-                            w,
-                            Operand::new(&x, 0),
-                            Operand::new(&y, 0),
-                            nt,
-                            &opts,
-                        )?;
-                    }
-                }
-                Ok(())
-            };
-            let (s, wall) = time_passes(gpu, passes, &mut rec)?;
-            let (s, wall) = (s / per_pass as f64, wall / per_pass as f64);
-            let gbs = one as f64 / s / 1e9;
-            let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
-            println!(
-                "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {}{} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream  (wall {:.1} us, setup {:.1?})",
-                dt.name(),
-                (one * n_mat) >> 20,
-                tune.map(|t| format!("wg{}x{}{}", t.wg, t.rows, t.lanes.map(|l| format!("x{l}")).unwrap_or_default())).unwrap_or_else(|| "auto".into()),
-                if int8_x { " int8-x" } else if args.norm { " norm" } else { "" },
-                dl.join(","),
-                s * 1e6,
-                gbs,
-                100.0 * gbs / stream,
-                wall * 1e6,
-                setup
-            );
-            if int8_x {
-                // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
-                let mut qx = matvec::QuantX::new(gpu, 2 * nt, cols as u32)?;
-                let mut rec = |pass: &mut Pass<'_>| {
-                    matvec::quantize_x2(pass, Operand::new(&x, 0), nt, cols as u32, &mut qx)?;
-                    for i in 0..per_pass {
-                        matvec::matvec_q8x(
-                            pass,
-                            &ws[i % ws.len()],
-                            &qx,
-                            Operand::new(&y, 0),
-                            &opts,
-                        )?;
-                    }
-                    Ok(())
-                };
-                let (s, _) = time_passes(gpu, passes, &mut rec)?;
-                let s = s / per_pass as f64;
-                let gbs = one as f64 / s / 1e9;
-                println!(
-                    "{:<6} {rows}x{cols} nt{nt} int8-x product only (x quantized once per {per_pass}): {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream",
-                    dt.name(),
-                    s * 1e6,
-                    gbs,
-                    100.0 * gbs / stream
-                );
-            }
+        if !args.no_matvec {
+            bench_matvec(gpu, args, &m, run, tunes, variants)?;
         }
         if args.prefill > 0 {
-            let np = args.prefill;
-            let xp = gpu.upload_f32(&vec![0.01; (cols * np as u64) as usize], "xp")?;
-            let yp = gpu.buffer(rows * 4 * np as u64, "yp")?;
-            let per_pass = if cpu { 1 } else { 8 };
-            let mut kinds = vec![("tiled", parse_variant("-"))];
-            if matmul::int8_supported(dt) {
-                kinds.push(("int8", parse_variant("-")));
-                kinds.push(("int8x2", parse_variant("-")));
-            }
-            if coopmat::usable(gpu, dt).is_some() {
-                kinds.extend(variants.iter().map(|v| ("coop", *v)));
-                kinds.extend(variants.iter().map(|v| ("split", *v)));
-                kinds.push(("splitx", parse_variant("-")));
-            }
-            for (kind, defines) in kinds {
-                let o = MatvecOpts {
-                    defines,
-                    ..Default::default()
-                };
-                let mut rec = |pass: &mut Pass<'_>| {
-                    for i in 0..per_pass {
-                        let w = &ws[i % ws.len()];
-                        match kind {
-                            "coop" => coopmat::matmul_coop(
-                                pass,
-                                F16,
-                                w,
-                                Operand::new(&xp, 0),
-                                Operand::new(&yp, 0),
-                                np,
-                                &o,
-                            )?,
-                            "split" => coopmat::matmul_coop(
-                                pass,
-                                SPLIT,
-                                w,
-                                Operand::new(&xp, 0),
-                                Operand::new(&yp, 0),
-                                np,
-                                &o,
-                            )?,
-                            "splitx" => coopmat::matmul_coop(
-                                pass,
-                                SPLITX,
-                                w,
-                                Operand::new(&xp, 0),
-                                Operand::new(&yp, 0),
-                                np,
-                                &o,
-                            )?,
-                            "int8" => matmul::matmul_int8(
-                                pass,
-                                I8,
-                                w,
-                                Operand::new(&xp, 0),
-                                Operand::new(&yp, 0),
-                                np,
-                                &o,
-                            )?,
-                            "int8x2" => matmul::matmul_int8(
-                                pass,
-                                I8X2,
-                                w,
-                                Operand::new(&xp, 0),
-                                Operand::new(&yp, 0),
-                                np,
-                                &o,
-                            )?,
-                            _ => matmul::matmul_tiled(
-                                pass,
-                                w,
-                                Operand::new(&xp, 0),
-                                Operand::new(&yp, 0),
-                                np,
-                                &o,
-                            )?,
-                        }
-                    }
-                    Ok(())
-                };
-                let s = time_passes(gpu, passes, &mut rec)?.0 / per_pass as f64;
-                let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
-                let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
-                println!(
-                    "{:<6} {rows}x{cols} prefill {np} tokens {kind:>6} {}: {:8.3} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
-                    dt.name(),
-                    dl.join(","),
-                    s * 1e3,
-                    gflops,
-                    np as f64 / s
-                );
-            }
+            bench_prefill(gpu, args.prefill, &m, run, variants)?;
         }
-
         for nb in args
             .batch
             .split(',')
             .filter_map(|v| v.trim().parse::<u32>().ok())
         {
-            let xb = gpu.upload_f32(&vec![0.01; (cols * nb as u64) as usize], "xb")?;
-            let yb = gpu.buffer(rows * 4 * nb as u64, "yb")?;
-            let per_pass = if cpu { 1 } else { 16 };
-            let mut line = format!("{:<6} {rows}x{cols} batch {nb:>3}:", dt.name());
-            // (label, kind, opts)
-            let mut kinds: Vec<(String, &str, MatvecOpts)> = Vec::new();
-            for tune in tunes {
-                let label = tune.map_or("multi".to_string(), |t| {
-                    format!("multi-{}x{}", t.wg, t.rows)
-                });
-                let o = MatvecOpts {
-                    tune: *tune,
-                    ..Default::default()
-                };
-                kinds.push((label, "multi", o));
-            }
-            kinds.push(("matvec".into(), "matvec", MatvecOpts::default()));
-            if args.int8_x && matvec::int8_x_supported(dt) {
-                let o = MatvecOpts {
-                    int8_x: true,
-                    ..Default::default()
-                };
-                kinds.push(("multi-i8".into(), "multi", o));
-                kinds.push(("matvec-i8".into(), "matvec", o));
-            }
-            kinds.push(("tiled".into(), "tiled", MatvecOpts::default()));
-            if matmul::int8_supported(dt) {
-                kinds.push(("int8".into(), "int8", MatvecOpts::default()));
-                kinds.push(("int8x2".into(), "int8x2", MatvecOpts::default()));
-            }
-            if coopmat::usable(gpu, dt).is_some() {
-                kinds.push(("coop".into(), "coop", MatvecOpts::default()));
-                kinds.push(("split".into(), "split", MatvecOpts::default()));
-            }
-            for (label, kind, o) in &kinds {
-                let mut rec = |pass: &mut Pass<'_>| {
-                    for i in 0..per_pass {
-                        let w = &ws[i % ws.len()];
-                        match *kind {
-                            "multi" => matvec::matvec_multi(
-                                pass,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                            "int8" => matmul::matmul_int8(
-                                pass,
-                                I8,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                            "int8x2" => matmul::matmul_int8(
-                                pass,
-                                I8X2,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                            "matvec" => matvec::matvec_opts(
-                                pass,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                            "coop" => coopmat::matmul_coop(
-                                pass,
-                                F16,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                            "split" => coopmat::matmul_coop(
-                                pass,
-                                SPLIT,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                            _ => matmul::matmul_tiled(
-                                pass,
-                                w,
-                                Operand::new(&xb, 0),
-                                Operand::new(&yb, 0),
-                                nb,
-                                o,
-                            )?,
-                        }
-                    }
-                    Ok(())
-                };
-                let s = time_passes(gpu, passes, &mut rec)?.0 / per_pass as f64;
-                let gbs = one as f64 / s / 1e9;
-                line += &format!("  {label} {:8.1} us {gbs:6.0} GB/s", s * 1e6);
-            }
-            println!("{line}");
+            bench_batch(gpu, args, nb, &m, run, tunes)?;
         }
     }
     Ok(())
+}
+
+/// The copies of one weight matrix every measurement of a type cycles through.
+struct Matrices {
+    dt: DType,
+    rows: u64,
+    cols: u64,
+    /// Bytes of one copy.
+    one: u64,
+    ws: Vec<GpuTensor>,
+    /// How long making and uploading them took.
+    setup: std::time::Duration,
+}
+
+/// A product `bench_kernels` times: which kernel, with what precision.
+#[derive(Clone, Copy)]
+enum Product {
+    /// `matvec_opts`: one token group per workgroup row set.
+    Matvec,
+    /// `matvec_multi`: several token rows per weight read.
+    Multi,
+    Tiled,
+    Int8(matmul::Int8Levels),
+    Coop(coopmat::Precision),
+}
+
+impl Product {
+    /// `y[n, rows] = x[n, cols] · wᵀ` with this kernel.
+    fn record(
+        self,
+        pass: &mut Pass<'_>,
+        w: &GpuTensor,
+        (x, y): (&wgpu::Buffer, &wgpu::Buffer),
+        n: u32,
+        o: &MatvecOpts,
+    ) -> Result<()> {
+        let (x, y) = (Operand::new(x, 0), Operand::new(y, 0));
+        match self {
+            Product::Matvec => matvec::matvec_opts(pass, w, x, y, n, o),
+            Product::Multi => matvec::matvec_multi(pass, w, x, y, n, o),
+            Product::Tiled => matmul::matmul_tiled(pass, w, x, y, n, o),
+            Product::Int8(levels) => matmul::matmul_int8(pass, levels, w, x, y, n, o),
+            Product::Coop(p) => coopmat::matmul_coop(pass, p, w, x, y, n, o),
+        }
+    }
+}
+
+/// Decode products of `args.tokens` rows: every tune x variant (x int8-x with
+/// `--int8-x`), with the RMSNorm prologue under `--norm`.
+fn bench_matvec(
+    gpu: &Gpu,
+    args: &Args,
+    m: &Matrices,
+    run: &Run,
+    tunes: &[Option<Tune>],
+    variants: &[&'static [(&'static str, &'static str)]],
+) -> Result<()> {
+    let (dt, rows, cols, one) = (m.dt, m.rows, m.cols, m.one);
+    let (nt, n_mat) = (args.tokens, m.ws.len());
+    let x = gpu.upload_f32(&vec![0.01; (cols * nt as u64) as usize], "x")?;
+    let y = gpu.buffer(rows * 4 * nt as u64, "y")?;
+    let nw = gpu.upload_f32(&vec![1.0; cols as usize], "nw")?;
+    let norm = matvec::Prologue::RmsNorm {
+        w: &nw,
+        eps: 1e-6,
+        keep: None,
+    };
+    let modes: &[bool] = if args.int8_x && matvec::int8_x_supported(dt) {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    // Enough products per timed pass to hide the submission's cost, every copy as often
+    // (on a CPU adapter each copy once, which is already slow).
+    let per_pass = match is_cpu(gpu) {
+        true => n_mat,
+        false => (64 / n_mat).max(2) * n_mat,
+    };
+    for ((tune, defines), &int8_x) in tunes
+        .iter()
+        .flat_map(|t| variants.iter().map(move |v| (t, *v)))
+        .flat_map(|tv| modes.iter().map(move |m| (tv, m)))
+    {
+        let opts = MatvecOpts {
+            tune: *tune,
+            defines,
+            int8_x,
+            ..Default::default()
+        };
+        let mut rec = |pass: &mut Pass<'_>| {
+            for w in m.ws.iter().cycle().take(per_pass) {
+                if args.norm && !int8_x {
+                    let o = MatvecOpts {
+                        defines: &[],
+                        ..opts
+                    };
+                    let (xo, yo) = (Operand::new(&x, 0), Operand::new(&y, 0));
+                    matvec::matvec_pro(pass, w, xo, yo, nt, &o, &norm)?;
+                } else {
+                    Product::Matvec.record(pass, w, (&x, &y), nt, &opts)?;
+                }
+            }
+            Ok(())
+        };
+        let (s, wall) = time_passes(gpu, run.passes, &mut rec)?;
+        let (s, wall) = (s / per_pass as f64, wall / per_pass as f64);
+        let gbs = one as f64 / s / 1e9;
+        println!(
+            "{:<6} {rows}x{cols} x{n_mat} ({} MB) nt{nt} {}{} {}: {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream  (wall {:.1} us, setup {:.1?})",
+            dt.name(),
+            (one * n_mat as u64) >> 20,
+            tune.map(|t| format!("wg{}x{}{}", t.wg, t.rows, t.lanes.map(|l| format!("x{l}")).unwrap_or_default())).unwrap_or_else(|| "auto".into()),
+            if int8_x { " int8-x" } else if args.norm { " norm" } else { "" },
+            define_list(defines),
+            s * 1e6,
+            gbs,
+            100.0 * gbs / run.stream,
+            wall * 1e6,
+            m.setup
+        );
+        if int8_x {
+            // the product alone: x quantized once per pass, as when q/k/v or gate/up share it
+            let mut qx = matvec::QuantX::new(gpu, 2 * nt, cols as u32)?;
+            let mut rec = |pass: &mut Pass<'_>| {
+                matvec::quantize_x2(pass, Operand::new(&x, 0), nt, cols as u32, &mut qx)?;
+                for w in m.ws.iter().cycle().take(per_pass) {
+                    matvec::matvec_q8x(pass, w, &qx, Operand::new(&y, 0), &opts)?;
+                }
+                Ok(())
+            };
+            let (s, _) = time_passes(gpu, run.passes, &mut rec)?;
+            let s = s / per_pass as f64;
+            let gbs = one as f64 / s / 1e9;
+            println!(
+                "{:<6} {rows}x{cols} nt{nt} int8-x product only (x quantized once per {per_pass}): {:8.1} us/matvec {:8.1} GB/s  {:5.1}% of stream",
+                dt.name(),
+                s * 1e6,
+                gbs,
+                100.0 * gbs / run.stream
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Prefill products of `np` rows: tiled, int8 where the type has it, and the
+/// cooperative-matrix kernels (every variant) where the adapter has them.
+fn bench_prefill(
+    gpu: &Gpu,
+    np: u32,
+    m: &Matrices,
+    run: &Run,
+    variants: &[&'static [(&'static str, &'static str)]],
+) -> Result<()> {
+    let (dt, rows, cols) = (m.dt, m.rows, m.cols);
+    let xp = gpu.upload_f32(&vec![0.01; (cols * np as u64) as usize], "xp")?;
+    let yp = gpu.buffer(rows * 4 * np as u64, "yp")?;
+    let per_pass = if is_cpu(gpu) { 1 } else { 8 };
+    let plain = parse_variant("-");
+    let mut kinds = vec![("tiled", Product::Tiled, plain)];
+    if matmul::int8_supported(dt) {
+        kinds.push(("int8", Product::Int8(I8), plain));
+        kinds.push(("int8x2", Product::Int8(I8X2), plain));
+    }
+    if coopmat::usable(gpu, dt).is_some() {
+        kinds.extend(variants.iter().map(|v| ("coop", Product::Coop(F16), *v)));
+        kinds.extend(variants.iter().map(|v| ("split", Product::Coop(SPLIT), *v)));
+        kinds.push(("splitx", Product::Coop(SPLITX), plain));
+    }
+    for (kind, product, defines) in kinds {
+        let o = MatvecOpts {
+            defines,
+            ..Default::default()
+        };
+        let mut rec = |pass: &mut Pass<'_>| {
+            for w in m.ws.iter().cycle().take(per_pass) {
+                product.record(pass, w, (&xp, &yp), np, &o)?;
+            }
+            Ok(())
+        };
+        let s = time_passes(gpu, run.passes, &mut rec)?.0 / per_pass as f64;
+        let gflops = 2.0 * (rows * cols) as f64 * np as f64 / s / 1e9;
+        println!(
+            "{:<6} {rows}x{cols} prefill {np} tokens {kind:>6} {}: {:8.3} ms  {:8.1} GFLOP/s  {:6.0} tok/s",
+            dt.name(),
+            define_list(defines),
+            s * 1e3,
+            gflops,
+            np as f64 / s
+        );
+    }
+    Ok(())
+}
+
+/// Every product kernel on a batch of `nb` rows (a server round's decode rows), on one line.
+fn bench_batch(
+    gpu: &Gpu,
+    args: &Args,
+    nb: u32,
+    m: &Matrices,
+    run: &Run,
+    tunes: &[Option<Tune>],
+) -> Result<()> {
+    let (dt, rows, cols) = (m.dt, m.rows, m.cols);
+    let xb = gpu.upload_f32(&vec![0.01; (cols * nb as u64) as usize], "xb")?;
+    let yb = gpu.buffer(rows * 4 * nb as u64, "yb")?;
+    let per_pass = if is_cpu(gpu) { 1 } else { 16 };
+    let mut line = format!("{:<6} {rows}x{cols} batch {nb:>3}:", dt.name());
+    let plain = MatvecOpts::default();
+    let mut kinds: Vec<(String, Product, MatvecOpts)> = tunes
+        .iter()
+        .map(|tune| {
+            let label = tune.map_or("multi".to_string(), |t| {
+                format!("multi-{}x{}", t.wg, t.rows)
+            });
+            let o = MatvecOpts {
+                tune: *tune,
+                ..Default::default()
+            };
+            (label, Product::Multi, o)
+        })
+        .collect();
+    kinds.push(("matvec".into(), Product::Matvec, plain));
+    if args.int8_x && matvec::int8_x_supported(dt) {
+        let o = MatvecOpts {
+            int8_x: true,
+            ..Default::default()
+        };
+        kinds.push(("multi-i8".into(), Product::Multi, o));
+        kinds.push(("matvec-i8".into(), Product::Matvec, o));
+    }
+    kinds.push(("tiled".into(), Product::Tiled, plain));
+    if matmul::int8_supported(dt) {
+        kinds.push(("int8".into(), Product::Int8(I8), plain));
+        kinds.push(("int8x2".into(), Product::Int8(I8X2), plain));
+    }
+    if coopmat::usable(gpu, dt).is_some() {
+        kinds.push(("coop".into(), Product::Coop(F16), plain));
+        kinds.push(("split".into(), Product::Coop(SPLIT), plain));
+    }
+    for (label, product, o) in &kinds {
+        let mut rec = |pass: &mut Pass<'_>| {
+            for w in m.ws.iter().cycle().take(per_pass) {
+                product.record(pass, w, (&xb, &yb), nb, o)?;
+            }
+            Ok(())
+        };
+        let s = time_passes(gpu, run.passes, &mut rec)?.0 / per_pass as f64;
+        let gbs = m.one as f64 / s / 1e9;
+        line += &format!("  {label} {:8.1} us {gbs:6.0} GB/s", s * 1e6);
+    }
+    println!("{line}");
+    Ok(())
+}
+
+fn is_cpu(gpu: &Gpu) -> bool {
+    gpu.info.device_type == wgpu::DeviceType::Cpu
+}
+
+/// `NAME=VALUE,...` of a variant's defines.
+fn define_list(defines: &[(&str, &str)]) -> String {
+    let dl: Vec<String> = defines.iter().map(|(n, v)| format!("{n}={v}")).collect();
+    dl.join(",")
 }
 
 /// One bare tile of the kernel lab (`--lab`): f16 x f16 -> f32 cooperative products of
