@@ -436,30 +436,7 @@ const MAX_PARALLEL: usize = 256;
 
 /// Loads `path` and measures it.
 pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
-    if opts.reps == 0 {
-        return Err(Error::Invalid("-r: at least one repetition".into()));
-    }
-    if opts.n_prompt == 0 && opts.n_gen == 0 {
-        return Err(Error::Invalid(
-            "nothing to measure: -p and -n are both 0".into(),
-        ));
-    }
-    if opts.parallel == 0 || opts.parallel > MAX_PARALLEL {
-        return Err(Error::Invalid(format!(
-            "--parallel {}: 1..={MAX_PARALLEL} sequences",
-            opts.parallel
-        )));
-    }
-    if opts.draft_model.is_some() && opts.spec.is_none() {
-        return Err(Error::Invalid(
-            "--draft-model drafts for --spec draft".into(),
-        ));
-    }
-    if opts.parallel > 1 && (opts.spec.is_some() || opts.timeline) {
-        return Err(Error::Invalid(
-            "--parallel decodes several sequences without speculation or a timeline".into(),
-        ));
-    }
+    check(opts)?;
     let file = crate::model_file::ModelFile::open(path)?;
     let arch = file.architecture()?;
     drop(file);
@@ -471,28 +448,7 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
     let t0 = Instant::now();
     let mut e = Engine::load(path, &load_opts)?;
     let load_s = t0.elapsed().as_secs_f64();
-    // The draft model as `lathe run` loads it: the model's adapter, kernels and context; a
-    // sequence for the timed generation and one for its step's cost.
-    let spec = match (&opts.spec, &opts.draft_model) {
-        (Some(so), Some(dp)) => {
-            let d = Engine::load(
-                dp,
-                &LoadOptions {
-                    max_seqs: 2,
-                    save_expert_stats: None,
-                    collect_expert_stats: false,
-                    progress: None,
-                    ..load_opts.clone()
-                },
-            )
-            .map_err(|err| Error::Invalid(format!("--draft-model {}: {err}", dp.display())))?;
-            Some(crate::spec::SpecOptions {
-                draft_model: Some(crate::spec::DraftModel::new(d)),
-                ..so.clone()
-            })
-        }
-        (so, _) => so.clone(),
-    };
+    let spec = spec_options(opts, &load_opts)?;
     let vocab = e.vocab_size();
     let mut ids = Ids(opts.seed ^ 0x006c_6174_6865);
     let mut seq = e.new_seq()?;
@@ -530,146 +486,62 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
                 .map(|d| d.0.lock().unwrap_or_else(|p| p.into_inner()).gpu.clone()),
         )
         .collect();
-    let mut compiled_while_timed = 0;
-
-    let fill = |e: &mut Engine, seq: &mut crate::engine::Seq, ids: &mut Ids| -> Result<()> {
-        e.reset(seq)?;
-        let mut left = opts.depth;
-        while left > 0 {
-            let n = left.min(FILL_CHUNK);
-            e.forward(seq, &ids.take(n, vocab), false)?;
-            left -= n;
-        }
-        Ok(())
-    };
     e.gpu.take_matmul();
-    let mut hops = e.hops().map(|h| Hops {
+    let mut t = Timed {
+        opts,
+        e,
+        seq,
+        others,
+        ids,
+        vocab,
+        gpus,
+        compiled: 0,
+    };
+    let mut hops = t.e.hops().map(|h| Hops {
         devices: h.devices,
         prefill: None,
         decode: None,
     });
-    let prefill = if opts.n_prompt > 0 {
-        let mut secs = Vec::with_capacity(opts.reps);
-        let mut crossed = crate::models::chain::HopReport::default();
-        for _ in 0..opts.reps {
-            fill(&mut e, &mut seq, &mut ids)?;
-            let t = ids.take(opts.n_prompt, vocab);
-            let before = e.hops();
-            let c0 = compiled(&gpus);
-            let s = Instant::now();
-            e.forward(&mut seq, &t, false)?;
-            secs.push(s.elapsed().as_secs_f64());
-            compiled_while_timed += compiled(&gpus) - c0;
-            if let (Some(a), Some(b)) = (e.hops(), before) {
-                crossed = crossed.plus(&a.since(&b));
+    let prefill = match opts.n_prompt {
+        0 => None,
+        _ => {
+            let (stat, crossed) = t.prefill()?;
+            if let Some(h) = &mut hops {
+                h.prefill = Some(HopStep::new(&crossed, opts.reps));
             }
+            Some(stat)
         }
-        if let Some(h) = &mut hops {
-            h.prefill = Some(HopStep::new(&crossed, opts.reps));
-        }
-        Some(Stat::new(opts.n_prompt, &secs))
-    } else {
-        None
     };
-    let matmul = e.gpu.take_matmul().name();
+    let matmul = t.e.gpu.take_matmul().name();
     let mut host_ns = 0u64;
     let mut spec_report = None;
-    let decode = if let (true, Some(so)) = (opts.n_gen > 0, &spec) {
-        let mut secs = Vec::with_capacity(opts.reps);
-        let mut total = crate::spec::SpecStats::default();
-        for _ in 0..opts.reps {
-            fill(&mut e, &mut seq, &mut ids)?;
-            let first = ids.take(1, vocab)[0];
-            let c0 = compiled(&gpus);
-            let s = Instant::now();
-            let (st, _) = crate::spec::greedy_run(&mut e, &mut seq, first, opts.n_gen, so)?;
-            secs.push(s.elapsed().as_secs_f64());
-            compiled_while_timed += compiled(&gpus) - c0;
-            total.drafted += st.drafted;
-            total.accepted += st.accepted;
-            total.verify_passes += st.verify_passes;
-            total.tokens += st.tokens;
+    let decode = match (opts.n_gen, &spec) {
+        (0, _) => None,
+        (_, Some(so)) => {
+            let (stat, report) = t.spec_decode(so)?;
+            spec_report = Some(report);
+            Some(stat)
         }
-        let tok = ids.take(1, vocab)[0];
-        spec_report = Some((
-            total,
-            crate::spec::step_costs(
-                &mut e,
-                &mut seq,
-                tok,
-                opts.reps * 4,
-                so.draft_model.as_ref(),
-            )?,
-        ));
-        Some(Stat::new(opts.n_gen, &secs))
-    } else if opts.n_gen > 0 {
-        let mut secs = Vec::with_capacity(opts.reps);
-        let mut crossed = crate::models::chain::HopReport::default();
-        for _ in 0..opts.reps {
-            fill(&mut e, &mut seq, &mut ids)?;
-            for o in &mut others {
-                fill(&mut e, o, &mut ids)?;
+        (_, None) => {
+            let (stat, crossed, ns) = t.decode()?;
+            host_ns = ns;
+            if let Some(h) = &mut hops {
+                h.decode = Some(HopStep::new(&crossed, opts.reps * opts.n_gen));
             }
-            let t = ids.take(opts.n_gen * opts.parallel, vocab);
-            let h0 = e.gpu.host_ns();
-            let before = e.hops();
-            let c0 = compiled(&gpus);
-            let s = Instant::now();
-            for step in t.chunks(opts.parallel) {
-                batch_step(&mut e, &mut seq, &mut others, step)?;
-            }
-            secs.push(s.elapsed().as_secs_f64());
-            compiled_while_timed += compiled(&gpus) - c0;
-            host_ns += e.gpu.host_ns() - h0;
-            if let (Some(a), Some(b)) = (e.hops(), before) {
-                crossed = crossed.plus(&a.since(&b));
-            }
+            Some(stat)
         }
-        if let Some(h) = &mut hops {
-            h.decode = Some(HopStep::new(&crossed, opts.reps * opts.n_gen));
-        }
-        Some(Stat::new(opts.n_gen * opts.parallel, &secs))
-    } else {
-        None
     };
     // per decode step (a step decodes one token of each sequence)
     let host_us_per_token =
         (opts.n_gen > 0).then(|| host_ns as f64 / 1e3 / (opts.n_gen * opts.reps) as f64);
-    // One more decode step with a timestamp pair around every dispatch.
-    let kernels = if opts.n_gen > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
-        let t = ids.take(opts.parallel, vocab);
-        match e.profile_batch(&mut batch(&mut seq, &mut others, &t)) {
-            Ok(k) => Some(aggregate(&k)),
-            Err(err) => {
-                eprintln!("note: no per-kernel breakdown: {err}");
-                None
-            }
-        }
-    } else {
-        None
-    };
-    // One more decode step with the offload's per-layer timeline.
-    let timeline = if opts.timeline && opts.n_gen > 0 {
-        let tok = ids.take(1, vocab)[0];
-        Some(e.timeline_step(&mut seq, tok)?)
-    } else {
-        None
-    };
-    // One more prefill, each dispatch timed.
-    let prefill_kernels =
-        if opts.n_prompt > 0 && e.gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
-            fill(&mut e, &mut seq, &mut ids)?;
-            let t = ids.take(opts.n_prompt, vocab);
-            match e.profile_prefill(&mut seq, &t) {
-                Ok(k) => Some(aggregate(&k)),
-                Err(err) => {
-                    eprintln!("note: no per-kernel prefill breakdown: {err}");
-                    None
-                }
-            }
-        } else {
-            None
-        };
+    let (kernels, timeline, prefill_kernels) = t.profiles()?;
+    let Timed {
+        e,
+        seq,
+        others,
+        compiled: compiled_while_timed,
+        ..
+    } = t;
     drop(seq);
     drop(others);
     e.finish_expert_stats()?;
@@ -706,6 +578,250 @@ pub fn run(path: &Path, opts: &BenchOptions) -> Result<BenchReport> {
         timeline,
         hops,
     })
+}
+
+/// The options' ranges and combinations, before anything loads.
+fn check(opts: &BenchOptions) -> Result<()> {
+    if opts.reps == 0 {
+        return Err(Error::Invalid("-r: at least one repetition".into()));
+    }
+    if opts.n_prompt == 0 && opts.n_gen == 0 {
+        return Err(Error::Invalid(
+            "nothing to measure: -p and -n are both 0".into(),
+        ));
+    }
+    if opts.parallel == 0 || opts.parallel > MAX_PARALLEL {
+        return Err(Error::Invalid(format!(
+            "--parallel {}: 1..={MAX_PARALLEL} sequences",
+            opts.parallel
+        )));
+    }
+    if opts.draft_model.is_some() && opts.spec.is_none() {
+        return Err(Error::Invalid(
+            "--draft-model drafts for --spec draft".into(),
+        ));
+    }
+    if opts.parallel > 1 && (opts.spec.is_some() || opts.timeline) {
+        return Err(Error::Invalid(
+            "--parallel decodes several sequences without speculation or a timeline".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The speculation the options ask for, with the draft model loaded as `lathe run` loads
+/// it: the model's adapter, kernels and context; a sequence for the timed generation and
+/// one for its step's cost.
+fn spec_options(
+    opts: &BenchOptions,
+    load_opts: &LoadOptions,
+) -> Result<Option<crate::spec::SpecOptions>> {
+    let (Some(so), Some(dp)) = (&opts.spec, &opts.draft_model) else {
+        return Ok(opts.spec.clone());
+    };
+    let d = Engine::load(
+        dp,
+        &LoadOptions {
+            max_seqs: 2,
+            save_expert_stats: None,
+            collect_expert_stats: false,
+            progress: None,
+            ..load_opts.clone()
+        },
+    )
+    .map_err(|err| Error::Invalid(format!("--draft-model {}: {err}", dp.display())))?;
+    Ok(Some(crate::spec::SpecOptions {
+        draft_model: Some(crate::spec::DraftModel::new(d)),
+        ..so.clone()
+    }))
+}
+
+/// What [`Timed::profiles`] found: the decode step's kernels, the offload's timeline, the
+/// prefill's kernels.
+type Profiles = (
+    Option<Vec<KernelTime>>,
+    Option<Vec<crate::moe::LayerTimes>>,
+    Option<Vec<KernelTime>>,
+);
+
+/// A loaded and warmed-up engine with the sequences the timed tests run on.
+struct Timed<'o> {
+    opts: &'o BenchOptions,
+    e: Engine,
+    seq: Seq,
+    /// The other sequences of a batched decode test.
+    others: Vec<Seq>,
+    ids: Ids,
+    vocab: usize,
+    /// Every device the timed repetitions run on.
+    gpus: Vec<Arc<Gpu>>,
+    /// Pipelines compiled while timing (each one a stall the numbers include).
+    compiled: usize,
+}
+
+impl Timed<'_> {
+    /// `seq` emptied and filled to `--depth` positions.
+    fn fill(
+        e: &mut Engine,
+        seq: &mut Seq,
+        ids: &mut Ids,
+        depth: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        e.reset(seq)?;
+        let mut left = depth;
+        while left > 0 {
+            let n = left.min(FILL_CHUNK);
+            e.forward(seq, &ids.take(n, vocab), false)?;
+            left -= n;
+        }
+        Ok(())
+    }
+
+    fn fill_main(&mut self) -> Result<()> {
+        Timed::fill(
+            &mut self.e,
+            &mut self.seq,
+            &mut self.ids,
+            self.opts.depth,
+            self.vocab,
+        )
+    }
+
+    /// `--reps` prefills of `-p` tokens at `--depth`, and the device crossings they made.
+    fn prefill(&mut self) -> Result<(Stat, crate::models::chain::HopReport)> {
+        let opts = self.opts;
+        let mut secs = Vec::with_capacity(opts.reps);
+        let mut crossed = crate::models::chain::HopReport::default();
+        for _ in 0..opts.reps {
+            self.fill_main()?;
+            let t = self.ids.take(opts.n_prompt, self.vocab);
+            let before = self.e.hops();
+            let c0 = compiled(&self.gpus);
+            let s = Instant::now();
+            self.e.forward(&mut self.seq, &t, false)?;
+            secs.push(s.elapsed().as_secs_f64());
+            self.compiled += compiled(&self.gpus) - c0;
+            if let (Some(a), Some(b)) = (self.e.hops(), before) {
+                crossed = crossed.plus(&a.since(&b));
+            }
+        }
+        Ok((Stat::new(opts.n_prompt, &secs), crossed))
+    }
+
+    /// `--reps` greedy speculative generations of `-n` tokens, and one step's costs.
+    fn spec_decode(
+        &mut self,
+        so: &crate::spec::SpecOptions,
+    ) -> Result<(Stat, (crate::spec::SpecStats, crate::spec::StepCosts))> {
+        let opts = self.opts;
+        let mut secs = Vec::with_capacity(opts.reps);
+        let mut total = crate::spec::SpecStats::default();
+        for _ in 0..opts.reps {
+            self.fill_main()?;
+            let first = self.ids.take(1, self.vocab)[0];
+            let c0 = compiled(&self.gpus);
+            let s = Instant::now();
+            let (st, _) =
+                crate::spec::greedy_run(&mut self.e, &mut self.seq, first, opts.n_gen, so)?;
+            secs.push(s.elapsed().as_secs_f64());
+            self.compiled += compiled(&self.gpus) - c0;
+            total.drafted += st.drafted;
+            total.accepted += st.accepted;
+            total.verify_passes += st.verify_passes;
+            total.tokens += st.tokens;
+        }
+        let tok = self.ids.take(1, self.vocab)[0];
+        let costs = crate::spec::step_costs(
+            &mut self.e,
+            &mut self.seq,
+            tok,
+            opts.reps * 4,
+            so.draft_model.as_ref(),
+        )?;
+        Ok((Stat::new(opts.n_gen, &secs), (total, costs)))
+    }
+
+    /// `--reps` decodes of `-n` steps of every sequence: the tokens, the device crossings
+    /// and the host time (ns) of the steps.
+    fn decode(&mut self) -> Result<(Stat, crate::models::chain::HopReport, u64)> {
+        let opts = self.opts;
+        let mut secs = Vec::with_capacity(opts.reps);
+        let mut crossed = crate::models::chain::HopReport::default();
+        let mut host_ns = 0;
+        for _ in 0..opts.reps {
+            self.fill_main()?;
+            for o in &mut self.others {
+                Timed::fill(&mut self.e, o, &mut self.ids, opts.depth, self.vocab)?;
+            }
+            let t = self.ids.take(opts.n_gen * opts.parallel, self.vocab);
+            let h0 = self.e.gpu.host_ns();
+            let before = self.e.hops();
+            let c0 = compiled(&self.gpus);
+            let s = Instant::now();
+            for step in t.chunks(opts.parallel) {
+                batch_step(&mut self.e, &mut self.seq, &mut self.others, step)?;
+            }
+            secs.push(s.elapsed().as_secs_f64());
+            self.compiled += compiled(&self.gpus) - c0;
+            host_ns += self.e.gpu.host_ns() - h0;
+            if let (Some(a), Some(b)) = (self.e.hops(), before) {
+                crossed = crossed.plus(&a.since(&b));
+            }
+        }
+        Ok((
+            Stat::new(opts.n_gen * opts.parallel, &secs),
+            crossed,
+            host_ns,
+        ))
+    }
+
+    /// After the timed tests: one decode step with a timestamp pair around every dispatch,
+    /// one with the offload's per-layer timeline (`--timeline`), one prefill with every
+    /// dispatch timed; each only where the tests ran and the adapter can.
+    fn profiles(&mut self) -> Result<Profiles> {
+        let opts = self.opts;
+        let stamps = self
+            .e
+            .gpu
+            .features
+            .contains(wgpu::Features::TIMESTAMP_QUERY);
+        let kernels = if opts.n_gen > 0 && stamps {
+            let t = self.ids.take(opts.parallel, self.vocab);
+            match self
+                .e
+                .profile_batch(&mut batch(&mut self.seq, &mut self.others, &t))
+            {
+                Ok(k) => Some(aggregate(&k)),
+                Err(err) => {
+                    eprintln!("note: no per-kernel breakdown: {err}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let timeline = if opts.timeline && opts.n_gen > 0 {
+            let tok = self.ids.take(1, self.vocab)[0];
+            Some(self.e.timeline_step(&mut self.seq, tok)?)
+        } else {
+            None
+        };
+        let prefill_kernels = if opts.n_prompt > 0 && stamps {
+            self.fill_main()?;
+            let t = self.ids.take(opts.n_prompt, self.vocab);
+            match self.e.profile_prefill(&mut self.seq, &t) {
+                Ok(k) => Some(aggregate(&k)),
+                Err(err) => {
+                    eprintln!("note: no per-kernel prefill breakdown: {err}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Ok((kernels, timeline, prefill_kernels))
+    }
 }
 
 /// Pipelines compiled so far on `gpus`.
