@@ -465,11 +465,71 @@ impl Tiles {
     }
 }
 
-/// Record one attention call (one dispatch, plus the combine when split).
-pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
+#[derive(PartialEq, Eq, Hash)]
+/// The pipeline of [`attention`]'s main dispatch.
+struct Attend {
+    kv: KvType,
+    /// Head width.
+    hd: u32,
+    br: u32,
+    tpr: u32,
+    bk: u32,
+}
+impl super::PipelineKey for Attend {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        "attend"
+    }
+    fn label(&self) -> String {
+        let Attend {
+            kv,
+            hd,
+            br,
+            tpr,
+            bk,
+        } = self;
+        format!(
+            "attention_attend_{}_hd{hd}_br{br}_tpr{tpr}_bk{bk}",
+            kv.name()
+        )
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        spec.define("ATTEND", "true")
+            .define("KV_F16", self.kv == KvType::F16)
+            .define("HD", self.hd)
+            .define("BR", self.br)
+            .define("TPR", self.tpr)
+            .define("BK", self.bk)
+    }
+}
+#[derive(PartialEq, Eq, Hash)]
+/// The pipeline of [`attention`]'s split-K combine.
+struct Combine {
+    /// Head width.
+    hd: u32,
+}
+impl super::PipelineKey for Combine {
+    fn source(&self) -> &'static str {
+        SRC
+    }
+    fn entry(&self) -> &'static str {
+        "combine"
+    }
+    fn label(&self) -> String {
+        format!("attention_combine_hd{}", self.hd)
+    }
+    fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+        spec.define("COMBINE", "true")
+            .define("HD", self.hd)
+            .define("MAX_SPLIT", MAX_SPLIT)
+    }
+}
+/// The call's head counts and its sources against its key selection.
+fn check(at: &Attention<'_>) -> Result<()> {
     let kv = at.kv;
     kv.check()?;
-    let hd = kv.head_dim;
     if at.n_head == 0 || !at.n_head.is_multiple_of(kv.n_head_kv) {
         return Err(Error::Invalid(format!(
             "attention: n_head {} is not a multiple of n_head_kv {}",
@@ -489,6 +549,15 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
             ));
         }
     }
+    Ok(())
+}
+
+/// Record one attention call (one dispatch, plus the combine when split).
+pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
+    check(at)?;
+    let kv = at.kv;
+    let hd = kv.head_dim;
+    let shared_kv = at.a.v.is_none();
     if at.n_q == 0 {
         return Ok(());
     }
@@ -594,44 +663,6 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
         pad0: 0,
         pad1: 0,
     };
-    #[derive(PartialEq, Eq, Hash)]
-    struct Attend {
-        kv: KvType,
-        /// Head width.
-        hd: u32,
-        br: u32,
-        tpr: u32,
-        bk: u32,
-    }
-    impl super::PipelineKey for Attend {
-        fn source(&self) -> &'static str {
-            SRC
-        }
-        fn entry(&self) -> &'static str {
-            "attend"
-        }
-        fn label(&self) -> String {
-            let Attend {
-                kv,
-                hd,
-                br,
-                tpr,
-                bk,
-            } = self;
-            format!(
-                "attention_attend_{}_hd{hd}_br{br}_tpr{tpr}_bk{bk}",
-                kv.name()
-            )
-        }
-        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
-            spec.define("ATTEND", "true")
-                .define("KV_F16", self.kv == KvType::F16)
-                .define("HD", self.hd)
-                .define("BR", self.br)
-                .define("TPR", self.tpr)
-                .define("BK", self.bk)
-        }
-    }
     let pl = pass.gpu().pipeline_for(Attend {
         kv: kv.dtype,
         hd,
@@ -670,27 +701,6 @@ pub fn attention(pass: &mut Pass<'_>, at: &Attention<'_>) -> Result<()> {
             use_desc: rows as u32,
             pad: [0; 3],
         };
-        #[derive(PartialEq, Eq, Hash)]
-        struct Combine {
-            /// Head width.
-            hd: u32,
-        }
-        impl super::PipelineKey for Combine {
-            fn source(&self) -> &'static str {
-                SRC
-            }
-            fn entry(&self) -> &'static str {
-                "combine"
-            }
-            fn label(&self) -> String {
-                format!("attention_combine_hd{}", self.hd)
-            }
-            fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
-                spec.define("COMBINE", "true")
-                    .define("HD", self.hd)
-                    .define("MAX_SPLIT", MAX_SPLIT)
-            }
-        }
         let pl = pass.gpu().pipeline_for(Combine { hd })?;
         pass.dispatch(
             &pl,
