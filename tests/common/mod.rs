@@ -127,7 +127,7 @@ pub fn assert_bar(label: &str, s: &Score, llama: Option<f64>) {
 pub fn check_batched_equals_lone(label: &str, model: &Path, ids: &[u32]) {
     use lathe::engine::{Engine, LoadOptions, Want};
     assert!(
-        ids.len() >= 12,
+        ids.len() >= 18,
         "{label}: the fixture has {} tokens",
         ids.len()
     );
@@ -141,7 +141,9 @@ pub fn check_batched_equals_lone(label: &str, model: &Path, ids: &[u32]) {
     // row's bits would depend on how many rows share its pass (3 + 4 + 1 rows batched, each
     // alone fewer: every row meets the same kernels both ways).
     let prompts = [&ids[..3], &ids[2..6], &ids[1..2]];
-    let steps = [&ids[9..11], &ids[3..5], &ids[10..12]];
+    // Eight decode steps each: the last ones at positions past the fixtures' sliding window
+    // (8), so a decode row sees only its window's rows.
+    let steps = [&ids[9..17], &ids[3..11], &ids[10..18]];
     let mut lone = Vec::new();
     for (p, s) in prompts.iter().zip(steps) {
         let mut seq = e.new_seq().unwrap();
@@ -166,7 +168,7 @@ pub fn check_batched_equals_lone(label: &str, model: &Path, ids: &[u32]) {
     r.into_iter()
         .zip(&mut together)
         .for_each(|(r, t)| t.push(r));
-    for j in 0..2 {
+    for j in 0..8 {
         let [a, b, c] = &mut seqs[..] else {
             unreachable!("three sequences")
         };

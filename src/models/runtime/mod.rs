@@ -1,5 +1,6 @@
 //! What every family's GPU forward shares, written once: the batch round scheduler with
-//! its one rule for positions ([`rounds`]), the output head and its readback ([`head`]),
+//! its one rule for positions ([`rounds`]), the per-row tables and attention calls of a
+//! round ([`rows`]), the output head and its readback ([`head`]),
 //! the chain handoff ([`link`]), copies between sequence slots ([`state`]), the routed
 //! experts of a MoE layer ([`moe`]) and the trace hook ([`trace`]); over a family's
 //! [`family::FamilyModel`], the engine's `Forward` and the chain's `Part`. A family
@@ -11,5 +12,6 @@ pub mod head;
 pub mod link;
 pub mod moe;
 pub mod rounds;
+pub mod rows;
 pub mod state;
 pub mod trace;
