@@ -20,15 +20,15 @@ use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, Pass
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::kv::{Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::rows::{self, RowTables};
-use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Tokens per pass (llama.cpp's micro-batch, as the other families').
 pub const DEFAULT_BATCH: usize = 512;
@@ -292,21 +292,10 @@ fn kv_cap(ctx: usize) -> usize {
     ctx.clamp(16, 4096)
 }
 
-/// One block's K and V rows for all sequence slots: slot `s` owns rows `s·cap ..`.
-struct Pool {
-    shape: KvShape,
-    /// Rows per slot; grows by doubling (copied on the GPU). Per block: near the binding
-    /// limit, blocks of different geometry fit different counts.
-    cap: usize,
-    /// (K, V) `[slots·cap, n_head_kv, head_dim]`.
-    kv: (wgpu::Buffer, wgpu::Buffer),
-}
-
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct GemmaSeq {
-    slot: u32,
+    slot: Slot,
     pos: usize,
-    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl SeqState for GemmaSeq {
@@ -317,19 +306,10 @@ impl SeqState for GemmaSeq {
 
 impl RoundSeq for GemmaSeq {
     fn slot(&self) -> u32 {
-        self.slot
+        self.slot.index
     }
     fn set_pos(&mut self, pos: usize) {
         self.pos = pos;
-    }
-}
-
-impl Drop for GemmaSeq {
-    fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.slot);
     }
 }
 
@@ -344,9 +324,7 @@ pub struct GpuModel {
     /// RoPE of sliding and of global blocks (`None` where the model has no such block).
     rope_swa: Option<RopeTable>,
     rope_global: Option<RopeTable>,
-    slots: usize,
-    pools: Vec<Pool>,
-    free: Arc<Mutex<Vec<u32>>>,
+    pools: Pools,
     scratch: Scratch,
     /// The expert arena and cold experts when the planner left some experts off the GPU.
     offload: Option<Offload>,
@@ -454,24 +432,9 @@ impl GpuModel {
             }
             None => None,
         };
+        let shapes = hp.layers.iter().map(|g| kv_shape(g, opts.kv_type));
         let slots = opts.max_seqs.max(1);
-        let cap = kv_cap(opts.ctx);
-        let rows = (slots * cap) as u64;
-        let pools = hp
-            .layers
-            .iter()
-            .map(|g| {
-                let shape = kv_shape(g, opts.kv_type);
-                Ok(Pool {
-                    shape,
-                    cap,
-                    kv: (
-                        gpu.buffer(shape.bytes(rows), "gemma4.kv.k")?,
-                        gpu.buffer(shape.bytes(rows), "gemma4.kv.v")?,
-                    ),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let pools = Pools::new(&gpu, shapes, slots, kv_cap(opts.ctx), "gemma4.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
@@ -486,10 +449,7 @@ impl GpuModel {
             layers,
             rope_swa,
             rope_global,
-            slots,
             pools,
-            // Popped from the end: slot 0 first.
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
             scratch,
             offload,
             hidden_out: false,
@@ -518,9 +478,9 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
-        self.reserve(&mut pass, need)?;
+        self.pools.reserve(&mut pass, need)?;
         let hp = &self.hp;
-        let pairs = self.pools.iter().zip(&hp.layers);
+        let pairs = self.pools.blocks.iter().zip(&hp.layers);
         let pairs = pairs.map(|(p, g)| (p.cap, window(hp, g)));
         self.scratch.tables.write(&gpu, parts, pairs)?;
         let sc = &self.scratch;
@@ -700,7 +660,7 @@ impl GpuModel {
         let hp = &self.hp;
         let sc = &self.scratch;
         let g = &lw.g;
-        let pool = &self.pools[l];
+        let pool = &self.pools.blocks[l];
         let (cap, window) = (pool.cap, window(hp, g));
         let tables = &sc.tables;
         let (nh, nkv, hd) = (hp.n_head as u32, g.n_head_kv as u32, g.head_dim as u32);
@@ -782,67 +742,17 @@ impl GpuModel {
         linear(pass, &lw.o, &sc.att, &sc.br, n)
     }
 
-    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
-    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        for p in &mut self.pools {
-            if need > p.cap {
-                p.cap = p.shape.grow_pools(
-                    pass,
-                    std::iter::once(&mut p.kv),
-                    self.slots,
-                    p.cap,
-                    need,
-                    "gemma4.kv",
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Positions per sequence every block's pool can grow to ([`KvShape::max_positions`]).
-    fn max_positions(&self) -> usize {
-        self.pools
-            .iter()
-            .map(|p| p.shape.max_positions(&self.gpu, self.slots))
-            .min()
-            .unwrap_or(0)
-    }
-
     fn new_gemma_seq(&self) -> Result<GemmaSeq> {
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                    self.slots
-                ))
-            })?;
         Ok(GemmaSeq {
-            slot,
+            slot: self.pools.take_slot()?,
             pos: 0,
-            free: self.free.clone(),
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot.
     fn copy_rows(&self, src: &GemmaSeq, dst: &mut GemmaSeq) -> Result<()> {
-        let regions: Vec<Region<'_>> = self
-            .pools
-            .iter()
-            .flat_map(|p| {
-                let (cap, s) = (p.cap as u64, p.shape);
-                let (from, to, len) = (
-                    s.bytes(src.slot as u64 * cap),
-                    s.bytes(dst.slot as u64 * cap),
-                    s.bytes(src.pos as u64),
-                );
-                [(&p.kv.0, from, to, len), (&p.kv.1, from, to, len)]
-            })
-            .collect();
-        copy_regions(&self.gpu, &regions, "gemma4.seq.copy_stage")?;
+        self.pools
+            .copy_rows(&self.gpu, &src.slot, &dst.slot, src.pos)?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -983,7 +893,7 @@ impl FamilyModel for GpuModel {
         ))
     }
     fn max_context(&self) -> Option<usize> {
-        Some(self.max_positions())
+        Some(self.pools.max_positions(&self.gpu))
     }
     fn pass_rows(&self) -> usize {
         self.scratch.rows

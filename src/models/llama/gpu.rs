@@ -21,15 +21,15 @@ use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, Pass
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::kv::{Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::rows::{self, RowTables};
-use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{DType, Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
 /// the other families').
@@ -245,21 +245,10 @@ fn kv_cap(ctx: usize) -> usize {
     ctx.clamp(16, 4096)
 }
 
-/// K and V rows of every layer for all sequence slots: slot `s` owns rows `s·cap ..`.
-struct Pools {
-    slots: usize,
-    /// Rows per slot; grows by doubling (copied on the GPU).
-    cap: usize,
-    /// Per layer: (K, V) `[slots·cap, n_head_kv, head_dim]`.
-    kv: Vec<(wgpu::Buffer, wgpu::Buffer)>,
-    free: Arc<Mutex<Vec<u32>>>,
-}
-
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct LlamaSeq {
-    slot: u32,
+    slot: Slot,
     pos: usize,
-    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl SeqState for LlamaSeq {
@@ -270,19 +259,10 @@ impl SeqState for LlamaSeq {
 
 impl RoundSeq for LlamaSeq {
     fn slot(&self) -> u32 {
-        self.slot
+        self.slot.index
     }
     fn set_pos(&mut self, pos: usize) {
         self.pos = pos;
-    }
-}
-
-impl Drop for LlamaSeq {
-    fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.slot);
     }
 }
 
@@ -454,23 +434,9 @@ impl GpuModel {
         }
         let rope = RopeTable::new(&gpu, &inv_freq(file, &hp)?, "llama.rope")?;
         let kv = kv_shape(&hp, opts.kv_type);
+        let shapes = std::iter::repeat_n(kv, hp.n_layer);
         let slots = opts.max_seqs.max(1);
-        let cap = kv_cap(opts.ctx);
-        let rows = (slots * cap) as u64;
-        let pools = Pools {
-            slots,
-            cap,
-            kv: (0..hp.n_layer)
-                .map(|_| {
-                    Ok((
-                        gpu.buffer(kv.bytes(rows), "llama.kv.k")?,
-                        gpu.buffer(kv.bytes(rows), "llama.kv.v")?,
-                    ))
-                })
-                .collect::<Result<_>>()?,
-            // Popped from the end: slot 0 first.
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
-        };
+        let pools = Pools::new(&gpu, shapes, slots, kv_cap(opts.ctx), "llama.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
@@ -526,9 +492,9 @@ impl GpuModel {
             pass.hold();
         }
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
-        self.reserve(&mut pass, need)?;
-        let pair = (self.pools.cap, self.hp.window);
-        self.scratch.tables.write(&gpu, parts, [pair])?;
+        self.pools.reserve(&mut pass, need)?;
+        let pairs = self.pools.blocks.iter().map(|p| (p.cap, self.hp.window));
+        self.scratch.tables.write(&gpu, parts, pairs)?;
         let (hp, sc) = (&self.hp, &self.scratch);
         let n = toks.len() as u32;
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
@@ -830,8 +796,9 @@ impl GpuModel {
                 )?;
             }
         }
-        let (kc, vc) = &self.pools.kv[l];
-        let (cap, window) = (self.pools.cap, hp.window);
+        let pool = &self.pools.blocks[l];
+        let (kc, vc) = &pool.kv;
+        let (cap, window) = (pool.cap, hp.window);
         let tables = &sc.tables;
         let one = match &lw.qk_norm {
             Some((qn, kn))
@@ -927,58 +894,17 @@ impl GpuModel {
         self.residual(pass, &lw.o, Operand::new(&sc.att, 0), n, None, next)
     }
 
-    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
-    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        if need <= self.pools.cap {
-            return Ok(());
-        }
-        let p = &mut self.pools;
-        p.cap = self
-            .kv
-            .grow_pools(pass, p.kv.iter_mut(), p.slots, p.cap, need, "llama.kv")?;
-        Ok(())
-    }
-
-    /// Positions per sequence the pools can grow to ([`KvShape::max_positions`]).
-    fn max_positions(&self) -> usize {
-        self.kv.max_positions(&self.gpu, self.pools.slots)
-    }
-
     fn new_llama_seq(&self) -> Result<LlamaSeq> {
-        let slot = self
-            .pools
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                    self.pools.slots
-                ))
-            })?;
         Ok(LlamaSeq {
-            slot,
+            slot: self.pools.take_slot()?,
             pos: 0,
-            free: self.pools.free.clone(),
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot.
     fn copy_rows(&self, src: &LlamaSeq, dst: &mut LlamaSeq) -> Result<()> {
-        let cap = self.pools.cap as u64;
-        let len = self.kv.bytes(src.pos as u64);
-        let (from, to) = (
-            self.kv.bytes(src.slot as u64 * cap),
-            self.kv.bytes(dst.slot as u64 * cap),
-        );
-        let regions: Vec<Region<'_>> = self
-            .pools
-            .kv
-            .iter()
-            .flat_map(|(k, v)| [(k, from, to, len), (v, from, to, len)])
-            .collect();
-        copy_regions(&self.gpu, &regions, "llama.seq.copy_stage")?;
+        self.pools
+            .copy_rows(&self.gpu, &src.slot, &dst.slot, src.pos)?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -1062,7 +988,7 @@ impl FamilyModel for GpuModel {
         Ok(&mut self.profile)
     }
     fn max_context(&self) -> Option<usize> {
-        Some(self.max_positions())
+        Some(self.pools.max_positions(&self.gpu))
     }
     fn pass_rows(&self) -> usize {
         self.scratch.rows

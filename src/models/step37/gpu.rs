@@ -21,15 +21,15 @@ use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, Pass
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::kv::{Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::rows::{self, RowTables};
-use crate::models::runtime::state::{copy_regions, Region};
 use crate::models::{expect_shape, read_f32, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
 /// the other families').
@@ -292,22 +292,12 @@ fn kv_cap(ctx: usize) -> usize {
     ctx.clamp(16, 4096)
 }
 
-/// One block's K and V rows for all sequence slots: slot `s` owns rows `s·cap ..`.
-struct Pool {
-    shape: KvShape,
-    /// Rows per slot; grows by doubling (copied on the GPU).
-    cap: usize,
-    /// `[slots·cap, n_head_kv, head_dim]` each.
-    kv: (wgpu::Buffer, wgpu::Buffer),
-}
-
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct StepSeq {
     /// Unique per sequence of the model (slots are reused): what speculation keys its rows by.
     id: u64,
-    slot: u32,
+    slot: Slot,
     pos: usize,
-    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl SeqState for StepSeq {
@@ -318,19 +308,10 @@ impl SeqState for StepSeq {
 
 impl RoundSeq for StepSeq {
     fn slot(&self) -> u32 {
-        self.slot
+        self.slot.index
     }
     fn set_pos(&mut self, pos: usize) {
         self.pos = pos;
-    }
-}
-
-impl Drop for StepSeq {
-    fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.slot);
     }
 }
 
@@ -341,9 +322,7 @@ pub struct GpuModel {
     output: GpuTensor,
     output_norm: GpuTensor,
     layers: Vec<Layer>,
-    slots: usize,
-    pools: Vec<Pool>,
-    free: Arc<Mutex<Vec<u32>>>,
+    pools: Pools,
     scratch: Scratch,
     /// The expert arena and cold experts when the planner left some experts off the GPU.
     offload: Option<Offload>,
@@ -441,24 +420,10 @@ impl GpuModel {
             Some((df, dhp)) => Some(mtp::Mtp::load(&gpu, df, dhp, &hp, pass_rows, &put)?),
             None => None,
         };
+        let blocks = layers.iter().chain(mtp.as_ref().map(|m| &m.layer));
+        let shapes = blocks.map(|lw| kv_shape(&hp, &lw.g, opts.kv_type));
         let slots = opts.max_seqs.max(1);
-        let cap = kv_cap(opts.ctx);
-        let rows = (slots * cap) as u64;
-        let pools = layers
-            .iter()
-            .chain(mtp.as_ref().map(|m| &m.layer))
-            .map(|lw| {
-                let shape = kv_shape(&hp, &lw.g, opts.kv_type);
-                Ok(Pool {
-                    shape,
-                    cap,
-                    kv: (
-                        gpu.buffer(shape.bytes(rows), "step37.kv.k")?,
-                        gpu.buffer(shape.bytes(rows), "step37.kv.v")?,
-                    ),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let pools = Pools::new(&gpu, shapes, slots, kv_cap(opts.ctx), "step37.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
@@ -471,10 +436,7 @@ impl GpuModel {
             output,
             output_norm,
             layers,
-            slots,
             pools,
-            // Popped from the end: slot 0 first.
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
             scratch,
             offload,
             hidden_out: false,
@@ -506,9 +468,9 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
-        self.reserve(&mut pass, need)?;
+        self.pools.reserve(&mut pass, need)?;
         let hp = &self.hp;
-        let trunk = self.pools.iter().zip(&hp.layers).take(hp.n_layer);
+        let trunk = self.pools.blocks.iter().zip(&hp.layers).take(hp.n_layer);
         let pairs = trunk.map(|(p, g)| (p.cap, window(hp, g)));
         self.scratch.tables.write(&gpu, parts, pairs)?;
         let sc = &self.scratch;
@@ -673,7 +635,7 @@ impl GpuModel {
         let hp = &self.hp;
         let sc = &self.scratch;
         let g = &lw.g;
-        let pool = &self.pools[l];
+        let pool = &self.pools.blocks[l];
         let (cap, window) = (pool.cap, window(hp, g));
         let tables = &sc.tables;
         let (nh, nkv, hd) = (g.n_head as u32, g.n_head_kv as u32, hp.head_dim as u32);
@@ -748,70 +710,20 @@ impl GpuModel {
         linear(pass, &lw.o, &sc.att, &sc.x, n, true)
     }
 
-    /// Grow every block's KV rows to at least `need` (doubling; old rows copied on the GPU).
-    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        for p in &mut self.pools {
-            if need > p.cap {
-                p.cap = p.shape.grow_pools(
-                    pass,
-                    std::iter::once(&mut p.kv),
-                    self.slots,
-                    p.cap,
-                    need,
-                    "step37.kv",
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Positions per sequence every block's pool can grow to ([`KvShape::max_positions`]).
-    fn max_positions(&self) -> usize {
-        self.pools
-            .iter()
-            .map(|p| p.shape.max_positions(&self.gpu, self.slots))
-            .min()
-            .unwrap_or(0)
-    }
-
     fn new_step_seq(&self) -> Result<StepSeq> {
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                    self.slots
-                ))
-            })?;
         Ok(StepSeq {
             id: self
                 .next_id
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            slot,
+            slot: self.pools.take_slot()?,
             pos: 0,
-            free: self.free.clone(),
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot.
     fn copy_rows(&self, src: &StepSeq, dst: &mut StepSeq) -> Result<()> {
-        let regions: Vec<Region<'_>> = self
-            .pools
-            .iter()
-            .flat_map(|p| {
-                let (cap, s) = (p.cap as u64, p.shape);
-                let (from, to, len) = (
-                    s.bytes(src.slot as u64 * cap),
-                    s.bytes(dst.slot as u64 * cap),
-                    s.bytes(src.pos as u64),
-                );
-                [(&p.kv.0, from, to, len), (&p.kv.1, from, to, len)]
-            })
-            .collect();
-        copy_regions(&self.gpu, &regions, "step37.seq.copy_stage")?;
+        self.pools
+            .copy_rows(&self.gpu, &src.slot, &dst.slot, src.pos)?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -1040,7 +952,7 @@ impl FamilyModel for GpuModel {
         })
     }
     fn max_context(&self) -> Option<usize> {
-        Some(self.max_positions())
+        Some(self.pools.max_positions(&self.gpu))
     }
     fn pass_rows(&self) -> usize {
         self.scratch.rows

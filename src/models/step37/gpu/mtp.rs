@@ -216,7 +216,7 @@ impl GpuModel {
         }
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
-        self.reserve(&mut pass, pos0 + n)?;
+        self.pools.reserve(&mut pass, pos0 + n)?;
         let part = Part {
             item: 0,
             start: 0,
@@ -224,10 +224,13 @@ impl GpuModel {
             row: 0,
             pos0,
             rowwise: n == 1,
-            slot: seq.slot,
+            slot: seq.slot.index,
         };
         let l = self.hp.n_layer;
-        let pair = (self.pools[l].cap, window(&self.hp, &self.hp.layers[l]));
+        let pair = (
+            self.pools.blocks[l].cap,
+            window(&self.hp, &self.hp.layers[l]),
+        );
         self.scratch.tables.write(&gpu, &[part], [pair])?;
         let (hp, sc) = (&self.hp, &self.scratch);
         let m = self.mtp.as_ref().expect("callers check the block");
