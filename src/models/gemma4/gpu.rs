@@ -20,7 +20,7 @@ use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, Pass
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
-use crate::models::runtime::kv::{Pools, Slot};
+use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
@@ -258,7 +258,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let mut kv_per_token = 0;
     for l in part.layers.clone() {
         let g = &hp.layers[l];
-        let kv = kv_shape(g, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+        let kv = kv_shape(g, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
         buffers.extend([
             PassBuffer::bound("gemma4.kv.k", kv),
             PassBuffer::bound("gemma4.kv.v", kv),
@@ -278,18 +278,10 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
 /// A block's KV rows' shape for `--kv-type` (f16 by default).
 fn kv_shape(g: &LayerGeom, t: KvType) -> KvShape {
     KvShape {
-        dtype: match t {
-            KvType::Auto | KvType::F16 => attention::KvType::F16,
-            KvType::F32 => attention::KvType::F32,
-        },
+        dtype: kv::kv_dtype(t),
         n_head_kv: g.n_head_kv as u32,
         head_dim: g.head_dim as u32,
     }
-}
-
-/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
-fn kv_cap(ctx: usize) -> usize {
-    ctx.clamp(16, 4096)
 }
 
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
@@ -434,7 +426,7 @@ impl GpuModel {
         };
         let shapes = hp.layers.iter().map(|g| kv_shape(g, opts.kv_type));
         let slots = opts.max_seqs.max(1);
-        let pools = Pools::new(&gpu, shapes, slots, kv_cap(opts.ctx), "gemma4.kv")?;
+        let pools = Pools::new(&gpu, shapes, slots, kv::first_cap(opts.ctx), "gemma4.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),

@@ -21,7 +21,7 @@ use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, Pass
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
-use crate::models::runtime::kv::{Pools, Slot};
+use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
@@ -211,7 +211,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     // One row of logits (their rows follow the binding limit), and the KV pools at their
     // first capacity (they grow to `KvShape::max_positions`).
     buffers.push(PassBuffer::bound("llama.logits", hp.n_vocab as u64 * 4));
-    let kv = kv_shape(hp, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+    let kv = kv_shape(hp, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
     for _ in part.layers.clone() {
         buffers.extend([
             PassBuffer::bound("llama.kv.k", kv),
@@ -231,18 +231,10 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
 /// The KV rows' shape for `--kv-type` (f16 by default).
 fn kv_shape(hp: &Hparams, t: KvType) -> KvShape {
     KvShape {
-        dtype: match t {
-            KvType::Auto | KvType::F16 => attention::KvType::F16,
-            KvType::F32 => attention::KvType::F32,
-        },
+        dtype: kv::kv_dtype(t),
         n_head_kv: hp.n_head_kv as u32,
         head_dim: hp.head_dim as u32,
     }
-}
-
-/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
-fn kv_cap(ctx: usize) -> usize {
-    ctx.clamp(16, 4096)
 }
 
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
@@ -436,7 +428,7 @@ impl GpuModel {
         let kv = kv_shape(&hp, opts.kv_type);
         let shapes = std::iter::repeat_n(kv, hp.n_layer);
         let slots = opts.max_seqs.max(1);
-        let pools = Pools::new(&gpu, shapes, slots, kv_cap(opts.ctx), "llama.kv")?;
+        let pools = Pools::new(&gpu, shapes, slots, kv::first_cap(opts.ctx), "llama.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),

@@ -136,3 +136,18 @@ impl Pools {
         copy_regions(gpu, &regions, &format!("{}.copy_stage", self.label))
     }
 }
+
+/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there,
+/// up to [`KvShape::max_positions`]).
+pub fn first_cap(ctx: usize) -> usize {
+    ctx.clamp(16, 4096)
+}
+
+/// The KV rows' element type for `--kv-type` (f16 by default).
+pub fn kv_dtype(t: crate::forward::KvType) -> crate::gpu::attention::KvType {
+    use crate::forward::KvType;
+    match t {
+        KvType::Auto | KvType::F16 => crate::gpu::attention::KvType::F16,
+        KvType::F32 => crate::gpu::attention::KvType::F32,
+    }
+}
