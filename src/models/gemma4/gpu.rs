@@ -1,5 +1,6 @@
-//! The Gemma-4 forward on the GPU: one pass (one submission) per chunk of at most
-//! [`DEFAULT_BATCH`] tokens of one sequence, as the Llama family's. Each block's attention
+//! The Gemma-4 forward on the GPU: one pass (one submission) per round of at most
+//! [`DEFAULT_BATCH`] rows of the runtime's scheduler (prefill chunks and the decode rows of
+//! every sequence of a batch), as the Llama family's. Each block's attention
 //! has its own geometry ([`LayerGeom`]), so each has its own KV pool shape and its RoPE
 //! table (sliding or global); only the wanted logits come back. MoE blocks run their
 //! routed experts as the Llama family's Qwen3-MoE does: stacked on the GPU, or through the
@@ -7,26 +8,27 @@
 
 use super::{Hparams, LayerGeom, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
-use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::attention::{self, Attention, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise as ew;
 use crate::gpu::matmul::{self, MoeRoute};
 use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
-use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
-use crate::gpu::topk::TopLogits;
+use crate::gpu::rope::{self, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
+use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
-use crate::models::runtime::rounds::{self, RoundSeq};
-use crate::models::runtime::state::{copy_regions, Region};
+use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
+use crate::models::runtime::rows::{self, RowTables};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Tokens per pass (llama.cpp's micro-batch, as the other families').
 pub const DEFAULT_BATCH: usize = 512;
@@ -95,6 +97,9 @@ struct Scratch {
     act: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
+    /// Each row's position; per (pool capacity, window) pair of the blocks each row's KV
+    /// cache row and each decode row's visible cache rows.
+    tables: RowTables,
     /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
     /// ids (u32) and weights; [rows·n_used, n_ff_exp] the experts' gate, up and GeGLU;
     /// [rows·n_used, n_embd] their unweighted outputs; [rows, n_embd] their weighted sum,
@@ -121,7 +126,7 @@ fn max_of(hp: &Hparams, f: impl Fn(&LayerGeom) -> usize) -> usize {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 21] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 22] {
     let q = hp.n_head * max_of(hp, |g| g.head_dim);
     let kv = max_of(hp, |g| g.n_head_kv * g.head_dim);
     let ff = max_of(hp, |g| g.n_ff);
@@ -141,6 +146,7 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 21] {
         ("gemma4.up", rows * ff),
         ("gemma4.act", rows * ff),
         ("gemma4.attn_split", split_elems(hp) as usize),
+        ("gemma4.rows", RowTables::elems(rows, table_pairs(hp))),
         ("gemma4.router", rows * ne),
         ("gemma4.moe_ids", rows * k),
         ("gemma4.moe_w", rows * k),
@@ -151,6 +157,28 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 21] {
         ("gemma4.moe_sum", rows * me),
         ("gemma4.zeros", rows * me),
     ]
+}
+
+/// The (KV geometry, window) pairs of the blocks: their pools' (capacity, window) pairs
+/// are at most as many (blocks of one geometry grow alike).
+fn table_pairs(hp: &Hparams) -> usize {
+    let mut seen = Vec::new();
+    for g in &hp.layers {
+        let k = (g.n_head_kv, g.head_dim, window(hp, g));
+        if !seen.contains(&k) {
+            seen.push(k);
+        }
+    }
+    seen.len()
+}
+
+/// The window of a block's attention: the model's on sliding blocks, none (0) on global ones.
+fn window(hp: &Hparams, g: &LayerGeom) -> usize {
+    if g.swa {
+        hp.window
+    } else {
+        0
+    }
 }
 
 /// Split-K scratch of one decode token (16 Mi elements at most, as the split count shrinks
@@ -184,15 +212,16 @@ impl Scratch {
             up: f(9)?,
             act: f(10)?,
             attn_split: f(11)?,
-            router: f(12)?,
-            moe_ids: f(13)?,
-            moe_w: f(14)?,
-            f_gate: f(15)?,
-            f_up: f(16)?,
-            f_act: f(17)?,
-            moe_out: f(18)?,
-            moe_sum: f(19)?,
-            zeros: f(20)?,
+            tables: RowTables::new(gpu, rows, table_pairs(hp), e[12].0)?,
+            router: f(13)?,
+            moe_ids: f(14)?,
+            moe_w: f(15)?,
+            f_gate: f(16)?,
+            f_up: f(17)?,
+            f_act: f(18)?,
+            moe_out: f(19)?,
+            moe_sum: f(20)?,
+            zeros: f(21)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -203,7 +232,7 @@ impl Scratch {
             },
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "gemma4.logits")?,
             logit_rows,
-            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+            top: topk::LogitsTop::new(gpu, rows as u32, hp.n_vocab as u32)?,
         })
     }
 }
@@ -229,7 +258,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let mut kv_per_token = 0;
     for l in part.layers.clone() {
         let g = &hp.layers[l];
-        let kv = kv_shape(g, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+        let kv = kv_shape(g, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
         buffers.extend([
             PassBuffer::bound("gemma4.kv.k", kv),
             PassBuffer::bound("gemma4.kv.v", kv),
@@ -249,35 +278,16 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
 /// A block's KV rows' shape for `--kv-type` (f16 by default).
 fn kv_shape(g: &LayerGeom, t: KvType) -> KvShape {
     KvShape {
-        dtype: match t {
-            KvType::Auto | KvType::F16 => attention::KvType::F16,
-            KvType::F32 => attention::KvType::F32,
-        },
+        dtype: kv::kv_dtype(t),
         n_head_kv: g.n_head_kv as u32,
         head_dim: g.head_dim as u32,
     }
 }
 
-/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
-fn kv_cap(ctx: usize) -> usize {
-    ctx.clamp(16, 4096)
-}
-
-/// One block's K and V rows for all sequence slots: slot `s` owns rows `s·cap ..`.
-struct Pool {
-    shape: KvShape,
-    /// Rows per slot; grows by doubling (copied on the GPU). Per block: near the binding
-    /// limit, blocks of different geometry fit different counts.
-    cap: usize,
-    /// (K, V) `[slots·cap, n_head_kv, head_dim]`.
-    kv: (wgpu::Buffer, wgpu::Buffer),
-}
-
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct GemmaSeq {
-    slot: u32,
+    slot: Slot,
     pos: usize,
-    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl SeqState for GemmaSeq {
@@ -288,19 +298,10 @@ impl SeqState for GemmaSeq {
 
 impl RoundSeq for GemmaSeq {
     fn slot(&self) -> u32 {
-        self.slot
+        self.slot.index
     }
     fn set_pos(&mut self, pos: usize) {
         self.pos = pos;
-    }
-}
-
-impl Drop for GemmaSeq {
-    fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.slot);
     }
 }
 
@@ -315,23 +316,13 @@ pub struct GpuModel {
     /// RoPE of sliding and of global blocks (`None` where the model has no such block).
     rope_swa: Option<RopeTable>,
     rope_global: Option<RopeTable>,
-    slots: usize,
-    pools: Vec<Pool>,
-    free: Arc<Mutex<Vec<u32>>>,
+    pools: Pools,
     scratch: Scratch,
     /// The expert arena and cold experts when the planner left some experts off the GPU.
     offload: Option<Offload>,
     /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
     /// of their logits.
     hidden_out: bool,
-}
-
-/// What one chunk's pass returns: its wanted logits rows.
-enum ChunkWant {
-    None,
-    Last,
-    All,
-    Top { k: u32, lse: bool },
 }
 
 impl GpuModel {
@@ -433,24 +424,9 @@ impl GpuModel {
             }
             None => None,
         };
+        let shapes = hp.layers.iter().map(|g| kv_shape(g, opts.kv_type));
         let slots = opts.max_seqs.max(1);
-        let cap = kv_cap(opts.ctx);
-        let rows = (slots * cap) as u64;
-        let pools = hp
-            .layers
-            .iter()
-            .map(|g| {
-                let shape = kv_shape(g, opts.kv_type);
-                Ok(Pool {
-                    shape,
-                    cap,
-                    kv: (
-                        gpu.buffer(shape.bytes(rows), "gemma4.kv.k")?,
-                        gpu.buffer(shape.bytes(rows), "gemma4.kv.v")?,
-                    ),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let pools = Pools::new(&gpu, shapes, slots, kv::first_cap(opts.ctx), "gemma4.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
@@ -465,55 +441,40 @@ impl GpuModel {
             layers,
             rope_swa,
             rope_global,
-            slots,
             pools,
-            // Popped from the end: slot 0 first.
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
             scratch,
             offload,
             hidden_out: false,
         })
     }
 
-    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
-    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
-    /// per item the logits it wants.
+    /// Feed the items in the runtime's rounds of at most [`DEFAULT_BATCH`] rows shared by
+    /// all of them ([`rounds::run_batch`]: prefill chunks first, the decode rows of every
+    /// sequence together after them); per item the logits it wants.
     fn run_items(&mut self, items: &mut [(&mut GemmaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
-        rounds::check_items(items, v)?;
-        let mut out = Vec::with_capacity(items.len());
-        for (seq, toks, want) in items.iter_mut() {
-            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
-                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
-                    (_, false) => ChunkWant::Top {
-                        k: r.top.k,
-                        lse: r.top.lse,
-                    },
-                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
-                    ([_], _) => ChunkWant::Last,
-                    _ => ChunkWant::None,
-                };
-                let p = &r.parts[0];
-                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
-                Ok((logits, top.into_iter().collect()))
-            })?;
-            out.extend(one);
-        }
-        Ok(out)
+        rounds::run_batch(items, v, rows, true, |r| {
+            self.round(&r.parts, &r.toks, &r.wants, &r.top)
+        })
     }
 
-    /// One pass over `toks` of the sequence in `slot` from position `pos0`.
-    fn run_chunk(
+    /// One pass over the rows of `parts` (their tokens `toks` in row order): the logits of
+    /// the `wants` row runs and the top logits of the `top` rows.
+    fn round(
         &mut self,
-        slot: u32,
-        pos0: usize,
+        parts: &[Part],
         toks: &[u32],
-        want: ChunkWant,
-    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        wants: &[(usize, usize)],
+        top: &TopReq,
+    ) -> Result<RoundOut> {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
-        self.reserve(&mut pass, pos0 + toks.len())?;
+        let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        self.pools.reserve(&mut pass, need)?;
         let hp = &self.hp;
+        let pairs = self.pools.blocks.iter().zip(&hp.layers);
+        let pairs = pairs.map(|(p, g)| (p.cap, window(hp, g)));
+        self.scratch.tables.write(&gpu, parts, pairs)?;
         let sc = &self.scratch;
         let n = toks.len() as u32;
         let e = hp.n_embd as u32;
@@ -542,7 +503,7 @@ impl GpuModel {
         for (l, lw) in self.layers.iter().enumerate() {
             // x += post_attn_norm(attn(attn_norm(x)))
             norm(&mut pass, &sc.x, &sc.h, &lw.attn_norm)?;
-            self.attention(&mut pass, l, lw, slot, pos0 as u32, n)?;
+            self.attention(&mut pass, l, lw, parts, n)?;
             norm(&mut pass, &sc.br, &sc.h, &lw.post_attn_norm)?;
             ew::add_inplace(
                 &mut pass,
@@ -607,73 +568,31 @@ impl GpuModel {
             }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
-        let (r0, rows) = match want {
-            ChunkWant::None => {
-                pass.submit()?;
-                return Ok((Vec::new(), None));
-            }
-            ChunkWant::All => (0, n as usize),
-            ChunkWant::Last | ChunkWant::Top { .. } => (n as usize - 1, 1),
-        };
-        // The final norm of the wanted rows only.
+        if wants.is_empty() && top.rows.is_empty() {
+            pass.submit()?;
+            return Ok((Vec::new(), Vec::new()));
+        }
         norm::rms_norm(
             &mut pass,
-            rows as u32,
+            n,
             e,
-            Operand::new(&sc.x, r0 as u32 * e),
+            Operand::new(&sc.x, 0),
             Some(Operand::new(&sc.h, 0)),
             Some(&self.output_norm),
             hp.eps,
         )?;
-        if self.hidden_out {
-            pass.submit()?;
-            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
-            return Ok((h, None));
-        }
-        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        let v = hp.n_vocab;
-        let softcap = |p: &mut Pass<'_>, rows: usize| match hp.softcap {
-            Some(c) => {
-                ew::softcap_inplace(p, rows as u32, v as u32, Operand::new(&sc.logits, 0), c)
-            }
-            None => Ok(()),
+        let head = Head {
+            w: self.output.as_ref().unwrap_or(&self.tok_embd),
+            n_vocab: hp.n_vocab,
+            h: &sc.h,
+            n_embd: hp.n_embd,
+            logits: &sc.logits,
+            logit_rows: sc.logit_rows,
+            top: &sc.top,
+            hidden: self.hidden_out,
+            softcap: hp.softcap,
         };
-        if let ChunkWant::Top { k, lse } = want {
-            crate::models::head_rows(
-                &mut pass,
-                head,
-                &sc.h,
-                (0, hp.n_embd),
-                &sc.logits,
-                (0, v),
-                1,
-            )?;
-            softcap(&mut pass, 1)?;
-            sc.top
-                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
-            pass.submit()?;
-            let t = sc.top.read(&gpu, 1, k, lse)?.pop();
-            return Ok((Vec::new(), t));
-        }
-        // The head in runs that fit the logits buffer, each read back.
-        let mut logits = Vec::with_capacity(rows * v);
-        let mut pending = Some(pass);
-        for (r, take) in crate::models::head_runs(&[(0, rows)], sc.logit_rows) {
-            let mut p = pending.take().unwrap_or_else(|| gpu.pass());
-            crate::models::head_rows(
-                &mut p,
-                head,
-                &sc.h,
-                (r, hp.n_embd),
-                &sc.logits,
-                (0, v),
-                take,
-            )?;
-            softcap(&mut p, take)?;
-            p.submit()?;
-            logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
-        }
-        Ok((logits, None))
+        head_logits(pass, &head, wants, top, None)
     }
 
     /// Block `l`'s routed experts of the residual rows `x` into `moe_sum` (`h` is
@@ -727,13 +646,15 @@ impl GpuModel {
         pass: &mut Pass<'_>,
         l: usize,
         lw: &Layer,
-        slot: u32,
-        pos0: u32,
+        parts: &[Part],
         n: u32,
     ) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let g = &lw.g;
+        let pool = &self.pools.blocks[l];
+        let (cap, window) = (pool.cap, window(hp, g));
+        let tables = &sc.tables;
         let (nh, nkv, hd) = (hp.n_head as u32, g.n_head_kv as u32, g.head_dim as u32);
         linear(pass, &lw.q, &sc.h, &sc.q, n)?;
         linear(pass, &lw.k, &sc.h, &sc.k, n)?;
@@ -771,119 +692,59 @@ impl GpuModel {
                 RopeStyle::Neox,
                 0,
                 table,
-                Positions::From(pos0),
+                tables.positions(),
                 false,
             )?;
         }
-        let pool = &self.pools[l];
         let (kc, vc) = &pool.kv;
-        let row0 = slot * pool.cap as u32;
-        let dst = attention::DstRows::Range { row0: row0 + pos0 };
+        let dst = tables.kv_rows(cap, window)?;
         attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
         attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
-        let n_kv = pos0 + n;
-        // Split-K only when a few query rows face many keys (decode); halved to fit the
-        // scratch, which is sized for one query row.
-        let mut n_split = attention::pick_n_split(n, nh, pool.shape, n_kv, false);
-        while n_split > 1 && attention::scratch_elems(n, nh, hd, n_split) * 4 > sc.attn_split.size()
-        {
-            n_split /= 2;
-        }
-        attention::attention(
-            pass,
-            &Attention {
-                n_q: n,
-                n_head: nh,
-                kv: pool.shape,
-                // Unscaled scores (HF `self.scaling = 1.0`): the q/k norms stand for it.
-                scale: 1.0,
-                q: QView {
-                    buf: &sc.q,
-                    off: 0,
-                    tok_stride: nh * hd,
-                    head_stride: hd,
+        let qw = nh * hd;
+        let ranges = tables.ranges(cap, window)?;
+        rows::attend(parts, cap, window, ranges, |row, n_q, keys, max_keys| {
+            let split = rows::split(&sc.attn_split, n_q, nh, hd, pool.shape, max_keys, &keys);
+            attention::attention(
+                pass,
+                &Attention {
+                    n_q,
+                    n_head: nh,
+                    kv: pool.shape,
+                    // Unscaled scores (HF `self.scaling = 1.0`): the q/k norms stand for it.
+                    scale: 1.0,
+                    q: QView {
+                        buf: &sc.q,
+                        off: row * qw,
+                        tok_stride: qw,
+                        head_stride: hd,
+                    },
+                    out: OutView {
+                        buf: &sc.att,
+                        off: row * qw,
+                        tok_stride: qw,
+                    },
+                    a: KvSource { k: kc, v: Some(vc) },
+                    b: None,
+                    keys,
+                    sinks: None,
+                    split,
                 },
-                out: OutView {
-                    buf: &sc.att,
-                    off: 0,
-                    tok_stride: nh * hd,
-                },
-                a: KvSource { k: kc, v: Some(vc) },
-                b: None,
-                keys: Keys::Causal {
-                    row0,
-                    pos0,
-                    n_kv,
-                    window: if g.swa { hp.window as u32 } else { 0 },
-                },
-                sinks: None,
-                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
-            },
-        )?;
+            )
+        })?;
         linear(pass, &lw.o, &sc.att, &sc.br, n)
     }
 
-    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
-    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        for p in &mut self.pools {
-            if need > p.cap {
-                p.cap = p.shape.grow_pools(
-                    pass,
-                    std::iter::once(&mut p.kv),
-                    self.slots,
-                    p.cap,
-                    need,
-                    "gemma4.kv",
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Positions per sequence every block's pool can grow to ([`KvShape::max_positions`]).
-    fn max_positions(&self) -> usize {
-        self.pools
-            .iter()
-            .map(|p| p.shape.max_positions(&self.gpu, self.slots))
-            .min()
-            .unwrap_or(0)
-    }
-
     fn new_gemma_seq(&self) -> Result<GemmaSeq> {
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                    self.slots
-                ))
-            })?;
         Ok(GemmaSeq {
-            slot,
+            slot: self.pools.take_slot()?,
             pos: 0,
-            free: self.free.clone(),
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot.
     fn copy_rows(&self, src: &GemmaSeq, dst: &mut GemmaSeq) -> Result<()> {
-        let regions: Vec<Region<'_>> = self
-            .pools
-            .iter()
-            .flat_map(|p| {
-                let (cap, s) = (p.cap as u64, p.shape);
-                let (from, to, len) = (
-                    s.bytes(src.slot as u64 * cap),
-                    s.bytes(dst.slot as u64 * cap),
-                    s.bytes(src.pos as u64),
-                );
-                [(&p.kv.0, from, to, len), (&p.kv.1, from, to, len)]
-            })
-            .collect();
-        copy_regions(&self.gpu, &regions, "gemma4.seq.copy_stage")?;
+        self.pools
+            .copy_rows(&self.gpu, &src.slot, &dst.slot, src.pos)?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -1024,7 +885,7 @@ impl FamilyModel for GpuModel {
         ))
     }
     fn max_context(&self) -> Option<usize> {
-        Some(self.max_positions())
+        Some(self.pools.max_positions(&self.gpu))
     }
     fn pass_rows(&self) -> usize {
         self.scratch.rows

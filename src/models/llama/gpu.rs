@@ -8,7 +8,7 @@
 
 use super::{Hparams, RopeScaling, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
-use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::attention::{self, Attention, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
@@ -16,19 +16,20 @@ use crate::gpu::matvec::{self, Epilogue, MatvecOpts, Prologue};
 use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
-use crate::gpu::rope::{self, Positions, RopeTable, RopeView};
+use crate::gpu::rope::{self, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
 use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
-use crate::models::runtime::state::{copy_regions, Region};
+use crate::models::runtime::rows::{self, RowTables};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{DType, Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
 /// the other families').
@@ -90,11 +91,9 @@ struct Scratch {
     /// [rows, 2·n_ff]: gate | up per row; [rows, n_ff]: SwiGLU of them.
     gu: wgpu::Buffer,
     act: wgpu::Buffer,
-    /// [rows] u32: each row's position and KV cache row; [rows, 2] u32 a decode row's
-    /// visible cache rows (`Keys::Ranges`: first, count).
-    pos: wgpu::Buffer,
-    kv_rows: wgpu::Buffer,
-    ranges: wgpu::Buffer,
+    /// Each row's position and KV cache row, each decode row's visible cache rows (one
+    /// capacity and window: one pair).
+    tables: RowTables,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
     /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
@@ -116,7 +115,7 @@ struct Scratch {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 18] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 16] {
     let (q, kv) = (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim);
     let (ne, k, fe) = hp
         .moe
@@ -131,9 +130,7 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 18] {
         ("llama.att", rows * q),
         ("llama.gu", rows * 2 * ff),
         ("llama.act", rows * ff),
-        ("llama.pos", rows),
-        ("llama.kv_rows", rows),
-        ("llama.ranges", 2 * rows),
+        ("llama.rows", RowTables::elems(rows, 1)),
         ("llama.attn_split", split_elems(hp) as usize),
         ("llama.router", rows * ne),
         ("llama.moe_ids", rows * k),
@@ -171,17 +168,15 @@ impl Scratch {
             att: f(4)?,
             gu: f(5)?,
             act: f(6)?,
-            pos: f(7)?,
-            kv_rows: f(8)?,
-            ranges: f(9)?,
-            attn_split: f(10)?,
-            router: f(11)?,
-            moe_ids: f(12)?,
-            moe_w: f(13)?,
-            f_gate: f(14)?,
-            f_up: f(15)?,
-            f_act: f(16)?,
-            moe_out: f(17)?,
+            tables: RowTables::new(gpu, rows, 1, e[7].0)?,
+            attn_split: f(8)?,
+            router: f(9)?,
+            moe_ids: f(10)?,
+            moe_w: f(11)?,
+            f_gate: f(12)?,
+            f_up: f(13)?,
+            f_act: f(14)?,
+            moe_out: f(15)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -216,7 +211,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     // One row of logits (their rows follow the binding limit), and the KV pools at their
     // first capacity (they grow to `KvShape::max_positions`).
     buffers.push(PassBuffer::bound("llama.logits", hp.n_vocab as u64 * 4));
-    let kv = kv_shape(hp, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+    let kv = kv_shape(hp, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
     for _ in part.layers.clone() {
         buffers.extend([
             PassBuffer::bound("llama.kv.k", kv),
@@ -236,35 +231,16 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
 /// The KV rows' shape for `--kv-type` (f16 by default).
 fn kv_shape(hp: &Hparams, t: KvType) -> KvShape {
     KvShape {
-        dtype: match t {
-            KvType::Auto | KvType::F16 => attention::KvType::F16,
-            KvType::F32 => attention::KvType::F32,
-        },
+        dtype: kv::kv_dtype(t),
         n_head_kv: hp.n_head_kv as u32,
         head_dim: hp.head_dim as u32,
     }
 }
 
-/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
-fn kv_cap(ctx: usize) -> usize {
-    ctx.clamp(16, 4096)
-}
-
-/// K and V rows of every layer for all sequence slots: slot `s` owns rows `s·cap ..`.
-struct Pools {
-    slots: usize,
-    /// Rows per slot; grows by doubling (copied on the GPU).
-    cap: usize,
-    /// Per layer: (K, V) `[slots·cap, n_head_kv, head_dim]`.
-    kv: Vec<(wgpu::Buffer, wgpu::Buffer)>,
-    free: Arc<Mutex<Vec<u32>>>,
-}
-
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct LlamaSeq {
-    slot: u32,
+    slot: Slot,
     pos: usize,
-    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl SeqState for LlamaSeq {
@@ -275,19 +251,10 @@ impl SeqState for LlamaSeq {
 
 impl RoundSeq for LlamaSeq {
     fn slot(&self) -> u32 {
-        self.slot
+        self.slot.index
     }
     fn set_pos(&mut self, pos: usize) {
         self.pos = pos;
-    }
-}
-
-impl Drop for LlamaSeq {
-    fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.slot);
     }
 }
 
@@ -459,23 +426,9 @@ impl GpuModel {
         }
         let rope = RopeTable::new(&gpu, &inv_freq(file, &hp)?, "llama.rope")?;
         let kv = kv_shape(&hp, opts.kv_type);
+        let shapes = std::iter::repeat_n(kv, hp.n_layer);
         let slots = opts.max_seqs.max(1);
-        let cap = kv_cap(opts.ctx);
-        let rows = (slots * cap) as u64;
-        let pools = Pools {
-            slots,
-            cap,
-            kv: (0..hp.n_layer)
-                .map(|_| {
-                    Ok((
-                        gpu.buffer(kv.bytes(rows), "llama.kv.k")?,
-                        gpu.buffer(kv.bytes(rows), "llama.kv.v")?,
-                    ))
-                })
-                .collect::<Result<_>>()?,
-            // Popped from the end: slot 0 first.
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
-        };
+        let pools = Pools::new(&gpu, shapes, slots, kv::first_cap(opts.ctx), "llama.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
@@ -531,36 +484,12 @@ impl GpuModel {
             pass.hold();
         }
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
-        self.reserve(&mut pass, need)?;
+        self.pools.reserve(&mut pass, need)?;
+        let pairs = self.pools.blocks.iter().map(|p| (p.cap, self.hp.window));
+        self.scratch.tables.write(&gpu, parts, pairs)?;
         let (hp, sc) = (&self.hp, &self.scratch);
         let n = toks.len() as u32;
-        // Per row its position and KV cache row; per decode row the cache rows it sees
-        // (`Keys::Ranges`: the sequence's rows, the last `window` of them with a window).
-        let cap = self.pools.cap as u32;
-        let mut pos = Vec::with_capacity(toks.len());
-        let mut kv_rows = Vec::with_capacity(toks.len());
-        let mut ranges = Vec::new();
-        for p in parts {
-            for j in 0..p.n as u32 {
-                let q = p.pos0 as u32 + j;
-                pos.push(q);
-                kv_rows.push(p.slot * cap + q);
-            }
-            if p.n == 1 {
-                let q = p.pos0 as u32;
-                let seen = match hp.window as u32 {
-                    0 => q + 1,
-                    w => w.min(q + 1),
-                };
-                ranges.extend_from_slice(&[p.slot * cap + q + 1 - seen, seen]);
-            }
-        }
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
-        gpu.write(&sc.pos, 0, bytemuck::cast_slice(&pos));
-        gpu.write(&sc.kv_rows, 0, bytemuck::cast_slice(&kv_rows));
-        if !ranges.is_empty() {
-            gpu.write(&sc.ranges, 0, bytemuck::cast_slice(&ranges));
-        }
         embed::embed(
             &mut pass,
             &self.tok_embd,
@@ -625,6 +554,7 @@ impl GpuModel {
             logit_rows: sc.logit_rows,
             top: &sc.top,
             hidden: self.hidden_out,
+            softcap: None,
         };
         head_logits(pass, &head, wants, top, prof)
     }
@@ -858,8 +788,10 @@ impl GpuModel {
                 )?;
             }
         }
-        let (kc, vc) = &self.pools.kv[l];
-        let cap = self.pools.cap as u32;
+        let pool = &self.pools.blocks[l];
+        let (kc, vc) = &pool.kv;
+        let (cap, window) = (pool.cap, hp.window);
+        let tables = &sc.tables;
         let one = match &lw.qk_norm {
             Some((qn, kn))
                 if n == 1
@@ -888,10 +820,10 @@ impl GpuModel {
                     q_norm: &qn.parts[0].buffer,
                     k_norm: &kn.parts[0].buffer,
                     eps: hp.eps,
-                    positions: &sc.pos,
+                    positions: tables.buf(),
                     pos_off: 0,
-                    rows: &sc.kv_rows,
-                    row_off: 0,
+                    rows: tables.buf(),
+                    row_off: tables.kv_rows_off(cap, window)?,
                     k_cache: kc,
                     v_cache: vc,
                     f16: self.kv.dtype == attention::KvType::F16,
@@ -905,10 +837,7 @@ impl GpuModel {
                     norm::rms_norm(pass, n * heads, hd, x, None, Some(w), hp.eps)?;
                 }
             }
-            let positions = Positions::Buffer {
-                buf: &sc.pos,
-                off: 0,
-            };
+            let positions = tables.positions();
             for (off, heads) in [(q_off, nh), (k_off, nkv)] {
                 rope::rope(
                     pass,
@@ -920,24 +849,14 @@ impl GpuModel {
                     false,
                 )?;
             }
-            let dst = attention::DstRows::List {
-                rows: &sc.kv_rows,
-                off: 0,
-            };
+            let dst = tables.kv_rows(cap, window)?;
             attention::write_kv(pass, self.kv, &sc.qkv, k_off, nkv * hd, n, kc, dst)?;
             attention::write_kv(pass, self.kv, &sc.qkv, v_off, nkv * hd, n, vc, dst)?;
         }
         let qw = nh * hd;
-        let call = |pass: &mut Pass<'_>, row: u32, n_q: u32, keys: Keys<'_>, max_keys: u32| {
-            // Split-K only when a few query rows face many keys (decode); halved to fit the
-            // scratch, which is sized for one query row.
-            let per_query = matches!(keys, Keys::Ranges { .. });
-            let mut n_split = attention::pick_n_split(n_q, nh, self.kv, max_keys, per_query);
-            while n_split > 1
-                && attention::scratch_elems(n_q, nh, hd, n_split) * 4 > sc.attn_split.size()
-            {
-                n_split /= 2;
-            }
+        let ranges = tables.ranges(cap, window)?;
+        rows::attend(parts, cap, window, ranges, |row, n_q, keys, max_keys| {
+            let split = rows::split(&sc.attn_split, n_q, nh, hd, self.kv, max_keys, &keys);
             attention::attention(
                 pass,
                 &Attention {
@@ -960,87 +879,24 @@ impl GpuModel {
                     b: None,
                     keys,
                     sinks: None,
-                    split: (n_split > 1).then_some((&sc.attn_split, n_split)),
+                    split,
                 },
             )
-        };
-        // Prefill parts, and a lone decode row: causal over their own slot's rows.
-        let singles: Vec<&Part> = parts.iter().filter(|p| p.n == 1).collect();
-        for p in parts.iter().filter(|p| p.n > 1 || singles.len() == 1) {
-            let (pos0, np) = (p.pos0 as u32, p.n as u32);
-            let keys = Keys::Causal {
-                row0: p.slot * cap,
-                pos0,
-                n_kv: pos0 + np,
-                window: hp.window as u32,
-            };
-            call(pass, p.row as u32, np, keys, pos0 + np)?;
-        }
-        // The decode rows of several sequences (contiguous at the end of the pass): one call.
-        if let [first, _, ..] = singles[..] {
-            let max_keys = singles.iter().map(|p| p.pos0 as u32 + 1).max().unwrap_or(1);
-            let keys = Keys::Ranges {
-                desc: &sc.ranges,
-                off: 0,
-                max_keys,
-            };
-            call(pass, first.row as u32, singles.len() as u32, keys, max_keys)?;
-        }
+        })?;
         self.residual(pass, &lw.o, Operand::new(&sc.att, 0), n, None, next)
     }
 
-    /// Grow every slot's KV rows to at least `need` (doubling; old rows copied on the GPU).
-    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        if need <= self.pools.cap {
-            return Ok(());
-        }
-        let p = &mut self.pools;
-        p.cap = self
-            .kv
-            .grow_pools(pass, p.kv.iter_mut(), p.slots, p.cap, need, "llama.kv")?;
-        Ok(())
-    }
-
-    /// Positions per sequence the pools can grow to ([`KvShape::max_positions`]).
-    fn max_positions(&self) -> usize {
-        self.kv.max_positions(&self.gpu, self.pools.slots)
-    }
-
     fn new_llama_seq(&self) -> Result<LlamaSeq> {
-        let slot = self
-            .pools
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                    self.pools.slots
-                ))
-            })?;
         Ok(LlamaSeq {
-            slot,
+            slot: self.pools.take_slot()?,
             pos: 0,
-            free: self.pools.free.clone(),
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot.
     fn copy_rows(&self, src: &LlamaSeq, dst: &mut LlamaSeq) -> Result<()> {
-        let cap = self.pools.cap as u64;
-        let len = self.kv.bytes(src.pos as u64);
-        let (from, to) = (
-            self.kv.bytes(src.slot as u64 * cap),
-            self.kv.bytes(dst.slot as u64 * cap),
-        );
-        let regions: Vec<Region<'_>> = self
-            .pools
-            .kv
-            .iter()
-            .flat_map(|(k, v)| [(k, from, to, len), (v, from, to, len)])
-            .collect();
-        copy_regions(&self.gpu, &regions, "llama.seq.copy_stage")?;
+        self.pools
+            .copy_rows(&self.gpu, &src.slot, &dst.slot, src.pos)?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -1124,7 +980,7 @@ impl FamilyModel for GpuModel {
         Ok(&mut self.profile)
     }
     fn max_context(&self) -> Option<usize> {
-        Some(self.max_positions())
+        Some(self.pools.max_positions(&self.gpu))
     }
     fn pass_rows(&self) -> usize {
         self.scratch.rows

@@ -3,6 +3,7 @@
 //! (more passes, each read back, only when they outgrow it).
 
 use super::rounds::{RoundOut, TopReq};
+use crate::gpu::elementwise as ew;
 use crate::gpu::operand::Operand;
 use crate::gpu::{matmul, topk, GpuTensor, Pass};
 use crate::models::{head_rows, head_runs, read_rows, row_runs};
@@ -22,6 +23,21 @@ pub struct Head<'a> {
     pub top: &'a topk::LogitsTop,
     /// `Forward::hidden_out`: the wanted rows of `h` come back instead of their logits.
     pub hidden: bool,
+    /// Gemma's final logit soft-capping (`cap·tanh(z/cap)`), before top-k and readback.
+    pub softcap: Option<f32>,
+}
+
+impl Head<'_> {
+    /// Soft-cap `rows` rows of logits from row `row` where the model caps them.
+    fn cap(&self, pass: &mut Pass<'_>, row: usize, rows: usize) -> Result<()> {
+        match self.softcap {
+            Some(c) => {
+                let y = Operand::new(self.logits, (row * self.n_vocab) as u32);
+                ew::softcap_inplace(pass, rows as u32, self.n_vocab as u32, y, c)
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 /// Submit `pass` with the head over the normed rows in `h`: the top rows first, in this
@@ -47,6 +63,7 @@ pub fn head_logits(
         for (j, r, m) in row_runs(chunk) {
             head_rows(&mut pass, head.w, head.h, (r, e), head.logits, (j, v), m)?;
         }
+        head.cap(&mut pass, 0, chunk.len())?;
         let rows = chunk.len() as u32;
         head.top.record(
             &mut pass,
@@ -78,6 +95,7 @@ pub fn head_logits(
             Operand::new(head.logits, (used * v) as u32),
             take as u32,
         )?;
+        head.cap(p, used, take)?;
         used += take;
         if i + 1 == runs.len() {
             let p = pending.take().expect("a pass holds the head");

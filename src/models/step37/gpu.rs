@@ -1,5 +1,6 @@
-//! The Step-3.7 forward on the GPU: one pass (one submission) per chunk of at most
-//! [`DEFAULT_BATCH`] tokens of one sequence, as the Llama family's. Each block has its own
+//! The Step-3.7 forward on the GPU: one pass (one submission) per round of at most
+//! [`DEFAULT_BATCH`] rows of the runtime's scheduler (prefill chunks and the decode rows of
+//! every sequence of a batch), as the Llama family's. Each block has its own
 //! geometry (heads, rotary width, RoPE base, window), so its own KV pool and RoPE table.
 //! Routed experts run through the shared MoE blocks (`gpu::moe::routed_ffn`, the sigmoid
 //! router of `gpu::router`), or through the expert arena and the CPU (`moe::Offload`) when
@@ -7,7 +8,7 @@
 
 use super::{Hparams, LayerGeom, Llama3, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
-use crate::gpu::attention::{self, Attention, Keys, KvShape, KvSource, OutView, QView};
+use crate::gpu::attention::{self, Attention, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise as ew;
 use crate::gpu::matmul;
 use crate::gpu::matmul::MoeRoute;
@@ -15,19 +16,20 @@ use crate::gpu::matvec::MatvecOpts;
 use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
 use crate::gpu::norm;
 use crate::gpu::operand::Operand;
-use crate::gpu::rope::{self, Positions, RopeStyle, RopeTable, RopeView};
-use crate::gpu::topk::TopLogits;
+use crate::gpu::rope::{self, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
+use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
-use crate::models::runtime::rounds::{self, RoundSeq};
-use crate::models::runtime::state::{copy_regions, Region};
+use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
+use crate::models::runtime::rows::{self, RowTables};
 use crate::models::{expect_shape, read_f32, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{Error, Result};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Tokens per pass: activations are sized for this many rows (llama.cpp's micro-batch, as
 /// the other families').
@@ -92,7 +94,7 @@ fn widths(hp: &Hparams) -> (usize, usize, usize) {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 19] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 20] {
     let (nh, nkv, ff) = widths(hp);
     let (q, kv) = (nh * hp.head_dim, nkv * hp.head_dim);
     let (ne, k, fe) = hp
@@ -112,6 +114,7 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 19] {
         ("step37.up", rows * ff),
         ("step37.act", rows * ff),
         ("step37.attn_split", split_elems(hp) as usize),
+        ("step37.rows", RowTables::elems(rows, table_pairs(hp))),
         ("step37.router", rows * ne),
         ("step37.moe_ids", rows * k),
         ("step37.moe_w", rows * k),
@@ -120,6 +123,28 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 19] {
         ("step37.f_act", rows * k * fe),
         ("step37.moe_out", rows * k * hp.n_embd),
     ]
+}
+
+/// The (KV heads, window) pairs of the blocks (the MTP block's too): their pools'
+/// (capacity, window) pairs are at most as many (blocks of one geometry grow alike).
+fn table_pairs(hp: &Hparams) -> usize {
+    let mut seen = Vec::new();
+    for g in &hp.layers {
+        let k = (g.n_head_kv, window(hp, g));
+        if !seen.contains(&k) {
+            seen.push(k);
+        }
+    }
+    seen.len()
+}
+
+/// The window of a block's attention: the model's on sliding blocks, none (0) on full ones.
+fn window(hp: &Hparams, g: &LayerGeom) -> usize {
+    if g.swa {
+        hp.window
+    } else {
+        0
+    }
 }
 
 /// Split-K scratch of one decode token (16 Mi elements at most, as the split count shrinks
@@ -150,6 +175,9 @@ struct Scratch {
     act: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
+    /// Each row's position; per (pool capacity, window) pair of the blocks each row's KV
+    /// cache row and each decode row's visible cache rows.
+    tables: RowTables,
     /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
     /// ids (u32) and weights; [rows·n_used, n_ff_exp] the experts' gate, up and SwiGLU;
     /// [rows·n_used, n_embd] their unweighted outputs.
@@ -186,13 +214,14 @@ impl Scratch {
             up: f(9)?,
             act: f(10)?,
             attn_split: f(11)?,
-            router: f(12)?,
-            moe_ids: f(13)?,
-            moe_w: f(14)?,
-            f_gate: f(15)?,
-            f_up: f(16)?,
-            f_act: f(17)?,
-            moe_out: f(18)?,
+            tables: RowTables::new(gpu, rows, table_pairs(hp), e[12].0)?,
+            router: f(13)?,
+            moe_ids: f(14)?,
+            moe_w: f(15)?,
+            f_gate: f(16)?,
+            f_up: f(17)?,
+            f_act: f(18)?,
+            moe_out: f(19)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -203,7 +232,7 @@ impl Scratch {
             },
             logits: gpu.buffer((logit_rows * hp.n_vocab * 4) as u64, "step37.logits")?,
             logit_rows,
-            top: topk::LogitsTop::new(gpu, 1, hp.n_vocab as u32)?,
+            top: topk::LogitsTop::new(gpu, rows as u32, hp.n_vocab as u32)?,
         })
     }
 }
@@ -229,7 +258,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let mut kv_per_token = 0;
     for l in part.layers.clone() {
         let g = &hp.layers[l];
-        let kv = kv_shape(hp, g, run.kv).bytes(seqs * kv_cap(run.ctx as usize) as u64);
+        let kv = kv_shape(hp, g, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
         buffers.extend([
             PassBuffer::bound("step37.kv.k", kv),
             PassBuffer::bound("step37.kv.v", kv),
@@ -249,36 +278,18 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
 /// Block `g`'s KV rows for `--kv-type` (f16 by default).
 fn kv_shape(hp: &Hparams, g: &LayerGeom, t: KvType) -> KvShape {
     KvShape {
-        dtype: match t {
-            KvType::Auto | KvType::F16 => attention::KvType::F16,
-            KvType::F32 => attention::KvType::F32,
-        },
+        dtype: kv::kv_dtype(t),
         n_head_kv: g.n_head_kv as u32,
         head_dim: hp.head_dim as u32,
     }
-}
-
-/// KV rows per sequence the pools start with for a context of `ctx` (doubling from there).
-fn kv_cap(ctx: usize) -> usize {
-    ctx.clamp(16, 4096)
-}
-
-/// One block's K and V rows for all sequence slots: slot `s` owns rows `s·cap ..`.
-struct Pool {
-    shape: KvShape,
-    /// Rows per slot; grows by doubling (copied on the GPU).
-    cap: usize,
-    /// `[slots·cap, n_head_kv, head_dim]` each.
-    kv: (wgpu::Buffer, wgpu::Buffer),
 }
 
 /// One sequence: a slot of the pools and the tokens it has seen. Dropping it frees the slot.
 pub struct StepSeq {
     /// Unique per sequence of the model (slots are reused): what speculation keys its rows by.
     id: u64,
-    slot: u32,
+    slot: Slot,
     pos: usize,
-    free: Arc<Mutex<Vec<u32>>>,
 }
 
 impl SeqState for StepSeq {
@@ -289,19 +300,10 @@ impl SeqState for StepSeq {
 
 impl RoundSeq for StepSeq {
     fn slot(&self) -> u32 {
-        self.slot
+        self.slot.index
     }
     fn set_pos(&mut self, pos: usize) {
         self.pos = pos;
-    }
-}
-
-impl Drop for StepSeq {
-    fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.slot);
     }
 }
 
@@ -312,9 +314,7 @@ pub struct GpuModel {
     output: GpuTensor,
     output_norm: GpuTensor,
     layers: Vec<Layer>,
-    slots: usize,
-    pools: Vec<Pool>,
-    free: Arc<Mutex<Vec<u32>>>,
+    pools: Pools,
     scratch: Scratch,
     /// The expert arena and cold experts when the planner left some experts off the GPU.
     offload: Option<Offload>,
@@ -326,14 +326,6 @@ pub struct GpuModel {
     mtp: Option<mtp::Mtp>,
     spec: mtp::SpecState,
     next_id: std::sync::atomic::AtomicU64,
-}
-
-/// What one chunk's pass returns: its wanted logits rows.
-enum ChunkWant {
-    None,
-    Last,
-    All,
-    Top { k: u32, lse: bool },
 }
 
 /// The tensor `w` of `file`, checked against `shape`.
@@ -420,24 +412,10 @@ impl GpuModel {
             Some((df, dhp)) => Some(mtp::Mtp::load(&gpu, df, dhp, &hp, pass_rows, &put)?),
             None => None,
         };
+        let blocks = layers.iter().chain(mtp.as_ref().map(|m| &m.layer));
+        let shapes = blocks.map(|lw| kv_shape(&hp, &lw.g, opts.kv_type));
         let slots = opts.max_seqs.max(1);
-        let cap = kv_cap(opts.ctx);
-        let rows = (slots * cap) as u64;
-        let pools = layers
-            .iter()
-            .chain(mtp.as_ref().map(|m| &m.layer))
-            .map(|lw| {
-                let shape = kv_shape(&hp, &lw.g, opts.kv_type);
-                Ok(Pool {
-                    shape,
-                    cap,
-                    kv: (
-                        gpu.buffer(shape.bytes(rows), "step37.kv.k")?,
-                        gpu.buffer(shape.bytes(rows), "step37.kv.v")?,
-                    ),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let pools = Pools::new(&gpu, shapes, slots, kv::first_cap(opts.ctx), "step37.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
         let offload = match plan {
             Some(p) => Some(Offload::new(&gpu, file, p, opts, pass_rows)?),
@@ -450,10 +428,7 @@ impl GpuModel {
             output,
             output_norm,
             layers,
-            slots,
             pools,
-            // Popped from the end: slot 0 first.
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
             scratch,
             offload,
             hidden_out: false,
@@ -463,44 +438,33 @@ impl GpuModel {
         })
     }
 
-    /// Feed each item's tokens, one item after the other, in the runtime's rounds of at
-    /// most [`DEFAULT_BATCH`] rows ([`rounds::run_batch`]; a pass holds one sequence);
-    /// per item the logits it wants.
+    /// Feed the items in the runtime's rounds of at most [`DEFAULT_BATCH`] rows shared by
+    /// all of them ([`rounds::run_batch`]: prefill chunks first, the decode rows of every
+    /// sequence together after them); per item the logits it wants.
     fn run_items(&mut self, items: &mut [(&mut StepSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
-        rounds::check_items(items, v)?;
-        let mut out = Vec::with_capacity(items.len());
-        for (seq, toks, want) in items.iter_mut() {
-            let one = rounds::run_batch(&mut [(&mut **seq, *toks, *want)], v, rows, true, |r| {
-                let cw = match (&r.wants[..], r.top.rows.is_empty()) {
-                    (_, false) => ChunkWant::Top {
-                        k: r.top.k,
-                        lse: r.top.lse,
-                    },
-                    ([(0, n)], _) if *n == r.toks.len() => ChunkWant::All,
-                    ([_], _) => ChunkWant::Last,
-                    _ => ChunkWant::None,
-                };
-                let p = &r.parts[0];
-                let (logits, top) = self.run_chunk(p.slot, p.pos0, &r.toks, cw)?;
-                Ok((logits, top.into_iter().collect()))
-            })?;
-            out.extend(one);
-        }
-        Ok(out)
+        rounds::run_batch(items, v, rows, true, |r| {
+            self.round(&r.parts, &r.toks, &r.wants, &r.top)
+        })
     }
 
-    /// One pass over `toks` of the sequence in `slot` from position `pos0`.
-    fn run_chunk(
+    /// One pass over the rows of `parts` (their tokens `toks` in row order): the logits of
+    /// the `wants` row runs and the top logits of the `top` rows.
+    fn round(
         &mut self,
-        slot: u32,
-        pos0: usize,
+        parts: &[Part],
         toks: &[u32],
-        want: ChunkWant,
-    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
+        wants: &[(usize, usize)],
+        top: &TopReq,
+    ) -> Result<RoundOut> {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
-        self.reserve(&mut pass, pos0 + toks.len())?;
+        let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
+        self.pools.reserve(&mut pass, need)?;
+        let hp = &self.hp;
+        let trunk = self.pools.blocks.iter().zip(&hp.layers).take(hp.n_layer);
+        let pairs = trunk.map(|(p, g)| (p.cap, window(hp, g)));
+        self.scratch.tables.write(&gpu, parts, pairs)?;
         let sc = &self.scratch;
         let n = toks.len() as u32;
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
@@ -513,16 +477,11 @@ impl GpuModel {
             Operand::new(&sc.x, 0),
         )?;
         for (l, lw) in self.layers.iter().enumerate() {
-            self.block(&mut pass, l, lw, slot, pos0 as u32, n)?;
+            self.block(&mut pass, l, lw, parts, n)?;
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
-        self.head(
-            pass,
-            n,
-            want,
-            (&self.output_norm, &self.output),
-            self.hidden_out,
-        )
+        let head = (&self.output_norm, &self.output);
+        self.head(pass, n, wants, top, head, self.hidden_out)
     }
 
     /// Block `l` (weights `lw`) over the `n` rows of the residual stream in `x`.
@@ -531,8 +490,7 @@ impl GpuModel {
         pass: &mut Pass<'_>,
         l: usize,
         lw: &Layer,
-        slot: u32,
-        pos0: u32,
+        parts: &[Part],
         n: u32,
     ) -> Result<()> {
         let (hp, sc) = (&self.hp, &self.scratch);
@@ -549,7 +507,7 @@ impl GpuModel {
             )
         };
         norm(pass, &lw.attn_norm)?;
-        self.attention(pass, l, lw, slot, pos0, n)?;
+        self.attention(pass, l, lw, parts, n)?;
         norm(pass, &lw.ffn_norm)?;
         if let Some(x) = &lw.experts {
             self.moe(pass, l, x, n)?;
@@ -557,77 +515,44 @@ impl GpuModel {
         self.swiglu(pass, &lw.mlp, lw.g.clamp_shexp, n)
     }
 
-    /// The wanted rows of the `n` in `x` through the final norm and the head
-    /// (`(norm, output)`; `hidden`: the normed rows come back instead), `pass` submitted.
+    /// The `n` rows in `x` through the final norm and the head (`(norm, output)`; `hidden`:
+    /// the wanted normed rows come back instead): the logits of the `wants` row runs and the
+    /// top logits of the `top` rows ([`head_logits`]), `pass` submitted.
     fn head(
         &self,
         mut pass: Pass<'_>,
         n: u32,
-        want: ChunkWant,
+        wants: &[(usize, usize)],
+        top: &TopReq,
         (final_norm, output): (&GpuTensor, &GpuTensor),
         hidden: bool,
-    ) -> Result<(Vec<f32>, Option<TopLogits>)> {
-        let gpu = self.gpu.clone();
+    ) -> Result<RoundOut> {
         let (hp, sc) = (&self.hp, &self.scratch);
-        let e = hp.n_embd as u32;
-        let (r0, rows) = match want {
-            ChunkWant::None => {
-                pass.submit()?;
-                return Ok((Vec::new(), None));
-            }
-            ChunkWant::All => (0, n as usize),
-            ChunkWant::Last | ChunkWant::Top { .. } => (n as usize - 1, 1),
-        };
-        // The final norm of the wanted rows only.
+        if wants.is_empty() && top.rows.is_empty() {
+            pass.submit()?;
+            return Ok((Vec::new(), Vec::new()));
+        }
         norm::rms_norm(
             &mut pass,
-            rows as u32,
-            e,
-            Operand::new(&sc.x, r0 as u32 * e),
+            n,
+            hp.n_embd as u32,
+            Operand::new(&sc.x, 0),
             Some(Operand::new(&sc.h, 0)),
             Some(final_norm),
             hp.eps,
         )?;
-        if hidden {
-            pass.submit()?;
-            let h = crate::models::read_rows(&gpu, &sc.h, &[(0, rows)], hp.n_embd)?;
-            return Ok((h, None));
-        }
-        let v = hp.n_vocab;
-        if let ChunkWant::Top { k, lse } = want {
-            crate::models::head_rows(
-                &mut pass,
-                output,
-                &sc.h,
-                (0, hp.n_embd),
-                &sc.logits,
-                (0, v),
-                1,
-            )?;
-            sc.top
-                .record(&mut pass, Operand::new(&sc.logits, 0), 1, 0, k, lse)?;
-            pass.submit()?;
-            let t = sc.top.read(&gpu, 1, k, lse)?.pop();
-            return Ok((Vec::new(), t));
-        }
-        // The head in runs that fit the logits buffer, each read back.
-        let mut logits = Vec::with_capacity(rows * v);
-        let mut pending = Some(pass);
-        for (r, take) in crate::models::head_runs(&[(0, rows)], sc.logit_rows) {
-            let mut p = pending.take().unwrap_or_else(|| gpu.pass());
-            crate::models::head_rows(
-                &mut p,
-                output,
-                &sc.h,
-                (r, hp.n_embd),
-                &sc.logits,
-                (0, v),
-                take,
-            )?;
-            p.submit()?;
-            logits.extend(gpu.read_f32(&sc.logits, 0, take * v)?);
-        }
-        Ok((logits, None))
+        let head = Head {
+            w: output,
+            n_vocab: hp.n_vocab,
+            h: &sc.h,
+            n_embd: hp.n_embd,
+            logits: &sc.logits,
+            logit_rows: sc.logit_rows,
+            top: &sc.top,
+            hidden,
+            softcap: None,
+        };
+        head_logits(pass, &head, wants, top, None)
     }
 
     /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert, with
@@ -696,13 +621,15 @@ impl GpuModel {
         pass: &mut Pass<'_>,
         l: usize,
         lw: &Layer,
-        slot: u32,
-        pos0: u32,
+        parts: &[Part],
         n: u32,
     ) -> Result<()> {
         let hp = &self.hp;
         let sc = &self.scratch;
         let g = &lw.g;
+        let pool = &self.pools.blocks[l];
+        let (cap, window) = (pool.cap, window(hp, g));
+        let tables = &sc.tables;
         let (nh, nkv, hd) = (g.n_head as u32, g.n_head_kv as u32, hp.head_dim as u32);
         linear(pass, &lw.q, &sc.h, &sc.q, n, false)?;
         linear(pass, &lw.k, &sc.h, &sc.k, n, false)?;
@@ -723,54 +650,44 @@ impl GpuModel {
                 RopeStyle::Neox,
                 0,
                 &lw.rope,
-                Positions::From(pos0),
+                tables.positions(),
                 false,
             )?;
         }
-        let pool = &self.pools[l];
         let (kc, vc) = &pool.kv;
-        let row0 = slot * pool.cap as u32;
-        let dst = attention::DstRows::Range { row0: row0 + pos0 };
+        let dst = tables.kv_rows(cap, window)?;
         attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
         attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
-        let n_kv = pos0 + n;
-        // Split-K only when a few query rows face many keys (decode); halved to fit the
-        // scratch, which is sized for one query row.
-        let mut n_split = attention::pick_n_split(n, nh, pool.shape, n_kv, false);
-        while n_split > 1 && attention::scratch_elems(n, nh, hd, n_split) * 4 > sc.attn_split.size()
-        {
-            n_split /= 2;
-        }
-        attention::attention(
-            pass,
-            &Attention {
-                n_q: n,
-                n_head: nh,
-                kv: pool.shape,
-                scale: 1.0 / (hd as f32).sqrt(),
-                q: QView {
-                    buf: &sc.q,
-                    off: 0,
-                    tok_stride: nh * hd,
-                    head_stride: hd,
+        let qw = nh * hd;
+        let ranges = tables.ranges(cap, window)?;
+        rows::attend(parts, cap, window, ranges, |row, n_q, keys, max_keys| {
+            let split = rows::split(&sc.attn_split, n_q, nh, hd, pool.shape, max_keys, &keys);
+            attention::attention(
+                pass,
+                &Attention {
+                    n_q,
+                    n_head: nh,
+                    kv: pool.shape,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    q: QView {
+                        buf: &sc.q,
+                        off: row * qw,
+                        tok_stride: qw,
+                        head_stride: hd,
+                    },
+                    out: OutView {
+                        buf: &sc.att,
+                        off: row * qw,
+                        tok_stride: qw,
+                    },
+                    a: KvSource { k: kc, v: Some(vc) },
+                    b: None,
+                    keys,
+                    sinks: None,
+                    split,
                 },
-                out: OutView {
-                    buf: &sc.att,
-                    off: 0,
-                    tok_stride: nh * hd,
-                },
-                a: KvSource { k: kc, v: Some(vc) },
-                b: None,
-                keys: Keys::Causal {
-                    row0,
-                    pos0,
-                    n_kv,
-                    window: if g.swa { hp.window as u32 } else { 0 },
-                },
-                sinks: None,
-                split: (n_split > 1).then_some((&sc.attn_split, n_split)),
-            },
-        )?;
+            )
+        })?;
         if let Some(gate) = &lw.gate {
             // att [n, nh, hd] as n·nh rows, each times sigmoid of its head's gate logit.
             linear(pass, gate, &sc.h, &sc.attn_gate, n, false)?;
@@ -785,70 +702,20 @@ impl GpuModel {
         linear(pass, &lw.o, &sc.att, &sc.x, n, true)
     }
 
-    /// Grow every block's KV rows to at least `need` (doubling; old rows copied on the GPU).
-    fn reserve(&mut self, pass: &mut Pass<'_>, need: usize) -> Result<()> {
-        for p in &mut self.pools {
-            if need > p.cap {
-                p.cap = p.shape.grow_pools(
-                    pass,
-                    std::iter::once(&mut p.kv),
-                    self.slots,
-                    p.cap,
-                    need,
-                    "step37.kv",
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Positions per sequence every block's pool can grow to ([`KvShape::max_positions`]).
-    fn max_positions(&self) -> usize {
-        self.pools
-            .iter()
-            .map(|p| p.shape.max_positions(&self.gpu, self.slots))
-            .min()
-            .unwrap_or(0)
-    }
-
     fn new_step_seq(&self) -> Result<StepSeq> {
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "all {} sequence slots are in use (raise LoadOptions::max_seqs / --parallel)",
-                    self.slots
-                ))
-            })?;
         Ok(StepSeq {
             id: self
                 .next_id
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            slot,
+            slot: self.pools.take_slot()?,
             pos: 0,
-            free: self.free.clone(),
         })
     }
 
-    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot ([`copy_regions`]).
+    /// Make `dst` hold `src`'s KV rows `[0, pos)`, slot to slot.
     fn copy_rows(&self, src: &StepSeq, dst: &mut StepSeq) -> Result<()> {
-        let regions: Vec<Region<'_>> = self
-            .pools
-            .iter()
-            .flat_map(|p| {
-                let (cap, s) = (p.cap as u64, p.shape);
-                let (from, to, len) = (
-                    s.bytes(src.slot as u64 * cap),
-                    s.bytes(dst.slot as u64 * cap),
-                    s.bytes(src.pos as u64),
-                );
-                [(&p.kv.0, from, to, len), (&p.kv.1, from, to, len)]
-            })
-            .collect();
-        copy_regions(&self.gpu, &regions, "step37.seq.copy_stage")?;
+        self.pools
+            .copy_rows(&self.gpu, &src.slot, &dst.slot, src.pos)?;
         dst.pos = src.pos;
         Ok(())
     }
@@ -1077,7 +944,7 @@ impl FamilyModel for GpuModel {
         })
     }
     fn max_context(&self) -> Option<usize> {
-        Some(self.max_positions())
+        Some(self.pools.max_positions(&self.gpu))
     }
     fn pass_rows(&self) -> usize {
         self.scratch.rows

@@ -451,6 +451,7 @@ impl GpuModel {
             logit_rows: sc.logit_rows,
             top: out.top,
             hidden: self.hidden_out,
+            softcap: None,
         };
         head_logits(pass, &head, wants, top, prof.as_mut())
     }

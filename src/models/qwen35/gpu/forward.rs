@@ -196,6 +196,7 @@ impl GpuModel {
             logit_rows: sc.logit_rows,
             top: &sc.top,
             hidden: self.hidden_out,
+            softcap: None,
         };
         head_logits(pass, &head, wants, top, prof)
     }

@@ -216,7 +216,22 @@ impl GpuModel {
         }
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
-        self.reserve(&mut pass, pos0 + n)?;
+        self.pools.reserve(&mut pass, pos0 + n)?;
+        let part = Part {
+            item: 0,
+            start: 0,
+            n,
+            row: 0,
+            pos0,
+            rowwise: n == 1,
+            slot: seq.slot.index,
+        };
+        let l = self.hp.n_layer;
+        let pair = (
+            self.pools.blocks[l].cap,
+            window(&self.hp, &self.hp.layers[l]),
+        );
+        self.scratch.tables.write(&gpu, &[part], [pair])?;
         let (hp, sc) = (&self.hp, &self.scratch);
         let m = self.mtp.as_ref().expect("callers check the block");
         let (e, nt) = (hp.n_embd as u32, n as u32);
@@ -248,15 +263,25 @@ impl GpuModel {
             )?;
         }
         linear(&mut pass, &m.eh_proj, &m.cat, &sc.x, nt, false)?;
-        self.block(&mut pass, hp.n_layer, &m.layer, seq.slot, pos0 as u32, nt)?;
+        self.block(&mut pass, l, &m.layer, &[part], nt)?;
         pass.copy(&sc.x, 0, &m.out, 0, n as u64 * w);
-        let cw = match want {
-            Want::Top { k, lse } => ChunkWant::Top { k, lse },
-            Want::All => ChunkWant::All,
-            Want::Last => ChunkWant::Last,
-            Want::None => ChunkWant::None,
+        let mut top = TopReq::default();
+        let wants = match want {
+            Want::All => vec![(0, n)],
+            Want::Last => vec![(n - 1, 1)],
+            Want::Top { k, lse } => {
+                top = TopReq {
+                    k,
+                    lse,
+                    rows: vec![n - 1],
+                };
+                Vec::new()
+            }
+            Want::None => Vec::new(),
         };
-        let (logits, top) = self.head(pass, nt, cw, (&m.head_norm, &m.head), false)?;
+        let head = (&m.head_norm, &m.head);
+        let (logits, tops) = self.head(pass, nt, &wants, &top, head, false)?;
+        let top = tops.into_iter().next();
         let m = self.mtp.as_mut().expect("checked above");
         m.last = Some((seq.id, pos0 + n - 1, nt - 1));
         m.rows = n;
