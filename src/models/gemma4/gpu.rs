@@ -323,6 +323,8 @@ pub struct GpuModel {
     /// [`Forward::hidden_out`]: the wanted rows' final-norm hidden states come back instead
     /// of their logits.
     hidden_out: bool,
+    /// Per-dispatch GPU times of the next pass when set ([`FamilyModel::profile_sink`]).
+    profile: Option<Vec<(String, f64)>>,
 }
 
 impl GpuModel {
@@ -445,6 +447,7 @@ impl GpuModel {
             scratch,
             offload,
             hidden_out: false,
+            profile: None,
         })
     }
 
@@ -454,21 +457,31 @@ impl GpuModel {
     fn run_items(&mut self, items: &mut [(&mut GemmaSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
         rounds::run_batch(items, v, rows, true, |r| {
-            self.round(&r.parts, &r.toks, &r.wants, &r.top)
+            let mut prof = self.profile.take();
+            let out = self.round(&r.parts, &r.toks, &r.wants, &r.top, prof.as_mut());
+            if prof.is_some() {
+                self.profile = prof;
+            }
+            out
         })
     }
 
     /// One pass over the rows of `parts` (their tokens `toks` in row order): the logits of
-    /// the `wants` row runs and the top logits of the `top` rows.
+    /// the `wants` row runs and the top logits of the `top` rows; every dispatch timed into
+    /// `prof` when given.
     fn round(
         &mut self,
         parts: &[Part],
         toks: &[u32],
         wants: &[(usize, usize)],
         top: &TopReq,
+        prof: Option<&mut Vec<(String, f64)>>,
     ) -> Result<RoundOut> {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
+        if prof.is_some() {
+            pass.hold();
+        }
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
         self.pools.reserve(&mut pass, need)?;
         let hp = &self.hp;
@@ -569,7 +582,7 @@ impl GpuModel {
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         if wants.is_empty() && top.rows.is_empty() {
-            pass.submit()?;
+            pass.submit_or_profile(prof)?;
             return Ok((Vec::new(), Vec::new()));
         }
         norm::rms_norm(
@@ -592,7 +605,7 @@ impl GpuModel {
             hidden: self.hidden_out,
             softcap: hp.softcap,
         };
-        head_logits(pass, &head, wants, top, None)
+        head_logits(pass, &head, wants, top, prof)
     }
 
     /// Block `l`'s routed experts of the residual rows `x` into `moe_sum` (`h` is
@@ -880,9 +893,7 @@ impl FamilyModel for GpuModel {
         self.run_items(items)
     }
     fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
-        Err(Error::Unsupported(
-            "per-dispatch profiles of a Gemma-4 model".into(),
-        ))
+        Ok(&mut self.profile)
     }
     fn max_context(&self) -> Option<usize> {
         Some(self.pools.max_positions(&self.gpu))

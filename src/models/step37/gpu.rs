@@ -321,6 +321,8 @@ pub struct GpuModel {
     /// [`FamilyModel::hidden_out`]: the wanted rows' final-norm hidden states come back
     /// instead of their logits.
     hidden_out: bool,
+    /// Per-dispatch GPU times of the next pass when set ([`FamilyModel::profile_sink`]).
+    profile: Option<Vec<(String, f64)>>,
     /// The MTP block (block `n_layer`; its KV pool is `pools[n_layer]`) and what
     /// speculation keeps.
     mtp: Option<mtp::Mtp>,
@@ -432,6 +434,7 @@ impl GpuModel {
             scratch,
             offload,
             hidden_out: false,
+            profile: None,
             mtp,
             spec: Default::default(),
             next_id: Default::default(),
@@ -444,21 +447,31 @@ impl GpuModel {
     fn run_items(&mut self, items: &mut [(&mut StepSeq, &[u32], Want)]) -> Result<Vec<Logits>> {
         let (v, rows) = (self.hp.n_vocab, self.scratch.rows);
         rounds::run_batch(items, v, rows, true, |r| {
-            self.round(&r.parts, &r.toks, &r.wants, &r.top)
+            let mut prof = self.profile.take();
+            let out = self.round(&r.parts, &r.toks, &r.wants, &r.top, prof.as_mut());
+            if prof.is_some() {
+                self.profile = prof;
+            }
+            out
         })
     }
 
     /// One pass over the rows of `parts` (their tokens `toks` in row order): the logits of
-    /// the `wants` row runs and the top logits of the `top` rows.
+    /// the `wants` row runs and the top logits of the `top` rows; every dispatch timed into
+    /// `prof` when given.
     fn round(
         &mut self,
         parts: &[Part],
         toks: &[u32],
         wants: &[(usize, usize)],
         top: &TopReq,
+        prof: Option<&mut Vec<(String, f64)>>,
     ) -> Result<RoundOut> {
         let gpu = self.gpu.clone();
         let mut pass = gpu.pass();
+        if prof.is_some() {
+            pass.hold();
+        }
         let need = parts.iter().map(|p| p.pos0 + p.n).max().unwrap_or(0);
         self.pools.reserve(&mut pass, need)?;
         let hp = &self.hp;
@@ -481,7 +494,7 @@ impl GpuModel {
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         let head = (&self.output_norm, &self.output);
-        self.head(pass, n, wants, top, head, self.hidden_out)
+        self.head(pass, n, (wants, top), head, self.hidden_out, prof)
     }
 
     /// Block `l` (weights `lw`) over the `n` rows of the residual stream in `x`.
@@ -517,19 +530,20 @@ impl GpuModel {
 
     /// The `n` rows in `x` through the final norm and the head (`(norm, output)`; `hidden`:
     /// the wanted normed rows come back instead): the logits of the `wants` row runs and the
-    /// top logits of the `top` rows ([`head_logits`]), `pass` submitted.
+    /// top logits of the `top` rows ([`head_logits`]), `pass` submitted (its dispatches timed
+    /// into `prof` when given).
     fn head(
         &self,
         mut pass: Pass<'_>,
         n: u32,
-        wants: &[(usize, usize)],
-        top: &TopReq,
+        (wants, top): (&[(usize, usize)], &TopReq),
         (final_norm, output): (&GpuTensor, &GpuTensor),
         hidden: bool,
+        prof: Option<&mut Vec<(String, f64)>>,
     ) -> Result<RoundOut> {
         let (hp, sc) = (&self.hp, &self.scratch);
         if wants.is_empty() && top.rows.is_empty() {
-            pass.submit()?;
+            pass.submit_or_profile(prof)?;
             return Ok((Vec::new(), Vec::new()));
         }
         norm::rms_norm(
@@ -552,7 +566,7 @@ impl GpuModel {
             hidden,
             softcap: None,
         };
-        head_logits(pass, &head, wants, top, None)
+        head_logits(pass, &head, wants, top, prof)
     }
 
     /// `x += down(silu(gate h) ⊙ up h)`: a dense block's FFN or the shared expert, with
@@ -927,9 +941,7 @@ impl FamilyModel for GpuModel {
         self.run_items(items)
     }
     fn profile_sink(&mut self) -> Result<&mut Option<Vec<(String, f64)>>> {
-        Err(Error::Unsupported(
-            "per-dispatch profiles of a Step-3.7 model".into(),
-        ))
+        Ok(&mut self.profile)
     }
     fn offload(&self) -> Option<&Offload> {
         self.offload.as_ref()

@@ -280,7 +280,7 @@ impl GpuModel {
             Want::None => Vec::new(),
         };
         let head = (&m.head_norm, &m.head);
-        let (logits, tops) = self.head(pass, nt, &wants, &top, head, false)?;
+        let (logits, tops) = self.head(pass, nt, (&wants, &top), head, false, None)?;
         let top = tops.into_iter().next();
         let m = self.mtp.as_mut().expect("checked above");
         m.last = Some((seq.id, pos0 + n - 1, nt - 1));
