@@ -326,3 +326,58 @@ fn step37_batched_equals_lone() {
     let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
     check_batched_equals_lone(NAME, &dir.join("model-q8_0.gguf"), &ids);
 }
+
+/// The MTP block from its own file (`--mtp-model`) is in the budget the loader places experts
+/// with and in `lathe plan`'s alike: its weights count with the non-expert weights and its KV
+/// rows with the KV, so what is left for expert slots shrinks by them.
+#[test]
+fn mtp_file_is_in_the_budget() {
+    let dir = fixtures().join(NAME);
+    let (trunk, mtp) = (dir.join("model-f32.gguf"), dir.join("mtp-f32.gguf"));
+    let plan = |extra: &[&std::ffi::OsStr]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lathe"))
+            .args(["plan", "-m"])
+            .arg(&trunk)
+            .args(["--gpu-mem", "1GiB", "--ctx", "512"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let line = |s: &str, what: &str| -> String {
+        let l = s.lines().find(|l| l.trim_start().starts_with(what));
+        l.unwrap_or_else(|| panic!("no `{what}` in\n{s}"))
+            .trim_start()
+            .trim_start_matches(what)
+            .trim()
+            .to_string()
+    };
+    let alone = plan(&[]);
+    let with = plan(&["--mtp-model".as_ref(), mtp.as_os_str()]);
+    eprintln!("{alone}\n{with}");
+    for what in ["non-expert weights", "KV cache", "left for experts"] {
+        assert_ne!(line(&alone, what), line(&with, what), "{what}");
+    }
+    // The loader's budget for the same run (statistics keep the offload and its report).
+    for (mtp_model, report) in [(None, &alone), (Some(mtp.clone()), &with)] {
+        let e = lathe::engine::Engine::load(
+            &trunk,
+            &LoadOptions {
+                gpu_mem: vec![1 << 30],
+                ctx: 512,
+                max_seqs: 1,
+                collect_expert_stats: true,
+                mtp_model,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mem = e.placement_report().unwrap().memory.unwrap();
+        let left = line(report, "left for experts");
+        assert!(
+            mem.ends_with(&format!("; {left} for expert slots")),
+            "loader: {mem}; lathe plan: {left}"
+        );
+    }
+}

@@ -134,7 +134,7 @@ pub fn report(a: &PlanArgs) -> Result<String> {
     let stats = load_stats(a, o, &info)?;
     let run = run_shape(a, o, &file);
     // The loaders' own budget (`models::model_budget`), for this run shape.
-    let (budget, nd) = model_budget(&file, &info, mem.bytes, run);
+    let (budget, nd) = model_budget(&file, &info, mem.bytes, run, o)?;
     let mut s = String::new();
     writeln!(
         s,

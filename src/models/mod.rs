@@ -257,11 +257,21 @@ pub fn needs_part(f: &ModelFile, run: RunShape, part: &crate::model_file::PartSp
         .unwrap_or_else(|| needs(f, run))
 }
 
-/// The budget of `f` (whose experts `info` describes) on `memory` bytes for `run`: [`needs`]
-/// into `moe::budget_for`, as the loaders place experts with, so `lathe plan` agrees.
-pub fn model_budget(f: &ModelFile, info: &MoeInfo, memory: u64, run: RunShape) -> (Budget, Needs) {
-    let nd = needs(f, run);
-    (budget_for(info, memory, run.ctx, &nd), nd)
+/// The budget of `f` (whose experts `info` describes) on `memory` bytes for `run`: [`needs`],
+/// with what a draft block `opts` names needs (Step's `--mtp-model`), into
+/// `moe::budget_for`, as the loaders place experts with, so `lathe plan` agrees.
+pub fn model_budget(
+    f: &ModelFile,
+    info: &MoeInfo,
+    memory: u64,
+    run: RunShape,
+    opts: &LoadOptions,
+) -> Result<(Budget, Needs)> {
+    let mut nd = needs(f, run);
+    if let Some(draft) = registry::family_of(f).and_then(|fam| fam.draft_needs) {
+        nd.add(draft(f, opts, run)?);
+    }
+    Ok((budget_for(info, memory, run.ctx, &nd), nd))
 }
 
 /// A weight as a loader hands it to a backend: stored bytes straight from the mmap, a

@@ -14,6 +14,9 @@ use std::sync::Arc;
 /// A family's loader: the layers of `opts.part` (the whole model without it) onto a device.
 pub type LoadFn = fn(Arc<Gpu>, &ModelFile, &LoadOptions) -> Result<Box<dyn link::Part>>;
 
+/// What a draft block `opts` loads beside the model in the file needs for a run.
+pub type DraftNeedsFn = fn(&ModelFile, &LoadOptions, RunShape) -> Result<Needs>;
+
 /// One family: its architecture names and the functions that read its files.
 pub struct Family {
     /// For messages.
@@ -34,6 +37,9 @@ pub struct Family {
     /// Its multi-token prediction block ships in a separate GGUF (`--mtp-model`), as
     /// Step-3.5/3.7's does; other families carry theirs in the trunk's file or have none.
     pub mtp_file: bool,
+    /// What a draft block loaded beside the trunk (`--mtp-model`) needs on top of
+    /// `needs_part`: its weights, KV and rows; `None` where the family has no such block.
+    pub draft_needs: Option<DraftNeedsFn>,
 }
 
 /// llama.cpp's GGUF expert stacks (`LLM_TENSOR_FFN_{GATE,UP,DOWN}_EXPS` in `llama-arch.cpp`),
@@ -157,6 +163,7 @@ pub static FAMILIES: &[Family] = &[
         pass_rows: qwen35::gpu::DEFAULT_BATCH,
         experts: &QWEN_EXPERT_NAMES,
         mtp_file: false,
+        draft_needs: None,
     },
     Family {
         name: "DeepSeek-V4",
@@ -175,6 +182,7 @@ pub static FAMILIES: &[Family] = &[
         pass_rows: deepseek4::gpu::DEFAULT_BATCH,
         experts: &DEEPSEEK_EXPERT_NAMES,
         mtp_file: false,
+        draft_needs: None,
     },
     Family {
         name: "Llama",
@@ -199,6 +207,7 @@ pub static FAMILIES: &[Family] = &[
         pass_rows: llama::gpu::DEFAULT_BATCH,
         experts: &QWEN_EXPERT_NAMES,
         mtp_file: false,
+        draft_needs: None,
     },
     Family {
         name: "Gemma-4",
@@ -222,6 +231,7 @@ pub static FAMILIES: &[Family] = &[
         pass_rows: gemma4::gpu::DEFAULT_BATCH,
         experts: &GEMMA4_EXPERT_NAMES,
         mtp_file: false,
+        draft_needs: None,
     },
     Family {
         name: "Step-3.7",
@@ -246,6 +256,7 @@ pub static FAMILIES: &[Family] = &[
         pass_rows: step37::gpu::DEFAULT_BATCH,
         experts: &STEP37_EXPERT_NAMES,
         mtp_file: true,
+        draft_needs: Some(step37::gpu::draft_needs),
     },
 ];
 

@@ -266,6 +266,9 @@ impl Budget {
 /// inputs of [`BudgetInputs`] that the loaders and `lathe plan` budget with.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Needs {
+    /// Weights on the GPU from files other than the model's own (so not in
+    /// [`super::MoeInfo::other_bytes`]): Step-3.5/3.7's MTP block from `--mtp-model`.
+    pub weights: u64,
     /// KV cache bytes per position, all layers and sequences.
     pub kv_per_token: u64,
     /// Per-sequence state independent of the context, times the sequences.
@@ -281,6 +284,18 @@ pub struct Needs {
     pub kv_elem: u64,
     /// Why the estimate is partial, if it is.
     pub note: Option<String>,
+}
+
+impl Needs {
+    /// `self` and `more` together (a draft block's needs beside its trunk's).
+    pub fn add(&mut self, more: Needs) {
+        self.weights += more.weights;
+        self.kv_per_token += more.kv_per_token;
+        self.state += more.state;
+        self.activations += more.activations;
+        self.buffers.extend(more.buffers);
+        self.note = self.note.take().or(more.note);
+    }
 }
 
 /// The run a budget is for (the loaders take it from `LoadOptions` by [`RunShape::new`],
@@ -315,7 +330,7 @@ impl RunShape {
 pub fn budget_for(info: &super::MoeInfo, memory: u64, ctx: u64, nd: &Needs) -> Budget {
     Budget::new(&BudgetInputs {
         memory,
-        weights: info.other_bytes,
+        weights: info.other_bytes.saturating_add(nd.weights),
         kv_bytes_per_token: nd.kv_per_token,
         ctx,
         state_bytes: nd.state,

@@ -929,6 +929,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         activations += mtp::MtpGpu::bytes(hp, batch as usize);
     }
     Needs {
+        weights: 0,
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
         activations,

@@ -266,6 +266,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_per_token += 2 * (g.n_head_kv * g.head_dim) as u64 * kv_elem * seqs;
     }
     Needs {
+        weights: 0,
         kv_per_token,
         state: 0,
         activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits + route,

@@ -219,6 +219,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         ]);
     }
     Needs {
+        weights: 0,
         kv_per_token: layers * 2 * (hp.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs,
         state: 0,
         activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits + route,

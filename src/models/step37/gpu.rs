@@ -266,6 +266,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_per_token += 2 * (g.n_head_kv * hp.head_dim) as u64 * kv_elem * seqs;
     }
     Needs {
+        weights: 0,
         kv_per_token,
         state: 0,
         activations: e.iter().map(|&(_, n)| n as u64 * 4).sum::<u64>() + logits + route,
@@ -273,6 +274,17 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         kv_elem,
         note: None,
     }
+}
+
+/// What the MTP block `opts` loads with the model in `file` (`--mtp-model`, else the file's
+/// own) adds to its [`needs_part`] for `run` (`lathe plan`'s share of the loader's sum);
+/// nothing without one.
+pub fn draft_needs(file: &ModelFile, opts: &LoadOptions, run: RunShape) -> Result<Needs> {
+    let hp = Hparams::from_file(file)?;
+    Ok(match mtp::open_draft(file, &hp, opts)? {
+        Some((df, dhp)) => mtp::draft_needs(file, &df, &dhp, run),
+        None => Needs::default(),
+    })
 }
 
 /// Block `g`'s KV rows for `--kv-type` (f16 by default).
@@ -369,7 +381,14 @@ impl GpuModel {
         }
         let hp = hp;
         let whole = PartSpec::whole(hp.n_layer);
-        let needs = |r| needs_part(&hp, RunShape::new(opts, r), &whole);
+        let needs = |r| {
+            let run = RunShape::new(opts, r);
+            let mut n = needs_part(&hp, run, &whole);
+            if let Some((df, dhp)) = &draft {
+                n.add(mtp::draft_needs(file, df, dhp, run));
+            }
+            n
+        };
         let batch = fit_rows(
             DEFAULT_BATCH,
             BufferLimits::of(&gpu.limits),

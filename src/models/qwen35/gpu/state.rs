@@ -268,6 +268,7 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
         * ((hp.n_v_heads * hp.d_k * hp.d_v) as u64
             + (hp.conv_kernel.saturating_sub(1) * hp.conv_dim()) as u64);
     Needs {
+        weights: 0,
         kv_per_token: kv_per_token * seqs,
         state: state * seqs,
         activations: Scratch::bytes(hp, run.batch.max(1) as usize, seqs as usize),

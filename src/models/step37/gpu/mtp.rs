@@ -20,6 +20,7 @@
 //! and a row past the sequence's position is rewritten before any query reads it.
 
 use super::*;
+use crate::model_file::WeightRole;
 use crate::models::spec::{Hidden, Speculate};
 use crate::models::Seq;
 use std::collections::HashMap;
@@ -117,6 +118,59 @@ pub(super) fn open_draft(
         ));
     }
     Ok(Some((draft, dhp)))
+}
+
+/// What the MTP block of `draft` (from [`open_draft`]) adds to the trunk's [`needs_part`]
+/// for `run`: its own KV rows, its row buffers, and, where it comes from a file apart from
+/// the trunk's (`--mtp-model`), the weights [`Mtp::load`] uploads from that file, which the
+/// trunk's `MoeInfo::other_bytes` cannot count. (In a file holding both, the block's
+/// tensors are the trunk file's head tensors and already counted there.)
+pub(super) fn draft_needs(
+    file: &ModelFile,
+    draft: &ModelFile,
+    dhp: &Hparams,
+    run: RunShape,
+) -> Needs {
+    let l = dhp.n_layer;
+    let g = &dhp.layers[l];
+    let seqs = run.seqs.max(1);
+    let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
+    let kv = kv_shape(dhp, g, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
+    let weights = if draft.path() == file.path() {
+        0
+    } else {
+        // The block's tensors, and the file's head where the block ships none of its own.
+        let borrowed = [
+            (W::SharedHead(l), W::Output),
+            (W::SharedHeadNorm(l), W::OutputNorm),
+        ]
+        .map(|(own, shared)| {
+            let has = |w: W| draft.tensor(&w.name(draft)).is_some();
+            (!has(own)).then(|| shared.name(draft))
+        });
+        draft
+            .tensors()
+            .filter(|t| {
+                PartSpec::role(t.name, l + 1, "", false) == WeightRole::Layer(l)
+                    || borrowed.iter().flatten().any(|n| n == t.name)
+            })
+            .map(|t| t.data.len() as u64)
+            .sum()
+    };
+    let e = dhp.n_embd as u64;
+    Needs {
+        weights,
+        kv_per_token: 2 * (g.n_head_kv * dhp.head_dim) as u64 * kv_elem * seqs,
+        state: 0,
+        // `cat`, `hid` and `out` of [`Mtp`] and the trunk rows speculation saves per sequence.
+        activations: run.batch.max(1) * 4 * e * 4 + seqs * run.batch.max(1) * e * 4,
+        buffers: vec![
+            PassBuffer::bound("step37.mtp.kv.k", kv),
+            PassBuffer::bound("step37.mtp.kv.v", kv),
+        ],
+        kv_elem,
+        note: None,
+    }
 }
 
 impl Mtp {
