@@ -18,8 +18,10 @@ rotates the file's rows as stored must agree with it.
 
 Weights are dequantized by gguf-py (`gguf.quants.dequantize`), llama.cpp's own package.
 
-usage: llama_ref.py MODEL.gguf TOKENS.npy OUT.npy
-  TOKENS int32 [T]; writes logits [T, vocab] (f32) of one causal pass over all of them.
+usage: llama_ref.py MODEL.gguf TOKENS.npy OUT.npy [HIDDEN.npy]
+  TOKENS int32 [T]; writes logits [T, vocab] (f32) of one causal pass over all of them, and
+  with HIDDEN the residual stream after each layer's attention and after its FFN,
+  [n_layer, 2, T, n_embd] (f32).
 """
 import sys
 
@@ -35,6 +37,7 @@ def field(r, name):
 
 def main():
     path, tokens_path, out_path = sys.argv[1:4]
+    hidden_path = sys.argv[4] if len(sys.argv) > 4 else None
     r = GGUFReader(path)
     arch = field(r, "general.architecture")
     if arch != "llama":
@@ -44,7 +47,7 @@ def main():
     n_embd = hp("embedding_length")
     n_head = hp("attention.head_count")
     n_kv = hp("attention.head_count_kv", n_head)
-    hd = n_embd // n_head
+    hd = hp("attention.key_length", n_embd // n_head)
     base = hp("rope.freq_base", 10000.0)
     eps = hp("attention.layer_norm_rms_epsilon", 1e-5)
 
@@ -71,6 +74,10 @@ def main():
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
     inv = 1.0 / (base ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    if "rope_freqs.weight" in tensors:
+        # Llama-3 RoPE scaling as llama.cpp's converter stores it: per-pair divisors of the
+        # frequencies (`LlamaModel.generate_extra_tensors`, `rope_freqs.weight`).
+        inv = inv / w("rope_freqs.weight")
     ang = np.arange(T, dtype=np.float32)[:, None] * inv[None, :]  # [T, hd/2]
     cos = np.cos(np.concatenate([ang, ang], axis=-1))[:, None, :]
     sin = np.sin(np.concatenate([ang, ang], axis=-1))[:, None, :]
@@ -81,6 +88,7 @@ def main():
 
     mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
     x = emb[toks]
+    hidden = []
     for l in range(n_layer):
         b = lambda s: w(f"blk.{l}.{s}")
         h = rms(x, b("attn_norm.weight"))
@@ -96,12 +104,17 @@ def main():
         s /= s.sum(axis=-1, keepdims=True)
         a = np.einsum("hqk,khd->qhd", s, v).reshape(T, n_head * hd)
         x = x + a @ b("attn_output.weight").T
+        hidden.append(x)
         h = rms(x, b("ffn_norm.weight"))
         gate = h @ b("ffn_gate.weight").T
         up = h @ b("ffn_up.weight").T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ b("ffn_down.weight").T
+        hidden.append(x)
     logits = rms(x, w("output_norm.weight")) @ head.T
     np.save(out_path, logits.astype(np.float32))
+    if hidden_path:
+        h = np.stack(hidden).reshape(n_layer, 2, T, n_embd)
+        np.save(hidden_path, h.astype(np.float32))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 //! The runtime's trace hook (`models::runtime::trace`): a named intermediate of one layer,
 //! captured in the GPU passes, equals the CPU reference's value at the same point
-//! (`step_traced`), for both families that record points. f32 weights and KV, 4 tokens of
-//! the tiny fixtures: the two forwards agree to ~1e-6 there, so 1e-4 catches a wrong
-//! buffer, row count or layer and never rounding.
+//! (`step_traced`; for the Llama family, the numpy reference `tests/llama_ref.py`). f32
+//! weights and KV, the tiny fixtures: the forwards agree to ~1e-6 there, so 1e-4 catches a
+//! wrong buffer, row count or layer and never rounding.
 
 mod common;
 
+use lathe::engine::Forward;
 use lathe::models::runtime::trace::Trace;
-use lathe::models::{deepseek4, qwen35, ModelFile};
+use lathe::models::{deepseek4, llama, qwen35, ModelFile};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -92,5 +93,55 @@ fn deepseek4_points_match_the_cpu_reference() {
         m.forward(&mut s, &toks, false).unwrap();
         let d = max_diff(&m.trace.traced, &want[&(name.to_string(), l)]);
         assert!(d < TOL, "{name} of layer {l}: max |gpu - cpu| {d}");
+    }
+}
+
+/// The Llama family's points (the residual stream after each layer's attention and after
+/// its FFN) against `tests/llama_ref.py` (HF's Llama math in numpy on gguf-py's
+/// dequantization), over a prefill of all but 4 tokens and then 4 decode steps (the fused
+/// decode products), each pass's capture appended.
+#[test]
+fn llama_points_match_the_numpy_reference() {
+    let path = fixture("llama-tiny", "model-f32.gguf");
+    let dir = std::env::temp_dir().join(format!("lathe-trace-llama-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (logits, hidden) = (dir.join("logits.npy"), dir.join("hidden.npy"));
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/llama_ref.py");
+    let st = std::process::Command::new("python3")
+        .arg(script)
+        .arg(&path)
+        .arg(fixture("llama-tiny", "tokens.npy"))
+        .args([&logits, &hidden])
+        .status()
+        .expect("python3 runs tests/llama_ref.py");
+    assert!(st.success(), "llama_ref.py failed");
+    // [n_layer, 2 (attn_out, layer_out), T, n_embd]
+    let want = lathe::npy::read_f32(&hidden).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let toks: Vec<u32> = lathe::npy::read_i64(fixture("llama-tiny", "tokens.npy"))
+        .unwrap()
+        .data
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let (n_layer, t) = (want.shape[0], want.shape[2]);
+    assert_eq!(t, toks.len());
+    let per = want.data.len() / (n_layer * 2);
+    let f = ModelFile::open(&path).unwrap();
+    let gpu = Arc::new(lathe::gpu::Gpu::new(&Default::default()).unwrap());
+    let mut m = llama::gpu::GpuModel::load(gpu, &f, &opts()).unwrap();
+    for l in 0..n_layer {
+        for (i, name) in ["attn_out", "layer_out"].into_iter().enumerate() {
+            m.trace.want = Some(Trace { name, layer: l });
+            m.trace.traced.clear();
+            let mut s = m.new_seq().unwrap();
+            m.forward(&mut s, &toks[..t - 4], false).unwrap();
+            for &tok in &toks[t - 4..] {
+                m.forward(&mut s, &[tok], false).unwrap();
+            }
+            let at = (l * 2 + i) * per;
+            let d = max_diff(&m.trace.traced, &want.data[at..at + per]);
+            assert!(d < TOL, "{name} of layer {l}: max |gpu - numpy| {d}");
+        }
     }
 }

@@ -26,6 +26,7 @@ use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
 use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::rows::{self, RowTables};
+use crate::models::runtime::trace::Tracer;
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
 use crate::{DType, Error, Result};
@@ -281,6 +282,9 @@ pub struct GpuModel {
     fused_loads: bool,
     /// Per-dispatch GPU times of the next pass when set ([`FamilyModel::profile_sink`]).
     profile: Option<Vec<(String, f64)>>,
+    /// The trace hook: `attn_out` (the residual stream after a layer's attention) and
+    /// `layer_out` (after its FFN), `[n_tokens, n_embd]` per pass.
+    pub trace: Tracer,
 }
 
 impl GpuModel {
@@ -450,6 +454,7 @@ impl GpuModel {
             hidden_out: false,
             fused_loads: opts.fused_loads,
             profile: None,
+            trace: Tracer::default(),
         })
     }
 
@@ -488,8 +493,11 @@ impl GpuModel {
         self.pools.reserve(&mut pass, need)?;
         let pairs = self.pools.blocks.iter().map(|p| (p.cap, self.hp.window));
         self.scratch.tables.write(&gpu, parts, pairs)?;
-        let (hp, sc) = (&self.hp, &self.scratch);
         let n = toks.len() as u32;
+        let width = toks.len() * self.hp.n_embd;
+        self.trace
+            .prepare(&gpu, self.scratch.rows as u64 * self.hp.n_embd as u64 * 4)?;
+        let (hp, sc) = (&self.hp, &self.scratch);
         gpu.write(&sc.ids, 0, bytemuck::cast_slice(toks));
         embed::embed(
             &mut pass,
@@ -508,6 +516,7 @@ impl GpuModel {
             let pre = self.normed(&mut pass, n, &lw.attn_norm, fused, weighted)?;
             let next = (fused && dense).then_some(&lw.ffn_norm);
             weighted = self.attention(&mut pass, l, lw, parts, pre, next)?;
+            self.trace.point(&mut pass, "attn_out", l, &sc.x, width);
             match &lw.ffn {
                 Ffn::Dense { gate_up, down } => {
                     let pre = self.normed(&mut pass, n, &lw.ffn_norm, fused, weighted)?;
@@ -531,10 +540,12 @@ impl GpuModel {
                     weighted = false;
                 }
             }
+            self.trace.point(&mut pass, "layer_out", l, &sc.x, width);
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
         if wants.is_empty() && top.rows.is_empty() {
             pass.submit_or_profile(prof)?;
+            self.trace.collect(&gpu)?;
             return Ok((Vec::new(), Vec::new()));
         }
         norm::rms_norm(
@@ -557,7 +568,9 @@ impl GpuModel {
             hidden: self.hidden_out,
             softcap: None,
         };
-        head_logits(pass, &head, wants, top, prof)
+        let out = head_logits(pass, &head, wants, top, prof)?;
+        self.trace.collect(&gpu)?;
+        Ok(out)
     }
 
     /// Layer `l`'s routed experts over the normed rows in `h`, added to the residual stream
