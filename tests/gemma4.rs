@@ -121,7 +121,65 @@ fn gemma4e_tiny_hparams() {
         assert_eq!(kv, [0, 1, 2, 1, 1, 2], "{}", path.display());
         let ff: Vec<usize> = hp.layers.iter().map(|g| g.n_ff).collect();
         assert_eq!(ff, [64, 64, 64, 128, 128, 128], "{}", path.display());
+        // KV bytes per token and sequence: K and V rows (f16) of the three own-KV blocks
+        // only, two of 1 head × 32 and one of 1 × 64 (all six blocks would need twice that).
+        let opts = LoadOptions::default();
+        let run = lathe::moe::RunShape::new(&opts, 8);
+        let whole = lathe::model_file::PartSpec::whole(hp.n_layer);
+        let needs = lathe::models::gemma4::gpu::needs_part(&hp, run, &whole);
+        let seqs = opts.max_seqs.max(1) as u64;
+        assert_eq!(needs.kv_per_token, 2 * (32 + 32 + 64) * 2 * seqs);
     }
+}
+
+/// A checkpoint whose config disagrees with its per-layer table, or lacks the table, is
+/// refused in words naming the file and the tensor.
+#[test]
+fn gemma4e_tiny_bad_per_layer_config() {
+    use lathe::model_file::ModelFile;
+    let src = fixtures().join("gemma4e-tiny");
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let dir = std::env::temp_dir().join(format!("lathe-gemma4e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let bad = cfg.replace(
+        "\"hidden_size_per_layer_input\": 16",
+        "\"hidden_size_per_layer_input\": 8",
+    );
+    assert_ne!(bad, cfg);
+    std::fs::write(dir.join("config.json"), bad).unwrap();
+    let err = lathe::models::gemma4::Hparams::from_file(&ModelFile::open(&dir).unwrap())
+        .err()
+        .expect("a mismatched per-layer width loads")
+        .to_string();
+    assert!(
+        err.contains("model.embed_tokens_per_layer.weight") && err.contains("says 8"),
+        "{err}"
+    );
+    // gemma4-tiny's weights (no per-layer table) under a config that asks for one.
+    let dense = fixtures().join("gemma4-tiny");
+    let cfg = std::fs::read_to_string(dense.join("config.json")).unwrap();
+    let bad = cfg.replace(
+        "\"hidden_size_per_layer_input\": 0",
+        "\"hidden_size_per_layer_input\": 16",
+    );
+    assert_ne!(bad, cfg);
+    std::fs::write(dir.join("config.json"), bad).unwrap();
+    std::fs::copy(
+        dense.join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let err = lathe::models::gemma4::Hparams::from_file(&ModelFile::open(&dir).unwrap())
+        .err()
+        .expect("a config asking for a missing per-layer table loads")
+        .to_string();
+    assert!(
+        err.contains("no tensor model.embed_tokens_per_layer.weight")
+            && err.contains(&dir.display().to_string()),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// Sequences fed in one `forward_batch` get the logits each gets alone, dense, MoE and E4B.

@@ -2,7 +2,8 @@
 
 usage: python make_gemma4.py OUT_DIR LLAMA_CPP_SRC ORACLE_DIR LLAMA_QUANTIZE DUMP_LOGITS [NAME...]
 
-(ORACLE_DIR: ../shared/oracle beside the checkout, for convert.py and dequant_gguf.py.)
+(ORACLE_DIR: ../shared/oracle beside the checkout, for convert.py and dequant_gguf.py;
+DUMP_LOGITS: tests/oracle/dump_logits.cpp built against llama.cpp, its header says how.)
 
 Made as ../shared/oracle/build_models.py makes the others: constant-initialised norms and the
 layer scalar get N(0, 0.1) noise (so w vs 1+w RMSNorm mistakes show), reference logits for the
