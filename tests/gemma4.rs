@@ -149,8 +149,7 @@ fn gemma4e_tiny_bad_per_layer_config() {
     assert_ne!(bad, cfg);
     std::fs::write(dir.join("config.json"), bad).unwrap();
     let err = lathe::models::gemma4::Hparams::from_file(&ModelFile::open(&dir).unwrap())
-        .err()
-        .expect("a mismatched per-layer width loads")
+        .unwrap_err()
         .to_string();
     assert!(
         err.contains("model.embed_tokens_per_layer.weight") && err.contains("says 8"),
@@ -171,8 +170,7 @@ fn gemma4e_tiny_bad_per_layer_config() {
     )
     .unwrap();
     let err = lathe::models::gemma4::Hparams::from_file(&ModelFile::open(&dir).unwrap())
-        .err()
-        .expect("a config asking for a missing per-layer table loads")
+        .unwrap_err()
         .to_string();
     assert!(
         err.contains("no tensor model.embed_tokens_per_layer.weight")
