@@ -38,9 +38,9 @@
 //! KV sharing (`num_kv_shared_layers`, GGUF `attention.shared_kv_layers`): the last blocks
 //! have no K/V of their own and attend the cache of the last earlier non-shared block of
 //! their attention type (HF `kv_sharing_modes` "store"/"reuse", llama.cpp
-//! `n_layer_kv_from_start`); files may still ship K/V weights for them (Google's do), which
-//! are ignored as HF ignores them. With `use_double_wide_mlp` (E2B) the shared blocks' FFN
-//! is twice `intermediate_size` wide (GGUF files say so per layer).
+//! `n_layer_kv_from_start`); K/V weights a file ships for them are ignored, as HF ignores
+//! them (`_keys_to_ignore_on_load_unexpected`). With `use_double_wide_mlp` (E2B) the shared
+//! blocks' FFN is twice `intermediate_size` wide (GGUF files say so per layer).
 
 pub mod gpu;
 
