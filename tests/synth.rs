@@ -942,6 +942,9 @@ fn gemma4_tiny(swa: Vec<bool>, n_ff: usize, n_vocab: usize, moe: Option<QwenMoe>
         softcap: 30.0,
         k_eq_v: true,
         moe,
+        n_epl: 0,
+        n_kv_shared: 0,
+        double_wide: false,
     }
 }
 
@@ -959,9 +962,19 @@ fn gemma4_plans_match_llama_cpps_files() {
             n_ff_shexp: 0,
         }),
     );
+    // `gemma4e-tiny`: per-layer embeddings of 16, the last 3 of 6 blocks KV-shared with a
+    // double-wide FFN, global layers with their own V.
+    let e4b = GemmaDims {
+        n_epl: 16,
+        n_kv_shared: 3,
+        double_wide: true,
+        k_eq_v: false,
+        ..gemma4_tiny(vec![true, true, false, true, true, false], 64, 256, None)
+    };
     for (name, display, dims) in [
         ("gemma4-tiny", "Gemma4 Tiny", dense),
         ("gemma4moe-tiny", "Gemma4Moe Tiny", moe),
+        ("gemma4e-tiny", "Gemma4E Tiny", e4b),
     ] {
         let p = preset(name, display, Dims::Gemma(dims));
         for (ft, file) in [
@@ -1049,4 +1062,69 @@ fn gemma4_presets_plan_and_run() {
         check_forward(&path);
         std::fs::remove_dir_all(&dir).ok();
     }
+}
+
+/// The E4B preset plans at its size (7.5B text parameters: NVIDIA Megatron-Bridge's and
+/// fairseq2's Gemma 4 E4B pages; ~8B with the vision and audio towers, which text-only files
+/// lack), 2.8B of them the per-layer token table; the last 18 blocks have no K/V; a
+/// shortened, narrowed file (5 of 12 blocks shared) loads and runs.
+#[test]
+fn gemma4_e4b_preset_plans_and_runs() {
+    let p = synth::preset("gemma-4-e4b").unwrap();
+    let plan = synth::plan(&p, &PlanOptions::default(), None).unwrap();
+    let params: u64 = plan.tensors.iter().map(|t| t.n_elements()).sum();
+    assert!(
+        (7.3e9..7.7e9).contains(&(params as f64)),
+        "{params} parameters"
+    );
+    assert_eq!(
+        plan.get("gemma4.attention.shared_kv_layers"),
+        Some(&Value::U32(18))
+    );
+    assert_eq!(
+        plan.get("gemma4.embedding_length_per_layer_input"),
+        Some(&Value::U32(256))
+    );
+    let pl = plan.tensor("per_layer_token_embd.weight").unwrap();
+    assert_eq!(pl.shape, [262_144, 42 * 256]);
+    for (name, there) in [
+        ("blk.23.attn_k.weight", true),
+        ("blk.23.attn_v.weight", true),
+        ("blk.17.attn_v.weight", true),
+        ("blk.24.attn_k.weight", false),
+        ("blk.41.attn_v.weight", false),
+        ("blk.41.inp_gate.weight", true),
+    ] {
+        assert_eq!(plan.tensor(name).is_some(), there, "{name}");
+    }
+
+    let mut p = p;
+    let Dims::Gemma(d) = &mut p.dims else {
+        panic!("not a Gemma preset")
+    };
+    (
+        d.n_embd,
+        d.n_ff,
+        d.n_head,
+        d.head_dim_swa,
+        d.head_dim,
+        d.window,
+        d.n_epl,
+    ) = (256, 512, 4, 64, 128, 4, 32);
+    let opts = PlanOptions {
+        ftype: Some(FileType::Q8_0),
+        n_layer: Some(12),
+        n_vocab: Some(512),
+        ..Default::default()
+    };
+    let plan = synth::plan(&p, &opts, None).unwrap();
+    assert_eq!(
+        plan.get("gemma4.attention.shared_kv_layers"),
+        Some(&Value::U32(5))
+    );
+    let dir = tmp_dir("gemma-4-e4b");
+    let path = dir.join("gemma4e.gguf");
+    plan.write(&path, 3, None).unwrap();
+    check_forward(&path);
+    std::fs::remove_dir_all(&dir).ok();
 }

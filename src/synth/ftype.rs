@@ -194,6 +194,8 @@ fn allows_quantization(name: &str, shape: &[u64]) -> bool {
         && !name.contains("ffn_gate_inp.weight")
         && !name.contains("ffn_gate_tid2eid.weight")
         && !name.contains("ssm_conv1d")
+        // Gemma-4 E2B/E4B's embedding projection stays as converted ("not too big").
+        && !name.contains("per_layer_model_proj")
 }
 
 /// `use_more_bits`: the first and last eighth of the layers, and every third in between.

@@ -5,9 +5,11 @@
 //! the rotated pairs, 1e30 for the rest), the head tied to the embedding, and on global
 //! layers no `attn_v` when V is the K projection (`attention_k_eq_v`). MoE layouts add the
 //! router with its input scale, per-expert output scales, the fused gate+up expert stack and
-//! the two branches' norms.
-//!
-//! Per-layer embeddings and KV sharing (E2B/E4B) are not written: lathe refuses them.
+//! the two branches' norms. The E2B/E4B layouts add the per-layer embeddings (the second
+//! token table right after the first, the embedding's projection and its norm after the
+//! output norm, and per block `inp_gate`, `proj` and `post_norm`) and leave out the K/V
+//! weights of the KV-shared last blocks, whose FFN may be double wide (per-layer
+//! `feed_forward_length`), as the converter writes them.
 
 use super::presets::GemmaDims;
 use super::{norm, router, weight, ArchDraft, Draft, Init, Kind};
@@ -22,6 +24,20 @@ const SLIDING_WINDOW_PATTERN: &str = "attention.sliding_window_pattern";
 const KEY_LENGTH_SWA: &str = "attention.key_length_swa";
 const VALUE_LENGTH_SWA: &str = "attention.value_length_swa";
 const ROPE_DIMENSION_COUNT_SWA: &str = "rope.dimension_count_swa";
+
+/// The KV-shared blocks of `d` shortened to `n` blocks: the same share of them, fewer where
+/// the blocks before them would lack one of the attention types the shared ones use.
+pub(super) fn shared_of(d: &GemmaDims, n: usize) -> usize {
+    let mut k = d.n_kv_shared * n / d.n_layer.max(1);
+    while k > 0 {
+        let (own, shared) = d.swa[..n].split_at(n - k);
+        if shared.iter().all(|s| own.contains(s)) {
+            break;
+        }
+        k -= 1;
+    }
+    k
+}
 
 pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
     let arch = "gemma4";
@@ -41,11 +57,24 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
     } else {
         Value::Array((0..n).map(|l| Value::I32(kv_heads(l) as i32)).collect())
     };
+    let own_kv = n - d.n_kv_shared;
+    let n_ff = |l: usize| {
+        if d.double_wide && l >= own_kv {
+            2 * d.n_ff
+        } else {
+            d.n_ff
+        }
+    };
+    let ff_count: Value = if (0..n).all(|l| n_ff(l) == d.n_ff) {
+        (d.n_ff as u32).into()
+    } else {
+        Value::Array((0..n).map(|l| Value::I32(n_ff(l) as i32)).collect())
+    };
     let mut meta: Vec<(String, Value)> = vec![
         (k(keys::BLOCK_COUNT), (n as u32).into()),
         (k(keys::CONTEXT_LENGTH), (d.ctx as u32).into()),
         (k(keys::EMBEDDING_LENGTH), (h as u32).into()),
-        (k(keys::FEED_FORWARD_LENGTH), (d.n_ff as u32).into()),
+        (k(keys::FEED_FORWARD_LENGTH), ff_count),
         (k(keys::ATTENTION_HEAD_COUNT), (d.n_head as u32).into()),
         (k(keys::ATTENTION_HEAD_COUNT_KV), kv_count),
         (k(keys::ROPE_FREQ_BASE), d.rope_theta.into()),
@@ -61,8 +90,8 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
         (k(keys::ATTENTION_VALUE_LENGTH), (d.head_dim as u32).into()),
         (k(FINAL_LOGIT_SOFTCAPPING), d.softcap.into()),
         (k(keys::ATTENTION_SLIDING_WINDOW), (d.window as u32).into()),
-        (k(SHARED_KV_LAYERS), 0u32.into()),
-        (k(EMBEDDING_LENGTH_PER_LAYER), 0u32.into()),
+        (k(SHARED_KV_LAYERS), (d.n_kv_shared as u32).into()),
+        (k(EMBEDDING_LENGTH_PER_LAYER), (d.n_epl as u32).into()),
         (
             k(SLIDING_WINDOW_PATTERN),
             Value::Array(d.swa[..n].iter().map(|&s| Value::Bool(s)).collect()),
@@ -94,7 +123,15 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
         },
     ));
     t.push(weight("token_embd.weight".into(), &[d.n_vocab, h]));
+    let pl_cols = n * d.n_epl;
+    if d.n_epl > 0 {
+        t.push(weight(
+            "per_layer_token_embd.weight".into(),
+            &[d.n_vocab, pl_cols],
+        ));
+    }
     for l in 0..n {
+        let ff = n_ff(l);
         let b = |s: &str| format!("blk.{l}.{s}");
         let hd = head_dim(l);
         let (q_width, kv_width) = (d.n_head * hd, kv_heads(l) * hd);
@@ -105,11 +142,18 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
         }
         t.push(norm(b("attn_norm.weight"), h));
         t.push(norm(b("layer_output_scale.weight"), 1));
-        t.push(weight(b("ffn_down.weight"), &[h, d.n_ff]));
-        t.push(weight(b("ffn_gate.weight"), &[d.n_ff, h]));
-        t.push(weight(b("ffn_up.weight"), &[d.n_ff, h]));
+        t.push(weight(b("ffn_down.weight"), &[h, ff]));
+        t.push(weight(b("ffn_gate.weight"), &[ff, h]));
+        t.push(weight(b("ffn_up.weight"), &[ff, h]));
+        if d.n_epl > 0 {
+            t.push(weight(b("inp_gate.weight"), &[d.n_epl, h]));
+            t.push(weight(b("proj.weight"), &[h, d.n_epl]));
+        }
         t.push(norm(b("post_attention_norm.weight"), h));
         t.push(norm(b("post_ffw_norm.weight"), h));
+        if d.n_epl > 0 {
+            t.push(norm(b("post_norm.weight"), h));
+        }
         if d.moe.is_some() {
             t.push(norm(b("post_ffw_norm_1.weight"), h));
             t.push(norm(b("post_ffw_norm_2.weight"), h));
@@ -122,16 +166,22 @@ pub(super) fn draft(d: &GemmaDims, skew: f32) -> ArchDraft {
             t.push(router(b("ffn_gate_inp.weight"), (e, h), skew, m.n_used, l));
             t.push(norm(b("ffn_gate_inp.scale"), h));
         }
-        t.push(norm(b("attn_k_norm.weight"), hd));
-        t.push(weight(b("attn_k.weight"), &[kv_width, h]));
+        if l < own_kv {
+            t.push(norm(b("attn_k_norm.weight"), hd));
+            t.push(weight(b("attn_k.weight"), &[kv_width, h]));
+        }
         t.push(weight(b("attn_output.weight"), &[h, q_width]));
         t.push(norm(b("attn_q_norm.weight"), hd));
         t.push(weight(b("attn_q.weight"), &[q_width, h]));
-        if d.swa[l] || !d.k_eq_v {
+        if l < own_kv && (d.swa[l] || !d.k_eq_v) {
             t.push(weight(b("attn_v.weight"), &[kv_width, h]));
         }
     }
     t.push(norm("output_norm.weight".into(), h));
+    if d.n_epl > 0 {
+        t.push(weight("per_layer_model_proj.weight".into(), &[pl_cols, h]));
+        t.push(norm("per_layer_proj_norm.weight".into(), d.n_epl));
+    }
     ArchDraft {
         arch,
         meta,

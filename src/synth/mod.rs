@@ -327,6 +327,7 @@ pub fn plan(preset: &Preset, opts: &PlanOptions, vocab: Option<&Vocab>) -> Resul
             let mut d = d.clone();
             if let Some(n) = opts.n_layer {
                 check_layers(n, d.n_layer)?;
+                d.n_kv_shared = gemma4::shared_of(&d, n);
                 d.n_layer = n;
             }
             d.n_vocab = n_vocab;

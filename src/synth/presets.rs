@@ -176,6 +176,12 @@ pub struct GemmaDims {
     pub k_eq_v: bool,
     /// Routed experts beside the dense branch; `n_ff_shexp` is 0.
     pub moe: Option<QwenMoe>,
+    /// Per-layer embedding columns per block (E2B/E4B; 0: none).
+    pub n_epl: usize,
+    /// The last blocks, without K/V of their own, attending an earlier block's cache.
+    pub n_kv_shared: usize,
+    /// The KV-shared blocks' FFN is twice `n_ff` wide (`use_double_wide_mlp`).
+    pub double_wide: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -221,6 +227,7 @@ pub const PRESET_NAMES: &[&str] = &[
     "step-3.7-flash",
     "gemma-4-31b",
     "gemma-4-26b-a4b",
+    "gemma-4-e4b",
 ];
 
 /// Qwen3's vocabulary (embedding rows) and Llama 3's.
@@ -304,6 +311,25 @@ fn gemma(
         softcap: 30.0,
         k_eq_v: true,
         moe,
+        n_epl: 0,
+        n_kv_shared: 0,
+        double_wide: false,
+    }
+}
+
+/// Gemma 4 E4B (google/gemma-4-E4B `config.json`, `text_config`, as NVIDIA's Megatron-Bridge
+/// Gemma 4 recipe and gemma.cpp's `ConfigGemma4_E4B` restate it): 42 layers of 2560, FFN
+/// 10240 on every layer, 8 heads, 2 KV heads of 256 (sliding) and of 512 (global, with their
+/// own V), a global layer after every five sliding ones, window 512, context 128K, per-layer embeddings of
+/// 256 per layer over the whole vocabulary, and the last 18 layers sharing KV.
+fn gemma_4_e4b() -> GemmaDims {
+    GemmaDims {
+        window: 512,
+        ctx: 131_072,
+        k_eq_v: false,
+        n_epl: 256,
+        n_kv_shared: 18,
+        ..gemma(2560, 42, 10240, 8, (2, 2), None)
     }
 }
 
@@ -570,6 +596,13 @@ pub fn preset(name: &str) -> Result<Preset> {
             name: name.to_string(),
             display: "Step 3.7 Flash".into(),
             dims: Dims::Step(step_3_7_flash()),
+            default_type: FileType::Q4_K_M,
+            demo: false,
+        },
+        "gemma-4-e4b" => Preset {
+            name: name.to_string(),
+            display: "Gemma 4 E4B".into(),
+            dims: Dims::Gemma(gemma_4_e4b()),
             default_type: FileType::Q4_K_M,
             demo: false,
         },

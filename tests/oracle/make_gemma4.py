@@ -2,7 +2,8 @@
 
 usage: python make_gemma4.py OUT_DIR LLAMA_CPP_SRC ORACLE_DIR LLAMA_QUANTIZE DUMP_LOGITS [NAME...]
 
-(ORACLE_DIR: ../shared/oracle beside the checkout, for convert.py and dequant_gguf.py.)
+(ORACLE_DIR: ../shared/oracle beside the checkout, for convert.py and dequant_gguf.py;
+DUMP_LOGITS: tests/oracle/dump_logits.cpp built against llama.cpp, its header says how.)
 
 Made as ../shared/oracle/build_models.py makes the others: constant-initialised norms and the
 layer scalar get N(0, 0.1) noise (so w vs 1+w RMSNorm mistakes show), reference logits for the
@@ -43,8 +44,20 @@ DENSE = dict(
 MOE = dict(DENSE, num_hidden_layers=3, vocab_size=256, intermediate_size=64,
            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+# The E2B/E4B layout: per-layer embeddings (a second token table of 16 columns per block, a
+# projection of the embedding to the same, and a gated tail block per layer), global layers
+# with their own v_proj (E4B sets no attention_k_eq_v), and the last 3 blocks sharing the KV
+# of the last earlier block of their type (a sliding and a global one each). Those shared
+# blocks run a double-wide MLP (E2B's use_double_wide_mlp; E4B's FFN is uniform).
+E4B = dict(DENSE, num_hidden_layers=6, vocab_size=256, intermediate_size=64,
+           layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention", "sliding_attention", "full_attention"],
+           attention_k_eq_v=False, num_global_key_value_heads=None,
+           hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
+           num_kv_shared_layers=3, use_double_wide_mlp=True)
 SPECS = {"gemma4-tiny": dict(cfg=DENSE, seed=0, n_tokens=24),
-         "gemma4moe-tiny": dict(cfg=MOE, seed=4, n_tokens=24)}
+         "gemma4moe-tiny": dict(cfg=MOE, seed=4, n_tokens=24),
+         "gemma4e-tiny": dict(cfg=E4B, seed=8, n_tokens=24)}
 
 
 def perturb(model, seed):

@@ -2,7 +2,10 @@
 //! [`DEFAULT_BATCH`] rows of the runtime's scheduler (prefill chunks and the decode rows of
 //! every sequence of a batch), as the Llama family's. Each block's attention
 //! has its own geometry ([`LayerGeom`]), so each has its own KV pool shape and its RoPE
-//! table (sliding or global); only the wanted logits come back. MoE blocks run their
+//! table (sliding or global); only the wanted logits come back. KV-shared blocks have no
+//! pool: they attend their KV block's rows, written earlier in the same pass. Per-layer
+//! embeddings (E2B/E4B) are gathered and projected once per pass into `pl`, each block's
+//! tail reading its slice. MoE blocks run their
 //! routed experts as the Llama family's Qwen3-MoE does: stacked on the GPU, or through the
 //! expert arena and the CPU (`moe::Offload`) when the planner leaves some experts cold.
 
@@ -38,11 +41,9 @@ struct Layer {
     g: LayerGeom,
     attn_norm: GpuTensor,
     q: GpuTensor,
-    k: GpuTensor,
-    /// `None`: V is K's projection (`attention_k_eq_v`).
-    v: Option<GpuTensor>,
+    /// `None` on KV-shared blocks: they attend [`Hparams::kv_layer`]'s cache.
+    kv: Option<OwnKv>,
     q_norm: GpuTensor,
-    k_norm: GpuTensor,
     o: GpuTensor,
     post_attn_norm: GpuTensor,
     ffn_norm: GpuTensor,
@@ -54,6 +55,33 @@ struct Layer {
     out_scale: f32,
     /// MoE blocks: the routed branch beside the dense one.
     moe: Option<MoeBlock>,
+    /// Per-layer embedding models: the block's tail (module doc of `gemma4`).
+    ple: Option<PleLayer>,
+}
+
+/// A block's own K and V projections (`[n_head_kv·head_dim, n_embd]`) and K's norm
+/// (`[head_dim]`).
+struct OwnKv {
+    k: GpuTensor,
+    /// `None`: V is K's projection (`attention_k_eq_v`).
+    v: Option<GpuTensor>,
+    k_norm: GpuTensor,
+}
+
+/// A block's per-layer-embedding tail: `x += post_norm(proj · (gelu_tanh(gate · x) ⊙ p_l))`.
+struct PleLayer {
+    /// `[n_epl, n_embd]`, `[n_embd, n_epl]`, `[n_embd]`.
+    gate: GpuTensor,
+    proj: GpuTensor,
+    post_norm: GpuTensor,
+}
+
+/// The per-layer inputs' weights: the token table `[n_vocab, n_layer·n_epl]`, the
+/// embedding's projection `[n_layer·n_epl, n_embd]` and its per-block norm `[n_epl]`.
+struct Ple {
+    tok: GpuTensor,
+    model_proj: GpuTensor,
+    proj_norm: GpuTensor,
 }
 
 /// A MoE block's routed experts (module doc).
@@ -114,6 +142,13 @@ struct Scratch {
     moe_sum: wgpu::Buffer,
     zeros: wgpu::Buffer,
     route: Option<MoeRoute>,
+    /// Per-layer embedding models only (else one element each): [rows, n_layer·n_epl] the
+    /// blocks' inputs `p_l` (row-major per token, block `l` at columns `l·n_epl..`) and the
+    /// embedding's projection; [rows, n_epl] a block's gate and gated product.
+    pl: wgpu::Buffer,
+    pl_proj: wgpu::Buffer,
+    pl_gate: wgpu::Buffer,
+    pl_act: wgpu::Buffer,
     /// [logit_rows, n_vocab]
     logits: wgpu::Buffer,
     logit_rows: usize,
@@ -126,7 +161,7 @@ fn max_of(hp: &Hparams, f: impl Fn(&LayerGeom) -> usize) -> usize {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 22] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 26] {
     let q = hp.n_head * max_of(hp, |g| g.head_dim);
     let kv = max_of(hp, |g| g.n_head_kv * g.head_dim);
     let ff = max_of(hp, |g| g.n_ff);
@@ -156,6 +191,10 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 22] {
         ("gemma4.moe_out", rows * k * me),
         ("gemma4.moe_sum", rows * me),
         ("gemma4.zeros", rows * me),
+        ("gemma4.pl", rows * hp.n_layer * hp.n_epl),
+        ("gemma4.pl_proj", rows * hp.n_layer * hp.n_epl),
+        ("gemma4.pl_gate", rows * hp.n_epl),
+        ("gemma4.pl_act", rows * hp.n_epl),
     ]
 }
 
@@ -222,6 +261,10 @@ impl Scratch {
             moe_out: f(19)?,
             moe_sum: f(20)?,
             zeros: f(21)?,
+            pl: f(22)?,
+            pl_proj: f(23)?,
+            pl_gate: f(24)?,
+            pl_act: f(25)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -256,7 +299,8 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     // first capacity (they grow to `KvShape::max_positions`).
     buffers.push(PassBuffer::bound("gemma4.logits", hp.n_vocab as u64 * 4));
     let mut kv_per_token = 0;
-    for l in part.layers.clone() {
+    // KV-shared blocks hold no rows of their own.
+    for l in part.layers.clone().filter(|&l| l < hp.n_kv_layers()) {
         let g = &hp.layers[l];
         let kv = kv_shape(g, run.kv).bytes(seqs * kv::first_cap(run.ctx as usize) as u64);
         buffers.extend([
@@ -313,6 +357,8 @@ pub struct GpuModel {
     /// `None`: the head is the embedding (tied).
     output: Option<GpuTensor>,
     output_norm: GpuTensor,
+    /// Per-layer embedding models only.
+    ple: Option<Ple>,
     layers: Vec<Layer>,
     /// RoPE of sliding and of global blocks (`None` where the model has no such block).
     rope_swa: Option<RopeTable>,
@@ -379,9 +425,27 @@ impl GpuModel {
                 (g.n_head_kv * g.head_dim) as u64,
                 g.n_ff as u64,
             );
-            let v = match file.tensor(&W::V(l).name(file)) {
-                Some(_) => Some(up(W::V(l), &[kvw, e])?),
-                None => None,
+            // KV-shared blocks' K/V weights, where a file ships them, are not used (HF
+            // lists them in `_keys_to_ignore_on_load_unexpected`).
+            let kv = match l < hp.n_kv_layers() {
+                true => Some(OwnKv {
+                    k: up(W::K(l), &[kvw, e])?,
+                    v: match file.tensor(&W::V(l).name(file)) {
+                        Some(_) => Some(up(W::V(l), &[kvw, e])?),
+                        None => None,
+                    },
+                    k_norm: up(W::KNorm(l), &[hd])?,
+                }),
+                false => None,
+            };
+            let epl = hp.n_epl as u64;
+            let ple = match epl {
+                0 => None,
+                _ => Some(PleLayer {
+                    gate: up(W::PerLayerGate(l), &[epl, e])?,
+                    proj: up(W::PerLayerProj(l), &[e, epl])?,
+                    post_norm: up(W::PerLayerPostNorm(l), &[e])?,
+                }),
             };
             let out_scale = match file.tensor(&W::OutScale(l).name(file)) {
                 Some(t) => {
@@ -394,10 +458,8 @@ impl GpuModel {
                 g: *g,
                 attn_norm: up(W::AttnNorm(l), &[e])?,
                 q: up(W::Q(l), &[nh * hd, e])?,
-                k: up(W::K(l), &[kvw, e])?,
-                v,
+                kv,
                 q_norm: up(W::QNorm(l), &[hd])?,
-                k_norm: up(W::KNorm(l), &[hd])?,
                 o: up(W::O(l), &[e, nh * hd])?,
                 post_attn_norm: up(W::PostAttnNorm(l), &[e])?,
                 ffn_norm: up(W::FfnNorm(l), &[e])?,
@@ -410,8 +472,20 @@ impl GpuModel {
                     (Some(m), true) => Some(MoeBlock::load(&hp, m, l, &shaped, &put, offloaded)?),
                     _ => None,
                 },
+                ple,
             });
         }
+        let ple = match hp.n_epl as u64 {
+            0 => None,
+            epl => {
+                let cols = hp.n_layer as u64 * epl;
+                Some(Ple {
+                    tok: up(W::PerLayerTokEmbd, &[v, cols])?,
+                    model_proj: up(W::PerLayerModelProj, &[cols, e])?,
+                    proj_norm: up(W::PerLayerProjNorm, &[epl])?,
+                })
+            }
+        };
         let head_dim_of = |swa: bool| hp.layers.iter().find(|g| g.swa == swa).map(|g| g.head_dim);
         let rope_swa = match head_dim_of(true) {
             Some(d) => {
@@ -427,7 +501,10 @@ impl GpuModel {
             }
             None => None,
         };
-        let shapes = hp.layers.iter().map(|g| kv_shape(g, opts.kv_type));
+        // Pools for the blocks with KV of their own (the first ones); shared blocks read them.
+        let shapes = hp.layers[..hp.n_kv_layers()]
+            .iter()
+            .map(|g| kv_shape(g, opts.kv_type));
         let slots = opts.max_seqs.max(1);
         let pools = Pools::new(&gpu, shapes, slots, kv::first_cap(opts.ctx), "gemma4.kv")?;
         let scratch = Scratch::new(&gpu, &hp, pass_rows)?;
@@ -441,6 +518,7 @@ impl GpuModel {
             tok_embd,
             output,
             output_norm,
+            ple,
             layers,
             rope_swa,
             rope_global,
@@ -503,6 +581,9 @@ impl GpuModel {
         )?;
         // HF `Gemma4TextScaledWordEmbedding`: the rows times sqrt(n_embd).
         ew::scale_inplace(&mut pass, n, e, Operand::new(&sc.x, 0), (e as f32).sqrt())?;
+        if let Some(ple) = &self.ple {
+            self.per_layer_inputs(&mut pass, ple, n)?;
+        }
         let norm = |pass: &mut Pass<'_>, src: &wgpu::Buffer, dst: &wgpu::Buffer, w| {
             norm::rms_norm(
                 pass,
@@ -577,6 +658,9 @@ impl GpuModel {
                 Operand::new(&sc.x, 0),
                 Operand::new(&sc.h, 0),
             )?;
+            if let Some(pl) = &lw.ple {
+                self.per_layer_tail(&mut pass, l, pl, n)?;
+            }
             if lw.out_scale != 1.0 {
                 ew::scale_inplace(&mut pass, n, e, Operand::new(&sc.x, 0), lw.out_scale)?;
             }
@@ -607,6 +691,52 @@ impl GpuModel {
             softcap: hp.softcap,
         };
         head_logits(pass, &head, wants, top, prof)
+    }
+
+    /// The blocks' per-layer inputs of the pass's `n` rows into `pl` (HF
+    /// `get_per_layer_inputs` + `project_per_layer_inputs`), from the token ids and the
+    /// scaled embeddings in `x`: `(sqrt(n_epl) · table[id] + proj_norm(model_proj · x /
+    /// sqrt(n_embd))) / sqrt(2)`, the norm over each block's `n_epl` slice.
+    fn per_layer_inputs(&self, pass: &mut Pass<'_>, ple: &Ple, n: u32) -> Result<()> {
+        let (hp, sc) = (&self.hp, &self.scratch);
+        let epl = hp.n_epl as u32;
+        let cols = hp.n_layer as u32 * epl;
+        let (pl, proj) = (Operand::new(&sc.pl, 0), Operand::new(&sc.pl_proj, 0));
+        embed::embed(pass, &ple.tok, &sc.ids, 0, n, pl)?;
+        ew::scale_inplace(pass, n, cols, pl, (epl as f32).sqrt())?;
+        linear(pass, &ple.model_proj, &sc.x, &sc.pl_proj, n)?;
+        let root = 1.0 / (hp.n_embd as f32).sqrt();
+        ew::scale_inplace(pass, n, cols, proj, root)?;
+        let blocks = n * hp.n_layer as u32;
+        norm::rms_norm(pass, blocks, epl, proj, None, Some(&ple.proj_norm), hp.eps)?;
+        ew::add_inplace(pass, n, cols, pl, proj)?;
+        ew::scale_inplace(pass, n, cols, pl, std::f32::consts::FRAC_1_SQRT_2)
+    }
+
+    /// Block `l`'s per-layer-embedding tail on the residual rows `x` (`h` and `br` are
+    /// overwritten): `x += post_norm(proj · (gelu_tanh(gate · x) ⊙ p_l))`, `p_l` block `l`'s
+    /// slice of each row of `pl`.
+    fn per_layer_tail(&self, pass: &mut Pass<'_>, l: usize, pl: &PleLayer, n: u32) -> Result<()> {
+        let (hp, sc) = (&self.hp, &self.scratch);
+        let (e, epl) = (hp.n_embd as u32, hp.n_epl as u32);
+        linear(pass, &pl.gate, &sc.x, &sc.pl_gate, n)?;
+        let p_l = Operand::strided(&sc.pl, l as u32 * epl, hp.n_layer as u32 * epl);
+        ew::geglu(
+            pass,
+            n,
+            epl,
+            Operand::new(&sc.pl_act, 0),
+            Operand::new(&sc.pl_gate, 0),
+            p_l,
+        )?;
+        linear(pass, &pl.proj, &sc.pl_act, &sc.br, n)?;
+        let (x, br, h) = (
+            Operand::new(&sc.x, 0),
+            Operand::new(&sc.br, 0),
+            Operand::new(&sc.h, 0),
+        );
+        norm::rms_norm(pass, n, e, br, Some(h), Some(&pl.post_norm), hp.eps)?;
+        ew::add_inplace(pass, n, e, x, h)
     }
 
     /// Block `l`'s routed experts of the residual rows `x` into `moe_sum` (`h` is
@@ -666,30 +796,37 @@ impl GpuModel {
         let hp = &self.hp;
         let sc = &self.scratch;
         let g = &lw.g;
-        let pool = &self.pools.blocks[l];
+        let pool = &self.pools.blocks[hp.kv_layer(l)];
         let (cap, window) = (pool.cap, window(hp, g));
         let tables = &sc.tables;
         let (nh, nkv, hd) = (hp.n_head as u32, g.n_head_kv as u32, g.head_dim as u32);
         linear(pass, &lw.q, &sc.h, &sc.q, n)?;
-        linear(pass, &lw.k, &sc.h, &sc.k, n)?;
-        match &lw.v {
-            Some(v) => linear(pass, v, &sc.h, &sc.v, n)?,
-            // V is the K projection before K's norm and RoPE.
-            None => ew::copy(
-                pass,
-                n,
-                nkv * hd,
-                Operand::new(&sc.v, 0),
-                Operand::new(&sc.k, 0),
-            )?,
-        }
-        // Per-head RMSNorms: q and k with weights, v without.
-        for (buf, heads, w) in [
-            (&sc.q, nh, Some(&lw.q_norm)),
-            (&sc.k, nkv, Some(&lw.k_norm)),
-            (&sc.v, nkv, None),
-        ] {
-            norm::rms_norm(pass, n * heads, hd, Operand::new(buf, 0), None, w, hp.eps)?;
+        norm::rms_norm(
+            pass,
+            n * nh,
+            hd,
+            Operand::new(&sc.q, 0),
+            None,
+            Some(&lw.q_norm),
+            hp.eps,
+        )?;
+        if let Some(kv) = &lw.kv {
+            linear(pass, &kv.k, &sc.h, &sc.k, n)?;
+            match &kv.v {
+                Some(v) => linear(pass, v, &sc.h, &sc.v, n)?,
+                // V is the K projection before K's norm and RoPE.
+                None => ew::copy(
+                    pass,
+                    n,
+                    nkv * hd,
+                    Operand::new(&sc.v, 0),
+                    Operand::new(&sc.k, 0),
+                )?,
+            }
+            // Per-head RMSNorms: k with weights, v without.
+            for (buf, w) in [(&sc.k, Some(&kv.k_norm)), (&sc.v, None)] {
+                norm::rms_norm(pass, n * nkv, hd, Operand::new(buf, 0), None, w, hp.eps)?;
+            }
         }
         let table = if g.swa {
             &self.rope_swa
@@ -699,7 +836,9 @@ impl GpuModel {
         let table = table
             .as_ref()
             .ok_or_else(|| Error::Invalid(format!("gemma4: block {l} has no RoPE table")))?;
-        for (buf, heads) in [(&sc.q, nh), (&sc.k, nkv)] {
+        // q always; k where the block computes its own.
+        let rotated = [(&sc.q, nh), (&sc.k, nkv)];
+        for &(buf, heads) in &rotated[..1 + lw.kv.is_some() as usize] {
             rope::rope(
                 pass,
                 &RopeView::packed(buf, 0, n, heads, hd),
@@ -711,9 +850,12 @@ impl GpuModel {
             )?;
         }
         let (kc, vc) = &pool.kv;
-        let dst = tables.kv_rows(cap, window)?;
-        attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
-        attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        // A KV-shared block reads the rows its KV block wrote earlier in this pass.
+        if lw.kv.is_some() {
+            let dst = tables.kv_rows(cap, window)?;
+            attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
+            attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        }
         let qw = nh * hd;
         let ranges = tables.ranges(cap, window)?;
         rows::attend(parts, cap, window, ranges, |row, n_q, keys, max_keys| {

@@ -26,7 +26,21 @@
 //! its expert's `per_expert_scale` (GGUF `ffn_down_exps.scale`). Experts are GeGLU, gate and
 //! up fused in one stack, gate rows first (the registry's `ExpertNames`).
 //!
-//! Per-layer embeddings and KV sharing are refused by name.
+//! The E2B/E4B layout (files with `per_layer_token_embd`, HF `embed_tokens_per_layer`) adds
+//! per-layer embeddings (HF `Gemma4TextModel.get_per_layer_inputs` and
+//! `project_per_layer_inputs`, llama.cpp `build_inp_per_layer` and `project_per_layer_inputs`):
+//! a second token table of `n_epl` columns per block, its rows times `sqrt(n_epl)`, plus
+//! `rms_norm(per_layer_model_proj · x0 / sqrt(n_embd))` per block's `n_epl` slice (`x0` the
+//! scaled embedding, the norm `per_layer_proj_norm`), the sum times `1/sqrt(2)`: block `l`'s
+//! input `p_l`. After its FFN residual (before the layer scalar) each block adds
+//! `post_norm(proj · (gelu_tanh(inp_gate · x) ⊙ p_l))` (HF `Gemma4TextDecoderLayer`).
+//!
+//! KV sharing (`num_kv_shared_layers`, GGUF `attention.shared_kv_layers`): the last blocks
+//! have no K/V of their own and attend the cache of the last earlier non-shared block of
+//! their attention type (HF `kv_sharing_modes` "store"/"reuse", llama.cpp
+//! `n_layer_kv_from_start`); K/V weights a file ships for them are ignored, as HF ignores
+//! them (`_keys_to_ignore_on_load_unexpected`). With `use_double_wide_mlp` (E2B) the shared
+//! blocks' FFN is twice `intermediate_size` wide (GGUF files say so per layer).
 
 pub mod gpu;
 
@@ -91,6 +105,16 @@ pub enum W {
     /// `GEMMA4_FUSED` names them for the planner.
     GateUpExps(usize),
     DownExps(usize),
+    /// Per-layer embeddings only (module doc): the token table `[n_vocab, n_layer·n_epl]`,
+    /// the embedding's projection `[n_layer·n_epl, n_embd]` and its norm `[n_epl]`; per
+    /// block the gate `[n_epl, n_embd]`, the projection back `[n_embd, n_epl]` and its norm
+    /// `[n_embd]`.
+    PerLayerTokEmbd,
+    PerLayerModelProj,
+    PerLayerProjNorm,
+    PerLayerGate(usize),
+    PerLayerProj(usize),
+    PerLayerPostNorm(usize),
 }
 
 impl W {
@@ -124,6 +148,12 @@ impl W {
             PostFfnNorm2(l) => b(l, "post_ffw_norm_2.weight"),
             GateUpExps(l) => b(l, "ffn_gate_up_exps.weight"),
             DownExps(l) => b(l, "ffn_down_exps.weight"),
+            PerLayerTokEmbd => "per_layer_token_embd.weight".into(),
+            PerLayerModelProj => "per_layer_model_proj.weight".into(),
+            PerLayerProjNorm => "per_layer_proj_norm.weight".into(),
+            PerLayerGate(l) => b(l, "inp_gate.weight"),
+            PerLayerProj(l) => b(l, "proj.weight"),
+            PerLayerPostNorm(l) => b(l, "post_norm.weight"),
         }
     }
 
@@ -157,6 +187,12 @@ impl W {
             PostFfnNorm2(l) => b(l, "post_feedforward_layernorm_2.weight"),
             GateUpExps(l) => b(l, "experts.gate_up_proj"),
             DownExps(l) => b(l, "experts.down_proj"),
+            PerLayerTokEmbd => "model.embed_tokens_per_layer.weight".into(),
+            PerLayerModelProj => "model.per_layer_model_projection.weight".into(),
+            PerLayerProjNorm => "model.per_layer_projection_norm.weight".into(),
+            PerLayerGate(l) => b(l, "per_layer_input_gate.weight"),
+            PerLayerProj(l) => b(l, "per_layer_projection.weight"),
+            PerLayerPostNorm(l) => b(l, "post_per_layer_input_norm.weight"),
         }
     }
 
@@ -214,6 +250,10 @@ pub struct Hparams {
     pub softcap: Option<f32>,
     /// `Some` when any block is MoE.
     pub moe: Option<Moe>,
+    /// Per-layer embedding columns per block (0: none).
+    pub n_epl: usize,
+    /// The last blocks that attend an earlier block's KV cache (module doc).
+    pub n_kv_shared: usize,
 }
 
 impl Hparams {
@@ -247,6 +287,7 @@ impl Hparams {
             }
             hp.layers[l].moe = true;
         }
+        hp.n_epl = per_layer_width(f, &hp)?;
         if let Some(n_expert) = n_expert {
             let n_used = n_used.unwrap_or(0);
             if n_used == 0 || n_used > n_expert {
@@ -272,8 +313,49 @@ impl Hparams {
         Ok(hp)
     }
 
+    /// Blocks with a KV cache of their own: the first `n_layer - n_kv_shared`.
+    pub fn n_kv_layers(&self) -> usize {
+        self.n_layer - self.n_kv_shared
+    }
+
+    /// The block whose KV cache block `l` attends: itself, or for a shared block the last
+    /// non-shared block of its attention type ([`Hparams::check`] makes sure there is one).
+    pub fn kv_layer(&self, l: usize) -> usize {
+        let own = self.n_kv_layers();
+        if l < own {
+            return l;
+        }
+        let swa = self.layers[l].swa;
+        (0..own)
+            .rev()
+            .find(|&s| self.layers[s].swa == swa)
+            .unwrap_or(l)
+    }
+
     fn check(self, path: &std::path::Path) -> Result<Hparams> {
         let bad = |what: String| Err(Error::format(path, what));
+        if self.n_kv_shared >= self.n_layer {
+            return bad(format!(
+                "{} of {} blocks share KV (at least the first must have its own)",
+                self.n_kv_shared, self.n_layer
+            ));
+        }
+        for l in self.n_kv_layers()..self.n_layer {
+            let s = self.kv_layer(l);
+            let (a, b) = (&self.layers[l], &self.layers[s]);
+            if s == l {
+                return bad(format!(
+                    "KV-shared block {l} ({}) has no earlier non-shared block of its type",
+                    if a.swa { "sliding" } else { "global" }
+                ));
+            }
+            if (a.head_dim, a.n_head_kv) != (b.head_dim, b.n_head_kv) {
+                return bad(format!(
+                    "KV-shared block {l} has {} KV heads of {}, its KV block {s} {} of {}",
+                    a.n_head_kv, a.head_dim, b.n_head_kv, b.head_dim
+                ));
+            }
+        }
         if self.n_head == 0 || self.layers.len() != self.n_layer {
             return bad(format!(
                 "{} heads, {} layer types for {} blocks",
@@ -318,18 +400,6 @@ impl Hparams {
         let k = |s: &str| key(&arch, s);
         let n_layer = g.get_usize(&k(keys::BLOCK_COUNT))?;
         let n_embd = g.get_usize(&k(keys::EMBEDDING_LENGTH))?;
-        for (name, what) in [
-            (SHARED_KV_LAYERS, "KV sharing"),
-            (EMBEDDING_LENGTH_PER_LAYER, "per-layer embeddings"),
-        ] {
-            if g.opt_usize(&k(name))?.unwrap_or(0) != 0 {
-                return Err(Error::Unsupported(format!(
-                    "{}: Gemma-4 {what} ({} is not 0)",
-                    g.path().display(),
-                    k(name)
-                )));
-            }
-        }
         let swa = g.get_bool_array(&k(SLIDING_WINDOW_PATTERN))?;
         if swa.len() != n_layer {
             return Err(Error::config(
@@ -408,6 +478,8 @@ impl Hparams {
                 .unwrap_or(1e-6),
             softcap: g.opt_f32(&k(FINAL_LOGIT_SOFTCAPPING))?,
             moe: None,
+            n_epl: g.opt_usize(&k(EMBEDDING_LENGTH_PER_LAYER))?.unwrap_or(0),
+            n_kv_shared: g.opt_usize(&k(SHARED_KV_LAYERS))?.unwrap_or(0),
         }
         .check(g.path())
         .map(|hp| (hp, n_used))
@@ -422,17 +494,6 @@ impl Hparams {
             )));
         }
         let cfg_err = |key: &str, what: String| Error::config(h.config_path(), key, what);
-        for (name, what) in [
-            ("num_kv_shared_layers", "KV sharing"),
-            ("hidden_size_per_layer_input", "per-layer embeddings"),
-        ] {
-            if h.cfg_opt_u64(name)?.unwrap_or(0) != 0 {
-                return Err(Error::Unsupported(format!(
-                    "{}: Gemma-4 {what} ({name} is not 0)",
-                    h.config_path().display()
-                )));
-            }
-        }
         if let Some(a) = h.cfg_opt_str("hidden_activation")? {
             if a != "gelu_pytorch_tanh" {
                 return Err(cfg_err(
@@ -452,6 +513,9 @@ impl Hparams {
         let hd = h.cfg_u64("head_dim")? as usize;
         let kv = h.cfg_u64("num_key_value_heads")? as usize;
         let n_ff = h.cfg_u64("intermediate_size")? as usize;
+        let n_kv_shared = h.cfg_opt_u64("num_kv_shared_layers")?.unwrap_or(0) as usize;
+        // HF `Gemma4TextMLP`: KV-shared blocks are twice as wide with `use_double_wide_mlp`.
+        let wide = h.cfg_opt_bool("use_double_wide_mlp")?.unwrap_or(false);
         let mut layers = Vec::with_capacity(n_layer);
         for (l, t) in types.iter().enumerate() {
             let swa = match *t {
@@ -469,7 +533,11 @@ impl Hparams {
                 swa,
                 head_dim: over("head_dim")?.map_or(hd, |v| v as usize),
                 n_head_kv: over("num_key_value_heads")?.map_or(kv, |v| v as usize),
-                n_ff,
+                n_ff: if wide && l + n_kv_shared >= n_layer {
+                    2 * n_ff
+                } else {
+                    n_ff
+                },
                 moe: false,
             });
         }
@@ -513,6 +581,8 @@ impl Hparams {
             eps: h.cfg_opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             softcap: h.cfg_opt_f64("final_logit_softcapping")?.map(|c| c as f32),
             moe: None,
+            n_epl: h.cfg_opt_u64("hidden_size_per_layer_input")?.unwrap_or(0) as usize,
+            n_kv_shared,
         }
         .check(&h.config_path())
         .map(|hp| (hp, n_used))
@@ -529,4 +599,53 @@ fn vocab_of(embd: &crate::tensor::TensorRef<'_>, n_embd: usize) -> Result<usize>
             format!("shape {s:?}, expected [n_vocab, {n_embd}]"),
         )),
     }
+}
+
+/// Per-layer embedding columns per block, by the presence of the per-layer token table (as
+/// llama.cpp and HF decide: a file without it runs none, whatever its metadata says is
+/// refused): `[n_vocab, n_layer·n_epl]`, `n_epl` as the metadata says when it says one.
+fn per_layer_width(f: &ModelFile, hp: &Hparams) -> Result<usize> {
+    let name = W::PerLayerTokEmbd.name(f);
+    let Some(t) = f.tensor(&name) else {
+        if hp.n_epl != 0 {
+            return Err(Error::format(
+                f.path(),
+                format!(
+                    "per-layer embeddings of {} columns, but no tensor {name}",
+                    hp.n_epl
+                ),
+            ));
+        }
+        return Ok(0);
+    };
+    let n = match t.shape {
+        [v, c]
+            if *v as usize == hp.n_vocab && *c > 0 && (*c as usize).is_multiple_of(hp.n_layer) =>
+        {
+            *c as usize / hp.n_layer
+        }
+        s => {
+            return Err(Error::tensor(
+                t.path,
+                t.name,
+                format!(
+                    "shape {s:?}, expected [{}, {} blocks × columns]",
+                    hp.n_vocab, hp.n_layer
+                ),
+            ))
+        }
+    };
+    if hp.n_epl != 0 && hp.n_epl != n {
+        return Err(Error::tensor(
+            t.path,
+            t.name,
+            format!(
+                "{n} columns per block, the metadata says {} (GGUF {}, HF \
+                 hidden_size_per_layer_input)",
+                hp.n_epl,
+                gguf_keys::EMBEDDING_LENGTH_PER_LAYER
+            ),
+        ));
+    }
+    Ok(n)
 }
