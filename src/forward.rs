@@ -14,9 +14,11 @@ use crate::{Error, Result};
 use std::sync::Arc;
 
 /// Element type of the attention KV cache. `Auto` is the architecture's default: f16 for
-/// Qwen3.5 (its fixtures meet the bar with it, at half the bytes), f32 for DeepSeek-V4, whose
-/// one shared K=V head is small but whose indexer top-k flips on f16-rounded keys (measured:
-/// dsv4-dims RMS 0.02-0.033 against the reference with f16, 4e-6 with f32).
+/// Qwen3.5, the Llama family and Step-3.7 (their fixtures meet the bar with it, at half the
+/// bytes), f32 for DeepSeek-V4, whose one shared K=V head is small but whose indexer top-k
+/// flips on f16-rounded keys (measured: dsv4-dims RMS 0.02-0.033 against the reference with
+/// f16, 4e-6 with f32), and for Gemma-4, whose unscaled scores of normed heads make f16 rows
+/// cost ~2e-3 RMS on its fixtures (`models::gemma4::gpu`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvType {
     #[default]

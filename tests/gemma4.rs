@@ -94,16 +94,12 @@ fn gemma4moe_tiny_offloaded() {
 
 /// The E2B/E4B layout (`gemma4e-tiny`: per-layer embeddings of 16 columns per block, the
 /// last 3 of 6 blocks sharing the KV of blocks 1 (sliding) and 2 (global), their FFN double
-/// wide) at the same bars, with f32 KV rows: there lathe is the HF math to ~3e-6 RMS, where
-/// f16 rows (the default, as llama.cpp's manifest run) give 2.205e-3 on the f32 file, level
-/// with llama.cpp's own 2.198e-3 rather than under it.
+/// wide) at the same bars, on the default (f32) KV rows: there lathe is the HF math to ~3e-6
+/// RMS, where f16 rows (`--kv-type f16`, as llama.cpp's manifest run) give 2.205e-3 on the
+/// f32 file, level with llama.cpp's own 2.198e-3 rather than under it.
 #[test]
 fn gemma4e_tiny() {
-    let opts = LoadOptions {
-        kv_type: lathe::engine::KvType::F32,
-        ..Default::default()
-    };
-    check_model("gemma4e-tiny", &opts);
+    check_model("gemma4e-tiny", &LoadOptions::default());
 }
 
 /// What the E4B fixture's files say, from GGUF and HF alike: the per-layer width found from
@@ -121,14 +117,23 @@ fn gemma4e_tiny_hparams() {
         assert_eq!(kv, [0, 1, 2, 1, 1, 2], "{}", path.display());
         let ff: Vec<usize> = hp.layers.iter().map(|g| g.n_ff).collect();
         assert_eq!(ff, [64, 64, 64, 128, 128, 128], "{}", path.display());
-        // KV bytes per token and sequence: K and V rows (f16) of the three own-KV blocks
-        // only, two of 1 head × 32 and one of 1 × 64 (all six blocks would need twice that).
-        let opts = LoadOptions::default();
-        let run = lathe::moe::RunShape::new(&opts, 8);
-        let whole = lathe::model_file::PartSpec::whole(hp.n_layer);
-        let needs = lathe::models::gemma4::gpu::needs_part(&hp, run, &whole);
-        let seqs = opts.max_seqs.max(1) as u64;
-        assert_eq!(needs.kv_per_token, 2 * (32 + 32 + 64) * 2 * seqs);
+        // KV bytes per token and sequence: K and V rows (f32 by default, f16 asked for) of
+        // the three own-KV blocks only, two of 1 head × 32 and one of 1 × 64 (all six blocks
+        // would need twice that).
+        for (kv_type, elem) in [
+            (lathe::engine::KvType::Auto, 4),
+            (lathe::engine::KvType::F16, 2),
+        ] {
+            let opts = LoadOptions {
+                kv_type,
+                ..Default::default()
+            };
+            let run = lathe::moe::RunShape::new(&opts, 8);
+            let whole = lathe::model_file::PartSpec::whole(hp.n_layer);
+            let needs = lathe::models::gemma4::gpu::needs_part(&hp, run, &whole);
+            let seqs = opts.max_seqs.max(1) as u64;
+            assert_eq!(needs.kv_per_token, 2 * (32 + 32 + 64) * elem * seqs);
+        }
     }
 }
 

@@ -284,7 +284,7 @@ impl Scratch {
 /// per position at its own geometry, and the scratch of one pass.
 pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     let seqs = run.seqs.max(1);
-    let kv_elem: u64 = if run.kv == KvType::F32 { 4 } else { 2 };
+    let kv_elem: u64 = if kv_type(run.kv) == KvType::F32 { 4 } else { 2 };
     let rows = run.batch.max(1) as usize;
     let e = scratch_elems(hp, rows);
     let logits = (rows * hp.n_vocab) as u64 * 4;
@@ -320,10 +320,22 @@ pub fn needs_part(hp: &Hparams, run: RunShape, part: &PartSpec) -> Needs {
     }
 }
 
-/// A block's KV rows' shape for `--kv-type` (f16 by default).
+/// `--kv-type auto` here: f32. Gemma's scores are unscaled dot products of RMS-normed q and
+/// k heads (HF `Gemma4Attention`, `scaling = 1.0`), and f16-rounded rows move the fixtures'
+/// logits by ~2e-3 RMS (gemma4e-tiny f32 file: 2.21e-3 with f16 rows, over llama.cpp's
+/// 2.20e-3; 2.6e-6 with f32; gemma4-tiny's top-1 0.958 with f16, 1.0 with f32; 2026-12-07).
+/// Sliding blocks keep window-sized rows, so the cost is the global blocks' rows.
+fn kv_type(t: KvType) -> KvType {
+    match t {
+        KvType::Auto => KvType::F32,
+        t => t,
+    }
+}
+
+/// A block's KV rows' shape for `--kv-type` (f32 by default, [`kv_type`]).
 fn kv_shape(g: &LayerGeom, t: KvType) -> KvShape {
     KvShape {
-        dtype: kv::kv_dtype(t),
+        dtype: kv::kv_dtype(kv_type(t)),
         n_head_kv: g.n_head_kv as u32,
         head_dim: g.head_dim as u32,
     }
