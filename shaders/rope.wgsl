@@ -110,12 +110,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 #endif
 
 #if QKNR
-// Qwen3.5 attention's decode prologue in one dispatch, for one token: per q head and per k
-// head, RMSNorm with the head's weight (norm.wgsl's reduction, replayed), NEOX RoPE of the
-// leading 2·n_freq dims (the pair math of `main`), k written to the K cache row; v copied to
-// the V cache row (attention.wgsl's write_kv). The same bits as rms_norm, rope and write_kv.
+// An attention's decode prologue in one dispatch, for one token: per q head and per k head,
+// RMSNorm with the head's weight (norm.wgsl's reduction, replayed), NEOX RoPE of the leading
+// 2·n_freq dims (the pair math of `main`), k written to the K cache row; v copied to the V
+// cache row (attention.wgsl's write_kv), or with V_NORM first RMSNormed without a weight
+// (Gemma-4's v_norm). The same bits as rms_norm, rope and write_kv.
 // One workgroup per head: q heads, then k heads, then v heads.
-// Defines: QKNR, KV_F16 (f16 cache rows, else f32). HD ≤ 256 (one element per thread).
+// Defines: QKNR, KV_F16 (f16 cache rows, else f32), V_NORM, KV3 (k and v heads in their own
+// buffers, bindings 9 and 10, instead of x: Gemma-4's separate products; v may be k's buffer),
+// V4 (norm.wgsl's V4 items: head_dim > WG, a multiple of 4, every offset and stride too).
+// head_dim ≤ MAX_HD: each thread keeps up to E = 4 elements, norm.wgsl's items of its thread
+// in its order (scalar: elements lid, lid + WG; V4: the vec4 item lid).
 struct QParams {
     n_head: u32,      // q heads
     n_head_kv: u32,   // k and v heads
@@ -132,7 +137,7 @@ struct QParams {
 }
 
 @group(0) @binding(0) var<uniform> p: QParams;
-@group(0) @binding(1) var<storage, read_write> x: array<f32>;      // q, k, v of the token
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;      // q (and k, v) of the token
 @group(0) @binding(2) var<storage, read> table: array<u32>;
 @group(0) @binding(3) var<storage, read> positions: array<u32>;
 @group(0) @binding(4) var<storage, read> q_w: array<f32>;          // [head_dim]
@@ -145,17 +150,49 @@ struct QParams {
 @group(0) @binding(7) var<storage, read_write> k_cache: array<f32>;
 @group(0) @binding(8) var<storage, read_write> v_cache: array<f32>;
 #endif
+#if KV3
+@group(0) @binding(9) var<storage, read> kx: array<f32>;
+@group(0) @binding(10) var<storage, read> vx: array<f32>;
+#endif
+
+// Elements per thread, and the largest head.
+const E = 4u;
+const MAX_HD = 512u;
 
 var<workgroup> red: array<f32, WG>;
-var<workgroup> hv: array<f32, WG>;
+var<workgroup> hv: array<f32, MAX_HD>;
 
-// Element j of a head: the final values in `hv`; a cache row's element pair e (f16: one word).
-fn put_cache_k(base: u32, e: u32) {
-#if KV_F16
-    k_cache[base / 2u + e] = pack2x16float(vec2<f32>(hv[2u * e], hv[2u * e + 1u]));
+// Element c of thread lid's E (norm.wgsl's order: its items, each item's elements).
+fn elem(lid: u32, c: u32) -> u32 {
+#if V4
+    return 4u * lid + c;
 #else
-    k_cache[base + 2u * e] = hv[2u * e];
-    k_cache[base + 2u * e + 1u] = hv[2u * e + 1u];
+    return lid + c * WG;
+#endif
+}
+
+// Element j of the head at `base` of the token's q, k (kind 1) or v (kind 2).
+fn src(kind: u32, base: u32, j: u32) -> f32 {
+#if KV3
+    if (kind == 1u) { return kx[base + j]; }
+    if (kind == 2u) { return vx[base + j]; }
+#endif
+    return x[base + j];
+}
+
+// Cache row element pair e (f16: one word) from the final values in `hv`.
+fn put_cache(is_k: bool, base: u32, e: u32) {
+#if KV_F16
+    let w = pack2x16float(vec2<f32>(hv[2u * e], hv[2u * e + 1u]));
+    if (is_k) { k_cache[base / 2u + e] = w; } else { v_cache[base / 2u + e] = w; }
+#else
+    if (is_k) {
+        k_cache[base + 2u * e] = hv[2u * e];
+        k_cache[base + 2u * e + 1u] = hv[2u * e + 1u];
+    } else {
+        v_cache[base + 2u * e] = hv[2u * e];
+        v_cache[base + 2u * e + 1u] = hv[2u * e + 1u];
+    }
 #endif
 }
 
@@ -169,82 +206,118 @@ fn qk_norm_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let hd = p.head_dim;
     let width = nk * hd;
     let row = rows[p.row_off];
-    if (head >= nq + nk) {
-        // v head: a copy into the V cache row.
-        let h = head - nq - nk;
-        let src = p.v_off + h * hd;
-        let dst = row * width + h * hd;
-#if KV_F16
-        if (2u * lid < hd) {
-            v_cache[dst / 2u + lid] = pack2x16float(vec2<f32>(x[src + 2u * lid], x[src + 2u * lid + 1u]));
-        }
+    // kind 0: q head, 1: k head, 2: v head (uniform over the workgroup); h: its index among
+    // its kind's heads; base: its first element
+    let is_v = head >= nq + nk;
+    let is_k = !is_v && head >= nq;
+    let kind = select(select(0u, 1u, is_k), 2u, is_v);
+    let h = select(select(head, head - nq, is_k), head - nq - nk, is_v);
+    let base = select(select(p.q_off + head * p.q_stride, p.k_off + h * hd, is_k),
+                      p.v_off + h * hd, is_v);
+    let dst = row * width + h * hd;
+#if V_NORM
 #else
-        if (lid < hd) {
-            v_cache[dst + lid] = x[src + lid];
+    if (kind == 2u) {
+        // v head: a copy into the V cache row.
+        for (var j = lid; j < hd; j += WG) {
+            hv[j] = src(2u, base, j);
         }
-#endif
+        workgroupBarrier();
+        for (var e = lid; 2u * e < hd; e += WG) {
+            put_cache(false, dst, e);
+        }
         return;
     }
-    let is_q = head < nq;
-    var base: u32;
-    if (is_q) {
-        base = p.q_off + head * p.q_stride;
-    } else {
-        base = p.k_off + (head - nq) * hd;
+#endif
+    // RMSNorm as norm.wgsl: the thread's items summed in its order, tree over WG lanes.
+    var a: array<f32, E>;
+    var ss = 0.0;
+#if V4
+    if (4u * lid < hd) {
+        let v = vec4<f32>(src(kind, base, 4u * lid), src(kind, base, 4u * lid + 1u),
+                          src(kind, base, 4u * lid + 2u), src(kind, base, 4u * lid + 3u));
+        a[0] = v.x;
+        a[1] = v.y;
+        a[2] = v.z;
+        a[3] = v.w;
+        ss += dot(v, v);
     }
-    // RMSNorm as norm.wgsl: lane j holds element j (head_dim ≤ WG), tree over WG lanes.
-    var a = 0.0;
-    if (lid < hd) {
-        a = x[base + lid];
+#else
+    for (var c = 0u; c < E; c++) {
+        let j = elem(lid, c);
+        if (j < hd) {
+            a[c] = src(kind, base, j);
+            ss += a[c] * a[c];
+        }
     }
-    red[lid] = a * a;
+#endif
+    red[lid] = ss;
     workgroupBarrier();
     for (var st = WG / 2u; st > 0u; st >>= 1u) {
         if (lid < st) { red[lid] += red[lid + st]; }
         workgroupBarrier();
     }
     let r = inverseSqrt(red[0] / f32(hd) + p.eps);
-    if (lid < hd) {
-        var v = a * r;
-        if (is_q) {
-            v = v * q_w[lid];
-        } else {
-            v = v * k_w[lid];
+    for (var c = 0u; c < E; c++) {
+        let j = elem(lid, c);
+        if (j < hd) {
+            var v = a[c] * r;
+            if (kind == 0u) {
+                v = v * q_w[j];
+            } else if (kind == 1u) {
+                v = v * k_w[j];
+            }
+            hv[j] = v * 1.0;
         }
-        hv[lid] = v * 1.0;
     }
     workgroupBarrier();
+    if (kind == 2u) {
+        // v head (V_NORM): its normed values into the V cache row.
+        for (var e = lid; 2u * e < hd; e += WG) {
+            put_cache(false, dst, e);
+        }
+        return;
+    }
     // RoPE (NEOX pairs (f, f + n_freq) of the leading 2·n_freq dims), as `main`.
-    var out = 0.0;
-    if (lid < hd) {
-        out = hv[lid];
-        if (lid < 2u * p.n_freq) {
-            let f = lid % p.n_freq;
-            let pos = positions[p.pos_off];
-            let turns = pos * table[2u * f] + mul_hi(pos, table[2u * f + 1u]);
-            let cs = cos_sin_turns(turns);
-            let a0 = hv[f];
-            let b0 = hv[f + p.n_freq];
-            if (lid < p.n_freq) {
-                out = a0 * cs.x - b0 * cs.y;
-            } else {
-                out = b0 * cs.x + a0 * cs.y;
+    var out: array<f32, E>;
+    let pos = positions[p.pos_off];
+    for (var c = 0u; c < E; c++) {
+        let j = elem(lid, c);
+        if (j < hd) {
+            out[c] = hv[j];
+            if (j < 2u * p.n_freq) {
+                let f = j % p.n_freq;
+                let turns = pos * table[2u * f] + mul_hi(pos, table[2u * f + 1u]);
+                let cs = cos_sin_turns(turns);
+                let a0 = hv[f];
+                let b0 = hv[f + p.n_freq];
+                if (j < p.n_freq) {
+                    out[c] = a0 * cs.x - b0 * cs.y;
+                } else {
+                    out[c] = b0 * cs.x + a0 * cs.y;
+                }
             }
         }
     }
-    if (is_q) {
-        if (lid < hd) {
-            x[base + lid] = out;
+    if (kind == 0u) {
+        for (var c = 0u; c < E; c++) {
+            let j = elem(lid, c);
+            if (j < hd) {
+                x[base + j] = out[c];
+            }
         }
         return;
     }
     workgroupBarrier();
-    if (lid < hd) {
-        hv[lid] = out;
+    for (var c = 0u; c < E; c++) {
+        let j = elem(lid, c);
+        if (j < hd) {
+            hv[j] = out[c];
+        }
     }
     workgroupBarrier();
-    if (2u * lid < hd) {
-        put_cache_k(row * width + (head - nq) * hd, lid);
+    for (var e = lid; 2u * e < hd; e += WG) {
+        put_cache(true, dst, e);
     }
 }
 #endif

@@ -860,15 +860,17 @@ pub fn prologue(
     Ok(chk)
 }
 
-/// SwiGLU as the store of a gate+up product (`matvec::Epilogue::SwiGlu`, rows `0..ff` the
-/// gate's and `ff..2ff` the up's), plain or through the RMSNorm prologue, for `nt` tokens (2+:
-/// the token-group kernel), against the CPU: `cpu::ops::swiglu` of the products in f64, within
-/// the products' bound carried through silu (slope ≤ 1.1) and the other factor.
+/// SwiGLU (GeGLU with `geglu`) as the store of a gate+up product (`matvec::Epilogue::SwiGlu`,
+/// `GeGlu`; rows `0..ff` the gate's and `ff..2ff` the up's), plain or through the RMSNorm
+/// prologue, for `nt` tokens (2+: the token-group kernel), against the CPU: `cpu::ops::swiglu`
+/// (`geglu`) of the products in f64, within the products' bound carried through silu or
+/// gelu_tanh (slope ≤ 1.2) and the other factor.
 pub fn swiglu_store(
     gpu: &Gpu,
     dt: DType,
     (ff, cols, nt): (u64, u64, usize),
     normed: bool,
+    geglu: bool,
     seed: u64,
 ) -> Result<Check> {
     use crate::cpu::ops;
@@ -898,7 +900,11 @@ pub fn swiglu_store(
         &MatvecOpts::default(),
         matvec::Fused {
             pro: normed.then_some(&pro),
-            epi: matvec::Epilogue::SwiGlu,
+            epi: if geglu {
+                matvec::Epilogue::GeGlu
+            } else {
+                matvec::Epilogue::SwiGlu
+            },
         },
     )?;
     pass.submit()?;
@@ -920,14 +926,19 @@ pub fn swiglu_store(
             let (t, o) = (i / f, i % f);
             let (g, ga) = w.dot(o, &h[t]);
             let (u, ua) = w.dot(f + o, &h[t]);
-            let v = ops::swiglu(&[g as f32], &[u as f32], None)[0] as f64;
+            let v = if geglu {
+                ops::geglu(&[g as f32], &[u as f32])[0] as f64
+            } else {
+                ops::swiglu(&[g as f32], &[u as f32], None)[0] as f64
+            };
             let (eg, eu) = (1e-4 * (1.0 + ga), 1e-4 * (1.0 + ua));
-            let bound = 1.1 * eg * (u.abs() + eu) + eu * (g.abs() + eg) + 1e-6 * (1.0 + v.abs());
+            let bound = 1.2 * eg * (u.abs() + eu) + eu * (g.abs() + eg) + 1e-6 * (1.0 + v.abs());
             (i, Some((v, bound)))
         })
         .collect();
     let name = format!(
-        "matvec swiglu store{} {dt} {}x{cols} tokens {nt}",
+        "matvec {} store{} {dt} {}x{cols} tokens {nt}",
+        if geglu { "geglu" } else { "swiglu" },
         if normed { " normed" } else { "" },
         2 * ff
     );
@@ -1315,6 +1326,204 @@ pub fn qk_norm_rope(
     pairs.extend(others.map(|j| (got_k[j], SENTINEL)));
     Ok(value_check(
         format!("qk_norm_rope {nh}x{nkv}x{hd} rot {n_rot}"),
+        &pairs,
+        String::new(),
+    ))
+}
+
+/// Gemma-4's fused decode prologue (`rope::qk_norm_rope_kv`) for one token at position 777,
+/// cache row 2 of 4, against the CPU: q, k and v in their own buffers (v the k buffer with
+/// `v_is_k`), per-head RMSNorm of q and k with weights and of v without, NEOX RoPE of q (in
+/// place) and k (to the cache row) with `pairs` rotated pairs of a `theta^(-2i/hd)` table
+/// (zero past them: proportional RoPE), v to its row; f32 cache. Bound per value
+/// `1e-5 · (1 + |v|)`.
+pub fn qk_norm_rope_kv(
+    gpu: &Gpu,
+    (nh, nkv, hd, pairs): (u32, u32, u32, usize),
+    v_is_k: bool,
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    use crate::gpu::rope::{self, KvHeads, QkvDecode, RopeTable};
+    let mut rng = Rng(seed);
+    let (h, nhu, nkvu) = (hd as usize, nh as usize, nkv as usize);
+    let q = rng.normals(nhu * h, 2.0);
+    let k = rng.normals(nkvu * h, 2.0);
+    let v = if v_is_k {
+        k.clone()
+    } else {
+        rng.normals(nkvu * h, 2.0)
+    };
+    let qw = rng.normals(h, 1.0);
+    let kw = rng.normals(h, 1.0);
+    let mut inv_freq = ops::rope_inv_freq(1e6, h);
+    inv_freq.iter_mut().skip(pairs).for_each(|f| *f = 0.0);
+    let table = RopeTable::new(gpu, &inv_freq, "selftest.rope")?;
+    let (pos, row) = (777u32, 2usize);
+    let qb = gpu.upload_f32(&q, "selftest.q")?;
+    let kb = gpu.upload_f32(&k, "selftest.k")?;
+    let vb = gpu.upload_f32(&v, "selftest.v")?;
+    let qwb = gpu.upload_f32(&qw, "selftest.qw")?;
+    let kwb = gpu.upload_f32(&kw, "selftest.kw")?;
+    let pos_b = gpu.upload(bytemuck::cast_slice(&[pos]), "selftest.pos")?;
+    let rows_b = gpu.upload(bytemuck::cast_slice(&[row as u32]), "selftest.rows")?;
+    let cache = vec![SENTINEL; 4 * nkvu * h];
+    let kc = gpu.upload_f32(&cache, "selftest.kc")?;
+    let vc = gpu.upload_f32(&cache, "selftest.vc")?;
+    let mut pass = gpu.pass();
+    rope::qk_norm_rope_kv(
+        &mut pass,
+        &QkvDecode {
+            buf: &qb,
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            q_off: 0,
+            q_stride: hd,
+            k_off: 0,
+            v_off: 0,
+            q_norm: &qwb,
+            k_norm: &kwb,
+            eps: 1e-6,
+            positions: &pos_b,
+            pos_off: 0,
+            rows: &rows_b,
+            row_off: 0,
+            k_cache: &kc,
+            v_cache: &vc,
+            f16: false,
+        },
+        &KvHeads {
+            k: &kb,
+            v: if v_is_k { &kb } else { &vb },
+            v_norm: true,
+        },
+        &table,
+    )?;
+    pass.submit()?;
+    let got_q = gpu.read_f32(&qb, 0, q.len())?;
+    let got_k = gpu.read_f32(&kc, 0, cache.len())?;
+    let got_v = gpu.read_f32(&vc, 0, cache.len())?;
+    let normed = |src: &[f32], n: usize, w: Option<&[f32]>| -> Vec<f32> {
+        (0..n)
+            .flat_map(|i| ops::rms_norm(&src[i * h..][..h], h, w, 1e-6))
+            .collect()
+    };
+    let mut want_q = normed(&q, nhu, Some(&qw));
+    ops::rope_neox(&mut want_q, nhu, h, h, &[pos], &inv_freq, false);
+    let mut want_k = normed(&k, nkvu, Some(&kw));
+    ops::rope_neox(&mut want_k, nkvu, h, h, &[pos], &inv_freq, false);
+    let want_v = normed(&v, nkvu, None);
+    let mut vals: Vec<(f32, f32)> = got_q.iter().copied().zip(want_q).collect();
+    let r0 = row * nkvu * h;
+    vals.extend((0..nkvu * h).map(|j| (got_k[r0 + j], want_k[j])));
+    vals.extend((0..nkvu * h).map(|j| (got_v[r0 + j], want_v[j])));
+    let others = (0..cache.len()).filter(|&j| j / (nkvu * h) != row);
+    vals.extend(others.map(|j| (got_v[j], SENTINEL)));
+    Ok(value_check(
+        format!(
+            "qk_norm_rope kv {nh}x{nkv}x{hd} rotated {pairs} of {}",
+            inv_freq.len()
+        ),
+        &vals,
+        String::new(),
+    ))
+}
+
+/// Gemma's sandwich norms in one dispatch (`norm::sandwich`) over `rows` rows of `dim` with
+/// `branches` branches (0: the stream only scaled; 1: `rms(z)·w`; 2: the MoE block's
+/// `rms(rms(z)·w + rms(z2)·w2)·wb`, with two more norms of the new stream: a MoE block's),
+/// scale 0.75, against the CPU: `cpu::ops::rms_norm` and the adds in f32. Bound per value
+/// `1e-5 · (1 + |v|)`.
+pub fn sandwich_norm(
+    gpu: &Gpu,
+    (rows, dim): (u32, u32),
+    branches: u32,
+    seed: u64,
+) -> Result<Check> {
+    use crate::cpu::ops;
+    use crate::gpu::norm::{self, Branch, Sandwich};
+    let mut rng = Rng(seed);
+    let (r, d) = (rows as usize, dim as usize);
+    let (eps, scale) = (1e-6, 0.75);
+    let x = rng.normals(r * d, 3.0);
+    let z = rng.normals(r * d, 2.0);
+    let z2 = rng.normals(r * d, 0.5);
+    let w: Vec<Vec<f32>> = (0..6).map(|_| rng.normals(d, 1.0)).collect();
+    let wt = |i: usize| {
+        gpu.upload_tensor(&TensorRef {
+            name: "selftest.norm",
+            dtype: DType::F32,
+            shape: &[d as u64],
+            data: bytemuck::cast_slice(&w[i]),
+            path: Path::new("selftest"),
+        })
+    };
+    let ws = [wt(0)?, wt(1)?, wt(2)?, wt(3)?, wt(4)?, wt(5)?];
+    let xb = gpu.upload_f32(&x, "selftest.x")?;
+    let yb = gpu.upload_f32(&vec![SENTINEL; r * d], "selftest.y")?;
+    let zb = gpu.upload_f32(&z, "selftest.z")?;
+    let z2b = gpu.upload_f32(&z2, "selftest.z2")?;
+    let m1 = gpu.upload_f32(&vec![SENTINEL; r * d], "selftest.m1")?;
+    let m2 = gpu.upload_f32(&vec![SENTINEL; r * d], "selftest.m2")?;
+    let more_all = [(&m1, &ws[4]), (&m2, &ws[5])];
+    let n_more = if branches == 2 { 2 } else { 0 };
+    let branch = match branches {
+        0 => Branch::None,
+        1 => Branch::One { z: &zb, w: &ws[1] },
+        _ => Branch::Two {
+            z: &zb,
+            w: &ws[1],
+            z2: &z2b,
+            w2: &ws[2],
+            wb: &ws[3],
+        },
+    };
+    let mut pass = gpu.pass();
+    let s = Sandwich {
+        n_rows: rows,
+        dim,
+        eps,
+        x: &xb,
+        branch,
+        scale,
+        y: &yb,
+        wy: &ws[0],
+        more: &more_all[..n_more],
+    };
+    norm::sandwich(&mut pass, &s)?;
+    pass.submit()?;
+    let got_x = gpu.read_f32(&xb, 0, r * d)?;
+    let got_y = gpu.read_f32(&yb, 0, r * d)?;
+    let got_m = [gpu.read_f32(&m1, 0, r * d)?, gpu.read_f32(&m2, 0, r * d)?];
+    let mut pairs = Vec::with_capacity(4 * r * d);
+    for i in 0..r {
+        let at = |v: &[f32]| v[i * d..][..d].to_vec();
+        let b = match branches {
+            0 => vec![0.0; d],
+            1 => ops::rms_norm(&at(&z), d, Some(&w[1]), eps),
+            _ => {
+                let a = ops::rms_norm(&at(&z), d, Some(&w[1]), eps);
+                let c = ops::rms_norm(&at(&z2), d, Some(&w[2]), eps);
+                let s: Vec<f32> = a.iter().zip(&c).map(|(a, c)| a + c).collect();
+                ops::rms_norm(&s, d, Some(&w[3]), eps)
+            }
+        };
+        let xr: Vec<f32> = at(&x)
+            .iter()
+            .zip(&b)
+            .map(|(x, b)| (x + b) * scale)
+            .collect();
+        let yr = ops::rms_norm(&xr, d, Some(&w[0]), eps);
+        pairs.extend((0..d).map(|j| (got_x[i * d + j], xr[j])));
+        pairs.extend((0..d).map(|j| (got_y[i * d + j], yr[j])));
+        for (m, got) in got_m.iter().enumerate().take(n_more) {
+            let want = ops::rms_norm(&xr, d, Some(&w[4 + m]), eps);
+            pairs.extend((0..d).map(|j| (got[i * d + j], want[j])));
+        }
+    }
+    Ok(value_check(
+        format!("sandwich norm {rows}x{dim} branches {branches}"),
         &pairs,
         String::new(),
     ))
@@ -1859,7 +2068,21 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
         for (nt, normed) in [(1, true), (1, false), (3, true)] {
             push(
                 &format!("matvec swiglu store {dt}"),
-                swiglu_store(gpu, dt, (19, odd_cols(dt), nt), normed, 560 + i as u64),
+                swiglu_store(
+                    gpu,
+                    dt,
+                    (19, odd_cols(dt), nt),
+                    normed,
+                    false,
+                    560 + i as u64,
+                ),
+            );
+        }
+        // Gemma's GeGLU store (its products read plain x)
+        for nt in [1, 3] {
+            push(
+                &format!("matvec geglu store {dt}"),
+                swiglu_store(gpu, dt, (19, odd_cols(dt), nt), false, true, 580 + i as u64),
             );
         }
     }
@@ -1880,7 +2103,7 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
     // Qwen3.5-9B's gate+up at decode (the normed split of the big products)
     push(
         "matvec swiglu store Q4_K 9B",
-        swiglu_store(gpu, DType::Q4_K, (12288, 4096, 1), true, 590),
+        swiglu_store(gpu, DType::Q4_K, (12288, 4096, 1), true, false, 590),
     );
     for (i, dt) in [DType::Q4_K, DType::F32, DType::Q8_0]
         .into_iter()
@@ -1919,6 +2142,37 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
         push(
             &format!("qk_norm_rope {shape:?}"),
             qk_norm_rope(gpu, shape, 650 + i as u64),
+        );
+    }
+    // Gemma-4's heads (256 sliding; 512 global, proportional RoPE on a quarter, V = K) and odd
+    // ones
+    for (i, (shape, v_is_k)) in [
+        ((16, 8, 256, 128), false),
+        ((16, 4, 512, 64), true),
+        ((3, 1, 302, 75), false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        push(
+            &format!("qk_norm_rope kv {shape:?}"),
+            qk_norm_rope_kv(gpu, shape, v_is_k, 655 + i as u64),
+        );
+    }
+    // Gemma's sandwich norms at Gemma-4's widths (31B, 26B-A4B) and odd ones
+    for (i, (shape, branches)) in [
+        ((1, 5376), 1),
+        ((1, 2816), 2),
+        ((3, 5376), 0),
+        ((2, 1001), 2),
+        ((3, 7), 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        push(
+            &format!("sandwich norm {shape:?} branches {branches}"),
+            sandwich_norm(gpu, shape, branches, 660 + i as u64),
         );
     }
     // the model widths (Qwen3.5-9B, 35B-A3B, DeepSeek-V4-Flash; 9216: past the elements
@@ -1997,7 +2251,12 @@ pub fn fused(gpu: &Gpu, full: bool, push: &mut dyn FnMut(&str, Result<Check>)) {
             );
             push(
                 &format!("matvec swiglu store normed {dt} 24576x4096"),
-                swiglu_store(gpu, dt, (12288, 4096, 1), true, seed + 5),
+                swiglu_store(gpu, dt, (12288, 4096, 1), true, false, seed + 5),
+            );
+            // Gemma-4-31B's gate+up at decode
+            push(
+                &format!("matvec geglu store {dt} 43008x5376"),
+                swiglu_store(gpu, dt, (21504, 5376, 1), false, true, seed + 6),
             );
             if matvec::int8_x_supported(dt) {
                 for (k, &(rows, cols)) in REAL[..2].iter().enumerate() {

@@ -195,3 +195,57 @@ fn gemma4_batched_equals_lone() {
         check_batched_equals_lone(name, &dir.join("model-q8_0.gguf"), &ids);
     }
 }
+
+/// A Gemma-4 decode step's dispatches (GPU timestamps, which lavapipe has): per block the q, k
+/// (and v) products, one q/k/v norm + RoPE + cache write, the attention, the output product,
+/// a sandwich norm (post-attention norm, residual add, pre-FFN norm; on MoE blocks the router's
+/// and the experts' input norms too), gate+up with the GeGLU in its store, down (the routed
+/// experts on MoE blocks) and a second sandwich (post-FFN norm(s), add, `layer_scalar`, the
+/// next norm); the embedding's scale and block 0's norm one more sandwich. No separate
+/// RMSNorm, RoPE, cache write, add, scale or copy; no dense GeGLU.
+#[test]
+fn gemma4_decode_step_fuses_norms_rope_and_geglu() {
+    for (name, blocks) in [("gemma4-tiny", 5), ("gemma4moe-tiny", 3)] {
+        let path = fixtures().join(name).join("model-q8_0.gguf");
+        let mut e = lathe::engine::Engine::load(&path, &LoadOptions::default()).unwrap();
+        let mut seq = e.new_seq().unwrap();
+        e.forward(&mut seq, &[1, 2, 3], false).unwrap();
+        let prof = e.profile_step(&mut seq, 4).unwrap();
+        let labels: Vec<&str> = prof.iter().map(|(l, _)| l.as_str()).collect();
+        let count = |op: &str| labels.iter().filter(|l| **l == op).count();
+        assert_eq!(count("qk_norm_rope"), blocks, "{name}: {labels:?}");
+        assert_eq!(count("sandwich_norm"), 2 * blocks + 1, "{name}: {labels:?}");
+        let gate_up = labels.iter().filter(|l| l.ends_with("ffn_gate.weight+up"));
+        assert_eq!(gate_up.count(), blocks, "{name}: {labels:?}");
+        for op in [
+            "rms_norm",
+            "rope",
+            "write_kv",
+            "add_inplace",
+            "scale_inplace",
+            "copy",
+        ] {
+            assert_eq!(count(op), 0, "{name}: {op} in {labels:?}");
+        }
+        if name == "gemma4-tiny" {
+            assert_eq!(count("geglu"), 0, "{name}: {labels:?}");
+        }
+    }
+    // E4B: the 3 own-KV blocks fused; the 3 KV-shared ones norm and rotate q alone and write
+    // no rows; each block's per-layer tail joins through one more sandwich.
+    let path = fixtures().join("gemma4e-tiny").join("model-q8_0.gguf");
+    let mut e = lathe::engine::Engine::load(&path, &LoadOptions::default()).unwrap();
+    let mut seq = e.new_seq().unwrap();
+    e.forward(&mut seq, &[1, 2, 3], false).unwrap();
+    let prof = e.profile_step(&mut seq, 4).unwrap();
+    let labels: Vec<&str> = prof.iter().map(|(l, _)| l.as_str()).collect();
+    let count = |op: &str| labels.iter().filter(|l| **l == op).count();
+    for (op, want) in [
+        ("qk_norm_rope", 3),
+        ("rope", 3),
+        ("write_kv", 0),
+        ("sandwich_norm", 3 * 6 + 1),
+    ] {
+        assert_eq!(count(op), want, "gemma4e-tiny: {op} in {labels:?}");
+    }
+}

@@ -2085,11 +2085,11 @@ fn normed_store_feeds_raw_norm() {
     }
 }
 
-/// SwiGLU as a gate+up product's store (`matvec::Epilogue::SwiGlu`), on every type with odd
-/// and real sizes, plain and through the RMSNorm prologue, for one token and token groups:
-/// each token's values are the bits of the same product stored plainly followed by
-/// `elementwise::swiglu` (the unfused decode), the token groups' those of each token alone,
-/// and both match the CPU's swiglu of the CPU products.
+/// SwiGLU and GeGLU as a gate+up product's store (`matvec::Epilogue::{SwiGlu, GeGlu}`), on
+/// every type with odd and real sizes, plain and through the RMSNorm prologue, for one token
+/// and token groups: each token's values are the bits of the same product stored plainly
+/// followed by `elementwise::{swiglu, geglu}` (the unfused decode), the token groups' those of
+/// each token alone, and both match the CPU's swiglu / geglu of the CPU products.
 #[test]
 fn matvec_swiglu_store() {
     use lathe::cpu::ops;
@@ -2125,14 +2125,21 @@ fn matvec_swiglu_store() {
                 keep: None,
             };
             let opts = MatvecOpts::default();
-            for normed in [false, true] {
+            let cases = [false, true]
+                .into_iter()
+                .flat_map(|n| [(n, false), (n, true)]);
+            for (normed, geglu) in cases {
                 let pro = normed.then_some(&pro);
                 // fused: all n tokens (token groups of 5 and 4), then each alone
                 let ym = out_buffer(g, n * ff);
                 let yl = out_buffer(g, n * ff);
                 let mut pass = g.pass();
                 let nt = n as u32;
-                let epi = Epilogue::SwiGlu;
+                let epi = if geglu {
+                    Epilogue::GeGlu
+                } else {
+                    Epilogue::SwiGlu
+                };
                 matvec::matvec_fused(
                     &mut pass,
                     &wt,
@@ -2177,12 +2184,17 @@ fn matvec_swiglu_store() {
                     Operand::strided(&yp, 0, 2 * f),
                     Operand::strided(&yp, f, 2 * f),
                 );
-                ew::swiglu(&mut pass, nt, f, Operand::new(&yu, 5), gv, uv, None).unwrap();
+                let yo = Operand::new(&yu, 5);
+                if geglu {
+                    ew::geglu(&mut pass, nt, f, yo, gv, uv).unwrap();
+                } else {
+                    ew::swiglu(&mut pass, nt, f, yo, gv, uv, None).unwrap();
+                }
                 submit(pass);
                 let multi = g.read_f32(&ym, 5, n * ff).unwrap();
                 let lone = g.read_f32(&yl, 5, n * ff).unwrap();
                 let unfused = g.read_f32(&yu, 5, n * ff).unwrap();
-                let what = format!("{dt} {}x{cols} normed {normed}", 2 * ff);
+                let what = format!("{dt} {}x{cols} normed {normed} geglu {geglu}", 2 * ff);
                 for j in 0..n * ff {
                     assert_eq!(
                         (multi[j].to_bits(), lone[j].to_bits()),
@@ -2195,8 +2207,9 @@ fn matvec_swiglu_store() {
                         unfused[j]
                     );
                 }
-                // against the CPU: swiglu of the CPU products (the bound of the product's
-                // rounding, through silu's slope ≤ 1.1 and the other factor)
+                // against the CPU: swiglu / geglu of the CPU products (the bound of the
+                // product's rounding, through silu's or gelu_tanh's slope ≤ 1.2 and the other
+                // factor)
                 for t in 0..n {
                     let xt = &x[t * c..][..c];
                     let h = if normed {
@@ -2207,9 +2220,13 @@ fn matvec_swiglu_store() {
                     for o in 0..ff {
                         let (gd, ud) = (w.dot(o, &h), w.dot(ff + o, &h));
                         let (gw, uw) = (gd.0 as f32, ud.0 as f32);
-                        let want = ops::swiglu(&[gw], &[uw], None)[0] as f64;
+                        let want = if geglu {
+                            ops::geglu(&[gw], &[uw])[0] as f64
+                        } else {
+                            ops::swiglu(&[gw], &[uw], None)[0] as f64
+                        };
                         let got = lone[t * ff + o] as f64;
-                        let tol = 1e-4 * (1.0 + gd.1) * (1.0 + ud.0.abs() + ud.1) * 1.1
+                        let tol = 1e-4 * (1.0 + gd.1) * (1.0 + ud.0.abs() + ud.1) * 1.2
                             + 1e-4 * (1.0 + ud.1) * (1.0 + gd.0.abs());
                         assert!(
                             (got - want).abs() <= tol,

@@ -1159,3 +1159,311 @@ fn qk_norm_rope_matches_unfused() {
         }
     }
 }
+
+/// Gemma-4's form of the fused decode prologue (`rope::qk_norm_rope_kv`): q, k and v in their
+/// own buffers (v also K's buffer: the global blocks without V), v RMSNormed without a weight,
+/// the real heads (256 sliding, 512 global with proportional RoPE: zero frequencies past the
+/// rotated quarter) and odd ones (40; 300 at views 2 elements in: past a workgroup, not
+/// vec4 items), f16 and f32 caches: bit for bit the per-head RMSNorms, RoPE and KV writes it
+/// replaces; q also against the CPU.
+#[test]
+fn qk_norm_rope_kv_matches_unfused() {
+    use lathe::gpu::attention::{self as ga, DstRows, KvShape, KvType};
+    let gpu = gpu();
+    let mut rng = Rng(37);
+    let cases = [
+        (4u32, 2u32, 256u32, 256usize, false, 0u32),
+        (2, 1, 512, 128, true, 0),
+        (3, 1, 40, 8, false, 0),
+        (2, 1, 300, 150, true, 2),
+    ];
+    for (nh, nkv, hd, pairs, v_is_k, off) in cases {
+        for dtype in [KvType::F16, KvType::F32] {
+            let (h, nhu, nkvu) = (hd as usize, nh as usize, nkv as usize);
+            // each buffer: `off` guards, then the heads
+            let o = off as usize;
+            let q: Vec<f32> = rng.vec(o + nhu * h, 2.0);
+            let k: Vec<f32> = rng.vec(o + nkvu * h, 2.0);
+            let v: Vec<f32> = rng.vec(o + nkvu * h, 2.0);
+            let qw: Vec<f32> = rng.vec(h, 1.0);
+            let kw: Vec<f32> = rng.vec(h, 1.0);
+            let mut inv_freq = ops::rope_inv_freq(1e6, h);
+            inv_freq.iter_mut().skip(pairs).for_each(|f| *f = 0.0);
+            let table = RopeTable::new(&gpu, &inv_freq, "rope").unwrap();
+            let pos = [0u32, 777, 12345];
+            let rows = [2u32, 0, 5];
+            let pos_b = gpu.upload(bytemuck::cast_slice(&pos), "pos").unwrap();
+            let rows_b = gpu.upload(bytemuck::cast_slice(&rows), "rows").unwrap();
+            let qwt = weight_tensor(&gpu, DType::F32, &qw).0;
+            let kwt = weight_tensor(&gpu, DType::F32, &kw).0;
+            let kv = KvShape {
+                dtype,
+                n_head_kv: nkv,
+                head_dim: hd,
+            };
+            let cache_bytes = kv.bytes(7);
+            let fill = vec![0x5au8; cache_bytes as usize];
+            // Token 2 of the lists: position 12345, cache row 5.
+            let fused = {
+                let (qb, kb) = (
+                    gpu.upload_f32(&q, "q").unwrap(),
+                    gpu.upload_f32(&k, "k").unwrap(),
+                );
+                let vb = gpu.upload_f32(&v, "v").unwrap();
+                let kc = gpu.upload(&fill, "kc").unwrap();
+                let vc = gpu.upload(&fill, "vc").unwrap();
+                let mut pass = gpu.pass();
+                rope::qk_norm_rope_kv(
+                    &mut pass,
+                    &rope::QkvDecode {
+                        buf: &qb,
+                        n_head: nh,
+                        n_head_kv: nkv,
+                        head_dim: hd,
+                        q_off: off,
+                        q_stride: hd,
+                        k_off: off,
+                        v_off: off,
+                        q_norm: &qwt.parts[0].buffer,
+                        k_norm: &kwt.parts[0].buffer,
+                        eps: 1e-6,
+                        positions: &pos_b,
+                        pos_off: 2,
+                        rows: &rows_b,
+                        row_off: 2,
+                        k_cache: &kc,
+                        v_cache: &vc,
+                        f16: dtype == KvType::F16,
+                    },
+                    &rope::KvHeads {
+                        k: &kb,
+                        v: if v_is_k { &kb } else { &vb },
+                        v_norm: true,
+                    },
+                    &table,
+                )
+                .unwrap();
+                pass.submit().unwrap();
+                (
+                    gpu.read_f32(&qb, 0, q.len()).unwrap(),
+                    gpu.read_f32(&kb, 0, k.len()).unwrap(),
+                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                )
+            };
+            let unfused = {
+                let (qb, kb) = (
+                    gpu.upload_f32(&q, "q").unwrap(),
+                    gpu.upload_f32(&k, "k").unwrap(),
+                );
+                let vb = gpu.upload_f32(if v_is_k { &k } else { &v }, "v").unwrap();
+                let kc = gpu.upload(&fill, "kc").unwrap();
+                let vc = gpu.upload(&fill, "vc").unwrap();
+                let mut pass = gpu.pass();
+                let p = &mut pass;
+                let (qo, ko, vo) = (
+                    Operand::new(&qb, off),
+                    Operand::new(&kb, off),
+                    Operand::new(&vb, off),
+                );
+                norm::rms_norm(p, nh, hd, qo, None, Some(&qwt), 1e-6).unwrap();
+                norm::rms_norm(p, nkv, hd, ko, None, Some(&kwt), 1e-6).unwrap();
+                norm::rms_norm(p, nkv, hd, vo, None, None, 1e-6).unwrap();
+                let at = Positions::Buffer {
+                    buf: &pos_b,
+                    off: 2,
+                };
+                let style = rope::RopeStyle::Neox;
+                let qv = RopeView::packed(&qb, off, 1, nh, hd);
+                rope::rope(p, &qv, style, 0, &table, at, false).unwrap();
+                let kv_view = RopeView::packed(&kb, off, 1, nkv, hd);
+                rope::rope(p, &kv_view, style, 0, &table, at, false).unwrap();
+                let dst = DstRows::List {
+                    rows: &rows_b,
+                    off: 2,
+                };
+                ga::write_kv(p, kv, &kb, off, nkv * hd, 1, &kc, dst).unwrap();
+                ga::write_kv(p, kv, &vb, off, nkv * hd, 1, &vc, dst).unwrap();
+                pass.submit().unwrap();
+                (
+                    gpu.read_f32(&qb, 0, q.len()).unwrap(),
+                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                )
+            };
+            let what = format!(
+                "qk_norm_rope_kv {nh}x{nkv}x{hd} pairs {pairs} v=k {v_is_k} off {off} {dtype:?}"
+            );
+            let bits = |a: &[f32]| a.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused.0), bits(&unfused.0), "{what}: q differs");
+            // k is read, never written back
+            assert_eq!(bits(&fused.1), bits(&k), "{what}: k changed");
+            assert_eq!(fused.2, unfused.1, "{what}: K cache differs");
+            assert_eq!(fused.3, unfused.2, "{what}: V cache differs");
+            // q against the CPU.
+            let mut want: Vec<f32> = (0..nhu)
+                .flat_map(|i| ops::rms_norm(&q[o + i * h..][..h], h, Some(&qw), 1e-6))
+                .collect();
+            ops::rope_neox(&mut want, nhu, h, h, &[12345], &inv_freq, false);
+            assert_close(&what, &fused.0[o..], &want, 1e-5, 1e-5);
+        }
+    }
+}
+
+/// Gemma's sandwich norms in one dispatch (`norm::sandwich`): bit for bit the kernels it
+/// replaces (`rms_norm` of the branch(es), `add_inplace`, `scale_inplace`, `rms_norm` of the
+/// new stream, and with `more` further norms of it: as many as branches) for no branch, one
+/// and two (MoE), scaled and not, at odd widths (scalar items,
+/// also past a workgroup), Gemma-4's (2816, 5376: vec4 items) and several rows, f32 and bf16
+/// weights; and both against the CPU's composition of `ops::rms_norm` and the adds (1e-5
+/// abs + 1e-5 relative: a few f32 roundings of O(1) values).
+#[test]
+fn sandwich_norm_matches_unfused() {
+    use norm::{Branch, Sandwich};
+    let gpu = gpu();
+    let mut rng = Rng(77);
+    let eps = 1e-6;
+    for (rows, dim) in [
+        (3u32, 1u32),
+        (2, 7),
+        (3, 64),
+        (2, 1001),
+        (3, 2816),
+        (2, 5376),
+    ] {
+        for branches in 0..3 {
+            for (scale, dtype) in [(1.0f32, DType::F32), (0.37, DType::F32), (0.5, DType::BF16)] {
+                let (r, d) = (rows as usize, dim as usize);
+                let x: Vec<f32> = rng.vec(r * d, 3.0);
+                let z: Vec<f32> = rng.vec(r * d, 2.0);
+                let z2: Vec<f32> = rng.vec(r * d, 0.5);
+                let ws: Vec<(GpuTensor, Vec<f32>)> = (0..6)
+                    .map(|_| weight_tensor(&gpu, dtype, &rng.vec(d, 1.0)))
+                    .collect();
+                let up = |v: &[f32]| gpu.upload_f32(v, "rows").unwrap();
+                // (x, y, z, z2, the more norms) after the fused kernel and after the unfused
+                // ones
+                let outs: Vec<[Vec<f32>; 6]> = [true, false]
+                    .into_iter()
+                    .map(|fused| {
+                        let (xb, yb, zb, z2b) = (up(&x), up(&vec![GUARD; r * d]), up(&z), up(&z2));
+                        let (m1, m2) = (up(&vec![GUARD; r * d]), up(&vec![GUARD; r * d]));
+                        let more_all = [(&m1, &ws[4].0), (&m2, &ws[5].0)];
+                        let more = &more_all[..branches];
+                        let branch = match branches {
+                            0 => Branch::None,
+                            1 => Branch::One {
+                                z: &zb,
+                                w: &ws[1].0,
+                            },
+                            _ => Branch::Two {
+                                z: &zb,
+                                w: &ws[1].0,
+                                z2: &z2b,
+                                w2: &ws[2].0,
+                                wb: &ws[3].0,
+                            },
+                        };
+                        let s = Sandwich {
+                            n_rows: rows,
+                            dim,
+                            eps,
+                            x: &xb,
+                            branch,
+                            scale,
+                            y: &yb,
+                            wy: &ws[0].0,
+                            more,
+                        };
+                        assert!(s.fits());
+                        let mut pass = gpu.pass();
+                        let p = &mut pass;
+                        if fused {
+                            norm::sandwich(p, &s).unwrap();
+                        } else {
+                            let (xo, yo) = (Operand::new(&xb, 0), Operand::new(&yb, 0));
+                            let (zo, z2o) = (Operand::new(&zb, 0), Operand::new(&z2b, 0));
+                            if branches == 2 {
+                                norm::rms_norm(p, rows, dim, zo, None, Some(&ws[1].0), eps)
+                                    .unwrap();
+                                norm::rms_norm(p, rows, dim, z2o, None, Some(&ws[2].0), eps)
+                                    .unwrap();
+                                ew::add_inplace(p, rows, dim, zo, z2o).unwrap();
+                                norm::rms_norm(p, rows, dim, zo, Some(yo), Some(&ws[3].0), eps)
+                                    .unwrap();
+                            } else if branches == 1 {
+                                norm::rms_norm(p, rows, dim, zo, Some(yo), Some(&ws[1].0), eps)
+                                    .unwrap();
+                            }
+                            if branches > 0 {
+                                ew::add_inplace(p, rows, dim, xo, yo).unwrap();
+                            }
+                            if scale != 1.0 {
+                                ew::scale_inplace(p, rows, dim, xo, scale).unwrap();
+                            }
+                            norm::rms_norm(p, rows, dim, xo, Some(yo), Some(&ws[0].0), eps)
+                                .unwrap();
+                            for &(b, w) in more {
+                                let bo = Some(Operand::new(b, 0));
+                                norm::rms_norm(p, rows, dim, xo, bo, Some(w), eps).unwrap();
+                            }
+                        }
+                        pass.submit().unwrap();
+                        let read = |b: &wgpu::Buffer| gpu.read_f32(b, 0, r * d).unwrap();
+                        [
+                            read(&xb),
+                            read(&yb),
+                            read(&zb),
+                            read(&z2b),
+                            read(&m1),
+                            read(&m2),
+                        ]
+                    })
+                    .collect();
+                let what =
+                    format!("sandwich {rows}x{dim} branches {branches} scale {scale} {dtype}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&outs[0][0]), bits(&outs[1][0]), "{what}: x differs");
+                assert_eq!(bits(&outs[0][1]), bits(&outs[1][1]), "{what}: y differs");
+                for (f, u) in outs[0][4..].iter().zip(&outs[1][4..]) {
+                    assert_eq!(bits(f), bits(u), "{what}: more differs");
+                }
+                // the fused kernel leaves its branches alone
+                assert_eq!(bits(&outs[0][2]), bits(&z), "{what}: z changed");
+                assert_eq!(bits(&outs[0][3]), bits(&z2), "{what}: z2 changed");
+                // against the CPU
+                let w = |i: usize| &ws[i].1[..];
+                let (mut want_x, mut want_y) = (Vec::new(), Vec::new());
+                let mut want_more = [Vec::new(), Vec::new()];
+                for row in 0..r {
+                    let at = |v: &[f32]| v[row * d..][..d].to_vec();
+                    let b: Vec<f32> = match branches {
+                        0 => vec![0.0; d],
+                        1 => ops::rms_norm(&at(&z), d, Some(w(1)), eps),
+                        _ => {
+                            let a = ops::rms_norm(&at(&z), d, Some(w(1)), eps);
+                            let c = ops::rms_norm(&at(&z2), d, Some(w(2)), eps);
+                            let s: Vec<f32> = a.iter().zip(&c).map(|(a, c)| a + c).collect();
+                            ops::rms_norm(&s, d, Some(w(3)), eps)
+                        }
+                    };
+                    let xr: Vec<f32> = at(&x)
+                        .iter()
+                        .zip(&b)
+                        .map(|(x, b)| (x + b) * scale)
+                        .collect();
+                    want_y.extend(ops::rms_norm(&xr, d, Some(w(0)), eps));
+                    for (m, want) in want_more.iter_mut().enumerate().take(branches) {
+                        want.extend(ops::rms_norm(&xr, d, Some(w(4 + m)), eps));
+                    }
+                    want_x.extend(xr);
+                }
+                assert_close(&what, &outs[0][0], &want_x, 1e-5, 1e-5);
+                assert_close(&what, &outs[0][1], &want_y, 1e-5, 1e-5);
+                for m in 0..branches {
+                    assert_close(&what, &outs[0][4 + m], &want_more[m], 1e-5, 1e-5);
+                }
+            }
+        }
+    }
+}

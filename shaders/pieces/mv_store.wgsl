@@ -63,12 +63,20 @@ fn store1(row: u32, ybase: u32, v: f32) {
 }
 
 #if EPI_GLU
+#if EPI_GEGLU
+// elementwise.wgsl's geglu: gelu_tanh(g) · u (its gelu_tanh, the same operations)
+fn glu(g: f32, u: f32) -> f32 {
+    let t = 0.7978845608028654 * (g + 0.044715 * g * g * g);
+    return g / (1.0 + exp(-2.0 * t)) * u;
+}
+#else
 // elementwise.wgsl's swiglu with its limit at f32's largest value
 fn glu(g: f32, u: f32) -> f32 {
     let a = 3.40282347e38;
     let gc = min(g, a);
     return gc / (1.0 + exp(-gc)) * clamp(u, -a, a);
 }
+#endif
 
 // logical rows row0.. hold (gate, up) pairs: y[row0 / 2 + i] = swiglu of pair i
 fn store_rows(row0: u32, ybase: u32, v: vec4<f32>) {

@@ -54,6 +54,8 @@ fn nw1(i: u32) -> f32 { return NW[i]; }
 //             (elementwise.wgsl's swiglu without a limit) instead of the two values. A row's
 //             sum never depends on which thread group computes it, so y has the bits of the
 //             plain product followed by swiglu. R is 2 or 4 (whole pairs per quad).
+//   EPI_GEGLU (with EPI_GLU) y[o] = gelu_tanh(g) · u instead (elementwise.wgsl's geglu:
+//             Gemma's FFN), the bits of the plain product followed by geglu.
 #if NORM_OUT
 @group(0) @binding(7) var<storage, read_write> H: array<f32>;
 #endif

@@ -511,6 +511,8 @@ struct Variant {
     tt: u32,
     /// SwiGLU of gate and up rows as the store (`EPI_GLU`).
     glu: bool,
+    /// With `glu`, GeGLU (tanh) instead of SwiGLU (`EPI_GEGLU`).
+    geglu: bool,
     /// The stored rows also written times a norm weight (`EPI_NW`).
     nw: bool,
 }
@@ -524,6 +526,7 @@ impl Variant {
             conv_k: 0,
             tt: 0,
             glu: false,
+            geglu: false,
             nw: false,
         }
     }
@@ -564,6 +567,9 @@ impl MvKey {
         }
         if v.glu {
             extra.push(flag("EPI_GLU"));
+        }
+        if v.geglu {
+            extra.push(flag("EPI_GEGLU"));
         }
         if v.nw {
             extra.push(flag("EPI_NW"));
@@ -1040,9 +1046,13 @@ pub enum Epilogue<'a> {
     /// (`elementwise::swiglu` without a limit: its bits), `ff` values per token (y's stride
     /// defaults to ff). Not with `opts.accumulate`.
     SwiGlu,
+    /// [`Epilogue::SwiGlu`] with GeGLU (tanh): `y[t][o] = gelu_tanh(g_o) · u_o`
+    /// (`EPI_GEGLU`; `elementwise::geglu`'s bits: Gemma's FFN, HF `gelu_pytorch_tanh`).
+    GeGlu,
 }
 
-/// Whether a gate+up weight of `rows` rows in `parts` parts takes [`Epilogue::SwiGlu`].
+/// Whether a gate+up weight of `rows` rows in `parts` parts takes [`Epilogue::SwiGlu`] (or
+/// [`Epilogue::GeGlu`]).
 pub fn glu_fits(rows: u64, parts: usize) -> bool {
     rows > 0 && rows.is_multiple_of(2) && parts == 1
 }
@@ -1073,10 +1083,10 @@ pub fn matvec_fused(
             w.name
         )));
     }
-    let glu = matches!(epi, Epilogue::SwiGlu);
+    let glu = matches!(epi, Epilogue::SwiGlu | Epilogue::GeGlu);
     if glu && (!glu_fits(geo.rows as u64, w.parts.len()) || opts.accumulate) {
         return Err(Error::Invalid(format!(
-            "{}: SwiGLU store of {} rows in {} parts{}",
+            "{}: GLU store of {} rows in {} parts{}",
             w.name,
             geo.rows,
             w.parts.len(),
@@ -1169,6 +1179,10 @@ pub fn matvec_fused(
     match epi {
         Epilogue::Store => {}
         Epilogue::SwiGlu => variant.glu = true,
+        Epilogue::GeGlu => {
+            variant.glu = true;
+            variant.geglu = true;
+        }
         Epilogue::Normed { w: nw, out } => {
             if w.parts.len() != 1 {
                 return Err(Error::Invalid(format!(
@@ -1208,7 +1222,7 @@ pub fn matvec_fused(
     let pl = if n_tokens > 1 { pl.multi(opts) } else { pl };
     if variant.glu && pl.r % 2 != 0 {
         return Err(Error::Invalid(format!(
-            "{}: SwiGLU store needs an even number of rows per quad, not {}",
+            "{}: GLU store needs an even number of rows per quad, not {}",
             w.name, pl.r
         )));
     }

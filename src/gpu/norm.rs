@@ -268,3 +268,192 @@ pub fn gated_rms_norm(
 ) -> Result<()> {
     run(pass, Formula::Rms(rms), o, y, w, Extra::Gate(z))
 }
+
+const SANDWICH_SRC: &str = include_str!("../../shaders/sandwich.wgsl");
+
+/// Uniforms of `sandwich.wgsl` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct SandwichParams {
+    dim: u32,
+    n_rows: u32,
+    eps: f32,
+    scale: f32,
+}
+const _: () = assert!(std::mem::size_of::<SandwichParams>() == 16);
+
+/// What joins the residual stream in [`sandwich`]: buffers of `[n_rows, dim]` f32 rows packed
+/// from element 0, weights `[dim]`.
+#[derive(Clone, Copy)]
+pub enum Branch<'a> {
+    /// Nothing: the stream is only scaled.
+    None,
+    /// `rms(z) · w` (Gemma's post-attention / post-FFN norm of a branch's output).
+    One {
+        z: &'a wgpu::Buffer,
+        w: &'a GpuTensor,
+    },
+    /// `rms(rms(z) · w + rms(z2) · w2) · wb` (Gemma-4 MoE blocks: `post_feedforward_layernorm_1`
+    /// of the dense branch, `_2` of the routed one, then `post_feedforward_layernorm`).
+    Two {
+        z: &'a wgpu::Buffer,
+        w: &'a GpuTensor,
+        z2: &'a wgpu::Buffer,
+        w2: &'a GpuTensor,
+        wb: &'a GpuTensor,
+    },
+}
+
+/// Gemma's sandwich norms over `n_rows` rows of `dim` in one dispatch (`shaders/sandwich.wgsl`):
+/// `x = (x + branch) · scale`, then `y = rms(x) · wy` (the next norm's input) and the same for
+/// each of `more` (at most [`SANDWICH_MORE`]). `x`, `y` and `more`'s buffers `[n_rows, dim]`
+/// f32 packed from element 0, `eps` every RMSNorm's.
+pub struct Sandwich<'a> {
+    pub n_rows: u32,
+    pub dim: u32,
+    pub eps: f32,
+    pub x: &'a wgpu::Buffer,
+    pub branch: Branch<'a>,
+    pub scale: f32,
+    pub y: &'a wgpu::Buffer,
+    pub wy: &'a GpuTensor,
+    /// More norms of the new x: `(out, weight)`.
+    pub more: &'a [(&'a wgpu::Buffer, &'a GpuTensor)],
+}
+
+/// The most norms of the new x beside `y` in one [`sandwich`] (`MORE1`, `MORE2`).
+pub const SANDWICH_MORE: usize = 2;
+
+/// The widest rows [`sandwich`] takes: `sandwich.wgsl` keeps every element of a row in its
+/// threads' registers (`K · WG · L`).
+pub const SANDWICH_MAX_DIM: u32 = 8192;
+
+impl Sandwich<'_> {
+    fn weights(&self) -> Vec<&GpuTensor> {
+        let mut ws = vec![self.wy];
+        match self.branch {
+            Branch::None => {}
+            Branch::One { w, .. } => ws.push(w),
+            Branch::Two { w, w2, wb, .. } => ws.extend([w, w2, wb]),
+        }
+        ws.extend(self.more.iter().map(|&(_, w)| w));
+        ws
+    }
+
+    /// Whether [`sandwich`] takes these rows: at most [`SANDWICH_MAX_DIM`] elements, every
+    /// weight `[dim]` in one buffer of one type (F32, F16 or BF16), at most [`SANDWICH_MORE`]
+    /// more norms.
+    pub fn fits(&self) -> bool {
+        let ws = self.weights();
+        let dt = ws[0].dtype;
+        self.more.len() <= SANDWICH_MORE
+            && self.dim > 0
+            && self.dim <= SANDWICH_MAX_DIM
+            && matches!(dt, DType::F32 | DType::F16 | DType::BF16)
+            && ws.iter().all(|w| {
+                w.dtype == dt && w.parts.len() == 1 && w.n_rows() * w.row_len() == self.dim as u64
+            })
+    }
+}
+
+/// [`Sandwich`] in one dispatch: the bits of `rms_norm` of the branch(es), `elementwise::add`
+/// (MoE: of the two normed branches, then their `rms_norm`), `elementwise::add_inplace` into
+/// x, `elementwise::scale_inplace` and `rms_norm` of x into y (each RMSNorm's items, order and
+/// tree replayed, see the shader). An error unless [`Sandwich::fits`].
+pub fn sandwich(pass: &mut Pass<'_>, s: &Sandwich<'_>) -> Result<()> {
+    let op = "sandwich_norm";
+    if !s.fits() {
+        return Err(Error::Invalid(format!(
+            "{op}: rows of {} (at most {SANDWICH_MAX_DIM}) with weights of one type in one \
+             buffer each, {} more norms (at most {SANDWICH_MORE})",
+            s.dim,
+            s.more.len()
+        )));
+    }
+    if s.n_rows == 0 {
+        return Ok(());
+    }
+    let (n, d) = (s.n_rows, s.dim);
+    super::check_span(op, "x", s.x, 0u32, d, n, d)?;
+    super::check_span(op, "y", s.y, 0u32, d, n, d)?;
+    let (z, z2) = match s.branch {
+        Branch::None => (None, None),
+        Branch::One { z, .. } => (Some(z), None),
+        Branch::Two { z, z2, .. } => (Some(z), Some(z2)),
+    };
+    for (what, b) in [("z", z), ("z2", z2)] {
+        if let Some(b) = b {
+            super::check_span(op, what, b, 0u32, d, n, d)?;
+        }
+    }
+    for &(b, _) in s.more {
+        super::check_span(op, "more", b, 0u32, d, n, d)?;
+    }
+    // norm.rs's vec4 items: rows longer than a workgroup, a multiple of 4 (packed from 0)
+    let v4 = d > WG && d.is_multiple_of(4);
+    #[derive(PartialEq, Eq, Hash)]
+    struct Key {
+        wdt: DType,
+        branches: u32,
+        more: usize,
+        v4: bool,
+    }
+    impl super::PipelineKey for Key {
+        fn source(&self) -> &'static str {
+            SANDWICH_SRC
+        }
+        fn entry(&self) -> &'static str {
+            "main"
+        }
+        fn label(&self) -> String {
+            format!(
+                "sandwich_norm_b{}_m{}_w{}{}",
+                self.branches,
+                self.more,
+                self.wdt.name(),
+                if self.v4 { "_v4" } else { "" }
+            )
+        }
+        fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
+            spec.define("V4", self.v4)
+                .define("HAS_Z", self.branches >= 1)
+                .define("TWO", self.branches == 2)
+                .define("MORE1", self.more >= 1)
+                .define("MORE2", self.more >= 2)
+                .define(&format!("W_{}", self.wdt.name()), true)
+        }
+    }
+    let branches = z.is_some() as u32 + z2.is_some() as u32;
+    let pl = pass.gpu().pipeline_for(Key {
+        wdt: s.wy.dtype,
+        branches,
+        more: s.more.len(),
+        v4,
+    })?;
+    let params = SandwichParams {
+        dim: d,
+        n_rows: n,
+        eps: s.eps,
+        scale: s.scale,
+    };
+    let wb = |w: &GpuTensor| -> Binding { (&w.parts[0].buffer).into() };
+    let mut bindings = vec![Binding::from(s.x), Binding::from(s.y), wb(s.wy)];
+    match s.branch {
+        Branch::None => {}
+        Branch::One { z, w } => bindings.extend([Binding::from(z), wb(w)]),
+        Branch::Two {
+            z,
+            w,
+            z2,
+            w2,
+            wb: b,
+        } => bindings.extend([Binding::from(z), wb(w), Binding::from(z2), wb(w2), wb(b)]),
+    }
+    let mut slots: Vec<(u32, Binding)> = (1..).zip(bindings).collect();
+    for (i, &(b, w)) in s.more.iter().enumerate() {
+        slots.push((9 + 2 * i as u32, b.into()));
+        slots.push((10 + 2 * i as u32, wb(w)));
+    }
+    pass.dispatch_slots(&pl, op, &params, slots, grid(n));
+    Ok(())
+}

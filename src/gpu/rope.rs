@@ -168,29 +168,92 @@ pub struct QkvDecode<'a> {
     pub f16: bool,
 }
 
+/// The largest head [`qk_norm_rope`] takes (`rope.wgsl`'s `MAX_HD`; the attention's too).
+pub const QKNR_MAX_HEAD: u32 = 2 * WG;
+
+/// Whether [`qk_norm_rope`] takes heads of `head_dim` with `table`'s rotated pairs.
+pub fn qk_norm_rope_fits(head_dim: u32, table: &RopeTable) -> bool {
+    head_dim > 0
+        && head_dim <= QKNR_MAX_HEAD
+        && head_dim.is_multiple_of(2)
+        && 2 * table.n_freq <= head_dim
+}
+
+/// Where [`qk_norm_rope_kv`] reads k and v heads (at `QkvDecode::k_off` and `v_off`) when
+/// they are not in `QkvDecode::buf`, and V's norm.
+pub struct KvHeads<'a> {
+    pub k: &'a wgpu::Buffer,
+    /// May be `k` (Gemma-4's global blocks without `attn_v`: V is K before its norm and RoPE).
+    pub v: &'a wgpu::Buffer,
+    /// V heads RMSNormed without a weight before their cache write (Gemma-4's `v_norm`).
+    pub v_norm: bool,
+}
+
 /// Qwen3.5 attention's decode prologue for one token in one dispatch: per-head RMSNorm of q and
 /// k, NEOX RoPE of their leading `2·table.n_freq` dims, k and v written to their cache rows:
-/// the bits of `norm::rms_norm` (per head), [`rope`] and `attention::write_kv`.
+/// the bits of `norm::rms_norm` (per head), [`rope`] and `attention::write_kv`. Heads of up to
+/// [`QKNR_MAX_HEAD`] ([`qk_norm_rope_fits`]).
 pub fn qk_norm_rope(pass: &mut Pass<'_>, a: &QkvDecode<'_>, table: &RopeTable) -> Result<()> {
+    qknr(pass, a, None, table)
+}
+
+/// [`qk_norm_rope`] with k and v heads in their own buffers and V's weightless RMSNorm when
+/// `kv.v_norm` (Gemma-4: HF `Gemma4TextAttention`'s `v_norm`, llama.cpp's `ggml_rms_norm` of
+/// Vcur): the bits of `norm::rms_norm` of q, k (and v) per head, [`rope`] of q and k and
+/// `attention::write_kv` of k and v.
+pub fn qk_norm_rope_kv(
+    pass: &mut Pass<'_>,
+    a: &QkvDecode<'_>,
+    kv: &KvHeads<'_>,
+    table: &RopeTable,
+) -> Result<()> {
+    qknr(pass, a, Some(kv), table)
+}
+
+fn qknr(
+    pass: &mut Pass<'_>,
+    a: &QkvDecode<'_>,
+    kv: Option<&KvHeads<'_>>,
+    table: &RopeTable,
+) -> Result<()> {
     let hd = a.head_dim;
-    if hd == 0 || hd > WG || !hd.is_multiple_of(2) || 2 * table.n_freq > hd {
+    if !qk_norm_rope_fits(hd, table) {
         return Err(Error::Invalid(format!(
-            "qk_norm_rope: head_dim {hd} (even, at most {WG}) with {} rotated pairs",
+            "qk_norm_rope: head_dim {hd} (even, at most {QKNR_MAX_HEAD}) with {} rotated pairs",
             table.n_freq
         )));
     }
     let op = "qk_norm_rope";
+    let (kb, vb) = kv.map_or((a.buf, a.buf), |kv| (kv.k, kv.v));
     super::check_span(op, "q", a.buf, a.q_off, a.q_stride, a.n_head, hd)?;
-    super::check_span(op, "k", a.buf, a.k_off, 0u32, 1u32, a.n_head_kv * hd)?;
-    super::check_span(op, "v", a.buf, a.v_off, 0u32, 1u32, a.n_head_kv * hd)?;
+    super::check_span(op, "k", kb, a.k_off, 0u32, 1u32, a.n_head_kv * hd)?;
+    super::check_span(op, "v", vb, a.v_off, 0u32, 1u32, a.n_head_kv * hd)?;
     super::check_span(op, "q norm", a.q_norm, 0u32, 0u32, 1u32, hd)?;
     super::check_span(op, "k norm", a.k_norm, 0u32, 0u32, 1u32, hd)?;
     super::check_span(op, "positions", a.positions, a.pos_off, 0u32, 1u32, 1u32)?;
     super::check_span(op, "rows", a.rows, a.row_off, 0u32, 1u32, 1u32)?;
+    // norm.rs's vec4 items (`V4` of norm.wgsl) for heads longer than a workgroup whose views
+    // (q's, k's and v's) start on a multiple of 4 elements and step by one; the per-head norms
+    // are replayed in one order, so a mix of aligned and unaligned views has no fused form
+    let aligned = [(a.q_off, a.q_stride), (a.k_off, hd), (a.v_off, hd)]
+        .map(|(off, stride)| off.is_multiple_of(4) && stride.is_multiple_of(4));
+    let v4 = hd > WG && aligned.iter().all(|&b| b);
+    if hd > WG && !v4 && aligned.iter().any(|&b| b) {
+        return Err(Error::Invalid(format!(
+            "qk_norm_rope: heads of {hd} with views aligned to 4 elements and not"
+        )));
+    }
+    let v_norm = kv.is_some_and(|kv| kv.v_norm);
     #[derive(PartialEq, Eq, Hash)]
     struct QkNormRope {
         /// The KV cache is f16.
         f16: bool,
+        /// V heads RMSNormed (`V_NORM`).
+        v_norm: bool,
+        /// k and v in their own buffers (`KV3`).
+        kv3: bool,
+        /// norm.wgsl's vec4 items (`V4`).
+        v4: bool,
     }
     impl super::PipelineKey for QkNormRope {
         fn source(&self) -> &'static str {
@@ -200,13 +263,28 @@ pub fn qk_norm_rope(pass: &mut Pass<'_>, a: &QkvDecode<'_>, table: &RopeTable) -
             "qk_norm_rope"
         }
         fn label(&self) -> String {
-            format!("qk_norm_rope_{}", if self.f16 { "f16" } else { "f32" })
+            format!(
+                "qk_norm_rope_{}{}{}{}",
+                if self.f16 { "f16" } else { "f32" },
+                if self.v_norm { "_vnorm" } else { "" },
+                if self.kv3 { "_kv3" } else { "" },
+                if self.v4 { "_v4" } else { "" },
+            )
         }
         fn defines(&self, spec: PipelineSpec) -> PipelineSpec {
-            spec.define("QKNR", true).define("KV_F16", self.f16)
+            spec.define("QKNR", true)
+                .define("KV_F16", self.f16)
+                .define("V_NORM", self.v_norm)
+                .define("KV3", self.kv3)
+                .define("V4", self.v4)
         }
     }
-    let pl = pass.gpu().pipeline_for(QkNormRope { f16: a.f16 })?;
+    let pl = pass.gpu().pipeline_for(QkNormRope {
+        f16: a.f16,
+        v_norm,
+        kv3: kv.is_some(),
+        v4,
+    })?;
     let params = QParams {
         n_head: a.n_head,
         n_head_kv: a.n_head_kv,
@@ -221,20 +299,24 @@ pub fn qk_norm_rope(pass: &mut Pass<'_>, a: &QkvDecode<'_>, table: &RopeTable) -
         eps: a.eps,
         _pad: 0,
     };
+    let mut bindings = vec![
+        Binding::from(a.buf),
+        Binding::from(&table.buffer),
+        Binding::from(a.positions),
+        Binding::from(a.q_norm),
+        Binding::from(a.k_norm),
+        Binding::from(a.rows),
+        Binding::from(a.k_cache),
+        Binding::from(a.v_cache),
+    ];
+    if let Some(kv) = kv {
+        bindings.extend([Binding::from(kv.k), Binding::from(kv.v)]);
+    }
     pass.dispatch(
         &pl,
         op,
         &params,
-        &[
-            Binding::from(a.buf),
-            Binding::from(&table.buffer),
-            Binding::from(a.positions),
-            Binding::from(a.q_norm),
-            Binding::from(a.k_norm),
-            Binding::from(a.rows),
-            Binding::from(a.k_cache),
-            Binding::from(a.v_cache),
-        ],
+        &bindings,
         grid(a.n_head + 2 * a.n_head_kv),
     );
     Ok(())

@@ -8,15 +8,25 @@
 //! tail reading its slice. MoE blocks run their
 //! routed experts as the Llama family's Qwen3-MoE does: stacked on the GPU, or through the
 //! expert arena and the CPU (`moe::Offload`) when the planner leaves some experts cold.
+//!
+//! A dense block's decode step is 9 or 10 dispatches (gemma4-tiny on lavapipe: 121 a step
+//! before, 53 after): the q, k (and v) products, the per-head norms, RoPE and KV writes in one
+//! (`rope::qk_norm_rope_kv`), attention, the output product, the sandwich norms in one
+//! (`norm::sandwich`: post-attention norm, residual add, pre-FFN norm), gate+up with the GeGLU
+//! in its store (`matvec::Epilogue::GeGlu`), down, and the sandwich again (post-FFN norm, add,
+//! `layer_scalar`, the next block's input norm); a MoE block's first sandwich also writes the
+//! router's and the routed experts' input norms, its second takes both branches' post norms
+//! (gemma4moe-tiny: 114 a step before, 57 after). Every fused kernel has the bits of the
+//! kernels it replaces, so the logits are those of the unfused forward.
 
 use super::{Hparams, LayerGeom, W};
 use crate::forward::{KvType, LoadOptions, Logits, Want};
 use crate::gpu::attention::{self, Attention, KvShape, KvSource, OutView, QView};
 use crate::gpu::elementwise as ew;
 use crate::gpu::matmul::{self, MoeRoute};
-use crate::gpu::matvec::MatvecOpts;
+use crate::gpu::matvec::{self, Epilogue, MatvecOpts};
 use crate::gpu::moe::{ExpertStacks, FfnBufs, Glu};
-use crate::gpu::norm;
+use crate::gpu::norm::{self, Branch, Sandwich};
 use crate::gpu::operand::Operand;
 use crate::gpu::rope::{self, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
@@ -30,7 +40,7 @@ use crate::models::runtime::rounds::{self, Part, RoundOut, RoundSeq, TopReq};
 use crate::models::runtime::rows::{self, RowTables};
 use crate::models::{expect_shape, ModelFile, SeqState, Weight};
 use crate::moe::{Needs, Offload, Plan, RunShape};
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 use std::sync::Arc;
 
 /// Tokens per pass (llama.cpp's micro-batch, as the other families').
@@ -47,8 +57,7 @@ struct Layer {
     o: GpuTensor,
     post_attn_norm: GpuTensor,
     ffn_norm: GpuTensor,
-    gate: GpuTensor,
-    up: GpuTensor,
+    gate_up: GateUp,
     down: GpuTensor,
     post_ffn_norm: GpuTensor,
     /// The block's output multiplier (`layer_scalar`), 1 when the file has none.
@@ -82,6 +91,15 @@ struct Ple {
     tok: GpuTensor,
     model_proj: GpuTensor,
     proj_norm: GpuTensor,
+}
+
+/// A dense FFN's gate and up products.
+enum GateUp {
+    /// `[2·n_ff, n_embd]`, the gate's rows then the up's (`Gpu::upload_concat`): one product,
+    /// at decode with the GeGLU in its store (`matvec::Epilogue::GeGlu`).
+    Joined(GpuTensor),
+    /// `[n_ff, n_embd]` each, where their types differ.
+    Apart { gate: GpuTensor, up: GpuTensor },
 }
 
 /// A MoE block's routed experts (module doc).
@@ -119,16 +137,17 @@ struct Scratch {
     k: wgpu::Buffer,
     v: wgpu::Buffer,
     att: wgpu::Buffer,
-    /// [rows, max n_ff]: gate, up, and GeGLU of them.
-    gate: wgpu::Buffer,
-    up: wgpu::Buffer,
+    /// [rows, 2·max n_ff]: per row the gate's n_ff values then the up's; [rows, max n_ff]
+    /// GeGLU of them.
+    gu: wgpu::Buffer,
     act: wgpu::Buffer,
     /// Split-K partials of a decode step's attention.
     attn_split: wgpu::Buffer,
     /// Each row's position; per (pool capacity, window) pair of the blocks each row's KV
     /// cache row and each decode row's visible cache rows.
     tables: RowTables,
-    /// MoE only (else one element each): [rows, n_expert] router logits; [rows, n_used]
+    /// MoE only (else one element each): [rows, n_embd] the router's and the routed experts'
+    /// normed inputs; [rows, n_expert] router logits; [rows, n_used]
     /// ids (u32) and weights; [rows·n_used, n_ff_exp] the experts' gate, up and GeGLU;
     /// [rows·n_used, n_embd] their unweighted outputs; [rows, n_embd] their weighted sum,
     /// and zeros it starts from (never written: wgpu buffers start zeroed).
@@ -141,6 +160,8 @@ struct Scratch {
     moe_out: wgpu::Buffer,
     moe_sum: wgpu::Buffer,
     zeros: wgpu::Buffer,
+    h_router: wgpu::Buffer,
+    h_exp: wgpu::Buffer,
     route: Option<MoeRoute>,
     /// Per-layer embedding models only (else one element each): [rows, n_layer·n_epl] the
     /// blocks' inputs `p_l` (row-major per token, block `l` at columns `l·n_epl..`) and the
@@ -161,7 +182,7 @@ fn max_of(hp: &Hparams, f: impl Fn(&LayerGeom) -> usize) -> usize {
 
 /// f32 elements of each scratch buffer, by label: the one list [`Scratch::new`] allocates
 /// and [`needs_part`] counts.
-fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 26] {
+fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 27] {
     let q = hp.n_head * max_of(hp, |g| g.head_dim);
     let kv = max_of(hp, |g| g.n_head_kv * g.head_dim);
     let ff = max_of(hp, |g| g.n_ff);
@@ -177,8 +198,7 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 26] {
         ("gemma4.k", rows * kv),
         ("gemma4.v", rows * kv),
         ("gemma4.att", rows * q),
-        ("gemma4.gate", rows * ff),
-        ("gemma4.up", rows * ff),
+        ("gemma4.gu", rows * 2 * ff),
         ("gemma4.act", rows * ff),
         ("gemma4.attn_split", split_elems(hp) as usize),
         ("gemma4.rows", RowTables::elems(rows, table_pairs(hp))),
@@ -191,6 +211,8 @@ fn scratch_elems(hp: &Hparams, rows: usize) -> [(&'static str, usize); 26] {
         ("gemma4.moe_out", rows * k * me),
         ("gemma4.moe_sum", rows * me),
         ("gemma4.zeros", rows * me),
+        ("gemma4.h_router", rows * me),
+        ("gemma4.h_exp", rows * me),
         ("gemma4.pl", rows * hp.n_layer * hp.n_epl),
         ("gemma4.pl_proj", rows * hp.n_layer * hp.n_epl),
         ("gemma4.pl_gate", rows * hp.n_epl),
@@ -247,24 +269,25 @@ impl Scratch {
             k: f(5)?,
             v: f(6)?,
             att: f(7)?,
-            gate: f(8)?,
-            up: f(9)?,
-            act: f(10)?,
-            attn_split: f(11)?,
-            tables: RowTables::new(gpu, rows, table_pairs(hp), e[12].0)?,
-            router: f(13)?,
-            moe_ids: f(14)?,
-            moe_w: f(15)?,
-            f_gate: f(16)?,
-            f_up: f(17)?,
-            f_act: f(18)?,
-            moe_out: f(19)?,
-            moe_sum: f(20)?,
-            zeros: f(21)?,
-            pl: f(22)?,
-            pl_proj: f(23)?,
-            pl_gate: f(24)?,
-            pl_act: f(25)?,
+            gu: f(8)?,
+            act: f(9)?,
+            attn_split: f(10)?,
+            tables: RowTables::new(gpu, rows, table_pairs(hp), e[11].0)?,
+            router: f(12)?,
+            moe_ids: f(13)?,
+            moe_w: f(14)?,
+            f_gate: f(15)?,
+            f_up: f(16)?,
+            f_act: f(17)?,
+            moe_out: f(18)?,
+            moe_sum: f(19)?,
+            zeros: f(20)?,
+            h_router: f(21)?,
+            h_exp: f(22)?,
+            pl: f(23)?,
+            pl_proj: f(24)?,
+            pl_gate: f(25)?,
+            pl_act: f(26)?,
             route: match &hp.moe {
                 Some(m) => Some(MoeRoute::new(
                     gpu,
@@ -384,6 +407,9 @@ pub struct GpuModel {
     hidden_out: bool,
     /// Per-dispatch GPU times of the next pass when set ([`FamilyModel::profile_sink`]).
     profile: Option<Vec<(String, f64)>>,
+    /// `LoadOptions::fused_loads`: decode products write the GeGLU in their store
+    /// (`matvec::Epilogue::GeGlu`).
+    fused_loads: bool,
 }
 
 impl GpuModel {
@@ -409,13 +435,15 @@ impl GpuModel {
         let offloaded = plan.is_some();
         let total: u64 = file.tensors().map(|t| t.data.len() as u64).sum();
         let done = std::cell::Cell::new(0u64);
-        let put = |w: Weight<'_>| -> Result<GpuTensor> {
-            let g = w.with_tensor(|t| gpu.upload_tensor(t))?;
+        let count = |g: GpuTensor| -> GpuTensor {
             done.set(done.get() + g.bytes());
             if let Some(p) = &opts.progress {
                 p(done.get().min(total), total);
             }
-            Ok(g)
+            g
+        };
+        let put = |w: Weight<'_>| -> Result<GpuTensor> {
+            Ok(count(w.with_tensor(|t| gpu.upload_tensor(t))?))
         };
         let shaped = |w: W, shape: &[u64]| -> Result<_> {
             let t = file.require(&w.name(file))?;
@@ -459,6 +487,16 @@ impl GpuModel {
                     post_norm: up(W::PerLayerPostNorm(l), &[e])?,
                 }),
             };
+            let (gt, ut) = (shaped(W::Gate(l), &[ff, e])?, shaped(W::Up(l), &[ff, e])?);
+            let gate_up = if gt.dtype == ut.dtype {
+                let name = format!("{}+up", gt.name);
+                GateUp::Joined(count(gpu.upload_concat(&[gt, ut], &name)?))
+            } else {
+                GateUp::Apart {
+                    gate: put(Weight::Stored(gt))?,
+                    up: put(Weight::Stored(ut))?,
+                }
+            };
             let out_scale = match file.tensor(&W::OutScale(l).name(file)) {
                 Some(t) => {
                     expect_shape(&t, &[1])?;
@@ -475,8 +513,7 @@ impl GpuModel {
                 o: up(W::O(l), &[e, nh * hd])?,
                 post_attn_norm: up(W::PostAttnNorm(l), &[e])?,
                 ffn_norm: up(W::FfnNorm(l), &[e])?,
-                gate: up(W::Gate(l), &[ff, e])?,
-                up: up(W::Up(l), &[ff, e])?,
+                gate_up,
                 down: up(W::Down(l), &[e, ff])?,
                 post_ffn_norm: up(W::PostFfnNorm(l), &[e])?,
                 out_scale,
@@ -539,6 +576,7 @@ impl GpuModel {
             offload,
             hidden_out: false,
             profile: None,
+            fused_loads: opts.fused_loads,
         })
     }
 
@@ -591,90 +629,64 @@ impl GpuModel {
             n,
             Operand::new(&sc.x, 0),
         )?;
-        // HF `Gemma4TextScaledWordEmbedding`: the rows times sqrt(n_embd).
-        ew::scale_inplace(&mut pass, n, e, Operand::new(&sc.x, 0), (e as f32).sqrt())?;
+        // HF `Gemma4TextScaledWordEmbedding`: the rows times sqrt(n_embd); h = attn_norm(x).
+        // Each block's input norm comes with the residual update before it (`Self::join`),
+        // the last block's output norm too.
+        let first = self
+            .layers
+            .first()
+            .map_or(&self.output_norm, |l| &l.attn_norm);
+        self.join(&mut pass, n, Branch::None, (e as f32).sqrt(), (first, &[]))?;
         if let Some(ple) = &self.ple {
             self.per_layer_inputs(&mut pass, ple, n)?;
         }
-        let norm = |pass: &mut Pass<'_>, src: &wgpu::Buffer, dst: &wgpu::Buffer, w| {
-            norm::rms_norm(
-                pass,
-                n,
-                e,
-                Operand::new(src, 0),
-                Some(Operand::new(dst, 0)),
-                Some(w),
-                hp.eps,
-            )
-        };
         for (l, lw) in self.layers.iter().enumerate() {
-            // x += post_attn_norm(attn(attn_norm(x)))
-            norm(&mut pass, &sc.x, &sc.h, &lw.attn_norm)?;
+            // x += post_attn_norm(attn(attn_norm(x))), h = ffn_norm(x)
             self.attention(&mut pass, l, lw, parts, n)?;
-            norm(&mut pass, &sc.br, &sc.h, &lw.post_attn_norm)?;
-            ew::add_inplace(
-                &mut pass,
-                n,
-                e,
-                Operand::new(&sc.x, 0),
-                Operand::new(&sc.h, 0),
-            )?;
-            // x += post_ffn_norm(down(gelu_tanh(gate h) ⊙ up h)), h = ffn_norm(x)
-            let ff = lw.g.n_ff as u32;
-            norm(&mut pass, &sc.x, &sc.h, &lw.ffn_norm)?;
-            linear(&mut pass, &lw.gate, &sc.h, &sc.gate, n)?;
-            linear(&mut pass, &lw.up, &sc.h, &sc.up, n)?;
-            ew::geglu(
-                &mut pass,
-                n,
-                ff,
-                Operand::new(&sc.act, 0),
-                Operand::new(&sc.gate, 0),
-                Operand::new(&sc.up, 0),
-            )?;
+            let post = Branch::One {
+                z: &sc.br,
+                w: &lw.post_attn_norm,
+            };
+            // MoE blocks: the router's and the routed experts' inputs too (`Self::moe`)
+            let moe_in = lw
+                .moe
+                .as_ref()
+                .map(|mb| [(&sc.h_router, &mb.router_in), (&sc.h_exp, &mb.pre_norm_2)]);
+            let more = moe_in.as_ref().map_or(&[][..], |m| &m[..]);
+            self.join(&mut pass, n, post, 1.0, (&lw.ffn_norm, more))?;
+            // x = (x + post_ffn_norm(down(gelu_tanh(gate h) ⊙ up h))) · out_scale, h = the
+            // next norm of x
+            self.geglu(&mut pass, lw, n)?;
             linear(&mut pass, &lw.down, &sc.act, &sc.br, n)?;
-            if let Some(mb) = &lw.moe {
-                // br = post_norm_1(dense) + post_norm_2(routed experts of x)
-                norm::rms_norm(
-                    &mut pass,
-                    n,
-                    e,
-                    Operand::new(&sc.br, 0),
-                    None,
-                    Some(&mb.post_norm_1),
-                    hp.eps,
-                )?;
-                self.moe(&mut pass, l, mb, n)?;
-                norm::rms_norm(
-                    &mut pass,
-                    n,
-                    e,
-                    Operand::new(&sc.moe_sum, 0),
-                    None,
-                    Some(&mb.post_norm_2),
-                    hp.eps,
-                )?;
-                ew::add_inplace(
-                    &mut pass,
-                    n,
-                    e,
-                    Operand::new(&sc.br, 0),
-                    Operand::new(&sc.moe_sum, 0),
-                )?;
-            }
-            norm(&mut pass, &sc.br, &sc.h, &lw.post_ffn_norm)?;
-            ew::add_inplace(
-                &mut pass,
-                n,
-                e,
-                Operand::new(&sc.x, 0),
-                Operand::new(&sc.h, 0),
-            )?;
-            if let Some(pl) = &lw.ple {
-                self.per_layer_tail(&mut pass, l, pl, n)?;
-            }
-            if lw.out_scale != 1.0 {
-                ew::scale_inplace(&mut pass, n, e, Operand::new(&sc.x, 0), lw.out_scale)?;
+            let post = match &lw.moe {
+                // the branch: post_ffn_norm(post_norm_1(dense) + post_norm_2(routed experts
+                // of x))
+                Some(mb) => {
+                    self.moe(&mut pass, l, mb, n)?;
+                    Branch::Two {
+                        z: &sc.br,
+                        w: &mb.post_norm_1,
+                        z2: &sc.moe_sum,
+                        w2: &mb.post_norm_2,
+                        wb: &lw.post_ffn_norm,
+                    }
+                }
+                None => Branch::One {
+                    z: &sc.br,
+                    w: &lw.post_ffn_norm,
+                },
+            };
+            let next = self
+                .layers
+                .get(l + 1)
+                .map_or(&self.output_norm, |nl| &nl.attn_norm);
+            match &lw.ple {
+                None => self.join(&mut pass, n, post, lw.out_scale, (next, &[]))?,
+                // x += the FFN's branch, then the block's per-layer tail joins, scaled
+                Some(pl) => {
+                    self.join(&mut pass, n, post, 1.0, (next, &[]))?;
+                    self.per_layer_tail(&mut pass, l, pl, n, lw.out_scale, next)?;
+                }
             }
             pass.flush_every(crate::gpu::FLUSH_OPS)?;
         }
@@ -682,15 +694,6 @@ impl GpuModel {
             pass.submit_or_profile(prof)?;
             return Ok((Vec::new(), Vec::new()));
         }
-        norm::rms_norm(
-            &mut pass,
-            n,
-            e,
-            Operand::new(&sc.x, 0),
-            Some(Operand::new(&sc.h, 0)),
-            Some(&self.output_norm),
-            hp.eps,
-        )?;
         let head = Head {
             w: self.output.as_ref().unwrap_or(&self.tok_embd),
             n_vocab: hp.n_vocab,
@@ -725,12 +728,20 @@ impl GpuModel {
         ew::scale_inplace(pass, n, cols, pl, std::f32::consts::FRAC_1_SQRT_2)
     }
 
-    /// Block `l`'s per-layer-embedding tail on the residual rows `x` (`h` and `br` are
-    /// overwritten): `x += post_norm(proj · (gelu_tanh(gate · x) ⊙ p_l))`, `p_l` block `l`'s
-    /// slice of each row of `pl`.
-    fn per_layer_tail(&self, pass: &mut Pass<'_>, l: usize, pl: &PleLayer, n: u32) -> Result<()> {
+    /// Block `l`'s per-layer-embedding tail on the residual rows `x` (`br` is overwritten),
+    /// joined as the FFN's branch is: `x = (x + post_norm(proj · (gelu_tanh(gate · x) ⊙ p_l)))
+    /// · scale`, `p_l` block `l`'s slice of each row of `pl`, then `h = rms_norm(x) · next`.
+    fn per_layer_tail(
+        &self,
+        pass: &mut Pass<'_>,
+        l: usize,
+        pl: &PleLayer,
+        n: u32,
+        scale: f32,
+        next: &GpuTensor,
+    ) -> Result<()> {
         let (hp, sc) = (&self.hp, &self.scratch);
-        let (e, epl) = (hp.n_embd as u32, hp.n_epl as u32);
+        let epl = hp.n_epl as u32;
         linear(pass, &pl.gate, &sc.x, &sc.pl_gate, n)?;
         let p_l = Operand::strided(&sc.pl, l as u32 * epl, hp.n_layer as u32 * epl);
         ew::geglu(
@@ -742,19 +753,109 @@ impl GpuModel {
             p_l,
         )?;
         linear(pass, &pl.proj, &sc.pl_act, &sc.br, n)?;
-        let (x, br, h) = (
-            Operand::new(&sc.x, 0),
-            Operand::new(&sc.br, 0),
-            Operand::new(&sc.h, 0),
-        );
-        norm::rms_norm(pass, n, e, br, Some(h), Some(&pl.post_norm), hp.eps)?;
-        ew::add_inplace(pass, n, e, x, h)
+        let branch = Branch::One {
+            z: &sc.br,
+            w: &pl.post_norm,
+        };
+        self.join(pass, n, branch, scale, (next, &[]))
     }
 
-    /// Block `l`'s routed experts of the residual rows `x` into `moe_sum` (`h` is
-    /// overwritten; `runtime::moe`): the router on `x` through its weightless RMSNorm times
-    /// the folded scale, softmax top-k renormalised and times each expert's output scale;
-    /// the GeGLU experts on `pre_norm_2(x)`, their weighted sum from zero.
+    /// The residual rows `x` joined by `branch` and scaled, `x = (x + branch) · scale`, then
+    /// `h = rms_norm(x) · next` and each `(out, w)` of `more` `out = rms_norm(x) · w` (HF
+    /// `Gemma4TextDecoderLayer`'s sandwich norms: the branch's post norm, the residual add,
+    /// `layer_scalar`, the next pre-norms): one dispatch (`norm::sandwich`, the bits of the
+    /// separate kernels) where the rows fit it, else those kernels (`br` and `moe_sum` then
+    /// normed in place).
+    fn join(
+        &self,
+        pass: &mut Pass<'_>,
+        n: u32,
+        branch: Branch<'_>,
+        scale: f32,
+        (next, more): (&GpuTensor, &[(&wgpu::Buffer, &GpuTensor)]),
+    ) -> Result<()> {
+        let (hp, sc) = (&self.hp, &self.scratch);
+        let e = hp.n_embd as u32;
+        let s = Sandwich {
+            n_rows: n,
+            dim: e,
+            eps: hp.eps,
+            x: &sc.x,
+            branch,
+            scale,
+            y: &sc.h,
+            wy: next,
+            more,
+        };
+        if s.fits() {
+            return norm::sandwich(pass, &s);
+        }
+        let (x, h) = (Operand::new(&sc.x, 0), Operand::new(&sc.h, 0));
+        let rms = |pass: &mut Pass<'_>, z: &wgpu::Buffer, y, w| {
+            norm::rms_norm(pass, n, e, Operand::new(z, 0), y, Some(w), hp.eps)
+        };
+        match branch {
+            Branch::None => {}
+            Branch::One { z, w } => {
+                rms(pass, z, Some(h), w)?;
+                ew::add_inplace(pass, n, e, x, h)?;
+            }
+            Branch::Two { z, w, z2, w2, wb } => {
+                rms(pass, z, None, w)?;
+                rms(pass, z2, None, w2)?;
+                ew::add_inplace(pass, n, e, Operand::new(z, 0), Operand::new(z2, 0))?;
+                rms(pass, z, Some(h), wb)?;
+                ew::add_inplace(pass, n, e, x, h)?;
+            }
+        }
+        if scale != 1.0 {
+            ew::scale_inplace(pass, n, e, x, scale)?;
+        }
+        rms(pass, &sc.x, Some(h), next)?;
+        for &(out, w) in more {
+            rms(pass, &sc.x, Some(Operand::new(out, 0)), w)?;
+        }
+        Ok(())
+    }
+
+    /// GeGLU of the dense FFN's gate and up products of the normed rows in `h`, into `act`:
+    /// at decode one product with the GeGLU in its store (`LoadOptions::fused_loads`, where
+    /// `matmul` runs it as matvec: the bits of the product then `elementwise::geglu`).
+    fn geglu(&self, pass: &mut Pass<'_>, lw: &Layer, n: u32) -> Result<()> {
+        let sc = &self.scratch;
+        let ff = lw.g.n_ff as u32;
+        let (h, act) = (Operand::new(&sc.h, 0), Operand::new(&sc.act, 0));
+        let (g, u) = (
+            Operand::strided(&sc.gu, 0, 2 * ff),
+            Operand::strided(&sc.gu, ff, 2 * ff),
+        );
+        let opts = MatvecOpts::default();
+        match &lw.gate_up {
+            GateUp::Joined(gu)
+                if self.fused_loads
+                    && matvec::prologue_fits(n)
+                    && !self.gpu.int8_decode()
+                    && matvec::glu_fits(gu.n_rows(), gu.parts.len()) =>
+            {
+                let fused = matvec::Fused::epi(Epilogue::GeGlu);
+                return matvec::matvec_fused(pass, gu, h, act, n, &opts, fused);
+            }
+            GateUp::Joined(gu) => {
+                matmul::matmul_opts(pass, gu, h, Operand::new(&sc.gu, 0), n, &opts)?
+            }
+            GateUp::Apart { gate, up } => {
+                matmul::matmul_opts(pass, gate, h, g, n, &opts)?;
+                matmul::matmul_opts(pass, up, h, u, n, &opts)?;
+            }
+        }
+        ew::geglu(pass, n, ff, act, g, u)
+    }
+
+    /// Block `l`'s routed experts of the residual rows into `moe_sum` (`runtime::moe`): the
+    /// router on `h_router` (x through its weightless RMSNorm times the folded scale, written
+    /// by [`Self::join`]), softmax top-k renormalised and times each expert's output scale;
+    /// the GeGLU experts on `h_exp` (`pre_norm_2(x)`, by `join` too), their weighted sum from
+    /// zero.
     fn moe(&self, pass: &mut Pass<'_>, l: usize, mb: &MoeBlock, n: u32) -> Result<()> {
         let (hp, sc) = (&self.hp, &self.scratch);
         let m = hp.moe.as_ref().expect("MoE block in a MoE model");
@@ -786,14 +887,11 @@ impl GpuModel {
             },
             route: sc.route.as_ref(),
         };
-        let (x, h) = (Operand::new(&sc.x, 0), Operand::new(&sc.h, 0));
-        norm::rms_norm(pass, n, e, x, Some(h), Some(&mb.router_in), hp.eps)?;
-        layer.route(pass, &msc, &sc.h, n)?;
-        norm::rms_norm(pass, n, e, x, Some(h), Some(&mb.pre_norm_2), hp.eps)?;
+        layer.route(pass, &msc, &sc.h_router, n)?;
         let sum_bytes = n as u64 * e as u64 * 4;
         pass.copy(&sc.zeros, 0, &sc.moe_sum, 0, sum_bytes);
         let off = self.offload.as_ref();
-        layer.experts(pass, &msc, off, (&sc.h, &sc.moe_sum), n)
+        layer.experts(pass, &msc, off, (&sc.h_exp, &sc.moe_sum), n)
     }
 
     /// Block `l`'s attention over the normed rows in `h`, its output projection in `br`.
@@ -813,33 +911,6 @@ impl GpuModel {
         let tables = &sc.tables;
         let (nh, nkv, hd) = (hp.n_head as u32, g.n_head_kv as u32, g.head_dim as u32);
         linear(pass, &lw.q, &sc.h, &sc.q, n)?;
-        norm::rms_norm(
-            pass,
-            n * nh,
-            hd,
-            Operand::new(&sc.q, 0),
-            None,
-            Some(&lw.q_norm),
-            hp.eps,
-        )?;
-        if let Some(kv) = &lw.kv {
-            linear(pass, &kv.k, &sc.h, &sc.k, n)?;
-            match &kv.v {
-                Some(v) => linear(pass, v, &sc.h, &sc.v, n)?,
-                // V is the K projection before K's norm and RoPE.
-                None => ew::copy(
-                    pass,
-                    n,
-                    nkv * hd,
-                    Operand::new(&sc.v, 0),
-                    Operand::new(&sc.k, 0),
-                )?,
-            }
-            // Per-head RMSNorms: k with weights, v without.
-            for (buf, w) in [(&sc.k, Some(&kv.k_norm)), (&sc.v, None)] {
-                norm::rms_norm(pass, n * nkv, hd, Operand::new(buf, 0), None, w, hp.eps)?;
-            }
-        }
         let table = if g.swa {
             &self.rope_swa
         } else {
@@ -848,9 +919,7 @@ impl GpuModel {
         let table = table
             .as_ref()
             .ok_or_else(|| Error::Invalid(format!("gemma4: block {l} has no RoPE table")))?;
-        // q always; k where the block computes its own.
-        let rotated = [(&sc.q, nh), (&sc.k, nkv)];
-        for &(buf, heads) in &rotated[..1 + lw.kv.is_some() as usize] {
+        let rope_of = |pass: &mut Pass<'_>, buf: &wgpu::Buffer, heads: u32| {
             rope::rope(
                 pass,
                 &RopeView::packed(buf, 0, n, heads, hd),
@@ -859,14 +928,88 @@ impl GpuModel {
                 table,
                 tables.positions(),
                 false,
-            )?;
-        }
+            )
+        };
         let (kc, vc) = &pool.kv;
-        // A KV-shared block reads the rows its KV block wrote earlier in this pass.
-        if lw.kv.is_some() {
-            let dst = tables.kv_rows(cap, window)?;
-            attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
-            attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+        let f32_one = |w: &GpuTensor| w.dtype == DType::F32 && w.parts.len() == 1;
+        match &lw.kv {
+            // A KV-shared block reads the rows its KV block wrote earlier in this pass: only
+            // q's per-head norm and RoPE.
+            None => {
+                let q = Operand::new(&sc.q, 0);
+                norm::rms_norm(pass, n * nh, hd, q, None, Some(&lw.q_norm), hp.eps)?;
+                rope_of(pass, &sc.q, nh)?;
+            }
+            Some(kv) => {
+                linear(pass, &kv.k, &sc.h, &sc.k, n)?;
+                if n == 1
+                    && f32_one(&lw.q_norm)
+                    && f32_one(&kv.k_norm)
+                    && rope::qk_norm_rope_fits(hd, table)
+                {
+                    // One token: the per-head norms (v's without a weight), RoPE and the cache
+                    // writes in one dispatch; V is the K projection before K's norm and RoPE
+                    // where the block has no V (`attention_k_eq_v`).
+                    let v = match &kv.v {
+                        Some(v) => {
+                            linear(pass, v, &sc.h, &sc.v, n)?;
+                            &sc.v
+                        }
+                        None => &sc.k,
+                    };
+                    let qkv = rope::QkvDecode {
+                        buf: &sc.q,
+                        n_head: nh,
+                        n_head_kv: nkv,
+                        head_dim: hd,
+                        q_off: 0,
+                        q_stride: hd,
+                        k_off: 0,
+                        v_off: 0,
+                        q_norm: &lw.q_norm.parts[0].buffer,
+                        k_norm: &kv.k_norm.parts[0].buffer,
+                        eps: hp.eps,
+                        positions: tables.buf(),
+                        pos_off: 0,
+                        rows: tables.buf(),
+                        row_off: tables.kv_rows_off(cap, window)?,
+                        k_cache: kc,
+                        v_cache: vc,
+                        f16: pool.shape.dtype == attention::KvType::F16,
+                    };
+                    let heads = rope::KvHeads {
+                        k: &sc.k,
+                        v,
+                        v_norm: true,
+                    };
+                    rope::qk_norm_rope_kv(pass, &qkv, &heads, table)?;
+                } else {
+                    match &kv.v {
+                        Some(v) => linear(pass, v, &sc.h, &sc.v, n)?,
+                        // V is the K projection before K's norm and RoPE.
+                        None => ew::copy(
+                            pass,
+                            n,
+                            nkv * hd,
+                            Operand::new(&sc.v, 0),
+                            Operand::new(&sc.k, 0),
+                        )?,
+                    }
+                    // Per-head RMSNorms: q and k with weights, v without.
+                    for (buf, heads, w) in [
+                        (&sc.q, nh, Some(&lw.q_norm)),
+                        (&sc.k, nkv, Some(&kv.k_norm)),
+                        (&sc.v, nkv, None),
+                    ] {
+                        norm::rms_norm(pass, n * heads, hd, Operand::new(buf, 0), None, w, hp.eps)?;
+                    }
+                    rope_of(pass, &sc.q, nh)?;
+                    rope_of(pass, &sc.k, nkv)?;
+                    let dst = tables.kv_rows(cap, window)?;
+                    attention::write_kv(pass, pool.shape, &sc.k, 0, nkv * hd, n, kc, dst)?;
+                    attention::write_kv(pass, pool.shape, &sc.v, 0, nkv * hd, n, vc, dst)?;
+                }
+            }
         }
         let qw = nh * hd;
         let ranges = tables.ranges(cap, window)?;
