@@ -66,6 +66,66 @@ impl ModelFile {
             ModelFile::Hf(h) => Box::new(h.tensors()),
         }
     }
+
+    /// Token ids the model must never emit, each below `n_vocab`: GGUF
+    /// `tokenizer.ggml.suppress_tokens`, or `suppress_tokens` in a checkpoint's
+    /// `generation_config.json` (what transformers' `SuppressTokensLogitsProcessor` masks).
+    /// Empty where the file names none.
+    pub fn suppress_tokens(&self, n_vocab: usize) -> Result<Vec<u32>> {
+        let (ids, source) = match self {
+            ModelFile::Gguf(g) => {
+                let key = crate::gguf::keys::TOKENIZER_SUPPRESS_TOKENS;
+                let ids = match g.get(key) {
+                    None => Vec::new(),
+                    Some(_) => g.get_i64_array(key)?,
+                };
+                (ids, format!("{}: {key}", g.path().display()))
+            }
+            ModelFile::Hf(h) => {
+                let path = h.dir().join("generation_config.json");
+                let ids = if path.is_file() {
+                    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+                    let v: serde_json::Value = serde_json::from_str(&text)
+                        .map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
+                    match v.get("suppress_tokens") {
+                        None | Some(serde_json::Value::Null) => Vec::new(),
+                        Some(serde_json::Value::Array(a)) => a
+                            .iter()
+                            .map(|x| {
+                                x.as_i64().ok_or_else(|| {
+                                    Error::format(
+                                        &path,
+                                        format!("suppress_tokens holds {x}, not a token id"),
+                                    )
+                                })
+                            })
+                            .collect::<Result<_>>()?,
+                        Some(x) => {
+                            return Err(Error::format(
+                                &path,
+                                format!("suppress_tokens is {x}, not a list of token ids"),
+                            ))
+                        }
+                    }
+                } else {
+                    Vec::new()
+                };
+                (ids, format!("{}: suppress_tokens", path.display()))
+            }
+        };
+        ids.into_iter()
+            .map(|id| {
+                u32::try_from(id)
+                    .ok()
+                    .filter(|&i| (i as usize) < n_vocab)
+                    .ok_or_else(|| {
+                        Error::Invalid(format!(
+                            "{source}: token id {id} is outside the vocabulary of {n_vocab}"
+                        ))
+                    })
+            })
+            .collect()
+    }
 }
 
 /// One device's share of a model split over several (`models::chain`): a contiguous range

@@ -137,6 +137,9 @@ pub const TOKENIZER_PAD_ID: &str = "tokenizer.ggml.padding_token_id";
 pub const TOKENIZER_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 pub const TOKENIZER_ADD_EOS: &str = "tokenizer.ggml.add_eos_token";
 pub const TOKENIZER_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+/// i32[]: ids the model must never emit, masked before sampling (llama.cpp's
+/// `LLM_KV_TOKENIZER_SUPPRESS_TOKENS`; Gemma-4 QAT conversions carry two control ids).
+pub const TOKENIZER_SUPPRESS_TOKENS: &str = "tokenizer.ggml.suppress_tokens";
 
 #[cfg(test)]
 mod tests {

@@ -230,6 +230,8 @@ pub struct GpuModel {
     pub gpu: Arc<Gpu>,
     pub hp: Hparams,
     w: Weights<GpuTensor>,
+    /// [n_vocab]: `runtime::head::suppress_mask`.
+    suppress: Option<wgpu::Buffer>,
     /// Per layer RoPE table (`Hparams::rope_freqs`).
     rope: Vec<RopeTable>,
     kv_type: attention::KvType,
@@ -402,6 +404,7 @@ impl GpuModel {
             link: Link::default(),
             handoff,
             ring: ring_rows(&hp, rows),
+            suppress: crate::models::runtime::head::suppress_mask(&gpu, file, hp.n_vocab)?,
             gpu,
             hp,
             w,

@@ -32,7 +32,7 @@ use crate::gpu::rope::{self, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
-use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::head::{head_logits, suppress_mask, Head};
 use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
@@ -392,6 +392,8 @@ pub struct GpuModel {
     /// `None`: the head is the embedding (tied).
     output: Option<GpuTensor>,
     output_norm: GpuTensor,
+    /// [n_vocab]: `runtime::head::suppress_mask`.
+    suppress: Option<wgpu::Buffer>,
     /// Per-layer embedding models only.
     ple: Option<Ple>,
     layers: Vec<Layer>,
@@ -562,6 +564,7 @@ impl GpuModel {
             None => None,
         };
         Ok(GpuModel {
+            suppress: suppress_mask(&gpu, file, hp.n_vocab)?,
             gpu,
             hp,
             tok_embd,
@@ -704,6 +707,7 @@ impl GpuModel {
             top: &sc.top,
             hidden: self.hidden_out,
             softcap: hp.softcap,
+            suppress: self.suppress.as_ref(),
         };
         head_logits(pass, &head, wants, top, prof)
     }

@@ -5,9 +5,32 @@
 use super::rounds::{RoundOut, TopReq};
 use crate::gpu::elementwise as ew;
 use crate::gpu::operand::Operand;
-use crate::gpu::{matmul, topk, GpuTensor, Pass};
+use crate::gpu::{matmul, topk, Gpu, GpuTensor, Pass};
+use crate::model_file::ModelFile;
 use crate::models::{head_rows, head_runs, read_rows, row_runs};
 use crate::Result;
+
+/// What a suppressed token's logit becomes: far below any real logit, and still finite
+/// through a 0.01 temperature and a ×100 repetition penalty, where `f32::MIN` would turn
+/// into -inf (which `sample::logits_are_finite` reads as a broken row, and which WGSL leaves
+/// undefined). transformers masks with finite minima too (`torch.finfo(dtype).min`).
+pub const SUPPRESSED: f32 = -1e30;
+
+/// `[n_vocab]` f32 added to every row of logits after soft-capping: 0, or [`SUPPRESSED`] at
+/// each id of `file`'s `suppress_tokens` (`ModelFile::suppress_tokens`), so that greedy
+/// decoding, the GPU's top-k, sampling, speculative verification and `lathe logits` all see
+/// the mask, as in llama.cpp, which biases them in the graph. `None` when the file names none.
+pub fn suppress_mask(gpu: &Gpu, file: &ModelFile, n_vocab: usize) -> Result<Option<wgpu::Buffer>> {
+    let ids = file.suppress_tokens(n_vocab)?;
+    if ids.is_empty() {
+        return Ok(None);
+    }
+    let mut mask = vec![0.0f32; n_vocab];
+    for id in ids {
+        mask[id as usize] = SUPPRESSED;
+    }
+    gpu.upload_f32(&mask, "suppress_tokens").map(Some)
+}
 
 /// The head's weight and the buffers it reads and writes.
 pub struct Head<'a> {
@@ -25,16 +48,21 @@ pub struct Head<'a> {
     pub hidden: bool,
     /// Gemma's final logit soft-capping (`cap·tanh(z/cap)`), before top-k and readback.
     pub softcap: Option<f32>,
+    /// [n_vocab]: [`suppress_mask`], added after the soft-cap.
+    pub suppress: Option<&'a wgpu::Buffer>,
 }
 
 impl Head<'_> {
-    /// Soft-cap `rows` rows of logits from row `row` where the model caps them.
-    fn cap(&self, pass: &mut Pass<'_>, row: usize, rows: usize) -> Result<()> {
-        match self.softcap {
-            Some(c) => {
-                let y = Operand::new(self.logits, (row * self.n_vocab) as u32);
-                ew::softcap_inplace(pass, rows as u32, self.n_vocab as u32, y, c)
-            }
+    /// Soft-cap `rows` rows of logits from row `row` where the model caps them, then mask
+    /// its suppressed tokens.
+    fn finish(&self, pass: &mut Pass<'_>, row: usize, rows: usize) -> Result<()> {
+        let (rows, v) = (rows as u32, self.n_vocab as u32);
+        let y = Operand::new(self.logits, row as u32 * v);
+        if let Some(c) = self.softcap {
+            ew::softcap_inplace(pass, rows, v, y, c)?;
+        }
+        match self.suppress {
+            Some(mask) => ew::add_inplace(pass, rows, v, y, Operand::strided(mask, 0, 0)),
             None => Ok(()),
         }
     }
@@ -63,7 +91,7 @@ pub fn head_logits(
         for (j, r, m) in row_runs(chunk) {
             head_rows(&mut pass, head.w, head.h, (r, e), head.logits, (j, v), m)?;
         }
-        head.cap(&mut pass, 0, chunk.len())?;
+        head.finish(&mut pass, 0, chunk.len())?;
         let rows = chunk.len() as u32;
         head.top.record(
             &mut pass,
@@ -95,7 +123,7 @@ pub fn head_logits(
             Operand::new(head.logits, (used * v) as u32),
             take as u32,
         )?;
-        head.cap(p, used, take)?;
+        head.finish(p, used, take)?;
         used += take;
         if i + 1 == runs.len() {
             let p = pending.take().expect("a pass holds the head");

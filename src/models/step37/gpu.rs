@@ -20,7 +20,7 @@ use crate::gpu::rope::{self, RopeStyle, RopeTable, RopeView};
 use crate::gpu::{embed, fit_rows, topk, BufferLimits, Gpu, GpuTensor, Pass, PassBuffer};
 use crate::model_file::PartSpec;
 use crate::models::runtime::family::FamilyModel;
-use crate::models::runtime::head::{head_logits, Head};
+use crate::models::runtime::head::{head_logits, suppress_mask, Head};
 use crate::models::runtime::kv::{self, Pools, Slot};
 use crate::models::runtime::link::Link;
 use crate::models::runtime::moe::{MoeLayer, MoeScratch, Router};
@@ -325,6 +325,8 @@ pub struct GpuModel {
     tok_embd: GpuTensor,
     output: GpuTensor,
     output_norm: GpuTensor,
+    /// [n_vocab]: `runtime::head::suppress_mask`.
+    suppress: Option<wgpu::Buffer>,
     layers: Vec<Layer>,
     pools: Pools,
     scratch: Scratch,
@@ -443,6 +445,7 @@ impl GpuModel {
             None => None,
         };
         Ok(GpuModel {
+            suppress: suppress_mask(&gpu, file, hp.n_vocab)?,
             gpu,
             hp,
             tok_embd,
@@ -584,6 +587,7 @@ impl GpuModel {
             top: &sc.top,
             hidden,
             softcap: None,
+            suppress: self.suppress.as_ref(),
         };
         head_logits(pass, &head, wants, top, prof)
     }

@@ -452,6 +452,7 @@ impl GpuModel {
             top: out.top,
             hidden: self.hidden_out,
             softcap: None,
+            suppress: self.suppress.as_ref(),
         };
         head_logits(pass, &head, wants, top, prof.as_mut())
     }

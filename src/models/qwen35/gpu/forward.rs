@@ -197,6 +197,7 @@ impl GpuModel {
             top: &sc.top,
             hidden: self.hidden_out,
             softcap: None,
+            suppress: self.suppress.as_ref(),
         };
         head_logits(pass, &head, wants, top, prof)
     }

@@ -277,6 +277,7 @@ impl GpuModel {
         };
         let handoff = (!part.last).then(|| Readback::new(&gpu, (rows * hp.n_embd * 4) as u64));
         let mut m = GpuModel {
+            suppress: crate::models::runtime::head::suppress_mask(&gpu, file, hp.n_vocab)?,
             gpu,
             hp,
             w,

@@ -147,6 +147,8 @@ pub struct GpuModel {
     pub gpu: Arc<Gpu>,
     pub hp: Hparams,
     w: Weights<GpuTensor, ProjSet>,
+    /// [n_vocab]: `runtime::head::suppress_mask`.
+    suppress: Option<wgpu::Buffer>,
     rope: RopeTable,
     kv_type: attention::KvType,
     pools: Pools,
