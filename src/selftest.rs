@@ -1241,6 +1241,77 @@ pub fn int8(
     ))
 }
 
+/// What the fused decode prologues' checks bind beside their q/k/v rows: random `[head_dim]`
+/// q and k norm weights, one token at position 777 written to cache row 2, and f32 K and V
+/// caches of 4 rows of `n_head_kv · head_dim` values, all `SENTINEL` (rows other than 2 must
+/// stay so).
+struct DecodeRig {
+    qw: Vec<f32>,
+    kw: Vec<f32>,
+    pos: u32,
+    row: usize,
+    cache: Vec<f32>,
+    qwb: wgpu::Buffer,
+    kwb: wgpu::Buffer,
+    pos_b: wgpu::Buffer,
+    rows_b: wgpu::Buffer,
+    kc: wgpu::Buffer,
+    vc: wgpu::Buffer,
+}
+
+impl DecodeRig {
+    fn new(gpu: &Gpu, rng: &mut Rng, h: usize, nkv: usize) -> Result<DecodeRig> {
+        let qw = rng.normals(h, 1.0);
+        let kw = rng.normals(h, 1.0);
+        let (pos, row) = (777u32, 2usize);
+        let cache = vec![SENTINEL; 4 * nkv * h];
+        Ok(DecodeRig {
+            qwb: gpu.upload_f32(&qw, "selftest.qw")?,
+            kwb: gpu.upload_f32(&kw, "selftest.kw")?,
+            pos_b: gpu.upload(bytemuck::cast_slice(&[pos]), "selftest.pos")?,
+            rows_b: gpu.upload(bytemuck::cast_slice(&[row as u32]), "selftest.rows")?,
+            kc: gpu.upload_f32(&cache, "selftest.kc")?,
+            vc: gpu.upload_f32(&cache, "selftest.vc")?,
+            qw,
+            kw,
+            pos,
+            row,
+            cache,
+        })
+    }
+
+    /// The prologue's arguments over `buf`: q heads at `q_off + h · q_stride`, k and v heads
+    /// packed from `k_off` / `v_off`; eps 1e-6.
+    fn qkv<'a>(
+        &'a self,
+        buf: &'a wgpu::Buffer,
+        (n_head, n_head_kv, head_dim): (u32, u32, u32),
+        (q_off, q_stride): (u32, u32),
+        (k_off, v_off): (u32, u32),
+    ) -> crate::gpu::rope::QkvDecode<'a> {
+        crate::gpu::rope::QkvDecode {
+            buf,
+            n_head,
+            n_head_kv,
+            head_dim,
+            q_off,
+            q_stride,
+            k_off,
+            v_off,
+            q_norm: &self.qwb,
+            k_norm: &self.kwb,
+            eps: 1e-6,
+            positions: &self.pos_b,
+            pos_off: 0,
+            rows: &self.rows_b,
+            row_off: 0,
+            k_cache: &self.kc,
+            v_cache: &self.vc,
+            f16: false,
+        }
+    }
+}
+
 /// Qwen3.5 attention's fused decode prologue (`rope::qk_norm_rope`) for one token at position
 /// 777, cache row 2 of 4, against the CPU: per-head RMSNorm then NEOX RoPE of q (in place,
 /// the gates between q heads untouched) and k (to the cache row), v copied to its row; f32
@@ -1251,55 +1322,30 @@ pub fn qk_norm_rope(
     seed: u64,
 ) -> Result<Check> {
     use crate::cpu::ops;
-    use crate::gpu::rope::{self, QkvDecode, RopeTable};
+    use crate::gpu::rope::{self, RopeTable};
     let mut rng = Rng(seed);
     let (h, nhu, nkvu) = (hd as usize, nh as usize, nkv as usize);
     let (q_off, k_off) = (3usize, 3 + nhu * 2 * h + 5);
     let v_off = k_off + nkvu * h + 2;
     let len = v_off + nkvu * h + 4;
     let x = rng.normals(len, 2.0);
-    let qw = rng.normals(h, 1.0);
-    let kw = rng.normals(h, 1.0);
+    let rig = DecodeRig::new(gpu, &mut rng, h, nkvu)?;
+    let (qw, kw, pos, row, cache) = (&rig.qw, &rig.kw, rig.pos, rig.row, &rig.cache);
     let inv_freq = ops::rope_inv_freq(1e7, n_rot as usize);
     let table = RopeTable::new(gpu, &inv_freq, "selftest.rope")?;
-    let (pos, row) = (777u32, 2usize);
     let xb = gpu.upload_f32(&x, "selftest.x")?;
-    let qwb = gpu.upload_f32(&qw, "selftest.qw")?;
-    let kwb = gpu.upload_f32(&kw, "selftest.kw")?;
-    let pos_b = gpu.upload(bytemuck::cast_slice(&[pos]), "selftest.pos")?;
-    let rows_b = gpu.upload(bytemuck::cast_slice(&[row as u32]), "selftest.rows")?;
-    let cache = vec![SENTINEL; 4 * nkvu * h];
-    let kc = gpu.upload_f32(&cache, "selftest.k")?;
-    let vc = gpu.upload_f32(&cache, "selftest.v")?;
     let mut pass = gpu.pass();
-    rope::qk_norm_rope(
-        &mut pass,
-        &QkvDecode {
-            buf: &xb,
-            n_head: nh,
-            n_head_kv: nkv,
-            head_dim: hd,
-            q_off: q_off as u32,
-            q_stride: 2 * hd,
-            k_off: k_off as u32,
-            v_off: v_off as u32,
-            q_norm: &qwb,
-            k_norm: &kwb,
-            eps: 1e-6,
-            positions: &pos_b,
-            pos_off: 0,
-            rows: &rows_b,
-            row_off: 0,
-            k_cache: &kc,
-            v_cache: &vc,
-            f16: false,
-        },
-        &table,
-    )?;
+    let qkv = rig.qkv(
+        &xb,
+        (nh, nkv, hd),
+        (q_off as u32, 2 * hd),
+        (k_off as u32, v_off as u32),
+    );
+    rope::qk_norm_rope(&mut pass, &qkv, &table)?;
     pass.submit()?;
     let got_x = gpu.read_f32(&xb, 0, len)?;
-    let got_k = gpu.read_f32(&kc, 0, cache.len())?;
-    let got_v = gpu.read_f32(&vc, 0, cache.len())?;
+    let got_k = gpu.read_f32(&rig.kc, 0, cache.len())?;
+    let got_v = gpu.read_f32(&rig.vc, 0, cache.len())?;
     let normed = |src: &[f32], n: usize, w: &[f32]| -> Vec<f32> {
         let mut v: Vec<f32> = (0..n)
             .flat_map(|i| ops::rms_norm(&src[i * h..][..h], h, Some(w), 1e-6))
@@ -1310,8 +1356,8 @@ pub fn qk_norm_rope(
     let q_src: Vec<f32> = (0..nhu)
         .flat_map(|i| x[q_off + i * 2 * h..][..h].to_vec())
         .collect();
-    let want_q = normed(&q_src, nhu, &qw);
-    let want_k = normed(&x[k_off..], nkvu, &kw);
+    let want_q = normed(&q_src, nhu, qw);
+    let want_k = normed(&x[k_off..], nkvu, kw);
     // (got, want) of every checked value: q heads, the gates between them, the cache rows
     let mut pairs: Vec<(f32, f32)> = Vec::new();
     for i in 0..nhu {
@@ -1344,7 +1390,7 @@ pub fn qk_norm_rope_kv(
     seed: u64,
 ) -> Result<Check> {
     use crate::cpu::ops;
-    use crate::gpu::rope::{self, KvHeads, QkvDecode, RopeTable};
+    use crate::gpu::rope::{self, KvHeads, RopeTable};
     let mut rng = Rng(seed);
     let (h, nhu, nkvu) = (hd as usize, nh as usize, nkv as usize);
     let q = rng.normals(nhu * h, 2.0);
@@ -1354,64 +1400,34 @@ pub fn qk_norm_rope_kv(
     } else {
         rng.normals(nkvu * h, 2.0)
     };
-    let qw = rng.normals(h, 1.0);
-    let kw = rng.normals(h, 1.0);
+    let rig = DecodeRig::new(gpu, &mut rng, h, nkvu)?;
+    let (qw, kw, pos, row, cache) = (&rig.qw, &rig.kw, rig.pos, rig.row, &rig.cache);
     let mut inv_freq = ops::rope_inv_freq(1e6, h);
     inv_freq.iter_mut().skip(pairs).for_each(|f| *f = 0.0);
     let table = RopeTable::new(gpu, &inv_freq, "selftest.rope")?;
-    let (pos, row) = (777u32, 2usize);
     let qb = gpu.upload_f32(&q, "selftest.q")?;
     let kb = gpu.upload_f32(&k, "selftest.k")?;
     let vb = gpu.upload_f32(&v, "selftest.v")?;
-    let qwb = gpu.upload_f32(&qw, "selftest.qw")?;
-    let kwb = gpu.upload_f32(&kw, "selftest.kw")?;
-    let pos_b = gpu.upload(bytemuck::cast_slice(&[pos]), "selftest.pos")?;
-    let rows_b = gpu.upload(bytemuck::cast_slice(&[row as u32]), "selftest.rows")?;
-    let cache = vec![SENTINEL; 4 * nkvu * h];
-    let kc = gpu.upload_f32(&cache, "selftest.kc")?;
-    let vc = gpu.upload_f32(&cache, "selftest.vc")?;
     let mut pass = gpu.pass();
-    rope::qk_norm_rope_kv(
-        &mut pass,
-        &QkvDecode {
-            buf: &qb,
-            n_head: nh,
-            n_head_kv: nkv,
-            head_dim: hd,
-            q_off: 0,
-            q_stride: hd,
-            k_off: 0,
-            v_off: 0,
-            q_norm: &qwb,
-            k_norm: &kwb,
-            eps: 1e-6,
-            positions: &pos_b,
-            pos_off: 0,
-            rows: &rows_b,
-            row_off: 0,
-            k_cache: &kc,
-            v_cache: &vc,
-            f16: false,
-        },
-        &KvHeads {
-            k: &kb,
-            v: if v_is_k { &kb } else { &vb },
-            v_norm: true,
-        },
-        &table,
-    )?;
+    let heads = KvHeads {
+        k: &kb,
+        v: if v_is_k { &kb } else { &vb },
+        v_norm: true,
+    };
+    let qkv = rig.qkv(&qb, (nh, nkv, hd), (0, hd), (0, 0));
+    rope::qk_norm_rope_kv(&mut pass, &qkv, &heads, &table)?;
     pass.submit()?;
     let got_q = gpu.read_f32(&qb, 0, q.len())?;
-    let got_k = gpu.read_f32(&kc, 0, cache.len())?;
-    let got_v = gpu.read_f32(&vc, 0, cache.len())?;
+    let got_k = gpu.read_f32(&rig.kc, 0, cache.len())?;
+    let got_v = gpu.read_f32(&rig.vc, 0, cache.len())?;
     let normed = |src: &[f32], n: usize, w: Option<&[f32]>| -> Vec<f32> {
         (0..n)
             .flat_map(|i| ops::rms_norm(&src[i * h..][..h], h, w, 1e-6))
             .collect()
     };
-    let mut want_q = normed(&q, nhu, Some(&qw));
+    let mut want_q = normed(&q, nhu, Some(qw));
     ops::rope_neox(&mut want_q, nhu, h, h, &[pos], &inv_freq, false);
-    let mut want_k = normed(&k, nkvu, Some(&kw));
+    let mut want_k = normed(&k, nkvu, Some(kw));
     ops::rope_neox(&mut want_k, nkvu, h, h, &[pos], &inv_freq, false);
     let want_v = normed(&v, nkvu, None);
     let mut vals: Vec<(f32, f32)> = got_q.iter().copied().zip(want_q).collect();

@@ -196,6 +196,17 @@ fn gemma4_batched_equals_lone() {
     }
 }
 
+/// The dispatch labels of one profiled decode step of fixture `name`'s q8_0 file, after a
+/// 3-token prompt.
+fn step_labels(name: &str) -> Vec<String> {
+    let path = fixtures().join(name).join("model-q8_0.gguf");
+    let mut e = lathe::engine::Engine::load(&path, &LoadOptions::default()).unwrap();
+    let mut seq = e.new_seq().unwrap();
+    e.forward(&mut seq, &[1, 2, 3], false).unwrap();
+    let prof = e.profile_step(&mut seq, 4).unwrap();
+    prof.into_iter().map(|(l, _)| l).collect()
+}
+
 /// A Gemma-4 decode step's dispatches (GPU timestamps, which lavapipe has): per block the q, k
 /// (and v) products, one q/k/v norm + RoPE + cache write, the attention, the output product,
 /// a sandwich norm (post-attention norm, residual add, pre-FFN norm; on MoE blocks the router's
@@ -206,12 +217,7 @@ fn gemma4_batched_equals_lone() {
 #[test]
 fn gemma4_decode_step_fuses_norms_rope_and_geglu() {
     for (name, blocks) in [("gemma4-tiny", 5), ("gemma4moe-tiny", 3)] {
-        let path = fixtures().join(name).join("model-q8_0.gguf");
-        let mut e = lathe::engine::Engine::load(&path, &LoadOptions::default()).unwrap();
-        let mut seq = e.new_seq().unwrap();
-        e.forward(&mut seq, &[1, 2, 3], false).unwrap();
-        let prof = e.profile_step(&mut seq, 4).unwrap();
-        let labels: Vec<&str> = prof.iter().map(|(l, _)| l.as_str()).collect();
+        let labels = step_labels(name);
         let count = |op: &str| labels.iter().filter(|l| **l == op).count();
         assert_eq!(count("qk_norm_rope"), blocks, "{name}: {labels:?}");
         assert_eq!(count("sandwich_norm"), 2 * blocks + 1, "{name}: {labels:?}");
@@ -233,12 +239,7 @@ fn gemma4_decode_step_fuses_norms_rope_and_geglu() {
     }
     // E4B: the 3 own-KV blocks fused; the 3 KV-shared ones norm and rotate q alone and write
     // no rows; each block's per-layer tail joins through one more sandwich.
-    let path = fixtures().join("gemma4e-tiny").join("model-q8_0.gguf");
-    let mut e = lathe::engine::Engine::load(&path, &LoadOptions::default()).unwrap();
-    let mut seq = e.new_seq().unwrap();
-    e.forward(&mut seq, &[1, 2, 3], false).unwrap();
-    let prof = e.profile_step(&mut seq, 4).unwrap();
-    let labels: Vec<&str> = prof.iter().map(|(l, _)| l.as_str()).collect();
+    let labels = step_labels("gemma4e-tiny");
     let count = |op: &str| labels.iter().filter(|l| **l == op).count();
     for (op, want) in [
         ("qk_norm_rope", 3),

@@ -1010,13 +1010,87 @@ fn router_matches_cpu() {
     }
 }
 
+/// What both fused decode prologues' checks bind beside their q/k/v rows: the RoPE table,
+/// three tokens (positions 0, 777, 12345 to cache rows 2, 0, 5), f32 q/k norm weights and 7
+/// cache rows' bytes of 0x5a (rows the token does not write must keep them).
+struct PrologueRig {
+    table: RopeTable,
+    pos_b: wgpu::Buffer,
+    rows_b: wgpu::Buffer,
+    qwt: GpuTensor,
+    kwt: GpuTensor,
+    kv: lathe::gpu::attention::KvShape,
+    cache_bytes: u64,
+    fill: Vec<u8>,
+}
+
+impl PrologueRig {
+    fn new(
+        gpu: &Gpu,
+        qw: &[f32],
+        kw: &[f32],
+        inv_freq: &[f32],
+        (dtype, n_head_kv, head_dim): (lathe::gpu::attention::KvType, u32, u32),
+    ) -> PrologueRig {
+        let (pos, rows) = ([0u32, 777, 12345], [2u32, 0, 5]);
+        let kv = lathe::gpu::attention::KvShape {
+            dtype,
+            n_head_kv,
+            head_dim,
+        };
+        let cache_bytes = kv.bytes(7);
+        PrologueRig {
+            table: RopeTable::new(gpu, inv_freq, "rope").unwrap(),
+            pos_b: gpu.upload(bytemuck::cast_slice(&pos), "pos").unwrap(),
+            rows_b: gpu.upload(bytemuck::cast_slice(&rows), "rows").unwrap(),
+            qwt: weight_tensor(gpu, DType::F32, qw).0,
+            kwt: weight_tensor(gpu, DType::F32, kw).0,
+            kv,
+            cache_bytes,
+            fill: vec![0x5au8; cache_bytes as usize],
+        }
+    }
+
+    /// The fused prologue's arguments for token `token` of the lists over `buf`: q heads at
+    /// `q_off + h · q_stride`, k and v heads packed from `k_off` / `v_off`; eps 1e-6.
+    fn qkv<'a>(
+        &'a self,
+        buf: &'a wgpu::Buffer,
+        (n_head, q_off, q_stride): (u32, u32, u32),
+        (k_off, v_off): (u32, u32),
+        token: u32,
+        (k_cache, v_cache): (&'a wgpu::Buffer, &'a wgpu::Buffer),
+    ) -> rope::QkvDecode<'a> {
+        rope::QkvDecode {
+            buf,
+            n_head,
+            n_head_kv: self.kv.n_head_kv,
+            head_dim: self.kv.head_dim,
+            q_off,
+            q_stride,
+            k_off,
+            v_off,
+            q_norm: &self.qwt.parts[0].buffer,
+            k_norm: &self.kwt.parts[0].buffer,
+            eps: 1e-6,
+            positions: &self.pos_b,
+            pos_off: token,
+            rows: &self.rows_b,
+            row_off: token,
+            k_cache,
+            v_cache,
+            f16: self.kv.dtype == lathe::gpu::attention::KvType::F16,
+        }
+    }
+}
+
 /// Qwen3.5 attention's fused decode prologue (`rope::qk_norm_rope`): bit for bit the per-head
 /// RMSNorms, RoPE and KV writes it replaces (each checked against the CPU above), for f16 and
 /// f32 caches at the real head size and odd ones; q also against the CPU, and the gates
 /// between q heads and the cache rows of other tokens untouched.
 #[test]
 fn qk_norm_rope_matches_unfused() {
-    use lathe::gpu::attention::{self as ga, DstRows, KvShape, KvType};
+    use lathe::gpu::attention::{self as ga, DstRows, KvType};
     let gpu = gpu();
     let mut rng = Rng(31);
     for (nh, nkv, hd, n_rot) in [(4u32, 1u32, 256u32, 64u32), (4, 2, 16, 4), (3, 1, 40, 8)] {
@@ -1028,20 +1102,18 @@ fn qk_norm_rope_matches_unfused() {
             let qw: Vec<f32> = (0..hd).map(|_| rng.normal()).collect();
             let kw: Vec<f32> = (0..hd).map(|_| rng.normal()).collect();
             let inv_freq = ops::rope_inv_freq(1e7, n_rot as usize);
-            let table = RopeTable::new(&gpu, &inv_freq, "rope").unwrap();
-            let pos = [0u32, 777, 12345];
-            let rows = [2u32, 0, 5];
-            let pos_b = gpu.upload(bytemuck::cast_slice(&pos), "pos").unwrap();
-            let rows_b = gpu.upload(bytemuck::cast_slice(&rows), "rows").unwrap();
-            let qwt = weight_tensor(&gpu, DType::F32, &qw).0;
-            let kwt = weight_tensor(&gpu, DType::F32, &kw).0;
-            let kv = KvShape {
-                dtype,
-                n_head_kv: nkv,
-                head_dim: hd,
-            };
-            let cache_bytes = kv.bytes(7);
-            let fill = vec![0x5au8; cache_bytes as usize];
+            let rig = PrologueRig::new(&gpu, &qw, &kw, &inv_freq, (dtype, nkv, hd));
+            let PrologueRig {
+                table,
+                pos_b,
+                rows_b,
+                qwt,
+                kwt,
+                kv,
+                cache_bytes,
+                fill,
+            } = &rig;
+            let (kv, cache_bytes) = (*kv, *cache_bytes);
             // Token 1 of the lists: position 777, cache row 0.
             let fused = {
                 let xb = gpu.upload_f32(&x, "x").unwrap();
@@ -1050,27 +1122,8 @@ fn qk_norm_rope_matches_unfused() {
                 let mut pass = gpu.pass();
                 rope::qk_norm_rope(
                     &mut pass,
-                    &rope::QkvDecode {
-                        buf: &xb,
-                        n_head: nh,
-                        n_head_kv: nkv,
-                        head_dim: hd,
-                        q_off,
-                        q_stride: 2 * hd,
-                        k_off,
-                        v_off,
-                        q_norm: &qwt.parts[0].buffer,
-                        k_norm: &kwt.parts[0].buffer,
-                        eps: 1e-6,
-                        positions: &pos_b,
-                        pos_off: 1,
-                        rows: &rows_b,
-                        row_off: 1,
-                        k_cache: &kc,
-                        v_cache: &vc,
-                        f16: dtype == KvType::F16,
-                    },
-                    &table,
+                    &rig.qkv(&xb, (nh, q_off, 2 * hd), (k_off, v_off), 1, (&kc, &vc)),
+                    table,
                 )
                 .unwrap();
                 pass.submit().unwrap();
@@ -1168,7 +1221,7 @@ fn qk_norm_rope_matches_unfused() {
 /// replaces; q also against the CPU.
 #[test]
 fn qk_norm_rope_kv_matches_unfused() {
-    use lathe::gpu::attention::{self as ga, DstRows, KvShape, KvType};
+    use lathe::gpu::attention::{self as ga, DstRows, KvType};
     let gpu = gpu();
     let mut rng = Rng(37);
     let cases = [
@@ -1189,20 +1242,18 @@ fn qk_norm_rope_kv_matches_unfused() {
             let kw: Vec<f32> = rng.vec(h, 1.0);
             let mut inv_freq = ops::rope_inv_freq(1e6, h);
             inv_freq.iter_mut().skip(pairs).for_each(|f| *f = 0.0);
-            let table = RopeTable::new(&gpu, &inv_freq, "rope").unwrap();
-            let pos = [0u32, 777, 12345];
-            let rows = [2u32, 0, 5];
-            let pos_b = gpu.upload(bytemuck::cast_slice(&pos), "pos").unwrap();
-            let rows_b = gpu.upload(bytemuck::cast_slice(&rows), "rows").unwrap();
-            let qwt = weight_tensor(&gpu, DType::F32, &qw).0;
-            let kwt = weight_tensor(&gpu, DType::F32, &kw).0;
-            let kv = KvShape {
-                dtype,
-                n_head_kv: nkv,
-                head_dim: hd,
-            };
-            let cache_bytes = kv.bytes(7);
-            let fill = vec![0x5au8; cache_bytes as usize];
+            let rig = PrologueRig::new(&gpu, &qw, &kw, &inv_freq, (dtype, nkv, hd));
+            let PrologueRig {
+                table,
+                pos_b,
+                rows_b,
+                qwt,
+                kwt,
+                kv,
+                cache_bytes,
+                fill,
+            } = &rig;
+            let (kv, cache_bytes) = (*kv, *cache_bytes);
             // Token 2 of the lists: position 12345, cache row 5.
             let fused = {
                 let (qb, kb) = (
@@ -1215,26 +1266,7 @@ fn qk_norm_rope_kv_matches_unfused() {
                 let mut pass = gpu.pass();
                 rope::qk_norm_rope_kv(
                     &mut pass,
-                    &rope::QkvDecode {
-                        buf: &qb,
-                        n_head: nh,
-                        n_head_kv: nkv,
-                        head_dim: hd,
-                        q_off: off,
-                        q_stride: hd,
-                        k_off: off,
-                        v_off: off,
-                        q_norm: &qwt.parts[0].buffer,
-                        k_norm: &kwt.parts[0].buffer,
-                        eps: 1e-6,
-                        positions: &pos_b,
-                        pos_off: 2,
-                        rows: &rows_b,
-                        row_off: 2,
-                        k_cache: &kc,
-                        v_cache: &vc,
-                        f16: dtype == KvType::F16,
-                    },
+                    &rig.qkv(&qb, (nh, off, hd), (off, off), 2, (&kc, &vc)),
                     &rope::KvHeads {
                         k: &kb,
                         v: if v_is_k { &kb } else { &vb },
