@@ -49,17 +49,12 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 
-// T: the item each thread loads (an element, or 4 with V4); L: elements per item
+#include "norm_items"
+
 #if V4
-alias T = vec4<f32>;
-const L = 4u;
-fn sq(v: T) -> f32 { return dot(v, v); }
 // vec4s per thread kept in registers: rows of up to K · WG · L = 8192 elements load once
 const K = 8u;
 #else
-alias T = f32;
-const L = 1u;
-fn sq(v: T) -> f32 { return v * v; }
 // the scalar loops as they were: each thread's elements lid, lid + WG, ... in that order
 const K = 1u;
 #endif
@@ -91,18 +86,9 @@ const B_Z = B_W;
 var<workgroup> red: array<f32, WG>;
 
 #if HAS_W
-// Element j of the weight, stored as f32, f16 or bf16.
+// Element j of the weight.
 fn weight(j: u32) -> f32 {
-#if W_F32
-    return bitcast<f32>(w[j]);
-#endif
-#if W_F16
-    return unpack2x16float(w[j >> 1u])[j & 1u];
-#endif
-#if W_BF16
-    let u = w[j >> 1u];
-    return bitcast<f32>(select(u << 16u, u & 0xffff0000u, (j & 1u) == 1u));
-#endif
+    return norm_dec(w[norm_word(j)], j);
 }
 
 // The weight of item i.

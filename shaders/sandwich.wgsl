@@ -16,7 +16,7 @@
 // elements (8192).
 //
 // Defines: V4, HAS_Z (BRANCHES ≥ 1), TWO (BRANCHES 2), MORE1 (y2), MORE2 (with MORE1: y3), one
-// of W_F32 / W_F16 / W_BF16 (every weight's stored type).
+// of W_F32 / W_F16 / W_BF16 (every weight's stored type: norm_items).
 // Bindings: 1 x (read_write), 2 y, 3 wy, 4 z and 5 wz (HAS_Z), 6 z2, 7 wz2 and 8 wb (TWO),
 // 9 y2 and 10 wy2 (MORE1), 11 y3 and 12 wy3 (MORE2). Grid: linear workgroup id = row. Rows are
 // packed, dim apart, from element 0.
@@ -32,15 +32,11 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 
+#include "norm_items"
+
 #if V4
-alias T = vec4<f32>;
-const L = 4u;
-fn sq(v: T) -> f32 { return dot(v, v); }
 const K = 8u;
 #else
-alias T = f32;
-const L = 1u;
-fn sq(v: T) -> f32 { return v * v; }
 const K = 32u;
 #endif
 
@@ -68,85 +64,46 @@ const K = 32u;
 
 var<workgroup> red: array<f32, WG>;
 
-// Element j of a weight from its words, stored as f32, f16 or bf16 (norm.wgsl's weight).
-fn word(j: u32) -> u32 {
-#if W_F32
-    return j;
-#else
-    return j >> 1u;
-#endif
-}
-fn dec(u: u32, j: u32) -> f32 {
-#if W_F32
-    return bitcast<f32>(u);
-#endif
-#if W_F16
-    return unpack2x16float(u)[j & 1u];
-#endif
-#if W_BF16
-    return bitcast<f32>(select(u << 16u, u & 0xffff0000u, (j & 1u) == 1u));
-#endif
-}
-#if V4
-fn wt_y(i: u32) -> T {
-    let j = 4u * i;
-    return vec4<f32>(dec(wy[word(j)], j), dec(wy[word(j + 1u)], j + 1u),
-                     dec(wy[word(j + 2u)], j + 2u), dec(wy[word(j + 3u)], j + 3u));
-}
-#else
-fn wt_y(i: u32) -> T { return dec(wy[word(i)], i); }
-#endif
+// Which weight a reader takes (WGSL as naga takes it has no pointer parameters into storage:
+// one reader picks the binding by a constant at every call, which the switch folds away).
+const WY = 0u;
+const WZ = 1u;
+const WZ2 = 2u;
+const WB = 3u;
+const WY2 = 4u;
+const WY3 = 5u;
+
+fn wword(which: u32, k: u32) -> u32 {
+    switch which {
 #if HAS_Z
-#if V4
-fn wt_z(i: u32) -> T {
-    let j = 4u * i;
-    return vec4<f32>(dec(wz[word(j)], j), dec(wz[word(j + 1u)], j + 1u),
-                     dec(wz[word(j + 2u)], j + 2u), dec(wz[word(j + 3u)], j + 3u));
-}
-#else
-fn wt_z(i: u32) -> T { return dec(wz[word(i)], i); }
-#endif
+        case WZ: { return wz[k]; }
 #endif
 #if TWO
-#if V4
-fn wt_z2(i: u32) -> T {
-    let j = 4u * i;
-    return vec4<f32>(dec(wz2[word(j)], j), dec(wz2[word(j + 1u)], j + 1u),
-                     dec(wz2[word(j + 2u)], j + 2u), dec(wz2[word(j + 3u)], j + 3u));
-}
-fn wt_b(i: u32) -> T {
-    let j = 4u * i;
-    return vec4<f32>(dec(wb[word(j)], j), dec(wb[word(j + 1u)], j + 1u),
-                     dec(wb[word(j + 2u)], j + 2u), dec(wb[word(j + 3u)], j + 3u));
-}
-#else
-fn wt_z2(i: u32) -> T { return dec(wz2[word(i)], i); }
-fn wt_b(i: u32) -> T { return dec(wb[word(i)], i); }
+        case WZ2: { return wz2[k]; }
+        case WB: { return wb[k]; }
 #endif
-#endif
-
 #if MORE1
-#if V4
-fn wt_y2(i: u32) -> T {
-    let j = 4u * i;
-    return vec4<f32>(dec(wy2[word(j)], j), dec(wy2[word(j + 1u)], j + 1u),
-                     dec(wy2[word(j + 2u)], j + 2u), dec(wy2[word(j + 3u)], j + 3u));
-}
-#else
-fn wt_y2(i: u32) -> T { return dec(wy2[word(i)], i); }
-#endif
+        case WY2: { return wy2[k]; }
 #endif
 #if MORE2
-#if V4
-fn wt_y3(i: u32) -> T {
-    let j = 4u * i;
-    return vec4<f32>(dec(wy3[word(j)], j), dec(wy3[word(j + 1u)], j + 1u),
-                     dec(wy3[word(j + 2u)], j + 2u), dec(wy3[word(j + 3u)], j + 3u));
+        case WY3: { return wy3[k]; }
+#endif
+        default: { return wy[k]; }
+    }
 }
+
+// Item i of weight `which` (norm.wgsl's weight per element).
+fn wt(which: u32, i: u32) -> T {
+#if V4
+    let j = 4u * i;
+    return vec4<f32>(norm_dec(wword(which, norm_word(j)), j),
+                     norm_dec(wword(which, norm_word(j + 1u)), j + 1u),
+                     norm_dec(wword(which, norm_word(j + 2u)), j + 2u),
+                     norm_dec(wword(which, norm_word(j + 3u)), j + 3u));
 #else
-fn wt_y3(i: u32) -> T { return dec(wy3[word(i)], i); }
+    return norm_dec(wword(which, norm_word(i)), i);
 #endif
-#endif
+}
 
 // norm.wgsl's r of a row from each thread's sum of its items' squares: the same tree.
 fn rms_r(ss: f32, lid: u32) -> f32 {
@@ -184,7 +141,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var k = 0u; k < K; k++) {
         let i = lid + k * WG;
         if (i < n) {
-            b[k] = b[k] * rz * wt_z(i) * 1.0;
+            b[k] = b[k] * rz * wt(WZ, i) * 1.0;
         }
     }
 #endif
@@ -203,7 +160,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var k = 0u; k < K; k++) {
         let i = lid + k * WG;
         if (i < n) {
-            b[k] = b[k] + c[k] * rz2 * wt_z2(i) * 1.0;
+            b[k] = b[k] + c[k] * rz2 * wt(WZ2, i) * 1.0;
             sb += sq(b[k]);
         }
     }
@@ -211,7 +168,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var k = 0u; k < K; k++) {
         let i = lid + k * WG;
         if (i < n) {
-            b[k] = b[k] * rbb * wt_b(i) * 1.0;
+            b[k] = b[k] * rbb * wt(WB, i) * 1.0;
         }
     }
 #endif
@@ -233,12 +190,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var k = 0u; k < K; k++) {
         let i = lid + k * WG;
         if (i < n) {
-            y[rb + i] = b[k] * rx * wt_y(i) * 1.0;
+            y[rb + i] = b[k] * rx * wt(WY, i) * 1.0;
 #if MORE1
-            y2[rb + i] = b[k] * rx * wt_y2(i) * 1.0;
+            y2[rb + i] = b[k] * rx * wt(WY2, i) * 1.0;
 #endif
 #if MORE2
-            y3[rb + i] = b[k] * rx * wt_y3(i) * 1.0;
+            y3[rb + i] = b[k] * rx * wt(WY3, i) * 1.0;
 #endif
         }
     }

@@ -99,7 +99,7 @@ macro_rules! piece {
 /// The shared WGSL pieces (`shaders/pieces/`) by the name `#include` gives, in the order
 /// matvec.wgsl includes them: the products' bindings, activation loads, fused prologues,
 /// raw weight bytes and block decoders (one piece per stored type), the prefill chunk gathers
-/// and matvec's row sums, stores and reductions.
+/// and matvec's row sums, stores and reductions; then the row norms' items and weights.
 pub const PIECES: &[(&str, &str)] = &[
     piece!("bindings"),
     piece!("x_int8"),
@@ -130,6 +130,7 @@ pub const PIECES: &[(&str, &str)] = &[
     piece!("mv_store"),
     piece!("mv_reduce"),
     piece!("mv_idx"),
+    piece!("norm_items"),
 ];
 
 /// `src` with every `#include "name"` line replaced by that piece of [`PIECES`] (itself
