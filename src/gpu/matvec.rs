@@ -51,10 +51,11 @@ pub(crate) const QUANT_SRC: &str = include_str!("../../shaders/quantize_x.wgsl")
 /// decode of several sequences and the speculative verify step land here.
 pub const DENSE_MATVEC_TOKENS: u32 = 32;
 
-/// Above this many tokens the MoE forwards switch from the per-pair indexed matvec to the
-/// routed tiled kernel (matvec reads the weights once per token from L2 and decodes them once
-/// per token); dense products have their own threshold,
-/// [`DENSE_MATVEC_TOKENS`].
+/// Above this many tokens, indexed products whose every token uses every matrix (DeepSeek-V4's
+/// grouped `wo_a`) switch from the per-pair matvec to the routed tiled kernel (matvec reads the
+/// weights once per pair from L2 and decodes them once per pair), and a speculative verify
+/// pass holds at most this many rows. Dense products have their own threshold,
+/// [`DENSE_MATVEC_TOKENS`], routed experts theirs (`moe::EXPERT_MATVEC_ROWS`).
 pub const MAX_TOKENS: u32 = 8;
 
 /// Uniforms shared by `matvec.wgsl` and `matmul.wgsl` (same fields, same order).

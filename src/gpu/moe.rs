@@ -475,10 +475,22 @@ pub struct Picks<'a> {
     pub k: u32,
 }
 
+/// Rows of a pass up to which the routed experts run the per-pair indexed matvec (each pair a
+/// one-token product, so batched rows keep a lone decode's bits); more are grouped by expert
+/// for the tiled matmul, which reads each picked expert once but fills its 64-pair tiles with
+/// a few pairs at decode batch sizes.
+pub const EXPERT_MATVEC_ROWS: u32 = 32;
+
+/// Whether a pass of `n_rows` rows runs its routed experts through the indexed matvec
+/// ([`EXPERT_MATVEC_ROWS`]); placement (the offload's int8 cold rows) follows the same rule.
+pub fn experts_by_matvec(n_rows: u32) -> bool {
+    n_rows <= EXPERT_MATVEC_ROWS
+}
+
 /// The routed SwiGLU experts of `p.n` rows of `x` (`[n, n_embd]`), `p.k` per row: row
 /// `t·k + s` of `b.out` gets expert `ids[t·k + s]`'s unweighted output (ids at or above the
 /// stacks' count write nothing, so an arena's cold pairs are skipped). Up to
-/// `matvec::MAX_TOKENS` rows run the indexed matvec; more are grouped by expert into
+/// [`EXPERT_MATVEC_ROWS`] rows run the indexed matvec; more are grouped by expert into
 /// `p.route` for the tiled matmul. `limit` is DeepSeek's SwiGLU clamp. The one block both
 /// families' MoE layers and the offload's hot experts use.
 pub fn routed_ffn(
@@ -504,7 +516,7 @@ pub fn routed_ffn_glu(
     let (ids, route, n, k) = (p.ids, p.route, p.n, p.k);
     let ff = w.gate.shape[1] as u32;
     let opts = MatvecOpts::default();
-    let small = n <= matvec::MAX_TOKENS;
+    let small = experts_by_matvec(n);
     if small {
         for (m, y) in [(w.gate, b.gate), (w.up, b.up)] {
             matvec::matvec_indexed(

@@ -1060,10 +1060,10 @@ impl Offload {
                 n * self.n_used,
             )?;
             // int8 activations exactly where the GPU's experts take them (its indexed
-            // matvec, up to `matvec::MAX_TOKENS` rows, under `--activations int8`), so
-            // placement does not change the sums
+            // matvec, `experts_by_matvec`, under `--activations int8`), so placement does not
+            // change the sums
             let opts = ColdOptions {
-                activations: if n <= crate::gpu::matvec::MAX_TOKENS && gpu.int8_decode() {
+                activations: if crate::gpu::moe::experts_by_matvec(n) && gpu.int8_decode() {
                     Activations::Int8
                 } else {
                     Activations::F32

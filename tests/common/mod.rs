@@ -136,11 +136,12 @@ pub fn check_batched_equals_lone(label: &str, model: &Path, ids: &[u32]) {
         ..Default::default()
     };
     let mut e = Engine::load(model, &opts).unwrap();
-    // Every pass stays within `matvec::MAX_TOKENS` (8) rows: above that the routed experts
-    // of a MoE layer run the tiled kernel, which sums in another order than matvec, so a
-    // row's bits would depend on how many rows share its pass (3 + 4 + 1 rows batched, each
-    // alone fewer: every row meets the same kernels both ways).
-    let prompts = [&ids[..3], &ids[2..6], &ids[1..2]];
+    // 7 + 9 + 2 = 18 rows batched, past the per-pair products' 8 (`matvec::MAX_TOKENS`),
+    // within the token-group matvec's 32 (`matmul::DENSE_MATVEC_TOKENS`) and the routed
+    // experts' (`moe::EXPERT_MATVEC_ROWS`): above those, products run tiled kernels, which sum
+    // in another order than matvec, so a row's bits would depend on how many rows share its
+    // pass. Within them every row meets the same kernels both ways.
+    let prompts = [&ids[..7], &ids[2..11], &ids[1..3]];
     // Eight decode steps each: the last ones at positions past the fixtures' sliding window
     // (8), so a decode row sees only its window's rows.
     let steps = [&ids[9..17], &ids[3..11], &ids[10..18]];
