@@ -92,6 +92,97 @@ fn gemma4moe_tiny_offloaded() {
     check_model("gemma4moe-tiny", &opts);
 }
 
+/// `src` with every MoE block's fused `ffn_gate_up_exps` `[E, 2F, H]` written as separate
+/// `ffn_gate_exps` and `ffn_up_exps` stacks `[E, F, H]` (each expert's first and last F rows),
+/// the layout llama.cpp's Gemma-4 graph also loads.
+fn gguf_with_gate_up_apart(src: &std::path::Path, tag: &str) -> std::path::PathBuf {
+    use lathe::gguf::{GgufFile, GgufWriter};
+    let g = GgufFile::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.set(k.clone(), v.clone()).unwrap();
+    }
+    // (name, dtype, shape, bytes) of the written tensors, in order
+    let mut out: Vec<(String, lathe::DType, Vec<u64>, Vec<u8>)> = Vec::new();
+    let mut split = 0;
+    for t in g.tensors() {
+        let Some(blk) = t.name.strip_suffix("ffn_gate_up_exps.weight") else {
+            out.push((
+                t.name.to_string(),
+                t.dtype,
+                t.shape.to_vec(),
+                t.data.to_vec(),
+            ));
+            continue;
+        };
+        let (ne, f2) = (t.shape[0] as usize, t.shape[1] as usize);
+        let row = t.data.len() / (ne * f2);
+        let half = |first: usize| -> Vec<u8> {
+            (0..ne)
+                .flat_map(|x| {
+                    let at = (x * f2 + first) * row;
+                    t.data[at..at + f2 / 2 * row].to_vec()
+                })
+                .collect()
+        };
+        let shape = vec![t.shape[0], t.shape[1] / 2, t.shape[2]];
+        for (name, first) in [("ffn_gate_exps", 0), ("ffn_up_exps", f2 / 2)] {
+            out.push((
+                format!("{blk}{name}.weight"),
+                t.dtype,
+                shape.clone(),
+                half(first),
+            ));
+        }
+        split += 1;
+    }
+    assert!(split > 0, "{}: no fused gate+up stack", src.display());
+    for (name, dtype, shape, _) in &out {
+        w.add_tensor_info(name, *dtype, shape).unwrap();
+    }
+    let path = std::env::temp_dir().join(format!(
+        "lathe-gemma4-apart-{}-{tag}.gguf",
+        std::process::id()
+    ));
+    w.write(&path, |i, o| o.write_all(&out[i].3)).unwrap();
+    path
+}
+
+/// Separate gate and up expert stacks load as the fused one does: the same expert rows, so
+/// logits bit for bit those of the fused file, whole and with prefill T-4, the experts all
+/// on the GPU and half on the CPU.
+#[test]
+fn gemma4moe_tiny_gate_up_apart() {
+    let dir = fixtures().join("gemma4moe-tiny");
+    let toks = lathe::npy::read_i64(dir.join("tokens.npy")).unwrap();
+    let ids: Vec<u32> = toks.data.iter().map(|&t| t as u32).collect();
+    let t = ids.len();
+    for f in ["model-f32.gguf", "model-q8_0.gguf"] {
+        let fused = dir.join(f);
+        let apart = gguf_with_gate_up_apart(&fused, f);
+        for gpu_experts in [None, Some(0.5)] {
+            let opts = LoadOptions {
+                gpu_experts,
+                ..Default::default()
+            };
+            for prefill in [t, t - 4] {
+                let (want, _) = logits(&fused, &ids, prefill, &opts).unwrap();
+                let (got, _) = logits(&apart, &ids, prefill, &opts).unwrap();
+                let same = got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{f} experts {gpu_experts:?} prefill {prefill}: apart differs"
+                );
+            }
+        }
+        std::fs::remove_file(apart).unwrap();
+    }
+}
+
 /// The E2B/E4B layout (`gemma4e-tiny`: per-layer embeddings of 16 columns per block, the
 /// last 3 of 6 blocks sharing the KV of blocks 1 (sliding) and 2 (global), their FFN double
 /// wide) at the same bars, on the default (f32) KV rows: there lathe is the HF math to ~3e-6

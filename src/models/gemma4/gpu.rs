@@ -520,7 +520,9 @@ impl GpuModel {
                 post_ffn_norm: up(W::PostFfnNorm(l), &[e])?,
                 out_scale,
                 moe: match (&hp.moe, g.moe) {
-                    (Some(m), true) => Some(MoeBlock::load(&hp, m, l, &shaped, &put, offloaded)?),
+                    (Some(m), true) => {
+                        Some(MoeBlock::load((&hp, file), m, l, &shaped, &put, offloaded)?)
+                    }
                     _ => None,
                 },
                 ple,
@@ -1069,7 +1071,7 @@ impl MoeBlock {
     /// Block `l`'s router, scales, branch norms and expert stacks; the stacks as stand-ins
     /// when `offloaded` (the arena holds them).
     fn load<'f>(
-        hp: &Hparams,
+        (hp, file): (&Hparams, &ModelFile),
         m: &super::Moe,
         l: usize,
         shaped: &dyn Fn(W, &[u64]) -> Result<crate::tensor::TensorRef<'f>>,
@@ -1098,18 +1100,25 @@ impl MoeBlock {
         })?;
         // The fused stack's gate and up halves as two stacks: per expert its first and last
         // `n_ff_exp` rows (`Weight::Rows` of the stack flattened to `[n_expert·2·n_ff_exp,
-        // n_embd]`).
-        let gu = shaped(W::GateUpExps(l), &[ne, 2 * fe, e])?;
-        let half = |first: u64| Weight::Rows {
-            src: gu,
-            rows: (0..ne)
-                .flat_map(|x| (0..fe).map(move |r| x * 2 * fe + first + r))
-                .collect(),
-            shape: vec![ne, fe, e],
+        // n_embd]`); or the file's separate stacks, where it has no fused one.
+        let apart = file.tensor(&W::GateUpExps(l).name(file)).is_none()
+            && file.tensor(&W::GateExps(l).name(file)).is_some();
+        let [gate, upw] = if apart {
+            [W::GateExps(l), W::UpExps(l)].map(|w| shaped(w, &[ne, fe, e]).map(Weight::Stored))
+        } else {
+            let gu = shaped(W::GateUpExps(l), &[ne, 2 * fe, e])?;
+            let half = |first: u64| Weight::Rows {
+                src: gu,
+                rows: (0..ne)
+                    .flat_map(|x| (0..fe).map(move |r| x * 2 * fe + first + r))
+                    .collect(),
+                shape: vec![ne, fe, e],
+            };
+            [Ok(half(0)), Ok(half(fe))]
         };
         let ws = [
-            half(0),
-            half(fe),
+            gate?,
+            upw?,
             Weight::Stored(shaped(W::DownExps(l), &[ne, e, fe])?),
         ];
         let [gate, upw, down] = ws.map(|w| match offloaded {

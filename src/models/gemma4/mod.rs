@@ -105,6 +105,13 @@ pub enum W {
     /// `GEMMA4_FUSED` names them for the planner.
     GateUpExps(usize),
     DownExps(usize),
+    /// MoE blocks of GGUF files that carry the gate and up stacks apart
+    /// (`[n_expert, n_ff_exp, n_embd]` each; llama.cpp's `LLM_TENSOR_FFN_GATE_EXPS` /
+    /// `_UP_EXPS`, which its Gemma-4 graph takes where the fused stack is absent).
+    /// transformers' `Gemma4TextExperts` has only the fused `gate_up_proj`: the checkpoint
+    /// names below are never present, so a checkpoint needs the fused stack.
+    GateExps(usize),
+    UpExps(usize),
     /// Per-layer embeddings only (module doc): the token table `[n_vocab, n_layer·n_epl]`,
     /// the embedding's projection `[n_layer·n_epl, n_embd]` and its norm `[n_epl]`; per
     /// block the gate `[n_epl, n_embd]`, the projection back `[n_embd, n_epl]` and its norm
@@ -148,6 +155,8 @@ impl W {
             PostFfnNorm2(l) => b(l, "post_ffw_norm_2.weight"),
             GateUpExps(l) => b(l, "ffn_gate_up_exps.weight"),
             DownExps(l) => b(l, "ffn_down_exps.weight"),
+            GateExps(l) => b(l, "ffn_gate_exps.weight"),
+            UpExps(l) => b(l, "ffn_up_exps.weight"),
             PerLayerTokEmbd => "per_layer_token_embd.weight".into(),
             PerLayerModelProj => "per_layer_model_proj.weight".into(),
             PerLayerProjNorm => "per_layer_proj_norm.weight".into(),
@@ -187,6 +196,8 @@ impl W {
             PostFfnNorm2(l) => b(l, "post_feedforward_layernorm_2.weight"),
             GateUpExps(l) => b(l, "experts.gate_up_proj"),
             DownExps(l) => b(l, "experts.down_proj"),
+            GateExps(l) => b(l, "experts.gate_proj"),
+            UpExps(l) => b(l, "experts.up_proj"),
             PerLayerTokEmbd => "model.embed_tokens_per_layer.weight".into(),
             PerLayerModelProj => "model.per_layer_model_projection.weight".into(),
             PerLayerProjNorm => "model.per_layer_projection_norm.weight".into(),
