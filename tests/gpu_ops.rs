@@ -1117,8 +1117,8 @@ fn qk_norm_rope_matches_unfused() {
             // Token 1 of the lists: position 777, cache row 0.
             let fused = {
                 let xb = gpu.upload_f32(&x, "x").unwrap();
-                let kc = gpu.upload(&fill, "k").unwrap();
-                let vc = gpu.upload(&fill, "v").unwrap();
+                let kc = gpu.upload(fill, "k").unwrap();
+                let vc = gpu.upload(fill, "v").unwrap();
                 let mut pass = gpu.pass();
                 rope::qk_norm_rope(
                     &mut pass,
@@ -1135,17 +1135,14 @@ fn qk_norm_rope_matches_unfused() {
             };
             let unfused = {
                 let xb = gpu.upload_f32(&x, "x").unwrap();
-                let kc = gpu.upload(&fill, "k").unwrap();
-                let vc = gpu.upload(&fill, "v").unwrap();
+                let kc = gpu.upload(fill, "k").unwrap();
+                let vc = gpu.upload(fill, "v").unwrap();
                 let mut pass = gpu.pass();
                 let q = Operand::strided(&xb, q_off, 2 * hd);
-                norm::rms_norm(&mut pass, nh, hd, q, None, Some(&qwt), 1e-6).unwrap();
+                norm::rms_norm(&mut pass, nh, hd, q, None, Some(qwt), 1e-6).unwrap();
                 let k = Operand::new(&xb, k_off);
-                norm::rms_norm(&mut pass, nkv, hd, k, None, Some(&kwt), 1e-6).unwrap();
-                let at = Positions::Buffer {
-                    buf: &pos_b,
-                    off: 1,
-                };
+                norm::rms_norm(&mut pass, nkv, hd, k, None, Some(kwt), 1e-6).unwrap();
+                let at = Positions::Buffer { buf: pos_b, off: 1 };
                 let qv = RopeView {
                     buf: &xb,
                     off: q_off,
@@ -1156,11 +1153,11 @@ fn qk_norm_rope_matches_unfused() {
                     head_stride: 2 * hd,
                 };
                 let style = rope::RopeStyle::Neox;
-                rope::rope(&mut pass, &qv, style, 0, &table, at, false).unwrap();
+                rope::rope(&mut pass, &qv, style, 0, table, at, false).unwrap();
                 let kv_view = RopeView::packed(&xb, k_off, 1, nkv, hd);
-                rope::rope(&mut pass, &kv_view, style, 0, &table, at, false).unwrap();
+                rope::rope(&mut pass, &kv_view, style, 0, table, at, false).unwrap();
                 let dst = DstRows::List {
-                    rows: &rows_b,
+                    rows: rows_b,
                     off: 1,
                 };
                 ga::write_kv(&mut pass, kv, &xb, k_off, nkv * hd, 1, &kc, dst).unwrap();
@@ -1261,8 +1258,8 @@ fn qk_norm_rope_kv_matches_unfused() {
                     gpu.upload_f32(&k, "k").unwrap(),
                 );
                 let vb = gpu.upload_f32(&v, "v").unwrap();
-                let kc = gpu.upload(&fill, "kc").unwrap();
-                let vc = gpu.upload(&fill, "vc").unwrap();
+                let kc = gpu.upload(fill, "kc").unwrap();
+                let vc = gpu.upload(fill, "vc").unwrap();
                 let mut pass = gpu.pass();
                 rope::qk_norm_rope_kv(
                     &mut pass,
@@ -1272,7 +1269,7 @@ fn qk_norm_rope_kv_matches_unfused() {
                         v: if v_is_k { &kb } else { &vb },
                         v_norm: true,
                     },
-                    &table,
+                    table,
                 )
                 .unwrap();
                 pass.submit().unwrap();
@@ -1289,8 +1286,8 @@ fn qk_norm_rope_kv_matches_unfused() {
                     gpu.upload_f32(&k, "k").unwrap(),
                 );
                 let vb = gpu.upload_f32(if v_is_k { &k } else { &v }, "v").unwrap();
-                let kc = gpu.upload(&fill, "kc").unwrap();
-                let vc = gpu.upload(&fill, "vc").unwrap();
+                let kc = gpu.upload(fill, "kc").unwrap();
+                let vc = gpu.upload(fill, "vc").unwrap();
                 let mut pass = gpu.pass();
                 let p = &mut pass;
                 let (qo, ko, vo) = (
@@ -1298,20 +1295,17 @@ fn qk_norm_rope_kv_matches_unfused() {
                     Operand::new(&kb, off),
                     Operand::new(&vb, off),
                 );
-                norm::rms_norm(p, nh, hd, qo, None, Some(&qwt), 1e-6).unwrap();
-                norm::rms_norm(p, nkv, hd, ko, None, Some(&kwt), 1e-6).unwrap();
+                norm::rms_norm(p, nh, hd, qo, None, Some(qwt), 1e-6).unwrap();
+                norm::rms_norm(p, nkv, hd, ko, None, Some(kwt), 1e-6).unwrap();
                 norm::rms_norm(p, nkv, hd, vo, None, None, 1e-6).unwrap();
-                let at = Positions::Buffer {
-                    buf: &pos_b,
-                    off: 2,
-                };
+                let at = Positions::Buffer { buf: pos_b, off: 2 };
                 let style = rope::RopeStyle::Neox;
                 let qv = RopeView::packed(&qb, off, 1, nh, hd);
-                rope::rope(p, &qv, style, 0, &table, at, false).unwrap();
+                rope::rope(p, &qv, style, 0, table, at, false).unwrap();
                 let kv_view = RopeView::packed(&kb, off, 1, nkv, hd);
-                rope::rope(p, &kv_view, style, 0, &table, at, false).unwrap();
+                rope::rope(p, &kv_view, style, 0, table, at, false).unwrap();
                 let dst = DstRows::List {
-                    rows: &rows_b,
+                    rows: rows_b,
                     off: 2,
                 };
                 ga::write_kv(p, kv, &kb, off, nkv * hd, 1, &kc, dst).unwrap();
