@@ -183,6 +183,26 @@ fn gemma4moe_tiny_gate_up_apart() {
     }
 }
 
+/// The per-layer token table stays in host memory (read per pass): the planner's GPU bytes
+/// of the E4B-layout fixture are every tensor's but the table's, from GGUF and HF.
+#[test]
+fn gemma4e_tiny_token_table_not_in_gpu_budget() {
+    use lathe::model_file::ModelFile;
+    use lathe::moe::MoeInfo;
+    let dir = fixtures().join("gemma4e-tiny");
+    for (path, table) in [
+        (dir.join("model-q8_0.gguf"), "per_layer_token_embd.weight"),
+        (dir.clone(), "model.embed_tokens_per_layer.weight"),
+    ] {
+        let f = ModelFile::open(&path).unwrap();
+        let info = MoeInfo::from_file(&f, lathe::models::registry::expert_names(&f)).unwrap();
+        let all: u64 = f.tensors().map(|t| t.data.len() as u64).sum();
+        let t = f.tensor(table).unwrap().data.len() as u64;
+        assert!(t > 0);
+        assert_eq!(info.other_bytes, all - t, "{}", path.display());
+    }
+}
+
 /// The E2B/E4B layout (`gemma4e-tiny`: per-layer embeddings of 16 columns per block, the
 /// last 3 of 6 blocks sharing the KV of blocks 1 (sliding) and 2 (global), their FFN double
 /// wide) at the same bars, on the default (f32) KV rows: there lathe is the HF math to ~3e-6

@@ -98,19 +98,29 @@ static QWEN_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: &[GGUF_STACKS],
     fused: &[],
     each: &[HF_EXPERTS],
+    host: &[],
 };
 
 static DEEPSEEK_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: &[GGUF_STACKS],
     fused: &[],
     each: &[DEEPSEEK_EXPERTS],
+    host: &[],
 };
+
+/// Gemma-4's per-layer token table (E2B/E4B), read on the host per pass (`gemma4::W::
+/// PerLayerTokEmbd`'s GGUF and checkpoint names).
+const GEMMA4_HOST: [&str; 2] = [
+    "per_layer_token_embd.weight",
+    "model.embed_tokens_per_layer.weight",
+];
 
 /// Gemma-4: fused stacks (GGUF files may also carry separate gate and up stacks).
 static GEMMA4_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: &[GGUF_STACKS],
     fused: &GEMMA4_FUSED,
     each: &[],
+    host: &GEMMA4_HOST,
 };
 
 /// Step-3.7: GGUF stacks; its checkpoints stack the experts too (`moe.gate_proj.weight
@@ -120,6 +130,7 @@ static STEP37_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: &[GGUF_STACKS, STEP37_HF_STACKS],
     fused: &[],
     each: &[],
+    host: &[],
 };
 
 /// A file of no known family (`lathe plan` still sizes it): every naming above.
@@ -127,6 +138,7 @@ static ANY_EXPERT_NAMES: ExpertNames = ExpertNames {
     stacks: &[GGUF_STACKS, STEP37_HF_STACKS],
     fused: &GEMMA4_FUSED,
     each: &[HF_EXPERTS, DEEPSEEK_EXPERTS],
+    host: &[],
 };
 
 /// Every family lathe runs.

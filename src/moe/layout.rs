@@ -96,6 +96,9 @@ pub struct ExpertNames {
     pub fused: &'static [FusedStacks],
     /// Checkpoints with one tensor per expert, in the order a file is looked up.
     pub each: &'static [EachExpert],
+    /// Tensors the family reads on the host per pass, never uploaded (Gemma-4's per-layer
+    /// token table): not in the GPU budget.
+    pub host: &'static [&'static str],
 }
 
 /// Stacks whose gate and up matrices are one tensor `[n_expert, 2·n_ff, n_embd]`, gate rows
@@ -321,6 +324,9 @@ impl MoeInfo {
                     // Counted with its weight (in the repacked type).
                     continue;
                 }
+                if names.host.contains(&t.name) {
+                    continue;
+                }
                 let b = uploaded_bytes(f, &t);
                 other_bytes += b;
                 other_decode += if is_embedding(t.name) && head {
@@ -423,7 +429,7 @@ impl MoeInfo {
             .to_string();
         let (mut other, mut decode) = (0, 0);
         for t in f.tensors() {
-            if self.names.is_expert(t.name) {
+            if self.names.is_expert(t.name) || self.names.host.contains(&t.name) {
                 continue;
             }
             let role = PartSpec::role(t.name, self.n_layer, &embd, !head);
@@ -1022,6 +1028,7 @@ mod tests {
             ],
             packed: true,
         }],
+        host: &[],
     };
 
     #[test]

@@ -85,12 +85,75 @@ struct PleLayer {
     post_norm: GpuTensor,
 }
 
-/// The per-layer inputs' weights: the token table `[n_vocab, n_layer·n_epl]`, the
-/// embedding's projection `[n_layer·n_epl, n_embd]` and its per-block norm `[n_epl]`.
+/// The per-layer inputs' weights: the token table `[n_vocab, n_layer·n_epl]` (in host
+/// memory), the embedding's projection `[n_layer·n_epl, n_embd]` and its per-block norm
+/// `[n_epl]`.
 struct Ple {
-    tok: GpuTensor,
+    tok: HostTable,
     model_proj: GpuTensor,
     proj_norm: GpuTensor,
+}
+
+/// A token table read on the host: each pass's rows are copied from the file's pages to a
+/// staging buffer that the embedding kernel reads as a table of those rows alone (ids
+/// `0..n`), as llama.cpp keeps Gemma-3n/4's per-layer token table off the GPU
+/// (`per_layer_token_embd`: `[262144, 42·256]` on E4B, ~2.9 GB at q8_0, more than the rest
+/// of a Q4_K_M file). The kernel decodes each row as it would in the whole table.
+struct HostTable {
+    /// The model file mapped again (the loader's `ModelFile` is borrowed).
+    file: ModelFile,
+    name: String,
+    n_rows: u64,
+    row_bytes: usize,
+    /// `staging`'s rows as a table `[rows, cols]` of the stored type.
+    rows: GpuTensor,
+    /// u32 `[rows]`: 0, 1, ...
+    iota: wgpu::Buffer,
+}
+
+impl HostTable {
+    fn new(gpu: &Gpu, file: &ModelFile, name: &str, rows: usize) -> Result<HostTable> {
+        let t = file.require(name)?;
+        let row_bytes = t.row_bytes();
+        let staging = gpu.buffer((rows * row_bytes).next_multiple_of(4) as u64, name)?;
+        let iota: Vec<u32> = (0..rows as u32).collect();
+        Ok(HostTable {
+            n_rows: t.n_rows(),
+            rows: GpuTensor {
+                name: t.name.to_string(),
+                dtype: t.dtype,
+                shape: vec![rows as u64, t.row_len()],
+                parts: vec![crate::gpu::TensorPart {
+                    buffer: staging,
+                    row_start: 0,
+                    n_rows: rows as u64,
+                }],
+            },
+            iota: gpu.upload(bytemuck::cast_slice(&iota), "gemma4.ple.iota")?,
+            file: ModelFile::open(file.path())?,
+            name: name.to_string(),
+            row_bytes,
+        })
+    }
+
+    /// Copy the rows of `toks` to the staging buffer (written before the pass's next
+    /// submission), then embed them into `y`.
+    fn embed(&self, pass: &mut Pass<'_>, toks: &[u32], y: Operand<'_>) -> Result<()> {
+        let t = self.file.require(&self.name)?;
+        let mut bytes = Vec::with_capacity((toks.len() * self.row_bytes).next_multiple_of(4));
+        for &id in toks {
+            if id as u64 >= self.n_rows {
+                return Err(Error::Invalid(format!(
+                    "token id {id} outside {} ({} rows)",
+                    self.name, self.n_rows
+                )));
+            }
+            bytes.extend_from_slice(&t.data[id as usize * self.row_bytes..][..self.row_bytes]);
+        }
+        bytes.resize(bytes.len().next_multiple_of(4), 0);
+        pass.gpu().write(&self.rows.parts[0].buffer, 0, &bytes);
+        embed::embed(pass, &self.rows, &self.iota, 0, toks.len() as u32, y)
+    }
 }
 
 /// A dense FFN's gate and up products.
@@ -532,8 +595,12 @@ impl GpuModel {
             0 => None,
             epl => {
                 let cols = hp.n_layer as u64 * epl;
+                let name = W::PerLayerTokEmbd.name(file);
+                let t = shaped(W::PerLayerTokEmbd, &[v, cols])?;
+                // counted as loaded: the pages are read per pass
+                done.set(done.get() + t.data.len() as u64);
                 Some(Ple {
-                    tok: up(W::PerLayerTokEmbd, &[v, cols])?,
+                    tok: HostTable::new(&gpu, file, &name, pass_rows)?,
                     model_proj: up(W::PerLayerModelProj, &[cols, e])?,
                     proj_norm: up(W::PerLayerProjNorm, &[epl])?,
                 })
@@ -643,7 +710,7 @@ impl GpuModel {
             .map_or(&self.output_norm, |l| &l.attn_norm);
         self.join(&mut pass, n, Branch::None, (e as f32).sqrt(), (first, &[]))?;
         if let Some(ple) = &self.ple {
-            self.per_layer_inputs(&mut pass, ple, n)?;
+            self.per_layer_inputs(&mut pass, ple, toks)?;
         }
         for (l, lw) in self.layers.iter().enumerate() {
             // x += post_attn_norm(attn(attn_norm(x))), h = ffn_norm(x)
@@ -718,12 +785,13 @@ impl GpuModel {
     /// `get_per_layer_inputs` + `project_per_layer_inputs`), from the token ids and the
     /// scaled embeddings in `x`: `(sqrt(n_epl) · table[id] + proj_norm(model_proj · x /
     /// sqrt(n_embd))) / sqrt(2)`, the norm over each block's `n_epl` slice.
-    fn per_layer_inputs(&self, pass: &mut Pass<'_>, ple: &Ple, n: u32) -> Result<()> {
+    fn per_layer_inputs(&self, pass: &mut Pass<'_>, ple: &Ple, toks: &[u32]) -> Result<()> {
         let (hp, sc) = (&self.hp, &self.scratch);
+        let n = toks.len() as u32;
         let epl = hp.n_epl as u32;
         let cols = hp.n_layer as u32 * epl;
         let (pl, proj) = (Operand::new(&sc.pl, 0), Operand::new(&sc.pl_proj, 0));
-        embed::embed(pass, &ple.tok, &sc.ids, 0, n, pl)?;
+        ple.tok.embed(pass, toks, pl)?;
         ew::scale_inplace(pass, n, cols, pl, (epl as f32).sqrt())?;
         linear(pass, &ple.model_proj, &sc.x, &sc.pl_proj, n)?;
         let root = 1.0 / (hp.n_embd as f32).sqrt();
