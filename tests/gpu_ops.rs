@@ -1051,6 +1051,12 @@ impl PrologueRig {
         }
     }
 
+    /// Two caches of `cache_bytes` bytes of 0x5a (K and V).
+    fn caches(&self, gpu: &Gpu) -> (wgpu::Buffer, wgpu::Buffer) {
+        let up = |l| gpu.upload(&self.fill, l).unwrap();
+        (up("kc"), up("vc"))
+    }
+
     /// The fused prologue's arguments for token `token` of the lists over `buf`: q heads at
     /// `q_off + h · q_stride`, k and v heads packed from `k_off` / `v_off`; eps 1e-6.
     fn qkv<'a>(
@@ -1103,46 +1109,36 @@ fn qk_norm_rope_matches_unfused() {
             let kw: Vec<f32> = (0..hd).map(|_| rng.normal()).collect();
             let inv_freq = ops::rope_inv_freq(1e7, n_rot as usize);
             let rig = PrologueRig::new(&gpu, &qw, &kw, &inv_freq, (dtype, nkv, hd));
-            let PrologueRig {
-                table,
-                pos_b,
-                rows_b,
-                qwt,
-                kwt,
-                kv,
-                cache_bytes,
-                fill,
-            } = &rig;
-            let (kv, cache_bytes) = (*kv, *cache_bytes);
             // Token 1 of the lists: position 777, cache row 0.
             let fused = {
                 let xb = gpu.upload_f32(&x, "x").unwrap();
-                let kc = gpu.upload(fill, "k").unwrap();
-                let vc = gpu.upload(fill, "v").unwrap();
+                let (kc, vc) = rig.caches(&gpu);
                 let mut pass = gpu.pass();
                 rope::qk_norm_rope(
                     &mut pass,
                     &rig.qkv(&xb, (nh, q_off, 2 * hd), (k_off, v_off), 1, (&kc, &vc)),
-                    table,
+                    &rig.table,
                 )
                 .unwrap();
                 pass.submit().unwrap();
                 (
                     gpu.read_f32(&xb, 0, len).unwrap(),
-                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
-                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&kc, 0, rig.cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, rig.cache_bytes).unwrap(),
                 )
             };
             let unfused = {
                 let xb = gpu.upload_f32(&x, "x").unwrap();
-                let kc = gpu.upload(fill, "k").unwrap();
-                let vc = gpu.upload(fill, "v").unwrap();
+                let (kc, vc) = rig.caches(&gpu);
                 let mut pass = gpu.pass();
                 let q = Operand::strided(&xb, q_off, 2 * hd);
-                norm::rms_norm(&mut pass, nh, hd, q, None, Some(qwt), 1e-6).unwrap();
+                norm::rms_norm(&mut pass, nh, hd, q, None, Some(&rig.qwt), 1e-6).unwrap();
                 let k = Operand::new(&xb, k_off);
-                norm::rms_norm(&mut pass, nkv, hd, k, None, Some(kwt), 1e-6).unwrap();
-                let at = Positions::Buffer { buf: pos_b, off: 1 };
+                norm::rms_norm(&mut pass, nkv, hd, k, None, Some(&rig.kwt), 1e-6).unwrap();
+                let at = Positions::Buffer {
+                    buf: &rig.pos_b,
+                    off: 1,
+                };
                 let qv = RopeView {
                     buf: &xb,
                     off: q_off,
@@ -1153,20 +1149,20 @@ fn qk_norm_rope_matches_unfused() {
                     head_stride: 2 * hd,
                 };
                 let style = rope::RopeStyle::Neox;
-                rope::rope(&mut pass, &qv, style, 0, table, at, false).unwrap();
+                rope::rope(&mut pass, &qv, style, 0, &rig.table, at, false).unwrap();
                 let kv_view = RopeView::packed(&xb, k_off, 1, nkv, hd);
-                rope::rope(&mut pass, &kv_view, style, 0, table, at, false).unwrap();
+                rope::rope(&mut pass, &kv_view, style, 0, &rig.table, at, false).unwrap();
                 let dst = DstRows::List {
-                    rows: rows_b,
+                    rows: &rig.rows_b,
                     off: 1,
                 };
-                ga::write_kv(&mut pass, kv, &xb, k_off, nkv * hd, 1, &kc, dst).unwrap();
-                ga::write_kv(&mut pass, kv, &xb, v_off, nkv * hd, 1, &vc, dst).unwrap();
+                ga::write_kv(&mut pass, rig.kv, &xb, k_off, nkv * hd, 1, &kc, dst).unwrap();
+                ga::write_kv(&mut pass, rig.kv, &xb, v_off, nkv * hd, 1, &vc, dst).unwrap();
                 pass.submit().unwrap();
                 (
                     gpu.read_f32(&xb, 0, len).unwrap(),
-                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
-                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&kc, 0, rig.cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, rig.cache_bytes).unwrap(),
                 )
             };
             let what = format!("qk_norm_rope {nh}x{nkv}x{hd} rot {n_rot} {dtype:?}");
@@ -1240,17 +1236,6 @@ fn qk_norm_rope_kv_matches_unfused() {
             let mut inv_freq = ops::rope_inv_freq(1e6, h);
             inv_freq.iter_mut().skip(pairs).for_each(|f| *f = 0.0);
             let rig = PrologueRig::new(&gpu, &qw, &kw, &inv_freq, (dtype, nkv, hd));
-            let PrologueRig {
-                table,
-                pos_b,
-                rows_b,
-                qwt,
-                kwt,
-                kv,
-                cache_bytes,
-                fill,
-            } = &rig;
-            let (kv, cache_bytes) = (*kv, *cache_bytes);
             // Token 2 of the lists: position 12345, cache row 5.
             let fused = {
                 let (qb, kb) = (
@@ -1258,8 +1243,7 @@ fn qk_norm_rope_kv_matches_unfused() {
                     gpu.upload_f32(&k, "k").unwrap(),
                 );
                 let vb = gpu.upload_f32(&v, "v").unwrap();
-                let kc = gpu.upload(fill, "kc").unwrap();
-                let vc = gpu.upload(fill, "vc").unwrap();
+                let (kc, vc) = rig.caches(&gpu);
                 let mut pass = gpu.pass();
                 rope::qk_norm_rope_kv(
                     &mut pass,
@@ -1269,15 +1253,15 @@ fn qk_norm_rope_kv_matches_unfused() {
                         v: if v_is_k { &kb } else { &vb },
                         v_norm: true,
                     },
-                    table,
+                    &rig.table,
                 )
                 .unwrap();
                 pass.submit().unwrap();
                 (
                     gpu.read_f32(&qb, 0, q.len()).unwrap(),
                     gpu.read_f32(&kb, 0, k.len()).unwrap(),
-                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
-                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&kc, 0, rig.cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, rig.cache_bytes).unwrap(),
                 )
             };
             let unfused = {
@@ -1286,8 +1270,7 @@ fn qk_norm_rope_kv_matches_unfused() {
                     gpu.upload_f32(&k, "k").unwrap(),
                 );
                 let vb = gpu.upload_f32(if v_is_k { &k } else { &v }, "v").unwrap();
-                let kc = gpu.upload(fill, "kc").unwrap();
-                let vc = gpu.upload(fill, "vc").unwrap();
+                let (kc, vc) = rig.caches(&gpu);
                 let mut pass = gpu.pass();
                 let p = &mut pass;
                 let (qo, ko, vo) = (
@@ -1295,26 +1278,29 @@ fn qk_norm_rope_kv_matches_unfused() {
                     Operand::new(&kb, off),
                     Operand::new(&vb, off),
                 );
-                norm::rms_norm(p, nh, hd, qo, None, Some(qwt), 1e-6).unwrap();
-                norm::rms_norm(p, nkv, hd, ko, None, Some(kwt), 1e-6).unwrap();
+                norm::rms_norm(p, nh, hd, qo, None, Some(&rig.qwt), 1e-6).unwrap();
+                norm::rms_norm(p, nkv, hd, ko, None, Some(&rig.kwt), 1e-6).unwrap();
                 norm::rms_norm(p, nkv, hd, vo, None, None, 1e-6).unwrap();
-                let at = Positions::Buffer { buf: pos_b, off: 2 };
-                let style = rope::RopeStyle::Neox;
-                let qv = RopeView::packed(&qb, off, 1, nh, hd);
-                rope::rope(p, &qv, style, 0, table, at, false).unwrap();
-                let kv_view = RopeView::packed(&kb, off, 1, nkv, hd);
-                rope::rope(p, &kv_view, style, 0, table, at, false).unwrap();
-                let dst = DstRows::List {
-                    rows: rows_b,
+                let at = Positions::Buffer {
+                    buf: &rig.pos_b,
                     off: 2,
                 };
-                ga::write_kv(p, kv, &kb, off, nkv * hd, 1, &kc, dst).unwrap();
-                ga::write_kv(p, kv, &vb, off, nkv * hd, 1, &vc, dst).unwrap();
+                let style = rope::RopeStyle::Neox;
+                let qv = RopeView::packed(&qb, off, 1, nh, hd);
+                rope::rope(p, &qv, style, 0, &rig.table, at, false).unwrap();
+                let kv_view = RopeView::packed(&kb, off, 1, nkv, hd);
+                rope::rope(p, &kv_view, style, 0, &rig.table, at, false).unwrap();
+                let dst = DstRows::List {
+                    rows: &rig.rows_b,
+                    off: 2,
+                };
+                ga::write_kv(p, rig.kv, &kb, off, nkv * hd, 1, &kc, dst).unwrap();
+                ga::write_kv(p, rig.kv, &vb, off, nkv * hd, 1, &vc, dst).unwrap();
                 pass.submit().unwrap();
                 (
                     gpu.read_f32(&qb, 0, q.len()).unwrap(),
-                    gpu.read_bytes(&kc, 0, cache_bytes).unwrap(),
-                    gpu.read_bytes(&vc, 0, cache_bytes).unwrap(),
+                    gpu.read_bytes(&kc, 0, rig.cache_bytes).unwrap(),
+                    gpu.read_bytes(&vc, 0, rig.cache_bytes).unwrap(),
                 )
             };
             let what = format!(

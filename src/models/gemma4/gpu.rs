@@ -112,10 +112,15 @@ struct HostTable {
 }
 
 impl HostTable {
-    fn new(gpu: &Gpu, file: &ModelFile, name: &str, rows: usize) -> Result<HostTable> {
-        let t = file.require(name)?;
+    /// `t`, a tensor of `file`, read for passes of up to `rows` tokens.
+    fn new(
+        gpu: &Gpu,
+        file: &ModelFile,
+        t: &crate::tensor::TensorRef<'_>,
+        rows: usize,
+    ) -> Result<HostTable> {
         let row_bytes = t.row_bytes();
-        let staging = gpu.buffer((rows * row_bytes).next_multiple_of(4) as u64, name)?;
+        let staging = gpu.buffer((rows * row_bytes).next_multiple_of(4) as u64, t.name)?;
         let iota: Vec<u32> = (0..rows as u32).collect();
         Ok(HostTable {
             n_rows: t.n_rows(),
@@ -131,7 +136,7 @@ impl HostTable {
             },
             iota: gpu.upload(bytemuck::cast_slice(&iota), "gemma4.ple.iota")?,
             file: ModelFile::open(file.path())?,
-            name: name.to_string(),
+            name: t.name.to_string(),
             row_bytes,
         })
     }
@@ -595,12 +600,11 @@ impl GpuModel {
             0 => None,
             epl => {
                 let cols = hp.n_layer as u64 * epl;
-                let name = W::PerLayerTokEmbd.name(file);
                 let t = shaped(W::PerLayerTokEmbd, &[v, cols])?;
                 // counted as loaded: the pages are read per pass
                 done.set(done.get() + t.data.len() as u64);
                 Some(Ple {
-                    tok: HostTable::new(&gpu, file, &name, pass_rows)?,
+                    tok: HostTable::new(&gpu, file, &t, pass_rows)?,
                     model_proj: up(W::PerLayerModelProj, &[cols, e])?,
                     proj_norm: up(W::PerLayerProjNorm, &[epl])?,
                 })
